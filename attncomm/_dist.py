@@ -1,0 +1,127 @@
+"""Small helpers over torch.distributed shared by every exchange.
+
+- version shims for collectives renamed between torch 2.11 and 2.13,
+- ``agree``: the cross-rank argument check that raises the same ``ValueError`` on every rank,
+- ``guard_timeout``: turns a process group's timeout into ``PeerTimeoutError``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .errors import PeerTimeoutError
+
+__all__ = ["all_gather_tensor", "reduce_scatter_tensor", "group_rank", "group_size",
+           "group_device", "agree", "guard_timeout", "DTYPE_CODES"]
+
+DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
+               torch.int64: 5, torch.int32: 6, torch.int16: 7, torch.int8: 8, torch.uint8: 9,
+               torch.bool: 10}
+_SIG_LEN = 32
+
+
+def all_gather_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """``output [W·n, ...]`` ← every rank's ``input [n, ...]`` in rank order."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, input, group=group)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """``output [n, ...]`` ← rank r's chunk of the sum over ranks of ``input [W·n, ...]``."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(output, input, group=group)
+
+
+def group_rank(group=None) -> int:
+    return dist.get_rank(group)
+
+
+def group_size(group=None) -> int:
+    return dist.get_world_size(group)
+
+
+def group_device(group=None) -> torch.device:
+    """The device a collective on ``group`` takes: CUDA for NCCL groups, else CPU."""
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return ("timed out" in text or "timeout" in text or "deadline" in text
+            or isinstance(exc, (TimeoutError, dist.DistBackendError)) and "time" in text)
+
+
+@contextlib.contextmanager
+def guard_timeout(group, op: str, timeout_s: float | None = None):
+    """Re-raise a process group's collective timeout as ``PeerTimeoutError``.
+
+    A gloo/NCCL timeout does not say which peer is missing; the error names every other rank of
+    the group (exact at W=2).
+    """
+    try:
+        yield
+    except PeerTimeoutError:
+        raise
+    except RuntimeError as exc:
+        if not _is_timeout(exc):
+            raise
+        me = dist.get_rank(group)
+        peers = [r for r in range(dist.get_world_size(group)) if r != me]
+        raise PeerTimeoutError(
+            f"{op}: no answer from peer rank(s) {peers} within the timeout"
+            + (f" of {timeout_s:g} s" if timeout_s else "") + f" ({exc})",
+            peer_ranks=peers, timeout_s=timeout_s, op=op) from exc
+
+
+def agree(group, op: str, signature: Sequence[int], labels: Sequence[str],
+          local_error: str | None = None, timeout_s: float | None = None) -> None:
+    """Check that every rank called ``op`` with the same arguments, and share local errors.
+
+    Arguments:
+        group: the process group (its own device is used for the exchange).
+        op: the operation's name, for messages.
+        signature: up to 31 ints that must be equal on every rank (shapes, dtype codes, flags).
+        labels: one name per signature entry, for messages.
+        local_error: this rank's local validation error, or None.
+
+    Raises:
+        ValueError on every rank when any rank has a local error (naming each such rank and its
+        message) or the signatures differ (naming the differing fields and ranks).
+    """
+    if len(signature) >= _SIG_LEN:
+        raise ValueError(f"signature too long ({len(signature)} ≥ {_SIG_LEN})")
+    world = dist.get_world_size(group)
+    device = group_device(group)
+    row = torch.zeros(_SIG_LEN, dtype=torch.int64)
+    row[0] = 1 if local_error else 0
+    row[1] = len(signature)
+    row[2:2 + len(signature)] = torch.tensor(list(signature), dtype=torch.int64)
+    rows = torch.empty(world * _SIG_LEN, dtype=torch.int64, device=device)
+    with guard_timeout(group, op + " (argument check)", timeout_s):
+        all_gather_tensor(rows, row.to(device), group=group)
+    rows = rows.view(world, _SIG_LEN).cpu()
+    if bool(rows[:, 0].any()):
+        errors: list = [None] * world
+        with guard_timeout(group, op + " (argument check)", timeout_s):
+            dist.all_gather_object(errors, local_error, group=group)
+        parts = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+        raise ValueError(f"{op}: invalid arguments — " + "; ".join(parts))
+    if not bool((rows == rows[0]).all()):
+        n = int(rows[:, 1].max())
+        diffs = []
+        for i in range(n):
+            col = rows[:, 2 + i]
+            if not bool((col == col[0]).all()):
+                label = labels[i] if i < len(labels) else f"arg{i}"
+                diffs.append(f"{label} = " + ", ".join(
+                    f"{int(v)} (rank {r})" for r, v in enumerate(col.tolist())))
+        if not diffs:
+            diffs.append("argument count differs: " + ", ".join(
+                f"{int(v)} (rank {r})" for r, v in enumerate(rows[:, 1].tolist())))
+        raise ValueError(f"{op}: ranks disagree on the call's arguments: " + "; ".join(diffs))

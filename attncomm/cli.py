@@ -1,0 +1,54 @@
+"""The ``attncomm`` command: ``demo``, ``bench dcp|ulysses|dp-sync``, ``env``.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``main(args) ->
+int``; this file only wires them up (imports are lazy so ``attncomm --help`` is fast).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+_BENCHES = {"dcp": "attncomm.dcp.bench", "ulysses": "attncomm.ulysses.bench",
+            "dp-sync": "attncomm.dp_attention.bench"}
+
+
+def _module(name: str):
+    return importlib.import_module(name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attncomm",
+        description="Communication around parallel attention: DCP merge, Ulysses all-to-all, "
+                    "DP-attention sync.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="run a real model's attention in parallel and check it "
+                                       "against one process (the main job)")
+    _module("attncomm.demo").add_arguments(demo)
+    demo.set_defaults(_main="attncomm.demo")
+    bench = sub.add_parser("bench", help="benchmark an exchange (tables, JSON, plots)")
+    bench_sub = bench.add_subparsers(dest="exchange", required=True)
+    for name, mod in _BENCHES.items():
+        p = bench_sub.add_parser(name, help=f"benchmark {name}")
+        try:
+            _module(mod).add_arguments(p)
+        except ImportError as exc:  # pragma: no cover - a bench that is not built yet
+            p.set_defaults(_missing=str(exc))
+        p.set_defaults(_main=mod)
+    env = sub.add_parser("env", help="what can run here, and why not")
+    _module("attncomm.envinfo").add_arguments(env)
+    env.set_defaults(_main="attncomm.envinfo")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "_missing", None):
+        print(f"attncomm: this command is not available: {args._missing}", file=sys.stderr)
+        return 2
+    return int(_module(args._main).main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

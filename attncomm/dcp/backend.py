@@ -1,0 +1,47 @@
+"""The one small interface every DCP merge backend implements."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+__all__ = ["DcpBackend"]
+
+
+class DcpBackend(ABC):
+    """A preallocated merge of ``out [T, H, D]`` / ``lse [T, H]`` over a group.
+
+    Constructed collectively (every rank of ``group``, same arguments). ``__call__`` takes this
+    rank's partial output (dtype ``dtype``, contiguous, ``T ≤ max_tokens``) and its LSE (fp32,
+    base e, contiguous) and returns this rank's head slice: ``([T, H/W, D]`` in ``dtype``,
+    ``[T, H/W]`` fp32 base-e LSE)``. Inputs are never modified. Backends that allocate per call
+    may return fresh tensors; preallocated backends may return views of internal buffers that are
+    valid until the next call (the caller copies when needed).
+    """
+
+    name: str = "?"
+    #: Whether the backend's work may be captured in a CUDA graph.
+    graph_capturable: bool = True
+
+    def __init__(self, group, *, max_tokens: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, timeout_s: float):
+        self.group = group
+        self.max_tokens = max_tokens
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def local_unavailable_reason(cls, group, device: torch.device) -> str | None:
+        """Why this backend cannot run on this rank (None if it can). Local facts only: the
+        caller agrees across ranks."""
+        return None
+
+    @abstractmethod
+    def __call__(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+    def check(self) -> None:
+        """Raise any timeout recorded on the device since the last check (default: none)."""

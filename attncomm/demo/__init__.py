@@ -1,0 +1,2 @@
+def add_arguments(p): pass
+def main(args): return 0

@@ -1,0 +1,58 @@
+"""Shared fixtures: one pool of gloo CPU ranks per world size for the whole test session.
+
+Spawning ranks costs seconds, so each world size is started once and many cases run inside it.
+A test function that runs on the ranks must be module-level (picklable) and take
+``(rank, world_size, *args)``.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("ATTNCOMM_TIMEOUT_S", "60")
+
+from attncomm.launch import RankPool  # noqa: E402
+
+
+class _Pools:
+    def __init__(self):
+        self._pools: dict[int, RankPool] = {}
+
+    def get(self, world_size: int) -> RankPool:
+        pool = self._pools.get(world_size)
+        if pool is None or not pool.alive:
+            pool = RankPool(world_size, device="cpu")
+            self._pools[world_size] = pool
+        return pool
+
+    def run(self, world_size: int, fn, *args, timeout_s: float = 300, **kwargs) -> list:
+        """Run ``fn(rank, world_size, *args)`` on a (reused) pool of ``world_size`` gloo ranks."""
+        return self.get(world_size).run(fn, *args, timeout_s=timeout_s, **kwargs)
+
+    def close(self):
+        for pool in self._pools.values():
+            pool.close(force=not pool.alive)
+        self._pools.clear()
+
+
+@pytest.fixture(scope="session")
+def pools():
+    p = _Pools()
+    yield p
+    p.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    # GPU tests run through scripts/gpu_check.sh on the device machine, not in CI.
+    try:
+        import torch
+        has_gpu = torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        has_gpu = False
+    if has_gpu:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA GPUs (run scripts/gpu_check.sh on the device)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
