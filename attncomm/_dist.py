@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .errors import PeerTimeoutError
 
 __all__ = ["all_gather_tensor", "reduce_scatter_tensor", "group_rank", "group_size",
-           "group_device", "agree", "guard_timeout", "DTYPE_CODES"]
+           "group_device", "agree", "guard_timeout", "wait", "as_bits", "agree_reason", "DTYPE_CODES"]
 
 DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
                torch.int64: 5, torch.int32: 6, torch.int16: 7, torch.int8: 8, torch.uint8: 9,
@@ -125,3 +125,45 @@ def agree(group, op: str, signature: Sequence[int], labels: Sequence[str],
             diffs.append("argument count differs: " + ", ".join(
                 f"{int(v)} (rank {r})" for r, v in enumerate(rows[:, 1].tolist())))
         raise ValueError(f"{op}: ranks disagree on the call's arguments: " + "; ".join(diffs))
+
+
+def wait(work, group, op: str, timeout_s: float | None) -> None:
+    """Wait for an async collective's ``work``, bounded by ``timeout_s`` on CPU (gloo) groups.
+
+    NCCL work is waited for on the stream (graph-capturable); its bound is the group's timeout.
+    """
+    with guard_timeout(group, op, timeout_s):
+        if timeout_s is not None and dist.get_backend(group) == "gloo":
+            import datetime
+            work.wait(datetime.timedelta(seconds=timeout_s))
+        else:
+            work.wait()
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as bytes (last dim × element size): every process-group backend moves uint8
+    (gloo has no int16 and no bf16 for some collectives). ``t`` needs a unit last stride."""
+    return t.view(torch.uint8)
+
+
+def agree_reason(group, local_reason: str | None, what: str = "") -> str | None:
+    """Agree across ranks whether something can run: every rank gets None if no rank has a
+    reason against it, else the same message naming each rank's reason.
+
+    Uses an all_reduce(MIN) of an ok-flag over the gloo twin of ``group`` (no device work, safe
+    before any allocation), plus an object all_gather only when some rank said no.
+    """
+    from .launch import cpu_group
+
+    g = cpu_group(group)
+    if dist.get_world_size(g) == 1:
+        return f"rank 0: {local_reason}" if local_reason else None
+    flag = torch.tensor([0 if local_reason else 1], dtype=torch.int64)
+    with guard_timeout(g, f"agree {what}".strip()):
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=g)
+    if int(flag.item()) == 1:
+        return None
+    reasons: list = [None] * dist.get_world_size(g)
+    with guard_timeout(g, f"agree {what}".strip()):
+        dist.all_gather_object(reasons, local_reason, group=g)
+    return "; ".join(f"rank {r}: {x}" for r, x in enumerate(reasons) if x)

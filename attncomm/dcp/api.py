@@ -1,0 +1,375 @@
+"""The public DCP merge: ``merge_states``, ``merge``, ``DcpMerger``, ``shard_kv_interleaved``.
+
+Decode context parallelism (DCP) shards the KV cache along the sequence (position p on rank
+p % W, as in SGLang's and vLLM's DCP); every rank attends all heads of the query over its shard,
+and the partial outputs are merged by their log-sum-exp, each rank keeping its head slice for the
+head-sharded o_proj.
+"""
+from __future__ import annotations
+
+import collections
+import importlib
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+
+from .. import config
+from .._dist import DTYPE_CODES, agree, agree_reason, group_device
+from .backend import DcpBackend
+from .collective import A2ABackend, AgRsBackend, ReferenceBackend
+from .combine import combine
+
+__all__ = ["merge_states", "merge", "DcpMerger", "shard_kv_interleaved", "available_backends",
+           "BACKENDS"]
+
+log = logging.getLogger("attncomm.dcp")
+
+BACKENDS = ("reference", "ag_rs", "a2a", "symm_a2a", "auto")
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LN2 = math.log(2.0)
+_CACHE_SIZE = 8
+
+
+def _backend_class(name: str) -> type[DcpBackend]:
+    if name == "reference":
+        return ReferenceBackend
+    if name == "ag_rs":
+        return AgRsBackend
+    if name == "a2a":
+        return A2ABackend
+    if name == "symm_a2a":
+        return importlib.import_module("attncomm.dcp.symm_a2a").SymmA2ABackend
+    raise ValueError(f"unknown DCP backend {name!r}; expected one of {list(BACKENDS)}")
+
+
+def available_backends(device: str | torch.device) -> list[str]:
+    """Backend names that apply to ``device`` ("cpu": reference, ag_rs, a2a; "cuda": + symm_a2a).
+
+    Whether symm_a2a can actually run on a given group is decided at ``DcpMerger`` construction.
+    """
+    names = ["reference", "ag_rs", "a2a"]
+    if torch.device(device).type == "cuda":
+        names.append("symm_a2a")
+    return names
+
+
+def shard_kv_interleaved(seq_len: int, world_size: int, rank: int) -> torch.Tensor:
+    """The token positions this rank holds when position p lives on rank p % W.
+
+    Returns a ``[ceil((seq_len − rank) / W)]`` int64 tensor (empty when ``rank ≥ seq_len``).
+    Raises ``ValueError`` for ``seq_len < 0``, ``world_size < 1`` or ``rank ∉ [0, W)``.
+    """
+    if seq_len < 0 or world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"shard_kv_interleaved: need seq_len ≥ 0, world_size ≥ 1, "
+                         f"0 ≤ rank < world_size; got seq_len={seq_len}, "
+                         f"world_size={world_size}, rank={rank}")
+    return torch.arange(rank, seq_len, world_size, dtype=torch.int64)
+
+
+def _lse_to_e(lse: torch.Tensor, lse_base: str) -> torch.Tensor:
+    lse = lse.float()
+    if lse_base == "2":
+        lse = lse * _LN2  # a new tensor: the input is never modified
+    return lse.contiguous()
+
+
+def _lse_from_e(lse: torch.Tensor, lse_base: str) -> torch.Tensor:
+    return lse / _LN2 if lse_base == "2" else lse
+
+
+def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, lse_base: str = "e",
+                 return_lse: bool = False):
+    """Merge ``N`` partial attention results of the same queries over disjoint key sets.
+
+    Arguments:
+        outs: ``[N, T, H, D]`` fp16/bf16/fp32 partial outputs.
+        lses: ``[N, T, H]`` their log-sum-exps (any float dtype), base ``lse_base``.
+        lse_base: ``"e"`` or ``"2"``.
+        return_lse: also return the merged LSE.
+
+    Returns:
+        ``[T, H, D]`` in ``outs.dtype`` (and ``[T, H]`` fp32 LSE in ``lse_base``). Rows whose LSE
+        is −inf or NaN contribute nothing, whatever their output holds; a row empty on every
+        source gives exactly 0 and LSE −inf. fp32 accumulation, one rounding.
+
+    Raises:
+        ValueError: shapes that do not match, an unsupported dtype or base.
+    """
+    err = None
+    if lse_base not in ("e", "2"):
+        err = f"lse_base must be 'e' or '2', got {lse_base!r}"
+    elif outs.dim() != 4 or lses.dim() != 3 or tuple(lses.shape) != tuple(outs.shape[:3]):
+        err = (f"expected outs [N, T, H, D] and lses [N, T, H]; got outs {tuple(outs.shape)}, "
+               f"lses {tuple(lses.shape)}")
+    elif outs.dtype not in _OUT_DTYPES:
+        err = f"outs dtype must be fp16/bf16/fp32, got {outs.dtype}"
+    elif not lses.is_floating_point():
+        err = f"lses must be floating point, got {lses.dtype}"
+    if err:
+        raise ValueError(f"merge_states: {err}")
+    out, lse = combine(outs, _lse_to_e(lses, lse_base), outs.dtype)
+    return (out, _lse_from_e(lse, lse_base)) if return_lse else out
+
+
+def _check_local(out, lse, world_size: int, lse_base: str, backend: str) -> str | None:
+    """This rank's argument errors, or None (no communication)."""
+    if backend not in BACKENDS:
+        return f"backend={backend!r} is not one of {list(BACKENDS)}"
+    if lse_base not in ("e", "2"):
+        return f"lse_base must be 'e' or '2', got {lse_base!r}"
+    if not isinstance(out, torch.Tensor) or not isinstance(lse, torch.Tensor):
+        return "out and lse must be tensors"
+    if out.dim() != 3:
+        return f"out must be [T, H, D], got shape {tuple(out.shape)}"
+    if lse.dim() != 2 or tuple(lse.shape) != tuple(out.shape[:2]):
+        return f"lse must be [T, H] = {tuple(out.shape[:2])}, got shape {tuple(lse.shape)}"
+    if out.dtype not in _OUT_DTYPES:
+        return f"out dtype must be fp16/bf16/fp32, got {out.dtype}"
+    if lse.dtype not in _OUT_DTYPES:
+        return f"lse dtype must be fp32 (fp16/bf16 accepted), got {lse.dtype}"
+    if out.device != lse.device:
+        return f"out is on {out.device} but lse on {lse.device}"
+    H = out.shape[1]
+    if H == 0 or out.shape[2] == 0:
+        return f"num_heads and head_dim must be ≥ 1, got H={H}, D={out.shape[2]}"
+    if H % world_size != 0:
+        return f"num_heads H={H} is not divisible by world size W={world_size}"
+    return None
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, group=None, *, backend: str = "auto",
+          lse_base: str = "e", return_lse: bool = False, validate: bool | None = None,
+          timeout_s: float | None = None):
+    """Merge this rank's partial attention with every other rank's; keep this rank's head slice.
+
+    Arguments:
+        out: ``[T, H, D]`` fp16/bf16/fp32, this rank's partial attention over its KV shard.
+        lse: ``[T, H]`` fp32 (fp16/bf16 accepted), its log-sum-exp in base ``lse_base``; −inf for
+            an empty shard (its ``out`` rows are then never read).
+        group: process group of W ranks (None: the default group).
+        backend: "reference", "ag_rs", "a2a", "symm_a2a" or "auto" (env
+            ``ATTNCOMM_DCP_BACKEND`` overrides "auto").
+        lse_base: "e" or "2".
+        return_lse: also return the merged LSE.
+        validate: check on every rank that all ranks passed the same shapes/arguments (None →
+            env ``ATTNCOMM_VALIDATE``, default on). One small all_gather.
+        timeout_s: wait budget (None → ``ATTNCOMM_TIMEOUT_S``, 60 s).
+
+    Returns:
+        ``[T, H/W, D]`` in ``out.dtype``: heads ``[r·H/W, (r+1)·H/W)`` merged over all ranks (and
+        ``[T, H/W]`` fp32 LSE in ``lse_base``). Inputs are never modified. ``T == 0`` works.
+
+    Raises:
+        ValueError: bad arguments (``H % W != 0``, shapes, dtypes, unknown backend, a named
+            backend that cannot run here), on every rank alike when validation is on.
+        PeerTimeoutError: a peer did not answer within ``timeout_s``.
+    """
+    W = dist.get_world_size(group)
+    budget = config.timeout_s(timeout_s)
+    local_error = _check_local(out, lse, W, lse_base, backend)
+    if config.validate_enabled(validate):
+        sig, labels = _signature(out, lse, backend, lse_base, return_lse)
+        agree(group, "dcp.merge", sig, labels, local_error, budget)
+    elif local_error:
+        raise ValueError(f"dcp.merge: {local_error}")
+    T, H, D = out.shape
+    if T == 0:
+        return _empty(out, H // W, return_lse)
+    merger = _cached_merger(group, T, H, D, out.dtype, backend, lse_base, budget)
+    o, l = merger(out, lse, return_lse=True)
+    if merger.returns_views:
+        o, l = o.clone(), l.clone()
+    return (o, l) if return_lse else o
+
+
+def _signature(out, lse, backend, lse_base, return_lse):
+    shape = list(out.shape) if out.dim() == 3 else [-1, -1, -1]
+    sig = shape + [DTYPE_CODES.get(out.dtype, 0), DTYPE_CODES.get(lse.dtype, 0),
+                   BACKENDS.index(backend) if backend in BACKENDS else -1,
+                   1 if lse_base == "2" else 0, int(bool(return_lse))]
+    labels = ["T (tokens)", "H (heads)", "D (head_dim)", "out dtype", "lse dtype", "backend",
+              "lse_base", "return_lse"]
+    return sig, labels
+
+
+def _empty(out, hs, return_lse):
+    o = torch.empty((0, hs, out.shape[2]), dtype=out.dtype, device=out.device)
+    lse = torch.empty((0, hs), dtype=torch.float32, device=out.device)
+    return (o, lse) if return_lse else o
+
+
+_MERGERS: "collections.OrderedDict[tuple, DcpMerger]" = collections.OrderedDict()
+
+
+def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget) -> "DcpMerger":
+    # One merger per (group, shape, backend) and power-of-two token bucket. The cache is
+    # bounded; every rank makes the same calls, so every rank evicts the same entry.
+    bucket = max(16, 1 << (T - 1).bit_length())
+    key = (id(group) if group is not None else None, bucket, H, D, dtype, backend, lse_base,
+           budget)
+    merger = _MERGERS.get(key)
+    if merger is None:
+        merger = DcpMerger(group, max_tokens=bucket, num_heads=H, head_dim=D, dtype=dtype,
+                           backend=backend, lse_base=lse_base, timeout_s=budget)
+        _MERGERS[key] = merger
+        while len(_MERGERS) > _CACHE_SIZE:
+            _MERGERS.popitem(last=False)
+    else:
+        _MERGERS.move_to_end(key)
+    return merger
+
+
+class DcpMerger:
+    """A preallocated, CUDA-graph-capturable DCP merge for up to ``max_tokens`` tokens.
+
+    Arguments:
+        group: process group of W ranks (None: default group). Construction is collective.
+        max_tokens: largest T a call may pass (≥ 1).
+        num_heads: H, divisible by W. head_dim: D. dtype: fp16/bf16/fp32 of ``out``.
+        backend: "reference", "ag_rs", "a2a", "symm_a2a" or "auto" (decided here, eagerly, before
+            any capture; env ``ATTNCOMM_DCP_BACKEND`` overrides "auto").
+        lse_base: "e" or "2". timeout_s: wait budget (None → ``ATTNCOMM_TIMEOUT_S``).
+
+    ``merger(out [T, H, D], lse [T, H], return_lse=False)`` → ``[T, H/W, D]`` (+ ``[T, H/W]`` fp32
+    LSE). Per-call checks are local only (no collective), so calls can be captured. Outputs of a
+    backend with ``returns_views`` alias internal buffers until the next call.
+
+    Attributes:
+        backend: the backend used for ``max_tokens``; ``backend_for(T)`` for a token count.
+        fallback_reason: why "auto" did not take ``symm_a2a`` (None if it did or was not asked).
+
+    Raises:
+        ValueError (every rank): bad arguments, or a named backend that cannot run here.
+    """
+
+    def __init__(self, group=None, *, max_tokens: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype, backend: str = "auto", lse_base: str = "e",
+                 timeout_s: float | None = None):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.timeout_s = config.timeout_s(timeout_s)
+        err = self._check_args(max_tokens, num_heads, head_dim, dtype, backend, lse_base,
+                               self.world_size)
+        sig = [int(max_tokens) if isinstance(max_tokens, int) else -1,
+               int(num_heads) if isinstance(num_heads, int) else -1,
+               int(head_dim) if isinstance(head_dim, int) else -1,
+               DTYPE_CODES.get(dtype, 0), BACKENDS.index(backend) if backend in BACKENDS else -1,
+               1 if lse_base == "2" else 0]
+        agree(group, "DcpMerger", sig, ["max_tokens", "num_heads", "head_dim", "dtype",
+                                        "backend", "lse_base"], err, self.timeout_s)
+        self.max_tokens, self.num_heads, self.head_dim = max_tokens, num_heads, head_dim
+        self.dtype, self.lse_base = dtype, lse_base
+        self.device = group_device(group)
+        self.requested_backend = backend
+        self.fallback_reason: str | None = None
+        name = config.env_backend("ATTNCOMM_DCP_BACKEND", backend, BACKENDS[:-1])
+        if name == "auto":
+            name = self._choose_auto()
+        else:
+            self._require(name)
+        self._impl = self._build(name)
+        self.backend = self._impl.name
+        self.returns_views = bool(getattr(self._impl, "returns_views", False))
+
+    @staticmethod
+    def _check_args(max_tokens, num_heads, head_dim, dtype, backend, lse_base, world_size):
+        if backend not in BACKENDS:
+            return f"backend={backend!r} is not one of {list(BACKENDS)}"
+        if lse_base not in ("e", "2"):
+            return f"lse_base must be 'e' or '2', got {lse_base!r}"
+        for label, v in (("max_tokens", max_tokens), ("num_heads", num_heads),
+                         ("head_dim", head_dim)):
+            if not isinstance(v, int) or v < 1:
+                return f"{label} must be an int ≥ 1, got {v!r}"
+        if dtype not in _OUT_DTYPES:
+            return f"dtype must be fp16/bf16/fp32, got {dtype}"
+        if num_heads % world_size:
+            return f"num_heads={num_heads} is not divisible by world size W={world_size}"
+        return None
+
+    def _kwargs(self):
+        return dict(max_tokens=self.max_tokens, num_heads=self.num_heads,
+                    head_dim=self.head_dim, dtype=self.dtype, device=self.device,
+                    timeout_s=self.timeout_s)
+
+    def _local_reason(self, name: str) -> str | None:
+        try:
+            cls = _backend_class(name)
+        except ImportError as exc:
+            return f"{name} is not available: {exc}"
+        return cls.local_unavailable_reason(self.group, self.device)
+
+    def _require(self, name: str) -> None:
+        reason = agree_reason(self.group, self._local_reason(name), f"dcp backend {name}")
+        if reason:
+            raise ValueError(f"DcpMerger: backend {name!r} cannot run here: {reason}")
+
+    def _choose_auto(self) -> str:
+        reasons = {}
+        for name in ("symm_a2a", "ag_rs", "a2a"):
+            if name == "symm_a2a" and self.device.type != "cuda":
+                reasons[name] = "tensors are not on CUDA (gloo/CPU group)"
+                continue
+            reasons[name] = agree_reason(self.group, self._local_reason(name), name)
+        candidates = [n for n, r in reasons.items() if r is None]
+        self.fallback_reason = reasons["symm_a2a"]
+        try:
+            auto = importlib.import_module("attncomm.dcp.auto")
+        except ImportError:
+            auto = None
+        if auto is not None and hasattr(auto, "choose_backend"):
+            name, why = auto.choose_backend(self.group, candidates, **self._kwargs())
+            if name != "symm_a2a" and why:
+                self.fallback_reason = why
+        else:
+            name = candidates[0]
+        if self.fallback_reason and name != "symm_a2a":
+            log.info("DcpMerger: auto chose %s; symm_a2a not taken: %s", name,
+                     self.fallback_reason)
+        return name
+
+    def _build(self, name: str) -> DcpBackend:
+        cls = _backend_class(name)
+        if name in ("reference", "ag_rs", "a2a"):
+            return cls(self.group, **self._kwargs())
+        # Allocation and rendezvous may fail on some rank: agree, and fall back together.
+        impl, err = None, None
+        try:
+            impl = cls(self.group, **self._kwargs())
+        except Exception as exc:  # noqa: BLE001 - agreed below, re-raised or fallen back from
+            err = f"{type(exc).__name__}: {exc}"
+        reason = agree_reason(self.group, err, f"{name} setup")
+        if reason is None:
+            return impl
+        if self.requested_backend != "auto":
+            raise ValueError(f"DcpMerger: backend {name!r} failed to set up: {reason}")
+        self.fallback_reason = reason
+        log.warning("DcpMerger: %s setup failed (%s); using ag_rs", name, reason)
+        return AgRsBackend(self.group, **self._kwargs())
+
+    def backend_for(self, num_tokens: int) -> str:
+        """The backend a call with ``num_tokens`` tokens uses."""
+        fn = getattr(self._impl, "backend_for", None)
+        return fn(num_tokens) if fn is not None else self.backend
+
+    def check(self) -> None:
+        """Raise ``PeerTimeoutError`` for any timeout the device recorded since the last check."""
+        self._impl.check()
+
+    def __call__(self, out: torch.Tensor, lse: torch.Tensor, return_lse: bool = False):
+        err = _check_local(out, lse, self.world_size, self.lse_base, "auto")
+        if err is None:
+            T, H, D = out.shape
+            if T > self.max_tokens or H != self.num_heads or D != self.head_dim \
+                    or out.dtype != self.dtype:
+                err = (f"got out {tuple(out.shape)} {out.dtype}; this merger takes T ≤ "
+                       f"{self.max_tokens}, H={self.num_heads}, D={self.head_dim}, {self.dtype}")
+        if err:
+            raise ValueError(f"DcpMerger: {err}")
+        if out.shape[0] == 0:
+            return _empty(out, self.num_heads // self.world_size, return_lse)
+        o, l = self._impl(out.contiguous(), _lse_to_e(lse, self.lse_base))
+        return (o, _lse_from_e(l, self.lse_base)) if return_lse else o

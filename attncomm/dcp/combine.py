@@ -1,0 +1,220 @@
+"""The LSE combine math of the DCP merge: a Triton kernel for CUDA tensors, plain torch for CPU.
+
+For partial outputs ``O_n`` with log-sum-exps ``L_n`` (base e) of the same query row over disjoint
+key sets, the exact attention output over their union is ``Σ_n w_n O_n`` with
+``w_n = exp(L_n − m) / Σ_s exp(L_s − m)``, ``m = max_n L_n`` and merged LSE ``m + log Σ_s
+exp(L_s − m)`` (the online-softmax rescaling of Milakov & Gimelshein 2018, as used by
+FlashAttention's split-KV and by vLLM/SGLang's ``merge_attn_states``).
+
+Safety rules (both paths): a NaN LSE counts as −inf; ``m := 0`` when every LSE of the row is
+−inf; a source whose weight is 0 (−inf LSE, or underflow) is never read, so a NaN payload behind a
+−inf LSE cannot leak; the divide is guarded, so a row empty on every source gives exactly 0 and
+LSE −inf. Accumulation is fp32; the output is rounded once.
+
+The Triton kernels also run on CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests them);
+``ATTNCOMM_COMBINE_IMPL=triton|torch`` forces a path.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["combine", "combine_torch", "scale_own", "scale_own_torch", "use_triton"]
+
+try:  # Triton is optional on CPU machines
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001
+    triton = None
+    tl = None
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether the Triton path handles tensor ``t`` (CUDA, or forced for interpreter tests)."""
+    forced = os.environ.get("ATTNCOMM_COMBINE_IMPL", "").strip().lower()
+    if forced == "torch" or triton is None:
+        return False
+    if forced == "triton":
+        return True
+    return t.is_cuda
+
+
+# --------------------------------------------------------------------------------------------
+# torch path
+# --------------------------------------------------------------------------------------------
+
+def _weights_torch(lses: torch.Tensor):
+    """``lses [N, ...]`` fp32 → (unnormalised weights ``[N, ...]``, sum ``[...]``, max ``[...]``)."""
+    lses = lses.float()
+    lses = torch.where(torch.isnan(lses), torch.full_like(lses, float("-inf")), lses)
+    m = lses.amax(dim=0)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lses - m)  # exp(-inf) = 0
+    return w, w.sum(dim=0), m
+
+
+def _merged_lse(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return torch.where(s > 0, torch.log(torch.where(s > 0, s, torch.ones_like(s))) + m,
+                       torch.full_like(s, float("-inf")))
+
+
+def combine_torch(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype):
+    """``outs [N, T, H, D]``, ``lses [N, T, H]`` (base e) → (``[T, H, D]`` out_dtype, ``[T, H]``
+    fp32)."""
+    w, s, m = _weights_torch(lses)
+    acc = torch.zeros(outs.shape[1:], dtype=torch.float32, device=outs.device)
+    for n in range(outs.shape[0]):
+        wn = w[n].unsqueeze(-1)
+        acc += torch.where(wn > 0, outs[n].float() * wn, torch.zeros_like(acc))
+    s_safe = torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(-1)
+    return (acc / s_safe).to(out_dtype), _merged_lse(s, m)
+
+
+def scale_own_torch(out: torch.Tensor, lses: torch.Tensor, rank: int, dest: torch.Tensor):
+    """The ag_rs correction: ``dest [W, T, H/W, D]`` fp32 ← this rank's ``out [T, H, D]`` times
+    its normalised weight, laid out by destination head slice; returns the merged LSE ``[T, H]``."""
+    w, s, m = _weights_torch(lses)
+    s_safe = torch.where(s > 0, s, torch.ones_like(s))
+    wr = (w[rank] / s_safe).unsqueeze(-1)
+    scaled = torch.where(wr > 0, out.float() * wr, torch.zeros((), dtype=torch.float32,
+                                                               device=out.device))
+    W = dest.shape[0]
+    T, H, D = out.shape
+    dest.copy_(scaled.view(T, W, H // W, D).permute(1, 0, 2, 3))
+    return _merged_lse(s, m)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton path
+# --------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _row_stats(lse_ptr, stride_ln, row_off, N: tl.constexpr):
+        # max over sources (NaN → −inf), then the sum of exp(L − m); m := 0 if all are −inf.
+        m = float("-inf")
+        for n in range(N):
+            l = tl.load(lse_ptr + n * stride_ln + row_off)
+            l = tl.where(l == l, l, float("-inf"))
+            m = tl.maximum(m, l)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        s = 0.0
+        for n in range(N):
+            l = tl.load(lse_ptr + n * stride_ln + row_off)
+            l = tl.where(l == l, l, float("-inf"))
+            s += tl.exp(l - m)
+        return m, s
+
+    @triton.jit
+    def _combine_kernel(o_ptr, lse_ptr, out_ptr, lse_out_ptr, N: tl.constexpr, H, D,
+                        s_on, s_ot, s_oh, s_ln, s_lt, s_lh, s_dt, s_dh,
+                        BLOCK_D: tl.constexpr):
+        row = tl.program_id(0)  # one (token, head) row
+        t = row // H
+        h = row % H
+        offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        dmask = offs < D
+        m, s = _row_stats(lse_ptr, s_ln, t * s_lt + h * s_lh, N)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for n in range(N):
+            l = tl.load(lse_ptr + n * s_ln + t * s_lt + h * s_lh)
+            l = tl.where(l == l, l, float("-inf"))
+            w = tl.exp(l - m)
+            # A zero-weight source is never read: its payload may be garbage or NaN.
+            live = dmask & ((tl.zeros([BLOCK_D], dtype=tl.float32) + w) > 0)
+            o = tl.load(o_ptr + n * s_on + t * s_ot + h * s_oh + offs, mask=live, other=0.0)
+            acc += w * o.to(tl.float32)
+        s_safe = tl.where(s > 0, s, 1.0)
+        res = acc / s_safe
+        tl.store(out_ptr + t * s_dt + h * s_dh + offs, res.to(out_ptr.dtype.element_ty),
+                 mask=dmask)
+        if tl.program_id(1) == 0:
+            lse = tl.where(s > 0, tl.log(s_safe) + m, float("-inf"))
+            tl.store(lse_out_ptr + row, lse)
+
+    @triton.jit
+    def _scale_own_kernel(o_ptr, lse_ptr, dest_ptr, lse_out_ptr, rank, N: tl.constexpr, H, HS, D,
+                          s_ot, s_oh, s_ln, s_lt, s_lh, s_dw, s_dt, s_dh,
+                          BLOCK_D: tl.constexpr):
+        row = tl.program_id(0)
+        t = row // H
+        h = row % H
+        offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        dmask = offs < D
+        m, s = _row_stats(lse_ptr, s_ln, t * s_lt + h * s_lh, N)
+        l = tl.load(lse_ptr + rank * s_ln + t * s_lt + h * s_lh)
+        l = tl.where(l == l, l, float("-inf"))
+        s_safe = tl.where(s > 0, s, 1.0)
+        w = tl.exp(l - m) / s_safe
+        live = dmask & ((tl.zeros([BLOCK_D], dtype=tl.float32) + w) > 0)
+        o = tl.load(o_ptr + t * s_ot + h * s_oh + offs, mask=live, other=0.0)
+        dst = dest_ptr + (h // HS) * s_dw + t * s_dt + (h % HS) * s_dh + offs
+        tl.store(dst, w * o.to(tl.float32), mask=dmask)
+        if tl.program_id(1) == 0:
+            tl.store(lse_out_ptr + row, tl.where(s > 0, tl.log(s_safe) + m, float("-inf")))
+
+
+def _block_d(D: int) -> int:
+    return min(1024, triton.next_power_of_2(max(D, 16)))
+
+
+def combine(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype):
+    """Merge ``N`` partial results.
+
+    Arguments:
+        outs: ``[N, T, H, D]`` fp16/bf16/fp32, any strides with a unit stride on D.
+        lses: ``[N, T, H]`` fp32, base e, any strides.
+        out_dtype: dtype of the merged output.
+
+    Returns:
+        ``([T, H, D]`` in ``out_dtype``, ``[T, H]`` fp32 base-e LSE)``, both fresh and contiguous.
+    """
+    if not use_triton(outs):
+        return combine_torch(outs, lses, out_dtype)
+    N, T, H, D = outs.shape
+    out = torch.empty((T, H, D), dtype=out_dtype, device=outs.device)
+    lse_out = torch.empty((T, H), dtype=torch.float32, device=outs.device)
+    if T * H == 0:
+        return out, lse_out
+    if outs.stride(3) != 1:
+        outs = outs.contiguous()
+    bd = _block_d(D)
+    grid = (T * H, triton.cdiv(D, bd))
+    _combine_kernel[grid](outs, lses, out, lse_out, N, H, D,
+                          outs.stride(0), outs.stride(1), outs.stride(2),
+                          lses.stride(0), lses.stride(1), lses.stride(2),
+                          out.stride(0), out.stride(1), BLOCK_D=bd)
+    return out, lse_out
+
+
+def scale_own(out: torch.Tensor, lses: torch.Tensor, rank: int, dest: torch.Tensor):
+    """The ag_rs correction step.
+
+    Arguments:
+        out: this rank's partial output ``[T, H, D]`` (unit stride on D).
+        lses: every rank's LSE ``[W, T, H]`` fp32 base e.
+        rank: this rank's index in ``lses``.
+        dest: ``[W, T, H/W, D]`` fp32, written with this rank's output times its normalised
+            weight, grouped by destination head slice (ready for reduce_scatter).
+
+    Returns:
+        The merged LSE ``[T, H]`` fp32 base e, for all heads.
+    """
+    if not use_triton(out):
+        return scale_own_torch(out, lses, rank, dest)
+    T, H, D = out.shape
+    W = dest.shape[0]
+    lse_out = torch.empty((T, H), dtype=torch.float32, device=out.device)
+    if T * H == 0:
+        return lse_out
+    if out.stride(2) != 1:
+        out = out.contiguous()
+    bd = _block_d(D)
+    grid = (T * H, triton.cdiv(D, bd))
+    _scale_own_kernel[grid](out, lses, dest, lse_out, rank, W, H, H // W, D,
+                            out.stride(0), out.stride(1),
+                            lses.stride(0), lses.stride(1), lses.stride(2),
+                            dest.stride(0), dest.stride(1), dest.stride(2), BLOCK_D=bd)
+    return lse_out
