@@ -1,0 +1,193 @@
+"""Symmetric workspace: one torch SymmetricMemory slab per exchange object, its layout, the
+device epoch, the peer pointer table and the device error word.
+
+Slab layout (bytes, every region 128-byte aligned), for ``W`` source ranks and two parity slots::
+
+    O   [2, W, max_rows, head_dim]  payload dtype   received output rows
+    L   [2, W, max_rows]            fp32            received LSE values
+    F   [2, W, max_blocks]          int32           one flag per row block (holds the epoch)
+
+``slot`` = ``epoch & 1``; cell ``(slot, src)`` of rank r's slab is written only by rank ``src``.
+A "row" is one ``(token, head)`` pair of ``head_dim`` values, so a DCP merge of ``T`` tokens with
+``H/W`` heads per rank moves ``T·H/W`` rows to each peer. Flags are sized for one-row blocks (the
+finest blocking), so any block size works.
+
+The epoch and the error word are ordinary (local) device memory: ``state [4] int32`` holds
+``[epoch, done_counter, 0, 0]``; ``errors [W] int32`` is set to 1 at ``src`` when a wait for
+``src`` ran out of time. The kernels advance the epoch themselves (graph replays need no host
+step); the host only reads the error word (``check``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from .errors import PeerTimeoutError
+
+__all__ = ["SlabLayout", "SymmWorkspace", "ALIGN"]
+
+ALIGN = 128
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class SlabLayout:
+    """Byte offsets of every region of the slab.
+
+    Arguments:
+        world_size: number of source ranks ``W`` (≥ 1).
+        max_rows: rows per (slot, source) cell (a DCP merge: ``max_tokens · H / W``), ≥ 0.
+        head_dim: values per row, ≥ 1.
+        itemsize: bytes per payload value (2 for fp16/bf16, 4 for fp32).
+    """
+
+    world_size: int
+    max_rows: int
+    head_dim: int
+    itemsize: int
+
+    def __post_init__(self):
+        for name in ("world_size", "head_dim", "itemsize"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SlabLayout: {name} must be ≥ 1, got {getattr(self, name)}")
+        if self.max_rows < 0:
+            raise ValueError(f"SlabLayout: max_rows must be ≥ 0, got {self.max_rows}")
+
+    @property
+    def max_blocks(self) -> int:
+        """Flags per cell: one per row at the finest blocking (at least one)."""
+        return max(self.max_rows, 1)
+
+    @property
+    def cells(self) -> int:
+        return 2 * self.world_size
+
+    @property
+    def o_cell_bytes(self) -> int:
+        return _align(self.max_rows * self.head_dim * self.itemsize)
+
+    @property
+    def l_cell_bytes(self) -> int:
+        return _align(self.max_rows * 4)
+
+    @property
+    def f_cell_bytes(self) -> int:
+        return _align(self.max_blocks * 4)
+
+    def _cell(self, slot: int, src: int) -> int:
+        if slot not in (0, 1) or not 0 <= src < self.world_size:
+            raise ValueError(f"SlabLayout: no cell (slot={slot}, src={src}) with "
+                             f"world_size={self.world_size}")
+        return slot * self.world_size + src
+
+    def o_offset(self, slot: int, src: int) -> int:
+        """Byte offset of the output rows ``[max_rows, head_dim]`` from ``src`` in ``slot``."""
+        return self._cell(slot, src) * self.o_cell_bytes
+
+    def l_offset(self, slot: int, src: int) -> int:
+        """Byte offset of the fp32 LSE values ``[max_rows]`` from ``src`` in ``slot``."""
+        return self.cells * self.o_cell_bytes + self._cell(slot, src) * self.l_cell_bytes
+
+    def f_offset(self, slot: int, src: int) -> int:
+        """Byte offset of the int32 flags ``[max_blocks]`` from ``src`` in ``slot``."""
+        return (self.cells * (self.o_cell_bytes + self.l_cell_bytes)
+                + self._cell(slot, src) * self.f_cell_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.cells * (self.o_cell_bytes + self.l_cell_bytes + self.f_cell_bytes)
+
+    def kernel_strides(self) -> dict[str, int]:
+        """Strides in elements that kernels use: between cells, per region, plus region bases.
+
+        ``o`` is counted in payload elements, ``l`` in fp32, ``f`` in int32; every base is a
+        multiple of its element size because every region is 128-byte aligned."""
+        return {
+            "o_cell": self.o_cell_bytes // self.itemsize,
+            "l_base": self.cells * self.o_cell_bytes // 4,
+            "l_cell": self.l_cell_bytes // 4,
+            "f_base": self.cells * (self.o_cell_bytes + self.l_cell_bytes) // 4,
+            "f_cell": self.f_cell_bytes // 4,
+        }
+
+
+def _group_or_world(group):
+    return group if group is not None else dist.group.WORLD
+
+
+class SymmWorkspace:
+    """A rendezvoused symmetric slab plus its epoch, pointer table and error word.
+
+    Collective: every rank of ``group`` constructs it with the same layout (host-blocking; do it
+    before any CUDA graph capture). Two workspaces are fully independent.
+
+    Attributes:
+        slab: the local ``[total_bytes] uint8`` symmetric tensor (zeroed at construction).
+        ptrs: ``[W] int64`` device tensor, the slab's address on every rank (group rank order).
+        state: ``[4] int32`` device tensor, ``[epoch, done_counter, 0, 0]``.
+        errors: ``[W] int32`` device tensor, 1 at ``src`` after a wait for ``src`` timed out.
+
+    Raises:
+        RuntimeError (or whatever torch raises) when allocation or rendezvous fails; the caller
+        agrees across ranks and falls back.
+    """
+
+    def __init__(self, group, layout: SlabLayout, device: torch.device, *, op: str = "symm",
+                 timeout_s: float | None = None):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group = _group_or_world(group)
+        self.layout = layout
+        self.device = torch.device(device)
+        self.op = op
+        self.timeout_s = timeout_s
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        if self.world_size != layout.world_size:
+            raise ValueError(f"{op}: layout for {layout.world_size} ranks, group has "
+                             f"{self.world_size}")
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                enable(self.group.group_name)
+        self.slab = symm_mem.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
+        self.slab.zero_()
+        self.state = torch.zeros(4, dtype=torch.int32, device=self.device)
+        self.errors = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
+        # The zeroing must land before any peer can write: finish it, then rendezvous (which
+        # returns only once every rank has arrived).
+        torch.cuda.synchronize(self.device)
+        self.handle = symm_mem.rendezvous(self.slab, self.group)
+        self.ptrs = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64,
+                                 device=self.device)
+        self.broken: str | None = None
+
+    def check(self) -> None:
+        """Raise ``PeerTimeoutError`` if a kernel recorded a timed-out wait since the last check.
+
+        Host-blocking (reads the error word). After a timeout the ranks' epochs no longer agree,
+        so the workspace is marked broken and later calls raise ``RuntimeError``."""
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
+        flags = self.errors.cpu()
+        if bool(flags.any()):
+            self.errors.zero_()
+            peers = [int(i) for i in torch.nonzero(flags).flatten().tolist()]
+            self.broken = (f"{self.op}: unusable after a timeout waiting for rank(s) {peers}; "
+                           f"construct a new one on every rank")
+            raise PeerTimeoutError(
+                f"{self.op}: rank {self.rank} waited for source rank(s) {peers} past the "
+                f"timeout" + (f" of {self.timeout_s:g} s" if self.timeout_s else "")
+                + "; the peer did not signal", peer_ranks=peers, timeout_s=self.timeout_s,
+                op=self.op)
+
+    def ensure_usable(self) -> None:
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
