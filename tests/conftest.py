@@ -12,6 +12,13 @@ import pytest
 
 os.environ.setdefault("ATTNCOMM_TIMEOUT_S", "60")
 
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors under the interpreter (set before triton is imported;
+    # spawned ranks inherit it).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from attncomm.launch import RankPool  # noqa: E402
 
 

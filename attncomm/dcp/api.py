@@ -65,7 +65,7 @@ def shard_kv_interleaved(seq_len: int, world_size: int, rank: int) -> torch.Tens
         raise ValueError(f"shard_kv_interleaved: need seq_len ≥ 0, world_size ≥ 1, "
                          f"0 ≤ rank < world_size; got seq_len={seq_len}, "
                          f"world_size={world_size}, rank={rank}")
-    return torch.arange(rank, seq_len, world_size, dtype=torch.int64)
+    return torch.arange(rank, max(rank, seq_len), world_size, dtype=torch.int64)
 
 
 def _lse_to_e(lse: torch.Tensor, lse_base: str) -> torch.Tensor:
@@ -296,6 +296,8 @@ class DcpMerger:
                     timeout_s=self.timeout_s)
 
     def _local_reason(self, name: str) -> str | None:
+        if name == "symm_a2a" and self.device.type != "cuda":
+            return "symm_a2a needs CUDA tensors on an NCCL group; this group is on CPU (gloo)"
         try:
             cls = _backend_class(name)
         except ImportError as exc:
@@ -310,9 +312,6 @@ class DcpMerger:
     def _choose_auto(self) -> str:
         reasons = {}
         for name in ("symm_a2a", "ag_rs", "a2a"):
-            if name == "symm_a2a" and self.device.type != "cuda":
-                reasons[name] = "tensors are not on CUDA (gloo/CPU group)"
-                continue
             reasons[name] = agree_reason(self.group, self._local_reason(name), name)
         candidates = [n for n, r in reasons.items() if r is None]
         self.fallback_reason = reasons["symm_a2a"]
