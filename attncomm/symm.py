@@ -139,7 +139,7 @@ class SymmWorkspace:
     """
 
     def __init__(self, group, layout: SlabLayout, device: torch.device, *, op: str = "symm",
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, rendezvous: bool = True):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group = _group_or_world(group)
@@ -161,13 +161,22 @@ class SymmWorkspace:
         self.slab.zero_()
         self.state = torch.zeros(4, dtype=torch.int32, device=self.device)
         self.errors = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
+        self.handle = None
+        self.ptrs = None
+        self.broken: str | None = None
+        if rendezvous:
+            self.rendezvous()
+
+    def rendezvous(self) -> None:
+        """Collective: exchange slab handles with every rank (host-blocking; before capture)."""
+        import torch.distributed._symmetric_memory as symm_mem
+
         # The zeroing must land before any peer can write: finish it, then rendezvous (which
         # returns only once every rank has arrived).
         torch.cuda.synchronize(self.device)
         self.handle = symm_mem.rendezvous(self.slab, self.group)
-        self.ptrs = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64,
+        self.ptrs = torch.tensor([int(p) for p in self.handle.buffer_ptrs], dtype=torch.int64,
                                  device=self.device)
-        self.broken: str | None = None
 
     def check(self) -> None:
         """Raise ``PeerTimeoutError`` if a kernel recorded a timed-out wait since the last check.
