@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One device call that runs every GPU test and benchmark of attncomm and leaves the results under
+# $OUT (run from the repo root on the nvidia-h200-x2 machine through the device tool):
+#
+#   bash scripts/gpu_check.sh [steps...]     steps: env tests dcp ulysses dp-sync demo (default all)
+#
+# Writes $OUT/gpu-check.log (everything printed) and $OUT/results.tgz (JSON, PNG, Markdown, junit),
+# which scripts/collect_gpu_results.sh unpacks into benchmarks/results/ with date and machine.
+# Each step has its own time limit and a failing step does not stop the others.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+RES=$(mktemp -d)
+MACHINE=${ATTNCOMM_MACHINE:-nvidia-h200-x2}
+DAY=$(date -u +%F)
+export ATTNCOMM_MACHINE=$MACHINE PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# NVLink multicast stays off (HARDWARE.md), also in every process started from here.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/attncomm-triton}
+export ATTNCOMM_TIMEOUT_S=${ATTNCOMM_TIMEOUT_S:-30}
+mkdir -p "$OUT"
+LOG=$OUT/gpu-check.log
+STEPS=${*:-env tests dcp ulysses dp-sync demo}
+PY=python3
+AC="$PY -m attncomm.cli"
+status=0
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "===== [$name] $(date -u +%T) (limit ${limit}s): $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout --signal=TERM --kill-after=15 "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  echo "===== [$name] rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
+  [ $rc -eq 0 ] || status=1
+}
+
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+
+if want env; then
+  step versions 60 bash -c "nvidia-smi; nvidia-smi topo -m; $PY -c 'import torch, triton, sys; \
+print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"nccl\", \
+torch.cuda.nccl.version()); print(\"triton\", triton.__version__); \
+print(\"gpus\", torch.cuda.device_count())'"
+  step attncomm-env 120 $AC env
+fi
+if want tests; then
+  step gpu-tests 240 $PY -m pytest -q -m gpu tests/gpu -x -p no:cacheprovider \
+    --junitxml="$RES/gpu-tests-$DAY-$MACHINE.xml"
+fi
+if want dcp; then
+  step bench-dcp 150 $AC bench dcp --device cuda --world-size 2 \
+    --json "$RES/dcp-$DAY-$MACHINE.json" --plot "$RES/dcp-$DAY-$MACHINE.png" \
+    --markdown "$RES/dcp-$DAY-$MACHINE.md"
+fi
+if want ulysses; then
+  step bench-ulysses 180 $AC bench ulysses --device cuda --world-size 2 \
+    --json "$RES/ulysses-$DAY-$MACHINE.json" --plot "$RES/ulysses-$DAY-$MACHINE.png" \
+    --markdown "$RES/ulysses-$DAY-$MACHINE.md"
+fi
+if want dp-sync; then
+  step bench-dp-sync 90 $AC bench dp-sync --device cuda --world-size 2 \
+    --json "$RES/dp-sync-$DAY-$MACHINE.json" --markdown "$RES/dp-sync-$DAY-$MACHINE.md"
+fi
+if want demo; then
+  MODEL_DIR=${ATTNCOMM_MODEL_DIR:-.models/minilm-fp16}
+  step demo 150 $AC demo --device cuda --world-size 2 --model-dir "$MODEL_DIR" \
+    --json "$RES/demo-$DAY-$MACHINE.json"
+  step demo-bf16 120 $AC demo --device cuda --world-size 2 --dtype bf16 --model-dir "$MODEL_DIR" \
+    --json "$RES/demo-bf16-$DAY-$MACHINE.json"
+fi
+cp "$LOG" "$RES/gpu-check-$DAY-$MACHINE.log"
+tar czf "$OUT/results.tgz" -C "$RES" .
+echo "results: $(ls "$RES" | tr '\n' ' ')" | tee -a "$LOG"
+exit $status
