@@ -1,0 +1,276 @@
+"""Host shared-memory exchange of one small int64 row per rank per step (the ``shm`` sync path).
+
+The ranks of a group that all live on one host meet in one shared-memory segment: a file in
+``/dev/shm`` created by group rank 0, mapped by every rank, whose name is shared once through the
+group's gloo twin. The creator removes the name as soon as every rank has mapped it, so nothing is
+left behind even if a rank dies later; before that, a finaliser (also run at exit) removes it.
+
+Segment layout (int64 words)::
+
+    header  [8]                 magic, world size, row length, 0...
+    slots   [2, W, SLOT]        parity p = step & 1, rank r: [seq, row[0..L), padding]
+
+``SLOT = 8`` words (64 bytes, one cache line) so that ranks never write to the same line.
+
+Protocol for step ``s`` (``s`` counts from 1 on every rank):
+1. rank r writes its row into slot ``(s & 1, r)``, then writes ``seq = s`` into the same slot;
+2. it waits, bounded by time, until every awaited rank's slot ``(s & 1, q)`` holds ``seq == s``,
+   then copies the rows, then re-reads the sequence numbers (they must still read ``s``).
+
+Why the parity double buffer is enough: rank r writes slot ``(s & 1, r)`` again only at step
+``s + 2``, and it reaches step ``s + 2`` only after it saw every rank's step-``s + 1`` row; a rank
+writes its step-``s + 1`` row only after it finished reading the step-``s`` rows. So no row is
+overwritten while a slower rank may still read it. The full step number (not a flag) is stored,
+so a stale row never matches.
+
+Memory ordering: the row stores happen-before the ``seq`` store in program order (separate
+interpreter operations: the C compiler cannot move stores across them), and on x86-64 the
+hardware keeps stores in program order and loads in program order (TSO), and an aligned 8-byte
+store or load is a single access (no torn words). That is exactly the release/acquire pairing the
+protocol needs, with no fences. On other architectures (ARM, POWER) plain stores may be reordered,
+so ``shm_supported()`` says no there and ``sync="auto"`` takes the gloo path.
+
+Waiting: spin for a few µs (the common case on a fast host), then ``sched_yield``, then sleep with
+a growing interval up to 1 ms, so that W ranks on fewer than W cores do not starve the rank they
+wait for. A rank whose row does not arrive in ``timeout_s`` is named in ``PeerTimeoutError``.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import socket
+import tempfile
+import time
+import uuid
+import weakref
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import config
+from .._dist import guard_timeout
+from ..errors import PeerTimeoutError
+
+__all__ = ["ShmRowExchange", "shm_supported", "host_identity", "SLOT_WORDS"]
+
+SLOT_WORDS = 8
+_HEADER_WORDS = 8
+_MAGIC = 0x41_54_54_4E_43_4F_4D_4D  # "ATTNCOMM"
+_SPIN_S = 20e-6
+_YIELD_S = 1e-3
+_MAX_SLEEP_S = 1e-3
+
+
+def shm_supported() -> tuple[bool, str | None]:
+    """Whether this machine can run the shm protocol: ``(ok, reason_if_not)``."""
+    arch = platform.machine().lower()
+    if arch not in ("x86_64", "amd64"):
+        return False, (f"the shm sync relies on x86-64 store ordering (TSO); this machine is "
+                       f"{platform.machine()!r}")
+    return True, None
+
+
+def host_identity() -> str:
+    """This host's name plus its boot id (two machines can share a hostname, not a boot id)."""
+    boot = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        pass
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _cleanup(path: str | None, mm: mmap.mmap | None, views: list) -> None:
+    for v in views:
+        try:
+            v.release()
+        except Exception:  # noqa: BLE001 - already released
+            pass
+    if mm is not None:
+        try:
+            mm.close()
+        except Exception:  # noqa: BLE001
+            pass
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+class ShmRowExchange:
+    """Exchange one int64 row of ``row_len`` values per rank per step through host shared memory.
+
+    Arguments:
+        group: a gloo process group whose ranks all run on this host (the name of the segment is
+            shared through it once; construction is collective over it).
+        row_len: values per row, 1..7.
+        timeout_s: bound for the setup collectives (None → ``ATTNCOMM_TIMEOUT_S``).
+
+    Raises:
+        RuntimeError on every rank when some rank could not map the segment (the message names
+        the ranks and their errors).
+    """
+
+    def __init__(self, group, row_len: int = 6, *, timeout_s: float | None = None):
+        if not 1 <= row_len < SLOT_WORDS:
+            raise ValueError(f"row_len must be in 1..{SLOT_WORDS - 1}, got {row_len}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.row_len = row_len
+        self.step = 0
+        self._views: list = []
+        self._mm: mmap.mmap | None = None
+        self._finalizer = None
+        t = config.timeout_s(timeout_s)
+        nbytes = 8 * (_HEADER_WORDS + 2 * self.world_size * SLOT_WORDS)
+        path, err = None, None
+        if self.rank == 0:
+            path = os.path.join(_shm_dir(), f"attncomm-dp-{os.getpid()}-{uuid.uuid4().hex}")
+            try:
+                self._mm = self._create(path, nbytes)
+                # until every rank has mapped it, the name must go away on any failure or exit
+                self._finalizer = weakref.finalize(self, _cleanup, path, self._mm, self._views)
+            except OSError as exc:
+                err, path = f"could not create {path}: {exc}", None
+        names = [path]
+        with guard_timeout(group, "shm sync setup", t):
+            dist.broadcast_object_list(names, src=dist.get_global_rank(group, 0), group=group)
+        path = names[0]
+        if self.rank != 0 and path is not None:
+            try:
+                self._mm = self._attach(path, nbytes)
+            except (OSError, ValueError) as exc:
+                err = f"could not map {path}: {exc}"
+        statuses: list = [None] * self.world_size
+        with guard_timeout(group, "shm sync setup", t):
+            dist.all_gather_object(statuses, err, group=group)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            os.unlink(path)  # every rank has mapped it or given up: the name is not needed
+        self._finalizer = weakref.finalize(self, _cleanup, None, self._mm, self._views)
+        bad = [f"rank {r}: {e}" for r, e in enumerate(statuses) if e]
+        if bad or path is None:
+            self.close()
+            raise RuntimeError("shm sync setup failed — " + ("; ".join(bad) or "no segment"))
+        self._words = memoryview(self._mm).cast("q")
+        self._views.append(self._words)
+
+    def _create(self, path: str, nbytes: int) -> mmap.mmap:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)  # zero-filled: every seq starts at 0 (never a valid step)
+            mm = mmap.mmap(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        head = memoryview(mm).cast("q")
+        head[0], head[1], head[2] = _MAGIC, self.world_size, self.row_len
+        head.release()
+        return mm
+
+    def _attach(self, path: str, nbytes: int) -> mmap.mmap:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size != nbytes:
+                raise ValueError(f"segment has {size} bytes, expected {nbytes}")
+            mm = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        head = memoryview(mm).cast("q")
+        found = (head[0], head[1], head[2])
+        head.release()
+        if found != (_MAGIC, self.world_size, self.row_len):
+            mm.close()
+            raise ValueError(f"segment header {found} does not match (magic, world size "
+                             f"{self.world_size}, row length {self.row_len})")
+        return mm
+
+    def _slot(self, parity: int, rank: int) -> int:
+        return _HEADER_WORDS + (parity * self.world_size + rank) * SLOT_WORDS
+
+    def exchange(self, row: Sequence[int], *, timeout_s: float | None = None) -> list[list[int]]:
+        """Publish this rank's ``row`` for the next step and return every rank's row.
+
+        Arguments:
+            row: ``row_len`` ints (int64 range).
+            timeout_s: wait bound in seconds (None → ``ATTNCOMM_TIMEOUT_S``).
+
+        Returns:
+            ``W`` lists of ``row_len`` ints, in group rank order.
+
+        Raises:
+            PeerTimeoutError naming the ranks whose row of this step did not arrive in time.
+        """
+        if len(row) != self.row_len:
+            raise ValueError(f"row has {len(row)} values, expected {self.row_len}")
+        words = self._words
+        self.step += 1
+        step = self.step
+        parity = step & 1
+        mine = self._slot(parity, self.rank)
+        for i, v in enumerate(row):
+            words[mine + 1 + i] = int(v)
+        words[mine] = step  # publish last (see the module docstring on ordering)
+        # Every rank waits for every row, inactive ones included: the parity argument needs it.
+        seq_at = [self._slot(parity, q) for q in range(self.world_size)]
+        pending = [a for a in seq_at if words[a] != step]
+        if pending:
+            self._wait(pending, step, timeout_s)
+        base = self._slot(parity, 0)
+        rows = [words[base + q * SLOT_WORDS + 1: base + q * SLOT_WORDS + 1 + self.row_len]
+                .tolist() for q in range(self.world_size)]
+        for a in seq_at:
+            if words[a] != step:  # impossible by the parity argument; fail loudly if it happens
+                q = (a - base) // SLOT_WORDS
+                raise RuntimeError(f"shm sync: rank {q}'s step-{step} row changed while read "
+                                   f"(seq now {words[a]}); are the ranks' calls out of step?")
+        return rows
+
+    def _wait(self, pending: list[int], step: int, timeout_s: float | None) -> None:
+        words = self._words
+        start = time.perf_counter()
+        deadline = start + config.timeout_s(timeout_s)
+        sleep = 20e-6
+        while True:
+            pending = [a for a in pending if words[a] != step]
+            if not pending:
+                return
+            now = time.perf_counter()
+            waited = now - start
+            if waited < _SPIN_S:
+                continue
+            if now > deadline:
+                base = self._slot(step & 1, 0)
+                missing = sorted((a - base) // SLOT_WORDS for a in pending)
+                t = config.timeout_s(timeout_s)
+                raise PeerTimeoutError(
+                    f"dp_attention sync (shm): no step-{step} row from rank(s) {missing} within "
+                    f"{t:g} s", peer_ranks=missing, timeout_s=t, op="dp_attention sync (shm)")
+            if waited < _YIELD_S:
+                os.sched_yield()
+            else:
+                time.sleep(sleep)
+                sleep = min(sleep * 2, _MAX_SLEEP_S)
+
+    def close(self) -> None:
+        """Unmap the segment (idempotent). Calls after this raise."""
+        if getattr(self, "_finalizer", None) is not None:
+            self._finalizer()
+            self._finalizer = None
+
+
+def exchange_rows_tensor(ex: ShmRowExchange, row: Sequence[int], **kw) -> torch.Tensor:
+    """``ex.exchange`` as a ``[W, row_len]`` int64 CPU tensor."""
+    return torch.tensor(ex.exchange(row, **kw), dtype=torch.int64)

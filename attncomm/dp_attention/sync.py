@@ -1,0 +1,397 @@
+"""The per-step DP-attention agreement: six int64 per rank, one exchange, one decision everywhere.
+
+With DP attention each DP rank runs its own batch through attention while the MLP runs
+tensor/expert-parallel over every rank, so before the MLP every rank must know every DP rank's
+token count and agree on CUDA-graph / extend / two-batch-overlap (TBO) decisions. A rank without
+work joins with an idle batch. Semantics follow SGLang's ``MLPSyncBatchInfo`` and
+``prepare_mlp_sync_batch_raw`` (``python/sglang/srt/managers/scheduler_dp_attn_mixin.py``), with
+the bugs of that family made impossible: an IDLE batch is never counted as extend, an inactive
+rank's row is replaced before anything reads it, and a rank's invalid batch makes every rank raise
+instead of some ranks hanging.
+
+Row layout: ``[num_tokens, num_tokens_for_logprob, can_cuda_graph, is_extend_in_batch,
+local_can_run_tbo, local_forward_mode]``; the group holds ``dp · tp · cp`` ranks, DP major, so the
+gathered rows view as ``(dp, tp·cp, 6)`` and DP rank d's row is that of its attention-TP rank 0.
+"""
+from __future__ import annotations
+
+import datetime
+import enum
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import config
+from .._dist import group_device, guard_timeout
+from ..launch import cpu_group
+from . import shm as _shm
+
+__all__ = ["ForwardMode", "BatchView", "MLPSyncBatchInfo", "prepare_mlp_sync_batch",
+           "resolve_sync", "count_tokens", "SYNC_CHOICES", "NEUTRAL_ROW"]
+
+SYNC_CHOICES = ("auto", "shm", "cpu", "device")
+_ROW = 6
+_INVALID_MODE = -1  # row marker: this rank's batch was invalid (every rank raises)
+
+
+class ForwardMode(enum.IntEnum):
+    """What a batch does this step (values as in SGLang's ``ForwardMode`` subset)."""
+
+    EXTEND = 1
+    DECODE = 2
+    MIXED = 3
+    IDLE = 4
+    PREBUILT = 5
+
+    def is_extend(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+    def is_prebuilt(self) -> bool:
+        return self == ForwardMode.PREBUILT
+
+    def is_decode_or_idle(self) -> bool:
+        return self in (ForwardMode.DECODE, ForwardMode.IDLE)
+
+
+NEUTRAL_ROW = (0, 0, 1, 0, 1, int(ForwardMode.IDLE))
+
+
+@dataclass
+class BatchView:
+    """What the sync reads of a scheduler's batch.
+
+    ``extend_lens`` / ``extend_logprob_start_lens`` hold one int per request; the extend fields
+    may be None unless the mode is EXTEND or MIXED (``extend_logprob_start_lens`` only matters
+    with ``return_logprob``). ``inner_idle_batch`` is set by ``prepare_mlp_sync_batch`` on a
+    PREBUILT batch when an idle batch must carry this rank through the step.
+    """
+
+    forward_mode: ForwardMode
+    batch_size: int = 0
+    extend_num_tokens: int | None = None
+    extend_lens: Sequence[int] | None = None
+    extend_logprob_start_lens: Sequence[int] | None = None
+    return_logprob: bool = False
+    inner_idle_batch: "BatchView | None" = None
+
+
+def count_tokens(batch: BatchView | None) -> tuple[int, int]:
+    """``(num_tokens, num_tokens_for_logprob)`` of a batch, by the rules of API.md.
+
+    DECODE: the batch size (both); EXTEND/MIXED: ``extend_num_tokens``, and for logprob rows
+    ``Σ max(extend_len − logprob_start_len, 1)`` when ``return_logprob`` else the batch size;
+    None / IDLE / PREBUILT: 0 (an IDLE batch never takes the extend branch).
+
+    Raises:
+        ValueError for a missing or inconsistent extend field, a negative count, an unknown mode.
+    """
+    if batch is None:
+        return 0, 0
+    try:
+        mode = ForwardMode(int(batch.forward_mode))
+    except (ValueError, TypeError):
+        raise ValueError(f"unknown forward_mode {batch.forward_mode!r}") from None
+    bs = int(batch.batch_size)
+    if bs < 0:
+        raise ValueError(f"batch_size must be ≥ 0, got {bs}")
+    if mode in (ForwardMode.IDLE, ForwardMode.PREBUILT):
+        return 0, 0
+    if mode == ForwardMode.DECODE:
+        return bs, bs
+    if batch.extend_num_tokens is None:
+        raise ValueError(f"a {mode.name} batch needs extend_num_tokens, got None")
+    n = int(batch.extend_num_tokens)
+    if n < 0:
+        raise ValueError(f"extend_num_tokens must be ≥ 0, got {n}")
+    if not batch.return_logprob:
+        return n, bs
+    lens, starts = batch.extend_lens, batch.extend_logprob_start_lens
+    if lens is None or starts is None:
+        raise ValueError(f"a {mode.name} batch with return_logprob needs extend_lens and "
+                         f"extend_logprob_start_lens, got {lens!r} and {starts!r}")
+    if len(lens) != len(starts):
+        raise ValueError(f"extend_lens has {len(lens)} entries but extend_logprob_start_lens "
+                         f"has {len(starts)}")
+    return n, sum(max(int(e) - int(s), 1) for e, s in zip(lens, starts))
+
+
+def _local_can_run_tbo(batch: BatchView | None, num_tokens: int) -> bool:
+    # An empty rank never blocks TBO; a batch with work must split into two halves of requests.
+    if batch is None or num_tokens == 0:
+        return True
+    return int(batch.batch_size) >= 2
+
+
+# -- choosing and running the exchange -------------------------------------------------------
+
+_SHM: dict[int, tuple[object, object]] = {}     # id(cpu group) -> (group, ShmRowExchange)
+_AUTO: dict[int, tuple[object, str, str]] = {}  # id(cpu group) -> (group, sync, why)
+
+
+def _one_host(cg, timeout_s: float | None) -> tuple[bool, str | None]:
+    """Collective over ``cg``: do all ranks share this host (and can shm run here)?"""
+    ok, why = _shm.shm_supported()
+    facts: list = [None] * dist.get_world_size(cg)
+    with guard_timeout(cg, "dp_attention sync (host check)", timeout_s):
+        dist.all_gather_object(facts, (_shm.host_identity(), ok, why), group=cg)
+    if len({f[0] for f in facts}) != 1:
+        return False, "the group's ranks are on more than one host"
+    bad = [f"rank {r}: {f[2]}" for r, f in enumerate(facts) if not f[1]]
+    return (False, "; ".join(bad)) if bad else (True, None)
+
+
+def resolve_sync(sync: str, group=None, *, timeout_s: float | None = None) -> str:
+    """The sync path ``sync`` means on ``group``: "shm", "cpu" or "device".
+
+    "auto" → "shm" when every rank of the group is on this host (decided once per group, by one
+    collective), else "cpu". An explicit "shm" that cannot run raises ``ValueError`` on every
+    rank, saying why.
+    """
+    if sync not in SYNC_CHOICES:
+        raise ValueError(f"sync must be one of {list(SYNC_CHOICES)}, got {sync!r}")
+    if sync in ("cpu", "device"):
+        return sync
+    cg = cpu_group(group)
+    hit = _AUTO.get(id(cg))
+    if hit is None or hit[0] is not cg:
+        ok, why = _one_host(cg, timeout_s)
+        hit = (cg, "shm" if ok else "cpu", why)
+        _AUTO[id(cg)] = hit
+    if sync == "shm" and hit[1] != "shm":
+        raise ValueError(f"sync='shm' cannot run on this group: {hit[2]}")
+    return hit[1]
+
+
+def _shm_channel(group, timeout_s: float | None):
+    cg = cpu_group(group)
+    hit = _SHM.get(id(cg))
+    if hit is None or hit[0] is not cg:
+        hit = (cg, _shm.ShmRowExchange(cg, _ROW, timeout_s=timeout_s))
+        _SHM[id(cg)] = hit
+    return hit[1]
+
+
+def close_shm_channels() -> None:
+    """Unmap every cached shm segment (they are also released at exit)."""
+    for _, ch in _SHM.values():
+        ch.close()
+    _SHM.clear()
+    _AUTO.clear()
+
+
+def _wait(work, group, op: str, timeout_s: float | None) -> None:
+    t = config.timeout_s(timeout_s)
+    with guard_timeout(group, op, t):
+        if dist.get_backend(group) == "gloo":
+            work.wait(timeout=datetime.timedelta(seconds=t))
+        else:
+            work.wait()
+
+
+def exchange_rows(row: Sequence[int], group, *, sync: str, device=None, timeout_s: float | None = None) -> torch.Tensor:
+    """Gather every group rank's 6-int row: ``[W, 6]`` int64 on the CPU (one device→host copy
+    on the device path). ``sync`` is a resolved path ("shm", "cpu" or "device")."""
+    if sync == "shm":
+        ch = _shm_channel(group, timeout_s)
+        return torch.tensor(ch.exchange(row, timeout_s=timeout_s),
+                            dtype=torch.int64)
+    if sync == "cpu":
+        g, dev = cpu_group(group), torch.device("cpu")
+    else:
+        g = group
+        dev = torch.device(device) if device is not None else group_device(group)
+    world = dist.get_world_size(g)
+    local = torch.tensor(row, dtype=torch.int64, device=dev)
+    out = torch.empty(world * _ROW, dtype=torch.int64, device=dev)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = fn(out, local, group=g, async_op=True)
+    _wait(work, g, f"dp_attention sync ({sync})", timeout_s)
+    return out.view(world, _ROW).cpu()
+
+
+# -- the sync info ---------------------------------------------------------------------------
+
+def _active_mask(active_ranks, world: int) -> list[bool] | None:
+    if active_ranks is None:
+        return None
+    vals = active_ranks.tolist() if isinstance(active_ranks, torch.Tensor) else list(active_ranks)
+    if len(vals) != world:
+        raise ValueError(f"active_ranks has {len(vals)} entries, the group has {world} ranks")
+    return [bool(v) for v in vals]
+
+
+@dataclass
+class MLPSyncBatchInfo:
+    """One rank's six sync values and, after ``all_gather``, every rank's agreed view.
+
+    Arguments:
+        dp_size, tp_size, cp_size: DP size and attention-TP / attention-CP sizes; the group holds
+            ``dp·tp·cp`` ranks, DP major (rank = ``d·tp·cp + c·tp + t``).
+        num_tokens, num_tokens_for_logprob: this rank's counts (≥ 0).
+        can_cuda_graph, is_extend_in_batch, local_can_run_tbo: this rank's flags.
+        local_forward_mode: this rank's ``ForwardMode`` (IDLE when it has no batch).
+
+    After ``all_gather``: ``global_num_tokens`` / ``global_num_tokens_for_logprob`` (one int per
+    DP rank), ``can_cuda_graph`` (min over DP ranks), ``is_extend_in_batch`` (max),
+    ``can_run_tbo``, ``global_forward_mode`` (the common non-IDLE mode, IDLE when every rank is
+    idle, None when they differ) and ``tp0_info`` (``[dp, 6]`` int64, CPU).
+    """
+
+    dp_size: int
+    tp_size: int
+    cp_size: int
+    num_tokens: int
+    num_tokens_for_logprob: int
+    can_cuda_graph: bool
+    is_extend_in_batch: bool
+    local_can_run_tbo: bool
+    local_forward_mode: int
+    tp0_info: torch.Tensor | None = None
+    global_num_tokens: list[int] | None = None
+    global_num_tokens_for_logprob: list[int] | None = None
+    can_run_tbo: bool | None = None
+    global_forward_mode: ForwardMode | None = None
+    sync: str | None = None
+    _local_error: str | None = field(default=None, repr=False)
+
+    def _local_row(self) -> list[int]:
+        err = self._local_error
+        if err is None:
+            mode = int(self.local_forward_mode)
+            if mode not in ForwardMode._value2member_map_:
+                err = f"unknown local_forward_mode {self.local_forward_mode!r}"
+            elif int(self.num_tokens) < 0 or int(self.num_tokens_for_logprob) < 0:
+                err = (f"token counts must be ≥ 0, got num_tokens={self.num_tokens}, "
+                       f"num_tokens_for_logprob={self.num_tokens_for_logprob}")
+        self._local_error = err
+        if err is not None:
+            return [0, 0, 1, 0, 1, _INVALID_MODE]
+        return [int(self.num_tokens), int(self.num_tokens_for_logprob), int(bool(
+            self.can_cuda_graph)), int(bool(self.is_extend_in_batch)),
+            int(bool(self.local_can_run_tbo)), int(self.local_forward_mode)]
+
+    def all_gather(self, device=None, group=None, *, active_ranks=None, enable_tbo: bool = False,
+                   sync: str = "auto", timeout_s: float | None = None) -> "MLPSyncBatchInfo":
+        """Exchange the rows of every group rank and fill the global fields (returns ``self``).
+
+        Arguments:
+            device: the device for ``sync="device"`` (None → the group's device).
+            group: the process group of ``dp·tp·cp`` ranks (None → default group).
+            active_ranks: one entry per group rank (list or tensor); an inactive rank counts as
+                ``[0, 0, 1, 0, 1, IDLE]`` whatever it sent (it still takes part in the exchange).
+            enable_tbo: whether two-batch overlap may run at all.
+            sync: "auto", "shm", "cpu" or "device" (see ``resolve_sync``).
+            timeout_s: wait bound (None → ``ATTNCOMM_TIMEOUT_S``).
+
+        Raises:
+            ValueError (every rank) for sizes that do not match the group, an invalid row on any
+            active rank, or an explicit sync path that cannot run here.
+            PeerTimeoutError when a rank's row does not arrive in time.
+        """
+        world = dist.get_world_size(group)
+        per_dp = int(self.tp_size) * int(self.cp_size)
+        if min(int(self.dp_size), int(self.tp_size), int(self.cp_size)) < 1 or \
+                int(self.dp_size) * per_dp != world:
+            raise ValueError(f"dp_size·tp_size·cp_size = {self.dp_size}·{self.tp_size}·"
+                             f"{self.cp_size} must equal the group size {world}")
+        active = _active_mask(active_ranks, world)
+        row = self._local_row()
+        path = resolve_sync(sync, group, timeout_s=timeout_s)
+        rows = exchange_rows(row, group, sync=path, device=device, timeout_s=timeout_s)
+        if active is not None:
+            rows[torch.tensor([not a for a in active])] = torch.tensor(NEUTRAL_ROW)
+        self._check_rows(rows)
+        self.sync = path
+        self._apply(rows.view(int(self.dp_size), per_dp, _ROW)[:, 0, :].contiguous(), enable_tbo)
+        return self
+
+    def _check_rows(self, rows: torch.Tensor) -> None:
+        modes = rows[:, 5].tolist()
+        bad = [r for r, m in enumerate(modes) if m not in ForwardMode._value2member_map_]
+        bad += [r for r in range(rows.shape[0]) if r not in bad and int(rows[r, :2].min()) < 0]
+        if bad:
+            msg = f"dp_attention sync: invalid batch on rank(s) {sorted(bad)}"
+            if self._local_error:
+                msg += f" (this rank: {self._local_error})"
+            raise ValueError(msg)
+
+    def _apply(self, tp0: torch.Tensor, enable_tbo: bool) -> None:
+        vals = tp0.tolist()
+        self.tp0_info = tp0
+        self.global_num_tokens = [v[0] for v in vals]
+        self.global_num_tokens_for_logprob = [v[1] for v in vals]
+        self.can_cuda_graph = bool(min(v[2] for v in vals))
+        self.is_extend_in_batch = bool(max(v[3] for v in vals))
+        busy = [v[5] for v in vals if v[5] != ForwardMode.IDLE]
+        agree = bool(busy) and all(m == busy[0] for m in busy)
+        self.global_forward_mode = (ForwardMode(busy[0]) if agree
+                                    else ForwardMode.IDLE if not busy else None)
+        # Nothing to overlap when every rank is idle, hence `agree` needs a busy rank.
+        self.can_run_tbo = bool(enable_tbo and min(v[4] for v in vals) and agree)
+
+
+def _idle_batch(get_idle_batch: Callable[[], BatchView]) -> BatchView:
+    batch = get_idle_batch()
+    if batch is None or int(batch.forward_mode) != ForwardMode.IDLE:
+        raise ValueError(f"get_idle_batch() must return an IDLE BatchView, got {batch!r}")
+    return batch
+
+
+def prepare_mlp_sync_batch(local_batch: BatchView | None, *, dp_size: int, attn_tp_size: int,
+                           attn_cp_size: int = 1, group=None,
+                           get_idle_batch: Callable[[], BatchView],
+                           disable_cuda_graph: bool = False, enable_tbo: bool = False,
+                           require_mlp_tp_gather: bool = True, sync: str = "auto", device=None,
+                           active_ranks=None, timeout_s: float | None = None,
+                           ) -> tuple[BatchView | None, MLPSyncBatchInfo]:
+    """Count this rank's tokens, agree with every rank, and hand back the batch to run.
+
+    Local values: see ``count_tokens``; ``can_cuda_graph`` = (no batch, or a DECODE / IDLE /
+    PREBUILT batch) and not ``disable_cuda_graph``; ``is_extend_in_batch`` = an EXTEND/MIXED
+    batch; ``local_can_run_tbo`` = ≥ 2 requests, True for a rank with no tokens.
+
+    Returns:
+        ``(batch, info)``: ``(None, info)`` on every rank when no DP rank has tokens; otherwise
+        this rank's batch, where a rank without one gets ``get_idle_batch()`` and a PREBUILT
+        batch gets it in ``inner_idle_batch``. With ``require_mlp_tp_gather=False`` the info's
+        global lists hold only this rank's counts.
+
+    Raises:
+        ValueError on every rank when any rank's batch is invalid (the offending rank's message
+        says why) or the sizes do not match the group; PeerTimeoutError as in
+        ``MLPSyncBatchInfo.all_gather``.
+    """
+    err = None
+    try:
+        num_tokens, num_lp = count_tokens(local_batch)
+        mode = ForwardMode.IDLE if local_batch is None else ForwardMode(int(
+            local_batch.forward_mode))
+    except ValueError as exc:
+        err, num_tokens, num_lp, mode = str(exc), 0, 0, ForwardMode.IDLE
+    can_graph = (local_batch is None or mode.is_decode_or_idle() or mode.is_prebuilt()) \
+        and not disable_cuda_graph
+    info = MLPSyncBatchInfo(dp_size, attn_tp_size, attn_cp_size, num_tokens, num_lp, can_graph,
+                            local_batch is not None and mode.is_extend(),
+                            _local_can_run_tbo(local_batch, num_tokens), int(mode),
+                            _local_error=err)
+    info.all_gather(device, group, active_ranks=active_ranks, enable_tbo=enable_tbo, sync=sync,
+                    timeout_s=timeout_s)
+    anyone_busy = max(info.global_num_tokens) > 0
+    if not require_mlp_tp_gather:
+        info.global_num_tokens = [num_tokens]
+        info.global_num_tokens_for_logprob = [num_lp]
+    if not anyone_busy:
+        return None, info
+    if local_batch is None:
+        local_batch = _idle_batch(get_idle_batch)
+    elif mode.is_prebuilt():
+        local_batch.inner_idle_batch = _idle_batch(get_idle_batch)
+    return local_batch, info
