@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import DTYPE_CODES, agree
-from .sync import _wait
+from ._comm import wait_work as _wait
 
 __all__ = ["DpPaddingMode", "choose_padding_mode", "dp_gather", "dp_scatter",
            "dp_reduce_scatter", "select_cuda_graph_bs", "global_layout"]

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from .. import config
 from .._dist import guard_timeout
 from ..errors import PeerTimeoutError
+from ._comm import wait_work
 
 __all__ = ["ShmRowExchange", "shm_supported", "host_identity", "SLOT_WORDS"]
 
@@ -61,6 +62,7 @@ _MAGIC = 0x41_54_54_4E_43_4F_4D_4D  # "ATTNCOMM"
 _SPIN_S = 20e-6
 _YIELD_S = 1e-3
 _MAX_SLEEP_S = 1e-3
+_NAME_BYTES = 256
 
 
 def shm_supported() -> tuple[bool, str | None]:
@@ -130,7 +132,15 @@ class ShmRowExchange:
         self._views: list = []
         self._mm: mmap.mmap | None = None
         self._finalizer = None
-        t = config.timeout_s(timeout_s)
+        try:
+            self._setup(config.timeout_s(timeout_s))
+        except BaseException:
+            self.close()  # unmaps, and removes the name if this rank created it
+            raise
+        self._words = memoryview(self._mm).cast("q")
+        self._views.append(self._words)
+
+    def _setup(self, timeout_s: float) -> None:
         nbytes = 8 * (_HEADER_WORDS + 2 * self.world_size * SLOT_WORDS)
         path, err = None, None
         if self.rank == 0:
@@ -141,28 +151,38 @@ class ShmRowExchange:
                 self._finalizer = weakref.finalize(self, _cleanup, path, self._mm, self._views)
             except OSError as exc:
                 err, path = f"could not create {path}: {exc}", None
-        names = [path]
-        with guard_timeout(group, "shm sync setup", t):
-            dist.broadcast_object_list(names, src=dist.get_global_rank(group, 0), group=group)
-        path = names[0]
+        path = self._share_name(path, timeout_s)
         if self.rank != 0 and path is not None:
             try:
                 self._mm = self._attach(path, nbytes)
             except (OSError, ValueError) as exc:
                 err = f"could not map {path}: {exc}"
-        statuses: list = [None] * self.world_size
-        with guard_timeout(group, "shm sync setup", t):
-            dist.all_gather_object(statuses, err, group=group)
+        flags = torch.zeros(self.world_size, dtype=torch.int64)
+        flags[self.rank] = 1 if err else 0
+        wait_work(dist.all_reduce(flags, group=self.group, async_op=True), self.group,
+                  "shm sync setup", timeout_s)
         if self._finalizer is not None:
             self._finalizer.detach()
             os.unlink(path)  # every rank has mapped it or given up: the name is not needed
         self._finalizer = weakref.finalize(self, _cleanup, None, self._mm, self._views)
-        bad = [f"rank {r}: {e}" for r, e in enumerate(statuses) if e]
-        if bad or path is None:
-            self.close()
+        if path is None or bool(flags.any()):
+            errors: list = [None] * self.world_size
+            with guard_timeout(self.group, "shm sync setup", timeout_s):
+                dist.all_gather_object(errors, err, group=self.group)
+            bad = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
             raise RuntimeError("shm sync setup failed — " + ("; ".join(bad) or "no segment"))
-        self._words = memoryview(self._mm).cast("q")
-        self._views.append(self._words)
+
+    def _share_name(self, path: str | None, timeout_s: float) -> str | None:
+        """Broadcast the segment's path from group rank 0 (bounded by ``timeout_s``)."""
+        buf = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
+        if path is not None:
+            raw = path.encode()
+            buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        work = dist.broadcast(buf, src=dist.get_global_rank(self.group, 0), group=self.group,
+                              async_op=True)
+        wait_work(work, self.group, "shm sync setup", timeout_s)
+        raw = bytes(buf.tolist()).rstrip(b"\0")
+        return raw.decode() if raw else None
 
     def _create(self, path: str, nbytes: int) -> mmap.mmap:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

@@ -15,7 +15,6 @@ gathered rows view as ``(dp, tp·cp, 6)`` and DP rank d's row is that of its att
 """
 from __future__ import annotations
 
-import datetime
 import enum
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -27,6 +26,7 @@ from .. import config
 from .._dist import group_device, guard_timeout
 from ..launch import cpu_group
 from . import shm as _shm
+from ._comm import wait_work
 
 __all__ = ["ForwardMode", "BatchView", "MLPSyncBatchInfo", "prepare_mlp_sync_batch",
            "resolve_sync", "count_tokens", "SYNC_CHOICES", "NEUTRAL_ROW"]
@@ -187,15 +187,6 @@ def close_shm_channels() -> None:
     _AUTO.clear()
 
 
-def _wait(work, group, op: str, timeout_s: float | None) -> None:
-    t = config.timeout_s(timeout_s)
-    with guard_timeout(group, op, t):
-        if dist.get_backend(group) == "gloo":
-            work.wait(timeout=datetime.timedelta(seconds=t))
-        else:
-            work.wait()
-
-
 def exchange_rows(row: Sequence[int], group, *, sync: str, device=None, timeout_s: float | None = None) -> torch.Tensor:
     """Gather every group rank's 6-int row: ``[W, 6]`` int64 on the CPU (one device→host copy
     on the device path). ``sync`` is a resolved path ("shm", "cpu" or "device")."""
@@ -213,7 +204,7 @@ def exchange_rows(row: Sequence[int], group, *, sync: str, device=None, timeout_
     out = torch.empty(world * _ROW, dtype=torch.int64, device=dev)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work = fn(out, local, group=g, async_op=True)
-    _wait(work, g, f"dp_attention sync ({sync})", timeout_s)
+    wait_work(work, g, f"dp_attention sync ({sync})", timeout_s)
     return out.view(world, _ROW).cpu()
 
 
