@@ -40,11 +40,14 @@ except Exception:  # noqa: BLE001 - the backend reports itself unavailable
     triton = None
     tl = None
 
-__all__ = ["SymmA2ABackend", "plan_blocks", "launch_merge"]
+__all__ = ["SymmA2ABackend", "plan_blocks", "use_ll", "ll_rows_for", "launch_merge"]
 
-# Largest rows per block, and programs per SM; private knobs for tuning on a device.
-_MAX_BLOCK_ROWS = int(os.environ.get("ATTNCOMM_SYMM_MAX_BLOCK_ROWS", "8"))
+# Private tuning knobs (the same on every rank: read from the environment at import).
+_MAX_BLOCK_ROWS = int(os.environ.get("ATTNCOMM_SYMM_MAX_BLOCK_ROWS", "16"))
 _PROGRAMS_PER_SM = int(os.environ.get("ATTNCOMM_SYMM_PROGRAMS_PER_SM", "1"))
+_MAX_WARPS = int(os.environ.get("ATTNCOMM_SYMM_MAX_WARPS", "8"))
+# Payload per peer up to which the LL protocol (flag inside every 8-byte word) is used.
+_LL_MAX_BYTES = int(os.environ.get("ATTNCOMM_SYMM_LL_MAX_BYTES", str(64 * 1024)))
 _DELTA_UNIT = 16  # peer offsets are passed in units of 16 elements (keeps stores vectorised)
 
 
@@ -56,12 +59,103 @@ if triton is not None:
                                          is_pure=False, pack=1)
 
     @triton.jit
-    def _dispatch(out_ptr, lse_ptr, slab_o, slab_l, slab_f, delta_o, delta_w, rank, e, slot,
-                  n_rows, n_blocks, grid_size, H, HS, D, o_cell, l_base, l_cell, f_base, f_cell,
-                  W: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-        # Store this rank's rows for every peer's head slice into that peer's slab, then
-        # publish each block with a release store of the epoch into the peer's flag.
+    def _epoch_begin(state_ptr, grid_size):
+        # This call's epoch. Every program counts itself in right after reading it (release:
+        # the read is ordered first); the last one stores it back for the next call.
+        e = tl.load(state_ptr, volatile=True) + 1
+        done = tl.atomic_add(state_ptr + 1, 1, sem="release", scope="gpu")
+        if done == grid_size - 1:
+            tl.store(state_ptr + 1, 0)
+            tl.store(state_ptr, e)
+        return e
+
+    @triton.jit
+    def _timed_out(deadline, timeout_ns):
+        # (deadline, expired): the deadline is set on the first wait that has to spin.
+        now = _now_ns()
+        if deadline == 0:
+            deadline = now + timeout_ns.to(tl.int64)
+        return deadline, now > deadline
+
+    @triton.jit
+    def _wait_flag(ptr, e, deadline, timeout_ns, err_ptr, bad):
+        v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+        while v != e:
+            deadline, expired = _timed_out(deadline, timeout_ns)
+            if expired:
+                tl.atomic_xchg(err_ptr, 1)
+                bad = bad | 1
+                v = e
+            else:
+                v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+        return deadline, bad
+
+    @triton.jit
+    def _online(m, s, l):
+        # Fold one source's LSE into the running max m and sum s (NaN counts as −inf, m := 0
+        # while every LSE so far is −inf). Returns (m, s, scale of the old accumulator, weight).
+        l = tl.where(l == l, l, float("-inf"))
+        m_new = tl.maximum(m, l)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        scale = tl.exp(m - m_use)
+        w = tl.exp(l - m_use)
+        return m_new, s * scale + w, scale, w
+
+    @triton.jit
+    def _fold(acc, scale, w, o):
+        # A zero-weight source's payload is never used (it may be NaN behind a −inf LSE).
+        return acc * scale[:, None] + tl.where((w > 0)[:, None], w[:, None] * o.to(tl.float32),
+                                               0.0)
+
+    @triton.jit
+    def _final(s, m):
+        s_safe = tl.where(s > 0, s, 1.0)
+        lse = tl.where(s > 0, tl.log(s_safe) + tl.where(m == float("-inf"), 0.0, m),
+                       float("-inf"))
+        return s_safe, lse
+
+    # ---------------------------------------------------------------- flag protocol (large T)
+
+    @triton.jit
+    def _combine_rows(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slot, rows, rmask,
+                      H, HS, D, o_cell, l_base, l_cell, RANK: tl.constexpr, W: tl.constexpr,
+                      BR: tl.constexpr, BD: tl.constexpr):
+        d = tl.arange(0, BD)
+        m2 = rmask[:, None] & (d < D)[None, :]
+        own = (rows // HS) * H + RANK * HS + rows % HS
+        m = tl.full([BR], float("-inf"), tl.float32)
+        s = tl.zeros([BR], tl.float32)
+        acc = tl.zeros([BR, BD], tl.float32)
+        for q in tl.static_range(W):
+            if q == RANK:  # this rank's own rows, read in place
+                l = tl.load(lse_ptr + own, mask=rmask, other=float("-inf"))
+                o = tl.load(out_ptr + own[:, None] * D + d[None, :], mask=m2, other=0.0)
+            else:
+                cell = slot * W + q
+                l = tl.load(slab_l + l_base + cell * l_cell + rows, mask=rmask,
+                            other=float("-inf"), cache_modifier=".cg")
+                o = tl.load(slab_o + cell * o_cell + rows[:, None] * D + d[None, :], mask=m2,
+                            other=0.0, cache_modifier=".cg")
+            m, s, scale, w = _online(m, s, l)
+            acc = _fold(acc, scale, w, o)
+        s_safe, lse = _final(s, m)
+        tl.store(res_ptr + rows[:, None] * D + d[None, :],
+                 (acc / s_safe[:, None]).to(res_ptr.dtype.element_ty), mask=m2)
+        tl.store(res_lse_ptr + rows, lse, mask=rmask)
+
+    @triton.jit(do_not_specialize=["n_rows", "n_blocks", "grid_size", "timeout_ns"])
+    def _merge_flag_kernel(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slab_f,
+                           delta_o, delta_w, state_ptr, err_ptr,
+                           n_rows, n_blocks, grid_size, timeout_ns,
+                           H, HS, D, o_cell, l_base, l_cell, f_base, f_cell,
+                           RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
+                           BD: tl.constexpr):
+        """One merge, flag protocol. ``out [T, H, D]``, ``lse [T, H]`` fp32 → ``res [T, HS,
+        D]``, ``res_lse [T, HS]`` fp32; a row is a ``(t, h_local)`` pair, ``n_rows = T·HS``;
+        program p handles blocks p, p+G, ... and has one flag per peer."""
         pid = tl.program_id(0)
+        e = _epoch_begin(state_ptr, grid_size)
+        slot = e & 1
         r = tl.arange(0, BR)
         d = tl.arange(0, BD)
         dmask = d < D
@@ -69,113 +163,152 @@ if triton is not None:
         while b < n_blocks:
             rows = b * BR + r
             rmask = rows < n_rows
-            t = rows // HS
-            hl = rows % HS
+            src_base = (rows // HS) * H + rows % HS
             m2 = rmask[:, None] & dmask[None, :]
             for q in tl.static_range(W):
-                if q != rank:
-                    src = t * H + q * HS + hl
+                if q != RANK:
+                    src = src_base + q * HS
                     vals = tl.load(out_ptr + src[:, None] * D + d[None, :], mask=m2)
                     lv = tl.load(lse_ptr + src, mask=rmask)
-                    cell = slot * W + rank
+                    cell = slot * W + RANK
                     po = slab_o + tl.load(delta_o + q) * 16 + cell * o_cell
                     tl.store(po + rows[:, None] * D + d[None, :], vals, mask=m2)
-                    dw = tl.load(delta_w + q) * 16
-                    tl.store(slab_l + dw + l_base + cell * l_cell + rows, lv, mask=rmask)
-                    tl.debug_barrier()  # every thread's stores precede the release below
-                    tl.atomic_xchg(slab_f + dw + f_base + cell * f_cell + b, e, sem="release",
-                                   scope="sys")
+                    pl = slab_l + tl.load(delta_w + q) * 16 + l_base + cell * l_cell
+                    tl.store(pl + rows, lv, mask=rmask)
             b += grid_size
+        # Publish: after the block barrier, one release (fence + store) covers every thread's
+        # stores; later flags of the same thread are ordered after it.
+        tl.debug_barrier()
+        for q in tl.static_range(W):
+            if q != RANK:
+                pf = (slab_f + tl.load(delta_w + q) * 16 + f_base + (slot * W + RANK) * f_cell
+                      + pid)
+                if q == (RANK + 1) % W:
+                    tl.atomic_xchg(pf, e, sem="release", scope="sys")
+                else:
+                    tl.atomic_xchg(pf, e, sem="relaxed", scope="sys")
+        deadline = timeout_ns.to(tl.int64) * 0
+        bad = tl.full([], 0, tl.int32)
+        for q in tl.static_range(W):
+            if q != RANK:
+                deadline, bad = _wait_flag(slab_f + f_base + (slot * W + q) * f_cell + pid, e,
+                                           deadline, timeout_ns, err_ptr + q, bad)
+        tl.debug_barrier()
+        if bad == 0:
+            b = pid
+            while b < n_blocks:
+                rows = b * BR + r
+                _combine_rows(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slot,
+                              rows, rows < n_rows, H, HS, D, o_cell, l_base, l_cell, RANK, W,
+                              BR, BD)
+                b += grid_size
+
+    # ---------------------------------------------------------------- LL protocol (small T)
 
     @triton.jit
-    def _combine_block(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, rank, slot,
-                       rows, rmask, t, hl, H, HS, D, o_cell, l_base, l_cell,
-                       W: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-        d = tl.arange(0, BD)
-        m2 = rmask[:, None] & (d < D)[None, :]
-        own = t * H + rank * HS + hl
-        m = tl.full([BR], float("-inf"), tl.float32)
-        for q in tl.static_range(W):
-            if q == rank:
-                l = tl.load(lse_ptr + own, mask=rmask, other=float("-inf"))
-            else:
-                l = tl.load(slab_l + l_base + (slot * W + q) * l_cell + rows, mask=rmask,
-                            other=float("-inf"), cache_modifier=".cg")
-            m = tl.maximum(m, tl.where(l == l, l, float("-inf")))
-        m = tl.where(m == float("-inf"), 0.0, m)
-        s = tl.zeros([BR], tl.float32)
-        acc = tl.zeros([BR, BD], tl.float32)
-        for q in tl.static_range(W):
-            if q == rank:
-                l = tl.load(lse_ptr + own, mask=rmask, other=float("-inf"))
-            else:
-                l = tl.load(slab_l + l_base + (slot * W + q) * l_cell + rows, mask=rmask,
-                            other=float("-inf"), cache_modifier=".cg")
-            w = tl.exp(tl.where(l == l, l, float("-inf")) - m)
-            live = m2 & (w > 0)[:, None]  # a zero-weight source is never read
-            if q == rank:
-                o = tl.load(out_ptr + own[:, None] * D + d[None, :], mask=live, other=0.0)
-            else:
-                o = tl.load(slab_o + (slot * W + q) * o_cell + rows[:, None] * D + d[None, :],
-                            mask=live, other=0.0, cache_modifier=".cg")
-            acc += w[:, None] * o.to(tl.float32)
-            s += w
-        s_safe = tl.where(s > 0, s, 1.0)
-        res = acc / s_safe[:, None]
-        tl.store(res_ptr + rows[:, None] * D + d[None, :], res.to(res_ptr.dtype.element_ty),
-                 mask=m2)
-        tl.store(res_lse_ptr + rows, tl.where(s > 0, tl.log(s_safe) + m, float("-inf")),
-                 mask=rmask)
+    def _unpack(x, PACK: tl.constexpr, DTYPE: tl.constexpr):
+        # int32 words → (low, high) halves as fp32 (PACK 2: two 16-bit values per word).
+        if PACK == 2:
+            lo = (x & 0xFFFF).to(tl.uint16).to(DTYPE, bitcast=True).to(tl.float32)
+            hi = ((x >> 16) & 0xFFFF).to(tl.uint16).to(DTYPE, bitcast=True).to(tl.float32)
+        else:
+            lo = x.to(tl.float32, bitcast=True)
+            hi = lo
+        return lo, hi
 
-    @triton.jit(do_not_specialize=["rank", "n_rows", "n_blocks", "grid_size", "timeout_ns"])
-    def _symm_a2a_kernel(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slab_f,
-                         delta_o, delta_w, state_ptr, err_ptr,
-                         rank, n_rows, n_blocks, grid_size, timeout_ns,
-                         H, HS, D, o_cell, l_base, l_cell, f_base, f_cell,
-                         W: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-        """One DCP merge. ``out [T, H, D]``, ``lse [T, H]`` fp32 → ``res [T, HS, D]``,
-        ``res_lse [T, HS]`` fp32; rows are ``(t, h_local)`` pairs, ``n_rows = T·HS``."""
+    @triton.jit
+    def _pack(lo, hi, PACK: tl.constexpr, DTYPE: tl.constexpr):
+        if PACK == 2:
+            a = lo.to(DTYPE).to(tl.uint16, bitcast=True).to(tl.int32)
+            b = hi.to(DTYPE).to(tl.uint16, bitcast=True).to(tl.int32)
+            return a | (b << 16)
+        else:
+            return lo.to(tl.int32, bitcast=True)
+
+    @triton.jit
+    def _ll_ready(y, yl, e):
+        ok = tl.min(((y >> 32).to(tl.int32) == e).to(tl.int32))
+        return ok & tl.min(((yl >> 32).to(tl.int32) == e).to(tl.int32))
+
+    @triton.jit(do_not_specialize=["n_rows", "n_blocks", "grid_size", "timeout_ns"])
+    def _merge_ll_kernel(out_w, lse_ptr, lse_w, res_w, res_lse_ptr, slab_q, delta_q, state_ptr,
+                         err_ptr, n_rows, n_blocks, grid_size, timeout_ns, H, HS, DW,
+                         llo_base, llo_cell, lll_base, lll_cell,
+                         RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
+                         BW: tl.constexpr, PACK: tl.constexpr, DTYPE: tl.constexpr):
+        """One merge, LL protocol: every 8-byte word sent is ``(epoch << 32) | 32 payload
+        bits``, so no fence and no separate flag; the receiver polls the words themselves.
+        ``out_w [T, H, DW]`` / ``res_w [T, HS, DW]`` are the payloads viewed as int32."""
         pid = tl.program_id(0)
-        e = tl.load(state_ptr) + 1
+        e = _epoch_begin(state_ptr, grid_size)
         slot = e & 1
-        _dispatch(out_ptr, lse_ptr, slab_o, slab_l, slab_f, delta_o, delta_w, rank, e, slot,
-                  n_rows, n_blocks, grid_size, H, HS, D, o_cell, l_base, l_cell, f_base,
-                  f_cell, W, BR, BD)
-        # The clock is read only when a flag is not there yet (keeps the interpreter path free
-        # of inline asm); one deadline per program bounds all of its waits together.
-        deadline = timeout_ns.to(tl.int64) * 0
+        tag = e.to(tl.int64) << 32
         r = tl.arange(0, BR)
+        c = tl.arange(0, BW)
+        cmask = c < DW
         b = pid
         while b < n_blocks:
             rows = b * BR + r
             rmask = rows < n_rows
-            bad = tl.full([], 0, tl.int32)
+            src_base = (rows // HS) * H + rows % HS
+            m2 = rmask[:, None] & cmask[None, :]
             for q in tl.static_range(W):
-                if q != rank:
-                    fp = slab_f + f_base + (slot * W + q) * f_cell + b
-                    v = tl.atomic_add(fp, 0, sem="acquire", scope="sys")
-                    while v != e:
-                        now = _now_ns()
-                        if deadline == 0:
-                            deadline = now + timeout_ns.to(tl.int64)
-                        if now > deadline:
-                            tl.atomic_xchg(err_ptr + q, 1)
-                            bad = 1
-                            v = e
-                        else:
-                            v = tl.atomic_add(fp, 0, sem="acquire", scope="sys")
-            tl.debug_barrier()
-            if bad == 0:
-                _combine_block(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, rank,
-                               slot, rows, rmask, rows // HS, rows % HS, H, HS, D, o_cell,
-                               l_base, l_cell, W, BR, BD)
+                if q != RANK:
+                    src = src_base + q * HS
+                    x = tl.load(out_w + src[:, None] * DW + c[None, :], mask=m2, other=0)
+                    xl = tl.load(lse_w + src, mask=rmask, other=0)
+                    base = slab_q + tl.load(delta_q + q) * 16
+                    cell = slot * W + RANK
+                    tl.store(base + llo_base + cell * llo_cell + rows[:, None] * DW + c[None, :],
+                             tag | (x.to(tl.int64) & 0xFFFFFFFF), mask=m2)
+                    tl.store(base + lll_base + cell * lll_cell + rows,
+                             tag | (xl.to(tl.int64) & 0xFFFFFFFF), mask=rmask)
             b += grid_size
-        # The last program to finish advances the epoch (every program has read it by then).
-        tl.debug_barrier()
-        done = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu")
-        if done == grid_size - 1:
-            tl.store(state_ptr + 1, 0)
-            tl.store(state_ptr, e)
+        deadline = timeout_ns.to(tl.int64) * 0
+        bad = tl.full([], 0, tl.int32)
+        b = pid
+        while b < n_blocks:
+            rows = b * BR + r
+            rmask = rows < n_rows
+            m2 = rmask[:, None] & cmask[None, :]
+            own = (rows // HS) * H + RANK * HS + rows % HS
+            m = tl.full([BR], float("-inf"), tl.float32)
+            s = tl.zeros([BR], tl.float32)
+            l = tl.load(lse_ptr + own, mask=rmask, other=float("-inf"))
+            lo, hi = _unpack(tl.load(out_w + own[:, None] * DW + c[None, :], mask=m2, other=0),
+                             PACK, DTYPE)
+            m, s, scale, w = _online(m, s, l)
+            acc_lo = _fold(tl.zeros([BR, BW], tl.float32), scale, w, lo)
+            acc_hi = _fold(tl.zeros([BR, BW], tl.float32), scale, w, hi)
+            for q in tl.static_range(W):
+                if q != RANK:
+                    cell = slot * W + q
+                    po = slab_q + llo_base + cell * llo_cell + rows[:, None] * DW + c[None, :]
+                    pl = slab_q + lll_base + cell * lll_cell + rows
+                    y = tl.load(po, mask=m2, other=tag, volatile=True)
+                    yl = tl.load(pl, mask=rmask, other=tag, volatile=True)
+                    ready = _ll_ready(y, yl, e)
+                    while ready == 0:
+                        deadline, expired = _timed_out(deadline, timeout_ns)
+                        if expired:
+                            tl.atomic_xchg(err_ptr + q, 1)
+                            bad = bad | 1
+                            ready = ready | 1
+                        else:
+                            y = tl.load(po, mask=m2, other=tag, volatile=True)
+                            yl = tl.load(pl, mask=rmask, other=tag, volatile=True)
+                            ready = _ll_ready(y, yl, e)
+                    lq = yl.to(tl.int32).to(tl.float32, bitcast=True)
+                    lo, hi = _unpack(y.to(tl.int32), PACK, DTYPE)
+                    m, s, scale, w = _online(m, s, lq)
+                    acc_lo = _fold(acc_lo, scale, w, lo)
+                    acc_hi = _fold(acc_hi, scale, w, hi)
+            if bad == 0:
+                s_safe, lse = _final(s, m)
+                words = _pack(acc_lo / s_safe[:, None], acc_hi / s_safe[:, None], PACK, DTYPE)
+                tl.store(res_w + rows[:, None] * DW + c[None, :], words, mask=m2)
+                tl.store(res_lse_ptr + rows, lse, mask=rmask)
+            b += grid_size
 
 
 def plan_blocks(n_rows: int, n_programs_max: int, max_block_rows: int = _MAX_BLOCK_ROWS):
@@ -193,30 +326,62 @@ def plan_blocks(n_rows: int, n_programs_max: int, max_block_rows: int = _MAX_BLO
     return br, n_blocks, min(n_blocks, n_programs_max)
 
 
-def _num_warps(block_rows: int, block_d: int, itemsize: int) -> int:
-    # about one 16-byte vector per thread and row chunk; 1..8 warps
-    nbytes = block_rows * block_d * itemsize
-    return max(1, min(8, nbytes // (32 * 16)))
+def use_ll(n_rows: int, layout: SlabLayout) -> bool:
+    """Whether a merge of ``n_rows`` rows per peer takes the LL protocol."""
+    return 0 < n_rows <= layout.ll_rows
 
 
-def launch_merge(out, lse, res, res_lse, *, slab_o, slab_l, slab_f, delta_o, delta_w, state,
-                 errors, rank: int, world_size: int, num_heads: int, layout: SlabLayout,
+def ll_rows_for(max_rows: int, head_dim: int, itemsize: int,
+                ll_max_bytes: int = _LL_MAX_BYTES) -> int:
+    """Rows per cell of the LL regions: rows whose payload per peer fits ``ll_max_bytes``."""
+    if (head_dim * itemsize) % 4:
+        return 0
+    return min(max_rows, ll_max_bytes // (head_dim * itemsize))
+
+
+def _num_warps(nbytes: int) -> int:
+    # about one 16-byte vector per thread and row chunk
+    return max(1, min(_MAX_WARPS, nbytes // (32 * 16)))
+
+
+_TL_DTYPES = {}
+if triton is not None:
+    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+                  torch.float32: tl.float32}
+
+
+def launch_merge(out, lse, res, res_lse, *, slab, delta_o, delta_w, delta_q, state, errors,
+                 rank: int, world_size: int, num_heads: int, layout: SlabLayout,
                  n_programs_max: int, timeout_ns: int) -> None:
-    """Launch one merge (no host sync). Tensors as in ``_symm_a2a_kernel``; ``out [T, H, D]`` and
-    ``lse [T, H]`` fp32 contiguous; ``res``/``res_lse`` at least ``[T, H/W, D]``/``[T, H/W]``."""
+    """Launch one merge (no host sync). ``out [T, H, D]`` and ``lse [T, H]`` fp32 contiguous;
+    ``res``/``res_lse`` contiguous, at least ``[T, H/W, D]``/``[T, H/W]``; ``slab`` the local
+    symmetric uint8 slab; ``delta_*`` the ``[W]`` int64 peer offsets in 16-element units of
+    the payload dtype, 4-byte and 8-byte words."""
     T, H, D = out.shape
     hs = num_heads // world_size
     n_rows = T * hs
     br, n_blocks, grid = plan_blocks(n_rows, n_programs_max)
     if grid == 0:
         return
-    bd = triton.next_power_of_2(D)
     st = layout.kernel_strides()
-    _symm_a2a_kernel[(grid,)](
-        out, lse, res, res_lse, slab_o, slab_l, slab_f, delta_o, delta_w, state, errors,
-        rank, n_rows, n_blocks, grid, timeout_ns,
+    if use_ll(n_rows, layout):
+        dw = layout.row_words
+        bw = triton.next_power_of_2(dw)
+        _merge_ll_kernel[(grid,)](
+            out.view(torch.int32), lse, lse.view(torch.int32), res.view(torch.int32), res_lse,
+            slab.view(torch.int64), delta_q, state, errors, n_rows, n_blocks, grid, timeout_ns,
+            H, hs, dw, st["llo_base"], st["llo_cell"], st["lll_base"], st["lll_cell"],
+            RANK=rank, W=world_size, BR=br, BW=bw, PACK=4 // out.element_size(),
+            DTYPE=_TL_DTYPES[out.dtype], num_warps=_num_warps(br * bw * 8))
+        return
+    bd = triton.next_power_of_2(D)
+    _merge_flag_kernel[(grid,)](
+        out, lse, res, res_lse, slab.view(out.dtype), slab.view(torch.float32),
+        slab.view(torch.int32), delta_o, delta_w, state, errors,
+        n_rows, n_blocks, grid, timeout_ns,
         H, hs, D, st["o_cell"], st["l_base"], st["l_cell"], st["f_base"], st["f_cell"],
-        W=world_size, BR=br, BD=bd, num_warps=_num_warps(br, bd, out.element_size()))
+        RANK=rank, W=world_size, BR=br, BD=bd,
+        num_warps=_num_warps(br * bd * out.element_size()))
 
 
 def _n_programs_max(device: torch.device) -> int:
@@ -255,7 +420,9 @@ class SymmA2ABackend(DcpBackend):
         self.rank = dist.get_rank(group)
         self.hs = num_heads // self.world_size
         itemsize = torch.empty((), dtype=dtype).element_size()
-        self.layout = SlabLayout(self.world_size, max_tokens * self.hs, head_dim, itemsize)
+        max_rows = max_tokens * self.hs
+        self.layout = SlabLayout(self.world_size, max_rows, head_dim, itemsize,
+                                 ll_rows_for(max_rows, head_dim, itemsize))
         if self.layout.total_bytes >= 2 ** 31:
             raise RuntimeError(f"symm_a2a: slab of {self.layout.total_bytes} bytes exceeds the "
                                f"kernel's 32-bit offsets; lower max_tokens")
@@ -284,19 +451,14 @@ class SymmA2ABackend(DcpBackend):
     def _setup_tables(self, itemsize: int) -> None:
         ptrs = [int(p) for p in self.ws.handle.buffer_ptrs]
         me = ptrs[self.rank]
-        unit_o, unit_w = _DELTA_UNIT * itemsize, _DELTA_UNIT * 4
+        units = (_DELTA_UNIT * itemsize, _DELTA_UNIT * 4, _DELTA_UNIT * 8)
         deltas = [p - me for p in ptrs]
-        if any(dl % unit_o or dl % unit_w for dl in deltas):
-            raise RuntimeError(f"symm_a2a: peer slabs are not {max(unit_o, unit_w)}-byte "
-                               f"aligned relative to each other: {deltas}")
-        dev = self.device
-        self.delta_o = torch.tensor([dl // unit_o for dl in deltas], dtype=torch.int64,
-                                    device=dev)
-        self.delta_w = torch.tensor([dl // unit_w for dl in deltas], dtype=torch.int64,
-                                    device=dev)
-        self.slab_o = self.ws.slab.view(self.dtype)
-        self.slab_l = self.ws.slab.view(torch.float32)
-        self.slab_f = self.ws.slab.view(torch.int32)
+        if any(dl % u for dl in deltas for u in units):
+            raise RuntimeError(f"symm_a2a: peer slabs are not {max(units)}-byte aligned "
+                               f"relative to each other: {deltas}")
+        self.delta_o, self.delta_w, self.delta_q = (
+            torch.tensor([dl // u for dl in deltas], dtype=torch.int64, device=self.device)
+            for u in units)
         # Grid bound agreed across ranks: block plans must match everywhere.
         n = torch.tensor([_n_programs_max(dev)], dtype=torch.int64)
         dist.all_reduce(n, op=dist.ReduceOp.MIN, group=_cpu_group(self.group))
@@ -307,18 +469,19 @@ class SymmA2ABackend(DcpBackend):
         # capture and proves the P2P path; a timeout here raises on construction.
         seen = set()
         for t in range(1, self.max_tokens + 1):
-            br, _, _ = plan_blocks(t * self.hs, self.n_programs_max)
-            if br in seen:
+            key = (plan_blocks(t * self.hs, self.n_programs_max)[0],
+                   use_ll(t * self.hs, self.layout))
+            if key in seen:
                 continue
-            seen.add(br)
+            seen.add(key)
             out = torch.zeros((t, self.num_heads, self.head_dim), dtype=self.dtype,
                               device=self.device)
             lse = torch.zeros((t, self.num_heads), dtype=torch.float32, device=self.device)
             self(out, lse)
 
     def _launch(self, out: torch.Tensor, lse: torch.Tensor) -> None:
-        launch_merge(out, lse, self.res, self.res_lse, slab_o=self.slab_o, slab_l=self.slab_l,
-                     slab_f=self.slab_f, delta_o=self.delta_o, delta_w=self.delta_w,
+        launch_merge(out, lse, self.res, self.res_lse, slab=self.ws.slab, delta_o=self.delta_o,
+                     delta_w=self.delta_w, delta_q=self.delta_q,
                      state=self.ws.state, errors=self.ws.errors, rank=self.rank,
                      world_size=self.world_size, num_heads=self.num_heads, layout=self.layout,
                      n_programs_max=self.n_programs_max, timeout_ns=self.timeout_ns)

@@ -1,0 +1,218 @@
+"""``attncomm bench dcp``: latency of every DCP merge backend, eager and in CUDA graphs.
+
+Default geometry is Kimi-K2.5's attention (64 heads, head_dim 512, bf16) at decode token counts
+1/8/16/32/64/128. Graph mode captures 10 consecutive merges per graph (as an engine's graph holds
+every layer) and reports replay time / 10; replays are enqueued back to back (no host sync in
+between, as an engine replays them) and each is timed with CUDA events. Eager mode times each
+call after a group barrier. 10 warm-up + 100 timed iterations; ``latency_us`` is the median over
+iterations of the slowest rank. The table gives each backend's speedup over the best NCCL (on CPU
+ranks: gloo) backend of the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["add_arguments", "main", "run_rank"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_COLLECTIVE = ("ag_rs", "a2a")  # the "NCCL backends" the speedup compares against
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    cuda = torch.cuda.is_available()
+    p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if cuda else "cpu")
+    p.add_argument("--heads", type=int, default=64, help="total heads H (default 64)")
+    p.add_argument("--head-dim", type=int, default=512, help="head_dim D (default 512)")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128])
+    p.add_argument("--backends", nargs="+", default=None,
+                   help="default: reference ag_rs a2a (+ symm_a2a on CUDA)")
+    p.add_argument("--modes", nargs="+", choices=("eager", "graph"), default=None,
+                   help="default: eager graph on CUDA, eager on CPU")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--per-graph", type=int, default=10, help="merges captured per graph")
+    p.add_argument("--json", metavar="PATH", default=None, help="write records as JSON")
+    p.add_argument("--plot", metavar="PATH", default=None, help="latency vs tokens PNG")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _config(args) -> dict:
+    device = args.device
+    backends = args.backends or (["reference", "ag_rs", "a2a"]
+                                 + (["symm_a2a"] if device == "cuda" else []))
+    modes = args.modes or (["eager", "graph"] if device == "cuda" else ["eager"])
+    if device == "cpu" and "graph" in modes:
+        raise ValueError("--modes graph needs --device cuda")
+    if args.heads % args.world_size:
+        raise ValueError(f"--heads {args.heads} is not divisible by --world-size "
+                         f"{args.world_size}")
+    return dict(device=device, backends=list(backends), modes=list(modes), heads=args.heads,
+                head_dim=args.head_dim, dtype=args.dtype, tokens=sorted(set(args.tokens)),
+                warmup=args.warmup, iters=args.iters, per_graph=args.per_graph,
+                progress=not args.no_progress)
+
+
+def _graph_times(fn, cfg, barrier) -> list[float]:
+    """Capture ``per_graph`` calls of ``fn``; time back-to-back replays with events (µs/call)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(cfg["per_graph"]):
+            fn()
+    torch.cuda.synchronize()
+    for _ in range(cfg["warmup"]):
+        graph.replay()
+    torch.cuda.synchronize()
+    barrier()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(cfg["iters"])]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) * 1e3 / cfg["per_graph"] for s, e in events]
+
+
+def _eager_times(fn, cfg, barrier) -> list[float]:
+    from ..bench.common import time_eager
+    return time_eager(fn, warmup=cfg["warmup"], iters=cfg["iters"], device=cfg["device"],
+                      barrier=barrier)
+
+
+def _inputs(T, H, D, dtype, device, rank):
+    gen = torch.Generator(device=device).manual_seed(17 + rank)
+    out = torch.randn((T, H, D), generator=gen, device=device).to(dtype)
+    lse = torch.randn((T, H), generator=gen, device=device) * 2
+    return out, lse
+
+
+def run_rank(rank: int, world_size: int, cfg: dict) -> list[dict] | None:
+    """Every rank: build each backend's merger, time every (tokens, mode); rank 0 returns the
+    records (slowest-rank medians), the others None."""
+    from .. import cpu_group
+    from ..bench.common import progress, slowest_rank_median
+    from .api import DcpMerger
+
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg["device"] == "cuda" \
+        else torch.device("cpu")
+    dtype = _DTYPES[cfg["dtype"]]
+    H, D = cfg["heads"], cfg["head_dim"]
+    g = cpu_group()
+
+    def barrier():
+        dist.barrier(group=g)
+
+    total = len(cfg["backends"]) * len(cfg["tokens"]) * len(cfg["modes"])
+    bar = progress(total, "bench dcp", enabled=cfg["progress"] and rank == 0)
+    records = []
+    for backend in cfg["backends"]:
+        try:
+            merger = DcpMerger(max_tokens=max(cfg["tokens"]), num_heads=H, head_dim=D,
+                               dtype=dtype, backend=backend)
+        except ValueError as exc:  # same on every rank: skip the backend everywhere
+            if rank == 0:
+                print(f"bench dcp: skipping {backend}: {exc}", flush=True)
+            bar.update(len(cfg["tokens"]) * len(cfg["modes"]))
+            continue
+        for T in cfg["tokens"]:
+            out, lse = _inputs(T, H, D, dtype, device, rank)
+            for mode in cfg["modes"]:
+                fn = (lambda: merger(out, lse))  # noqa: E731 - the timed call
+                times = (_graph_times if mode == "graph" else _eager_times)(fn, cfg, barrier)
+                if mode == "graph":
+                    merger.check()
+                lat = slowest_rank_median(times)
+                records.append({"backend": backend, "mode": mode, "tokens": T,
+                                "world_size": world_size, "latency_us": round(lat, 3)})
+                bar.update(1)
+        del merger
+    bar.close()
+    return records if rank == 0 else None
+
+
+def add_speedups(records: list[dict]) -> list[dict]:
+    """Each record with ``speedup`` = best collective backend's latency / its latency (same
+    mode and tokens); None when no collective backend ran."""
+    best: dict = {}
+    for r in records:
+        if r["backend"] in _COLLECTIVE:
+            k = (r["mode"], r["tokens"])
+            best[k] = min(best.get(k, float("inf")), r["latency_us"])
+    out = []
+    for r in records:
+        b = best.get((r["mode"], r["tokens"]))
+        out.append(dict(r, speedup=round(b / r["latency_us"], 2) if b and r["latency_us"] > 0
+                        else None))
+    return out
+
+
+def markdown_table(records: list[dict]) -> str:
+    """Pivot: one row per (mode, tokens), one column per backend (µs), plus symm_a2a's
+    speedup over the best collective backend."""
+    backends = list(dict.fromkeys(r["backend"] for r in records))
+    keyed = {(r["mode"], r["tokens"], r["backend"]): r for r in add_speedups(records)}
+    head = "| mode | tokens | " + " | ".join(f"{b} (µs)" for b in backends) + \
+        " | symm_a2a speedup vs best NCCL |"
+    lines = [head, "|" + "---|" * (len(backends) + 3)]
+    for mode in dict.fromkeys(r["mode"] for r in records):
+        for T in sorted({r["tokens"] for r in records if r["mode"] == mode}):
+            cells = []
+            for b in backends:
+                r = keyed.get((mode, T, b))
+                cells.append(f"{r['latency_us']:.1f}" if r else "-")
+            s = keyed.get((mode, T, "symm_a2a"))
+            sp = f"{s['speedup']:.2f}×" if s and s["speedup"] else "-"
+            lines.append(f"| {mode} | {T} | " + " | ".join(cells) + f" | {sp} |")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    from .. import launch
+    from ..bench.common import meta, plot_lines, print_table, write_json
+
+    cfg = _config(args)
+    t0 = time.monotonic()
+    results = launch(run_rank, args.world_size, device=cfg["device"], args=(cfg,))
+    records = results[0] or []
+    rows = add_speedups(records)
+    print_table(rows, ["backend", "mode", "tokens", "world_size", "latency_us", "speedup"],
+                title=f"DCP merge, W={args.world_size}, H={cfg['heads']}, D={cfg['head_dim']}, "
+                      f"{cfg['dtype']} (speedup: best of {'/'.join(_COLLECTIVE)} ÷ this)")
+    print(f"({time.monotonic() - t0:.1f} s)")
+    if args.json:
+        m = meta(cfg["device"], args.world_size, heads=cfg["heads"], head_dim=cfg["head_dim"],
+                 dtype=cfg["dtype"], warmup=cfg["warmup"], iters=cfg["iters"],
+                 per_graph=cfg["per_graph"])
+        if cfg["device"] == "cuda":
+            m = _gpu_meta(m)
+        write_json(args.json, m, records)
+    if args.plot and records:
+        series = {}
+        for r in records:
+            xs, ys = series.setdefault(f"{r['backend']} ({r['mode']})", ([], []))
+            xs.append(r["tokens"])
+            ys.append(r["latency_us"])
+        plot_lines(args.plot, series, xlabel="tokens", ylabel="latency (µs, slowest rank)",
+                   title=f"DCP merge W={args.world_size}, H={cfg['heads']}, D={cfg['head_dim']},"
+                         f" {cfg['dtype']}", logx=True, logy=True)
+    return 0
+
+
+def _gpu_meta(m: dict) -> dict:
+    # meta() reads the GPU name only when CUDA is initialised in this (parent) process.
+    if m.get("gpu") is None and torch.cuda.is_available():
+        m["gpu"] = torch.cuda.get_device_name(0)
+    return m

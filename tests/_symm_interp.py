@@ -1,0 +1,179 @@
+"""Single-process simulation of a W-rank symm_a2a merge under the Triton interpreter (CPU).
+
+Run as a script with TRITON_INTERPRET=1 (tests/test_symm_cpu.py does this in a subprocess).
+Rank 0's kernel runs for real; every other rank's contribution is staged into rank 0's slab
+exactly as that rank's kernel would store it (flags or LL tags with the right epoch), so the
+waits find their data at once (the interpreter cannot spin on a clock). Checks: rank 0's merged
+slice against an fp64 reference, what rank 0 stored into each peer's slab, the device epoch, and
+both parity slots over consecutive calls.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from attncomm.dcp.symm_a2a import launch_merge, plan_blocks, use_ll
+from attncomm.symm import SlabLayout
+
+NEG_INF = float("-inf")
+
+
+def _aligned(nbytes: int) -> torch.Tensor:
+    raw = torch.zeros(nbytes + 256, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % 256
+    return raw[off:off + nbytes]
+
+
+def _ref64(outs, lses, sl):
+    o, l = outs[:, :, sl].double(), lses[:, :, sl].double()
+    l = torch.where(torch.isnan(l), torch.full_like(l, NEG_INF), l)
+    m = l.amax(0)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(l - m)
+    s = w.sum(0)
+    acc = torch.where(w[..., None] > 0, o * w[..., None], torch.zeros_like(o)).sum(0)
+    res = acc / torch.where(s > 0, s, torch.ones_like(s))[..., None]
+    lse = torch.where(s > 0, torch.log(torch.where(s > 0, s, torch.ones_like(s))) + m,
+                      torch.full_like(s, NEG_INF))
+    return res, lse
+
+
+def _stage(slab, layout, e, src, rows_o, rows_l, n_blocks_grid):
+    """Store source ``src``'s rows for rank 0 into rank 0's slab as ``src``'s kernel would."""
+    st = layout.kernel_strides()
+    slot = e & 1
+    W = layout.world_size
+    cell = slot * W + src
+    n = rows_o.shape[0]
+    if use_ll(n, layout):
+        words = rows_o.contiguous().view(torch.int32).reshape(n, -1).to(torch.int64) & 0xFFFFFFFF
+        tag = e << 32
+        q = slab.view(torch.int64)
+        base = st["llo_base"] + cell * st["llo_cell"]
+        q[base:base + words.numel()] = (words | tag).reshape(-1)
+        lw = rows_l.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        base = st["lll_base"] + cell * st["lll_cell"]
+        q[base:base + n] = lw | tag
+    else:
+        o = slab.view(rows_o.dtype)
+        base = cell * st["o_cell"]
+        o[base:base + rows_o.numel()] = rows_o.reshape(-1)
+        f32 = slab.view(torch.float32)
+        base = st["l_base"] + cell * st["l_cell"]
+        f32[base:base + n] = rows_l
+        i32 = slab.view(torch.int32)
+        base = st["f_base"] + cell * st["f_cell"]
+        i32[base:base + n_blocks_grid] = e
+
+
+def _sent(slab, layout, e, src, n, dtype, D):
+    """What ``src`` (here rank 0) stored into this peer slab for epoch ``e``: (rows, lse)."""
+    st = layout.kernel_strides()
+    cell = (e & 1) * layout.world_size + src
+    if use_ll(n, layout):
+        q = slab.view(torch.int64)
+        base = st["llo_base"] + cell * st["llo_cell"]
+        words = q[base:base + n * layout.row_words]
+        assert bool(((words >> 32) == e).all()), "LL tags do not carry the epoch"
+        rows = (words & 0xFFFFFFFF).to(torch.int32).view(dtype).reshape(n, D)
+        base = st["lll_base"] + cell * st["lll_cell"]
+        lw = q[base:base + n]
+        assert bool(((lw >> 32) == e).all())
+        return rows, (lw & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    base = cell * st["o_cell"]
+    rows = slab.view(dtype)[base:base + n * D].reshape(n, D)
+    base = st["l_base"] + cell * st["l_cell"]
+    return rows, slab.view(torch.float32)[base:base + n]
+
+
+def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3):
+    """Two consecutive calls (epochs 1 and 2, both parity slots) on rank 0 of W ranks."""
+    gen = torch.Generator().manual_seed(seed)
+    hs = H // W
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    max_rows = max_tokens * hs
+    layout = SlabLayout(W, max_rows, D, itemsize, max_rows if ll else 0)
+    slabs = [_aligned(layout.total_bytes) for _ in range(W)]
+    ptrs = [s.data_ptr() for s in slabs]
+    deltas = [p - ptrs[0] for p in ptrs]
+    d_o, d_w, d_q = (torch.tensor([dl // (16 * u) for dl in deltas]) for u in (itemsize, 4, 8))
+    state = torch.zeros(4, dtype=torch.int32)
+    errors = torch.zeros(W, dtype=torch.int32)
+    res = torch.full((max_tokens, hs, D), float("nan")).to(dtype)
+    res_lse = torch.full((max_tokens, hs), float("nan"))
+    n = T * hs
+    assert use_ll(n, layout) == ll
+    _, _, grid = plan_blocks(n, n_programs)
+    worst = 0.0
+    for call in range(1, calls + 1):
+        outs = torch.randn((W, T, H, D), generator=gen).to(dtype)
+        lses = torch.randn((W, T, H), generator=gen) * 3
+        empty = torch.rand((W, T, H), generator=gen) < 0.2
+        empty[:, 0, 0] = True  # one row empty everywhere: exactly 0 and −inf
+        if W > 1 and T > 1:
+            empty[1, 1, :] = True  # a whole empty row on one source
+        lses[empty] = NEG_INF
+        outs[empty] = float("nan")  # never read behind −inf
+        lses[0, -1, 0] = float("nan")  # NaN LSE counts as −inf
+        for src in range(1, W):
+            _stage(slabs[0], layout, call, src, outs[src][:, 0:hs].reshape(n, D),
+                   lses[src][:, 0:hs].reshape(n), grid)
+        res.fill_(float("nan"))
+        res_lse.fill_(float("nan"))
+        launch_merge(outs[0].contiguous(), lses[0].contiguous(), res, res_lse, slab=slabs[0],
+                     delta_o=d_o, delta_w=d_w, delta_q=d_q, state=state, errors=errors, rank=0,
+                     world_size=W, num_heads=H, layout=layout, n_programs_max=n_programs,
+                     timeout_ns=10 ** 9)
+        assert int(state[0]) == call and int(state[1]) == 0, state
+        assert not bool(errors.any())
+        lses_ref = lses.clone()
+        lses_ref[0, -1, 0] = NEG_INF
+        ref, ref_lse = _ref64(outs, lses_ref, slice(0, hs))
+        got, got_lse = res[:T].double(), res_lse[:T].double()
+        assert torch.isfinite(got).all(), "non-finite output"
+        tol = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-5}[dtype]
+        err = ((got - ref).abs() - tol * ref.abs()).max().item()
+        assert err <= tol, f"error {err} > {tol} (dtype {dtype}, T={T}, ll={ll})"
+        inf = torch.isinf(ref_lse)
+        assert torch.equal(torch.isinf(got_lse), inf)
+        assert (got[inf] == 0).all()
+        assert (got_lse[~inf] - ref_lse[~inf]).abs().max().item() <= 1e-5 if (~inf).any() else 1
+        worst = max(worst, err)
+        for q in range(1, W):  # what rank 0 sent to q: its rows of q's head slice, bit-exact
+            rows, lse = _sent(slabs[q], layout, call, 0, n, dtype, D)
+            want = outs[0][:, q * hs:(q + 1) * hs].reshape(n, D)
+            assert torch.equal(rows.view(torch.uint8), want.contiguous().view(torch.uint8))
+            want_l = lses[0][:, q * hs:(q + 1) * hs].reshape(n)
+            assert torch.equal(lse.view(torch.int32), want_l.contiguous().view(torch.int32))
+            if not ll:
+                st = layout.kernel_strides()
+                base = st["f_base"] + ((call & 1) * W) * st["f_cell"]
+                flags = slabs[q].view(torch.int32)[base:base + grid]
+                assert bool((flags == call).all()), flags
+    return worst
+
+
+CASES = [
+    # W, H, D, T, max_tokens, dtype, ll
+    (2, 4, 24, 3, 5, torch.bfloat16, False),
+    (2, 4, 24, 3, 5, torch.bfloat16, True),
+    (2, 6, 40, 5, 7, torch.float16, True),
+    (2, 6, 40, 5, 7, torch.float16, False),
+    (3, 6, 16, 4, 4, torch.float32, False),
+    (3, 6, 16, 4, 4, torch.float32, True),
+    (4, 8, 20, 7, 9, torch.bfloat16, False),
+    (1, 2, 8, 3, 3, torch.bfloat16, False),
+]
+
+
+def main() -> int:
+    for case in CASES:
+        run_case(*case)
+    print(f"ok {len(CASES)} cases")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
