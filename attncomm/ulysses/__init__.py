@@ -1,0 +1,22 @@
+"""Ulysses all-to-all: sequence-sharded ↔ head-sharded activations around attention.
+
+- ``head_split(H, W)``: heads per rank (uneven allowed: 7 over 4 → 2, 2, 2, 1).
+- ``seq_to_head`` / ``head_to_seq``: the two exchanges, any head count, any sequence split.
+- ``UlyssesAttention``: attention over the whole sequence on sequence-sharded q/k/v, with
+  GQA/MQA, RMSNorm + RoPE and head-group pipelining.
+- Transports: ``all_to_all`` (the process group's ``all_to_all_single`` with split sizes) and
+  ``ce`` (copy-engine copies into torch SymmetricMemory staging slots); ``auto`` picks, and
+  ``fallback_reason`` says why it did not take ``ce`` (``backend_availability()`` for
+  ``attncomm env``).
+"""
+from __future__ import annotations
+
+from .api import backend_availability, head_to_seq, seq_to_head
+from .attention import UlyssesAttention, rms_norm_rope, sdpa_attention
+from .layout import head_split
+
+#: Why the last ``auto`` call did not use ``ce`` (None when it did, or before any call).
+fallback_reason: str | None = None
+
+__all__ = ["head_split", "seq_to_head", "head_to_seq", "UlyssesAttention", "sdpa_attention",
+           "rms_norm_rope", "backend_availability", "fallback_reason"]

@@ -1,0 +1,145 @@
+"""The ``all_to_all`` transport: the process group's ``all_to_all_single`` with split sizes.
+
+NCCL on GPU, gloo on CPU; uneven heads and sequences need no padding because every chunk has its
+own split size. Data travels as bytes (gloo lacks some dtypes, e.g. bf16, for this collective).
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import _dist
+from .layout import ExchangePlan
+from .transport import Exchange, Transport, source_view
+
+__all__ = ["AllToAllTransport", "wait_work", "as_bytes"]
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat tensor viewed as bytes (every backend moves uint8)."""
+    return t.view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+
+
+def wait_work(work, group, op: str, timeout_s: float) -> None:
+    """Wait for async collective work: bounded by ``timeout_s`` on gloo (host wait); on NCCL the
+    stream waits and the group's timeout bounds it."""
+    with _dist.guard_timeout(group, op, timeout_s):
+        if dist.get_backend(group) == "gloo":
+            work.wait(datetime.timedelta(seconds=timeout_s))
+        else:
+            work.wait()
+
+
+class _A2AExchange(Exchange):
+    def __init__(self, transport, work, plan, recv, out, dtype, device):
+        self.t = transport
+        self.work = work
+        self.plan = plan
+        self.recv = recv
+        self.out = out
+        self.dtype = dtype
+        self.device = device
+        self._result = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is not None:
+            return self._result
+        if self.work is not None:
+            wait_work(self.work, self.t.group, "ulysses all_to_all", self.t.timeout_s)
+        r, plan = self.t.rank, self.plan
+        if plan.tiled:
+            if self.out is not None and self.out.data_ptr() != self.recv.data_ptr():
+                # a tiled plan's pieces start at 0 and are dense: the prefix of the buffer
+                self.out[:self.recv.numel()].copy_(self.recv)
+                self._result = self.out
+            else:
+                self._result = self.recv
+            return self._result
+        final = self.out if self.out is not None else torch.empty(
+            plan.recv_numel[r], dtype=self.dtype, device=self.device)
+        pos = 0
+        for s in range(plan.world_size):
+            for x in plan.pieces[s][r]:
+                dst = final.as_strided((x.rows, x.cols), (x.dst_pitch, 1),
+                                       final.storage_offset() + x.dst_offset)
+                dst.copy_(self.recv[pos:pos + x.numel].view(x.rows, x.cols))
+                pos += x.numel
+        self._result = final
+        return final
+
+
+class AllToAllTransport(Transport):
+    """``all_to_all_single`` over ``group`` (async; ``Exchange.wait`` blocks the stream or, on
+    gloo, the host, bounded by ``timeout_s``)."""
+
+    name = "all_to_all"
+
+    def start(self, plan: ExchangePlan, parts: Sequence[torch.Tensor], dtype: torch.dtype,
+              device: torch.device, out: torch.Tensor | None = None) -> Exchange:
+        r, w = self.rank, self.world_size
+        send = self._pack(plan, parts, dtype, device)
+        if plan.tiled and out is not None and plan.covers(r):
+            recv = out
+        else:
+            recv = torch.empty(sum(plan.numel[s][r] for s in range(w)), dtype=dtype,
+                               device=device)
+        if w == 1:
+            recv.copy_(send)
+            return _A2AExchange(self, None, plan, recv, out, dtype, device)
+        item = torch.empty((), dtype=dtype).element_size()
+        send_splits = [plan.numel[r][p] * item for p in range(w)]
+        recv_splits = [plan.numel[s][r] * item for s in range(w)]
+        with _dist.guard_timeout(self.group, "ulysses all_to_all", self.timeout_s):
+            work = dist.all_to_all_single(as_bytes(recv), as_bytes(send),
+                                          recv_splits, send_splits, group=self.group,
+                                          async_op=True)
+        return _A2AExchange(self, work, plan, recv, out, dtype, device)
+
+    def _pack(self, plan: ExchangePlan, parts, dtype, device) -> torch.Tensor:
+        r, w = self.rank, self.world_size
+        direct = _direct_send(plan, parts, r)
+        if direct is not None:
+            return direct
+        total = sum(plan.numel[r])
+        send = torch.empty(total, dtype=dtype, device=device)
+        base = 0
+        for p in range(w):
+            pos = 0
+            for x in plan.pieces[r][p]:
+                if plan.tiled:
+                    off = base + x.dst_offset - plan.region_start[r][p]
+                    dst = send.as_strided((x.rows, x.cols), (x.dst_pitch, 1), off)
+                else:
+                    dst = send[base + pos:base + pos + x.numel].view(x.rows, x.cols)
+                dst.copy_(source_view(parts, x))
+                pos += x.numel
+            base += plan.numel[r][p]
+        return send
+
+
+def _direct_send(plan: ExchangePlan, parts, r: int) -> torch.Tensor | None:
+    """The send buffer as a view of the source when the pieces, in send order, are consecutive
+    dense rows of one contiguous part (e.g. ``head_to_seq`` with ``B = 1``); else None."""
+    views, expect, storage = [], None, None
+    for p in range(plan.world_size):
+        for x in plan.pieces[r][p]:
+            v = source_view(parts, x)
+            if not v.is_contiguous() or (plan.tiled and x.rows > 1 and x.dst_pitch != x.cols):
+                return None
+            ptr = v.data_ptr()
+            if expect is not None and ptr != expect:
+                return None
+            sp = v.untyped_storage().data_ptr()
+            if storage is not None and sp != storage:
+                return None
+            storage = sp
+            expect = ptr + v.numel() * v.element_size()
+            views.append(v)
+    if not views:
+        return None
+    first = views[0]
+    total = sum(v.numel() for v in views)
+    return first.as_strided((total,), (1,), first.storage_offset())

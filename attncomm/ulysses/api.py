@@ -1,0 +1,287 @@
+"""``seq_to_head`` / ``head_to_seq``: the Ulysses all-to-all as two functional calls, and the
+choice of transport (``all_to_all``, ``ce``, ``auto``) shared with ``UlyssesAttention``.
+
+Ulysses sequence parallelism: DeepSpeed-Ulysses (Jacobs et al., 2023, arXiv:2309.14509) —
+attention on whole sequences for a subset of heads, reached by one all-to-all each way.
+"""
+from __future__ import annotations
+
+import sys
+import zlib
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import _dist, config
+from .all_to_all import AllToAllTransport
+from .layout import head_offsets, head_split, head_to_seq_plan, seq_to_head_plan
+from .transport import Transport
+
+__all__ = ["seq_to_head", "head_to_seq", "backend_availability", "get_transport",
+           "BACKENDS", "AUTO_CE_MIN_BYTES"]
+
+BACKENDS = ("all_to_all", "ce", "auto")
+_BACKEND_CODES = {"all_to_all": 1, "ce": 2, "auto": 3}
+#: ``auto`` takes ``ce`` (when eligible) from this many bytes sent per rank; below it the NCCL
+#: kernel's lower fixed cost wins.
+AUTO_CE_MIN_BYTES = 1 << 20
+
+_TRANSPORTS: dict = {}
+
+
+def _group_key(group):
+    return id(group) if group is not None else "world"
+
+
+def _set_fallback_reason(reason: str | None) -> None:
+    pkg = sys.modules.get("attncomm.ulysses")
+    if pkg is not None:
+        pkg.fallback_reason = reason
+
+
+def ce_reason(group, device: torch.device) -> str | None:
+    """Why the ``ce`` transport cannot run for ``device`` tensors on ``group`` (None if it can),
+    agreed across ranks (collective on first use per group and device type; cached)."""
+    from . import ce
+    return ce.agreed_unavailable_reason(group, device)
+
+
+def backend_availability(group=None) -> dict:
+    """``{backend name: None if it can run here, else the reason}`` for the Ulysses transports,
+    for CUDA tensors on ``group`` (collective over ``group`` when torch.distributed is
+    initialised; a local check otherwise)."""
+    from . import ce
+    out = {"all_to_all": None if dist.is_available() else "torch.distributed is unavailable"}
+    if dist.is_initialized():
+        dev = (torch.device("cuda", torch.cuda.current_device())
+               if torch.cuda.is_available() else torch.device("cpu"))
+        out["ce"] = ce.agreed_unavailable_reason(group, dev)
+    else:
+        reason = ce.local_unavailable_reason(None, torch.device("cuda"))
+        out["ce"] = reason or None
+    return out
+
+
+def _tracing() -> bool:
+    try:
+        return bool(torch.compiler.is_compiling())
+    except Exception:  # noqa: BLE001 - older torch
+        return False
+
+
+def get_transport(group, backend: str, device: torch.device, timeout_s: float,
+                  plan=None, dtype=None, op: str = "ulysses") -> Transport:
+    """The transport for this call. ``backend`` is already validated and agreed.
+
+    ``auto`` falls back to ``all_to_all`` (reason in ``attncomm.ulysses.fallback_reason``) when
+    ``ce`` is not eligible, torch.compile is tracing, the message is small, or a new shape shows
+    up during CUDA graph capture. An explicit ``ce`` that cannot run raises ``ValueError``.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if backend != "all_to_all":
+        reason = "torch.compile is tracing" if _tracing() else ce_reason(group, device)
+        if reason is None and plan is not None:
+            from . import ce
+            t = _cached(group, "ce", device, timeout_s, rank, world)
+            reason = t.start_blocker(plan, dtype)
+            if reason is None:
+                _set_fallback_reason(None)
+                if backend == "auto" and _max_bytes(plan, dtype) < AUTO_CE_MIN_BYTES:
+                    return _cached(group, "all_to_all", device, timeout_s, rank, world)
+                return t
+        if reason is not None:
+            if backend == "ce":
+                raise ValueError(f"{op}: backend='ce' cannot run here: {reason}")
+            _set_fallback_reason(f"ce not used: {reason}")
+    return _cached(group, "all_to_all", device, timeout_s, rank, world)
+
+
+def _max_bytes(plan, dtype) -> int:
+    item = torch.empty((), dtype=dtype).element_size()
+    return max(sum(row) for row in plan.numel) * item
+
+
+def _cached(group, name, device, timeout_s, rank, world) -> Transport:
+    key = (_group_key(group), name, device.type, timeout_s)
+    t = _TRANSPORTS.get(key)
+    if t is None:
+        if name == "ce":
+            from .ce import CopyEngineTransport
+            t = CopyEngineTransport(group, rank, world, timeout_s, device=device)
+        else:
+            t = AllToAllTransport(group, rank, world, timeout_s)
+        _TRANSPORTS[key] = t
+    t.check()
+    return t
+
+
+def resolve_backend(backend: str) -> str:
+    """Apply ``ATTNCOMM_ULYSSES_BACKEND`` to ``auto``; ValueError for an unknown name."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    return config.env_backend("ATTNCOMM_ULYSSES_BACKEND", backend, BACKENDS)
+
+
+def seq_lens_hash(seq_lens: Sequence[int]) -> int:
+    return zlib.crc32(",".join(map(str, seq_lens)).encode()) & 0x7FFFFFFF
+
+
+def dense(x: torch.Tensor) -> torch.Tensor:
+    """``x [B, S, H, D]`` with its last two dims dense (a copy only when they are not)."""
+    if x.dim() == 4 and x.stride(3) == 1 and (x.shape[2] <= 1 or x.stride(2) == x.shape[3]):
+        return x
+    return x.contiguous()
+
+
+def check_call(group, op, validate, signature, labels, error, timeout_s) -> None:
+    """Local error → ValueError; with validation on, agree across ranks first (every rank then
+    raises the same ValueError)."""
+    if config.validate_enabled(validate, default=True) and dist.get_world_size(group) > 1:
+        _dist.agree(group, op, signature, labels, local_error=error, timeout_s=timeout_s)
+    elif error:
+        raise ValueError(f"{op}: invalid arguments — rank {dist.get_rank(group)}: {error}")
+
+
+def _seq_lens_error(seq_lens, world, local_len) -> str | None:
+    if len(seq_lens) != world:
+        return f"seq_lens has {len(seq_lens)} entries, the group has {world} ranks"
+    if any((not isinstance(s, int)) or s < 0 for s in seq_lens):
+        return f"seq_lens must be ints ≥ 0, got {list(seq_lens)}"
+    return None
+
+
+def _norm_seq_lens(seq_lens):
+    if seq_lens is None:
+        return None
+    if isinstance(seq_lens, torch.Tensor):
+        seq_lens = seq_lens.tolist()
+    return tuple(int(s) if isinstance(s, (int,)) or hasattr(s, "__index__") else s
+                 for s in seq_lens)
+
+
+def seq_to_head(x: torch.Tensor, group=None, *, seq_lens=None, backend: str = "auto",
+                validate: bool | None = None, timeout_s: float | None = None) -> torch.Tensor:
+    """Sequence-sharded → head-sharded.
+
+    Arguments:
+        x: ``[B, S_r, H, D]`` (any dtype), this rank's sequence shard.
+        group: process group (None: default).
+        seq_lens: every rank's ``S_r`` in rank order (default: every rank has this rank's
+            ``S_r``); zeros allowed.
+        backend: ``"all_to_all"``, ``"ce"`` or ``"auto"`` (env ``ATTNCOMM_ULYSSES_BACKEND``).
+
+    Returns:
+        ``[B, S, H_r, D]`` with ``S = Σ seq_lens`` and ``H_r = head_split(H, W)[r]`` (rank r's
+        contiguous heads), a new tensor (bitwise copies of the inputs).
+
+    Raises:
+        ValueError (on every rank): not 4-D, ``H < 1``, ``seq_lens`` of the wrong length or
+        disagreeing with ``x``, ranks disagreeing on shapes/dtype/backend.
+        PeerTimeoutError: a peer did not take part within ``timeout_s``.
+    """
+    timeout = config.timeout_s(timeout_s)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    error, seq = None, _norm_seq_lens(seq_lens)
+    try:
+        backend = resolve_backend(backend)
+    except ValueError as exc:
+        error, backend = str(exc), "auto"
+    shape = tuple(x.shape) if isinstance(x, torch.Tensor) else ()
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        error = error or f"x must be a 4-D tensor [B, S_r, H, D], got shape {list(shape)}"
+        shape = (0, 0, 0, 0)
+    elif shape[2] < 1:
+        error = error or f"x has {shape[2]} heads; at least one is needed"
+    if seq is None:
+        seq = (shape[1],) * world
+        default_len = shape[1]
+    else:
+        default_len = -1
+        error = error or _seq_lens_error(seq, world, shape[1])
+        if error is None and seq[rank] != shape[1]:
+            error = f"seq_lens[{rank}] = {seq[rank]} but x has S_r = {shape[1]}"
+    dcode = _dist.DTYPE_CODES.get(x.dtype, 0) if isinstance(x, torch.Tensor) else 0
+    dev = 1 if isinstance(x, torch.Tensor) and x.is_cuda else 0
+    sig = [shape[0], shape[2], shape[3], dcode, dev, _BACKEND_CODES[backend], default_len,
+           sum(seq) if error is None else -1, seq_lens_hash(seq) if error is None else -1]
+    labels = ["B", "H", "D", "dtype", "device is CUDA", "backend", "S_r (seq_lens=None)",
+              "sum(seq_lens)", "seq_lens (hash)"]
+    check_call(group, "seq_to_head", validate, sig, labels, error, timeout)
+    b, _, h, d = shape
+    heads = head_split(h, world)
+    offs = head_offsets(heads)
+    ranges = (tuple((offs[p], offs[p] + heads[p]) for p in range(world)),)
+    plan = seq_to_head_plan(b, seq, d, ranges)
+    x = dense(x)
+    t = get_transport(group, backend, x.device, timeout, plan, x.dtype, "seq_to_head")
+    ex = t.start(plan, [x], x.dtype, x.device)
+    buf = ex.wait()
+    out = buf.view(sum(seq), b, heads[rank], d).permute(1, 0, 2, 3)
+    if t.name != "all_to_all" or b > 1:
+        out = out.contiguous()
+    ex.release()
+    return out
+
+
+def head_to_seq(x: torch.Tensor, group=None, *, num_heads: int | None = None, seq_lens=None,
+                backend: str = "auto", validate: bool | None = None,
+                timeout_s: float | None = None) -> torch.Tensor:
+    """Head-sharded → sequence-sharded (the inverse of ``seq_to_head``).
+
+    Arguments:
+        x: ``[B, S, H_r, D]``, rank r's heads over the whole sequence.
+        num_heads: ``H`` in total (default ``H_r · W``; required when heads do not divide
+            evenly). Rank r must hold ``head_split(H, W)[r]`` heads.
+        seq_lens: every rank's ``S_r`` (default ``S / W`` each, which must divide).
+
+    Returns:
+        ``[B, S_r, H, D]``, a new tensor.
+
+    Raises:
+        ValueError (on every rank) for inconsistent heads, sequence lengths or shapes;
+        PeerTimeoutError when a peer does not take part within ``timeout_s``.
+    """
+    timeout = config.timeout_s(timeout_s)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    error, seq = None, _norm_seq_lens(seq_lens)
+    try:
+        backend = resolve_backend(backend)
+    except ValueError as exc:
+        error, backend = str(exc), "auto"
+    shape = tuple(x.shape) if isinstance(x, torch.Tensor) else ()
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        error = error or f"x must be a 4-D tensor [B, S, H_r, D], got shape {list(shape)}"
+        shape = (0, 0, 0, 0)
+    b, s_total, h_r, d = shape
+    h = num_heads if num_heads is not None else h_r * world
+    if error is None:
+        if not isinstance(h, int) or h < 1:
+            error = f"num_heads must be ≥ 1, got {h!r} (x has H_r = {h_r} heads)"
+        elif head_split(h, world)[rank] != h_r:
+            error = (f"x has H_r = {h_r} heads but head_split({h}, {world})[{rank}] = "
+                     f"{head_split(h, world)[rank]} (pass num_heads)")
+    if seq is None:
+        if error is None and s_total % world:
+            error = f"S = {s_total} is not divisible by W = {world}: pass seq_lens"
+        seq = (s_total // world,) * world
+    else:
+        error = error or _seq_lens_error(seq, world, None)
+        if error is None and sum(seq) != s_total:
+            error = f"sum(seq_lens) = {sum(seq)} but x has S = {s_total}"
+    dcode = _dist.DTYPE_CODES.get(x.dtype, 0) if isinstance(x, torch.Tensor) else 0
+    dev = 1 if isinstance(x, torch.Tensor) and x.is_cuda else 0
+    ok = error is None
+    sig = [b, s_total, d, dcode, dev, _BACKEND_CODES[backend], h if ok else -1,
+           seq_lens_hash(seq) if ok else -1]
+    labels = ["B", "S", "D", "dtype", "device is CUDA", "backend", "num_heads", "seq_lens (hash)"]
+    check_call(group, "head_to_seq", validate, sig, labels, error, timeout)
+    heads = head_split(h, world)
+    plan = head_to_seq_plan(b, seq, d, tuple(heads), tuple(head_offsets(heads)), h)
+    x = dense(x)
+    out = torch.empty(b, seq[rank], h, d, dtype=x.dtype, device=x.device)
+    t = get_transport(group, backend, x.device, timeout, plan, x.dtype, "head_to_seq")
+    ex = t.start(plan, [x], x.dtype, x.device, out=out.view(-1))
+    ex.wait()
+    ex.release()
+    return out

@@ -1,0 +1,355 @@
+"""``UlyssesAttention``: sequence-sharded q/k/v → head-sharded attention over the whole sequence →
+sequence-sharded output, with GQA/MQA, optional RMSNorm + RoPE and head-group pipelining."""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from .. import _dist, config
+from .api import (_BACKEND_CODES, check_call, dense, get_transport, resolve_backend,
+                  seq_lens_hash, _norm_seq_lens, _seq_lens_error)
+from .layout import (group_head_ranges, head_offsets, head_split, head_to_seq_plan,
+                     kv_head_range, seq_to_head_plan, uniform_group)
+
+__all__ = ["UlyssesAttention", "sdpa_attention", "rms_norm_rope"]
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   causal: bool) -> torch.Tensor:
+    """The default ``attn_fn``: PyTorch SDPA, scale ``1/√D``.
+
+    ``q [B, S, h, D]``, ``k [B, S, g, D]``, ``v [B, S, g, Dv]`` with ``h % g == 0`` (query head i
+    uses KV head ``i // (h / g)``) → ``[B, S, h, Dv]``."""
+    h, g = q.shape[2], k.shape[2]
+    # SDPA picks its kernel (and blocking) by shape, so a head's bits can depend on how many
+    # heads share the call. On CPU run one head per call (bits independent of the grouping, so
+    # pipelined runs equal sequential ones); on CUDA one call per group (flash attention
+    # computes each head on its own unless it splits the KV sequence).
+    if g != h:
+        k = k.repeat_interleave(h // g, dim=2)
+        v = v.repeat_interleave(h // g, dim=2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if q.device.type == "cpu":
+        if h == 0:
+            return q.new_empty(q.shape[0], q.shape[1], 0, v.shape[3])
+        outs = [sdpa(q[:, :, i:i + 1].transpose(1, 2).contiguous(),
+                     k[:, :, i:i + 1].transpose(1, 2).contiguous(),
+                     v[:, :, i:i + 1].transpose(1, 2).contiguous(), is_causal=causal)
+                for i in range(h)]
+        return torch.cat(outs, dim=1).transpose(1, 2)
+    out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+    return out.transpose(1, 2)
+
+
+def _tree_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim in a fixed pairwise order (same bits for any layout/device)."""
+    n = t.shape[-1]
+    while n > 1:
+        half = n // 2
+        head = t[..., :half] + t[..., half:2 * half]
+        t = torch.cat((head, t[..., 2 * half:]), dim=-1) if n % 2 else head
+        n = half + n % 2
+    return t
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                  cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+    """RMSNorm over ``D`` then rotate-half (NeoX) RoPE, in fp32, rounded once to ``x.dtype``.
+
+    Arguments:
+        x: ``[B, S, H, D]`` (any strides).
+        weight: ``[D]`` RMSNorm weight or None (no norm); ``eps`` its epsilon.
+        cos, sin: ``[S, D]`` for the positions of ``x``'s sequence axis, or None (no RoPE).
+
+    Returns ``[B, S, H, D]`` contiguous. Elementwise ops and a fixed-order sum only, so the bits
+    do not depend on the layout: applied before or after the all-to-all (unfused / fused) they
+    agree exactly.
+    """
+    xf = x.to(torch.float32).contiguous()
+    d = xf.shape[-1]
+    if weight is not None:
+        ms = _tree_sum(xf * xf) / d
+        xf = xf * torch.rsqrt(ms + eps) * weight.to(torch.float32)
+    if cos is not None:
+        c = cos.to(torch.float32)[:, None, :]
+        s = sin.to(torch.float32)[:, None, :]
+        half = d // 2
+        rot = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+        xf = xf * c + rot * s
+    return xf.to(x.dtype)
+
+
+class UlyssesAttention(torch.nn.Module):
+    """Attention over the whole sequence on sequence-sharded inputs (DeepSpeed-Ulysses).
+
+    Arguments:
+        attn_fn: ``attn_fn(q [B, S, h, D], k [B, S, g, D], v [B, S, g, Dv], causal) →
+            [B, S, h, Dv]`` with ``h % g == 0`` and query head i using KV head ``i // (h/g)``
+            (default: ``sdpa_attention``).
+        group: process group (None: default).
+        backend: ``"all_to_all"``, ``"ce"`` or ``"auto"`` (env ``ATTNCOMM_ULYSSES_BACKEND``).
+        pipeline_groups: −1 automatic (env ``ATTNCOMM_ULYSSES_PIPELINE_GROUPS``), 0 sequential,
+            N ≥ 2 forces N head groups (group g+1's exchange overlaps group g's attention).
+        qk_norm: ``(q_weight [D], k_weight [D], eps)`` RMSNorm for q and k, or None.
+        timeout_s: wait budget (None: ``ATTNCOMM_TIMEOUT_S``).
+        fuse_qk_norm_rope: apply norm/RoPE to the received head-sharded data (True) or to the
+            local shard before the exchange (False); the results are bitwise equal.
+        validate: cross-rank argument check (None: env, default on outside graph capture).
+
+    ``forward(q [B, S_r, Hq, D], k [B, S_r, Hkv, D], v [B, S_r, Hkv, Dv], *, seq_lens=None,
+    causal=False, rope=None) → [B, S_r, Hq, Dv]``; ``rope=(cos, sin)`` each ``[S, D]`` over
+    global positions. Query head h attends with KV head ``h // (Hq / Hkv)``; each rank receives
+    the KV heads its query heads use and expands them locally when its grouping is not
+    uniform.
+
+    Raises:
+        ValueError (every rank): ``Hq % Hkv != 0``, mismatched shapes across tensors or ranks,
+        bad ``seq_lens``/``rope``/``qk_norm``; PeerTimeoutError when a peer does not answer.
+    """
+
+    def __init__(self, attn_fn=None, group=None, *, backend: str = "auto",
+                 pipeline_groups: int = -1, qk_norm=None, timeout_s: float | None = None,
+                 fuse_qk_norm_rope: bool = True, validate: bool | None = None):
+        super().__init__()
+        if not isinstance(pipeline_groups, int) or pipeline_groups < -1:
+            raise ValueError(f"pipeline_groups must be -1, 0 or N ≥ 1, got {pipeline_groups!r}")
+        if backend not in ("all_to_all", "ce", "auto"):
+            raise ValueError(f"backend must be 'all_to_all', 'ce' or 'auto', got {backend!r}")
+        if qk_norm is not None:
+            if len(qk_norm) != 3 or not float(qk_norm[2]) > 0:
+                raise ValueError("qk_norm must be (q_weight [D], k_weight [D], eps > 0)")
+        self.attn_fn = attn_fn or sdpa_attention
+        self.group = group
+        self.backend = backend
+        self.pipeline_groups = pipeline_groups
+        self.qk_norm = qk_norm
+        self.timeout_s = timeout_s
+        self.fuse_qk_norm_rope = fuse_qk_norm_rope
+        self.validate = validate
+        #: The transports the last forward used, e.g. ``{"in": "ce", "out": "ce"}``.
+        self.last_backends: dict = {}
+        self.last_pipeline_groups = 0
+
+    # ----------------------------------------------------------------------------- checks
+    def _check(self, q, k, v, seq, causal, rope, backend_err):
+        group = self.group
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        error = backend_err
+        tens = [t for t in (q, k, v) if isinstance(t, torch.Tensor)]
+        if len(tens) != 3 or any(t.dim() != 4 for t in tens):
+            error = error or ("q, k, v must be 4-D tensors [B, S_r, H, D], got shapes "
+                              f"{[list(t.shape) for t in tens]}")
+            return error, (0,) * 5, None
+        b, s_r, hq, d = q.shape
+        hkv, dv = k.shape[2], v.shape[3]
+        if error is None:
+            if hq < 1 or hkv < 1:
+                error = f"need at least one head: Hq = {hq}, Hkv = {hkv}"
+            elif hq % hkv:
+                error = f"Hq % Hkv != 0: Hq = {hq}, Hkv = {hkv}"
+            elif k.shape[:2] != (b, s_r) or v.shape[:3] != k.shape[:3]:
+                error = (f"shapes disagree: q {list(q.shape)}, k {list(k.shape)}, "
+                         f"v {list(v.shape)} (need the same B, S_r; k, v the same Hkv)")
+            elif k.shape[3] != d:
+                error = f"q has D = {d} but k has D = {k.shape[3]}"
+            elif len({t.device for t in tens}) != 1:
+                error = f"q, k, v are on different devices: {[str(t.device) for t in tens]}"
+        if seq is None:
+            seq = (s_r,) * world
+        elif error is None:
+            error = _seq_lens_error(seq, world, s_r)
+            if error is None and seq[rank] != s_r:
+                error = f"seq_lens[{rank}] = {seq[rank]} but q has S_r = {s_r}"
+        if error is None and self.qk_norm is not None:
+            qw, kw, _ = self.qk_norm
+            if tuple(qw.shape) != (d,) or tuple(kw.shape) != (d,):
+                error = (f"qk_norm weights must be [D] = [{d}], got {list(qw.shape)} and "
+                         f"{list(kw.shape)}")
+        if error is None and rope is not None:
+            cos, sin = rope
+            want = (sum(seq), d)
+            if tuple(cos.shape) != want or tuple(sin.shape) != want:
+                error = (f"rope cos/sin must be [S, D] = {list(want)}, got {list(cos.shape)} "
+                         f"and {list(sin.shape)}")
+            elif d % 2:
+                error = f"rope needs an even head_dim, got D = {d}"
+        return error, (b, s_r, hq, hkv, d, dv), seq
+
+    def _pipeline_groups(self, device, b, s, counts) -> int:
+        g = self.pipeline_groups
+        if g == -1:
+            raw = os.environ.get("ATTNCOMM_ULYSSES_PIPELINE_GROUPS", "").strip()
+            if raw:
+                try:
+                    g = int(raw)
+                except ValueError:
+                    raise ValueError(f"ATTNCOMM_ULYSSES_PIPELINE_GROUPS={raw!r} is not an int")
+        if g == -1:
+            if device.type != "cuda" or min(counts) < 2:
+                return 1
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            blocks = b * min(counts) * math.ceil(s / 128)
+            g = min(4, min(counts), blocks // (4 * sms))
+            if g < 2:
+                return 1
+            # Every group's working set must fit: if free memory is short on some rank, every
+            # rank stays sequential (agreed by all_reduce MIN over the gloo group).
+            if not _agree_fits(self.group, device):
+                return 1
+            return g
+        return max(1, g)
+
+    # ----------------------------------------------------------------------------- forward
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_lens=None,
+                causal: bool = False, rope=None) -> torch.Tensor:
+        group = self.group
+        timeout = config.timeout_s(self.timeout_s)
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        backend_err = None
+        try:
+            backend = resolve_backend(self.backend)
+        except ValueError as exc:
+            backend, backend_err = "auto", str(exc)
+        seq_in = _norm_seq_lens(seq_lens)
+        error, (b, s_r, hq, hkv, d, dv), seq = self._check(q, k, v, seq_in, causal, rope,
+                                                           backend_err)
+        ok = error is None
+        codes = [_dist.DTYPE_CODES.get(t.dtype, 0) if isinstance(t, torch.Tensor) else 0
+                 for t in (q, k, v)]
+        sig = [b, hq, hkv, d, dv, *codes, int(bool(q.is_cuda)) if ok else -1,
+               _BACKEND_CODES[backend], int(bool(causal)), int(rope is not None),
+               int(self.qk_norm is not None), s_r if seq_in is None else -1,
+               sum(seq) if ok else -1, seq_lens_hash(seq) if ok else -1,
+               self.pipeline_groups]
+        labels = ["B", "Hq", "Hkv", "D", "Dv", "q dtype", "k dtype", "v dtype", "CUDA",
+                  "backend", "causal", "rope given", "qk_norm given", "S_r (seq_lens=None)",
+                  "sum(seq_lens)", "seq_lens (hash)", "pipeline_groups"]
+        capturing = (isinstance(q, torch.Tensor) and q.is_cuda
+                     and torch.cuda.is_current_stream_capturing())
+        validate = config.validate_enabled(self.validate, default=not capturing)
+        check_call(group, "UlyssesAttention", validate, sig, labels, error, timeout)
+        return self._run(q, k, v, seq, causal, rope, backend, timeout, b, hq, hkv, d, dv)
+
+    def _run(self, q, k, v, seq, causal, rope, backend, timeout, b, hq, hkv, d, dv):
+        group = self.group
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        s_total = sum(seq)
+        m = hq // hkv
+        counts = head_split(hq, world)
+        n_groups = self._pipeline_groups(q.device, b, s_total, counts)
+        self.last_pipeline_groups = n_groups
+        qranges = group_head_ranges(hq, world, n_groups)
+        norm_w = (self.qk_norm[0], self.qk_norm[1], float(self.qk_norm[2])) \
+            if self.qk_norm is not None else None
+        cos_full = sin_full = None
+        if rope is not None:
+            cos_full, sin_full = rope
+        if (norm_w is not None or rope is not None) and not self.fuse_qk_norm_rope:
+            off = head_offsets(seq)[rank]
+            cs = None if rope is None else cos_full[off:off + seq[rank]]
+            sn = None if rope is None else sin_full[off:off + seq[rank]]
+            q = rms_norm_rope(q, None if norm_w is None else norm_w[0],
+                              0.0 if norm_w is None else norm_w[2], cs, sn)
+            k = rms_norm_rope(k, None if norm_w is None else norm_w[1],
+                              0.0 if norm_w is None else norm_w[2], cs, sn)
+            fused = False
+        else:
+            fused = norm_w is not None or rope is not None
+        q, k, v = dense(q), dense(k), dense(v)
+        out = torch.empty(b, seq[rank], hq, dv, dtype=q.dtype, device=q.device)
+        flat_out = out.view(-1)
+        ctx = dict(group=group, backend=backend, timeout=timeout, seq=seq, b=b, m=m)
+
+        pending_out = []
+        ex_in = self._start_in(ctx, q, k, v, qranges[0])
+        for g in range(n_groups):
+            bufs = [(e, e.wait()) for e in ex_in[1]]
+            qg, kg, vg = self._views(ctx, ex_in[0], bufs)
+            q_lo, q_hi = qranges[g][rank]
+            if fused and q_hi > q_lo:
+                cs, sn = (cos_full, sin_full) if rope is not None else (None, None)
+                qg = rms_norm_rope(qg, None if norm_w is None else norm_w[0],
+                                   0.0 if norm_w is None else norm_w[2], cs, sn)
+                kg = rms_norm_rope(kg, None if norm_w is None else norm_w[1],
+                                   0.0 if norm_w is None else norm_w[2], cs, sn)
+            nxt = self._start_in(ctx, q, k, v, qranges[g + 1]) if g + 1 < n_groups else None
+            if q_hi > q_lo and s_total > 0:
+                if not uniform_group(q_lo, q_hi, m):
+                    kv_lo = kv_head_range(q_lo, q_hi, m)[0]
+                    idx = torch.tensor([h // m - kv_lo for h in range(q_lo, q_hi)],
+                                       device=kg.device)
+                    kg, vg = kg.index_select(2, idx), vg.index_select(2, idx)
+                og = dense(self.attn_fn(qg, kg, vg, causal))
+            else:
+                og = torch.empty(b, s_total, q_hi - q_lo, dv, dtype=q.dtype, device=q.device)
+            for e, _ in bufs:
+                e.release()
+            pending_out.append(self._start_out(ctx, og, qranges[g], hq, dv, flat_out))
+            ex_in = nxt
+        for e in pending_out:
+            e.wait()
+            e.release()
+        return out
+
+    def _start_in(self, ctx, q, k, v, qr):
+        """Start the exchanges of one head group: q, k, v in one exchange when their dtype and
+        head_dim agree (else one per (dtype, D))."""
+        world = len(qr)
+        kvr = tuple(kv_head_range(lo, hi, ctx["m"]) for lo, hi in qr)
+        qr = tuple(qr)
+        keyed: dict = {}
+        for name, t, ranges in (("q", q, qr), ("k", k, kvr), ("v", v, kvr)):
+            keyed.setdefault((t.dtype, t.shape[3]), []).append((name, t, ranges))
+        layout, exs = [], []
+        for (dtype, dd), items in keyed.items():
+            plan = seq_to_head_plan(ctx["b"], ctx["seq"], dd, tuple(r for _, _, r in items))
+            t = get_transport(ctx["group"], ctx["backend"], q.device, ctx["timeout"], plan,
+                              dtype, "UlyssesAttention")
+            self.last_backends["in"] = t.name
+            exs.append(t.start(plan, [x for _, x, _ in items], dtype, q.device))
+            layout.append(([(name, r) for name, _, r in items], dd))
+        del world
+        return layout, exs
+
+    def _views(self, ctx, layout, bufs):
+        rank = dist.get_rank(ctx["group"])
+        s_total, b = sum(ctx["seq"]), ctx["b"]
+        views = {}
+        for (items, dd), (_, buf) in zip(layout, bufs):
+            htot = sum(r[rank][1] - r[rank][0] for _, r in items)
+            full = buf.view(s_total, b, htot, dd)
+            col = 0
+            for name, r in items:
+                n = r[rank][1] - r[rank][0]
+                views[name] = full[:, :, col:col + n].permute(1, 0, 2, 3)
+                col += n
+        return views["q"], views["k"], views["v"]
+
+    def _start_out(self, ctx, og, qr, hq, dv, flat_out):
+        src_heads = tuple(hi - lo for lo, hi in qr)
+        offs = tuple(lo for lo, _ in qr)
+        plan = head_to_seq_plan(ctx["b"], ctx["seq"], dv, src_heads, offs, hq)
+        t = get_transport(ctx["group"], ctx["backend"], og.device, ctx["timeout"], plan,
+                          og.dtype, "UlyssesAttention")
+        self.last_backends["out"] = t.name
+        return t.start(plan, [og], og.dtype, og.device, out=flat_out)
+
+
+_FITS: dict = {}
+
+
+def _agree_fits(group, device) -> bool:
+    """Whether every rank has at least 1/4 of its memory free (agreed; cached per group)."""
+    key = id(group) if group is not None else "world"
+    if key not in _FITS:
+        free, total = torch.cuda.mem_get_info(device)
+        from ..launch import cpu_group
+        flag = torch.tensor([1 if free * 4 >= total else 0], dtype=torch.int64)
+        g = cpu_group(group)
+        if dist.get_world_size(g) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=g)
+        _FITS[key] = bool(flag.item())
+    return _FITS[key]

@@ -1,0 +1,541 @@
+"""The ``ce`` transport: copy-engine copies into torch SymmetricMemory staging slots.
+
+Each rank copies its pieces for peer ``p`` straight into ``p``'s staging slot (final layout, so
+strided rows use pitched 2D copies, ``cudaMemcpy2DAsync`` through ``cuda.bindings``; a
+non-contiguous ``copy_`` would be an SM kernel), then raises a flag in ``p``'s memory ordered
+after the data on the same stream.
+
+Staging buffer (one per shape bucket, cached; every rank holds the same set and evicts in the
+same order because every rank makes the same calls)::
+
+    flags  uint32 [4, W]   F[k][s] (set by source s: slot k holds its data),
+                           A[k][p] (set by destination p: it is done reading slot k from me)
+    slot 0, slot 1         the final receive buffer (bytes), double-buffered by parity k
+
+Protocol for an exchange with parity ``k`` (flags only ever hold 0 or 1, so CUDA graph replays
+repeat the same values):
+
+- sender ``r`` → ``p`` (on a copy stream): wait ``A[k][p] == 1`` (local), set it 0, copy the
+  pieces into ``p``'s slot ``k``, write ``F[k][r] = 1`` into ``p``'s flags.
+- receiver ``r``: wait ``F[k][s] == 1`` for every peer, set it 0, read the slot, then
+  ``release()`` writes ``A[k][r] = 1`` into every source's flags.
+
+Flag operations are stream memory ops (``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` from
+``cuda.bindings.driver``) where a trial call works, else one-block Triton kernels (release
+store / acquire spin). Waits are bounded: eagerly, the host polls an event with a deadline and,
+on timeout, writes the awaited flags locally to release its streams, marks the transport broken
+and raises ``PeerTimeoutError``; inside CUDA graph capture the wait is the Triton kernel, which
+gives up at a device-side deadline (``globaltimer``) and records the error word that
+``check()`` turns into ``PeerTimeoutError``.
+"""
+from __future__ import annotations
+
+import collections
+import importlib
+import os
+import socket
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import PeerTimeoutError
+from .layout import ExchangePlan
+from .transport import Exchange, Transport, source_view
+
+__all__ = ["CopyEngineTransport", "local_unavailable_reason", "agreed_unavailable_reason",
+           "probe_stream_mem_ops", "CACHE_ENTRIES"]
+
+#: Staging buffers kept per transport (least recently used evicted first).
+CACHE_ENTRIES = int(os.environ.get("ATTNCOMM_ULYSSES_CE_CACHE", "6"))
+_ALIGN = 256
+_WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+# ------------------------------------------------------------------------------ eligibility
+def local_unavailable_reason(group, device: torch.device) -> str | None:
+    """Local facts only: CUDA tensors, symmetric memory importable, a flag mechanism."""
+    if device.type != "cuda":
+        return "tensors are not CUDA"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    try:
+        importlib.import_module("torch.distributed._symmetric_memory")
+    except Exception as exc:  # noqa: BLE001
+        return f"torch SymmetricMemory is unavailable ({exc})"
+    if _driver() is None and _triton_ok() is not None:
+        return f"neither cuda.bindings nor Triton is available ({_triton_ok()})"
+    return None
+
+
+_AGREED: dict = {}
+
+
+def agreed_unavailable_reason(group, device: torch.device) -> str | None:
+    """Why ``ce`` cannot run on ``group`` for ``device`` tensors, the same on every rank (None if
+    it can). Collective on first use (per group and device type): local facts, same host and
+    P2P access for every pair, agreed by all_reduce(MIN) over the gloo group."""
+    key = (id(group) if group is not None else "world", device.type)
+    if key in _AGREED:
+        return _AGREED[key]
+    from ..launch import cpu_group
+    g = cpu_group(group)
+    world = dist.get_world_size(g)
+    reason = local_unavailable_reason(group, device)
+    if reason is None and world == 1:
+        reason = "a single rank has no peer to copy to"
+    info = (socket.gethostname(), torch.cuda.current_device() if reason is None else -1)
+    infos: list = [None] * world
+    dist.all_gather_object(infos, info, group=g)
+    if reason is None:
+        if len({h for h, _ in infos}) > 1:
+            reason = "ranks are on different hosts"
+        else:
+            me = torch.cuda.current_device()
+            bad = [r for r, (_, d) in enumerate(infos)
+                   if d >= 0 and d != me and not torch.cuda.can_device_access_peer(me, d)]
+            if bad:
+                reason = f"no P2P access from GPU {me} to the GPUs of rank(s) {bad}"
+    flag = torch.tensor([0 if reason else 1], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=g)
+    if int(flag.item()) == 1:
+        out = None
+    else:
+        reasons: list = [None] * world
+        dist.all_gather_object(reasons, reason, group=g)
+        out = "; ".join(f"rank {r}: {x}" for r, x in enumerate(reasons) if x)
+    _AGREED[key] = out
+    return out
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver
+        return driver
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _runtime():
+    try:
+        from cuda.bindings import runtime
+        return runtime
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _triton_ok() -> str | None:
+    try:
+        import triton  # noqa: F401
+        return None
+    except Exception as exc:  # noqa: BLE001
+        return str(exc)
+
+
+def _ok(res) -> bool:
+    err = res[0] if isinstance(res, tuple) else res
+    return int(getattr(err, "value", err)) == 0
+
+
+def probe_stream_mem_ops(device: torch.device) -> str | None:
+    """Trial call of ``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` (the V1 device
+    attribute can read 0 while the calls work). None if they work, else why not."""
+    drv = _driver()
+    if drv is None:
+        return "cuda.bindings is not installed"
+    try:
+        t = torch.zeros(2, dtype=torch.int32, device=device)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        base = t.data_ptr()
+        if not _ok(drv.cuStreamWriteValue32(stream, base, 7, 0)):
+            return "cuStreamWriteValue32 failed"
+        if not _ok(drv.cuStreamWaitValue32(stream, base, 7, _WAIT_EQ)):
+            return "cuStreamWaitValue32 failed"
+        if not _ok(drv.cuStreamWriteValue32(stream, base + 4, 9, 0)):
+            return "cuStreamWriteValue32 failed"
+        torch.cuda.synchronize(device)
+        if t.tolist() != [7, 9]:
+            return f"stream memory ops wrote {t.tolist()}, expected [7, 9]"
+    except Exception as exc:  # noqa: BLE001
+        return f"stream memory ops failed: {exc}"
+    return None
+
+
+# ------------------------------------------------------------------------------ flag kernels
+_KERNELS = None
+
+
+def _kernels():
+    """The one-block Triton flag kernels (compiled lazily)."""
+    global _KERNELS
+    if _KERNELS is None:
+        import triton
+        import triton.language as tl
+        from triton.language.extra import cuda as tlcuda
+
+        @triton.jit
+        def signal_kernel(addr, value):
+            ptr = addr.to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(ptr, value, sem="release", scope="sys")
+
+        @triton.jit
+        def wait_kernel(addr, expect, reset, err_ptr, err_code, timeout_ns):
+            ptr = addr.to(tl.pointer_type(tl.int32))
+            t0 = tlcuda.globaltimer()
+            val = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+            while (val != expect) & ((tlcuda.globaltimer() - t0) < timeout_ns):
+                val = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+            if val == expect:
+                if reset != 0:
+                    tl.atomic_xchg(ptr, 0, sem="relaxed", scope="sys")
+            else:
+                tl.store(err_ptr, err_code)
+
+        _KERNELS = (signal_kernel, wait_kernel)
+    return _KERNELS
+
+
+class _Flags:
+    """Flag writes and waits on a stream: stream memory ops or Triton kernels."""
+
+    def __init__(self, mode: str, err: torch.Tensor, timeout_s: float):
+        self.mode = mode
+        self.err = err
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.drv = _driver() if mode == "stream" else None
+
+    def write(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
+        if self.drv is not None:
+            if not _ok(self.drv.cuStreamWriteValue32(stream.cuda_stream, addr, value, 0)):
+                raise RuntimeError(f"cuStreamWriteValue32 at {addr:#x} failed")
+            return
+        with torch.cuda.stream(stream):
+            _kernels()[0][(1,)](addr, value)
+
+    def wait(self, stream: torch.cuda.Stream, addr: int, value: int, err_code: int,
+             bounded: bool) -> None:
+        """Stream waits until ``*addr == value``, then sets ``*addr = 0``. ``bounded`` asks for
+        the device-side deadline (the Triton kernel), used inside graph capture."""
+        if self.drv is not None and not bounded:
+            if not _ok(self.drv.cuStreamWaitValue32(stream.cuda_stream, addr, value, _WAIT_EQ)):
+                raise RuntimeError(f"cuStreamWaitValue32 at {addr:#x} failed")
+            self.write(stream, addr, 0)
+            return
+        with torch.cuda.stream(stream):
+            _kernels()[1][(1,)](addr, value, 1, self.err, err_code, self.timeout_ns)
+
+
+# ------------------------------------------------------------------------------ staging
+class _Staging:
+    """One rendezvoused symmetric buffer: flags + two slots of ``cap`` bytes."""
+
+    def __init__(self, group, rank, world, cap: int, device):
+        import torch.distributed._symmetric_memory as symm_mem
+        self.world = world
+        self.cap = cap
+        self.flags_bytes = _align(16 * world)
+        self.total = self.flags_bytes + 2 * cap
+        g = group if group is not None else dist.group.WORLD
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:
+            try:
+                enable(g.group_name)
+            except Exception:  # noqa: BLE001 - already enabled / not needed in newer torch
+                pass
+        self.buf = symm_mem.empty(self.total, dtype=torch.uint8, device=device)
+        self.buf.zero_()
+        flags = self.buf[:16 * world].view(torch.int32).view(4, world)
+        flags[2:].fill_(1)          # A[k][p] = 1: every slot starts free
+        flags[2:, rank].zero_()
+        torch.cuda.synchronize(device)
+        self.handle = symm_mem.rendezvous(self.buf, g.group_name)
+        self.ptrs = [int(p) for p in self.handle.buffer_ptrs]
+        self.parity = 0
+        self.pinned = False
+
+    def f_addr(self, owner: int, k: int, src: int) -> int:
+        return self.ptrs[owner] + 4 * (k * self.world + src)
+
+    def a_addr(self, owner: int, k: int, dst: int) -> int:
+        return self.ptrs[owner] + 4 * ((2 + k) * self.world + dst)
+
+    def slot_addr(self, owner: int, k: int) -> int:
+        return self.ptrs[owner] + self.flags_bytes + k * self.cap
+
+    def slot_view(self, k: int, numel: int, dtype) -> torch.Tensor:
+        start = self.flags_bytes + k * self.cap
+        item = torch.empty((), dtype=dtype).element_size()
+        return self.buf[start:start + numel * item].view(dtype)
+
+
+def _bucket(nbytes: int) -> int:
+    """Round up to 1/8 of the next power of two (≤ 12.5 % waste), at least 64 KiB."""
+    n = max(nbytes, 1 << 16)
+    step = max(1 << 16, (1 << (n - 1).bit_length()) // 8)
+    return _align((n + step - 1) // step * step)
+
+
+class CopyEngineTransport(Transport):
+    """Copy-engine transport (see the module docstring).
+
+    Arguments:
+        group, rank, world_size, timeout_s: as ``Transport``.
+        device: the CUDA device.
+        flag_mode: ``"auto"`` (stream memory ops if the trial call works, else Triton kernels;
+            agreed across ranks), ``"stream"`` or ``"kernel"`` (env
+            ``ATTNCOMM_ULYSSES_CE_FLAGS``).
+        cache_entries: staging buffers kept (LRU).
+    """
+
+    name = "ce"
+
+    def __init__(self, group, rank: int, world_size: int, timeout_s: float, *,
+                 device: torch.device, flag_mode: str | None = None,
+                 cache_entries: int | None = None):
+        super().__init__(group, rank, world_size, timeout_s)
+        self.device = torch.device(device)
+        mode = flag_mode or os.environ.get("ATTNCOMM_ULYSSES_CE_FLAGS", "auto") or "auto"
+        if mode not in ("auto", "stream", "kernel"):
+            raise ValueError(f"flag_mode must be 'auto', 'stream' or 'kernel', got {mode!r}")
+        if mode != "kernel":
+            why = probe_stream_mem_ops(self.device)
+            ok = torch.tensor([1 if why is None else 0], dtype=torch.int64)
+            from ..launch import cpu_group
+            if world_size > 1:
+                dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=cpu_group(group))
+            if int(ok.item()) == 1:
+                mode = "stream"
+            elif mode == "stream":
+                raise ValueError(f"ce flag_mode='stream': stream memory ops do not work on "
+                                 f"every rank ({why or 'a peer failed the probe'})")
+            else:
+                mode = "kernel"
+        self.flag_mode = mode
+        self.stream_mem_ops_reason = None if mode == "stream" else "flag kernel in use"
+        self.err = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.flags = _Flags(mode, self.err, timeout_s)
+        self.capacity = cache_entries if cache_entries is not None else CACHE_ENTRIES
+        self.cache: collections.OrderedDict = collections.OrderedDict()
+        self.evictions = 0
+        self.broken: str | None = None
+        self.rt = _runtime()
+        n_streams = max(1, min(world_size - 1, 4))
+        self.streams = [torch.cuda.Stream(device=self.device) for _ in range(n_streams)]
+        self.side = torch.cuda.Stream(device=self.device)
+        self.captured = False
+        if _triton_ok() is None:
+            self._warm_kernels()
+
+    def _warm_kernels(self) -> None:
+        """Compile the flag kernels now (never during graph capture)."""
+        t = torch.zeros(1, dtype=torch.int32, device=self.device)
+        flags = _Flags("kernel", self.err, 1.0)
+        s = torch.cuda.current_stream(self.device)
+        flags.write(s, t.data_ptr(), 1)
+        flags.wait(s, t.data_ptr(), 1, 1, bounded=True)
+        torch.cuda.synchronize(self.device)
+        self.err.zero_()
+
+    # -------------------------------------------------------------------------- cache
+    def _key(self, plan: ExchangePlan, dtype) -> tuple:
+        item = torch.empty((), dtype=dtype).element_size()
+        return (plan.tiled, _bucket(max(plan.recv_numel) * item))
+
+    def start_blocker(self, plan: ExchangePlan, dtype) -> str | None:
+        """None if ``start`` can run this plan now (allocating its staging buffer if needed,
+        collectively), else why not (the same on every rank)."""
+        self.check()
+        key = self._key(plan, dtype)
+        if key in self.cache:
+            return None
+        if torch.cuda.is_current_stream_capturing():
+            return "a new shape during CUDA graph capture (run it once before capturing)"
+        return self._allocate(key)
+
+    def _allocate(self, key) -> str | None:
+        from ..launch import cpu_group
+        g = cpu_group(self.group)
+        if len(self.cache) >= self.capacity:
+            victims = [k for k, st in self.cache.items() if not st.pinned]
+            if victims:
+                # Every rank evicts the same entry at the same call; make sure nobody still
+                # reads or writes it.
+                torch.cuda.synchronize(self.device)
+                dist.barrier(group=g)
+                del self.cache[victims[0]]
+                self.evictions += 1
+        why = None
+        try:
+            st = _Staging(self.group, self.rank, self.world_size, key[1], self.device)
+        except Exception as exc:  # noqa: BLE001 - OOM or symmetric-memory failure
+            st, why = None, f"staging allocation failed ({type(exc).__name__}: {exc})"
+        ok = torch.tensor([0 if why else 1], dtype=torch.int64)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=g)
+        if int(ok.item()) != 1:
+            return why or "staging allocation failed on a peer rank"
+        dist.barrier(group=g)
+        self.cache[key] = st
+        return None
+
+    def check(self) -> None:
+        if self.broken is not None:
+            raise PeerTimeoutError(self.broken, op="ulysses ce")
+        if self.captured and not torch.cuda.is_current_stream_capturing():
+            code = int(self.err.item())
+            if code:
+                self.err.zero_()
+                peer = code - 1
+                self.broken = (f"ulysses ce: rank {self.rank} waited for rank {peer} past the "
+                               f"timeout of {self.timeout_s:g} s (inside a CUDA graph); the "
+                               f"transport is unusable now")
+                raise PeerTimeoutError(self.broken, peer_ranks=[peer],
+                                       timeout_s=self.timeout_s, op="ulysses ce")
+
+    # -------------------------------------------------------------------------- exchange
+    def start(self, plan: ExchangePlan, parts: Sequence[torch.Tensor], dtype: torch.dtype,
+              device: torch.device, out: torch.Tensor | None = None) -> Exchange:
+        if self.broken is not None:
+            raise PeerTimeoutError(self.broken, op="ulysses ce")
+        key = self._key(plan, dtype)
+        if key not in self.cache:
+            why = self.start_blocker(plan, dtype)
+            if why:
+                raise ValueError(f"ulysses ce: {why}")
+        st = self.cache[key]
+        self.cache.move_to_end(key)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing:
+            st.pinned = True
+            self.captured = True
+        k = st.parity
+        st.parity ^= 1
+        item = torch.empty((), dtype=dtype).element_size()
+        r, w = self.rank, self.world_size
+        cur = torch.cuda.current_stream(self.device)
+        ready = torch.cuda.Event()
+        ready.record(cur)
+        done, a_events = {}, {}
+        for i in range(1, w):
+            p = (r + i) % w
+            cs = self.streams[(i - 1) % len(self.streams)]
+            cs.wait_event(ready)
+            self.flags.wait(cs, st.a_addr(r, k, p), 1, p + 1, bounded=capturing)
+            a_events[p] = _record(cs)
+            base = st.slot_addr(p, k)
+            for x in plan.pieces[r][p]:
+                self._copy(cs, base, x, source_view(parts, x), item)
+            self.flags.write(cs, st.f_addr(p, k, r), 1)
+            done[p] = _record(cs)
+        local = st.slot_view(k, plan.recv_numel[r], dtype)
+        for x in plan.pieces[r][r]:
+            dst = local.as_strided((x.rows, x.cols), (x.dst_pitch, 1),
+                                   local.storage_offset() + x.dst_offset)
+            dst.copy_(source_view(parts, x))
+        return _CEExchange(self, st, k, plan, local, out, done, a_events, capturing, parts)
+
+    def _copy(self, stream, base: int, x, src: torch.Tensor, item: int) -> None:
+        """Rows of ``src`` (``[rows, cols]``, unit column stride) to ``base + dst_offset`` with
+        the destination pitch: a 1D or pitched 2D copy-engine copy."""
+        dst = base + x.dst_offset * item
+        width = x.cols * item
+        spitch = src.stride(0) * item
+        dpitch = x.dst_pitch * item
+        s = stream.cuda_stream
+        rt = self.rt
+        if rt is None:
+            raise RuntimeError("ulysses ce needs cuda.bindings for copy-engine copies")
+        kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+        if x.rows == 1 or (spitch == width and dpitch == width):
+            res = rt.cudaMemcpyAsync(dst, src.data_ptr(), width * x.rows, kind, s)
+        else:
+            res = rt.cudaMemcpy2DAsync(dst, dpitch, src.data_ptr(), spitch, width, x.rows,
+                                       kind, s)
+        if not _ok(res):
+            raise RuntimeError(f"ulysses ce: copy of {x.rows}×{width} B failed: {res}")
+
+    def _timeout(self, st, k, pending: list, op: str) -> None:
+        """Release our blocked streams by writing the awaited flags locally, then raise.
+        ``pending``: ``(peer, event recorded after the wait for that peer)``."""
+        blocked = sorted({p for p, ev in pending if not ev.query()})
+        r = self.rank
+        for p in blocked:
+            self.flags.write(self.side, st.f_addr(r, k, p), 1)
+            self.flags.write(self.side, st.a_addr(r, k, p), 1)
+        self.broken = (f"ulysses ce: rank {r} got no answer from rank(s) {blocked} within "
+                       f"{self.timeout_s:g} s ({op}); the transport is unusable now")
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and not all(ev.query() for _, ev in pending):
+            time.sleep(1e-3)
+        raise PeerTimeoutError(self.broken, peer_ranks=blocked, timeout_s=self.timeout_s,
+                               op="ulysses ce")
+
+
+def _record(stream) -> torch.cuda.Event:
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
+
+
+class _CEExchange(Exchange):
+    def __init__(self, t, st, k, plan, local, out, done, a_events, capturing, parts):
+        self.t, self.st, self.k, self.plan = t, st, k, plan
+        self.local, self.out, self.done, self.a_events = local, out, done, a_events
+        self.capturing = capturing
+        self.parts = parts  # keep the sources alive until the copies are done
+        self._result = None
+        self._released = False
+
+    def wait(self) -> torch.Tensor:
+        if self._result is not None:
+            return self._result
+        t, st, k, r = self.t, self.st, self.k, self.t.rank
+        cur = torch.cuda.current_stream(t.device)
+        f_events = {}
+        for i in range(1, t.world_size):
+            s = (r - i) % t.world_size
+            t.flags.wait(cur, st.f_addr(r, k, s), 1, s + 1, bounded=self.capturing)
+            f_events[s] = _record(cur)
+        for ev in self.done.values():
+            cur.wait_event(ev)
+        if not self.capturing:
+            pending = list(self.a_events.items()) + list(f_events.items())
+            end = _record(cur)
+            deadline = time.monotonic() + t.timeout_s
+            while not end.query():
+                if time.monotonic() > deadline:
+                    t._timeout(st, k, pending, "waiting for peers")
+                time.sleep(2e-5)
+        self.parts = None
+        result = self.local
+        if self.out is not None:
+            plan = self.plan
+            if plan.covers(r):
+                self.out.copy_(self.local)
+            else:
+                for s in range(plan.world_size):
+                    for x in plan.pieces[s][r]:
+                        off = x.dst_offset
+                        src = self.local.as_strided((x.rows, x.cols), (x.dst_pitch, 1),
+                                                    self.local.storage_offset() + off)
+                        dst = self.out.as_strided((x.rows, x.cols), (x.dst_pitch, 1),
+                                                  self.out.storage_offset() + off)
+                        dst.copy_(src)
+            result = self.out
+            self.release()
+        self._result = result
+        return result
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        t, st, k, r = self.t, self.st, self.k, self.t.rank
+        cur = torch.cuda.current_stream(t.device)
+        for i in range(1, t.world_size):
+            s = (r - i) % t.world_size
+            t.flags.write(cur, st.a_addr(s, k, r), 1)
