@@ -215,10 +215,10 @@ class SymmWorkspace:
         so the workspace is marked broken and later calls raise ``RuntimeError``."""
         if self.broken is not None:
             raise RuntimeError(self.broken)
-        flags = self.errors.cpu()
-        if bool(flags.any()):
+        flags = self.errors.cpu().tolist()
+        if any(flags):
+            peers = [i for i, f in enumerate(flags) if f]
             self.errors.zero_()
-            peers = [int(i) for i in torch.nonzero(flags).flatten().tolist()]
             self.broken = (f"{self.op}: unusable after a timeout waiting for rank(s) {peers}; "
                            f"construct a new one on every rank")
             raise PeerTimeoutError(

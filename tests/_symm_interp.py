@@ -168,10 +168,72 @@ CASES = [
 ]
 
 
+class _FakeWorkspace:
+    """A one-rank stand-in for SymmWorkspace on CPU (no SymmetricMemory there)."""
+
+    def __init__(self, group, layout, device, *, op="symm", timeout_s=None, rendezvous=True):
+        from attncomm.symm import SymmWorkspace
+        self.layout = layout
+        self.slab = _aligned(layout.total_bytes)
+        self.state = torch.zeros(4, dtype=torch.int32)
+        self.errors = torch.zeros(1, dtype=torch.int32)
+        self.broken = None
+        self.rank, self.op, self.timeout_s = 0, op, timeout_s
+        self.check = SymmWorkspace.check.__get__(self)
+        self.ensure_usable = SymmWorkspace.ensure_usable.__get__(self)
+
+    def rendezvous(self):
+        self.handle = type("H", (), {"buffer_ptrs": [self.slab.data_ptr()]})()
+
+
+def run_backend_w1() -> None:
+    """The backend's host code end to end on one CPU rank (fake workspace, interpreter)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    import attncomm.dcp.symm_a2a as mod
+    from attncomm.dcp.combine import combine_torch
+
+    path = tempfile.mktemp(prefix="attncomm-interp-")
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    try:
+        mod.SymmWorkspace = _FakeWorkspace
+        mod._n_programs_max = lambda device: 3
+        torch.cuda.is_current_stream_capturing = lambda: False
+        b = mod.SymmA2ABackend(None, max_tokens=6, num_heads=3, head_dim=16,
+                               dtype=torch.bfloat16, device=torch.device("cpu"), timeout_s=5.0)
+        epoch0 = int(b.ws.state[0])
+        assert epoch0 >= 1, "warm-up ran no merge"
+        for T in (1, 4, 6):
+            out = torch.randn(T, 3, 16).to(torch.bfloat16)
+            lse = torch.randn(T, 3)
+            got, got_lse = b(out, lse)
+            ref, ref_lse = combine_torch(out[None], lse[None], torch.bfloat16)
+            assert torch.equal(got.float(), ref.float()), "W=1 merge is not the identity"
+            assert torch.allclose(got_lse, ref_lse)
+        assert int(b.ws.state[0]) == epoch0 + 3
+        b.ws.errors[0] = 1
+        try:
+            b.check()
+            raise AssertionError("no PeerTimeoutError")
+        except Exception as exc:  # noqa: BLE001 - checked below
+            from attncomm import PeerTimeoutError
+            assert isinstance(exc, PeerTimeoutError) and exc.peer_ranks == [0], exc
+        try:
+            b(out, lse)
+            raise AssertionError("a broken workspace accepted a call")
+        except RuntimeError as exc:
+            assert "unusable" in str(exc), exc
+    finally:
+        dist.destroy_process_group()
+
+
 def main() -> int:
     for case in CASES:
         run_case(*case)
-    print(f"ok {len(CASES)} cases")
+    run_backend_w1()
+    print(f"ok {len(CASES)} cases + backend")
     return 0
 
 

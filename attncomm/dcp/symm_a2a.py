@@ -460,7 +460,7 @@ class SymmA2ABackend(DcpBackend):
             torch.tensor([dl // u for dl in deltas], dtype=torch.int64, device=self.device)
             for u in units)
         # Grid bound agreed across ranks: block plans must match everywhere.
-        n = torch.tensor([_n_programs_max(dev)], dtype=torch.int64)
+        n = torch.tensor([_n_programs_max(self.device)], dtype=torch.int64)
         dist.all_reduce(n, op=dist.ReduceOp.MIN, group=_cpu_group(self.group))
         self.n_programs_max = int(n.item())
 
