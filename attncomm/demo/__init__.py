@@ -5,7 +5,7 @@ The parent loads the model (transformers, offline) and tokenizes the shipped cor
 applies, once per backend, and rank 0 compares each with the one-process reference. Printed: one
 row per (mode, backend) with the min cosine similarity, max abs error and seconds; ``--json``
 writes ``{"meta": {...}, "runs": [...]}``. Exit code 1 when a row is below the threshold
-(fp32: 0.99999, bf16: 0.99) or failed, 2 for bad options.
+(fp32: 0.99999, bf16: 0.999) or failed, 2 for bad options.
 
 Modes are modules registered in ``MODES`` (the interface: ``attncomm.demo.base``). A registered
 mode whose module is not there (yet) is skipped with the reason printed.
@@ -78,13 +78,16 @@ def _config(args) -> DemoConfig:
     return cfg
 
 
-def prepare_inputs(cfg: DemoConfig, loaded) -> DemoInputs:
+def prepare_inputs(cfg: DemoConfig, loaded, sentences: list[str] | None = None) -> DemoInputs:
     """Tokenize the corpus (right padding, truncation to ``cfg.max_len``) and cut the decode
-    sequences: ``[CLS]`` + consecutive corpus tokens, ``decode_prefix + decode_steps`` long."""
+    sequences: ``[CLS]`` + consecutive corpus tokens, ``decode_prefix + decode_steps`` long.
+
+    ``sentences`` replaces the corpus' first ``cfg.num_sentences`` entries (tests)."""
     tok = loaded.tokenizer
     tok.padding_side = "right"
     lines = load_corpus()
-    sentences = lines[:cfg.num_sentences] if cfg.num_sentences else lines
+    if sentences is None:
+        sentences = lines[:cfg.num_sentences] if cfg.num_sentences else lines
     enc = tok(sentences, padding=True, truncation=True, max_length=cfg.max_len,
               return_tensors="pt")
     L = cfg.decode_prefix + cfg.decode_steps

@@ -95,7 +95,8 @@ def _step(ctx: RankContext, cache: _ShardedCache, token: torch.Tensor, pos: int,
 
 def run(ctx: RankContext, backend: str) -> DemoRow | None:
     """Decode with a sharded KV cache; rank 0 returns the row."""
-    ref = ctx.memo("decode_reference", lambda: _reference(ctx))
+    ref = ctx.memo("decode_reference", lambda: _reference(ctx),
+                   label="one-process reference")
     ids = ctx.decode_ids
     B, L = ids.shape
     P = ctx.cfg.decode_prefix
