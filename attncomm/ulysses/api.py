@@ -219,7 +219,7 @@ def seq_to_head(x: torch.Tensor, group=None, *, seq_lens=None, backend: str = "a
     buf = ex.wait()
     out = buf.view(sum(seq), b, heads[rank], d).permute(1, 0, 2, 3)
     if t.name != "all_to_all" or b > 1:
-        out = out.contiguous()
+        out = out.clone(memory_format=torch.contiguous_format)  # never alias a staging slot
     ex.release()
     return out
 

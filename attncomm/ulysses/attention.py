@@ -288,6 +288,10 @@ class UlyssesAttention(torch.nn.Module):
             for e, _ in bufs:
                 e.release()
             pending_out.append(self._start_out(ctx, og, qranges[g], hq, dv, flat_out))
+            if len(pending_out) > 1:  # at most two output exchanges in flight (two slots)
+                done = pending_out.pop(0)
+                done.wait()
+                done.release()
             ex_in = nxt
         for e in pending_out:
             e.wait()

@@ -209,8 +209,11 @@ class _Flags:
         self.timeout_ns = int(timeout_s * 1e9)
         self.drv = _driver() if mode == "stream" else None
 
-    def write(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
-        if self.drv is not None:
+    def write(self, stream: torch.cuda.Stream, addr: int, value: int,
+              kernel: bool = False) -> None:
+        """``*addr = value`` after the stream's earlier work (release order). ``kernel`` forces
+        the Triton kernel (inside graph capture every flag op is a kernel)."""
+        if self.drv is not None and not kernel:
             if not _ok(self.drv.cuStreamWriteValue32(stream.cuda_stream, addr, value, 0)):
                 raise RuntimeError(f"cuStreamWriteValue32 at {addr:#x} failed")
             return
@@ -429,7 +432,7 @@ class CopyEngineTransport(Transport):
             base = st.slot_addr(p, k)
             for x in plan.pieces[r][p]:
                 self._copy(cs, base, x, source_view(parts, x), item)
-            self.flags.write(cs, st.f_addr(p, k, r), 1)
+            self.flags.write(cs, st.f_addr(p, k, r), 1, kernel=capturing)
             done[p] = _record(cs)
         local = st.slot_view(k, plan.recv_numel[r], dtype)
         for x in plan.pieces[r][r]:
@@ -489,6 +492,7 @@ class _CEExchange(Exchange):
         self.parts = parts  # keep the sources alive until the copies are done
         self._result = None
         self._released = False
+        self._release_capturing = capturing
 
     def wait(self) -> torch.Tensor:
         if self._result is not None:
@@ -538,4 +542,5 @@ class _CEExchange(Exchange):
         cur = torch.cuda.current_stream(t.device)
         for i in range(1, t.world_size):
             s = (r - i) % t.world_size
-            t.flags.write(cur, st.a_addr(s, k, r), 1)
+            t.flags.write(cur, st.a_addr(s, k, r), 1,
+                          kernel=torch.cuda.is_current_stream_capturing())
