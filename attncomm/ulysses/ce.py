@@ -35,6 +35,7 @@ import importlib
 import os
 import socket
 import time
+import warnings
 from typing import Sequence
 
 import torch
@@ -247,8 +248,10 @@ class _Staging:
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:
             try:
-                enable(g.group_name)
-            except Exception:  # noqa: BLE001 - already enabled / not needed in newer torch
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # deprecated (not needed) in newer torch
+                    enable(g.group_name)
+            except Exception:  # noqa: BLE001 - already enabled
                 pass
         self.buf = symm_mem.empty(self.total, dtype=torch.uint8, device=device)
         self.buf.zero_()
@@ -363,8 +366,10 @@ class CopyEngineTransport(Transport):
     def _allocate(self, key) -> str | None:
         from ..launch import cpu_group
         g = cpu_group(self.group)
-        if len(self.cache) >= self.capacity:
-            victims = [k for k, st in self.cache.items() if not st.pinned]
+        # Entries used inside a CUDA graph are pinned (the graph holds their addresses); the
+        # bound counts the others.
+        victims = [k for k, st in self.cache.items() if not st.pinned]
+        if len(victims) >= self.capacity:
             if victims:
                 # Every rank evicts the same entry at the same call; make sure nobody still
                 # reads or writes it.
@@ -389,15 +394,18 @@ class CopyEngineTransport(Transport):
         if self.broken is not None:
             raise PeerTimeoutError(self.broken, op="ulysses ce")
         if self.captured and not torch.cuda.is_current_stream_capturing():
-            code = int(self.err.item())
-            if code:
-                self.err.zero_()
-                peer = code - 1
-                self.broken = (f"ulysses ce: rank {self.rank} waited for rank {peer} past the "
-                               f"timeout of {self.timeout_s:g} s (inside a CUDA graph); the "
-                               f"transport is unusable now")
-                raise PeerTimeoutError(self.broken, peer_ranks=[peer],
-                                       timeout_s=self.timeout_s, op="ulysses ce")
+            self.check_error()
+
+    def check_error(self) -> None:
+        """Raise ``PeerTimeoutError`` if a flag-wait kernel gave up (host-blocking read)."""
+        code = int(self.err.item())
+        if code:
+            self.err.zero_()
+            peer = code - 1
+            self.broken = (f"ulysses ce: rank {self.rank} waited for rank {peer} past the "
+                           f"timeout of {self.timeout_s:g} s; the transport is unusable now")
+            raise PeerTimeoutError(self.broken, peer_ranks=[peer], timeout_s=self.timeout_s,
+                                   op="ulysses ce")
 
     # -------------------------------------------------------------------------- exchange
     def start(self, plan: ExchangePlan, parts: Sequence[torch.Tensor], dtype: torch.dtype,
@@ -514,6 +522,8 @@ class _CEExchange(Exchange):
                 if time.monotonic() > deadline:
                     t._timeout(st, k, pending, "waiting for peers")
                 time.sleep(2e-5)
+            if t.flag_mode == "kernel":
+                t.check_error()  # the wait kernels gave up at their device deadline
         self.parts = None
         result = self.local
         if self.out is not None:
