@@ -37,6 +37,7 @@ wait for. A rank whose row does not arrive in ``timeout_s`` is named in ``PeerTi
 from __future__ import annotations
 
 import mmap
+from array import array
 import os
 import platform
 import socket
@@ -235,28 +236,24 @@ class ShmRowExchange:
         """
         if len(row) != self.row_len:
             raise ValueError(f"row has {len(row)} values, expected {self.row_len}")
-        words = self._words
+        words, width, n = self._words, SLOT_WORDS, self.row_len
         self.step += 1
         step = self.step
-        parity = step & 1
-        mine = self._slot(parity, self.rank)
-        for i, v in enumerate(row):
-            words[mine + 1 + i] = int(v)
+        base = self._slot(step & 1, 0)
+        span = slice(base, base + self.world_size * width)
+        mine = base + self.rank * width
+        words[mine + 1:mine + 1 + n] = array("q", row)
         words[mine] = step  # publish last (see the module docstring on ordering)
-        # Every rank waits for every row, inactive ones included: the parity argument needs it.
-        seq_at = [self._slot(parity, q) for q in range(self.world_size)]
-        pending = [a for a in seq_at if words[a] != step]
-        if pending:
-            self._wait(pending, step, timeout_s)
-        base = self._slot(parity, 0)
-        rows = [words[base + q * SLOT_WORDS + 1: base + q * SLOT_WORDS + 1 + self.row_len]
-                .tolist() for q in range(self.world_size)]
-        for a in seq_at:
-            if words[a] != step:  # impossible by the parity argument; fail loudly if it happens
-                q = (a - base) // SLOT_WORDS
-                raise RuntimeError(f"shm sync: rank {q}'s step-{step} row changed while read "
-                                   f"(seq now {words[a]}); are the ranks' calls out of step?")
-        return rows
+        seqs = words[span].tolist()[::width]
+        if any(q != step for q in seqs):
+            self._wait([base + r * width for r, q in enumerate(seqs) if q != step], step,
+                       timeout_s)
+        data = words[span].tolist()  # a separate pass: every load here follows the seq loads
+        again = words[span].tolist()[::width]
+        if any(q != step for q in again):  # impossible by the parity argument; fail loudly
+            raise RuntimeError(f"shm sync: a step-{step} row changed while read (seqs now "
+                               f"{again}); are the ranks' calls out of step?")
+        return [data[i + 1:i + 1 + n] for i in range(0, len(data), width)]
 
     def _wait(self, pending: list[int], step: int, timeout_s: float | None) -> None:
         words = self._words

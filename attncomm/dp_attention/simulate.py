@@ -119,29 +119,39 @@ class _Request:
 
 @dataclass
 class _Scheduler:
-    """One DP rank's scheduler: arrivals in busy stretches, none in idle stretches."""
+    """One DP rank's scheduler: arrivals in busy stretches, none in idle stretches, and none
+    on any rank in steps 140..199 of every 200 (so that every rank goes idle together)."""
 
     rng: random.Random
     cfg: SimConfig
     waiting: list = field(default_factory=list)
     running: list = field(default_factory=list)
+    prebuilt: list = field(default_factory=list)
     busy: bool = True
     stretch: int = 0
 
-    def _arrivals(self) -> None:
+    def _arrivals(self, step: int) -> None:
+        if step % 200 >= 140:  # a lull on every rank at once: they drain and all go idle
+            return
         if self.stretch <= 0:
             self.busy = not self.busy
             self.stretch = self.rng.randint(10, 80) if self.busy else self.rng.randint(5, 60)
         self.stretch -= 1
+        if self.busy and self.rng.random() < 0.05:  # prefilled elsewhere (disaggregation)
+            self.prebuilt += [_Request(0, self.rng.randint(1, self.cfg.max_output))
+                              for _ in range(self.rng.randint(1, 3))]
         if self.busy and self.rng.random() < 0.25:
             for _ in range(self.rng.randint(1, 3)):
                 self.waiting.append(_Request(self.rng.randint(1, self.cfg.max_prompt),
                                              self.rng.randint(1, self.cfg.max_output)))
 
-    def next_batch(self) -> tuple[BatchView | None, list]:
+    def next_batch(self, step: int) -> tuple[BatchView | None, list]:
         """This step's batch and the requests it carries (for ``commit``)."""
-        self._arrivals()
+        self._arrivals(step)
         rng = self.rng
+        if self.prebuilt and rng.random() < 0.5:
+            take, self.prebuilt = self.prebuilt, []
+            return BatchView(ForwardMode.PREBUILT, batch_size=len(take)), take
         if self.waiting and (not self.running or rng.random() < 0.4):
             take, total = [], 0
             while self.waiting and (not take or total + self.waiting[0].prompt
@@ -161,10 +171,6 @@ class _Scheduler:
                               return_logprob=logprob), take)
         if self.running:
             return BatchView(ForwardMode.DECODE, batch_size=len(self.running)), []
-        if self.busy and rng.random() < 0.15:  # requests prefilled elsewhere (disaggregation)
-            take = [_Request(0, rng.randint(1, self.cfg.max_output))
-                    for _ in range(rng.randint(1, 3))]
-            return BatchView(ForwardMode.PREBUILT, batch_size=len(take)), take
         return (BatchView(ForwardMode.IDLE) if rng.random() < 0.3 else None), []
 
     @staticmethod
@@ -345,7 +351,7 @@ def _simulate(rank, world_size, cfg, weights, tokens, progress) -> dict:
     idle = BatchView(ForwardMode.IDLE)
     t0 = time.perf_counter()
     for step in range(cfg.steps):
-        batch, new = sched.next_batch()
+        batch, new = sched.next_batch(step)
         got, info = prepare_mlp_sync_batch(
             batch, dp_size=dp, attn_tp_size=atp, group=None, get_idle_batch=lambda: idle,
             enable_tbo=cfg.enable_tbo, sync=cfg.sync, device=device, timeout_s=timeout_s)

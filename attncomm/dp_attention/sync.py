@@ -29,10 +29,12 @@ from . import shm as _shm
 from ._comm import wait_work
 
 __all__ = ["ForwardMode", "BatchView", "MLPSyncBatchInfo", "prepare_mlp_sync_batch",
-           "resolve_sync", "count_tokens", "SYNC_CHOICES", "NEUTRAL_ROW"]
+           "resolve_sync", "count_tokens", "exchange_rows", "close_shm_channels",
+           "SYNC_CHOICES", "NEUTRAL_ROW"]
 
 SYNC_CHOICES = ("auto", "shm", "cpu", "device")
 _ROW = 6
+_IDLE = 4
 _INVALID_MODE = -1  # row marker: this rank's batch was invalid (every rank raises)
 
 
@@ -132,8 +134,29 @@ def _local_can_run_tbo(batch: BatchView | None, num_tokens: int) -> bool:
 
 # -- choosing and running the exchange -------------------------------------------------------
 
-_SHM: dict[int, tuple[object, object]] = {}     # id(cpu group) -> (group, ShmRowExchange)
-_AUTO: dict[int, tuple[object, str, str]] = {}  # id(cpu group) -> (group, sync, why)
+@dataclass
+class _Plan:
+    """What one group's sync needs, looked up once (the per-step path does no group queries)."""
+
+    group: object
+    world: int
+    cg: object
+    device: torch.device
+    auto: str | None = None
+    why: str | None = None
+    channel: object = None
+
+
+_PLANS: dict[int, _Plan] = {}
+
+
+def _plan(group) -> _Plan:
+    g = dist.group.WORLD if group is None else group
+    p = _PLANS.get(id(g))
+    if p is None or p.group is not g:  # identity check: an id can be reused by a new group
+        p = _Plan(g, dist.get_world_size(g), cpu_group(group), group_device(group))
+        _PLANS[id(g)] = p
+    return p
 
 
 def _one_host(cg, timeout_s: float | None) -> tuple[bool, str | None]:
@@ -148,64 +171,63 @@ def _one_host(cg, timeout_s: float | None) -> tuple[bool, str | None]:
     return (False, "; ".join(bad)) if bad else (True, None)
 
 
+def _resolve(p: _Plan, sync: str, timeout_s: float | None) -> str:
+    if sync == "cpu" or sync == "device":
+        return sync
+    if sync not in SYNC_CHOICES:
+        raise ValueError(f"sync must be one of {list(SYNC_CHOICES)}, got {sync!r}")
+    if p.auto is None:
+        ok, p.why = _one_host(p.cg, timeout_s)
+        p.auto = "shm" if ok else "cpu"
+    if sync == "shm" and p.auto != "shm":
+        raise ValueError(f"sync='shm' cannot run on this group: {p.why}")
+    return p.auto
+
+
 def resolve_sync(sync: str, group=None, *, timeout_s: float | None = None) -> str:
     """The sync path ``sync`` means on ``group``: "shm", "cpu" or "device".
 
     "auto" → "shm" when every rank of the group is on this host (decided once per group, by one
-    collective), else "cpu". An explicit "shm" that cannot run raises ``ValueError`` on every
-    rank, saying why.
+    collective over its gloo twin), else "cpu". An explicit "shm" that cannot run raises
+    ``ValueError`` on every rank, saying why (the decision is shared, so it is the same
+    everywhere).
     """
-    if sync not in SYNC_CHOICES:
-        raise ValueError(f"sync must be one of {list(SYNC_CHOICES)}, got {sync!r}")
-    if sync in ("cpu", "device"):
-        return sync
-    cg = cpu_group(group)
-    hit = _AUTO.get(id(cg))
-    if hit is None or hit[0] is not cg:
-        ok, why = _one_host(cg, timeout_s)
-        hit = (cg, "shm" if ok else "cpu", why)
-        _AUTO[id(cg)] = hit
-    if sync == "shm" and hit[1] != "shm":
-        raise ValueError(f"sync='shm' cannot run on this group: {hit[2]}")
-    return hit[1]
-
-
-def _shm_channel(group, timeout_s: float | None):
-    cg = cpu_group(group)
-    hit = _SHM.get(id(cg))
-    if hit is None or hit[0] is not cg:
-        hit = (cg, _shm.ShmRowExchange(cg, _ROW, timeout_s=timeout_s))
-        _SHM[id(cg)] = hit
-    return hit[1]
+    return _resolve(_plan(group), sync, timeout_s)
 
 
 def close_shm_channels() -> None:
-    """Unmap every cached shm segment (they are also released at exit)."""
-    for _, ch in _SHM.values():
-        ch.close()
-    _SHM.clear()
-    _AUTO.clear()
+    """Unmap every cached shm segment (they are also released at exit) and forget the plans."""
+    for p in _PLANS.values():
+        if p.channel is not None:
+            p.channel.close()
+    _PLANS.clear()
 
 
-def exchange_rows(row: Sequence[int], group, *, sync: str, device=None, timeout_s: float | None = None) -> torch.Tensor:
-    """Gather every group rank's 6-int row: ``[W, 6]`` int64 on the CPU (one device→host copy
-    on the device path). ``sync`` is a resolved path ("shm", "cpu" or "device")."""
-    if sync == "shm":
-        ch = _shm_channel(group, timeout_s)
-        return torch.tensor(ch.exchange(row, timeout_s=timeout_s),
-                            dtype=torch.int64)
-    if sync == "cpu":
-        g, dev = cpu_group(group), torch.device("cpu")
+def _exchange(p: _Plan, path: str, row: list[int], device,
+              timeout_s: float | None) -> list[list[int]]:
+    if path == "shm":
+        if p.channel is None:
+            p.channel = _shm.ShmRowExchange(p.cg, _ROW, timeout_s=timeout_s)
+        return p.channel.exchange(row, timeout_s=timeout_s)
+    if path == "cpu":
+        g, dev = p.cg, torch.device("cpu")
     else:
-        g = group
-        dev = torch.device(device) if device is not None else group_device(group)
-    world = dist.get_world_size(g)
+        g, dev = p.group, (torch.device(device) if device is not None else p.device)
+    world = p.world
     local = torch.tensor(row, dtype=torch.int64, device=dev)
     out = torch.empty(world * _ROW, dtype=torch.int64, device=dev)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work = fn(out, local, group=g, async_op=True)
-    wait_work(work, g, f"dp_attention sync ({sync})", timeout_s)
-    return out.view(world, _ROW).cpu()
+    wait_work(work, g, f"dp_attention sync ({path})", timeout_s)
+    return out.view(world, _ROW).tolist()  # the one device→host copy on the device path
+
+
+def exchange_rows(row: Sequence[int], group=None, *, sync: str, device=None,
+                  timeout_s: float | None = None) -> list[list[int]]:
+    """Every group rank's row (``W`` lists of 6 ints, rank order) through path ``sync``
+    ("auto", "shm", "cpu" or "device"); at most one device→host copy."""
+    p = _plan(group)
+    return _exchange(p, _resolve(p, sync, timeout_s), [int(v) for v in row], device, timeout_s)
 
 
 # -- the sync info ---------------------------------------------------------------------------
@@ -245,13 +267,21 @@ class MLPSyncBatchInfo:
     is_extend_in_batch: bool
     local_can_run_tbo: bool
     local_forward_mode: int
-    tp0_info: torch.Tensor | None = None
     global_num_tokens: list[int] | None = None
     global_num_tokens_for_logprob: list[int] | None = None
     can_run_tbo: bool | None = None
     global_forward_mode: ForwardMode | None = None
     sync: str | None = None
     _local_error: str | None = field(default=None, repr=False)
+    _tp0_rows: list | None = field(default=None, repr=False)
+
+    @property
+    def tp0_info(self) -> torch.Tensor | None:
+        """``[dp, 6]`` int64 (CPU): each DP rank's row (its attention-TP rank 0), after
+        ``all_gather``; built on first access (the per-step path does not need it)."""
+        if self._tp0_rows is None:
+            return None
+        return torch.tensor(self._tp0_rows, dtype=torch.int64)
 
     def _local_row(self) -> list[int]:
         err = self._local_error
@@ -287,7 +317,8 @@ class MLPSyncBatchInfo:
             active rank, or an explicit sync path that cannot run here.
             PeerTimeoutError when a rank's row does not arrive in time.
         """
-        world = dist.get_world_size(group)
+        p = _plan(group)
+        world = p.world
         per_dp = int(self.tp_size) * int(self.cp_size)
         if min(int(self.dp_size), int(self.tp_size), int(self.cp_size)) < 1 or \
                 int(self.dp_size) * per_dp != world:
@@ -295,38 +326,37 @@ class MLPSyncBatchInfo:
                              f"{self.cp_size} must equal the group size {world}")
         active = _active_mask(active_ranks, world)
         row = self._local_row()
-        path = resolve_sync(sync, group, timeout_s=timeout_s)
-        rows = exchange_rows(row, group, sync=path, device=device, timeout_s=timeout_s)
+        path = _resolve(p, sync, timeout_s)
+        rows = _exchange(p, path, row, device, timeout_s)
         if active is not None:
-            rows[torch.tensor([not a for a in active])] = torch.tensor(NEUTRAL_ROW)
+            rows = [r if a else list(NEUTRAL_ROW) for r, a in zip(rows, active)]
         self._check_rows(rows)
         self.sync = path
-        self._apply(rows.view(int(self.dp_size), per_dp, _ROW)[:, 0, :].contiguous(), enable_tbo)
+        self._apply(rows[::per_dp], enable_tbo)
         return self
 
-    def _check_rows(self, rows: torch.Tensor) -> None:
-        modes = rows[:, 5].tolist()
-        bad = [r for r, m in enumerate(modes) if m not in ForwardMode._value2member_map_]
-        bad += [r for r in range(rows.shape[0]) if r not in bad and int(rows[r, :2].min()) < 0]
+    def _check_rows(self, rows: list[list[int]]) -> None:
+        modes = ForwardMode._value2member_map_
+        bad = [r for r, v in enumerate(rows) if v[5] not in modes or v[0] < 0 or v[1] < 0]
         if bad:
-            msg = f"dp_attention sync: invalid batch on rank(s) {sorted(bad)}"
+            msg = f"dp_attention sync: invalid batch on rank(s) {bad}"
             if self._local_error:
                 msg += f" (this rank: {self._local_error})"
             raise ValueError(msg)
 
-    def _apply(self, tp0: torch.Tensor, enable_tbo: bool) -> None:
-        vals = tp0.tolist()
-        self.tp0_info = tp0
-        self.global_num_tokens = [v[0] for v in vals]
-        self.global_num_tokens_for_logprob = [v[1] for v in vals]
-        self.can_cuda_graph = bool(min(v[2] for v in vals))
-        self.is_extend_in_batch = bool(max(v[3] for v in vals))
-        busy = [v[5] for v in vals if v[5] != ForwardMode.IDLE]
-        agree = bool(busy) and all(m == busy[0] for m in busy)
-        self.global_forward_mode = (ForwardMode(busy[0]) if agree
+    def _apply(self, vals: list[list[int]], enable_tbo: bool) -> None:
+        self._tp0_rows = vals
+        tokens, logprob, graph, extend, tbo, modes = zip(*vals)
+        self.global_num_tokens = list(tokens)
+        self.global_num_tokens_for_logprob = list(logprob)
+        self.can_cuda_graph = bool(min(graph))
+        self.is_extend_in_batch = bool(max(extend))
+        busy = {m for m in modes if m != _IDLE}
+        # Nothing to overlap when every rank is idle, hence the need for one busy mode.
+        agree = len(busy) == 1
+        self.global_forward_mode = (ForwardMode(busy.pop()) if agree
                                     else ForwardMode.IDLE if not busy else None)
-        # Nothing to overlap when every rank is idle, hence `agree` needs a busy rank.
-        self.can_run_tbo = bool(enable_tbo and min(v[4] for v in vals) and agree)
+        self.can_run_tbo = bool(enable_tbo and min(tbo) and agree)
 
 
 def _idle_batch(get_idle_batch: Callable[[], BatchView]) -> BatchView:

@@ -1,0 +1,170 @@
+"""``attncomm bench dp-sync``: per-step DP-attention sync latency per sync path, and
+dp_gather / dp_scatter / dp_reduce_scatter time per padding mode over token counts.
+
+Sync: ``MLPSyncBatchInfo.all_gather`` (the whole call a scheduler makes each step: six int64 per
+rank, one exchange, the min/max/TBO reduction) run back to back in blocks of ``--block`` steps;
+the per-step time of a block is block time / block size (steady state: each step needs every
+rank's row, so this is the rate at which ranks can agree), median over blocks of the slowest
+rank. Gathers: eager, every DP rank holding ``tokens`` rows of ``[hidden]`` (balanced, so
+MAX_LEN has no padding), median over iterations of the slowest rank (CUDA events on GPU).
+JSON: ``{"meta": {...}, "records": [{"sync", "world_size", "sync_us"}, {"op", "mode", "tokens",
+"world_size", "time_us"}, ...]}``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..bench.common import meta, print_table, progress, slowest_rank_median, time_eager, \
+    write_json
+
+__all__ = ["add_arguments", "main", "run_rank"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    cuda = torch.cuda.is_available()
+    p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if cuda else "cpu")
+    p.add_argument("--syncs", nargs="+", choices=("shm", "cpu", "device"),
+                   default=["shm", "cpu", "device"], help="sync paths to time")
+    p.add_argument("--steps", type=int, default=2000, help="sync steps timed per path")
+    p.add_argument("--block", type=int, default=50, help="sync steps per timed block")
+    p.add_argument("--hidden", type=int, default=7168, help="hidden size (default 7168)")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16")
+    p.add_argument("--tokens", type=int, nargs="+", default=None,
+                   help="tokens per DP rank (default 1 8 32 128 512 2048; CPU: 1 16 128)")
+    p.add_argument("--ops", nargs="+", choices=("dp_gather", "dp_scatter", "dp_reduce_scatter"),
+                   default=["dp_gather", "dp_scatter", "dp_reduce_scatter"])
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=None, help="gather iterations (GPU 50, CPU 10)")
+    p.add_argument("--json", metavar="PATH", default=None, help="write records as JSON")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _config(args) -> dict:
+    cpu = args.device == "cpu"
+    cfg = dict(device=args.device, syncs=list(args.syncs), steps=args.steps, block=args.block,
+               hidden=args.hidden, dtype=args.dtype, ops=list(args.ops), warmup=args.warmup,
+               tokens=list(args.tokens or ([1, 16, 128] if cpu else [1, 8, 32, 128, 512, 2048])),
+               iters=args.iters or (10 if cpu else 50), progress=not args.no_progress)
+    bad = [f"{k} must be ≥ 1, got {cfg[k]}" for k in ("steps", "block", "hidden", "iters")
+           if cfg[k] < 1]
+    bad += [f"--tokens must be ≥ 1, got {t}" for t in cfg["tokens"] if t < 1]
+    if args.world_size < 1:
+        bad.append(f"--world-size must be ≥ 1, got {args.world_size}")
+    if bad:
+        raise ValueError("; ".join(bad))
+    return cfg
+
+
+def _time_sync(path: str, world: int, rank: int, cfg: dict, device, cg) -> float:
+    from .sync import MLPSyncBatchInfo, resolve_sync
+
+    resolve_sync(path)  # one-time setup (host check, shm segment) outside the timing
+
+    def step():
+        MLPSyncBatchInfo(world, 1, 1, rank + 1, rank + 1, True, False, True, 2).all_gather(
+            device, None, sync=path)
+
+    for _ in range(max(cfg["block"], 20)):
+        step()
+    blocks = []
+    for _ in range(max(1, cfg["steps"] // cfg["block"])):
+        dist.barrier(group=cg)
+        t0 = time.perf_counter()
+        for _ in range(cfg["block"]):
+            step()
+        blocks.append((time.perf_counter() - t0) / cfg["block"] * 1e6)
+    return slowest_rank_median(blocks, None)
+
+
+def _time_gathers(world: int, rank: int, cfg: dict, device, cg, bar) -> list[dict]:
+    from .gather import DpPaddingMode, dp_gather, dp_reduce_scatter, dp_scatter, global_layout
+
+    dtype = _DTYPES[cfg["dtype"]]
+    cuda = device.type == "cuda"
+    barrier = (lambda: dist.barrier(group=cg))
+    out = []
+    for tokens in cfg["tokens"]:
+        gnt = [tokens] * world
+        x = torch.randn(tokens, cfg["hidden"], device=device).to(dtype)
+        for mode in DpPaddingMode:
+            total, _ = global_layout(gnt, mode)
+            buf = torch.randn(total, cfg["hidden"], device=device).to(dtype)
+            dst = torch.empty_like(x)
+            fns = {"dp_gather": lambda: dp_gather(x, gnt, None, mode=mode, validate=False),
+                   "dp_scatter": lambda: dp_scatter(buf, gnt, rank, mode=mode, out=dst),
+                   "dp_reduce_scatter": lambda: dp_reduce_scatter(buf, gnt, None, mode=mode,
+                                                                  validate=False)}
+            for op in cfg["ops"]:
+                times = time_eager(fns[op], warmup=cfg["warmup"], iters=cfg["iters"],
+                                   device="cuda" if cuda else "cpu", barrier=barrier)
+                out.append({"op": op, "mode": mode.name, "tokens": tokens, "world_size": world,
+                            "time_us": slowest_rank_median(times, None)})
+                bar.update(1)
+    return out
+
+
+def run_rank(rank: int, world: int, cfg: dict) -> list[dict] | None:
+    """Every rank: time each sync path, then each gather op; rank 0 returns the records."""
+    from .. import cpu_group
+
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg["device"] == "cuda" \
+        else torch.device("cpu")
+    threads = torch.get_num_threads()
+    if device.type == "cpu":  # ranks share the host's cores
+        import os
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    cg = cpu_group(None)
+    total = len(cfg["syncs"]) + len(cfg["tokens"]) * 2 * len(cfg["ops"])
+    bar = progress(total, "dp-sync", enabled=cfg["progress"] and rank == 0)
+    records = []
+    try:
+        for path in cfg["syncs"]:
+            records.append({"sync": path, "world_size": world,
+                            "sync_us": _time_sync(path, world, rank, cfg, device, cg)})
+            bar.update(1)
+        records += _time_gathers(world, rank, cfg, device, cg, bar)
+    finally:
+        bar.close()
+        torch.set_num_threads(threads)
+    return records if rank == 0 else None
+
+
+def main(args) -> int:
+    """The ``attncomm bench dp-sync`` command (0: done, 2: bad options)."""
+    from .. import launch
+
+    try:
+        cfg = _config(args)
+    except ValueError as exc:
+        print(f"attncomm bench dp-sync: error: {exc}", file=sys.stderr)
+        return 2
+    if cfg["device"] == "cuda" and torch.cuda.device_count() < args.world_size:
+        print(f"attncomm bench dp-sync: error: --device cuda with --world-size "
+              f"{args.world_size} needs {args.world_size} GPUs, found "
+              f"{torch.cuda.device_count()}", file=sys.stderr)
+        return 2
+    records = launch(run_rank, args.world_size, device=cfg["device"], args=(cfg,))[0]
+    syncs = [r for r in records if "sync" in r]
+    ops = [r for r in records if "op" in r]
+    print_table(syncs, ["sync", "world_size", "sync_us"],
+                title=f"\nDP-attention sync per step (µs), {cfg['device']}, W={args.world_size}",
+                fmt={"sync_us": "{:.1f}"})
+    print_table(ops, ["op", "mode", "tokens", "world_size", "time_us"],
+                title=f"\ngather / scatter / reduce_scatter (µs), hidden {cfg['hidden']} "
+                      f"{cfg['dtype']}, tokens per DP rank", fmt={"time_us": "{:.1f}"})
+    if args.json:
+        m = meta(cfg["device"], args.world_size, bench="dp-sync", hidden=cfg["hidden"],
+                 dtype=cfg["dtype"], steps=cfg["steps"], block=cfg["block"],
+                 iters=cfg["iters"], tokens_are="per DP rank (balanced)",
+                 sync_measures="MLPSyncBatchInfo.all_gather per step, back to back")
+        write_json(args.json, m, records)
+        print(f"wrote {args.json}")
+    return 0
