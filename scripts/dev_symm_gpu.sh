@@ -12,7 +12,7 @@ for s in $stages; do
     nvidia-smi -L; python3 -c 'import torch,triton;print(torch.__version__,triton.__version__,torch.cuda.device_count())'
     ;;
   tests)
-    ATTNCOMM_TIMEOUT_S=20 timeout -k 5 ${TESTS_S:-150} python3 -m pytest -x -q -p no:cacheprovider \
+    ATTNCOMM_TIMEOUT_S=20 timeout -k 5 ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider \
       tests/gpu/test_dcp_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/pytest.log" | tail -40
     ;;
   bench)
@@ -26,13 +26,10 @@ for s in $stages; do
       env ${kv//_ATTNCOMM/ ATTNCOMM} timeout -k 5 40 python3 -m attncomm.cli bench dcp --no-progress --backends symm_a2a \
         --modes graph $toks </dev/null 2>&1 | grep -E "symm_a2a|Error|error" | tail -6
     done 2>&1 <<LIST | tee "$OUT/sweep.log"
-ATTNCOMM_SYMM_LL_MAX_BYTES=0 $small
 ATTNCOMM_SYMM_LL_MAX_BYTES=262144 $small
-ATTNCOMM_SYMM_LL_MAX_BYTES=1048576 $small
+ATTNCOMM_SYMM_MAX_BLOCK_ROWS=4 $large
 ATTNCOMM_SYMM_MAX_BLOCK_ROWS=8 $large
 ATTNCOMM_SYMM_MAX_BLOCK_ROWS=32 $large
-ATTNCOMM_SYMM_MAX_BLOCK_ROWS=32_ATTNCOMM_SYMM_MAX_WARPS=16 $large
-ATTNCOMM_SYMM_PROGRAMS_PER_SM=2 $large
 LIST
     ;;
   esac

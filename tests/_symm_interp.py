@@ -40,7 +40,7 @@ def _ref64(outs, lses, sl):
     return res, lse
 
 
-def _stage(slab, layout, e, src, rows_o, rows_l, n_blocks_grid):
+def _stage(slab, layout, e, src, rows_o, rows_l, n_blocks):
     """Store source ``src``'s rows for rank 0 into rank 0's slab as ``src``'s kernel would."""
     st = layout.kernel_strides()
     slot = e & 1
@@ -65,7 +65,7 @@ def _stage(slab, layout, e, src, rows_o, rows_l, n_blocks_grid):
         f32[base:base + n] = rows_l
         i32 = slab.view(torch.int32)
         base = st["f_base"] + cell * st["f_cell"]
-        i32[base:base + n_blocks_grid] = e
+        i32[base:base + n_blocks] = e
 
 
 def _sent(slab, layout, e, src, n, dtype, D):
@@ -105,7 +105,7 @@ def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3):
     res_lse = torch.full((max_tokens, hs), float("nan"))
     n = T * hs
     assert use_ll(n, layout) == ll
-    _, _, grid = plan_blocks(n, n_programs)
+    _, n_blocks, grid = plan_blocks(n, n_programs)
     worst = 0.0
     for call in range(1, calls + 1):
         outs = torch.randn((W, T, H, D), generator=gen).to(dtype)
@@ -119,7 +119,7 @@ def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3):
         lses[0, -1, 0] = float("nan")  # NaN LSE counts as −inf
         for src in range(1, W):
             _stage(slabs[0], layout, call, src, outs[src][:, 0:hs].reshape(n, D),
-                   lses[src][:, 0:hs].reshape(n), grid)
+                   lses[src][:, 0:hs].reshape(n), n_blocks)
         res.fill_(float("nan"))
         res_lse.fill_(float("nan"))
         launch_merge(outs[0].contiguous(), lses[0].contiguous(), res, res_lse, slab=slabs[0],
@@ -150,7 +150,7 @@ def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3):
             if not ll:
                 st = layout.kernel_strides()
                 base = st["f_base"] + ((call & 1) * W) * st["f_cell"]
-                flags = slabs[q].view(torch.int32)[base:base + grid]
+                flags = slabs[q].view(torch.int32)[base:base + n_blocks]
                 assert bool((flags == call).all()), flags
     return worst
 
@@ -165,6 +165,8 @@ CASES = [
     (3, 6, 16, 4, 4, torch.float32, True),
     (4, 8, 20, 7, 9, torch.bfloat16, False),
     (1, 2, 8, 3, 3, torch.bfloat16, False),
+    (2, 8, 8, 30, 30, torch.bfloat16, False),  # several blocks per program (pipelined)
+    (2, 8, 8, 30, 30, torch.float16, True),
 ]
 
 

@@ -47,7 +47,7 @@ _MAX_BLOCK_ROWS = int(os.environ.get("ATTNCOMM_SYMM_MAX_BLOCK_ROWS", "16"))
 _PROGRAMS_PER_SM = int(os.environ.get("ATTNCOMM_SYMM_PROGRAMS_PER_SM", "1"))
 _MAX_WARPS = int(os.environ.get("ATTNCOMM_SYMM_MAX_WARPS", "8"))
 # Payload per peer up to which the LL protocol (flag inside every 8-byte word) is used.
-_LL_MAX_BYTES = int(os.environ.get("ATTNCOMM_SYMM_LL_MAX_BYTES", str(64 * 1024)))
+_LL_MAX_BYTES = int(os.environ.get("ATTNCOMM_SYMM_LL_MAX_BYTES", str(512 * 1024)))
 _DELTA_UNIT = 16  # peer offsets are passed in units of 16 elements (keeps stores vectorised)
 
 
@@ -143,6 +143,58 @@ if triton is not None:
                  (acc / s_safe[:, None]).to(res_ptr.dtype.element_ty), mask=m2)
         tl.store(res_lse_ptr + rows, lse, mask=rmask)
 
+    @triton.jit
+    def _send_block(out_ptr, lse_ptr, slab_o, slab_l, delta_o, delta_w, slot, b, n_rows, H, HS,
+                    D, o_cell, l_base, l_cell, RANK: tl.constexpr, W: tl.constexpr,
+                    BR: tl.constexpr, BD: tl.constexpr):
+        # Store block b of this rank's rows for every peer's head slice into that peer's slab.
+        rows = b * BR + tl.arange(0, BR)
+        rmask = rows < n_rows
+        d = tl.arange(0, BD)
+        m2 = rmask[:, None] & (d < D)[None, :]
+        src_base = (rows // HS) * H + rows % HS
+        for q in tl.static_range(W):
+            if q != RANK:
+                src = src_base + q * HS
+                vals = tl.load(out_ptr + src[:, None] * D + d[None, :], mask=m2)
+                lv = tl.load(lse_ptr + src, mask=rmask)
+                cell = slot * W + RANK
+                po = slab_o + tl.load(delta_o + q) * 16 + cell * o_cell
+                tl.store(po + rows[:, None] * D + d[None, :], vals, mask=m2)
+                pl = slab_l + tl.load(delta_w + q) * 16 + l_base + cell * l_cell
+                tl.store(pl + rows, lv, mask=rmask)
+
+    @triton.jit
+    def _publish(slab_f, delta_w, e, slot, b, f_base, f_cell, RANK: tl.constexpr,
+                 W: tl.constexpr):
+        # Called after a block barrier: one release (fence + store) covers every thread's
+        # earlier stores; the same thread's later flag stores are ordered after it.
+        for q in tl.static_range(W):
+            if q != RANK:
+                pf = (slab_f + tl.load(delta_w + q) * 16 + f_base + (slot * W + RANK) * f_cell
+                      + b)
+                if q == (RANK + 1) % W:
+                    tl.atomic_xchg(pf, e, sem="release", scope="sys")
+                else:
+                    tl.atomic_xchg(pf, e, sem="relaxed", scope="sys")
+
+    @triton.jit
+    def _receive_block(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slab_f, err_ptr,
+                       e, slot, b, deadline, timeout_ns, bad, n_rows, H, HS, D, o_cell, l_base,
+                       l_cell, f_base, f_cell, RANK: tl.constexpr, W: tl.constexpr,
+                       BR: tl.constexpr, BD: tl.constexpr):
+        # Wait (acquire, bounded) for every source's flag of block b, then combine it.
+        for q in tl.static_range(W):
+            if q != RANK:
+                deadline, bad = _wait_flag(slab_f + f_base + (slot * W + q) * f_cell + b, e,
+                                           deadline, timeout_ns, err_ptr + q, bad)
+        tl.debug_barrier()
+        if bad == 0:
+            rows = b * BR + tl.arange(0, BR)
+            _combine_rows(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slot, rows,
+                          rows < n_rows, H, HS, D, o_cell, l_base, l_cell, RANK, W, BR, BD)
+        return deadline, bad
+
     @triton.jit(do_not_specialize=["n_rows", "n_blocks", "grid_size", "timeout_ns"])
     def _merge_flag_kernel(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slab_f,
                            delta_o, delta_w, state_ptr, err_ptr,
@@ -151,57 +203,38 @@ if triton is not None:
                            RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
                            BD: tl.constexpr):
         """One merge, flag protocol. ``out [T, H, D]``, ``lse [T, H]`` fp32 → ``res [T, HS,
-        D]``, ``res_lse [T, HS]`` fp32; a row is a ``(t, h_local)`` pair, ``n_rows = T·HS``;
-        program p handles blocks p, p+G, ... and has one flag per peer."""
+        D]``, ``res_lse [T, HS]`` fp32; a row is a ``(t, h_local)`` pair, ``n_rows = T·HS``.
+
+        Program p handles blocks p, p+G, ... (G = grid size ≤ #SMs, so all are resident),
+        software-pipelined: block k+1 is sent before block k is waited for and combined, and
+        block k+1's flag is released only after that, so the combine of block k overlaps the
+        transfer of block k+1 (a release fence waits for every earlier store). Every program
+        publishes its first block before it waits for anything, so no wait depends on a wait."""
         pid = tl.program_id(0)
         e = _epoch_begin(state_ptr, grid_size)
         slot = e & 1
-        r = tl.arange(0, BR)
-        d = tl.arange(0, BD)
-        dmask = d < D
-        b = pid  # a while loop: the interpreter cannot range() over a program id
-        while b < n_blocks:
-            rows = b * BR + r
-            rmask = rows < n_rows
-            src_base = (rows // HS) * H + rows % HS
-            m2 = rmask[:, None] & dmask[None, :]
-            for q in tl.static_range(W):
-                if q != RANK:
-                    src = src_base + q * HS
-                    vals = tl.load(out_ptr + src[:, None] * D + d[None, :], mask=m2)
-                    lv = tl.load(lse_ptr + src, mask=rmask)
-                    cell = slot * W + RANK
-                    po = slab_o + tl.load(delta_o + q) * 16 + cell * o_cell
-                    tl.store(po + rows[:, None] * D + d[None, :], vals, mask=m2)
-                    pl = slab_l + tl.load(delta_w + q) * 16 + l_base + cell * l_cell
-                    tl.store(pl + rows, lv, mask=rmask)
-            b += grid_size
-        # Publish: after the block barrier, one release (fence + store) covers every thread's
-        # stores; later flags of the same thread are ordered after it.
-        tl.debug_barrier()
-        for q in tl.static_range(W):
-            if q != RANK:
-                pf = (slab_f + tl.load(delta_w + q) * 16 + f_base + (slot * W + RANK) * f_cell
-                      + pid)
-                if q == (RANK + 1) % W:
-                    tl.atomic_xchg(pf, e, sem="release", scope="sys")
-                else:
-                    tl.atomic_xchg(pf, e, sem="relaxed", scope="sys")
         deadline = timeout_ns.to(tl.int64) * 0
         bad = tl.full([], 0, tl.int32)
-        for q in tl.static_range(W):
-            if q != RANK:
-                deadline, bad = _wait_flag(slab_f + f_base + (slot * W + q) * f_cell + pid, e,
-                                           deadline, timeout_ns, err_ptr + q, bad)
+        _send_block(out_ptr, lse_ptr, slab_o, slab_l, delta_o, delta_w, slot, pid, n_rows, H,
+                    HS, D, o_cell, l_base, l_cell, RANK, W, BR, BD)
         tl.debug_barrier()
-        if bad == 0:
-            b = pid
-            while b < n_blocks:
-                rows = b * BR + r
-                _combine_rows(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slot,
-                              rows, rows < n_rows, H, HS, D, o_cell, l_base, l_cell, RANK, W,
-                              BR, BD)
-                b += grid_size
+        _publish(slab_f, delta_w, e, slot, pid, f_base, f_cell, RANK, W)
+        prev = pid
+        b = pid + grid_size  # a while loop: the interpreter cannot range() over a program id
+        while b < n_blocks:
+            _send_block(out_ptr, lse_ptr, slab_o, slab_l, delta_o, delta_w, slot, b, n_rows, H,
+                        HS, D, o_cell, l_base, l_cell, RANK, W, BR, BD)
+            deadline, bad = _receive_block(
+                out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slab_f, err_ptr, e,
+                slot, prev, deadline, timeout_ns, bad, n_rows, H, HS, D, o_cell, l_base, l_cell,
+                f_base, f_cell, RANK, W, BR, BD)
+            tl.debug_barrier()
+            _publish(slab_f, delta_w, e, slot, b, f_base, f_cell, RANK, W)
+            prev = b
+            b += grid_size
+        _receive_block(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slab_f, err_ptr,
+                       e, slot, prev, deadline, timeout_ns, bad, n_rows, H, HS, D, o_cell,
+                       l_base, l_cell, f_base, f_cell, RANK, W, BR, BD)
 
     # ---------------------------------------------------------------- LL protocol (small T)
 
@@ -298,6 +331,10 @@ if triton is not None:
                             y = tl.load(po, mask=m2, other=tag, volatile=True)
                             yl = tl.load(pl, mask=rmask, other=tag, volatile=True)
                             ready = _ll_ready(y, yl, e)
+                    # Reload once ready: a value replicated over threads was checked in one
+                    # thread's copy only; the words cannot change again before epoch e+2.
+                    y = tl.load(po, mask=m2, other=tag, volatile=True)
+                    yl = tl.load(pl, mask=rmask, other=tag, volatile=True)
                     lq = yl.to(tl.int32).to(tl.float32, bitcast=True)
                     lo, hi = _unpack(y.to(tl.int32), PACK, DTYPE)
                     m, s, scale, w = _online(m, s, lq)
