@@ -62,7 +62,8 @@ def test_bench_dp_sync_smoke(tmp_path):
     out = tmp_path / "dp.json"
     args = p.parse_args(["--device", "cpu", "--world-size", "2", "--steps", "60", "--block",
                          "20", "--hidden", "64", "--tokens", "1", "3", "--iters", "2",
-                         "--warmup", "1", "--json", str(out), "--no-progress"])
+                         "--warmup", "1", "--json", str(out), "--no-progress",
+                         "--markdown", str(tmp_path / "dp.md"), "--plot", str(tmp_path / "dp.png")])
     assert bench.main(args) == 0
     doc = json.loads(out.read_text())
     syncs = [r for r in doc["records"] if "sync" in r]
@@ -77,6 +78,9 @@ def test_bench_dp_sync_smoke(tmp_path):
     for r in ops:
         assert math.isfinite(r["time_us"]) and r["time_us"] > 0
     assert doc["meta"]["bench"] == "dp-sync" and doc["meta"]["hidden"] == 64
+    md = (tmp_path / "dp.md").read_text()
+    assert "| shm |" in md and "| dp_reduce_scatter | 3 |" in md
+    assert (tmp_path / "dp.png").stat().st_size > 1000
     bad = p.parse_args(["--device", "cpu", "--steps", "0"])
     assert bench.main(bad) == 2
 

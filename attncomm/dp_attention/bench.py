@@ -19,10 +19,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..bench.common import meta, print_table, progress, slowest_rank_median, time_eager, \
-    write_json
+from ..bench.common import meta, plot_lines, print_table, progress, slowest_rank_median, \
+    time_eager, write_json
 
-__all__ = ["add_arguments", "main", "run_rank"]
+__all__ = ["add_arguments", "main", "run_rank", "markdown_tables", "with_speedups"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=None, help="gather iterations (GPU 50, CPU 10)")
     p.add_argument("--json", metavar="PATH", default=None, help="write records as JSON")
+    p.add_argument("--markdown", metavar="PATH", default=None, help="write Markdown tables")
+    p.add_argument("--plot", metavar="PATH", default=None, help="gather time vs tokens PNG")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -137,6 +139,35 @@ def run_rank(rank: int, world: int, cfg: dict) -> list[dict] | None:
     return records if rank == 0 else None
 
 
+def with_speedups(syncs: list[dict]) -> list[dict]:
+    """Sync records plus ``speedup_vs_device`` (device time ÷ this path's time)."""
+    dev = next((r["sync_us"] for r in syncs if r["sync"] == "device"), None)
+    return [dict(r, speedup_vs_device=round(dev / r["sync_us"], 2) if dev and r["sync_us"] > 0
+                 else None) for r in syncs]
+
+
+def markdown_tables(records: list[dict], cfg: dict, world: int) -> str:
+    """The sync table (µs per step, speedup over ``device``) and, per op, one row per token
+    count with one column per padding mode (µs)."""
+    syncs = with_speedups([r for r in records if "sync" in r])
+    lines = [f"DP-attention sync per step, W={world}, {cfg['device']}", "",
+             "| sync | µs / step | speedup vs device |", "|---|---|---|"]
+    for r in syncs:
+        sp = f"{r['speedup_vs_device']:.1f}×" if r["speedup_vs_device"] else "-"
+        lines.append(f"| {r['sync']} | {r['sync_us']:.1f} | {sp} |")
+    ops = [r for r in records if "op" in r]
+    keyed = {(r["op"], r["mode"], r["tokens"]): r["time_us"] for r in ops}
+    modes = list(dict.fromkeys(r["mode"] for r in ops))
+    lines += ["", f"gather / scatter / reduce_scatter, hidden {cfg['hidden']} {cfg['dtype']}, "
+              f"tokens per DP rank, W={world} (µs)", "",
+              "| op | tokens | " + " | ".join(modes) + " |", "|---|---|" + "---|" * len(modes)]
+    for op in dict.fromkeys(r["op"] for r in ops):
+        for t in sorted({r["tokens"] for r in ops if r["op"] == op}):
+            cells = [f"{keyed[(op, m, t)]:.1f}" if (op, m, t) in keyed else "-" for m in modes]
+            lines.append(f"| {op} | {t} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(args) -> int:
     """The ``attncomm bench dp-sync`` command (0: done, 2: bad options)."""
     from .. import launch
@@ -154,7 +185,7 @@ def main(args) -> int:
     records = launch(run_rank, args.world_size, device=cfg["device"], args=(cfg,))[0]
     syncs = [r for r in records if "sync" in r]
     ops = [r for r in records if "op" in r]
-    print_table(syncs, ["sync", "world_size", "sync_us"],
+    print_table(with_speedups(syncs), ["sync", "world_size", "sync_us", "speedup_vs_device"],
                 title=f"\nDP-attention sync per step (µs), {cfg['device']}, W={args.world_size}",
                 fmt={"sync_us": "{:.1f}"})
     print_table(ops, ["op", "mode", "tokens", "world_size", "time_us"],
@@ -167,4 +198,18 @@ def main(args) -> int:
                  sync_measures="MLPSyncBatchInfo.all_gather per step, back to back")
         write_json(args.json, m, records)
         print(f"wrote {args.json}")
+    if args.markdown:
+        import os
+        os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
+        with open(args.markdown, "w") as f:
+            f.write(markdown_tables(records, cfg, args.world_size))
+    if args.plot and ops:
+        series: dict = {}
+        for r in ops:
+            xs, ys = series.setdefault(f"{r['op']} ({r['mode']})", ([], []))
+            xs.append(r["tokens"])
+            ys.append(r["time_us"])
+        plot_lines(args.plot, series, xlabel="tokens per DP rank", ylabel="time (µs, slowest "
+                   "rank)", title=f"dp_gather / scatter / reduce_scatter, W={args.world_size}, "
+                   f"hidden {cfg['hidden']} {cfg['dtype']}", logx=True, logy=True)
     return 0

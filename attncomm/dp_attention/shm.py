@@ -287,7 +287,3 @@ class ShmRowExchange:
             self._finalizer()
             self._finalizer = None
 
-
-def exchange_rows_tensor(ex: ShmRowExchange, row: Sequence[int], **kw) -> torch.Tensor:
-    """``ex.exchange`` as a ``[W, row_len]`` int64 CPU tensor."""
-    return torch.tensor(ex.exchange(row, **kw), dtype=torch.int64)

@@ -20,7 +20,7 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -416,6 +416,3 @@ def run_dp_attention_demo(world_size: int = 2, *, device: str = "cpu", dtype: st
     row["ranks"] = results
     return row
 
-
-def with_steps(cfg: SimConfig, steps: int) -> SimConfig:
-    return replace(cfg, steps=steps)

@@ -22,7 +22,6 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import config
 from .._dist import group_device, guard_timeout
 from ..launch import cpu_group
 from . import shm as _shm

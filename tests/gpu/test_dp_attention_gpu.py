@@ -1,0 +1,69 @@
+"""DP attention on NCCL ranks (one GPU each): every sync path, gather / scatter /
+reduce_scatter in bf16 against fp64 references, and the simulation on CUDA."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import attncomm
+from attncomm.dp_attention import (BatchView, DpPaddingMode, ForwardMode, dp_gather,
+                                   dp_reduce_scatter, dp_scatter, prepare_mlp_sync_batch)
+from attncomm.dp_attention.simulate import SimConfig, simulate_rank, summarize
+
+pytestmark = pytest.mark.gpu
+
+
+def _nccl_checks(rank, world, seed):
+    rng = random.Random(seed)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    out = {}
+    for sync in ("device", "cpu", "shm", "auto"):
+        for _ in range(20):
+            counts = [rng.randint(0, 5) for _ in range(world)]
+            b = BatchView(ForwardMode.DECODE, batch_size=counts[rank]) if counts[rank] else None
+            got, info = prepare_mlp_sync_batch(b, dp_size=world, attn_tp_size=1, group=None,
+                                               get_idle_batch=lambda: BatchView(ForwardMode.IDLE),
+                                               sync=sync, device=dev)
+            assert info.global_num_tokens == counts and (got is None) == (max(counts) == 0)
+        out[sync] = info.sync
+    for _ in range(10):
+        n = [rng.choice([0, rng.randint(1, 300)]) for _ in range(world)]
+        cs = rng.randrange(1 << 20)
+        rows = [torch.randn(k, 7168, generator=torch.Generator().manual_seed(cs + q))
+                for q, k in enumerate(n)]
+        for mode in DpPaddingMode:
+            local = rows[rank].to(dev, torch.bfloat16)
+            buf = dp_gather(local, n, None, mode=mode)
+            for q in range(world):
+                assert torch.equal(dp_scatter(buf, n, q, mode=mode).cpu(),
+                                   rows[q].to(torch.bfloat16))
+            total = buf.shape[0]
+            parts = [torch.randn(total, 7168, generator=torch.Generator().manual_seed(cs + 99 + r))
+                     for r in range(world)]
+            red = dp_reduce_scatter(parts[rank].to(dev, torch.bfloat16), n, None, mode=mode)
+            ref = dp_scatter(sum(p.to(torch.bfloat16).double() for p in parts), n, rank,
+                             mode=mode)
+            assert red.shape == ref.shape
+            assert torch.allclose(red.double().cpu(), ref, rtol=1e-2, atol=1e-2)
+    return out
+
+
+def test_nccl_sync_and_gathers():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    res = attncomm.launch(_nccl_checks, 2, device="cuda", args=(random.randrange(1 << 20),),
+                          timeout_s=240)
+    assert res[0] == {"device": "device", "cpu": "cpu", "shm": "shm", "auto": "shm"}
+
+
+@pytest.mark.parametrize("sync,dtype", [("device", "bf16"), ("auto", "fp32")])
+def test_simulation_on_cuda(sync, dtype):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    cfg = SimConfig(steps=300, sync=sync, dtype=dtype, device="cuda", hidden=256, ffn=1024,
+                    seed=random.randrange(1 << 20))
+    s = summarize(attncomm.launch(simulate_rank, 2, device="cuda", args=(cfg,), timeout_s=240))
+    assert s["counts"]["steps_run"] > 0 and s["counts"]["all_idle"] > 0
+    assert s["min_cosine"] > (0.999 if dtype == "bf16" else 0.99999), s
