@@ -177,7 +177,9 @@ def test_cli_json_and_exit_codes(tmp_path, capsys):
     assert "min_cosine" in capsys.readouterr().out
     assert demo_main(_args(["--world-size", "0"])) == 2
     assert demo_main(_args(["--sentences", "100000"])) == 2
-    assert "--sentences" in capsys.readouterr().err
+    assert demo_main(_args(["--model-dir", str(tmp_path / "nothing")])) == 2
+    err = capsys.readouterr().err
+    assert "--sentences" in err and "--model-dir" in err and "--world-size" in err
 
 
 def _args(argv):

@@ -73,6 +73,15 @@ def _config(args) -> DemoConfig:
         bad.append(f"--sentences must be in [1, {n}] (the corpus size), got {cfg.num_sentences}")
     if not 3 <= cfg.max_len <= 512:
         bad.append(f"--max-len must be in [3, 512], got {cfg.max_len}")
+    if cfg.device == "cuda":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < cfg.world_size:
+            bad.append(f"--device cuda --world-size {cfg.world_size} needs {cfg.world_size} "
+                       f"GPUs (one per rank); this machine has {gpus}")
+    if cfg.model_dir is not None and not os.path.isfile(os.path.join(cfg.model_dir,
+                                                                     "config.json")):
+        bad.append(f"--model-dir {cfg.model_dir!r} has no config.json (make one with "
+                   "scripts/export_minilm_fp16.py)")
     if bad:
         raise ValueError("; ".join(bad))
     return cfg
