@@ -11,6 +11,9 @@ for s in $stages; do
   facts)
     nvidia-smi -L; python3 -c 'import torch,triton;print(torch.__version__,triton.__version__,torch.cuda.device_count())'
     ;;
+  env)
+    python3 -m attncomm.cli env --json "$OUT/env.json" 2>&1 | tee "$OUT/env.log"
+    ;;
   tests)
     ATTNCOMM_TIMEOUT_S=20 timeout -k 5 ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider \
       tests/gpu/test_dcp_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/pytest.log" | tail -40

@@ -1,0 +1,194 @@
+"""symm_a2a without a GPU: slab layout arithmetic, block plans, eligibility agreement across
+gloo ranks (one ineligible rank → every rank falls back under auto / raises under symm_a2a),
+the kernels' exchange + combine math under the Triton interpreter, auto, env and bench on CPU."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from attncomm.dcp.symm_a2a import ll_rows_for, plan_blocks, use_ll
+from attncomm.symm import ALIGN, SlabLayout
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ------------------------------------------------------------------------------ layout / plans
+
+@pytest.mark.parametrize("W,rows,D,item,ll", [(2, 4096, 512, 2, 512), (3, 7, 24, 4, 7),
+                                              (8, 1, 1, 2, 0), (1, 0, 16, 2, 0),
+                                              (5, 33, 100, 2, 10)])
+def test_layout_regions_disjoint_aligned(W, rows, D, item, ll):
+    L = SlabLayout(W, rows, D, item, ll)
+    cells = L.cell_bytes()
+    assert cells["o"] >= rows * D * item and cells["l"] >= rows * 4
+    assert cells["f"] >= max(rows, 1) * 4 and cells["lll"] >= ll * 8
+    assert cells["llo"] >= ll * L.row_words * 8
+    spans = []
+    for region, size in cells.items():
+        for slot in (0, 1):
+            for src in range(W):
+                off = L.offset(region, slot, src)
+                assert off % ALIGN == 0
+                spans.append((off, off + size))
+    spans.sort()
+    for (a0, a1), (b0, _) in zip(spans, spans[1:]):
+        assert a1 <= b0, "regions overlap"
+    assert spans[-1][1] == L.total_bytes
+    st = L.kernel_strides()
+    assert st["o_cell"] * item == cells["o"]
+    assert st["l_base"] * 4 == L.l_offset(0, 0) and st["f_base"] * 4 == L.f_offset(0, 0)
+    assert st["llo_base"] * 8 == L.offset("llo", 0, 0)
+    assert st["lll_base"] * 8 + st["lll_cell"] * 8 * (2 * W - 1) == L.offset("lll", 1, W - 1)
+    assert L.o_offset(1, W - 1) == (2 * W - 1) * cells["o"]
+
+
+def test_layout_rejects_bad_arguments():
+    for kwargs in (dict(world_size=0, max_rows=1, head_dim=1, itemsize=2),
+                   dict(world_size=2, max_rows=-1, head_dim=1, itemsize=2),
+                   dict(world_size=2, max_rows=4, head_dim=8, itemsize=2, ll_rows=5),
+                   dict(world_size=2, max_rows=4, head_dim=3, itemsize=2, ll_rows=2)):
+        with pytest.raises(ValueError):
+            SlabLayout(**kwargs)
+    L = SlabLayout(2, 4, 8, 2)
+    with pytest.raises(ValueError):
+        L.o_offset(2, 0)
+    with pytest.raises(ValueError):
+        L.offset("o", 0, 2)
+
+
+@pytest.mark.parametrize("n_rows", [1, 2, 31, 32, 33, 127, 128, 129, 1000, 4096, 4097, 65536])
+@pytest.mark.parametrize("n_prog", [1, 7, 132, 264])
+def test_plan_blocks_cover_rows(n_rows, n_prog):
+    br, n_blocks, grid = plan_blocks(n_rows, n_prog)
+    assert br & (br - 1) == 0 and 1 <= br <= 16
+    assert (n_blocks - 1) * br < n_rows <= n_blocks * br
+    assert 1 <= grid <= min(n_prog, n_blocks)
+    if n_blocks > n_prog:  # more blocks than programs only at the largest block size
+        assert br == 16
+
+
+def test_ll_rows_and_choice():
+    assert ll_rows_for(4096, 512, 2, 512 * 1024) == 512
+    assert ll_rows_for(10, 512, 2, 512 * 1024) == 10
+    assert ll_rows_for(100, 3, 2, 1 << 20) == 0  # 6-byte rows cannot be split in words
+    L = SlabLayout(2, 100, 8, 2, 40)
+    assert use_ll(40, L) and not use_ll(41, L) and not use_ll(0, L)
+
+
+# ------------------------------------------------------------------------------ interpreter
+
+def test_kernels_under_interpreter():
+    """The real kernels on one CPU process: rank 0 runs, peers' stores are staged (see
+    tests/_symm_interp.py): flag and LL protocols, W=1..4, fp16/bf16/fp32, both parity slots,
+    −inf/NaN rows, bit-exact dispatch, the device epoch, and the backend's host code at W=1."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.dirname(HERE))
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_symm_interp.py")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ok" in proc.stdout
+
+
+# ------------------------------------------------------------------------------ agreement
+
+def _eligibility(rank, world_size, bad_ranks):
+    from attncomm import capability
+    from attncomm.dcp import DcpMerger
+    from attncomm.dcp.symm_a2a import SymmA2ABackend
+
+    capability._override_probe(
+        lambda group, device: "fake: no P2P here" if rank in bad_ranks else None)
+    try:
+        local = SymmA2ABackend.local_unavailable_reason(None, torch.device("cuda"))
+        agreed = capability.agree_reason(None, local, "symm_a2a")
+        explicit = None
+        try:
+            DcpMerger(max_tokens=4, num_heads=2 * world_size, head_dim=8, dtype=torch.float32,
+                      backend="symm_a2a")
+        except ValueError as exc:
+            explicit = str(exc)
+        auto = DcpMerger(max_tokens=4, num_heads=2 * world_size, head_dim=8,
+                         dtype=torch.float32)
+        return local, agreed, explicit, auto.backend, auto.fallback_reason
+    finally:
+        capability._override_probe(None)
+
+
+@pytest.mark.parametrize("world_size,bad", [(2, [1]), (3, [0, 2]), (2, [])])
+def test_one_ineligible_rank_decides_for_all(pools, world_size, bad):
+    res = pools.run(world_size, _eligibility, bad)
+    locals_, agreed, explicit, backends, reasons = zip(*res)
+    for r in range(world_size):
+        assert (locals_[r] is not None) == (r in bad)
+    assert len(set(agreed)) == 1 and len(set(explicit)) == 1, "ranks disagree"
+    assert len(set(backends)) == 1 and len(set(reasons)) == 1
+    assert backends[0] != "symm_a2a" and reasons[0]
+    assert explicit[0] is not None and "symm_a2a" in explicit[0]
+    for r in bad:
+        assert f"rank {r}: fake: no P2P here" in agreed[0]
+        assert f"rank {r}" in explicit[0]
+    if not bad:  # eligible by the probe; on CPU ranks the merger still refuses, on every rank
+        assert agreed[0] is None
+
+
+def _collective_try(rank, world_size, fail_rank):
+    from attncomm import capability
+
+    def step():
+        if rank == fail_rank:
+            raise RuntimeError("out of memory (fake)")
+        return rank
+
+    return capability.collective_try(None, step, "alloc")
+
+
+def test_collective_try_agrees(pools):
+    res = pools.run(3, _collective_try, 1)
+    assert all(v is None for v, _ in res)
+    assert len({why for _, why in res}) == 1 and "rank 1: RuntimeError" in res[0][1]
+    res = pools.run(3, _collective_try, -1)
+    assert [v for v, _ in res] == [0, 1, 2] and all(w is None for _, w in res)
+
+
+def _auto_cpu(rank, world_size):
+    from attncomm.dcp.auto import choose_backend
+    kw = dict(max_tokens=4, num_heads=4, head_dim=8, dtype=torch.float32,
+              device=torch.device("cpu"), timeout_s=10.0)
+    return (choose_backend(None, ["ag_rs", "a2a"], **kw), choose_backend(None, ["ag_rs"], **kw))
+
+
+def test_auto_rule_of_thumb_on_cpu(pools):
+    res = pools.run(2, _auto_cpu)
+    assert res[0] == res[1] == (("a2a", None), ("ag_rs", None))
+
+
+# ------------------------------------------------------------------------------ env / bench
+
+def test_env_runs_on_cpu(capsys):
+    from attncomm.envinfo import collect, main
+    info = collect()
+    dcp = {b["backend"]: b for b in info["backends"]["dcp"]}
+    assert dcp["ag_rs"]["available"] and not dcp["symm_a2a"]["available"]
+    assert dcp["symm_a2a"]["why_not"]
+    assert info["multicast"]["NCCL_NVLS_ENABLE"] == "0"
+    assert main(type("A", (), {"json": None})()) == 0
+    assert "symm_a2a" in capsys.readouterr().out
+
+
+def test_bench_dcp_on_cpu_ranks(pools, tmp_path):
+    from attncomm.dcp.bench import add_speedups, markdown_table, run_rank
+    cfg = dict(device="cpu", backends=["ag_rs", "a2a", "symm_a2a"], modes=["eager"], heads=4,
+               head_dim=8, dtype="fp32", tokens=[1, 3], warmup=1, iters=3, per_graph=2,
+               progress=False)
+    res = pools.run(2, run_rank, cfg)
+    records = res[0]
+    assert res[1] is None
+    assert {(r["backend"], r["tokens"]) for r in records} == {
+        (b, t) for b in ("ag_rs", "a2a") for t in (1, 3)}  # symm_a2a skipped on CPU
+    assert all(r["latency_us"] > 0 and r["world_size"] == 2 for r in records)
+    rows = add_speedups(records)
+    assert all(r["speedup"] is not None and r["speedup"] <= 1.0 + 1e-9 for r in rows)
+    assert "| eager | 1 |" in markdown_table(records)
