@@ -137,6 +137,10 @@ def run_rank(rank: int, world: int, opts: dict) -> list[dict] | None:
     device = (torch.device("cuda", torch.cuda.current_device()) if opts["device"] == "cuda"
               else torch.device("cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cpu" and opts.get("one_thread", True):
+        # Ranks share the host's cores: one intra-op thread each avoids oversubscription
+        # (a 2-core host otherwise spends 10x longer in strided copies).
+        torch.set_num_threads(1)
     cpu_g = cpu_group(None)
     timeout = config.timeout_s(None)
     modes = [m for m in opts["modes"] if m != "graph" or device.type == "cuda"]
@@ -219,7 +223,11 @@ def main(args) -> int:
         print("bench ulysses: --min-bytes is above --max-bytes", file=sys.stderr)
         return 2
     result = launch(run_rank, args.world_size, device=opts["device"], args=(opts,))[0]
-    records, skipped = result["records"], result["skipped"]
+    return report(result["records"], result["skipped"], args, opts)
+
+
+def report(records: list, skipped: dict, args, opts: dict) -> int:
+    """Print the table; write ``--json`` / ``--plot``; 1 if the transports disagreed."""
     for name, why in skipped.items():
         print(f"bench ulysses: transport {name} skipped: {why}")
     rows = [dict(r, MB=r["bytes_per_rank"] / 1e6) for r in records]
