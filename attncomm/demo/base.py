@@ -159,7 +159,9 @@ class RankContext:
         device: this rank's device (``cuda:rank`` or cpu). model: ``MiniLM`` on ``device`` in
             ``cfg.torch_dtype``.
         input_ids, attention_mask: ``[N, S]`` int64 on ``device``. decode_ids: ``[B, L]``.
-        cpu_group: the gloo group over all ranks (for host-side exchanges).
+        group: the device process group of all ranks (None: the default group; NCCL on cuda,
+            gloo on cpu). cpu_group: the gloo group over the same ranks (host-side exchanges).
+        bar: the tqdm bar (rank 0; None elsewhere) — use ``advance``/``describe``.
     """
 
     rank: int
@@ -186,7 +188,8 @@ class RankContext:
         bar = None
         if rank == 0:
             from tqdm import tqdm
-            bar = tqdm(total=total_runs, desc="demo", unit="run", dynamic_ncols=True, mininterval=0.5,
+            bar = tqdm(total=total_runs, desc="demo", unit="run", dynamic_ncols=True,
+                       mininterval=0.5,
                        bar_format="{desc:<28} {percentage:3.0f}%|{bar}| {elapsed}<{remaining}")
         return cls(rank=rank, world_size=world_size, cfg=cfg, info=inputs.info, device=device,
                    model=MiniLM(inputs.state, inputs.info, device=device, dtype=cfg.torch_dtype),
