@@ -1,0 +1,99 @@
+"""Demo mode ``ulysses``: every attention layer of MiniLM on sequence-sharded activations.
+
+Each chunk of corpus sentences is cut along the sequence into W contiguous shards of
+``head_split(S, W)`` tokens (uneven; a rank may hold none). Every rank runs embeddings, QKV
+projections, output projection and FFN on its own tokens only; the attention core is
+``attncomm.ulysses.UlyssesAttention``: q, k, v go from sequence-sharded to head-sharded in one
+all-to-all (12 heads over W=5 ranks → 3, 3, 2, 2, 2), each rank attends its heads over the whole
+sequence (padding keys masked), and the output comes back sequence-sharded. At the end the
+hidden states are gathered and mean-pooled. Compared: the sentence embeddings against the
+one-process model. Backends (the ``backend`` column): ``all_to_all``, and ``ce`` on CUDA when
+every pair of GPUs has P2P access.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _dist
+from ..models import MiniLMInfo, full_attention, mean_pool
+from ..ulysses import UlyssesAttention, head_split
+from ..ulysses.layout import head_offsets
+from .base import DemoConfig, DemoRow, RankContext, sentence_reference
+
+__all__ = ["NAME", "skip_reason", "backends", "run", "gather_sequence"]
+
+NAME = "ulysses"
+
+
+def skip_reason(cfg: DemoConfig, info: MiniLMInfo) -> str | None:
+    return None  # any W: uneven heads and sequence shards (also empty ones) are fine
+
+
+def _all_pairs_p2p(world_size: int) -> bool:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
+        return False
+    return all(torch.cuda.can_device_access_peer(a, b)
+               for a in range(world_size) for b in range(world_size) if a != b)
+
+
+def backends(cfg: DemoConfig) -> list[str]:
+    names = ["all_to_all"]
+    if cfg.device == "cuda" and cfg.world_size > 1 and _all_pairs_p2p(cfg.world_size):
+        names.append("ce")
+    return names
+
+
+def gather_sequence(x: torch.Tensor, seq_lens: list[int], group=None) -> torch.Tensor:
+    """Every rank's ``[B, S_r, E]`` shard → the whole ``[B, S, E]`` (rank order), on every
+    rank: one all_gather of shards padded to ``max(S_r)``."""
+    w = len(seq_lens)
+    if w == 1:
+        return x
+    b, _, e = x.shape
+    m = max(seq_lens)
+    pad = x.new_zeros(b, m, e)
+    pad[:, :x.shape[1]] = x
+    out = x.new_empty(w * b * m * e)
+    _dist.all_gather_tensor(out, pad.reshape(-1), group=group)
+    out = out.view(w, b, m, e)
+    return torch.cat([out[r, :, :seq_lens[r]] for r in range(w)], dim=1)
+
+
+def _attention(ctx: RankContext, module: UlyssesAttention, mask: torch.Tensor,
+               seq_lens: list[int]):
+    valid = mask.bool()[:, None, :]  # [b, 1, S]: padding keys never attend
+    scale = ctx.model.scale
+
+    def attn_fn(q, k, v, causal):
+        return full_attention(q, k, v, valid, scale)
+
+    def attend(i, q, k, v):
+        module.attn_fn = attn_fn
+        return module(q, k, v, seq_lens=seq_lens)
+
+    return attend
+
+
+def run(ctx: RankContext, backend: str) -> DemoRow | None:
+    """Embed the corpus with Ulysses attention in every layer; rank 0 returns the row."""
+    ref = sentence_reference(ctx)
+    module = UlyssesAttention(group=ctx.group, backend=backend, pipeline_groups=0)
+    embs: list[torch.Tensor] = []
+
+    def work():
+        for ids, mask in ctx.sentence_chunks():
+            lens = head_split(ids.shape[1], ctx.world_size)
+            lo = head_offsets(lens)[ctx.rank]
+            hi = lo + lens[ctx.rank]
+            pos = torch.arange(lo, hi, device=ids.device)
+            hidden = ctx.model.forward(ids[:, lo:hi], _attention(ctx, module, mask, lens),
+                                       positions=pos)
+            full = gather_sequence(hidden, lens, ctx.group)
+            embs.append(mean_pool(full, mask))
+            ctx.advance(1.0 / ctx.num_chunks)
+
+    seconds = ctx.timed(work)
+    used = set(module.last_backends.values())
+    if used and used != {backend}:
+        raise ValueError(f"ulysses demo: asked for backend {backend!r}, ran {sorted(used)}")
+    return ctx.row(NAME, backend, torch.cat(embs), ref, seconds)
