@@ -167,6 +167,7 @@ CASES = [
     (1, 2, 8, 3, 3, torch.bfloat16, False),
     (2, 8, 8, 30, 30, torch.bfloat16, False),  # several blocks per program (pipelined)
     (2, 8, 8, 30, 30, torch.float16, True),
+    (2, 4, 8, 70, 70, torch.bfloat16, False),  # 140 rows: 32-row blocks, 2 per program
 ]
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from attncomm.dcp.symm_a2a import ll_rows_for, plan_blocks, use_ll
+from attncomm.dcp.symm_a2a import _MAX_BLOCK_ROWS, ll_rows_for, plan_blocks, use_ll
 from attncomm.symm import ALIGN, SlabLayout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -64,11 +64,11 @@ def test_layout_rejects_bad_arguments():
 @pytest.mark.parametrize("n_prog", [1, 7, 132, 264])
 def test_plan_blocks_cover_rows(n_rows, n_prog):
     br, n_blocks, grid = plan_blocks(n_rows, n_prog)
-    assert br & (br - 1) == 0 and 1 <= br <= 16
+    assert br & (br - 1) == 0 and 1 <= br <= _MAX_BLOCK_ROWS
     assert (n_blocks - 1) * br < n_rows <= n_blocks * br
     assert 1 <= grid <= min(n_prog, n_blocks)
     if n_blocks > n_prog:  # more blocks than programs only at the largest block size
-        assert br == 16
+        assert br == _MAX_BLOCK_ROWS
 
 
 def test_ll_rows_and_choice():

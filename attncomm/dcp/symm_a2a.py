@@ -43,11 +43,11 @@ except Exception:  # noqa: BLE001 - the backend reports itself unavailable
 __all__ = ["SymmA2ABackend", "plan_blocks", "use_ll", "ll_rows_for", "launch_merge"]
 
 # Private tuning knobs (the same on every rank: read from the environment at import).
-_MAX_BLOCK_ROWS = int(os.environ.get("ATTNCOMM_SYMM_MAX_BLOCK_ROWS", "16"))
+_MAX_BLOCK_ROWS = int(os.environ.get("ATTNCOMM_SYMM_MAX_BLOCK_ROWS", "32"))
 _PROGRAMS_PER_SM = int(os.environ.get("ATTNCOMM_SYMM_PROGRAMS_PER_SM", "1"))
 _MAX_WARPS = int(os.environ.get("ATTNCOMM_SYMM_MAX_WARPS", "8"))
 # Payload per peer up to which the LL protocol (flag inside every 8-byte word) is used.
-_LL_MAX_BYTES = int(os.environ.get("ATTNCOMM_SYMM_LL_MAX_BYTES", str(512 * 1024)))
+_LL_MAX_BYTES = int(os.environ.get("ATTNCOMM_SYMM_LL_MAX_BYTES", str(256 * 1024)))
 _DELTA_UNIT = 16  # peer offsets are passed in units of 16 elements (keeps stores vectorised)
 
 
