@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-graph", type=int, default=10, help="merges captured per graph")
     p.add_argument("--json", metavar="PATH", default=None, help="write records as JSON")
     p.add_argument("--plot", metavar="PATH", default=None, help="latency vs tokens PNG")
+    p.add_argument("--markdown", metavar="PATH", default=None,
+                   help="write the table (one row per mode and tokens) as Markdown")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -199,6 +201,17 @@ def main(args) -> int:
         if cfg["device"] == "cuda":
             m = _gpu_meta(m)
         write_json(args.json, m, records)
+    if getattr(args, "markdown", None):
+        m = _gpu_meta(meta(cfg["device"], args.world_size)) if cfg["device"] == "cuda" \
+            else meta("cpu", args.world_size)
+        with open(args.markdown, "w") as f:
+            f.write(f"# DCP merge — {m['date']}, {m.get('machine') or m['host']}\n\n"
+                    f"W={args.world_size}, H={cfg['heads']}, D={cfg['head_dim']}, {cfg['dtype']}; "
+                    f"GPU {m['gpu']}; torch {m['torch']}, Triton {m['triton']}, CUDA "
+                    f"{m['cuda']}, NCCL {m['nccl']}. {cfg['warmup']} warm-up + {cfg['iters']} "
+                    f"timed iterations, slowest-rank median; graph mode: {cfg['per_graph']} "
+                    f"merges per graph, replay / {cfg['per_graph']}.\n\n"
+                    + markdown_table(records) + "\n")
     if args.plot and records:
         series = {}
         for r in records:
