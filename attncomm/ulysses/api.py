@@ -58,8 +58,7 @@ def backend_availability(group=None) -> dict:
                if torch.cuda.is_available() else torch.device("cpu"))
         out["ce"] = ce.agreed_unavailable_reason(group, dev)
     else:
-        reason = ce.local_unavailable_reason(None, torch.device("cuda"))
-        out["ce"] = reason or None
+        out["ce"] = ce.host_unavailable_reason()
     return out
 
 

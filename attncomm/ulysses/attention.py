@@ -233,36 +233,32 @@ class UlyssesAttention(torch.nn.Module):
         check_call(group, "UlyssesAttention", validate, sig, labels, error, timeout)
         return self._run(q, k, v, seq, causal, rope, backend, timeout, b, hq, hkv, d, dv)
 
+    def _norm_rope(self, q, k, rope, cos_sin):
+        """RMSNorm + RoPE of q and k (``cos_sin`` rows for their sequence positions)."""
+        if self.qk_norm is None and rope is None:
+            return q, k
+        qw, kw, eps = self.qk_norm if self.qk_norm is not None else (None, None, 0.0)
+        cs, sn = cos_sin if rope is not None else (None, None)
+        return (rms_norm_rope(q, qw, float(eps), cs, sn),
+                rms_norm_rope(k, kw, float(eps), cs, sn))
+
     def _run(self, q, k, v, seq, causal, rope, backend, timeout, b, hq, hkv, d, dv):
+        """Head group g's exchange overlaps group g−1's attention; each group's output goes
+        straight into the final tensor. Pipelined and sequential runs give the same bits."""
         group = self.group
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        s_total = sum(seq)
-        m = hq // hkv
-        counts = head_split(hq, world)
-        n_groups = self._pipeline_groups(q.device, b, s_total, counts)
+        s_total, m = sum(seq), hq // hkv
+        n_groups = self._pipeline_groups(q.device, b, s_total, head_split(hq, world))
         self.last_pipeline_groups = n_groups
         qranges = group_head_ranges(hq, world, n_groups)
-        norm_w = (self.qk_norm[0], self.qk_norm[1], float(self.qk_norm[2])) \
-            if self.qk_norm is not None else None
-        cos_full = sin_full = None
-        if rope is not None:
-            cos_full, sin_full = rope
-        if (norm_w is not None or rope is not None) and not self.fuse_qk_norm_rope:
+        fused = self.fuse_qk_norm_rope
+        if not fused:  # norm/rope on the local shard, before the exchange
             off = head_offsets(seq)[rank]
-            cs = None if rope is None else cos_full[off:off + seq[rank]]
-            sn = None if rope is None else sin_full[off:off + seq[rank]]
-            q = rms_norm_rope(q, None if norm_w is None else norm_w[0],
-                              0.0 if norm_w is None else norm_w[2], cs, sn)
-            k = rms_norm_rope(k, None if norm_w is None else norm_w[1],
-                              0.0 if norm_w is None else norm_w[2], cs, sn)
-            fused = False
-        else:
-            fused = norm_w is not None or rope is not None
+            q, k = self._norm_rope(q, k, rope, None if rope is None else
+                                   (rope[0][off:off + seq[rank]], rope[1][off:off + seq[rank]]))
         q, k, v = dense(q), dense(k), dense(v)
         out = torch.empty(b, seq[rank], hq, dv, dtype=q.dtype, device=q.device)
-        flat_out = out.view(-1)
         ctx = dict(group=group, backend=backend, timeout=timeout, seq=seq, b=b, m=m)
-
         pending_out = []
         ex_in = self._start_in(ctx, q, k, v, qranges[0])
         for g in range(n_groups):
@@ -270,24 +266,12 @@ class UlyssesAttention(torch.nn.Module):
             qg, kg, vg = self._views(ctx, ex_in[0], bufs)
             q_lo, q_hi = qranges[g][rank]
             if fused and q_hi > q_lo:
-                cs, sn = (cos_full, sin_full) if rope is not None else (None, None)
-                qg = rms_norm_rope(qg, None if norm_w is None else norm_w[0],
-                                   0.0 if norm_w is None else norm_w[2], cs, sn)
-                kg = rms_norm_rope(kg, None if norm_w is None else norm_w[1],
-                                   0.0 if norm_w is None else norm_w[2], cs, sn)
+                qg, kg = self._norm_rope(qg, kg, rope, rope)
             nxt = self._start_in(ctx, q, k, v, qranges[g + 1]) if g + 1 < n_groups else None
-            if q_hi > q_lo and s_total > 0:
-                if not uniform_group(q_lo, q_hi, m):
-                    kv_lo = kv_head_range(q_lo, q_hi, m)[0]
-                    idx = torch.tensor([h // m - kv_lo for h in range(q_lo, q_hi)],
-                                       device=kg.device)
-                    kg, vg = kg.index_select(2, idx), vg.index_select(2, idx)
-                og = dense(self.attn_fn(qg, kg, vg, causal))
-            else:
-                og = torch.empty(b, s_total, q_hi - q_lo, dv, dtype=q.dtype, device=q.device)
+            og = self._attend(qg, kg, vg, q_lo, q_hi, m, causal, s_total, dv)
             for e, _ in bufs:
                 e.release()
-            pending_out.append(self._start_out(ctx, og, qranges[g], hq, dv, flat_out))
+            pending_out.append(self._start_out(ctx, og, qranges[g], hq, dv, out.view(-1)))
             if len(pending_out) > 1:  # at most two output exchanges in flight (two slots)
                 done = pending_out.pop(0)
                 done.wait()
@@ -297,6 +281,17 @@ class UlyssesAttention(torch.nn.Module):
             e.wait()
             e.release()
         return out
+
+    def _attend(self, qg, kg, vg, q_lo, q_hi, m, causal, s_total, dv):
+        """``attn_fn`` on this rank's heads ``[q_lo, q_hi)`` of one group, with the KV heads
+        expanded to one per query head when the rank's grouping is not uniform."""
+        if q_hi <= q_lo or s_total == 0:
+            return qg.new_empty(qg.shape[0], s_total, q_hi - q_lo, dv)
+        if not uniform_group(q_lo, q_hi, m):
+            kv_lo = kv_head_range(q_lo, q_hi, m)[0]
+            idx = torch.tensor([h // m - kv_lo for h in range(q_lo, q_hi)], device=kg.device)
+            kg, vg = kg.index_select(2, idx), vg.index_select(2, idx)
+        return dense(self.attn_fn(qg, kg, vg, causal))
 
     def _start_in(self, ctx, q, k, v, qr):
         """Start the exchanges of one head group: q, k, v in one exchange when their dtype and

@@ -123,6 +123,23 @@ def _prepare(t, plan, dtype):
             raise RuntimeError(f"ce cannot run this size: {why}")
 
 
+def _first_call(t, geometry, case, dtype, device):
+    """Allocate what the transport needs, run one exchange eagerly (its result is compared
+    across transports) and return ``(timed fn, result)``."""
+    if geometry == "sweep":
+        plan, parts = case
+        _prepare(t, plan, dtype)
+        ex = t.start(plan, parts, dtype, device)
+        result = ex.wait().clone()
+        ex.release()
+        return _exchange_fn(t, plan, parts, dtype, device), result
+    _prepare(t, case[0], dtype)
+    _prepare(t, case[2], dtype)
+    fn = _dit_fn(t, case, dtype, device)
+    fn()
+    return fn, case[4].clone()
+
+
 def _time(fn, mode, device, iters, cpu_g):
     barrier = (lambda: dist.barrier(group=cpu_g))
     if mode == "graph":
@@ -160,33 +177,22 @@ def run_rank(rank: int, world: int, opts: dict) -> list[dict] | None:
         torch.manual_seed(1234 + n)
         if geometry == "sweep":
             plan, parts, sent = _sweep_case(world, rank, n, dtype, device)
+            case = (plan, parts)
         else:
             case, sent = _dit_case(world, rank, n, dtype, device)
         finals = {}
         for name, t in transports.items():
-            if geometry == "sweep":
-                _prepare(t, plan, dtype)
-                fn = _exchange_fn(t, plan, parts, dtype, device)
-                ex = t.start(plan, parts, dtype, device)
-                finals[name] = ex.wait().clone()
-                ex.release()
-            else:
-                _prepare(t, case[0], dtype)
-                _prepare(t, case[2], dtype)
-                fn = _dit_fn(t, case, dtype, device)
-                fn()
-                finals[name] = case[4].clone()
+            fn, finals[name] = _first_call(t, geometry, case, dtype, device)
             for mode in modes:
-                times = _time(fn, mode, device, opts["iters"], cpu_g)
-                med = common.slowest_rank_median(times, cpu_g)
+                med = common.slowest_rank_median(_time(fn, mode, device, opts["iters"], cpu_g),
+                                                 cpu_g)
                 records.append({"transport": name, "mode": mode, "world_size": world,
                                 "geometry": geometry, "bytes_per_rank": sent,
                                 "time_us": med, "busbw_gbps": sent / med / 1e3 if med else 0.0})
                 bar.update(1)
-        if len(finals) > 1:
+        if len(finals) > 1:  # the transports must agree bit for bit
             vals = list(finals.values())
-            same = all(torch.equal(vals[0], v) for v in vals[1:])
-            flag = torch.tensor([1 if same else 0], dtype=torch.int64)
+            flag = torch.tensor([int(all(torch.equal(vals[0], v) for v in vals[1:]))])
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_g)
             for rec in records:
                 if rec["geometry"] == geometry and rec["bytes_per_rank"] == sent:

@@ -31,9 +31,7 @@ gives up at a device-side deadline (``globaltimer``) and records the error word 
 from __future__ import annotations
 
 import collections
-import importlib
 import os
-import socket
 import time
 import warnings
 from typing import Sequence
@@ -41,12 +39,14 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .. import capability
+from .._dist import agree_reason
 from ..errors import PeerTimeoutError
 from .layout import ExchangePlan
 from .transport import Exchange, Transport, source_view
 
-__all__ = ["CopyEngineTransport", "local_unavailable_reason", "agreed_unavailable_reason",
-           "probe_stream_mem_ops", "CACHE_ENTRIES"]
+__all__ = ["CopyEngineTransport", "local_unavailable_reason", "host_unavailable_reason",
+           "agreed_unavailable_reason", "probe_stream_mem_ops", "CACHE_ENTRIES"]
 
 #: Staging buffers kept per transport (least recently used evicted first).
 CACHE_ENTRIES = int(os.environ.get("ATTNCOMM_ULYSSES_CE_CACHE", "6"))
@@ -60,18 +60,31 @@ def _align(n: int) -> int:
 
 # ------------------------------------------------------------------------------ eligibility
 def local_unavailable_reason(group, device: torch.device) -> str | None:
-    """Local facts only: CUDA tensors, symmetric memory importable, a flag mechanism."""
+    """Local facts only (no communication): CUDA tensors, torch SymmetricMemory, a flag
+    mechanism (``cuda.bindings`` or Triton) and ``cuda.bindings`` for the copies."""
     if device.type != "cuda":
-        return "tensors are not CUDA"
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    try:
-        importlib.import_module("torch.distributed._symmetric_memory")
-    except Exception as exc:  # noqa: BLE001
-        return f"torch SymmetricMemory is unavailable ({exc})"
-    if _driver() is None and _triton_ok() is not None:
-        return f"neither cuda.bindings nor Triton is available ({_triton_ok()})"
+        return f"tensors are not CUDA (they are on {device.type})"
+    why = capability.cuda_reason() or capability.symm_mem_reason()
+    if why:
+        return why
+    if _runtime() is None:
+        return "cuda.bindings (runtime) is not importable: needed for copy-engine copies"
+    if _triton_ok() is not None:
+        return f"Triton is not importable (flag kernels, waits inside graphs): {_triton_ok()}"
     return None
+
+
+def host_unavailable_reason() -> str | None:
+    """For ``attncomm env`` without a process group: local facts plus P2P between every pair
+    of this host's GPUs."""
+    why = local_unavailable_reason(None, torch.device("cuda"))
+    if why:
+        return why
+    m = capability.p2p_matrix()
+    if len(m) < 2:
+        return f"needs ≥ 2 GPUs on this host (found {len(m)})"
+    missing = [f"{i}→{j}" for i, row in enumerate(m) for j, ok in enumerate(row) if not ok]
+    return f"no P2P access between GPUs {', '.join(missing)}" if missing else None
 
 
 _AGREED: dict = {}
@@ -79,39 +92,17 @@ _AGREED: dict = {}
 
 def agreed_unavailable_reason(group, device: torch.device) -> str | None:
     """Why ``ce`` cannot run on ``group`` for ``device`` tensors, the same on every rank (None if
-    it can). Collective on first use (per group and device type): local facts, same host and
-    P2P access for every pair, agreed by all_reduce(MIN) over the gloo group."""
+    it can). Collective on first use per (group, device type), cached: local facts, one host,
+    P2P to every peer (``capability.symm_unavailable_reason``), agreed by all_reduce(MIN) over
+    the gloo group (``agree_reason``) before any allocation."""
     key = (id(group) if group is not None else "world", device.type)
-    if key in _AGREED:
-        return _AGREED[key]
-    from ..launch import cpu_group
-    g = cpu_group(group)
-    world = dist.get_world_size(g)
-    reason = local_unavailable_reason(group, device)
-    if reason is None and world == 1:
-        reason = "a single rank has no peer to copy to"
-    info = (socket.gethostname(), torch.cuda.current_device() if reason is None else -1)
-    infos: list = [None] * world
-    dist.all_gather_object(infos, info, group=g)
-    if reason is None:
-        if len({h for h, _ in infos}) > 1:
-            reason = "ranks are on different hosts"
-        else:
-            me = torch.cuda.current_device()
-            bad = [r for r, (_, d) in enumerate(infos)
-                   if d >= 0 and d != me and not torch.cuda.can_device_access_peer(me, d)]
-            if bad:
-                reason = f"no P2P access from GPU {me} to the GPUs of rank(s) {bad}"
-    flag = torch.tensor([0 if reason else 1], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=g)
-    if int(flag.item()) == 1:
-        out = None
-    else:
-        reasons: list = [None] * world
-        dist.all_gather_object(reasons, reason, group=g)
-        out = "; ".join(f"rank {r}: {x}" for r, x in enumerate(reasons) if x)
-    _AGREED[key] = out
-    return out
+    if key not in _AGREED:
+        why = capability.symm_unavailable_reason(group, device)  # collective on CUDA
+        why = why or local_unavailable_reason(group, device)
+        if why is None and dist.get_world_size(group) == 1:
+            why = "a single rank has no peer to copy to"
+        _AGREED[key] = agree_reason(group, why, "ulysses ce eligibility")
+    return _AGREED[key]
 
 
 def _driver():
@@ -145,26 +136,8 @@ def _ok(res) -> bool:
 
 def probe_stream_mem_ops(device: torch.device) -> str | None:
     """Trial call of ``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` (the V1 device
-    attribute can read 0 while the calls work). None if they work, else why not."""
-    drv = _driver()
-    if drv is None:
-        return "cuda.bindings is not installed"
-    try:
-        t = torch.zeros(2, dtype=torch.int32, device=device)
-        stream = torch.cuda.current_stream(device).cuda_stream
-        base = t.data_ptr()
-        if not _ok(drv.cuStreamWriteValue32(stream, base, 7, 0)):
-            return "cuStreamWriteValue32 failed"
-        if not _ok(drv.cuStreamWaitValue32(stream, base, 7, _WAIT_EQ)):
-            return "cuStreamWaitValue32 failed"
-        if not _ok(drv.cuStreamWriteValue32(stream, base + 4, 9, 0)):
-            return "cuStreamWriteValue32 failed"
-        torch.cuda.synchronize(device)
-        if t.tolist() != [7, 9]:
-            return f"stream memory ops wrote {t.tolist()}, expected [7, 9]"
-    except Exception as exc:  # noqa: BLE001
-        return f"stream memory ops failed: {exc}"
-    return None
+    attribute can read 0 while the calls work): None if they work, else why not."""
+    return capability.stream_mem_ops_reason(torch.device(device).index)
 
 
 # ------------------------------------------------------------------------------ flag kernels
