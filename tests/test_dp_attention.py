@@ -395,3 +395,27 @@ def test_scatter_bad_input():
     with pytest.raises(ValueError, match="out has shape"):
         dp_scatter(buf, [3, 2, 1], 1, mode=DpPaddingMode.SUM_LEN, out=torch.empty(3, 3))
     assert torch.equal(dp_scatter(buf, [3, 0, 3], 1, mode="sum_len"), buf[3:3])
+
+
+def _shm_stress(rank, world, steps, seed):
+    import time
+
+    from attncomm.dp_attention import close_shm_channels
+    from attncomm.dp_attention.sync import exchange_rows
+
+    rng = random.Random(seed + rank)
+    for rounds in range(2):                    # the second round runs on a fresh segment
+        for s in range(1, steps + 1):
+            if rng.random() < 0.02:            # skew: this rank falls behind for a while
+                time.sleep(rng.random() * 2e-3)
+            salt = (seed * 31 + s * 7 + rounds) % 1000003
+            rows = exchange_rows([s, rank, salt, -s, rank * s, 1 << 62], None, sync="shm")
+            want = [[s, q, salt, -s, q * s, 1 << 62] for q in range(world)]
+            assert rows == want, (rounds, s, rows)
+        close_shm_channels()
+    return steps
+
+
+@pytest.mark.parametrize("world,steps", [(2, 1500), (4, 600)])
+def test_shm_exchange_under_skew(pools, world, steps):
+    assert pools.run(world, _shm_stress, steps, random.randrange(1 << 20)) == [steps] * world

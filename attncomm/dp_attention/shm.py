@@ -30,14 +30,16 @@ store or load is a single access (no torn words). That is exactly the release/ac
 protocol needs, with no fences. On other architectures (ARM, POWER) plain stores may be reordered,
 so ``shm_supported()`` says no there and ``sync="auto"`` takes the gloo path.
 
-Waiting: spin for a few µs (the common case on a fast host), then ``sched_yield``, then sleep with
-a growing interval up to 1 ms, so that W ranks on fewer than W cores do not starve the rank they
-wait for. A rank whose row does not arrive in ``timeout_s`` is named in ``PeerTimeoutError``.
+Waiting: spin for 20 µs (the common case on a host with a core per rank), then
+``sched_yield`` for up to 10 ms (it returns at once on an idle core, so latency stays low, and
+gives the core away on a busy one), then sleep from 20 µs doubling to 1 ms, so that W ranks on
+fewer than W cores do not starve the rank they wait for. A rank whose row does not arrive in
+``timeout_s`` is named in ``PeerTimeoutError``. After a timeout the channel is out of step with
+the silent rank; ``close_shm_channels()`` on every rank starts a fresh one.
 """
 from __future__ import annotations
 
 import mmap
-from array import array
 import os
 import platform
 import socket
@@ -45,6 +47,7 @@ import tempfile
 import time
 import uuid
 import weakref
+from array import array
 from typing import Sequence
 
 import torch
@@ -61,7 +64,7 @@ SLOT_WORDS = 8
 _HEADER_WORDS = 8
 _MAGIC = 0x41_54_54_4E_43_4F_4D_4D  # "ATTNCOMM"
 _SPIN_S = 20e-6
-_YIELD_S = 1e-3
+_YIELD_S = 10e-3
 _MAX_SLEEP_S = 1e-3
 _NAME_BYTES = 256
 
