@@ -207,6 +207,22 @@ def _fixed_case(rank, world, sync):
         out["sizes"] = "no error"
     except ValueError as exc:
         out["sizes"] = str(exc)
+    # an inactive rank's garbage (even a batch that is invalid) is ignored
+    b = (BatchView(ForwardMode.EXTEND, batch_size=5) if rank == world - 1
+         else BatchView(ForwardMode.DECODE, batch_size=2 + rank))
+    active = [True] * (world - 1) + [False]
+    _, info = prepare_mlp_sync_batch(b, dp_size=world, attn_tp_size=1, group=None,
+                                     get_idle_batch=get_idle, sync=sync, enable_tbo=True,
+                                     active_ranks=torch.tensor(active))
+    out["inactive"] = (info.global_num_tokens, info.tp0_info[-1].tolist(), info.can_run_tbo)
+    # TBO: every busy rank decodes ≥ 2 requests, one rank idle → TBO runs; one rank with a
+    # single request → it does not
+    for name, one in (("tbo", 2), ("no_tbo", 1)):
+        b = None if rank == 0 else BatchView(ForwardMode.DECODE,
+                                             batch_size=one if rank == world - 1 else 3)
+        _, info = prepare_mlp_sync_batch(b, dp_size=world, attn_tp_size=1, group=None,
+                                         get_idle_batch=get_idle, sync=sync, enable_tbo=True)
+        out[name] = (info.can_run_tbo, info.global_forward_mode)
     # still in step after the errors
     _, info = prepare_mlp_sync_batch(BatchView(ForwardMode.DECODE, batch_size=rank + 1),
                                      dp_size=world, attn_tp_size=1, group=None,
@@ -229,6 +245,9 @@ def test_sync_fixed_values(pools, sync):
         assert ("extend_num_tokens" in out["invalid"]) == (r == 2)
         assert "must equal the group size 3" in out["sizes"]
         assert out["after"] == [1, 2, 3]
+        assert out["inactive"] == ([2, 3, 0], [0, 0, 1, 0, 1, IDLE], True)
+        assert out["tbo"] == (True, ForwardMode.DECODE)
+        assert out["no_tbo"] == (False, ForwardMode.DECODE)
 
 
 def test_local_rules():
