@@ -12,7 +12,7 @@ def _args(tmp_path, **over):
     bench.add_arguments(p)
     argv = ["--device", "cpu", "--min-bytes", "4096", "--max-bytes", "16384", "--dit-seq", "16",
             "--iters", "2", "--no-progress", "--json", str(tmp_path / "u.json"),
-            "--plot", str(tmp_path / "u.png")]
+            "--plot", str(tmp_path / "u.png"), "--markdown", str(tmp_path / "u.md")]
     return p.parse_args(argv)
 
 
@@ -38,4 +38,6 @@ def test_bench_ulysses_cpu_smoke(pools, tmp_path, capsys):
         assert abs(r["busbw_gbps"] - r["bytes_per_rank"] / r["time_us"] / 1e3) < 1e-9
     assert "ce" in data["meta"]["skipped"]
     assert (tmp_path / "u.png").stat().st_size > 0
+    md = (tmp_path / "u.md").read_text()
+    assert md.startswith("# Ulysses all-to-all") and md.count("\n| sweep |") == len(sweep)
     assert "Ulysses exchange" in capsys.readouterr().out

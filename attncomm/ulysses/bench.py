@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..bench import common
 from .layout import head_offsets, head_split, head_to_seq_plan, seq_to_head_plan
 
-__all__ = ["add_arguments", "main", "run_rank"]
+__all__ = ["add_arguments", "main", "run_rank", "report", "markdown_report"]
 
 MiB = 1 << 20
 
@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default 20)")
     p.add_argument("--json", default=None, help="write the records here")
     p.add_argument("--plot", default=None, help="write a PNG of bus bandwidth here")
+    p.add_argument("--markdown", default=None, metavar="PATH",
+                   help="write a Markdown summary (time, bus bandwidth, ce speedup) here")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -248,6 +250,9 @@ def report(records: list, skipped: dict, args, opts: dict) -> int:
                        skipped=skipped)
     if args.json:
         common.write_json(args.json, meta, records)
+    if getattr(args, "markdown", None):
+        with open(args.markdown, "w") as f:
+            f.write(markdown_report(meta, records))
     if args.plot:
         series = {}
         for r in records:
@@ -264,3 +269,31 @@ def report(records: list, skipped: dict, args, opts: dict) -> int:
         print("bench ulysses: transports disagree bitwise!", file=sys.stderr)
         return 1
     return 0
+
+
+def markdown_report(meta: dict, records: list[dict]) -> str:
+    """A Markdown page: the run's facts and one row per (geometry, size, mode) with each
+    transport's time and bus bandwidth and ce's speedup over all_to_all."""
+    keyed = {(r["geometry"], r["bytes_per_rank"], r["mode"], r["transport"]): r for r in records}
+    transports = list(dict.fromkeys(r["transport"] for r in records))
+    head = ("| geometry | MB sent per rank | mode | "
+            + " | ".join(f"{t} µs | {t} GB/s" for t in transports) + " | ce ÷ all_to_all |")
+    lines = [f"# Ulysses all-to-all — {meta.get('date')}, {meta.get('machine') or meta.get('host')}",
+             "",
+             f"W={meta.get('world_size')}, {meta.get('dtype')}, GPU {meta.get('gpu')}; torch "
+             f"{meta.get('torch')}, Triton {meta.get('triton')}, CUDA {meta.get('cuda')}, NCCL "
+             f"{meta.get('nccl')}. Sweep: {meta.get('sweep_geometry')}; DiT: "
+             f"{meta.get('dit_geometry')}. Time: slowest-rank median per exchange (graph: 10 "
+             "exchanges per graph, replay ÷ 10); bus bandwidth = bytes sent to peers per rank "
+             "÷ time.", "", head, "|" + "---|" * (3 + 2 * len(transports) + 1)]
+    seen = dict.fromkeys((r["geometry"], r["bytes_per_rank"], r["mode"]) for r in records)
+    for geo, nbytes, mode in seen:
+        cells = []
+        for t in transports:
+            r = keyed.get((geo, nbytes, mode, t))
+            cells += [f"{r['time_us']:.1f}", f"{r['busbw_gbps']:.1f}"] if r else ["-", "-"]
+        a, c = keyed.get((geo, nbytes, mode, "all_to_all")), keyed.get((geo, nbytes, mode, "ce"))
+        sp = f"{a['time_us'] / c['time_us']:.2f}×" if a and c and c["time_us"] else "-"
+        lines.append(f"| {geo} | {nbytes / 1e6:.1f} | {mode} | " + " | ".join(cells)
+                     + f" | {sp} |")
+    return "\n".join(lines) + "\n"
