@@ -75,6 +75,7 @@ def test_bench_dp_sync_smoke(tmp_path):
         for m in ("MAX_LEN", "SUM_LEN") for t in (1, 3)}
     for r in syncs:
         assert r["world_size"] == 2 and math.isfinite(r["sync_us"]) and r["sync_us"] > 0
+        assert math.isfinite(r["exchange_us"]) and r["exchange_us"] > 0
     for r in ops:
         assert math.isfinite(r["time_us"]) and r["time_us"] > 0
     assert doc["meta"]["bench"] == "dp-sync" and doc["meta"]["hidden"] == 64

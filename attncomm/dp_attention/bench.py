@@ -2,7 +2,8 @@
 dp_gather / dp_scatter / dp_reduce_scatter time per padding mode over token counts.
 
 Sync: ``MLPSyncBatchInfo.all_gather`` (the whole call a scheduler makes each step: six int64 per
-rank, one exchange, the min/max/TBO reduction) run back to back in blocks of ``--block`` steps;
+rank, one exchange, the min/max/TBO reduction; ``sync_us``) and the transport alone
+(``exchange_us``) run back to back in blocks of ``--block`` steps;
 the per-step time of a block is block time / block size (steady state: each step needs every
 rank's row, so this is the rate at which ranks can agree), median over blocks of the slowest
 rank. Gathers: eager, every DP rank holding ``tokens`` rows of ``[hidden]`` (balanced, so
@@ -65,25 +66,35 @@ def _config(args) -> dict:
     return cfg
 
 
-def _time_sync(path: str, world: int, rank: int, cfg: dict, device, cg) -> float:
-    from .sync import MLPSyncBatchInfo, resolve_sync
-
-    resolve_sync(path)  # one-time setup (host check, shm segment) outside the timing
-
-    def step():
-        MLPSyncBatchInfo(world, 1, 1, rank + 1, rank + 1, True, False, True, 2).all_gather(
-            device, None, sync=path)
-
+def _per_step(fn, cfg: dict, cg) -> float:
+    """Median over blocks (slowest rank) of block time / block size, in µs."""
     for _ in range(max(cfg["block"], 20)):
-        step()
+        fn()
     blocks = []
     for _ in range(max(1, cfg["steps"] // cfg["block"])):
         dist.barrier(group=cg)
         t0 = time.perf_counter()
         for _ in range(cfg["block"]):
-            step()
+            fn()
         blocks.append((time.perf_counter() - t0) / cfg["block"] * 1e6)
     return slowest_rank_median(blocks, None)
+
+
+def _time_sync(path: str, world: int, rank: int, cfg: dict, device, cg) -> dict:
+    """``sync_us``: the whole ``MLPSyncBatchInfo.all_gather``; ``exchange_us``: the transport
+    alone (``exchange_rows``: rows in, every rank's rows out as ints)."""
+    from .sync import MLPSyncBatchInfo, exchange_rows, resolve_sync
+
+    resolve_sync(path)  # one-time setup (host check, shm segment) outside the timing
+    row = [rank + 1, rank + 1, 1, 0, 1, 2]
+
+    def step():
+        MLPSyncBatchInfo(world, 1, 1, rank + 1, rank + 1, True, False, True, 2).all_gather(
+            device, None, sync=path)
+
+    return {"sync": path, "world_size": world, "sync_us": _per_step(step, cfg, cg),
+            "exchange_us": _per_step(lambda: exchange_rows(row, None, sync=path,
+                                                           device=device), cfg, cg)}
 
 
 def _time_gathers(world: int, rank: int, cfg: dict, device, cg, bar) -> list[dict]:
@@ -129,8 +140,7 @@ def run_rank(rank: int, world: int, cfg: dict) -> list[dict] | None:
     records = []
     try:
         for path in cfg["syncs"]:
-            records.append({"sync": path, "world_size": world,
-                            "sync_us": _time_sync(path, world, rank, cfg, device, cg)})
+            records.append(_time_sync(path, world, rank, cfg, device, cg))
             bar.update(1)
         records += _time_gathers(world, rank, cfg, device, cg, bar)
     finally:
@@ -151,10 +161,11 @@ def markdown_tables(records: list[dict], cfg: dict, world: int) -> str:
     count with one column per padding mode (µs)."""
     syncs = with_speedups([r for r in records if "sync" in r])
     lines = [f"DP-attention sync per step, W={world}, {cfg['device']}", "",
-             "| sync | µs / step | speedup vs device |", "|---|---|---|"]
+             "| sync | µs / step (all_gather) | µs / step (transport only) | speedup vs device |",
+             "|---|---|---|---|"]
     for r in syncs:
         sp = f"{r['speedup_vs_device']:.1f}×" if r["speedup_vs_device"] else "-"
-        lines.append(f"| {r['sync']} | {r['sync_us']:.1f} | {sp} |")
+        lines.append(f"| {r['sync']} | {r['sync_us']:.1f} | {r['exchange_us']:.1f} | {sp} |")
     ops = [r for r in records if "op" in r]
     keyed = {(r["op"], r["mode"], r["tokens"]): r["time_us"] for r in ops}
     modes = list(dict.fromkeys(r["mode"] for r in ops))
@@ -185,7 +196,8 @@ def main(args) -> int:
     records = launch(run_rank, args.world_size, device=cfg["device"], args=(cfg,))[0]
     syncs = [r for r in records if "sync" in r]
     ops = [r for r in records if "op" in r]
-    print_table(with_speedups(syncs), ["sync", "world_size", "sync_us", "speedup_vs_device"],
+    print_table(with_speedups(syncs), ["sync", "world_size", "sync_us", "exchange_us",
+                                       "speedup_vs_device"],
                 title=f"\nDP-attention sync per step (µs), {cfg['device']}, W={args.world_size}",
                 fmt={"sync_us": "{:.1f}"})
     print_table(ops, ["op", "mode", "tokens", "world_size", "time_us"],
