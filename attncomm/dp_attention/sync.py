@@ -202,8 +202,8 @@ def close_shm_channels() -> None:
     _PLANS.clear()
 
 
-def _exchange(p: _Plan, path: str, row: list[int], device,
-              timeout_s: float | None) -> list[list[int]]:
+def _exchange(p: _Plan, path: str, row: list[int], device, timeout_s: float | None,
+              mask: torch.Tensor | None = None) -> list[list[int]]:
     if path == "shm":
         if p.channel is None:
             p.channel = _shm.ShmRowExchange(p.cg, _ROW, timeout_s=timeout_s)
@@ -218,7 +218,11 @@ def _exchange(p: _Plan, path: str, row: list[int], device,
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work = fn(out, local, group=g, async_op=True)
     wait_work(work, g, f"dp_attention sync ({path})", timeout_s)
-    return out.view(world, _ROW).tolist()  # the one device→host copy on the device path
+    rows = out.view(world, _ROW)
+    if mask is not None:  # a device-resident active mask is applied before the copy
+        neutral = torch.tensor(NEUTRAL_ROW, dtype=torch.int64).to(dev, non_blocking=True)
+        rows = torch.where(mask.to(dev).view(world, 1).bool(), rows, neutral)
+    return rows.tolist()  # the one device→host copy on the device path
 
 
 def exchange_rows(row: Sequence[int], group=None, *, sync: str, device=None,
@@ -323,10 +327,18 @@ class MLPSyncBatchInfo:
                 int(self.dp_size) * per_dp != world:
             raise ValueError(f"dp_size·tp_size·cp_size = {self.dp_size}·{self.tp_size}·"
                              f"{self.cp_size} must equal the group size {world}")
-        active = _active_mask(active_ranks, world)
         row = self._local_row()
         path = _resolve(p, sync, timeout_s)
-        rows = _exchange(p, path, row, device, timeout_s)
+        mask, active = None, None
+        if (path == "device" and isinstance(active_ranks, torch.Tensor)
+                and active_ranks.device.type != "cpu"):
+            if active_ranks.numel() != world:
+                raise ValueError(f"active_ranks has {active_ranks.numel()} entries, the group "
+                                 f"has {world} ranks")
+            mask = active_ranks
+        else:
+            active = _active_mask(active_ranks, world)
+        rows = _exchange(p, path, row, device, timeout_s, mask)
         if active is not None:
             rows = [r if a else list(NEUTRAL_ROW) for r, a in zip(rows, active)]
         self._check_rows(rows)

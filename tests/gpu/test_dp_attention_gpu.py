@@ -28,6 +28,13 @@ def _nccl_checks(rank, world, seed):
                                                sync=sync, device=dev)
             assert info.global_num_tokens == counts and (got is None) == (max(counts) == 0)
         out[sync] = info.sync
+        # the last rank inactive, its mask on the device (applied before the one copy)
+        act = torch.tensor([1] * (world - 1) + [0], device=dev)
+        _, info = prepare_mlp_sync_batch(BatchView(ForwardMode.DECODE, batch_size=rank + 2),
+                                         dp_size=world, attn_tp_size=1, group=None,
+                                         get_idle_batch=lambda: BatchView(ForwardMode.IDLE),
+                                         sync=sync, device=dev, active_ranks=act)
+        assert info.global_num_tokens == [r + 2 for r in range(world - 1)] + [0], info
     for _ in range(10):
         n = [rng.choice([0, rng.randint(1, 300)]) for _ in range(world)]
         cs = rng.randrange(1 << 20)
