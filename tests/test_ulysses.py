@@ -245,6 +245,8 @@ def _bad_inputs(rank, world):
     out["shape across ranks"] = _expect_value_error(lambda: seq_to_head(xd))
     out["zero heads"] = _expect_value_error(lambda: seq_to_head(torch.randn(1, 3, 0, 2)))
     out["not 4-D"] = _expect_value_error(lambda: seq_to_head(torch.randn(3, 4, 2)))
+    out["local check, validate off"] = _expect_value_error(
+        lambda: seq_to_head(torch.randn(1, 3, 0, 2), validate=False))
     out["ce on CPU"] = _expect_value_error(lambda: seq_to_head(x, backend="ce"))
     out["unknown backend"] = _expect_value_error(lambda: seq_to_head(x, backend="nccl"))
     out["h2s S not divisible"] = _expect_value_error(
@@ -281,11 +283,24 @@ def test_bad_inputs_raise_on_every_rank(pools, world):
 
 
 def _auto_fallback(rank, world):
-    seq_to_head(torch.randn(1, 2, world, 2), backend="auto")
-    return ulysses.fallback_reason, ulysses.backend_availability()
+    from attncomm.ulysses import api
+    x = torch.randn(1, 2, world, 2)
+    y = seq_to_head(x, backend="auto")
+    reason = ulysses.fallback_reason
+    real = api._tracing
+    api._tracing = lambda: True  # as if torch.compile were tracing
+    try:
+        y2 = seq_to_head(x, backend="auto")
+        traced_reason = ulysses.fallback_reason
+        explicit = _expect_value_error(lambda: seq_to_head(x, backend="ce"))
+    finally:
+        api._tracing = real
+    return (reason, ulysses.backend_availability(), traced_reason, explicit,
+            torch.equal(y, y2))
 
 
 def test_auto_falls_back_with_reason(pools):
-    for reason, avail in pools.run(2, _auto_fallback):
+    for reason, avail, traced, explicit, same in pools.run(2, _auto_fallback):
         assert reason and "not CUDA" in reason
         assert avail["all_to_all"] is None and avail["ce"]
+        assert "torch.compile" in traced and "torch.compile" in explicit and same
