@@ -153,7 +153,23 @@ def _attention_cases(rank, world, seed):
             outs[groups] = mod(*local, seq_lens=lens, causal=causal)
         err = (outs[0].double() - ref[:, sl]).abs().max().item() if lens[rank] else 0.0
         same = all(torch.equal(outs[0], o) for o in outs.values())
+        same = same and mod.last_in_exchanges == 1  # q, k, v in one exchange
         results.append((hq, hkv, tuple(lens), err, same))
+    # v with another head_dim (and dtype): q/k in one exchange, v in its own
+    lens = _seq_lens(world, "uneven", seed + 77)
+    lens[-1] += 2
+    s = sum(lens)
+    g = _gen(seed + 78)
+    q, k, v = _rand(g, (1, s, 6, 8), torch.float64), _rand(g, (1, s, 3, 8), torch.float64), \
+        _rand(g, (1, s, 3, 4), torch.float64)
+    off = head_offsets(lens)
+    sl = slice(off[rank], off[rank] + lens[rank])
+    mod = UlyssesAttention(_checked_attn, pipeline_groups=2)
+    out = mod(q[:, sl].float(), k[:, sl].float(), v[:, sl].float(), seq_lens=lens, causal=True)
+    ref = _ref_attention(q, k, v, True)[:, sl]
+    err = (out.double() - ref).abs().max().item() if lens[rank] else 0.0
+    results.append((6, 3, tuple(lens), err, mod.last_in_exchanges == 2 and
+                    tuple(out.shape) == (1, lens[rank], 6, 4)))
     return results
 
 

@@ -131,7 +131,10 @@ class UlyssesAttention(torch.nn.Module):
         self.validate = validate
         #: The transports the last forward used, e.g. ``{"in": "ce", "out": "ce"}``.
         self.last_backends: dict = {}
+        #: Head groups and input exchanges per group of the last forward (1 when q, k, v share
+        #: dtype and head_dim and so travel together).
         self.last_pipeline_groups = 0
+        self.last_in_exchanges = 0
 
     # ----------------------------------------------------------------------------- checks
     def _check(self, q, k, v, seq, causal, rope, backend_err):
@@ -311,6 +314,7 @@ class UlyssesAttention(torch.nn.Module):
             exs.append(t.start(plan, [x for _, x, _ in items], dtype, q.device))
             layout.append(([(name, r) for name, _, r in items], dd))
         del world
+        self.last_in_exchanges = len(exs)
         return layout, exs
 
     def _views(self, ctx, layout, bufs):
