@@ -70,6 +70,9 @@ def init_distributed(rank: int, world_size: int, device: str, init_method: str,
                                 device_id=torch.device("cuda", rank))
         cpu_group(None)  # collective: create the gloo twin on every rank now
     elif device == "cpu":
+        # W ranks share the host's cores: without a cap each rank's intra-op pool oversubscribes
+        # them (measured: a DP-attention simulation ran ~26x slower on 2 cores at W=4).
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=_timedelta(timeout_s))
     else:
