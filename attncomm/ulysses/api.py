@@ -6,6 +6,7 @@ attention on whole sequences for a subset of heads, reached by one all-to-all ea
 """
 from __future__ import annotations
 
+import os
 import sys
 import zlib
 from typing import Sequence
@@ -19,6 +20,7 @@ from .layout import head_offsets, head_split, head_to_seq_plan, seq_to_head_plan
 from .transport import Transport
 
 __all__ = ["seq_to_head", "head_to_seq", "backend_availability", "get_transport",
+           "reset_transports",
            "BACKENDS", "AUTO_CE_MIN_BYTES"]
 
 BACKENDS = ("all_to_all", "ce", "auto")
@@ -81,13 +83,13 @@ def get_transport(group, backend: str, device: torch.device, timeout_s: float,
     if backend != "all_to_all":
         reason = "torch.compile is tracing" if _tracing() else ce_reason(group, device)
         if reason is None and plan is not None:
-            from . import ce
+            if backend == "auto" and _max_bytes(plan, dtype) < AUTO_CE_MIN_BYTES:
+                _set_fallback_reason(None)  # small message: NCCL's lower fixed cost wins
+                return _cached(group, "all_to_all", device, timeout_s, rank, world)
             t = _cached(group, "ce", device, timeout_s, rank, world)
-            reason = t.start_blocker(plan, dtype)
+            reason = t.start_blocker(plan, dtype)  # allocates (collectively) if new
             if reason is None:
                 _set_fallback_reason(None)
-                if backend == "auto" and _max_bytes(plan, dtype) < AUTO_CE_MIN_BYTES:
-                    return _cached(group, "all_to_all", device, timeout_s, rank, world)
                 return t
         if reason is not None:
             if backend == "ce":
@@ -101,8 +103,16 @@ def _max_bytes(plan, dtype) -> int:
     return max(sum(row) for row in plan.numel) * item
 
 
+def reset_transports(group=None) -> None:
+    """Forget this process's transports for ``group`` (e.g. after a ``PeerTimeoutError`` left
+    a ``ce`` transport unusable). Call on every rank; the next call builds them anew."""
+    for key in [k for k in _TRANSPORTS if k[0] == _group_key(group)]:
+        del _TRANSPORTS[key]
+
+
 def _cached(group, name, device, timeout_s, rank, world) -> Transport:
-    key = (_group_key(group), name, device.type, timeout_s)
+    flags = os.environ.get("ATTNCOMM_ULYSSES_CE_FLAGS", "") if name == "ce" else ""
+    key = (_group_key(group), name, device.type, timeout_s, flags)
     t = _TRANSPORTS.get(key)
     if t is None:
         if name == "ce":
