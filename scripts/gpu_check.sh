@@ -2,7 +2,7 @@
 # One device call that runs every GPU test and benchmark of attncomm and leaves the results under
 # $OUT (run from the repo root on the nvidia-h200-x2 machine through the device tool):
 #
-#   bash scripts/gpu_check.sh [steps...]     steps: env tests dcp ulysses dp-sync demo (default all)
+#   bash scripts/gpu_check.sh [steps...]   steps: env tests dcp demo ulysses dp-sync demo-bf16 (default all)
 #
 # Writes $OUT/gpu-check.log (everything printed) and $OUT/results.tgz (JSON, PNG, Markdown, junit),
 # which scripts/collect_gpu_results.sh unpacks into benchmarks/results/ with date and machine.
@@ -20,7 +20,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/attncomm-triton}
 export ATTNCOMM_TIMEOUT_S=${ATTNCOMM_TIMEOUT_S:-30}
 mkdir -p "$OUT"
 LOG=$OUT/gpu-check.log
-STEPS=${*:-env tests dcp ulysses dp-sync demo}
+STEPS=${*:-env tests dcp demo ulysses dp-sync demo-bf16}
 PY=python3
 AC="$PY -m attncomm.cli"
 status=0
@@ -38,35 +38,39 @@ step() {  # step NAME SECONDS COMMAND...
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 
 if want env; then
-  step versions 60 bash -c "nvidia-smi; nvidia-smi topo -m; $PY -c 'import torch, triton, sys; \
+  step versions 40 bash -c "nvidia-smi; nvidia-smi topo -m; $PY -c 'import torch, triton, sys; \
 print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"nccl\", \
 torch.cuda.nccl.version()); print(\"triton\", triton.__version__); \
 print(\"gpus\", torch.cuda.device_count())'"
-  step attncomm-env 120 $AC env
+  step attncomm-env 60 $AC env --json "$RES/env-$DAY-$MACHINE.json"
 fi
 if want tests; then
-  step gpu-tests 240 $PY -m pytest -q -m gpu tests/gpu -x -p no:cacheprovider \
+  step gpu-tests 200 $PY -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
     --junitxml="$RES/gpu-tests-$DAY-$MACHINE.xml"
 fi
 if want dcp; then
-  step bench-dcp 150 $AC bench dcp --device cuda --world-size 2 \
+  step bench-dcp 120 $AC bench dcp --device cuda --world-size 2 --no-progress \
     --json "$RES/dcp-$DAY-$MACHINE.json" --plot "$RES/dcp-$DAY-$MACHINE.png" \
     --markdown "$RES/dcp-$DAY-$MACHINE.md"
 fi
+if want demo; then
+  MODEL_DIR=${ATTNCOMM_MODEL_DIR:-.models/minilm-fp16}
+  step demo 120 $AC demo --device cuda --world-size 2 --model-dir "$MODEL_DIR" \
+    --json "$RES/demo-$DAY-$MACHINE.json"
+fi
 if want ulysses; then
-  step bench-ulysses 180 $AC bench ulysses --device cuda --world-size 2 \
+  step bench-ulysses 150 $AC bench ulysses --device cuda --world-size 2 --no-progress \
     --json "$RES/ulysses-$DAY-$MACHINE.json" --plot "$RES/ulysses-$DAY-$MACHINE.png" \
     --markdown "$RES/ulysses-$DAY-$MACHINE.md"
 fi
 if want dp-sync; then
-  step bench-dp-sync 90 $AC bench dp-sync --device cuda --world-size 2 \
-    --json "$RES/dp-sync-$DAY-$MACHINE.json" --markdown "$RES/dp-sync-$DAY-$MACHINE.md"
+  step bench-dp-sync 60 $AC bench dp-sync --device cuda --world-size 2 --no-progress \
+    --json "$RES/dp-sync-$DAY-$MACHINE.json" --markdown "$RES/dp-sync-$DAY-$MACHINE.md" \
+    --plot "$RES/dp-sync-$DAY-$MACHINE.png"
 fi
-if want demo; then
+if want demo-bf16; then
   MODEL_DIR=${ATTNCOMM_MODEL_DIR:-.models/minilm-fp16}
-  step demo 150 $AC demo --device cuda --world-size 2 --model-dir "$MODEL_DIR" \
-    --json "$RES/demo-$DAY-$MACHINE.json"
-  step demo-bf16 120 $AC demo --device cuda --world-size 2 --dtype bf16 --model-dir "$MODEL_DIR" \
+  step demo-bf16 90 $AC demo --device cuda --world-size 2 --dtype bf16 --model-dir "$MODEL_DIR" \
     --json "$RES/demo-bf16-$DAY-$MACHINE.json"
 fi
 cp "$LOG" "$RES/gpu-check-$DAY-$MACHINE.log"
