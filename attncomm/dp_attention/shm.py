@@ -43,11 +43,11 @@ import mmap
 import os
 import platform
 import socket
+import struct
 import tempfile
 import time
 import uuid
 import weakref
-from array import array
 from typing import Sequence
 
 import torch
@@ -143,6 +143,7 @@ class ShmRowExchange:
             raise
         self._words = memoryview(self._mm).cast("q")
         self._views.append(self._words)
+        self._prepare_step_path()
 
     def _setup(self, timeout_s: float) -> None:
         nbytes = 8 * (_HEADER_WORDS + 2 * self.world_size * SLOT_WORDS)
@@ -224,6 +225,27 @@ class ShmRowExchange:
     def _slot(self, parity: int, rank: int) -> int:
         return _HEADER_WORDS + (parity * self.world_size + rank) * SLOT_WORDS
 
+    def _prepare_step_path(self) -> None:
+        """Precompute what every step needs, so ``exchange_flat`` does no layout arithmetic.
+
+        The reads use precompiled ``struct`` formats on the mapping: one ``unpack_from`` reads
+        every rank's sequence word (``q`` then 56 pad bytes per 64-byte slot), another every
+        rank's row (8 pad bytes for the seq, ``L`` values, the slot's tail padding). Native
+        mode ("@", the default) on purpose: its 8-byte integer fields are read and written with
+        one 8-byte copy each, like the memoryview, and the slots are 8-byte aligned so native
+        alignment adds no padding (checked below).
+        """
+        w, n = self.world_size, self.row_len
+        tail = 8 * (SLOT_WORDS - 1 - n)
+        self._seq_fmt = struct.Struct("q56x" * w)
+        self._rows_fmt = struct.Struct(f"8x{n}q{tail}x" * w)
+        self._row_fmt = struct.Struct(f"{n}q")
+        slot_bytes = 8 * SLOT_WORDS
+        assert self._seq_fmt.size == self._rows_fmt.size == w * slot_bytes
+        # per parity: the byte offset of slot (parity, 0) and the word index of this rank's seq
+        self._base = tuple(8 * self._slot(p, 0) for p in (0, 1))
+        self._mine = tuple(self._slot(p, self.rank) for p in (0, 1))
+
     def exchange(self, row: Sequence[int], *, timeout_s: float | None = None) -> list[list[int]]:
         """Publish this rank's ``row`` for the next step and return every rank's row.
 
@@ -237,43 +259,50 @@ class ShmRowExchange:
         Raises:
             PeerTimeoutError naming the ranks whose row of this step did not arrive in time.
         """
+        flat, n = self.exchange_flat(row, timeout_s=timeout_s), self.row_len
+        return [list(flat[i:i + n]) for i in range(0, len(flat), n)]
+
+    def exchange_flat(self, row: Sequence[int], *,
+                      timeout_s: float | None = None) -> tuple[int, ...]:
+        """``exchange`` without the per-rank lists: every rank's row back to back, a tuple of
+        ``W · row_len`` ints in group rank order (rank r's field f at ``r · row_len + f``)."""
         if len(row) != self.row_len:
             raise ValueError(f"row has {len(row)} values, expected {self.row_len}")
-        words, width, n = self._words, SLOT_WORDS, self.row_len
+        mm, w = self._mm, self.world_size
         self.step += 1
         step = self.step
-        base = self._slot(step & 1, 0)
-        span = slice(base, base + self.world_size * width)
-        mine = base + self.rank * width
-        words[mine + 1:mine + 1 + n] = array("q", row)
-        words[mine] = step  # publish last (see the module docstring on ordering)
-        seqs = words[span].tolist()[::width]
-        if any(q != step for q in seqs):
-            self._wait([base + r * width for r, q in enumerate(seqs) if q != step], step,
-                       timeout_s)
-        data = words[span].tolist()  # a separate pass: every load here follows the seq loads
-        again = words[span].tolist()[::width]
-        if any(q != step for q in again):  # impossible by the parity argument; fail loudly
+        parity = step & 1
+        base, mine = self._base[parity], self._mine[parity]
+        self._row_fmt.pack_into(mm, 8 * mine + 8, *row)
+        self._words[mine] = step  # publish last (see the module docstring on ordering)
+        if self._seq_fmt.unpack_from(mm, base).count(step) != w:
+            self._wait(base, step, timeout_s)
+        rows = self._rows_fmt.unpack_from(mm, base)  # a separate pass: after the seq loads
+        # impossible by the parity argument (no row is rewritten before every rank read it);
+        # one more cheap read of the seqs so that a broken caller fails loudly, not silently
+        if self._seq_fmt.unpack_from(mm, base).count(step) != w:
             raise RuntimeError(f"shm sync: a step-{step} row changed while read (seqs now "
-                               f"{again}); are the ranks' calls out of step?")
-        return [data[i + 1:i + 1 + n] for i in range(0, len(data), width)]
+                               f"{list(self._seq_fmt.unpack_from(mm, base))}); are the ranks' "
+                               f"calls out of step?")
+        return rows
 
-    def _wait(self, pending: list[int], step: int, timeout_s: float | None) -> None:
-        words = self._words
+    def _wait(self, base: int, step: int, timeout_s: float | None) -> None:
+        # one read of every rank's seq word per poll (a single unpack_from)
+        mm, w, seqs = self._mm, self.world_size, self._seq_fmt.unpack_from
         start = time.perf_counter()
         deadline = start + config.timeout_s(timeout_s)
         sleep = 20e-6
         while True:
-            pending = [a for a in pending if words[a] != step]
-            if not pending:
+            if seqs(mm, base).count(step) == w:
                 return
             now = time.perf_counter()
             waited = now - start
             if waited < _SPIN_S:
                 continue
             if now > deadline:
-                base = self._slot(step & 1, 0)
-                missing = sorted((a - base) // SLOT_WORDS for a in pending)
+                missing = [r for r, q in enumerate(seqs(mm, base)) if q != step]
+                if not missing:  # the last row arrived just now
+                    return
                 t = config.timeout_s(timeout_s)
                 raise PeerTimeoutError(
                     f"dp_attention sync (shm): no step-{step} row from rank(s) {missing} within "

@@ -63,6 +63,8 @@ class ForwardMode(enum.IntEnum):
 
 
 NEUTRAL_ROW = (0, 0, 1, 0, 1, int(ForwardMode.IDLE))
+_MODE_OF = {int(m): m for m in ForwardMode}  # row value → ForwardMode (a dict lookup per step)
+_MODE_VALUES = frozenset(_MODE_OF)
 
 
 @dataclass
@@ -144,6 +146,8 @@ class _Plan:
     auto: str | None = None
     why: str | None = None
     channel: object = None
+    paths: dict = field(default_factory=dict)    # sync argument → path it resolved to
+    per_dp: dict = field(default_factory=dict)   # valid (dp, tp, cp) → tp·cp
 
 
 _PLANS: dict[int, _Plan] = {}
@@ -171,6 +175,13 @@ def _one_host(cg, timeout_s: float | None) -> tuple[bool, str | None]:
 
 
 def _resolve(p: _Plan, sync: str, timeout_s: float | None) -> str:
+    path = p.paths.get(sync)
+    if path is None:  # decided once per plan and argument (an error is never cached)
+        path = p.paths[sync] = _decide(p, sync, timeout_s)
+    return path
+
+
+def _decide(p: _Plan, sync: str, timeout_s: float | None) -> str:
     if sync == "cpu" or sync == "device":
         return sync
     if sync not in SYNC_CHOICES:
@@ -202,12 +213,13 @@ def close_shm_channels() -> None:
     _PLANS.clear()
 
 
-def _exchange(p: _Plan, path: str, row: list[int], device, timeout_s: float | None,
-              mask: torch.Tensor | None = None) -> list[list[int]]:
+def _exchange(p: _Plan, path: str, row: Sequence[int], device, timeout_s: float | None,
+              mask: torch.Tensor | None = None) -> Sequence[int]:
+    """Every rank's row back to back (``W · 6`` ints, rank r's field f at ``6r + f``)."""
     if path == "shm":
         if p.channel is None:
             p.channel = _shm.ShmRowExchange(p.cg, _ROW, timeout_s=timeout_s)
-        return p.channel.exchange(row, timeout_s=timeout_s)
+        return p.channel.exchange_flat(row, timeout_s=timeout_s)
     if path == "cpu":
         g, dev = p.cg, torch.device("cpu")
     else:
@@ -218,11 +230,10 @@ def _exchange(p: _Plan, path: str, row: list[int], device, timeout_s: float | No
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work = fn(out, local, group=g, async_op=True)
     wait_work(work, g, f"dp_attention sync ({path})", timeout_s)
-    rows = out.view(world, _ROW)
     if mask is not None:  # a device-resident active mask is applied before the copy
         neutral = torch.tensor(NEUTRAL_ROW, dtype=torch.int64).to(dev, non_blocking=True)
-        rows = torch.where(mask.to(dev).view(world, 1).bool(), rows, neutral)
-    return rows.tolist()  # the one device→host copy on the device path
+        out = torch.where(mask.to(dev).view(world, 1).bool(), out.view(world, _ROW), neutral)
+    return out.view(-1).tolist()  # the one device→host copy on the device path
 
 
 def exchange_rows(row: Sequence[int], group=None, *, sync: str, device=None,
@@ -230,7 +241,8 @@ def exchange_rows(row: Sequence[int], group=None, *, sync: str, device=None,
     """Every group rank's row (``W`` lists of 6 ints, rank order) through path ``sync``
     ("auto", "shm", "cpu" or "device"); at most one device→host copy."""
     p = _plan(group)
-    return _exchange(p, _resolve(p, sync, timeout_s), [int(v) for v in row], device, timeout_s)
+    flat = _exchange(p, _resolve(p, sync, timeout_s), [int(v) for v in row], device, timeout_s)
+    return [list(flat[i:i + _ROW]) for i in range(0, len(flat), _ROW)]
 
 
 # -- the sync info ---------------------------------------------------------------------------
@@ -276,7 +288,7 @@ class MLPSyncBatchInfo:
     global_forward_mode: ForwardMode | None = None
     sync: str | None = None
     _local_error: str | None = field(default=None, repr=False)
-    _tp0_rows: list | None = field(default=None, repr=False)
+    _tp0_rows: tuple | None = field(default=None, repr=False)  # (flat rows, rank stride)
 
     @property
     def tp0_info(self) -> torch.Tensor | None:
@@ -284,23 +296,37 @@ class MLPSyncBatchInfo:
         ``all_gather``; built on first access (the per-step path does not need it)."""
         if self._tp0_rows is None:
             return None
-        return torch.tensor(self._tp0_rows, dtype=torch.int64)
+        flat, stride = self._tp0_rows
+        return torch.tensor([flat[i:i + _ROW] for i in range(0, len(flat), stride)],
+                            dtype=torch.int64)
 
-    def _local_row(self) -> list[int]:
+    def _local_row(self) -> tuple[int, ...]:
         err = self._local_error
         if err is None:
             mode = int(self.local_forward_mode)
-            if mode not in ForwardMode._value2member_map_:
+            num, num_lp = int(self.num_tokens), int(self.num_tokens_for_logprob)
+            if mode not in _MODE_VALUES:
                 err = f"unknown local_forward_mode {self.local_forward_mode!r}"
-            elif int(self.num_tokens) < 0 or int(self.num_tokens_for_logprob) < 0:
+            elif num < 0 or num_lp < 0:
                 err = (f"token counts must be ≥ 0, got num_tokens={self.num_tokens}, "
                        f"num_tokens_for_logprob={self.num_tokens_for_logprob}")
         self._local_error = err
         if err is not None:
-            return [0, 0, 1, 0, 1, _INVALID_MODE]
-        return [int(self.num_tokens), int(self.num_tokens_for_logprob), int(bool(
-            self.can_cuda_graph)), int(bool(self.is_extend_in_batch)),
-            int(bool(self.local_can_run_tbo)), int(self.local_forward_mode)]
+            return (0, 0, 1, 0, 1, _INVALID_MODE)
+        return (num, num_lp, 1 if self.can_cuda_graph else 0, 1 if self.is_extend_in_batch else 0,
+                1 if self.local_can_run_tbo else 0, mode)
+
+    def _per_dp(self, p: _Plan) -> int:
+        """``tp·cp`` after checking the sizes against the group (once per plan and sizes)."""
+        key = (self.dp_size, self.tp_size, self.cp_size)
+        per_dp = p.per_dp.get(key)
+        if per_dp is None:
+            dp, tp, cp = (int(v) for v in key)
+            if min(dp, tp, cp) < 1 or dp * tp * cp != p.world:
+                raise ValueError(f"dp_size·tp_size·cp_size = {self.dp_size}·{self.tp_size}·"
+                                 f"{self.cp_size} must equal the group size {p.world}")
+            per_dp = p.per_dp[key] = tp * cp
+        return per_dp
 
     def all_gather(self, device=None, group=None, *, active_ranks=None, enable_tbo: bool = False,
                    sync: str = "auto", timeout_s: float | None = None) -> "MLPSyncBatchInfo":
@@ -322,15 +348,13 @@ class MLPSyncBatchInfo:
         """
         p = _plan(group)
         world = p.world
-        per_dp = int(self.tp_size) * int(self.cp_size)
-        if min(int(self.dp_size), int(self.tp_size), int(self.cp_size)) < 1 or \
-                int(self.dp_size) * per_dp != world:
-            raise ValueError(f"dp_size·tp_size·cp_size = {self.dp_size}·{self.tp_size}·"
-                             f"{self.cp_size} must equal the group size {world}")
+        per_dp = p.per_dp.get((self.dp_size, self.tp_size, self.cp_size)) or self._per_dp(p)
         row = self._local_row()
-        path = _resolve(p, sync, timeout_s)
+        path = p.paths.get(sync) or _resolve(p, sync, timeout_s)
         mask, active = None, None
-        if (path == "device" and isinstance(active_ranks, torch.Tensor)
+        if active_ranks is None:
+            pass  # the common case: every rank active
+        elif (path == "device" and isinstance(active_ranks, torch.Tensor)
                 and active_ranks.device.type != "cpu"):
             if active_ranks.numel() != world:
                 raise ValueError(f"active_ranks has {active_ranks.numel()} entries, the group "
@@ -338,36 +362,54 @@ class MLPSyncBatchInfo:
             mask = active_ranks
         else:
             active = _active_mask(active_ranks, world)
-        rows = _exchange(p, path, row, device, timeout_s, mask)
-        if active is not None:
-            rows = [r if a else list(NEUTRAL_ROW) for r, a in zip(rows, active)]
-        self._check_rows(rows)
+        if path == "shm" and p.channel is not None:  # the steady state, without a call layer
+            flat = p.channel.exchange_flat(row, timeout_s=timeout_s)
+        else:
+            flat = _exchange(p, path, row, device, timeout_s, mask)
+        if active is not None and not all(active):
+            flat = list(flat)
+            for r, a in enumerate(active):
+                if not a:
+                    flat[r * _ROW:(r + 1) * _ROW] = NEUTRAL_ROW
+        self._check_rows(flat)
         self.sync = path
-        self._apply(rows[::per_dp], enable_tbo)
+        self._apply(flat, _ROW * per_dp, enable_tbo)
         return self
 
-    def _check_rows(self, rows: list[list[int]]) -> None:
-        modes = ForwardMode._value2member_map_
-        bad = [r for r, v in enumerate(rows) if v[5] not in modes or v[0] < 0 or v[1] < 0]
-        if bad:
-            msg = f"dp_attention sync: invalid batch on rank(s) {bad}"
-            if self._local_error:
-                msg += f" (this rank: {self._local_error})"
-            raise ValueError(msg)
+    def _check_rows(self, flat: Sequence[int]) -> None:
+        # fast path: every mode known and no negative count (slices of the flat rows, in C)
+        if _MODE_VALUES.issuperset(flat[5::_ROW]) and min(flat[0::_ROW] + flat[1::_ROW]) >= 0:
+            return
+        bad = [r for r in range(len(flat) // _ROW) if flat[r * _ROW + 5] not in _MODE_VALUES
+               or flat[r * _ROW] < 0 or flat[r * _ROW + 1] < 0]
+        msg = f"dp_attention sync: invalid batch on rank(s) {bad}"
+        if self._local_error:
+            msg += f" (this rank: {self._local_error})"
+        raise ValueError(msg)
 
-    def _apply(self, vals: list[list[int]], enable_tbo: bool) -> None:
-        self._tp0_rows = vals
-        tokens, logprob, graph, extend, tbo, modes = zip(*vals)
-        self.global_num_tokens = list(tokens)
-        self.global_num_tokens_for_logprob = list(logprob)
-        self.can_cuda_graph = bool(min(graph))
-        self.is_extend_in_batch = bool(max(extend))
-        busy = {m for m in modes if m != _IDLE}
-        # Nothing to overlap when every rank is idle, hence the need for one busy mode.
-        agree = len(busy) == 1
-        self.global_forward_mode = (ForwardMode(busy.pop()) if agree
-                                    else ForwardMode.IDLE if not busy else None)
-        self.can_run_tbo = bool(enable_tbo and min(tbo) and agree)
+    def _apply(self, flat: Sequence[int], stride: int, enable_tbo: bool) -> None:
+        """Fill the global fields from the rows of attention-TP rank 0 of each DP rank: field f
+        of DP rank d is ``flat[d · stride + f]`` (``stride`` = 6·tp·cp), so each field's values
+        are one strided slice."""
+        self._tp0_rows = (flat, stride)
+        self.global_num_tokens = list(flat[0::stride])
+        self.global_num_tokens_for_logprob = list(flat[1::stride])
+        # the flags are 0/1 (``_local_row``, NEUTRAL_ROW): min is all(), max is any()
+        self.can_cuda_graph = all(flat[2::stride])
+        self.is_extend_in_batch = any(flat[3::stride])
+        # The global mode is the one non-IDLE mode (IDLE when every rank is idle, None when the
+        # busy ranks differ); TBO needs one busy mode: nothing to overlap when all are idle.
+        modes = flat[5::stride]
+        first = modes[0]
+        if modes.count(first) == len(modes):  # the common case: one mode everywhere
+            agree = first != _IDLE
+            self.global_forward_mode = _MODE_OF[first]
+        else:  # at least two modes, so at least one busy
+            busy = set(modes)
+            busy.discard(_IDLE)
+            agree = len(busy) == 1
+            self.global_forward_mode = _MODE_OF[busy.pop()] if agree else None
+        self.can_run_tbo = bool(enable_tbo and agree and all(flat[4::stride]))
 
 
 def _idle_batch(get_idle_batch: Callable[[], BatchView]) -> BatchView:
