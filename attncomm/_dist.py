@@ -14,8 +14,7 @@ import torch.distributed as dist
 
 from .errors import PeerTimeoutError
 
-__all__ = ["all_gather_tensor", "reduce_scatter_tensor", "group_rank", "group_size",
-           "group_device", "agree", "guard_timeout", "wait", "as_bits", "agree_reason", "DTYPE_CODES"]
+__all__ = ["all_gather_tensor", "reduce_scatter_tensor", "group_key", "group_device", "agree", "guard_timeout", "wait", "as_bits", "agree_reason", "DTYPE_CODES"]
 
 DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
                torch.int64: 5, torch.int32: 6, torch.int16: 7, torch.int8: 8, torch.uint8: 9,
@@ -23,24 +22,29 @@ DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.floa
 _SIG_LEN = 32
 
 
-def all_gather_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
-    """``output [W·n, ...]`` ← every rank's ``input [n, ...]`` in rank order."""
+def all_gather_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
+                      async_op: bool = False):
+    """``output [W·n, ...]`` ← every rank's ``input [n, ...]`` in rank order (torch 2.13 calls
+    it ``all_gather_single``, torch 2.11 ``all_gather_into_tensor``). Returns the work handle
+    when ``async_op``."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(output, input, group=group)
+    return fn(output, input, group=group, async_op=async_op)
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
-    """``output [n, ...]`` ← rank r's chunk of the sum over ranks of ``input [W·n, ...]``."""
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
+                          async_op: bool = False):
+    """``output [n, ...]`` ← rank r's chunk of the sum over ranks of ``input [W·n, ...]``
+    (``reduce_scatter_single`` / ``reduce_scatter_tensor``)."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(output, input, group=group)
+    return fn(output, input, group=group, async_op=async_op)
 
 
-def group_rank(group=None) -> int:
-    return dist.get_rank(group)
-
-
-def group_size(group=None) -> int:
-    return dist.get_world_size(group)
+def group_key(group=None):
+    """A cache key for ``group`` that cannot be reused by another group: the group object itself
+    (held, so its id is never recycled while the key lives), ``"world"`` for the default group."""
+    if group is None or group is dist.group.WORLD:
+        return "world"
+    return group
 
 
 def group_device(group=None) -> torch.device:
@@ -51,15 +55,21 @@ def group_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
-def _is_timeout(exc: BaseException) -> bool:
+_PEER_FAILURE_WORDS = ("timed out", "timeout", "deadline", "connection closed",
+                       "connection reset", "broken pipe", "closed by peer")
+
+
+def _is_peer_failure(exc: BaseException) -> bool:
+    """A collective failed because a peer did not answer: it timed out or its connection went
+    away (a dead peer)."""
     text = str(exc).lower()
-    return ("timed out" in text or "timeout" in text or "deadline" in text
-            or isinstance(exc, (TimeoutError, dist.DistBackendError)) and "time" in text)
+    return isinstance(exc, TimeoutError) or any(w in text for w in _PEER_FAILURE_WORDS)
 
 
 @contextlib.contextmanager
 def guard_timeout(group, op: str, timeout_s: float | None = None):
-    """Re-raise a process group's collective timeout as ``PeerTimeoutError``.
+    """Re-raise a process group's collective timeout, or a lost connection to a peer, as
+    ``PeerTimeoutError``.
 
     A gloo/NCCL timeout does not say which peer is missing; the error names every other rank of
     the group (exact at W=2).
@@ -69,7 +79,7 @@ def guard_timeout(group, op: str, timeout_s: float | None = None):
     except PeerTimeoutError:
         raise
     except RuntimeError as exc:
-        if not _is_timeout(exc):
+        if not _is_peer_failure(exc):
             raise
         me = dist.get_rank(group)
         peers = [r for r in range(dist.get_world_size(group)) if r != me]
@@ -84,9 +94,9 @@ def agree(group, op: str, signature: Sequence[int], labels: Sequence[str],
     """Check that every rank called ``op`` with the same arguments, and share local errors.
 
     Arguments:
-        group: the process group (its own device is used for the exchange).
+        group: the process group (the exchange runs on its gloo twin, ``cpu_group(group)``).
         op: the operation's name, for messages.
-        signature: up to 31 ints that must be equal on every rank (shapes, dtype codes, flags).
+        signature: up to 30 ints that must be equal on every rank (shapes, dtype codes, flags).
         labels: one name per signature entry, for messages.
         local_error: this rank's local validation error, or None.
 
@@ -94,22 +104,25 @@ def agree(group, op: str, signature: Sequence[int], labels: Sequence[str],
         ValueError on every rank when any rank has a local error (naming each such rank and its
         message) or the signatures differ (naming the differing fields and ranks).
     """
-    if len(signature) >= _SIG_LEN:
-        raise ValueError(f"signature too long ({len(signature)} ≥ {_SIG_LEN})")
-    world = dist.get_world_size(group)
-    device = group_device(group)
+    if len(signature) > _SIG_LEN - 2:
+        raise ValueError(f"signature too long ({len(signature)} > {_SIG_LEN - 2})")
+    from .launch import cpu_group
+
+    # Over the gloo twin: host tensors, no device round trip, and a wait bounded by timeout_s.
+    g = cpu_group(group)
+    world = dist.get_world_size(g)
     row = torch.zeros(_SIG_LEN, dtype=torch.int64)
     row[0] = 1 if local_error else 0
     row[1] = len(signature)
     row[2:2 + len(signature)] = torch.tensor(list(signature), dtype=torch.int64)
-    rows = torch.empty(world * _SIG_LEN, dtype=torch.int64, device=device)
-    with guard_timeout(group, op + " (argument check)", timeout_s):
-        all_gather_tensor(rows, row.to(device), group=group)
-    rows = rows.view(world, _SIG_LEN).cpu()
+    rows = torch.empty(world * _SIG_LEN, dtype=torch.int64)
+    wait(all_gather_tensor(rows, row, group=g, async_op=True), g, op + " (argument check)",
+         timeout_s)
+    rows = rows.view(world, _SIG_LEN)
     if bool(rows[:, 0].any()):
         errors: list = [None] * world
-        with guard_timeout(group, op + " (argument check)", timeout_s):
-            dist.all_gather_object(errors, local_error, group=group)
+        with guard_timeout(g, op + " (argument check)", timeout_s):
+            dist.all_gather_object(errors, local_error, group=g)
         parts = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
         raise ValueError(f"{op}: invalid arguments — " + "; ".join(parts))
     if not bool((rows == rows[0]).all()):

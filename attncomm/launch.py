@@ -37,7 +37,9 @@ def cpu_group(group=None):
     g = group if group is not None else dist.group.WORLD
     if dist.get_backend(g) == "gloo":
         return g
-    key = id(g) if group is not None else "world"
+    from ._dist import group_key
+
+    key = group_key(group)
     pg = _CPU_GROUPS.get(key)
     if pg is None:
         if group is None:

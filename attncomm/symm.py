@@ -192,7 +192,6 @@ class SymmWorkspace:
         self.state = torch.zeros(4, dtype=torch.int32, device=self.device)
         self.errors = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
         self.handle = None
-        self.ptrs = None
         self.broken: str | None = None
         if rendezvous:
             self.rendezvous()
@@ -205,8 +204,6 @@ class SymmWorkspace:
         # returns only once every rank has arrived).
         torch.cuda.synchronize(self.device)
         self.handle = symm_mem.rendezvous(self.slab, self.group)
-        self.ptrs = torch.tensor([int(p) for p in self.handle.buffer_ptrs], dtype=torch.int64,
-                                 device=self.device)
 
     def check(self) -> None:
         """Raise ``PeerTimeoutError`` if a kernel recorded a timed-out wait since the last check.

@@ -73,9 +73,15 @@ def time_eager(fn: Callable[[], object], *, warmup: int = 10, iters: int = 100,
 
 
 def time_graph(fn: Callable[[], object], *, per_graph: int = 10, warmup: int = 10,
-               iters: int = 100, barrier: Callable[[], None] | None = None) -> list[float]:
+               iters: int = 100, barrier: Callable[[], None] | None = None,
+               back_to_back: bool = False) -> list[float]:
     """Capture ``per_graph`` consecutive calls of ``fn`` in one CUDA graph (as an engine's graph
-    holds every layer) and return replay time / ``per_graph`` per iteration, in µs."""
+    holds every layer) and return replay time / ``per_graph`` per iteration, in µs.
+
+    ``back_to_back=False``: ``barrier`` before every timed replay (ranks start each replay
+    together; for transfers long next to a barrier). ``True``: one ``barrier``, then the replays
+    run back to back, each between its own events (for µs-scale work, where a per-replay barrier
+    would dominate; ranks stay in step through the exchange itself)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -88,8 +94,23 @@ def time_graph(fn: Callable[[], object], *, per_graph: int = 10, warmup: int = 1
         for _ in range(per_graph):
             fn()
     torch.cuda.synchronize()
-    times = time_eager(graph.replay, warmup=warmup, iters=iters, device="cuda", barrier=barrier)
-    return [t / per_graph for t in times]
+    if not back_to_back:
+        times = time_eager(graph.replay, warmup=warmup, iters=iters, device="cuda",
+                           barrier=barrier)
+        return [t / per_graph for t in times]
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    if barrier is not None:
+        barrier()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) * 1e3 / per_graph for s, e in events]
 
 
 def slowest_rank_median(times_us: Sequence[float], group=None) -> float:

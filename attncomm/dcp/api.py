@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from .._dist import DTYPE_CODES, agree, agree_reason, group_device
+from .._dist import DTYPE_CODES, agree, agree_reason, group_device, group_key
 from .backend import DcpBackend
 from .collective import A2ABackend, AgRsBackend, ReferenceBackend
 from .combine import combine
@@ -200,24 +200,25 @@ def _empty(out, hs, return_lse):
     return (o, lse) if return_lse else o
 
 
-_MERGERS: "collections.OrderedDict[tuple, DcpMerger]" = collections.OrderedDict()
+# Per group: an LRU of mergers. Every rank of a group makes the same agreed calls on it, so
+# every rank evicts the same entry; calls on other groups never touch this group's LRU.
+_MERGERS: "dict[object, collections.OrderedDict[tuple, DcpMerger]]" = {}
 
 
 def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget) -> "DcpMerger":
-    # One merger per (group, shape, backend) and power-of-two token bucket. The cache is
-    # bounded; every rank makes the same calls, so every rank evicts the same entry.
+    # One merger per shape, backend and power-of-two token bucket.
     bucket = max(16, 1 << (T - 1).bit_length())
-    key = (id(group) if group is not None else None, bucket, H, D, dtype, backend, lse_base,
-           budget)
-    merger = _MERGERS.get(key)
+    lru = _MERGERS.setdefault(group_key(group), collections.OrderedDict())
+    key = (bucket, H, D, dtype, backend, lse_base, budget)
+    merger = lru.get(key)
     if merger is None:
         merger = DcpMerger(group, max_tokens=bucket, num_heads=H, head_dim=D, dtype=dtype,
                            backend=backend, lse_base=lse_base, timeout_s=budget)
-        _MERGERS[key] = merger
-        while len(_MERGERS) > _CACHE_SIZE:
-            _MERGERS.popitem(last=False)
+        lru[key] = merger
+        while len(lru) > _CACHE_SIZE:
+            lru.popitem(last=False)
     else:
-        _MERGERS.move_to_end(key)
+        lru.move_to_end(key)
     return merger
 
 
@@ -266,9 +267,16 @@ class DcpMerger:
         self.requested_backend = backend
         self.fallback_reason: str | None = None
         name = config.env_backend("ATTNCOMM_DCP_BACKEND", backend, BACKENDS[:-1])
+        if backend == "auto" and name != "auto":
+            # An env override under "auto" is a preference: if it cannot run, auto never fails.
+            why = agree_reason(group, self._local_reason(name), f"dcp backend {name}")
+            if why:
+                log.warning("DcpMerger: ATTNCOMM_DCP_BACKEND=%s cannot run here (%s); "
+                            "choosing automatically", name, why)
+                name = "auto"
         if name == "auto":
             name = self._choose_auto()
-        else:
+        elif backend != "auto":
             self._require(name)
         self._impl = self._build(name)
         self.backend = self._impl.name

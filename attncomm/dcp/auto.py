@@ -21,6 +21,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..bench.common import time_graph
+
 __all__ = ["choose_backend", "token_buckets", "RULE_OF_THUMB"]
 
 log = logging.getLogger("attncomm.dcp")
@@ -44,27 +46,8 @@ def _rule_of_thumb(candidates: list[str]) -> str:
 
 def _time_graph(impl, out, lse) -> float:
     """µs per merge: ``_PER_GRAPH`` merges captured in one graph, median of ``_REPLAYS``."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            impl(out, lse)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(_PER_GRAPH):
-            impl(out, lse)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(_REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / _PER_GRAPH)
+    times = time_graph(lambda: impl(out, lse), per_graph=_PER_GRAPH, warmup=1, iters=_REPLAYS,
+                       back_to_back=True)
     impl.check()
     return sorted(times)[len(times) // 2]
 

@@ -20,8 +20,6 @@ class DcpBackend(ABC):
     """
 
     name: str = "?"
-    #: Whether the backend's work may be captured in a CUDA graph.
-    graph_capturable: bool = True
 
     def __init__(self, group, *, max_tokens: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, timeout_s: float):
@@ -35,8 +33,9 @@ class DcpBackend(ABC):
 
     @classmethod
     def local_unavailable_reason(cls, group, device: torch.device) -> str | None:
-        """Why this backend cannot run on this rank (None if it can). Local facts only: the
-        caller agrees across ranks."""
+        """Why this backend cannot run on this rank (None if it can). Called on every rank of
+        ``group`` alike (it may itself be collective, e.g. to learn which hosts the peers are
+        on); the caller agrees the verdict across ranks."""
         return None
 
     @abstractmethod

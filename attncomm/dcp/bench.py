@@ -61,31 +61,10 @@ def _config(args) -> dict:
 
 
 def _graph_times(fn, cfg, barrier) -> list[float]:
-    """Capture ``per_graph`` calls of ``fn``; time back-to-back replays with events (µs/call)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(cfg["per_graph"]):
-            fn()
-    torch.cuda.synchronize()
-    for _ in range(cfg["warmup"]):
-        graph.replay()
-    torch.cuda.synchronize()
-    barrier()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(cfg["iters"])]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) * 1e3 / cfg["per_graph"] for s, e in events]
+    """``per_graph`` merges captured in one graph; back-to-back event-timed replays (µs/call)."""
+    from ..bench.common import time_graph
+    return time_graph(fn, per_graph=cfg["per_graph"], warmup=cfg["warmup"], iters=cfg["iters"],
+                      barrier=barrier, back_to_back=True)
 
 
 def _eager_times(fn, cfg, barrier) -> list[float]:

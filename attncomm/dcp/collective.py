@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._dist import as_bits, wait
+from .._dist import all_gather_tensor, as_bits, reduce_scatter_tensor, wait
 from .backend import DcpBackend
 from .combine import combine, scale_own
 
@@ -30,9 +30,9 @@ class ReferenceBackend(DcpBackend):
         hs = H // W
         outs = torch.empty((W * T, H, D), dtype=out.dtype, device=out.device)
         lses = torch.empty((W * T, H), dtype=torch.float32, device=out.device)
-        wait(_all_gather_async(as_bits(outs), as_bits(out), self.group), self.group,
+        wait(all_gather_tensor(as_bits(outs), as_bits(out), self.group, async_op=True), self.group,
              "dcp.merge[reference] all_gather outputs", self.timeout_s)
-        wait(_all_gather_async(lses, lse, self.group), self.group,
+        wait(all_gather_tensor(lses, lse, self.group, async_op=True), self.group,
              "dcp.merge[reference] all_gather LSE", self.timeout_s)
         sl = slice(r * hs, (r + 1) * hs)
         return combine(outs.view(W, T, H, D)[:, :, sl], lses.view(W, T, H)[:, :, sl], out.dtype)
@@ -49,12 +49,12 @@ class AgRsBackend(DcpBackend):
         T, H, D = out.shape
         hs = H // W
         lses = torch.empty((W * T, H), dtype=torch.float32, device=out.device)
-        work = _all_gather_async(lses, lse, self.group)
+        work = all_gather_tensor(lses, lse, self.group, async_op=True)
         wait(work, self.group, "dcp.merge[ag_rs] all_gather LSE", self.timeout_s)
         dest = torch.empty((W, T, hs, D), dtype=torch.float32, device=out.device)
         lse_all = scale_own(out, lses.view(W, T, H), r, dest)
         merged = torch.empty((T, hs, D), dtype=torch.float32, device=out.device)
-        work = _reduce_scatter_async(merged, dest.view(W * T, hs, D), self.group)
+        work = reduce_scatter_tensor(merged, dest.view(W * T, hs, D), self.group, async_op=True)
         wait(work, self.group, "dcp.merge[ag_rs] reduce_scatter", self.timeout_s)
         return merged.to(out.dtype), lse_all[:, r * hs:(r + 1) * hs]
 
@@ -81,12 +81,3 @@ class A2ABackend(DcpBackend):
         lses = recv[..., D:].contiguous().view(torch.float32).squeeze(-1)
         return combine(recv[..., :D], lses, out.dtype)
 
-
-def _all_gather_async(output, input, group):
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group, async_op=True)
-
-
-def _reduce_scatter_async(output, input, group):
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, group=group, async_op=True)

@@ -495,9 +495,10 @@ class SymmA2ABackend(DcpBackend):
 
     @classmethod
     def local_unavailable_reason(cls, group, device: torch.device) -> str | None:
+        reason = capability.symm_unavailable_reason(group, device)  # collective: always call
         if triton is None:
             return "Triton is not importable"
-        return capability.symm_unavailable_reason(group, device)
+        return reason
 
     def _setup_tables(self, itemsize: int) -> None:
         ptrs = [int(p) for p in self.ws.handle.buffer_ptrs]

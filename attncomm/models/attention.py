@@ -10,6 +10,7 @@ layer runs replicated.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .. import _dist
 
@@ -50,7 +51,7 @@ def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def gather_heads(part: torch.Tensor, group=None) -> torch.Tensor:
     """All-gather head slices: every rank's ``[T, H/W, D]`` (rank order = head order) →
     ``[T, H, D]``, identical on every rank."""
-    W = _dist.group_size(group)
+    W = dist.get_world_size(group)
     T, h, D = part.shape
     if W == 1:
         return part
