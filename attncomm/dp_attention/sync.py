@@ -175,9 +175,10 @@ def _one_host(cg, timeout_s: float | None) -> tuple[bool, str | None]:
 
 
 def _resolve(p: _Plan, sync: str, timeout_s: float | None) -> str:
-    path = p.paths.get(sync)
+    path = p.paths.get(sync) if isinstance(sync, str) else None
     if path is None:  # decided once per plan and argument (an error is never cached)
-        path = p.paths[sync] = _decide(p, sync, timeout_s)
+        path = _decide(p, sync, timeout_s)
+        p.paths[sync] = path
     return path
 
 
@@ -317,7 +318,8 @@ class MLPSyncBatchInfo:
                 1 if self.local_can_run_tbo else 0, mode)
 
     def _per_dp(self, p: _Plan) -> int:
-        """``tp·cp`` after checking the sizes against the group (once per plan and sizes)."""
+        """``tp·cp`` after checking the sizes against the group; valid sizes given as plain
+        ints are remembered per plan, so the per-step path only looks them up."""
         key = (self.dp_size, self.tp_size, self.cp_size)
         per_dp = p.per_dp.get(key)
         if per_dp is None:
@@ -325,7 +327,9 @@ class MLPSyncBatchInfo:
             if min(dp, tp, cp) < 1 or dp * tp * cp != p.world:
                 raise ValueError(f"dp_size·tp_size·cp_size = {self.dp_size}·{self.tp_size}·"
                                  f"{self.cp_size} must equal the group size {p.world}")
-            per_dp = p.per_dp[key] = tp * cp
+            per_dp = tp * cp
+            if all(type(v) is int for v in key):  # not tensors etc.: the cache must not grow
+                p.per_dp[key] = per_dp
         return per_dp
 
     def all_gather(self, device=None, group=None, *, active_ranks=None, enable_tbo: bool = False,
@@ -348,9 +352,9 @@ class MLPSyncBatchInfo:
         """
         p = _plan(group)
         world = p.world
-        per_dp = p.per_dp.get((self.dp_size, self.tp_size, self.cp_size)) or self._per_dp(p)
+        per_dp = self._per_dp(p)
         row = self._local_row()
-        path = p.paths.get(sync) or _resolve(p, sync, timeout_s)
+        path = _resolve(p, sync, timeout_s)
         mask, active = None, None
         if active_ranks is None:
             pass  # the common case: every rank active
