@@ -290,7 +290,7 @@ class ShmRowExchange:
         # one read of every rank's seq word per poll (a single unpack_from)
         mm, w, seqs = self._mm, self.world_size, self._seq_fmt.unpack_from
         start = time.perf_counter()
-        deadline = start + config.timeout_s(timeout_s)
+        t, deadline = None, None  # found after the spin phase: reading the env costs polls
         sleep = 20e-6
         while True:
             if seqs(mm, base).count(step) == w:
@@ -299,11 +299,13 @@ class ShmRowExchange:
             waited = now - start
             if waited < _SPIN_S:
                 continue
+            if deadline is None:
+                t = config.timeout_s(timeout_s)
+                deadline = start + t
             if now > deadline:
                 missing = [r for r, q in enumerate(seqs(mm, base)) if q != step]
                 if not missing:  # the last row arrived just now
                     return
-                t = config.timeout_s(timeout_s)
                 raise PeerTimeoutError(
                     f"dp_attention sync (shm): no step-{step} row from rank(s) {missing} within "
                     f"{t:g} s", peer_ranks=missing, timeout_s=t, op="dp_attention sync (shm)")
