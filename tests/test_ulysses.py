@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import pytest
@@ -101,12 +102,33 @@ def _roundtrips(rank, world, seed):
                         seq_lens=lens)
         ok3 = torch.equal(z, full2[:, off[rank]:off[rank] + lens[rank]])
         cases.append((h, tuple(lens), ok1, ok2, ok3))
-    # default seq_lens (every rank the same S_r) and a non-contiguous input
-    xt = _rand(_gen(seed + 55), (2, 6, 4 * world, 3)).transpose(0, 0)[:, :, ::1]
-    y = seq_to_head(xt.permute(0, 1, 2, 3))
-    back = head_to_seq(y)
-    cases.append(("default", world, True, torch.equal(back, xt), True))
+    cases.append(_non_contiguous(rank, world, seed))
     return cases
+
+
+def _non_contiguous(rank, world, seed):
+    """Default seq_lens (every rank the same S_r) with non-contiguous inputs: a slice of a bigger
+    tensor along heads and D, and a transposed view. Results must equal, bit for bit, those of
+    the contiguous copies and the expected slices of the whole sequence."""
+    h, d, s_r = 2 * world + 1, 3, 4
+    # every rank's shard, built on every rank: a slice along heads of a [2, S_r, H + 3, D]
+    # tensor (rows strided, each row dense: read in place, no copy)
+    bigs = [_rand(_gen(seed + 55 + p), (2, s_r, h + 3, d)) for p in range(world)]
+    xs = [big[:, :, 1:1 + h] for big in bigs]
+    x_nc, x_c = xs[rank], xs[rank].contiguous()
+    full = torch.cat([x.contiguous() for x in xs], dim=1)
+    heads, ho = head_split(h, world), head_offsets(head_split(h, world))
+    want = full[:, :, ho[rank]:ho[rank] + heads[rank]]
+    y = seq_to_head(x_nc)
+    y_c = seq_to_head(x_c)
+    # head_to_seq from a transposed view ([B, H_r, S, D] storage seen as [B, S, H_r, D])
+    y_t = y_c.transpose(1, 2).contiguous().transpose(1, 2)
+    back = head_to_seq(y_t, num_heads=h)
+    back_c = head_to_seq(y_c, num_heads=h)
+    noncontig = not x_nc.is_contiguous() and not y_t.is_contiguous()
+    return ("non-contiguous", world, noncontig,
+            torch.equal(y, y_c) and torch.equal(y, want),
+            torch.equal(back, back_c) and torch.equal(back, x_c))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
@@ -250,32 +272,69 @@ def _expect_value_error(fn):
 
 
 def _bad_inputs(rank, world):
+    """``{case: (message or WRONG/NO ERROR, distinctive fragment(s) its message must hold,
+    whether every rank must get the same message)}``."""
     x = torch.randn(1, 3, 4, 2)
     out = {}
-    out["seq_lens length"] = _expect_value_error(lambda: seq_to_head(x, seq_lens=[3] * (world + 1)))
+
+    def case(name, fn, fragment, same=True):
+        out[name] = (_expect_value_error(fn), fragment, same)
+
+    case("seq_lens length", lambda: seq_to_head(x, seq_lens=[3] * (world + 1)),
+         f"seq_lens has {world + 1} entries, the group has {world} ranks")
+    case("seq_lens not a sequence", lambda: seq_to_head(x, seq_lens=5),
+         "seq_lens must be a sequence of ints, got 5")
     lens = [3] * world
     if rank == 1:
         lens[1] = 4  # disagrees with the tensor on rank 1 only
-    out["seq_lens vs tensor"] = _expect_value_error(lambda: seq_to_head(x, seq_lens=lens))
+    case("seq_lens vs tensor", lambda: seq_to_head(x, seq_lens=lens),
+         "rank 1: seq_lens[1] = 4 but x has S_r = 3")
     xd = torch.randn(1, 3, 4, 2 + (rank == world - 1))
-    out["shape across ranks"] = _expect_value_error(lambda: seq_to_head(xd))
-    out["zero heads"] = _expect_value_error(lambda: seq_to_head(torch.randn(1, 3, 0, 2)))
-    out["not 4-D"] = _expect_value_error(lambda: seq_to_head(torch.randn(3, 4, 2)))
-    out["local check, validate off"] = _expect_value_error(
-        lambda: seq_to_head(torch.randn(1, 3, 0, 2), validate=False))
-    out["ce on CPU"] = _expect_value_error(lambda: seq_to_head(x, backend="ce"))
-    out["unknown backend"] = _expect_value_error(lambda: seq_to_head(x, backend="nccl"))
-    out["h2s S not divisible"] = _expect_value_error(
-        lambda: head_to_seq(torch.randn(1, world * 3 + 1, 2, 2)))
-    out["h2s num_heads"] = _expect_value_error(
-        lambda: head_to_seq(torch.randn(1, world * 3, 2, 2), num_heads=2 * world + 1))
+    case("shape across ranks", lambda: seq_to_head(xd),
+         "ranks disagree on the call's arguments: D = 2 (rank 0)")
+    case("zero heads", lambda: seq_to_head(torch.randn(1, 3, 0, 2)),
+         "x has 0 heads; at least one is needed")
+    case("not 4-D", lambda: seq_to_head(torch.randn(3, 4, 2)),
+         "x must be a 4-D tensor [B, S_r, H, D], got shape [3, 4, 2]")
+    case("local check, validate off",
+         lambda: seq_to_head(torch.randn(1, 3, 0, 2), validate=False),
+         f"invalid arguments — rank {rank}: x has 0 heads", same=False)
+    case("ce on CPU", lambda: seq_to_head(x, backend="ce"),
+         ("backend='ce' cannot run here: rank 0: ", "not CUDA"))
+    case("unknown backend", lambda: seq_to_head(x, backend="nccl"),
+         "backend must be one of ['all_to_all', 'ce', 'auto'], got 'nccl'")
+    case("h2s S not divisible", lambda: head_to_seq(torch.randn(1, world * 3 + 1, 2, 2)),
+         f"S = {world * 3 + 1} is not divisible by W = {world}: pass seq_lens")
+    case("h2s num_heads",
+         lambda: head_to_seq(torch.randn(1, world * 3, 2, 2), num_heads=2 * world + 1),
+         f"rank 0: x has H_r = 2 heads but head_split({2 * world + 1}, {world})[0] = 3")
     q, kv = torch.randn(1, 3, 6, 4), torch.randn(1, 3, 4, 4)
-    out["Hq % Hkv"] = _expect_value_error(lambda: UlyssesAttention()(q, kv, kv))
+    case("Hq % Hkv", lambda: UlyssesAttention()(q, kv, kv), "Hq % Hkv != 0: Hq = 6, Hkv = 4")
     k2 = torch.randn(1, 3, 2, 4 + (rank == 0))
-    out["attn D across"] = _expect_value_error(lambda: UlyssesAttention()(q, k2, k2))
+    case("attn D across", lambda: UlyssesAttention()(q, k2, k2),
+         "rank 0: q has D = 4 but k has D = 5")
     cos = torch.randn(3 * world + 1, 4)
-    out["rope shape"] = _expect_value_error(
-        lambda: UlyssesAttention()(q, q, q, rope=(cos, cos)))
+    case("rope shape", lambda: UlyssesAttention()(q, q, q, rope=(cos, cos)),
+         f"rope cos/sin must be [S, D] = [{3 * world}, 4], got [{3 * world + 1}, 4]")
+    # q not 4-D on rank 0 only: every rank raises the same ValueError naming the shapes
+    q3 = q[0] if rank == 0 else q
+    k = torch.randn(1, 3, 2, 4)
+    case("attn not 4-D on rank 0", lambda: UlyssesAttention()(q3, k, k),
+         "rank 0: q, k, v must be 4-D tensors [B, S_r, H, D], got q [3, 6, 4], k [1, 3, 2, 4], "
+         "v [1, 3, 2, 4]")
+    case("attn v not a tensor", lambda: UlyssesAttention()(q, k, None),
+         "got q [1, 3, 6, 4], k [1, 3, 2, 4], v NoneType")
+    case("pipeline_groups=1", lambda: UlyssesAttention(pipeline_groups=1),
+         "pipeline_groups must be -1 (auto), 0 (sequential) or N ≥ 2 (head groups), got 1")
+    case("pipeline_groups=-2", lambda: UlyssesAttention(pipeline_groups=-2), "got -2")
+    for raw in ("1", "-3", "two"):
+        if rank == 0:  # a bad env value on one rank: still the same error everywhere
+            os.environ["ATTNCOMM_ULYSSES_PIPELINE_GROUPS"] = raw
+        try:
+            case(f"env pipeline groups {raw}", lambda: UlyssesAttention()(q, k, k),
+                 f"rank 0: ATTNCOMM_ULYSSES_PIPELINE_GROUPS={raw!r}")
+        finally:
+            os.environ.pop("ATTNCOMM_ULYSSES_PIPELINE_GROUPS", None)
     # the group still works afterwards
     y = seq_to_head(torch.full((1, 2, world, 1), float(rank)))
     out["_after"] = y.flatten().tolist()
@@ -288,12 +347,14 @@ def test_bad_inputs_raise_on_every_rank(pools, world):
     for key in results[0]:
         if key == "_after":
             continue
-        msgs = [r[key] for r in results]
+        msgs = [r[key][0] for r in results]
         assert all(not m.startswith(("WRONG", "NO ERROR")) for m in msgs), (key, msgs)
-    assert results[0]["seq_lens vs tensor"] == results[1]["seq_lens vs tensor"]
-    assert "seq_lens[1] = 4" in results[0]["seq_lens vs tensor"]
-    assert "Hq % Hkv" in results[0]["Hq % Hkv"]
-    assert "not CUDA" in results[0]["ce on CPU"]
+        for r, res in enumerate(results):
+            msg, fragment, same = res[key]
+            frags = fragment if isinstance(fragment, tuple) else (fragment,)
+            assert all(f in msg for f in frags), (key, r, res[key])
+        if same:
+            assert len(set(msgs)) == 1, (key, msgs)
     for r in range(world):
         assert results[r]["_after"] == [float(s) for s in range(world) for _ in range(2)]
 
@@ -301,8 +362,16 @@ def test_bad_inputs_raise_on_every_rank(pools, world):
 def _auto_fallback(rank, world):
     from attncomm.ulysses import api
     x = torch.randn(1, 2, world, 2)
+    ulysses.fallback_reason = "poison"
     y = seq_to_head(x, backend="auto")
     reason = ulysses.fallback_reason
+    # per module: an auto module records its own reason; an all_to_all module none
+    q = torch.randn(1, 2, 2 * world, 4)
+    auto_mod, a2a_mod = UlyssesAttention(backend="auto"), UlyssesAttention(backend="all_to_all")
+    auto_mod.fallback_reason = a2a_mod.fallback_reason = "poison"
+    auto_mod(q, q, q)
+    a2a_mod(q, q, q)
+    mods = (auto_mod.fallback_reason, a2a_mod.fallback_reason)
     real = api._tracing
     api._tracing = lambda: True  # as if torch.compile were tracing
     try:
@@ -312,11 +381,95 @@ def _auto_fallback(rank, world):
     finally:
         api._tracing = real
     return (reason, ulysses.backend_availability(), traced_reason, explicit,
-            torch.equal(y, y2))
+            torch.equal(y, y2), mods)
 
 
 def test_auto_falls_back_with_reason(pools):
-    for reason, avail, traced, explicit, same in pools.run(2, _auto_fallback):
+    for reason, avail, traced, explicit, same, mods in pools.run(2, _auto_fallback):
         assert reason and "not CUDA" in reason
         assert avail["all_to_all"] is None and avail["ce"]
         assert "torch.compile" in traced and "torch.compile" in explicit and same
+        assert mods[0] and "ce not used" in mods[0] and "not CUDA" in mods[0], mods
+        assert mods[1] is None, mods
+
+
+# ------------------------------------------------------------------------------ caches
+def _cache_keys(rank, world):
+    """A new group's cache entries are keyed by the group object (an ``id`` can be reused by a
+    later group); ``reset_transports`` forgets exactly them."""
+    from attncomm.ulysses import api, ce
+    g = dist.new_group(list(range(world)), backend="gloo")
+    y = seq_to_head(torch.full((1, 2, world, 1), float(rank)), g, backend="auto")
+    ok_data = y.flatten().tolist() == [float(s) for s in range(world) for _ in range(2)]
+    agreed = [k for k in ce._AGREED if k[0] is g]
+    transports = [k for k in api._TRANSPORTS if k[0] is g]
+    by_id = [k for k in list(ce._AGREED) + list(api._TRANSPORTS) if k[0] == id(g)]
+    api.reset_transports(g)
+    left = [k for k in api._TRANSPORTS if k[0] is g]
+    others = len(api._TRANSPORTS)
+    dist.destroy_process_group(g)
+    return ok_data, len(agreed), len(transports), by_id, left, others
+
+
+def test_caches_keyed_by_group_object(pools):
+    for ok_data, agreed, transports, by_id, left, _ in pools.run(2, _cache_keys):
+        assert ok_data and agreed == 1 and transports >= 1 and not by_id and not left
+
+
+# ------------------------------------------------------------------------------ ce staging
+_EVENTS: list = []
+
+
+class _FakeStaging:
+    """Stands in for ``ce._Staging`` on CPU: fails to allocate on ``fail[0]`` or to rendezvous
+    on ``fail[1]`` (rank numbers, -1 none) and records what ran."""
+
+    fail = (-1, -1)
+
+    def __init__(self, group, rank, world, cap, device):
+        _EVENTS.append("alloc")
+        self.rank, self.pinned = rank, False
+        if rank == self.fail[0]:
+            raise RuntimeError("CUDA out of memory (simulated)")
+
+    def rendezvous(self):
+        _EVENTS.append("rendezvous")
+        if self.rank == self.fail[1]:
+            raise RuntimeError("rendezvous broke (simulated)")
+
+
+def _staging_steps(rank, world):
+    """Allocation → agreement → rendezvous only if every rank allocated."""
+    import collections
+    from attncomm.ulysses import ce
+    t = object.__new__(ce.CopyEngineTransport)
+    t.group, t.rank, t.world_size, t.timeout_s = None, rank, world, 10.0
+    t.device, t.capacity, t.evictions = torch.device("cpu"), 8, 0
+    t.cache = collections.OrderedDict()
+    real = ce._Staging
+    ce._Staging = _FakeStaging
+    out = []
+    try:
+        for i, fail in enumerate([(-1, -1), (1, -1), (-1, 0)]):
+            _FakeStaging.fail = fail
+            _EVENTS.clear()
+            why = t._allocate((False, 1 << (16 + i)))
+            out.append((why, list(_EVENTS), len(t.cache)))
+    finally:
+        ce._Staging = real
+    return out
+
+
+def test_ce_staging_agrees_before_rendezvous(pools):
+    results = pools.run(2, _staging_steps)
+    for rank, (ok, alloc_fail, rdv_fail) in enumerate(results):
+        assert ok == (None, ["alloc", "rendezvous"], 1), ok
+        why, events, cached = alloc_fail  # rank 1 ran out of memory: nobody rendezvoused
+        assert events == ["alloc"] and cached == 1, alloc_fail
+        assert "staging allocation failed" in why and "rank 1: RuntimeError: CUDA out of memory" \
+            in why and "rank 0" not in why, why
+        why, events, cached = rdv_fail
+        assert events == ["alloc", "rendezvous"] and cached == 1, rdv_fail
+        assert "staging rendezvous failed" in why and "rank 0: RuntimeError: rendezvous broke" \
+            in why, why
+    assert results[0][1][0] == results[1][1][0] and results[0][2][0] == results[1][2][0]

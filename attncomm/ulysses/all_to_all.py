@@ -5,7 +5,6 @@ own split size. Data travels as bytes (gloo lacks some dtypes, e.g. bf16, for th
 """
 from __future__ import annotations
 
-import datetime
 from typing import Sequence
 
 import torch
@@ -15,22 +14,7 @@ from .. import _dist
 from .layout import ExchangePlan
 from .transport import Exchange, Transport, source_view
 
-__all__ = ["AllToAllTransport", "wait_work", "as_bytes"]
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat tensor viewed as bytes (every backend moves uint8)."""
-    return t.view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
-
-
-def wait_work(work, group, op: str, timeout_s: float) -> None:
-    """Wait for async collective work: bounded by ``timeout_s`` on gloo (host wait); on NCCL the
-    stream waits and the group's timeout bounds it."""
-    with _dist.guard_timeout(group, op, timeout_s):
-        if dist.get_backend(group) == "gloo":
-            work.wait(datetime.timedelta(seconds=timeout_s))
-        else:
-            work.wait()
+__all__ = ["AllToAllTransport"]
 
 
 class _A2AExchange(Exchange):
@@ -48,7 +32,7 @@ class _A2AExchange(Exchange):
         if self._result is not None:
             return self._result
         if self.work is not None:
-            wait_work(self.work, self.t.group, "ulysses all_to_all", self.t.timeout_s)
+            _dist.wait(self.work, self.t.group, "ulysses all_to_all", self.t.timeout_s)
         r, plan = self.t.rank, self.plan
         if plan.tiled:
             if self.out is not None and self.out.data_ptr() != self.recv.data_ptr():
@@ -93,7 +77,7 @@ class AllToAllTransport(Transport):
         send_splits = [plan.numel[r][p] * item for p in range(w)]
         recv_splits = [plan.numel[s][r] * item for s in range(w)]
         with _dist.guard_timeout(self.group, "ulysses all_to_all", self.timeout_s):
-            work = dist.all_to_all_single(as_bytes(recv), as_bytes(send),
+            work = dist.all_to_all_single(_dist.as_bits(recv), _dist.as_bits(send),
                                           recv_splits, send_splits, group=self.group,
                                           async_op=True)
         return _A2AExchange(self, work, plan, recv, out, dtype, device)

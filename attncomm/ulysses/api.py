@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import sys
 import zlib
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from .. import _dist, config
+from .._dist import group_key
 from .all_to_all import AllToAllTransport
 from .layout import head_offsets, head_split, head_to_seq_plan, seq_to_head_plan
 from .transport import Transport
@@ -29,14 +31,19 @@ _BACKEND_CODES = {"all_to_all": 1, "ce": 2, "auto": 3}
 #: kernel's lower fixed cost wins.
 AUTO_CE_MIN_BYTES = 1 << 20
 
+#: ``(group_key(group), transport name, device type, timeout_s, ce flags) → Transport``; keyed
+#: by the group object itself (``_dist.group_key``), never by ``id(group)``, which a later group
+#: can reuse.
 _TRANSPORTS: dict = {}
 
 
-def _group_key(group):
-    return id(group) if group is not None else "world"
-
-
-def _set_fallback_reason(reason: str | None) -> None:
+def _set_fallback_reason(reason: str | None, owner=None) -> None:
+    """Record why ``auto`` did not take ``ce`` in the process-global
+    ``attncomm.ulysses.fallback_reason`` (kept for compatibility: the last decision of any
+    caller in this process) and, when there is a reason, on ``owner.fallback_reason`` (e.g. a
+    ``UlyssesAttention``, which clears it at the start of each call)."""
+    if owner is not None and reason is not None:
+        owner.fallback_reason = reason
     pkg = sys.modules.get("attncomm.ulysses")
     if pkg is not None:
         pkg.fallback_reason = reason
@@ -72,29 +79,31 @@ def _tracing() -> bool:
 
 
 def get_transport(group, backend: str, device: torch.device, timeout_s: float,
-                  plan=None, dtype=None, op: str = "ulysses") -> Transport:
+                  plan=None, dtype=None, op: str = "ulysses", owner=None) -> Transport:
     """The transport for this call. ``backend`` is already validated and agreed.
 
-    ``auto`` falls back to ``all_to_all`` (reason in ``attncomm.ulysses.fallback_reason``) when
-    ``ce`` is not eligible, torch.compile is tracing, the message is small, or a new shape shows
-    up during CUDA graph capture. An explicit ``ce`` that cannot run raises ``ValueError``.
+    ``auto`` falls back to ``all_to_all`` when ``ce`` is not eligible, torch.compile is tracing,
+    the message is small, or a new shape shows up during CUDA graph capture; the reason goes to
+    ``owner.fallback_reason`` (when ``owner`` is given and there is a reason) and to the
+    process-global ``attncomm.ulysses.fallback_reason``. An explicit ``ce`` that cannot run raises
+    ``ValueError``.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if backend != "all_to_all":
         reason = "torch.compile is tracing" if _tracing() else ce_reason(group, device)
         if reason is None and plan is not None:
             if backend == "auto" and _max_bytes(plan, dtype) < AUTO_CE_MIN_BYTES:
-                _set_fallback_reason(None)  # small message: NCCL's lower fixed cost wins
+                _set_fallback_reason(None, owner)  # small message: NCCL's lower fixed cost wins
                 return _cached(group, "all_to_all", device, timeout_s, rank, world)
             t = _cached(group, "ce", device, timeout_s, rank, world)
             reason = t.start_blocker(plan, dtype)  # allocates (collectively) if new
             if reason is None:
-                _set_fallback_reason(None)
+                _set_fallback_reason(None, owner)
                 return t
         if reason is not None:
             if backend == "ce":
                 raise ValueError(f"{op}: backend='ce' cannot run here: {reason}")
-            _set_fallback_reason(f"ce not used: {reason}")
+            _set_fallback_reason(f"ce not used: {reason}", owner)
     return _cached(group, "all_to_all", device, timeout_s, rank, world)
 
 
@@ -106,13 +115,13 @@ def _max_bytes(plan, dtype) -> int:
 def reset_transports(group=None) -> None:
     """Forget this process's transports for ``group`` (e.g. after a ``PeerTimeoutError`` left
     a ``ce`` transport unusable). Call on every rank; the next call builds them anew."""
-    for key in [k for k in _TRANSPORTS if k[0] == _group_key(group)]:
+    for key in [k for k in _TRANSPORTS if k[0] == group_key(group)]:
         del _TRANSPORTS[key]
 
 
 def _cached(group, name, device, timeout_s, rank, world) -> Transport:
     flags = os.environ.get("ATTNCOMM_ULYSSES_CE_FLAGS", "") if name == "ce" else ""
-    key = (_group_key(group), name, device.type, timeout_s, flags)
+    key = (group_key(group), name, device.type, timeout_s, flags)
     t = _TRANSPORTS.get(key)
     if t is None:
         if name == "ce":
@@ -152,7 +161,7 @@ def check_call(group, op, validate, signature, labels, error, timeout_s) -> None
         raise ValueError(f"{op}: invalid arguments — rank {dist.get_rank(group)}: {error}")
 
 
-def _seq_lens_error(seq_lens, world, local_len) -> str | None:
+def _seq_lens_error(seq_lens, world) -> str | None:
     if len(seq_lens) != world:
         return f"seq_lens has {len(seq_lens)} entries, the group has {world} ranks"
     if any((not isinstance(s, int)) or s < 0 for s in seq_lens):
@@ -161,12 +170,54 @@ def _seq_lens_error(seq_lens, world, local_len) -> str | None:
 
 
 def _norm_seq_lens(seq_lens):
+    """``seq_lens`` as a tuple (ints where they are integral); raises ``TypeError`` when it is
+    not a sequence."""
     if seq_lens is None:
         return None
     if isinstance(seq_lens, torch.Tensor):
         seq_lens = seq_lens.tolist()
     return tuple(int(s) if isinstance(s, (int,)) or hasattr(s, "__index__") else s
                  for s in seq_lens)
+
+
+@dataclass
+class _Call:
+    """What ``seq_to_head`` / ``head_to_seq`` know after their shared local checks."""
+
+    timeout: float
+    rank: int
+    world: int
+    error: str | None
+    seq: tuple | None
+    backend: str
+    shape: tuple      # x's shape, (0, 0, 0, 0) when x is not a 4-D tensor
+    dcode: int        # x's dtype code (_dist.DTYPE_CODES), 0 when unknown
+    dev: int          # 1 when x is a CUDA tensor
+
+
+def _prologue(x, group, seq_lens, backend: str, timeout_s, dims: str) -> _Call:
+    """The local checks both exchanges start with (no communication): backend name, ``x`` a
+    4-D tensor (``dims`` names its axes in the message), ``seq_lens`` a sequence."""
+    timeout = config.timeout_s(timeout_s)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    error, seq = None, None
+    try:
+        backend = resolve_backend(backend)
+    except ValueError as exc:
+        error, backend = str(exc), "auto"
+    try:
+        seq = _norm_seq_lens(seq_lens)
+    except TypeError:
+        error = error or f"seq_lens must be a sequence of ints, got {seq_lens!r}"
+    is_tensor = isinstance(x, torch.Tensor)
+    shape = tuple(x.shape) if is_tensor else ()
+    if not is_tensor or x.dim() != 4:
+        what = f"shape {list(shape)}" if is_tensor else type(x).__name__
+        error = error or f"x must be a 4-D tensor [{dims}], got {what}"
+        shape = (0, 0, 0, 0)
+    dcode = _dist.DTYPE_CODES.get(x.dtype, 0) if is_tensor else 0
+    dev = 1 if is_tensor and x.is_cuda else 0
+    return _Call(timeout, rank, world, error, seq, backend, shape, dcode, dev)
 
 
 def seq_to_head(x: torch.Tensor, group=None, *, seq_lens=None, backend: str = "auto",
@@ -189,41 +240,30 @@ def seq_to_head(x: torch.Tensor, group=None, *, seq_lens=None, backend: str = "a
         disagreeing with ``x``, ranks disagreeing on shapes/dtype/backend.
         PeerTimeoutError: a peer did not take part within ``timeout_s``.
     """
-    timeout = config.timeout_s(timeout_s)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    error, seq = None, _norm_seq_lens(seq_lens)
-    try:
-        backend = resolve_backend(backend)
-    except ValueError as exc:
-        error, backend = str(exc), "auto"
-    shape = tuple(x.shape) if isinstance(x, torch.Tensor) else ()
-    if not isinstance(x, torch.Tensor) or x.dim() != 4:
-        error = error or f"x must be a 4-D tensor [B, S_r, H, D], got shape {list(shape)}"
-        shape = (0, 0, 0, 0)
-    elif shape[2] < 1:
-        error = error or f"x has {shape[2]} heads; at least one is needed"
+    c = _prologue(x, group, seq_lens, backend, timeout_s, "B, S_r, H, D")
+    rank, world, error, seq, shape = c.rank, c.world, c.error, c.seq, c.shape
+    if error is None and shape[2] < 1:
+        error = f"x has {shape[2]} heads; at least one is needed"
     if seq is None:
         seq = (shape[1],) * world
         default_len = shape[1]
     else:
         default_len = -1
-        error = error or _seq_lens_error(seq, world, shape[1])
+        error = error or _seq_lens_error(seq, world)
         if error is None and seq[rank] != shape[1]:
             error = f"seq_lens[{rank}] = {seq[rank]} but x has S_r = {shape[1]}"
-    dcode = _dist.DTYPE_CODES.get(x.dtype, 0) if isinstance(x, torch.Tensor) else 0
-    dev = 1 if isinstance(x, torch.Tensor) and x.is_cuda else 0
-    sig = [shape[0], shape[2], shape[3], dcode, dev, _BACKEND_CODES[backend], default_len,
+    sig = [shape[0], shape[2], shape[3], c.dcode, c.dev, _BACKEND_CODES[c.backend], default_len,
            sum(seq) if error is None else -1, seq_lens_hash(seq) if error is None else -1]
     labels = ["B", "H", "D", "dtype", "device is CUDA", "backend", "S_r (seq_lens=None)",
               "sum(seq_lens)", "seq_lens (hash)"]
-    check_call(group, "seq_to_head", validate, sig, labels, error, timeout)
+    check_call(group, "seq_to_head", validate, sig, labels, error, c.timeout)
     b, _, h, d = shape
     heads = head_split(h, world)
     offs = head_offsets(heads)
     ranges = (tuple((offs[p], offs[p] + heads[p]) for p in range(world)),)
     plan = seq_to_head_plan(b, seq, d, ranges)
     x = dense(x)
-    t = get_transport(group, backend, x.device, timeout, plan, x.dtype, "seq_to_head")
+    t = get_transport(group, c.backend, x.device, c.timeout, plan, x.dtype, "seq_to_head")
     ex = t.start(plan, [x], x.dtype, x.device)
     buf = ex.wait()
     out = buf.view(sum(seq), b, heads[rank], d).permute(1, 0, 2, 3)
@@ -251,18 +291,9 @@ def head_to_seq(x: torch.Tensor, group=None, *, num_heads: int | None = None, se
         ValueError (on every rank) for inconsistent heads, sequence lengths or shapes;
         PeerTimeoutError when a peer does not take part within ``timeout_s``.
     """
-    timeout = config.timeout_s(timeout_s)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    error, seq = None, _norm_seq_lens(seq_lens)
-    try:
-        backend = resolve_backend(backend)
-    except ValueError as exc:
-        error, backend = str(exc), "auto"
-    shape = tuple(x.shape) if isinstance(x, torch.Tensor) else ()
-    if not isinstance(x, torch.Tensor) or x.dim() != 4:
-        error = error or f"x must be a 4-D tensor [B, S, H_r, D], got shape {list(shape)}"
-        shape = (0, 0, 0, 0)
-    b, s_total, h_r, d = shape
+    c = _prologue(x, group, seq_lens, backend, timeout_s, "B, S, H_r, D")
+    rank, world, error, seq = c.rank, c.world, c.error, c.seq
+    b, s_total, h_r, d = c.shape
     h = num_heads if num_heads is not None else h_r * world
     if error is None:
         if not isinstance(h, int) or h < 1:
@@ -275,21 +306,19 @@ def head_to_seq(x: torch.Tensor, group=None, *, num_heads: int | None = None, se
             error = f"S = {s_total} is not divisible by W = {world}: pass seq_lens"
         seq = (s_total // world,) * world
     else:
-        error = error or _seq_lens_error(seq, world, None)
+        error = error or _seq_lens_error(seq, world)
         if error is None and sum(seq) != s_total:
             error = f"sum(seq_lens) = {sum(seq)} but x has S = {s_total}"
-    dcode = _dist.DTYPE_CODES.get(x.dtype, 0) if isinstance(x, torch.Tensor) else 0
-    dev = 1 if isinstance(x, torch.Tensor) and x.is_cuda else 0
     ok = error is None
-    sig = [b, s_total, d, dcode, dev, _BACKEND_CODES[backend], h if ok else -1,
+    sig = [b, s_total, d, c.dcode, c.dev, _BACKEND_CODES[c.backend], h if ok else -1,
            seq_lens_hash(seq) if ok else -1]
     labels = ["B", "S", "D", "dtype", "device is CUDA", "backend", "num_heads", "seq_lens (hash)"]
-    check_call(group, "head_to_seq", validate, sig, labels, error, timeout)
+    check_call(group, "head_to_seq", validate, sig, labels, error, c.timeout)
     heads = head_split(h, world)
     plan = head_to_seq_plan(b, seq, d, tuple(heads), tuple(head_offsets(heads)), h)
     x = dense(x)
     out = torch.empty(b, seq[rank], h, d, dtype=x.dtype, device=x.device)
-    t = get_transport(group, backend, x.device, timeout, plan, x.dtype, "head_to_seq")
+    t = get_transport(group, c.backend, x.device, c.timeout, plan, x.dtype, "head_to_seq")
     ex = t.start(plan, [x], x.dtype, x.device, out=out.view(-1))
     ex.wait()
     ex.release()

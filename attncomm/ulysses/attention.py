@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _dist, config
+from .._dist import group_key
 from .api import (_BACKEND_CODES, check_call, dense, get_transport, resolve_backend,
                   seq_lens_hash, _norm_seq_lens, _seq_lens_error)
 from .layout import (group_head_ranges, head_offsets, head_split, head_to_seq_plan,
@@ -105,17 +106,28 @@ class UlyssesAttention(torch.nn.Module):
     the KV heads its query heads use and expands them locally when its grouping is not
     uniform.
 
+    Attributes:
+        fallback_reason: why the last ``forward`` with ``backend="auto"`` did not take ``ce``
+            for some exchange (None when every exchange that could use ``ce`` did, or the
+            message was small enough for ``all_to_all`` to be the choice). Per module; the
+            process-global ``attncomm.ulysses.fallback_reason`` holds the last decision of any
+            caller in the process and is kept for compatibility.
+        last_backends: the transports the last ``forward`` used, e.g.
+            ``{"in": "ce", "out": "ce"}``.
+
     Raises:
-        ValueError (every rank): ``Hq % Hkv != 0``, mismatched shapes across tensors or ranks,
-        bad ``seq_lens``/``rope``/``qk_norm``; PeerTimeoutError when a peer does not answer.
+        ValueError (every rank): not 4-D tensors, ``Hq % Hkv != 0``, mismatched shapes across
+        tensors or ranks, bad ``seq_lens``/``rope``/``qk_norm``/``pipeline_groups`` (also from
+        env ``ATTNCOMM_ULYSSES_PIPELINE_GROUPS``); PeerTimeoutError when a peer does not answer.
     """
 
     def __init__(self, attn_fn=None, group=None, *, backend: str = "auto",
                  pipeline_groups: int = -1, qk_norm=None, timeout_s: float | None = None,
                  fuse_qk_norm_rope: bool = True, validate: bool | None = None):
         super().__init__()
-        if not isinstance(pipeline_groups, int) or pipeline_groups < -1:
-            raise ValueError(f"pipeline_groups must be -1, 0 or N ≥ 1, got {pipeline_groups!r}")
+        why = _pipeline_groups_error(pipeline_groups)
+        if why:
+            raise ValueError(f"pipeline_groups {why}, got {pipeline_groups!r}")
         if backend not in ("all_to_all", "ce", "auto"):
             raise ValueError(f"backend must be 'all_to_all', 'ce' or 'auto', got {backend!r}")
         if qk_norm is not None:
@@ -135,17 +147,22 @@ class UlyssesAttention(torch.nn.Module):
         #: dtype and head_dim and so travel together).
         self.last_pipeline_groups = 0
         self.last_in_exchanges = 0
+        #: Why the last ``auto`` forward did not take ``ce`` (see the class docstring).
+        self.fallback_reason: str | None = None
 
     # ----------------------------------------------------------------------------- checks
-    def _check(self, q, k, v, seq, causal, rope, backend_err):
+    def _check(self, q, k, v, seq, rope, error):
+        """Local checks (no communication): ``(error or None, (B, S_r, Hq, Hkv, D, Dv), seq)``,
+        the dims all 0 when q/k/v are not 4-D tensors."""
         group = self.group
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        error = backend_err
         tens = [t for t in (q, k, v) if isinstance(t, torch.Tensor)]
         if len(tens) != 3 or any(t.dim() != 4 for t in tens):
-            error = error or ("q, k, v must be 4-D tensors [B, S_r, H, D], got shapes "
-                              f"{[list(t.shape) for t in tens]}")
-            return error, (0,) * 5, None
+            got = ", ".join(
+                f"{n} {list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+                for n, t in zip("qkv", (q, k, v)))
+            error = error or f"q, k, v must be 4-D tensors [B, S_r, H, D], got {got}"
+            return error, (0,) * 6, seq
         b, s_r, hq, d = q.shape
         hkv, dv = k.shape[2], v.shape[3]
         if error is None:
@@ -163,7 +180,7 @@ class UlyssesAttention(torch.nn.Module):
         if seq is None:
             seq = (s_r,) * world
         elif error is None:
-            error = _seq_lens_error(seq, world, s_r)
+            error = _seq_lens_error(seq, world)
             if error is None and seq[rank] != s_r:
                 error = f"seq_lens[{rank}] = {seq[rank]} but q has S_r = {s_r}"
         if error is None and self.qk_norm is not None:
@@ -181,15 +198,22 @@ class UlyssesAttention(torch.nn.Module):
                 error = f"rope needs an even head_dim, got D = {d}"
         return error, (b, s_r, hq, hkv, d, dv), seq
 
-    def _pipeline_groups(self, device, b, s, counts) -> int:
+    def _requested_groups(self) -> tuple[int, str | None]:
+        """``pipeline_groups`` with env ``ATTNCOMM_ULYSSES_PIPELINE_GROUPS`` applied to −1, and
+        the error (or None) for a bad env value."""
         g = self.pipeline_groups
-        if g == -1:
-            raw = os.environ.get("ATTNCOMM_ULYSSES_PIPELINE_GROUPS", "").strip()
-            if raw:
-                try:
-                    g = int(raw)
-                except ValueError:
-                    raise ValueError(f"ATTNCOMM_ULYSSES_PIPELINE_GROUPS={raw!r} is not an int")
+        raw = os.environ.get("ATTNCOMM_ULYSSES_PIPELINE_GROUPS", "").strip()
+        if g != -1 or not raw:
+            return g, None
+        try:
+            val = int(raw)
+        except ValueError:
+            return -1, f"ATTNCOMM_ULYSSES_PIPELINE_GROUPS={raw!r} is not an int"
+        why = _pipeline_groups_error(val)
+        return (-1, f"ATTNCOMM_ULYSSES_PIPELINE_GROUPS={raw!r}: {why}") if why else (val, None)
+
+    def _pipeline_groups(self, g, device, b, s, counts) -> int:
+        """Head groups for this forward: ``g`` (requested, checked) resolved; 1 = sequential."""
         if g == -1:
             if device.type != "cuda" or min(counts) < 2:
                 return 1
@@ -210,23 +234,25 @@ class UlyssesAttention(torch.nn.Module):
                 causal: bool = False, rope=None) -> torch.Tensor:
         group = self.group
         timeout = config.timeout_s(self.timeout_s)
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        backend_err = None
+        error = None
         try:
             backend = resolve_backend(self.backend)
         except ValueError as exc:
-            backend, backend_err = "auto", str(exc)
-        seq_in = _norm_seq_lens(seq_lens)
-        error, (b, s_r, hq, hkv, d, dv), seq = self._check(q, k, v, seq_in, causal, rope,
-                                                           backend_err)
+            backend, error = "auto", str(exc)
+        groups, g_err = self._requested_groups()
+        error = error or g_err
+        try:
+            seq_in = _norm_seq_lens(seq_lens)
+        except TypeError:
+            seq_in, error = None, error or f"seq_lens must be a sequence of ints, got {seq_lens!r}"
+        error, (b, s_r, hq, hkv, d, dv), seq = self._check(q, k, v, seq_in, rope, error)
         ok = error is None
         codes = [_dist.DTYPE_CODES.get(t.dtype, 0) if isinstance(t, torch.Tensor) else 0
                  for t in (q, k, v)]
         sig = [b, hq, hkv, d, dv, *codes, int(bool(q.is_cuda)) if ok else -1,
                _BACKEND_CODES[backend], int(bool(causal)), int(rope is not None),
                int(self.qk_norm is not None), s_r if seq_in is None else -1,
-               sum(seq) if ok else -1, seq_lens_hash(seq) if ok else -1,
-               self.pipeline_groups]
+               sum(seq) if ok else -1, seq_lens_hash(seq) if ok else -1, groups]
         labels = ["B", "Hq", "Hkv", "D", "Dv", "q dtype", "k dtype", "v dtype", "CUDA",
                   "backend", "causal", "rope given", "qk_norm given", "S_r (seq_lens=None)",
                   "sum(seq_lens)", "seq_lens (hash)", "pipeline_groups"]
@@ -234,7 +260,9 @@ class UlyssesAttention(torch.nn.Module):
                      and torch.cuda.is_current_stream_capturing())
         validate = config.validate_enabled(self.validate, default=not capturing)
         check_call(group, "UlyssesAttention", validate, sig, labels, error, timeout)
-        return self._run(q, k, v, seq, causal, rope, backend, timeout, b, hq, hkv, d, dv)
+        self.fallback_reason = None
+        return self._run(q, k, v, seq, causal, rope, backend, timeout, groups,
+                         (b, hq, hkv, d, dv))
 
     def _norm_rope(self, q, k, rope, cos_sin):
         """RMSNorm + RoPE of q and k (``cos_sin`` rows for their sequence positions)."""
@@ -245,13 +273,14 @@ class UlyssesAttention(torch.nn.Module):
         return (rms_norm_rope(q, qw, float(eps), cs, sn),
                 rms_norm_rope(k, kw, float(eps), cs, sn))
 
-    def _run(self, q, k, v, seq, causal, rope, backend, timeout, b, hq, hkv, d, dv):
+    def _run(self, q, k, v, seq, causal, rope, backend, timeout, groups, dims):
         """Head group g's exchange overlaps group g−1's attention; each group's output goes
         straight into the final tensor. Pipelined and sequential runs give the same bits."""
+        b, hq, hkv, d, dv = dims
         group = self.group
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         s_total, m = sum(seq), hq // hkv
-        n_groups = self._pipeline_groups(q.device, b, s_total, head_split(hq, world))
+        n_groups = self._pipeline_groups(groups, q.device, b, s_total, head_split(hq, world))
         self.last_pipeline_groups = n_groups
         qranges = group_head_ranges(hq, world, n_groups)
         fused = self.fuse_qk_norm_rope
@@ -299,7 +328,6 @@ class UlyssesAttention(torch.nn.Module):
     def _start_in(self, ctx, q, k, v, qr):
         """Start the exchanges of one head group: q, k, v in one exchange when their dtype and
         head_dim agree (else one per (dtype, D))."""
-        world = len(qr)
         kvr = tuple(kv_head_range(lo, hi, ctx["m"]) for lo, hi in qr)
         qr = tuple(qr)
         keyed: dict = {}
@@ -309,11 +337,10 @@ class UlyssesAttention(torch.nn.Module):
         for (dtype, dd), items in keyed.items():
             plan = seq_to_head_plan(ctx["b"], ctx["seq"], dd, tuple(r for _, _, r in items))
             t = get_transport(ctx["group"], ctx["backend"], q.device, ctx["timeout"], plan,
-                              dtype, "UlyssesAttention")
+                              dtype, "UlyssesAttention", owner=self)
             self.last_backends["in"] = t.name
             exs.append(t.start(plan, [x for _, x, _ in items], dtype, q.device))
             layout.append(([(name, r) for name, _, r in items], dd))
-        del world
         self.last_in_exchanges = len(exs)
         return layout, exs
 
@@ -336,17 +363,24 @@ class UlyssesAttention(torch.nn.Module):
         offs = tuple(lo for lo, _ in qr)
         plan = head_to_seq_plan(ctx["b"], ctx["seq"], dv, src_heads, offs, hq)
         t = get_transport(ctx["group"], ctx["backend"], og.device, ctx["timeout"], plan,
-                          og.dtype, "UlyssesAttention")
+                          og.dtype, "UlyssesAttention", owner=self)
         self.last_backends["out"] = t.name
         return t.start(plan, [og], og.dtype, og.device, out=flat_out)
 
 
+def _pipeline_groups_error(g) -> str | None:
+    if isinstance(g, bool) or not isinstance(g, int) or g < -1 or g == 1:
+        return "must be -1 (auto), 0 (sequential) or N ≥ 2 (head groups)"
+    return None
+
+
+#: ``group_key(group) → bool``, keyed by the group object (never ``id``, which can be reused).
 _FITS: dict = {}
 
 
 def _agree_fits(group, device) -> bool:
     """Whether every rank has at least 1/4 of its memory free (agreed; cached per group)."""
-    key = id(group) if group is not None else "world"
+    key = group_key(group)
     if key not in _FITS:
         free, total = torch.cuda.mem_get_info(device)
         from ..launch import cpu_group

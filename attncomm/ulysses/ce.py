@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .. import capability
-from .._dist import agree_reason
+from .._dist import agree_reason, group_key
 from ..errors import PeerTimeoutError
 from .layout import ExchangePlan
 from .transport import Exchange, Transport, source_view
@@ -87,6 +87,8 @@ def host_unavailable_reason() -> str | None:
     return f"no P2P access between GPUs {', '.join(missing)}" if missing else None
 
 
+#: ``(group_key(group), device type) → reason or None``; keyed by the group object itself, not
+#: ``id(group)``: a stale entry on one rank would skip the agreement collective there.
 _AGREED: dict = {}
 
 
@@ -95,7 +97,7 @@ def agreed_unavailable_reason(group, device: torch.device) -> str | None:
     it can). Collective on first use per (group, device type), cached: local facts, one host,
     P2P to every peer (``capability.symm_unavailable_reason``), agreed by all_reduce(MIN) over
     the gloo group (``agree_reason``) before any allocation."""
-    key = (id(group) if group is not None else "world", device.type)
+    key = (group_key(group), device.type)
     if key not in _AGREED:
         why = capability.symm_unavailable_reason(group, device)  # collective on CUDA
         why = why or local_unavailable_reason(group, device)
@@ -209,21 +211,26 @@ class _Flags:
 
 # ------------------------------------------------------------------------------ staging
 class _Staging:
-    """One rendezvoused symmetric buffer: flags + two slots of ``cap`` bytes."""
+    """A symmetric buffer: flags + two slots of ``cap`` bytes.
+
+    Built in two collective steps, each agreed across ranks by the caller: the constructor
+    allocates and initialises (local; may fail, e.g. OOM), ``rendezvous()`` exchanges handles
+    (every rank must reach it, so it runs only once every rank has allocated)."""
 
     def __init__(self, group, rank, world, cap: int, device):
         import torch.distributed._symmetric_memory as symm_mem
         self.world = world
         self.cap = cap
+        self.device = device
         self.flags_bytes = _align(16 * world)
         self.total = self.flags_bytes + 2 * cap
-        g = group if group is not None else dist.group.WORLD
+        self.group_name = (group if group is not None else dist.group.WORLD).group_name
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # deprecated (not needed) in newer torch
-                    enable(g.group_name)
+                    enable(self.group_name)
             except Exception:  # noqa: BLE001 - already enabled
                 pass
         self.buf = symm_mem.empty(self.total, dtype=torch.uint8, device=device)
@@ -231,11 +238,17 @@ class _Staging:
         flags = self.buf[:16 * world].view(torch.int32).view(4, world)
         flags[2:].fill_(1)          # A[k][p] = 1: every slot starts free
         flags[2:, rank].zero_()
-        torch.cuda.synchronize(device)
-        self.handle = symm_mem.rendezvous(self.buf, g.group_name)
-        self.ptrs = [int(p) for p in self.handle.buffer_ptrs]
+        self.handle = None
+        self.ptrs: list = []
         self.parity = 0
         self.pinned = False
+
+    def rendezvous(self) -> None:
+        """Collective: exchange buffer handles with every rank (host-blocking)."""
+        import torch.distributed._symmetric_memory as symm_mem
+        torch.cuda.synchronize(self.device)  # the flag init lands before any peer can write
+        self.handle = symm_mem.rendezvous(self.buf, self.group_name)
+        self.ptrs = [int(p) for p in self.handle.buffer_ptrs]
 
     def f_addr(self, owner: int, k: int, src: int) -> int:
         return self.ptrs[owner] + 4 * (k * self.world + src)
@@ -295,7 +308,6 @@ class CopyEngineTransport(Transport):
             else:
                 mode = "kernel"
         self.flag_mode = mode
-        self.stream_mem_ops_reason = None if mode == "stream" else "flag kernel in use"
         self.err = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.flags = _Flags(mode, self.err, timeout_s)
         self.capacity = cache_entries if cache_entries is not None else CACHE_ENTRIES
@@ -350,16 +362,17 @@ class CopyEngineTransport(Transport):
                 dist.barrier(group=g)
                 del self.cache[victims[0]]
                 self.evictions += 1
-        why = None
-        try:
-            st = _Staging(self.group, self.rank, self.world_size, key[1], self.device)
-        except Exception as exc:  # noqa: BLE001 - OOM or symmetric-memory failure
-            st, why = None, f"staging allocation failed ({type(exc).__name__}: {exc})"
-        ok = torch.tensor([0 if why else 1], dtype=torch.int64)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=g)
-        if int(ok.item()) != 1:
-            return why or "staging allocation failed on a peer rank"
-        dist.barrier(group=g)
+        # Allocate (may fail on one rank, e.g. OOM) → agree → rendezvous only if every rank
+        # allocated: a rank that failed never leaves its peers waiting in the rendezvous.
+        st, why = capability.collective_try(
+            self.group, lambda: _Staging(self.group, self.rank, self.world_size, key[1],
+                                         self.device), "ulysses ce staging allocation")
+        if why:
+            return f"staging allocation failed: {why}"
+        _, why = capability.collective_try(self.group, st.rendezvous,
+                                           "ulysses ce staging rendezvous")
+        if why:
+            return f"staging rendezvous failed: {why}"
         self.cache[key] = st
         return None
 
