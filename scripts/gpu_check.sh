@@ -2,7 +2,8 @@
 # One device call that runs every GPU test and benchmark of attncomm and leaves the results under
 # $OUT (run from the repo root on the nvidia-h200-x2 machine through the device tool):
 #
-#   bash scripts/gpu_check.sh [steps...]   steps: env tests dcp demo ulysses dp-sync demo-bf16 (default all)
+#   bash scripts/gpu_check.sh [steps...]   steps: env tests dcp demo ulysses ulysses-layer dp-sync demo-bf16
+#                                          (default all)
 #
 # Writes $OUT/gpu-check.log (everything printed) and $OUT/results.tgz (JSON, PNG, Markdown, junit),
 # which scripts/collect_gpu_results.sh unpacks into benchmarks/results/ with date and machine.
@@ -20,7 +21,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/attncomm-triton}
 export ATTNCOMM_TIMEOUT_S=${ATTNCOMM_TIMEOUT_S:-30}
 mkdir -p "$OUT"
 LOG=$OUT/gpu-check.log
-STEPS=${*:-env tests dcp demo ulysses dp-sync demo-bf16}
+STEPS=${*:-env tests dcp demo ulysses ulysses-layer dp-sync demo-bf16}
 PY=python3
 AC="$PY -m attncomm.cli"
 status=0
@@ -62,6 +63,11 @@ if want ulysses; then
   step bench-ulysses 150 $AC bench ulysses --device cuda --world-size 2 --no-progress \
     --json "$RES/ulysses-$DAY-$MACHINE.json" --plot "$RES/ulysses-$DAY-$MACHINE.png" \
     --markdown "$RES/ulysses-$DAY-$MACHINE.md"
+fi
+if want ulysses-layer; then
+  step bench-ulysses-layer 120 $AC bench ulysses --device cuda --world-size 2 --no-progress \
+    --layer-only --json "$RES/ulysses-layer-$DAY-$MACHINE.json" \
+    --markdown "$RES/ulysses-layer-$DAY-$MACHINE.md"
 fi
 if want dp-sync; then
   step bench-dp-sync 60 $AC bench dp-sync --device cuda --world-size 2 --no-progress \
