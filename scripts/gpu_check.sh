@@ -6,7 +6,7 @@
 #                                          (default all)
 #
 # Writes $OUT/gpu-check.log (everything printed) and $OUT/results.tgz (JSON, PNG, Markdown, junit),
-# which scripts/collect_gpu_results.sh unpacks into benchmarks/results/ with date and machine.
+# to unpack into benchmarks/results/ (file names carry the date and the machine).
 # Each step has its own time limit and a failing step does not stop the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
