@@ -98,7 +98,7 @@ def _expected(batches, dp, per_dp, knobs):
         rows = [r if a else [0, 0, 1, 0, 1, IDLE] for r, a in zip(rows, knobs["active"])]
     tp0 = [rows[d * per_dp] for d in range(dp)]
     busy = [r[5] for r in tp0 if r[5] != IDLE]
-    agree = bool(busy) and len(set(busy)) == 1
+    agree = len(set(busy)) <= 1                    # API.md: vacuously true when all are idle
     return dict(tokens=[r[0] for r in tp0], logprob=[r[1] for r in tp0],
                 graph=all(r[2] for r in tp0), extend=any(r[3] for r in tp0),
                 tbo=knobs["enable_tbo"] and all(r[4] for r in tp0) and agree, tp0=tp0)
@@ -184,6 +184,11 @@ def _fixed_case(rank, world, sync):
     got, info = prepare_mlp_sync_batch(b, dp_size=world, attn_tp_size=1, group=None,
                                        get_idle_batch=get_idle, sync=sync)
     out["all_idle"] = (got, info.global_num_tokens, info.can_cuda_graph)
+    # every rank IDLE (None or an IDLE batch): TBO is vacuously allowed (API.md)
+    b = None if rank % 2 else BatchView(ForwardMode.IDLE)
+    _, info = prepare_mlp_sync_batch(b, dp_size=world, attn_tp_size=1, group=None,
+                                     get_idle_batch=get_idle, sync=sync, enable_tbo=True)
+    out["all_idle_tbo"] = (info.can_run_tbo, info.global_forward_mode)
     # a PREBUILT batch while another rank decodes: the idle batch rides inside it
     b = (BatchView(ForwardMode.PREBUILT, batch_size=2) if rank == 0
          else BatchView(ForwardMode.DECODE, batch_size=1))
@@ -241,9 +246,11 @@ def test_sync_fixed_values(pools, sync):
         assert out["all_idle"] == (None, [0, 0, 0], True)
         assert out["prebuilt"] == (True, True, [0, 1, 1], True) if r == 0 else \
             out["prebuilt"][2:] == ([0, 1, 1], True)
-        assert "invalid batch on rank(s) [2]" in out["invalid"]
+        assert "invalid input on rank(s) [2] — rank 2: invalid batch" in out["invalid"]
         assert ("extend_num_tokens" in out["invalid"]) == (r == 2)
         assert "must equal the group size 3" in out["sizes"]
+        assert "rank(s) [0, 1, 2]" in out["sizes"] and "does not match" in out["sizes"]
+        assert out["all_idle_tbo"] == (True, ForwardMode.IDLE)
         assert out["after"] == [1, 2, 3]
         assert out["inactive"] == ([2, 3, 0], [0, 0, 1, 0, 1, IDLE], True)
         assert out["tbo"] == (True, ForwardMode.DECODE)

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from .._dist import DTYPE_CODES, agree
-from ._comm import wait_work as _wait
+from .._dist import DTYPE_CODES, agree, all_gather_tensor, reduce_scatter_tensor
+from .._dist import wait as _dist_wait
 
 __all__ = ["DpPaddingMode", "choose_padding_mode", "dp_gather", "dp_scatter",
            "dp_reduce_scatter", "select_cuda_graph_bs", "global_layout"]
@@ -158,8 +158,8 @@ def dp_gather(local: torch.Tensor, global_num_tokens: Sequence[int], group=None,
         if tp_rank == 0 and mine:
             out[offsets[dp_rank]:offsets[dp_rank] + mine].copy_(local)
         if out.numel():
-            _wait(dist.all_reduce(out, group=group, async_op=True), group, "dp_gather",
-                  timeout_s)
+            _dist_wait(dist.all_reduce(out, group=group, async_op=True), group, "dp_gather",
+                       config.timeout_s(timeout_s))
         return out
     m = max(n)
     if m == 0:
@@ -172,8 +172,8 @@ def dp_gather(local: torch.Tensor, global_num_tokens: Sequence[int], group=None,
         block[mine:].zero_()
     world = dist.get_world_size(group)
     full = local.new_empty((world * m, *rest))
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    _wait(fn(full, block, group=group, async_op=True), group, "dp_gather", timeout_s)
+    _dist_wait(all_gather_tensor(full, block, group, async_op=True), group, "dp_gather",
+               config.timeout_s(timeout_s))
     if attn_tp_size == 1:
         return full
     return full.view(len(n), attn_tp_size, m, *rest)[:, 0].reshape(len(n) * m, *rest)
@@ -248,11 +248,10 @@ def dp_reduce_scatter(global_partial: torch.Tensor, global_num_tokens: Sequence[
         return global_partial.new_empty((0, *rest))
     if mode is DpPaddingMode.MAX_LEN and attn_tp_size == 1:
         out = global_partial.new_empty((max(n), *rest))
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        work = fn(out, global_partial.contiguous(), group=group, async_op=True)
-        _wait(work, group, "dp_reduce_scatter", timeout_s)
+        work = reduce_scatter_tensor(out, global_partial.contiguous(), group, async_op=True)
+        _dist_wait(work, group, "dp_reduce_scatter", config.timeout_s(timeout_s))
         return out[:mine]
     buf = global_partial.clone(memory_format=torch.contiguous_format)
-    _wait(dist.all_reduce(buf, group=group, async_op=True), group, "dp_reduce_scatter",
-          timeout_s)
+    _dist_wait(dist.all_reduce(buf, group=group, async_op=True), group, "dp_reduce_scatter",
+               config.timeout_s(timeout_s))
     return buf[offsets[dp_rank]:offsets[dp_rank] + mine].clone()

@@ -40,9 +40,9 @@ the silent rank; ``close_shm_channels()`` on every rank starts a fresh one.
 from __future__ import annotations
 
 import mmap
+import operator
 import os
 import platform
-import socket
 import struct
 import tempfile
 import time
@@ -54,11 +54,10 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from .._dist import guard_timeout
+from .._dist import guard_timeout, wait
 from ..errors import PeerTimeoutError
-from ._comm import wait_work
 
-__all__ = ["ShmRowExchange", "shm_supported", "host_identity", "SLOT_WORDS"]
+__all__ = ["ShmRowExchange", "shm_supported", "SLOT_WORDS"]
 
 SLOT_WORDS = 8
 _HEADER_WORDS = 8
@@ -78,15 +77,20 @@ def shm_supported() -> tuple[bool, str | None]:
     return True, None
 
 
-def host_identity() -> str:
-    """This host's name plus its boot id (two machines can share a hostname, not a boot id)."""
-    boot = ""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        pass
-    return f"{socket.gethostname()}/{boot}"
+_I64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _bad_value(row: Sequence[int]) -> str:
+    """The message for a row that ``struct`` refused: the first field that is not an int64."""
+    for i, v in enumerate(row):
+        try:
+            ok = _I64[0] <= operator.index(v) <= _I64[1]
+        except TypeError:
+            ok = False
+        if not ok:
+            return (f"shm sync: row field {i} = {v!r} is not an int in the int64 range "
+                    f"[{_I64[0]}, {_I64[1]}]")
+    return f"shm sync: row {list(row)!r} cannot be packed as int64"
 
 
 def _shm_dir() -> str:
@@ -164,8 +168,8 @@ class ShmRowExchange:
                 err = f"could not map {path}: {exc}"
         flags = torch.zeros(self.world_size, dtype=torch.int64)
         flags[self.rank] = 1 if err else 0
-        wait_work(dist.all_reduce(flags, group=self.group, async_op=True), self.group,
-                  "shm sync setup", timeout_s)
+        wait(dist.all_reduce(flags, group=self.group, async_op=True), self.group,
+             "shm sync setup", timeout_s)
         if self._finalizer is not None:
             self._finalizer.detach()
             os.unlink(path)  # every rank has mapped it or given up: the name is not needed
@@ -185,7 +189,7 @@ class ShmRowExchange:
             buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
         work = dist.broadcast(buf, src=dist.get_global_rank(self.group, 0), group=self.group,
                               async_op=True)
-        wait_work(work, self.group, "shm sync setup", timeout_s)
+        wait(work, self.group, "shm sync setup", timeout_s)
         raw = bytes(buf.tolist()).rstrip(b"\0")
         return raw.decode() if raw else None
 
@@ -257,6 +261,9 @@ class ShmRowExchange:
             ``W`` lists of ``row_len`` ints, in group rank order.
 
         Raises:
+            ValueError naming the field and value when a value is not an int in the int64 range
+            (raised on this rank only, before anything is published: the channel stays in step
+            when every rank refuses, as at W = 1; the sync's own rows are always in range);
             PeerTimeoutError naming the ranks whose row of this step did not arrive in time.
         """
         flat, n = self.exchange_flat(row, timeout_s=timeout_s), self.row_len
@@ -269,11 +276,14 @@ class ShmRowExchange:
         if len(row) != self.row_len:
             raise ValueError(f"row has {len(row)} values, expected {self.row_len}")
         mm, w = self._mm, self.world_size
-        self.step += 1
-        step = self.step
+        step = self.step + 1
         parity = step & 1
         base, mine = self._base[parity], self._mine[parity]
-        self._row_fmt.pack_into(mm, 8 * mine + 8, *row)
+        try:
+            self._row_fmt.pack_into(mm, 8 * mine + 8, *row)
+        except struct.error:  # the error path only: the step path pays nothing for the check
+            raise ValueError(_bad_value(row)) from None
+        self.step = step  # only once the row is written: a refused row leaves the channel in step
         self._words[mine] = step  # publish last (see the module docstring on ordering)
         if self._seq_fmt.unpack_from(mm, base).count(step) != w:
             self._wait(base, step, timeout_s)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .. import config
 from ..launch import cpu_group
-from ._comm import wait_work
+from .._dist import all_gather_tensor, wait
 from .gather import (DpPaddingMode, choose_padding_mode, dp_gather, dp_reduce_scatter,
                      dp_scatter, select_cuda_graph_bs)
 from .sync import BatchView, ForwardMode, prepare_mlp_sync_batch
@@ -261,9 +261,8 @@ def _gather_decisions(row: list[int], cg, timeout_s) -> list[list[int]]:
     world = dist.get_world_size(cg)
     local = torch.tensor(row, dtype=torch.int64)
     out = torch.empty(world * len(row), dtype=torch.int64)
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    wait_work(fn(out, local, group=cg, async_op=True), cg, "simulation decision check",
-              timeout_s)
+    wait(all_gather_tensor(out, local, cg, async_op=True), cg, "simulation decision check",
+         config.timeout_s(timeout_s))
     return out.view(world, len(row)).tolist()
 
 
@@ -292,7 +291,8 @@ def _mlp_step(step, rank, world, cfg, gnt, mode, tokens, mlp, weights, stats, ti
     xs = _check_slots(buf, gnt, mode, tokens, step)
     partial = mlp(buf)
     full = partial.clone()
-    wait_work(dist.all_reduce(full, async_op=True), None, "simulation all_reduce", timeout_s)
+    wait(dist.all_reduce(full, async_op=True), None, "simulation all_reduce",
+         config.timeout_s(timeout_s))
     out_a = dp_scatter(full, gnt, d, mode=mode)
     out_b = dp_reduce_scatter(partial, gnt, None, mode=mode, attn_tp_size=atp, validate=False,
                               timeout_s=timeout_s)

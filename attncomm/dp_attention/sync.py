@@ -22,10 +22,12 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .._dist import group_device, guard_timeout
+from .. import config
+from .._dist import agree_reason, all_gather_tensor, group_device, guard_timeout, wait
+from ..capability import same_host
+from ..errors import PeerTimeoutError
 from ..launch import cpu_group
 from . import shm as _shm
-from ._comm import wait_work
 
 __all__ = ["ForwardMode", "BatchView", "MLPSyncBatchInfo", "prepare_mlp_sync_batch",
            "resolve_sync", "count_tokens", "exchange_rows", "close_shm_channels",
@@ -34,7 +36,15 @@ __all__ = ["ForwardMode", "BatchView", "MLPSyncBatchInfo", "prepare_mlp_sync_bat
 SYNC_CHOICES = ("auto", "shm", "cpu", "device")
 _ROW = 6
 _IDLE = 4
-_INVALID_MODE = -1  # row marker: this rank's batch was invalid (every rank raises)
+_INVALID_MODE = -1  # row marker: this rank's input was invalid (every rank raises) ...
+_BAD_BATCH, _BAD_SIZES, _BAD_ACTIVE = 1, 2, 3  # ... and field 0 says what was wrong
+_WHY = {_BAD_BATCH: "invalid batch or counts",
+        _BAD_SIZES: "dp_size·tp_size·cp_size does not match the group size",
+        _BAD_ACTIVE: "invalid active_ranks"}
+_I64_MAX = (1 << 63) - 1
+# Fills the receive buffer of the cpu/device paths before the exchange: no rank sends it (a sent
+# mode is a ForwardMode or -1), so a row still holding it after the wait never arrived.
+_UNSENT = -(1 << 63)
 
 
 class ForwardMode(enum.IntEnum):
@@ -163,15 +173,13 @@ def _plan(group) -> _Plan:
 
 
 def _one_host(cg, timeout_s: float | None) -> tuple[bool, str | None]:
-    """Collective over ``cg``: do all ranks share this host (and can shm run here)?"""
-    ok, why = _shm.shm_supported()
-    facts: list = [None] * dist.get_world_size(cg)
+    """Collective over ``cg``: do all ranks share this host (``capability.same_host``) and can
+    every rank run the shm protocol? The same answer on every rank."""
     with guard_timeout(cg, "dp_attention sync (host check)", timeout_s):
-        dist.all_gather_object(facts, (_shm.host_identity(), ok, why), group=cg)
-    if len({f[0] for f in facts}) != 1:
-        return False, "the group's ranks are on more than one host"
-    bad = [f"rank {r}: {f[2]}" for r, f in enumerate(facts) if not f[1]]
-    return (False, "; ".join(bad)) if bad else (True, None)
+        if not same_host(cg):
+            return False, "the group's ranks are on more than one host"
+        why = agree_reason(cg, _shm.shm_supported()[1], "dp_attention shm sync")
+    return why is None, why
 
 
 def _resolve(p: _Plan, sync: str, timeout_s: float | None) -> str:
@@ -215,46 +223,89 @@ def close_shm_channels() -> None:
 
 
 def _exchange(p: _Plan, path: str, row: Sequence[int], device, timeout_s: float | None,
-              mask: torch.Tensor | None = None) -> Sequence[int]:
-    """Every rank's row back to back (``W · 6`` ints, rank r's field f at ``6r + f``)."""
+              mask: torch.Tensor | None = None) -> tuple[Sequence[int], list | None]:
+    """Every rank's row back to back (``W · 6`` ints, rank r's field f at ``6r + f``), and the
+    values of ``mask`` (a device-resident active mask, fetched in the same copy) or None.
+
+    The cpu/device receive buffer is filled with ``_UNSENT`` first: a row that still holds it
+    after the wait did not arrive (an aborted NCCL exchange can return with the buffer unwritten,
+    and a reused block would otherwise hand back an older step's rows) → ``PeerTimeoutError``
+    naming those ranks.
+    """
     if path == "shm":
         if p.channel is None:
             p.channel = _shm.ShmRowExchange(p.cg, _ROW, timeout_s=timeout_s)
-        return p.channel.exchange_flat(row, timeout_s=timeout_s)
+        return p.channel.exchange_flat(row, timeout_s=timeout_s), None
     if path == "cpu":
         g, dev = p.cg, torch.device("cpu")
     else:
         g, dev = p.group, (torch.device(device) if device is not None else p.device)
-    world = p.world
+    world, op = p.world, f"dp_attention sync ({path})"
     local = torch.tensor(row, dtype=torch.int64, device=dev)
-    out = torch.empty(world * _ROW, dtype=torch.int64, device=dev)
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work = fn(out, local, group=g, async_op=True)
-    wait_work(work, g, f"dp_attention sync ({path})", timeout_s)
-    if mask is not None:  # a device-resident active mask is applied before the copy
-        neutral = torch.tensor(NEUTRAL_ROW, dtype=torch.int64).to(dev, non_blocking=True)
-        out = torch.where(mask.to(dev).view(world, 1).bool(), out.view(world, _ROW), neutral)
-    return out.view(-1).tolist()  # the one device→host copy on the device path
+    out = torch.full((world * _ROW,), _UNSENT, dtype=torch.int64, device=dev)
+    t = config.timeout_s(timeout_s)
+    wait(all_gather_tensor(out, local, g, async_op=True), g, op, t)
+    if mask is not None:
+        out = torch.cat([out, mask.to(device=dev, dtype=torch.int64).view(-1)])
+    flat = out.tolist()  # the one device→host copy on the device path
+    flat, mask_vals = (flat[:world * _ROW], flat[world * _ROW:]) if mask is not None else (flat,
+                                                                                          None)
+    if _UNSENT in flat[5::_ROW]:
+        missing = [r for r in range(world) if flat[r * _ROW + 5] == _UNSENT]
+        raise PeerTimeoutError(f"{op}: the exchange returned without the rows of rank(s) "
+                               f"{missing} (aborted or timed out)", peer_ranks=missing,
+                               timeout_s=t, op=op)
+    return flat, mask_vals
 
 
 def exchange_rows(row: Sequence[int], group=None, *, sync: str, device=None,
                   timeout_s: float | None = None) -> list[list[int]]:
     """Every group rank's row (``W`` lists of 6 ints, rank order) through path ``sync``
-    ("auto", "shm", "cpu" or "device"); at most one device→host copy."""
+    ("auto", "shm", "cpu" or "device"); at most one device→host copy.
+
+    A low-level helper: a row that is not 6 ints in the int64 range raises ``ValueError`` on
+    this rank only (before the exchange); field 5 must not be ``-2**63`` (on the cpu/device
+    paths that value marks a row that did not arrive → ``PeerTimeoutError``).
+    """
+    vals = [int(v) for v in row]
+    bad = [(i, v) for i, v in enumerate(vals) if not -_I64_MAX - 1 <= v <= _I64_MAX]
+    if len(vals) != _ROW or bad:
+        raise ValueError(f"exchange_rows: a row is {_ROW} int64 values, got {len(vals)} values"
+                         + "".join(f"; field {i} = {v} is outside the int64 range"
+                                   for i, v in bad))
     p = _plan(group)
-    flat = _exchange(p, _resolve(p, sync, timeout_s), [int(v) for v in row], device, timeout_s)
+    flat, _ = _exchange(p, _resolve(p, sync, timeout_s), vals, device, timeout_s)
     return [list(flat[i:i + _ROW]) for i in range(0, len(flat), _ROW)]
 
 
 # -- the sync info ---------------------------------------------------------------------------
 
-def _active_mask(active_ranks, world: int) -> list[bool] | None:
-    if active_ranks is None:
-        return None
+def _active_mask(active_ranks, world: int, path: str):
+    """``(host list, device tensor)`` of ``active_ranks``, one of them None: a device tensor on
+    the device path is fetched with the rows (one copy). Raises ValueError / TypeError."""
+    if (path == "device" and isinstance(active_ranks, torch.Tensor)
+            and active_ranks.device.type != "cpu"):
+        if active_ranks.numel() != world:
+            raise ValueError(f"active_ranks has {active_ranks.numel()} entries, the group has "
+                             f"{world} ranks")
+        return None, active_ranks
     vals = active_ranks.tolist() if isinstance(active_ranks, torch.Tensor) else list(active_ranks)
     if len(vals) != world:
         raise ValueError(f"active_ranks has {len(vals)} entries, the group has {world} ranks")
-    return [bool(v) for v in vals]
+    return [bool(v) for v in vals], None
+
+
+def _mask_rows(flat: Sequence[int], active: list) -> Sequence[int]:
+    """Replace each inactive rank's row by ``NEUTRAL_ROW``, except a row that reports bad sizes
+    or a bad ``active_ranks`` (those make every rank raise, whoever is active)."""
+    if all(active):
+        return flat
+    flat = list(flat)
+    for r, a in enumerate(active):
+        i = r * _ROW
+        if not a and not (flat[i + 5] == _INVALID_MODE and flat[i] in (_BAD_SIZES, _BAD_ACTIVE)):
+            flat[i:i + _ROW] = NEUTRAL_ROW
+    return flat
 
 
 @dataclass
@@ -270,7 +321,8 @@ class MLPSyncBatchInfo:
 
     After ``all_gather``: ``global_num_tokens`` / ``global_num_tokens_for_logprob`` (one int per
     DP rank), ``can_cuda_graph`` (min over DP ranks), ``is_extend_in_batch`` (max),
-    ``can_run_tbo``, ``global_forward_mode`` (the common non-IDLE mode, IDLE when every rank is
+    ``can_run_tbo`` (``enable_tbo`` and every DP rank's ``local_can_run_tbo`` and all non-IDLE
+    modes equal: True when every rank is idle), ``global_forward_mode`` (the common non-IDLE mode, IDLE when every rank is
     idle, None when they differ) and ``tp0_info`` (``[dp, 6]`` int64, CPU).
     """
 
@@ -301,19 +353,28 @@ class MLPSyncBatchInfo:
         return torch.tensor([flat[i:i + _ROW] for i in range(0, len(flat), stride)],
                             dtype=torch.int64)
 
-    def _local_row(self) -> tuple[int, ...]:
+    def _local_row(self, code: int = 0) -> tuple[int, ...]:
+        """This rank's row; an invalid one (``code`` or a bad value) is sent as the invalid-row
+        marker so that every rank raises after the exchange."""
         err = self._local_error
-        if err is None:
-            mode = int(self.local_forward_mode)
-            num, num_lp = int(self.num_tokens), int(self.num_tokens_for_logprob)
-            if mode not in _MODE_VALUES:
-                err = f"unknown local_forward_mode {self.local_forward_mode!r}"
-            elif num < 0 or num_lp < 0:
-                err = (f"token counts must be ≥ 0, got num_tokens={self.num_tokens}, "
-                       f"num_tokens_for_logprob={self.num_tokens_for_logprob}")
-        self._local_error = err
+        if err is None and not code:
+            try:
+                mode = int(self.local_forward_mode)
+                num, num_lp = int(self.num_tokens), int(self.num_tokens_for_logprob)
+            except (TypeError, ValueError) as exc:
+                err = f"non-integer local_forward_mode or token count ({exc})"
+            else:
+                if mode not in _MODE_VALUES:
+                    err = f"unknown local_forward_mode {self.local_forward_mode!r}"
+                elif not (0 <= num <= _I64_MAX and 0 <= num_lp <= _I64_MAX):
+                    err = (f"token counts must be in [0, 2**63 - 1], got num_tokens="
+                           f"{self.num_tokens}, num_tokens_for_logprob="
+                           f"{self.num_tokens_for_logprob}")
+            self._local_error = err
+        if code:
+            return (code, 0, 1, 0, 1, _INVALID_MODE)
         if err is not None:
-            return (0, 0, 1, 0, 1, _INVALID_MODE)
+            return (_BAD_BATCH, 0, 1, 0, 1, _INVALID_MODE)
         return (num, num_lp, 1 if self.can_cuda_graph else 0, 1 if self.is_extend_in_batch else 0,
                 1 if self.local_can_run_tbo else 0, mode)
 
@@ -346,49 +407,56 @@ class MLPSyncBatchInfo:
             timeout_s: wait bound (None → ``ATTNCOMM_TIMEOUT_S``).
 
         Raises:
-            ValueError (every rank) for sizes that do not match the group, an invalid row on any
-            active rank, or an explicit sync path that cannot run here.
+            ValueError (every rank, after the exchange) for sizes that do not match the group or
+            an ``active_ranks`` of the wrong length on any rank, an invalid row on any active
+            rank, or an explicit sync path that cannot run here; the message names the ranks and
+            what was wrong, and this rank's own problem in full.
             PeerTimeoutError when a rank's row does not arrive in time.
         """
         p = _plan(group)
-        world = p.world
-        per_dp = self._per_dp(p)
-        row = self._local_row()
         path = _resolve(p, sync, timeout_s)
-        mask, active = None, None
-        if active_ranks is None:
-            pass  # the common case: every rank active
-        elif (path == "device" and isinstance(active_ranks, torch.Tensor)
-                and active_ranks.device.type != "cpu"):
-            if active_ranks.numel() != world:
-                raise ValueError(f"active_ranks has {active_ranks.numel()} entries, the group "
-                                 f"has {world} ranks")
-            mask = active_ranks
-        else:
-            active = _active_mask(active_ranks, world)
+        code, why = 0, None
+        try:
+            per_dp = self._per_dp(p)
+        except (ValueError, TypeError) as exc:  # sent as an invalid row: all raise after it
+            code, why = _BAD_SIZES, str(exc)
+        active, mask = None, None
+        if active_ranks is not None:  # None: the common case, every rank active
+            try:
+                active, mask = _active_mask(active_ranks, p.world, path)
+            except (ValueError, TypeError) as exc:
+                if not code:
+                    code, why = _BAD_ACTIVE, str(exc)
+        row = self._local_row(code)
         if path == "shm" and p.channel is not None:  # the steady state, without a call layer
             flat = p.channel.exchange_flat(row, timeout_s=timeout_s)
         else:
-            flat = _exchange(p, path, row, device, timeout_s, mask)
-        if active is not None and not all(active):
-            flat = list(flat)
-            for r, a in enumerate(active):
-                if not a:
-                    flat[r * _ROW:(r + 1) * _ROW] = NEUTRAL_ROW
-        self._check_rows(flat)
+            flat, mask_vals = _exchange(p, path, row, device, timeout_s, mask)
+            if mask_vals is not None:
+                active = [bool(v) for v in mask_vals]
+        if active is not None:
+            flat = _mask_rows(flat, active)
+        self._check_rows(flat, why)
         self.sync = path
         self._apply(flat, _ROW * per_dp, enable_tbo)
         return self
 
-    def _check_rows(self, flat: Sequence[int]) -> None:
+    def _check_rows(self, flat: Sequence[int], why: str | None = None) -> None:
         # fast path: every mode known and no negative count (slices of the flat rows, in C)
         if _MODE_VALUES.issuperset(flat[5::_ROW]) and min(flat[0::_ROW] + flat[1::_ROW]) >= 0:
             return
-        bad = [r for r in range(len(flat) // _ROW) if flat[r * _ROW + 5] not in _MODE_VALUES
-               or flat[r * _ROW] < 0 or flat[r * _ROW + 1] < 0]
-        msg = f"dp_attention sync: invalid batch on rank(s) {bad}"
-        if self._local_error:
-            msg += f" (this rank: {self._local_error})"
+        parts = []
+        for r in range(len(flat) // _ROW):
+            row = flat[r * _ROW:(r + 1) * _ROW]
+            if row[5] in _MODE_VALUES and row[0] >= 0 and row[1] >= 0:
+                continue
+            what = _WHY.get(row[0]) if row[5] == _INVALID_MODE else None
+            parts.append((r, what or f"invalid row {list(row)}"))
+        msg = (f"dp_attention sync: invalid input on rank(s) {[r for r, _ in parts]} — "
+               + "; ".join(f"rank {r}: {w}" for r, w in parts))
+        mine = why or self._local_error
+        if mine:
+            msg += f" (this rank: {mine})"
         raise ValueError(msg)
 
     def _apply(self, flat: Sequence[int], stride: int, enable_tbo: bool) -> None:
@@ -402,11 +470,12 @@ class MLPSyncBatchInfo:
         self.can_cuda_graph = all(flat[2::stride])
         self.is_extend_in_batch = any(flat[3::stride])
         # The global mode is the one non-IDLE mode (IDLE when every rank is idle, None when the
-        # busy ranks differ); TBO needs one busy mode: nothing to overlap when all are idle.
+        # busy ranks differ). TBO needs every non-IDLE mode equal (API.md): vacuously true when
+        # every rank is idle.
         modes = flat[5::stride]
         first = modes[0]
         if modes.count(first) == len(modes):  # the common case: one mode everywhere
-            agree = first != _IDLE
+            agree = True
             self.global_forward_mode = _MODE_OF[first]
         else:  # at least two modes, so at least one busy
             busy = set(modes)
@@ -417,8 +486,20 @@ class MLPSyncBatchInfo:
 
 
 def _idle_batch(get_idle_batch: Callable[[], BatchView]) -> BatchView:
+    """``get_idle_batch()``, checked to be an IDLE batch.
+
+    Called only after the exchange (API.md: only then is it known that some DP rank has tokens),
+    so a bad result raises ``ValueError`` on this rank alone. That cannot strand a peer inside
+    this call: nothing collective follows it in ``prepare_mlp_sync_batch``, and every rank's
+    sync result is already complete. It is a bug in this rank's callback; its peers meet it at
+    their next collective with this rank (``PeerTimeoutError`` there if it stops).
+    """
     batch = get_idle_batch()
-    if batch is None or int(batch.forward_mode) != ForwardMode.IDLE:
+    try:
+        ok = int(batch.forward_mode) == ForwardMode.IDLE
+    except (AttributeError, TypeError, ValueError):
+        ok = False
+    if not ok:
         raise ValueError(f"get_idle_batch() must return an IDLE BatchView, got {batch!r}")
     return batch
 
@@ -445,15 +526,16 @@ def prepare_mlp_sync_batch(local_batch: BatchView | None, *, dp_size: int, attn_
     Raises:
         ValueError on every rank when any rank's batch is invalid (the offending rank's message
         says why) or the sizes do not match the group; PeerTimeoutError as in
-        ``MLPSyncBatchInfo.all_gather``.
+        ``MLPSyncBatchInfo.all_gather``. A ``get_idle_batch()`` that returns something other
+        than an IDLE batch raises ValueError on the rank that called it (see ``_idle_batch``).
     """
     err = None
     try:
         num_tokens, num_lp = count_tokens(local_batch)
         mode = ForwardMode.IDLE if local_batch is None else ForwardMode(int(
             local_batch.forward_mode))
-    except ValueError as exc:
-        err, num_tokens, num_lp, mode = str(exc), 0, 0, ForwardMode.IDLE
+    except (ValueError, TypeError, AttributeError) as exc:  # sent as an invalid row
+        err, num_tokens, num_lp, mode = str(exc) or type(exc).__name__, 0, 0, ForwardMode.IDLE
     can_graph = (local_batch is None or mode.is_decode_or_idle() or mode.is_prebuilt()) \
         and not disable_cuda_graph
     info = MLPSyncBatchInfo(dp_size, attn_tp_size, attn_cp_size, num_tokens, num_lp, can_graph,
