@@ -57,7 +57,7 @@ from .. import config
 from .._dist import guard_timeout, wait
 from ..errors import PeerTimeoutError
 
-__all__ = ["ShmRowExchange", "shm_supported", "SLOT_WORDS"]
+__all__ = ["ShmRowExchange", "shm_supported", "bad_value_message", "SLOT_WORDS"]
 
 SLOT_WORDS = 8
 _HEADER_WORDS = 8
@@ -80,17 +80,18 @@ def shm_supported() -> tuple[bool, str | None]:
 _I64 = (-(1 << 63), (1 << 63) - 1)
 
 
-def _bad_value(row: Sequence[int]) -> str:
-    """The message for a row that ``struct`` refused: the first field that is not an int64."""
+def bad_value_message(row: Sequence[int]) -> str:
+    """The message for a row that could not be packed as int64: its first field that is not an
+    int in the int64 range (the sync's cpu/device paths use it too)."""
     for i, v in enumerate(row):
         try:
             ok = _I64[0] <= operator.index(v) <= _I64[1]
         except TypeError:
             ok = False
         if not ok:
-            return (f"shm sync: row field {i} = {v!r} is not an int in the int64 range "
+            return (f"dp_attention sync: row field {i} = {v!r} is not an int in the int64 range "
                     f"[{_I64[0]}, {_I64[1]}]")
-    return f"shm sync: row {list(row)!r} cannot be packed as int64"
+    return f"dp_attention sync: row {list(row)!r} cannot be packed as int64"
 
 
 def _shm_dir() -> str:
@@ -282,7 +283,7 @@ class ShmRowExchange:
         try:
             self._row_fmt.pack_into(mm, 8 * mine + 8, *row)
         except struct.error:  # the error path only: the step path pays nothing for the check
-            raise ValueError(_bad_value(row)) from None
+            raise ValueError(bad_value_message(row)) from None
         self.step = step  # only once the row is written: a refused row leaves the channel in step
         self._words[mine] = step  # publish last (see the module docstring on ordering)
         if self._seq_fmt.unpack_from(mm, base).count(step) != w:

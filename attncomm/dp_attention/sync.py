@@ -241,7 +241,10 @@ def _exchange(p: _Plan, path: str, row: Sequence[int], device, timeout_s: float 
     else:
         g, dev = p.group, (torch.device(device) if device is not None else p.device)
     world, op = p.world, f"dp_attention sync ({path})"
-    local = torch.tensor(row, dtype=torch.int64, device=dev)
+    try:
+        local = torch.tensor(row, dtype=torch.int64, device=dev)
+    except (RuntimeError, OverflowError, TypeError, ValueError):  # the error path only
+        raise ValueError(_shm.bad_value_message(row)) from None
     out = torch.full((world * _ROW,), _UNSENT, dtype=torch.int64, device=dev)
     t = config.timeout_s(timeout_s)
     wait(all_gather_tensor(out, local, g, async_op=True), g, op, t)
@@ -268,11 +271,8 @@ def exchange_rows(row: Sequence[int], group=None, *, sync: str, device=None,
     paths that value marks a row that did not arrive → ``PeerTimeoutError``).
     """
     vals = [int(v) for v in row]
-    bad = [(i, v) for i, v in enumerate(vals) if not -_I64_MAX - 1 <= v <= _I64_MAX]
-    if len(vals) != _ROW or bad:
-        raise ValueError(f"exchange_rows: a row is {_ROW} int64 values, got {len(vals)} values"
-                         + "".join(f"; field {i} = {v} is outside the int64 range"
-                                   for i, v in bad))
+    if len(vals) != _ROW:
+        raise ValueError(f"exchange_rows: a row is {_ROW} int64 values, got {len(vals)}")
     p = _plan(group)
     flat, _ = _exchange(p, _resolve(p, sync, timeout_s), vals, device, timeout_s)
     return [list(flat[i:i + _ROW]) for i in range(0, len(flat), _ROW)]

@@ -28,13 +28,14 @@ def _nccl_checks(rank, world, seed):
                                                sync=sync, device=dev)
             assert info.global_num_tokens == counts and (got is None) == (max(counts) == 0)
         out[sync] = info.sync
-        # the last rank inactive, its mask on the device (applied before the one copy)
+        # the last rank inactive, its mask on the device (fetched with the rows in one copy)
         act = torch.tensor([1] * (world - 1) + [0], device=dev)
         _, info = prepare_mlp_sync_batch(BatchView(ForwardMode.DECODE, batch_size=rank + 2),
                                          dp_size=world, attn_tp_size=1, group=None,
                                          get_idle_batch=lambda: BatchView(ForwardMode.IDLE),
                                          sync=sync, device=dev, active_ranks=act)
         assert info.global_num_tokens == [r + 2 for r in range(world - 1)] + [0], info
+    out["unsent"] = _unsent_on_device(rank, world, dev)
     for _ in range(10):
         n = [rng.choice([0, rng.randint(1, 300)]) for _ in range(world)]
         cs = rng.randrange(1 << 20)
@@ -57,11 +58,42 @@ def _nccl_checks(rank, world, seed):
     return out
 
 
+class _Done:
+    def wait(self, *args, **kwargs):
+        return True
+
+
+def _unsent_on_device(rank, world, dev):
+    """The NCCL gather returns with the last rank's slot unwritten (as an aborted exchange can):
+    every rank raises PeerTimeoutError naming it, never reads a stale row."""
+    from attncomm.dp_attention import sync as sync_mod
+
+    real = sync_mod.all_gather_tensor
+
+    def partial(output, input, group=None, async_op=False):
+        full = torch.empty_like(output)
+        real(full, input, group)
+        output.view(world, -1)[:world - 1] = full.view(world, -1)[:world - 1]
+        return _Done()
+
+    sync_mod.all_gather_tensor = partial
+    try:
+        prepare_mlp_sync_batch(BatchView(ForwardMode.DECODE, batch_size=1), dp_size=world,
+                               attn_tp_size=1, group=None, sync="device", device=dev,
+                               get_idle_batch=lambda: BatchView(ForwardMode.IDLE))
+        return "no error"
+    except attncomm.PeerTimeoutError as exc:
+        return exc.peer_ranks
+    finally:
+        sync_mod.all_gather_tensor = real
+
+
 def test_nccl_sync_and_gathers():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     res = attncomm.launch(_nccl_checks, 2, device="cuda", args=(random.randrange(1 << 20),),
                           timeout_s=240)
+    assert [r.pop("unsent") for r in res] == [[1], [1]]
     assert res[0] == {"device": "device", "cpu": "cpu", "shm": "shm", "auto": "shm"}
 
 
