@@ -61,8 +61,9 @@ def _one_rank_errors(rank, world, sync):
 def test_error_on_one_rank_raises_everywhere(pools, sync):
     world = 3
     for r, out in enumerate(pools.run(world, _one_rank_errors, sync)):
-        assert out["sizes"].startswith("ValueError: dp_attention sync: invalid input on rank(s) "
-                                       "[1] — rank 1: dp_size·tp_size·cp_size does not match"), out
+        assert out["sizes"].startswith("ValueError: dp_attention sync: invalid input on "
+                                       "rank(s) [1] — rank 1: dp_size·tp_size·cp_size does not "
+                                       "match"), out
         assert ("must equal the group size 3" in out["sizes"]) == (r == 1), out
         assert "rank(s) [2] — rank 2: invalid active_ranks" in out["active_len"], out
         assert ("active_ranks has 4 entries" in out["active_len"]) == (r == 2), out
@@ -164,8 +165,8 @@ def _shm_range(rank, world):
     ch = ShmRowExchange(cpu_group(None), 6, timeout_s=T)
     out = {}
     try:
-        for name, row in (("high", [0, 0, 1 << 63, 0, 0, 0]), ("low", [0, -(1 << 63) - 1] + [0] * 4),
-                          ("type", [0, 0, 0, "x", 0, 0])):
+        for name, row in (("high", [0, 0, 1 << 63, 0, 0, 0]),
+                          ("low", [0, -(1 << 63) - 1] + [0] * 4), ("type", [0, 0, 0, "x", 0, 0])):
             try:
                 ch.exchange_flat(row, timeout_s=T)
                 out[name] = "no error"

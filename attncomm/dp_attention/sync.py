@@ -322,8 +322,9 @@ class MLPSyncBatchInfo:
     After ``all_gather``: ``global_num_tokens`` / ``global_num_tokens_for_logprob`` (one int per
     DP rank), ``can_cuda_graph`` (min over DP ranks), ``is_extend_in_batch`` (max),
     ``can_run_tbo`` (``enable_tbo`` and every DP rank's ``local_can_run_tbo`` and all non-IDLE
-    modes equal: True when every rank is idle), ``global_forward_mode`` (the common non-IDLE mode, IDLE when every rank is
-    idle, None when they differ) and ``tp0_info`` (``[dp, 6]`` int64, CPU).
+    modes equal: True when every rank is idle), ``global_forward_mode`` (the common non-IDLE
+    mode, IDLE when every rank is idle, None when they differ) and ``tp0_info`` (``[dp, 6]``
+    int64, CPU).
     """
 
     dp_size: int
