@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ._dist import agree_reason
 
-__all__ = ["agree_reason", "hostname", "cuda_reason", "p2p_matrix", "symm_mem_reason",
+__all__ = ["agree_reason", "hostname", "host_identity", "cuda_reason", "p2p_matrix", "symm_mem_reason",
            "stream_mem_ops_reason", "same_host", "peer_access_reason", "symm_unavailable_reason",
            "collective_try", "multicast_env", "fake_ineligible_reason"]
 
@@ -35,6 +35,18 @@ _FAKE_ENV = "ATTNCOMM_FAKE_INELIGIBLE"
 
 def hostname() -> str:
     return socket.gethostname()
+
+
+@functools.lru_cache(maxsize=None)
+def host_identity() -> str:
+    """This machine's identity for "same host" checks: the hostname plus the kernel's boot id
+    (two containers may share a hostname without sharing memory or GPUs)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
 
 
 def cuda_reason() -> str | None:
@@ -127,13 +139,13 @@ def _gather(group, value) -> list:
 
 def same_host(group=None) -> bool:
     """Whether every rank of ``group`` runs on this host (collective over the gloo twin)."""
-    return len(set(_gather(group, hostname()))) == 1
+    return len(set(_gather(group, host_identity()))) == 1
 
 
 def peer_access_reason(group=None) -> str | None:
     """Collective. Local reason (None if fine) why this rank's GPU cannot reach every other
     rank's GPU directly: the ranks must share the host, and P2P must work for every pair."""
-    info = (hostname(), torch.cuda.current_device() if torch.cuda.is_available() else -1)
+    info = (host_identity(), torch.cuda.current_device() if torch.cuda.is_available() else -1)
     everyone = _gather(group, info)
     hosts = {h for h, _ in everyone}
     if len(hosts) != 1:
