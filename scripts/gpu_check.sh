@@ -34,6 +34,8 @@ step() {  # step NAME SECONDS COMMAND...
   local rc=$?
   echo "===== [$name] rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
   [ $rc -eq 0 ] || status=1
+  cp "$LOG" "$RES/gpu-check-$DAY-$MACHINE.log"
+  tar czf "$OUT/results.tgz" -C "$RES" .  # after every step: a call cut short keeps what ran
 }
 
 want() { [[ " $STEPS " == *" $1 "* ]]; }
