@@ -2,7 +2,6 @@
 sequence-sharded output, with GQA/MQA, optional RMSNorm + RoPE and head-group pipelining."""
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -92,8 +91,9 @@ class UlyssesAttention(torch.nn.Module):
             (default: ``sdpa_attention``).
         group: process group (None: default).
         backend: ``"all_to_all"``, ``"ce"`` or ``"auto"`` (env ``ATTNCOMM_ULYSSES_BACKEND``).
-        pipeline_groups: −1 automatic (env ``ATTNCOMM_ULYSSES_PIPELINE_GROUPS``), 0 sequential,
-            N ≥ 2 forces N head groups (group g+1's exchange overlaps group g's attention).
+        pipeline_groups: −1 automatic (env ``ATTNCOMM_ULYSSES_PIPELINE_GROUPS``; today
+            sequential, from measurement: see ``_pipeline_groups``), 0 sequential, N ≥ 2 forces N
+            head groups (group g+1's exchange issued before group g's attention).
         qk_norm: ``(q_weight [D], k_weight [D], eps)`` RMSNorm for q and k, or None.
         timeout_s: wait budget (None: ``ATTNCOMM_TIMEOUT_S``).
         fuse_qk_norm_rope: apply norm/RoPE to the received head-sharded data (True) or to the
@@ -213,21 +213,20 @@ class UlyssesAttention(torch.nn.Module):
         return (-1, f"ATTNCOMM_ULYSSES_PIPELINE_GROUPS={raw!r}: {why}") if why else (val, None)
 
     def _pipeline_groups(self, g, device, b, s, counts) -> int:
-        """Head groups for this forward: ``g`` (requested, checked) resolved; 1 = sequential."""
-        if g == -1:
-            if device.type != "cuda" or min(counts) < 2:
-                return 1
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            blocks = b * min(counts) * math.ceil(s / 128)
-            g = min(4, min(counts), blocks // (4 * sms))
-            if g < 2:
-                return 1
-            # Every group's working set must fit: if free memory is short on some rank, every
-            # rank stays sequential (agreed by all_reduce MIN over the gloo group).
-            if not _agree_fits(self.group, device):
-                return 1
-            return g
-        return max(1, g)
+        """Head groups for this forward: ``g`` (requested, checked) resolved; 1 = sequential.
+
+        ``-1`` (automatic) is sequential: measured on 2× H200 for a DiT layer (S=32768, 24
+        heads, D=128, bf16; ``benchmarks/results/ulysses-layer-2026-11-30-nvidia-h200-x2.md``),
+        4 head groups hid none of the exchange (all_to_all 0.998×, ce 0.90× of the sequential
+        forward), so automatic stays sequential until a pipelined schedule is shown to pay.
+        ``N ≥ 2`` forces N groups, on CUDA only when every rank has room for the groups' working
+        sets (agreed), else sequential everywhere.
+        """
+        if g in (-1, 0):
+            return 1
+        if device.type == "cuda" and not _agree_fits(self.group, device):
+            return 1
+        return g
 
     # ----------------------------------------------------------------------------- forward
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_lens=None,

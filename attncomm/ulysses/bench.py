@@ -55,9 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="layer benchmark: total sequence length S (default 32768; CPU 64)")
     p.add_argument("--layer-heads", type=int, default=24,
                    help="layer benchmark: attention heads (default 24; head_dim 128)")
-    p.add_argument("--layer-groups", type=int, default=-1,
-                   help="layer benchmark: pipeline_groups of the pipelined variant (default -1, "
-                        "automatic; N >= 2 forces N groups)")
+    p.add_argument("--layer-groups", type=int, default=4,
+                   help="layer benchmark: pipeline_groups of the pipelined variant (default 4; "
+                        "-1 is automatic, which is sequential)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default 20)")
     p.add_argument("--json", default=None, help="write the records here")
     p.add_argument("--plot", default=None, help="write a PNG of bus bandwidth here")
@@ -368,7 +368,7 @@ def _defaults(args) -> dict:
         "layer_seq": (args.layer_seq if getattr(args, "layer_seq", None) is not None
                       else (64 if cpu else 32768)),
         "layer_heads": getattr(args, "layer_heads", 24),
-        "layer_groups": getattr(args, "layer_groups", -1),
+        "layer_groups": getattr(args, "layer_groups", 4),
     }
 
 
