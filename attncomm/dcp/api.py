@@ -323,16 +323,11 @@ class DcpMerger:
             reasons[name] = agree_reason(self.group, self._local_reason(name), name)
         candidates = [n for n, r in reasons.items() if r is None]
         self.fallback_reason = reasons["symm_a2a"]
-        try:
-            auto = importlib.import_module("attncomm.dcp.auto")
-        except ImportError:
-            auto = None
-        if auto is not None and hasattr(auto, "choose_backend"):
-            name, why = auto.choose_backend(self.group, candidates, **self._kwargs())
-            if name != "symm_a2a" and why:
-                self.fallback_reason = why
-        else:
-            name = candidates[0]
+        from . import auto  # measured choice (times the candidates on CUDA)
+
+        name, why = auto.choose_backend(self.group, candidates, **self._kwargs())
+        if name != "symm_a2a" and why:
+            self.fallback_reason = why
         if self.fallback_reason and name != "symm_a2a":
             log.info("DcpMerger: auto chose %s; symm_a2a not taken: %s", name,
                      self.fallback_reason)
