@@ -114,7 +114,11 @@ def agree(group, op: str, signature: Sequence[int], labels: Sequence[str],
     row = torch.zeros(_SIG_LEN, dtype=torch.int64)
     row[0] = 1 if local_error else 0
     row[1] = len(signature)
-    row[2:2 + len(signature)] = torch.tensor(list(signature), dtype=torch.int64)
+    try:
+        row[2:2 + len(signature)] = torch.tensor(list(signature), dtype=torch.int64)
+    except (OverflowError, RuntimeError, TypeError):  # still take part: peers are waiting
+        local_error = local_error or f"arguments out of the int64 range: {list(signature)}"
+        row[0] = 1
     rows = torch.empty(world * _SIG_LEN, dtype=torch.int64)
     wait(all_gather_tensor(rows, row, group=g, async_op=True), g, op + " (argument check)",
          timeout_s)

@@ -28,13 +28,24 @@ FAILURE_GRACE_S = 30.0
 _CPU_GROUPS: dict[Any, Any] = {}
 
 
-def cpu_group(group=None):
+def cpu_group(group=None, *, world_collective: bool = False):
     """The gloo group over the same ranks as ``group`` (``None``: the default group).
 
-    On a gloo group this is the group itself. The first call for a group other than the default
-    one is collective over that group's members (it creates the gloo group).
+    On a gloo group this is the group itself. Otherwise the first call creates the gloo twin:
+
+    - default group: collective over every rank (``launch`` does it at start-up);
+    - a subgroup, ``world_collective=False`` (how the library calls it, lazily): collective over
+      the group's members only. torch names such a group from its ranks and the number of
+      groups each member already has, so it works when every member belongs to the same number
+      of process groups (the usual TP / DP / CP grids) and raises ``ValueError`` on every member
+      otherwise, instead of waiting for a rendezvous that cannot happen;
+    - a subgroup, ``world_collective=True``: call it on every rank of the default group (members
+      or not, in the same order, like ``dist.new_group``) right after creating the subgroup;
+      works for any layout. Non-members get None.
     """
     g = group if group is not None else dist.group.WORLD
+    if g is dist.GroupMember.NON_GROUP_MEMBER:
+        return None
     if dist.get_backend(g) == "gloo":
         return g
     from ._dist import group_key
@@ -44,11 +55,33 @@ def cpu_group(group=None):
     if pg is None:
         if group is None:
             pg = dist.new_group(backend="gloo", timeout=_timedelta())
+        elif world_collective:
+            pg = dist.new_group(ranks=dist.get_process_group_ranks(g), backend="gloo",
+                                timeout=_timedelta())
         else:
+            _check_local_naming(g)
             pg = dist.new_group(ranks=dist.get_process_group_ranks(g), backend="gloo",
                                 timeout=_timedelta(), use_local_synchronization=True)
         _CPU_GROUPS[key] = pg
     return pg
+
+
+def _check_local_naming(g) -> None:
+    # A group made with use_local_synchronization=True is named sha1(ranks, number of groups
+    # this rank has): members with different counts would rendezvous under different names.
+    from torch.distributed import distributed_c10d as c10d
+
+    names = getattr(getattr(c10d, "_world", None), "pg_names", None)
+    if names is None:  # a torch that names groups otherwise: nothing to check
+        return
+    counts: list = [None] * dist.get_world_size(g)
+    dist.all_gather_object(counts, len(names), group=g)
+    if len(set(counts)) > 1:
+        raise ValueError(
+            f"attncomm.cpu_group: the members of group {dist.get_process_group_ranks(g)} belong "
+            f"to different numbers of process groups ({counts}), so its gloo twin cannot be "
+            f"created lazily; call attncomm.cpu_group(group, world_collective=True) on every "
+            f"rank right after creating the group")
 
 
 def _timedelta(timeout: float | None = None) -> datetime.timedelta:

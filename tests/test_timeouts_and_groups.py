@@ -69,10 +69,10 @@ def _subgroup_merges(rank, world_size, seed):
     H, D = 4, 8
     dcp.merge(torch.randn(5, H, D), torch.randn(5, H), backend="auto")
     mine = g01 if rank < 2 else g23
-    shapes = 11 if rank < 2 else 2  # more distinct entries than the cache holds on g01 only
+    shapes = 11 if rank < 2 else 2  # 11 distinct entries > the 8 a group's cache holds
     for i in range(shapes):
-        T = 16 * (2 ** i) if i < 6 else 3
-        Hx = 2 * (1 + i % 3)
+        T = 16 * (2 ** (i % 6))
+        Hx = 2 * (1 + i // 6)
         dcp.merge(torch.randn(T, Hx, D), torch.randn(T, Hx), group=mine, backend="auto")
     outs = torch.randn(world_size, 5, H, D, generator=torch.Generator().manual_seed(seed))
     lses = torch.randn(world_size, 5, H, generator=torch.Generator().manual_seed(seed + 1))
@@ -118,3 +118,43 @@ def test_agree_signature_length_is_checked():
     from attncomm._dist import agree
     with pytest.raises(ValueError, match="signature too long"):
         agree(None, "op", list(range(31)), [])
+
+
+def _twin_layouts(rank, world_size):
+    """Gloo twins of "NCCL" subgroups (get_backend patched to say nccl for them)."""
+    import sys
+
+    from attncomm._dist import agree
+    launch_mod = sys.modules["attncomm.launch"]  # the name attncomm.launch is the function
+
+    full = dist.new_group([0, 1, 2, 3], backend="gloo")
+    pair = dist.new_group([0, 1], backend="gloo")
+    fake = {full, pair}
+    real_get_backend = dist.get_backend
+    dist.get_backend = lambda g=None: "nccl" if g in fake else real_get_backend(g)
+    out = {}
+    try:
+        try:  # members 0,1 belong to one more group than 2,3: lazy creation must refuse
+            launch_mod.cpu_group(full)
+            out["lazy"] = "no error"
+        except ValueError as exc:
+            out["lazy"] = str(exc)
+        twin = launch_mod.cpu_group(full, world_collective=True)
+        pair_twin = launch_mod.cpu_group(pair, world_collective=True)
+        out["pair twin"] = pair_twin is not None
+        agree(full, "test", [7, 8], ["a", "b"], timeout_s=20)
+        t = torch.tensor([rank])
+        dist.all_reduce(t, group=twin)
+        out["sum"] = int(t.item())
+    finally:
+        dist.get_backend = real_get_backend
+        launch_mod._CPU_GROUPS.clear()
+    return out
+
+
+def test_gloo_twin_of_asymmetric_subgroups():
+    res = attncomm.launch(_twin_layouts, 4, timeout_s=180)
+    for rank, out in enumerate(res):
+        assert "world_collective=True" in out["lazy"], out
+        assert out["sum"] == 6
+        assert out["pair twin"] == (rank < 2)

@@ -54,5 +54,6 @@ def _world8(rank, world_size, seed):
 
 
 def test_all_exchanges_at_world_size_8(pools):
-    failures = sum(pools.run(8, _world8, random.randrange(1 << 20), timeout_s=600), [])
-    assert not failures, "\n".join(failures)
+    seed = random.randrange(1 << 20)
+    failures = sum(pools.run(8, _world8, seed, timeout_s=600), [])
+    assert not failures, f"seed {seed}:\n" + "\n".join(failures)

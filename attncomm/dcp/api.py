@@ -150,7 +150,8 @@ def merge(out: torch.Tensor, lse: torch.Tensor, group=None, *, backend: str = "a
             an empty shard (its ``out`` rows are then never read).
         group: process group of W ranks (None: the default group).
         backend: "reference", "ag_rs", "a2a", "symm_a2a" or "auto" (env
-            ``ATTNCOMM_DCP_BACKEND`` overrides "auto").
+            ``ATTNCOMM_DCP_BACKEND`` names a preferred backend for "auto", taken when it can run
+            here).
         lse_base: "e" or "2".
         return_lse: also return the merged LSE.
         validate: check on every rank that all ranks passed the same shapes/arguments (None →
@@ -230,7 +231,8 @@ class DcpMerger:
         max_tokens: largest T a call may pass (≥ 1).
         num_heads: H, divisible by W. head_dim: D. dtype: fp16/bf16/fp32 of ``out``.
         backend: "reference", "ag_rs", "a2a", "symm_a2a" or "auto" (decided here, eagerly, before
-            any capture; env ``ATTNCOMM_DCP_BACKEND`` overrides "auto").
+            any capture; env ``ATTNCOMM_DCP_BACKEND`` names a preferred backend for "auto", taken
+            when it can run here, else auto chooses and logs why).
         lse_base: "e" or "2". timeout_s: wait budget (None → ``ATTNCOMM_TIMEOUT_S``).
 
     ``merger(out [T, H, D], lse [T, H], return_lse=False)`` → ``[T, H/W, D]`` (+ ``[T, H/W]`` fp32

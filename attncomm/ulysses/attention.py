@@ -11,7 +11,7 @@ from .. import _dist, config
 from .._dist import group_key
 from .api import (_BACKEND_CODES, check_call, dense, get_transport, resolve_backend,
                   seq_lens_hash, _norm_seq_lens, _seq_lens_error)
-from .layout import (group_head_ranges, head_offsets, head_split, head_to_seq_plan,
+from .layout import (group_head_ranges, head_offsets, head_to_seq_plan,
                      kv_head_range, seq_to_head_plan, uniform_group)
 
 __all__ = ["UlyssesAttention", "sdpa_attention", "rms_norm_rope"]
@@ -189,9 +189,14 @@ class UlyssesAttention(torch.nn.Module):
                 error = (f"qk_norm weights must be [D] = [{d}], got {list(qw.shape)} and "
                          f"{list(kw.shape)}")
         if error is None and rope is not None:
-            cos, sin = rope
             want = (sum(seq), d)
-            if tuple(cos.shape) != want or tuple(sin.shape) != want:
+            try:
+                cos, sin = rope
+                shapes = (tuple(cos.shape), tuple(sin.shape))
+            except (TypeError, ValueError, AttributeError):
+                return (f"rope must be (cos, sin) tensors [S, D] = {list(want)}, got "
+                        f"{type(rope).__name__}"), (b, s_r, hq, hkv, d, dv), seq
+            if shapes != (want, want):
                 error = (f"rope cos/sin must be [S, D] = {list(want)}, got {list(cos.shape)} "
                          f"and {list(sin.shape)}")
             elif d % 2:
@@ -212,7 +217,7 @@ class UlyssesAttention(torch.nn.Module):
         why = _pipeline_groups_error(val)
         return (-1, f"ATTNCOMM_ULYSSES_PIPELINE_GROUPS={raw!r}: {why}") if why else (val, None)
 
-    def _pipeline_groups(self, g, device, b, s, counts) -> int:
+    def _pipeline_groups(self, g, device) -> int:
         """Head groups for this forward: ``g`` (requested, checked) resolved; 1 = sequential.
 
         ``-1`` (automatic) is sequential: measured on 2× H200 for a DiT layer (S=32768, 24
@@ -220,7 +225,7 @@ class UlyssesAttention(torch.nn.Module):
         4 head groups hid none of the exchange (all_to_all 0.998×, ce 0.90× of the sequential
         forward), so automatic stays sequential until a pipelined schedule is shown to pay.
         ``N ≥ 2`` forces N groups, on CUDA only when every rank has room for the groups' working
-        sets (agreed), else sequential everywhere.
+        sets (agreed: every rank has ≥ 1/4 of its memory free), else sequential everywhere.
         """
         if g in (-1, 0):
             return 1
@@ -279,7 +284,7 @@ class UlyssesAttention(torch.nn.Module):
         group = self.group
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         s_total, m = sum(seq), hq // hkv
-        n_groups = self._pipeline_groups(groups, q.device, b, s_total, head_split(hq, world))
+        n_groups = self._pipeline_groups(groups, q.device)
         self.last_pipeline_groups = n_groups
         qranges = group_head_ranges(hq, world, n_groups)
         fused = self.fuse_qk_norm_rope

@@ -10,8 +10,8 @@ Two geometries:
 - ``layer`` (``--layer`` / ``--layer-only``): how much of that exchange the head-group
   pipelining of ``UlyssesAttention`` hides under attention, per transport: the exchange alone,
   the local attention alone (SDPA on the head-sharded ``[1, S, H/W, 128]``), the module's
-  forward with ``pipeline_groups=0`` (sequential) and ``-1`` (pipelined, automatic group
-  count); ``hidden_fraction = (sequential − pipelined) / exchange``, ``speedup = sequential /
+  forward with ``pipeline_groups=0`` (sequential) and ``--layer-groups`` groups (pipelined,
+  default 4; ``-1``, automatic, is sequential today); ``hidden_fraction = (sequential − pipelined) / exchange``, ``speedup = sequential /
   pipelined``. Eager (per-iteration barrier): at the default size one forward takes
   milliseconds, so launch costs are small next to it.
 
