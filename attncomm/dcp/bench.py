@@ -11,6 +11,7 @@ ranks: gloo) backend of the same run.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -29,8 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=64, help="total heads H (default 64)")
     p.add_argument("--head-dim", type=int, default=512, help="head_dim D (default 512)")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16")
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128],
+                   help="token counts T ≥ 1 (default 1 8 16 32 64 128)")
     p.add_argument("--backends", nargs="+", default=None,
+                   choices=["reference", "ag_rs", "a2a", "symm_a2a", "auto"],
                    help="default: reference ag_rs a2a (+ symm_a2a on CUDA)")
     p.add_argument("--modes", nargs="+", choices=("eager", "graph"), default=None,
                    help="default: eager graph on CUDA, eager on CPU")
@@ -164,6 +167,9 @@ def main(args) -> int:
     from .. import launch
     from ..bench.common import meta, plot_lines, print_table, write_json
 
+    if min(args.tokens) < 1:
+        print(f"attncomm bench dcp: --tokens must be ≥ 1, got {args.tokens}", file=sys.stderr)
+        return 2
     cfg = _config(args)
     t0 = time.monotonic()
     results = launch(run_rank, args.world_size, device=cfg["device"], args=(cfg,))
@@ -200,6 +206,10 @@ def main(args) -> int:
         plot_lines(args.plot, series, xlabel="tokens", ylabel="latency (µs, slowest rank)",
                    title=f"DCP merge W={args.world_size}, H={cfg['heads']}, D={cfg['head_dim']},"
                          f" {cfg['dtype']}", logx=True, logy=True)
+    if not records:
+        print("attncomm bench dcp: no backend could run here (see the messages above)",
+              file=sys.stderr)
+        return 1
     return 0
 
 
