@@ -2,8 +2,8 @@
 # One device call that runs every GPU test and benchmark of attncomm and leaves the results under
 # $OUT (run from the repo root on the nvidia-h200-x2 machine through the device tool):
 #
-#   bash scripts/gpu_check.sh [steps...]   steps: env tests dcp demo ulysses ulysses-layer dp-sync demo-bf16
-#                                          (default all)
+#   [ATTNCOMM_WORLD_SIZE=W ATTNCOMM_MACHINE=kind] bash scripts/gpu_check.sh [steps...]
+#   steps: env tests dcp demo ulysses ulysses-layer dp-sync demo-bf16 (default all)
 #
 # Writes $OUT/gpu-check.log (everything printed) and $OUT/results.tgz (JSON, PNG, Markdown, junit),
 # to unpack into benchmarks/results/ (file names carry the date and the machine).
@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 RES=$(mktemp -d)
 MACHINE=${ATTNCOMM_MACHINE:-nvidia-h200-x2}
+WS=${ATTNCOMM_WORLD_SIZE:-2}  # ranks for the benches and the demo (the GPU tests use W=2)
 DAY=$(date -u +%F)
 export ATTNCOMM_MACHINE=$MACHINE PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # NVLink multicast stays off (HARDWARE.md), also in every process started from here.
@@ -52,33 +53,33 @@ if want tests; then
     --junitxml="$RES/gpu-tests-$DAY-$MACHINE.xml"
 fi
 if want dcp; then
-  step bench-dcp 120 $AC bench dcp --device cuda --world-size 2 --no-progress \
+  step bench-dcp 120 $AC bench dcp --device cuda --world-size "$WS" --no-progress \
     --json "$RES/dcp-$DAY-$MACHINE.json" --plot "$RES/dcp-$DAY-$MACHINE.png" \
     --markdown "$RES/dcp-$DAY-$MACHINE.md"
 fi
 if want demo; then
   MODEL_DIR=${ATTNCOMM_MODEL_DIR:-.models/minilm-fp16}
-  step demo 120 $AC demo --device cuda --world-size 2 --model-dir "$MODEL_DIR" \
+  step demo 120 $AC demo --device cuda --world-size "$WS" --model-dir "$MODEL_DIR" \
     --json "$RES/demo-$DAY-$MACHINE.json"
 fi
 if want ulysses; then
-  step bench-ulysses 150 $AC bench ulysses --device cuda --world-size 2 --no-progress \
+  step bench-ulysses 150 $AC bench ulysses --device cuda --world-size "$WS" --no-progress \
     --json "$RES/ulysses-$DAY-$MACHINE.json" --plot "$RES/ulysses-$DAY-$MACHINE.png" \
     --markdown "$RES/ulysses-$DAY-$MACHINE.md"
 fi
 if want ulysses-layer; then
-  step bench-ulysses-layer 120 $AC bench ulysses --device cuda --world-size 2 --no-progress \
+  step bench-ulysses-layer 120 $AC bench ulysses --device cuda --world-size "$WS" --no-progress \
     --layer-only --json "$RES/ulysses-layer-$DAY-$MACHINE.json" \
     --markdown "$RES/ulysses-layer-$DAY-$MACHINE.md"
 fi
 if want dp-sync; then
-  step bench-dp-sync 60 $AC bench dp-sync --device cuda --world-size 2 --no-progress \
+  step bench-dp-sync 60 $AC bench dp-sync --device cuda --world-size "$WS" --no-progress \
     --json "$RES/dp-sync-$DAY-$MACHINE.json" --markdown "$RES/dp-sync-$DAY-$MACHINE.md" \
     --plot "$RES/dp-sync-$DAY-$MACHINE.png"
 fi
 if want demo-bf16; then
   MODEL_DIR=${ATTNCOMM_MODEL_DIR:-.models/minilm-fp16}
-  step demo-bf16 90 $AC demo --device cuda --world-size 2 --dtype bf16 --model-dir "$MODEL_DIR" \
+  step demo-bf16 90 $AC demo --device cuda --world-size "$WS" --dtype bf16 --model-dir "$MODEL_DIR" \
     --json "$RES/demo-bf16-$DAY-$MACHINE.json"
 fi
 cp "$LOG" "$RES/gpu-check-$DAY-$MACHINE.log"
