@@ -9,13 +9,13 @@ both parity slots over consecutive calls.
 """
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
 
 from attncomm.dcp.symm_a2a import launch_merge, plan_blocks, use_ll
 from attncomm.symm import SlabLayout
+from _reference import ref_merge
 
 NEG_INF = float("-inf")
 
@@ -27,17 +27,7 @@ def _aligned(nbytes: int) -> torch.Tensor:
 
 
 def _ref64(outs, lses, sl):
-    o, l = outs[:, :, sl].double(), lses[:, :, sl].double()
-    l = torch.where(torch.isnan(l), torch.full_like(l, NEG_INF), l)
-    m = l.amax(0)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(l - m)
-    s = w.sum(0)
-    acc = torch.where(w[..., None] > 0, o * w[..., None], torch.zeros_like(o)).sum(0)
-    res = acc / torch.where(s > 0, s, torch.ones_like(s))[..., None]
-    lse = torch.where(s > 0, torch.log(torch.where(s > 0, s, torch.ones_like(s))) + m,
-                      torch.full_like(s, NEG_INF))
-    return res, lse
+    return ref_merge(outs[:, :, sl], lses[:, :, sl])
 
 
 def _stage(slab, layout, e, src, rows_o, rows_l, n_blocks):

@@ -11,27 +11,11 @@ import torch
 
 from attncomm import dcp
 from attncomm.dcp import combine as combine_mod
+from _reference import ref_merge
 
 BACKENDS = ["reference", "ag_rs", "a2a", "auto"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
-
-
-def ref_merge(outs: torch.Tensor, lses: torch.Tensor):
-    """The fp64 formula: w_n = exp(L_n − m) / Σ exp(L_s − m), zero-weight rows never read."""
-    o = outs.double()
-    l = lses.double()
-    l = torch.where(torch.isnan(l), torch.full_like(l, -math.inf), l)
-    m = l.amax(0)
-    empty = torch.isneginf(m)
-    m = torch.where(empty, torch.zeros_like(m), m)
-    w = torch.exp(l - m)
-    s = w.sum(0)
-    num = torch.where(w.unsqueeze(-1) > 0, o * w.unsqueeze(-1), torch.zeros_like(o)).sum(0)
-    out = torch.where(empty.unsqueeze(-1), torch.zeros_like(num), num / s.clamp_min(1e-300)
-                      .unsqueeze(-1))
-    lse = torch.where(empty, torch.full_like(m, -math.inf), torch.log(s) + m)
-    return out, lse
 
 
 def make_case(seed: int, W: int, T: int, H: int, D: int, dtype, spread: float = 4.0):

@@ -9,7 +9,7 @@ import torch
 
 from attncomm import dcp, ulysses
 from attncomm.dp_attention import simulate
-from test_dcp import ref_merge
+from _reference import ref_merge
 
 
 def _world8(rank, world_size, seed):

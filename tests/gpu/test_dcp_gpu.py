@@ -2,7 +2,6 @@
 backends, auto, and the timeout path. Run on the device: ``pytest -m gpu tests/gpu``."""
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -11,6 +10,7 @@ import torch.distributed as dist
 
 import attncomm
 from attncomm.dcp import DcpMerger, merge, merge_states
+from _reference import ref_merge
 
 pytestmark = pytest.mark.gpu
 
@@ -58,16 +58,7 @@ def _ref64(outs, lses, rank, H):
     """fp64 reference for this rank's head slice: ``outs [W, T, H, D]``, ``lses [W, T, H]``."""
     hs = H // outs.shape[0]
     sl = slice(rank * hs, (rank + 1) * hs)
-    o, l = outs[:, :, sl].double(), lses[:, :, sl].double()
-    l = torch.where(torch.isnan(l), torch.full_like(l, NEG_INF), l)
-    m = l.amax(0)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(l - m)
-    s = w.sum(0)
-    acc = torch.where(w[..., None] > 0, o * w[..., None], torch.zeros_like(o)).sum(0)
-    res = acc / torch.where(s > 0, s, torch.ones_like(s))[..., None]
-    return res, torch.where(s > 0, torch.log(torch.where(s > 0, s, torch.ones_like(s))) + m,
-                            torch.full_like(s, NEG_INF))
+    return ref_merge(outs[:, :, sl], lses[:, :, sl])
 
 
 def _tol(dtype):
