@@ -78,8 +78,13 @@ def _sent(slab, layout, e, src, n, dtype, D):
     return rows, slab.view(torch.float32)[base:base + n]
 
 
-def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3):
-    """Two consecutive calls (epochs 1 and 2, both parity slots) on rank 0 of W ranks."""
+def _i32(x: int) -> int:
+    return (x + 2 ** 31) % 2 ** 32 - 2 ** 31
+
+
+def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3, epoch0=0):
+    """Consecutive calls (epochs epoch0+1, epoch0+2, …: both parity slots; the epoch is int32 and
+    wraps) on rank 0 of W ranks."""
     gen = torch.Generator().manual_seed(seed)
     hs = H // W
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -90,6 +95,7 @@ def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3):
     deltas = [p - ptrs[0] for p in ptrs]
     d_o, d_w, d_q = (torch.tensor([dl // (16 * u) for dl in deltas]) for u in (itemsize, 4, 8))
     state = torch.zeros(4, dtype=torch.int32)
+    state[0] = epoch0
     errors = torch.zeros(W, dtype=torch.int32)
     res = torch.full((max_tokens, hs, D), float("nan")).to(dtype)
     res_lse = torch.full((max_tokens, hs), float("nan"))
@@ -97,7 +103,8 @@ def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3):
     assert use_ll(n, layout) == ll
     _, n_blocks, grid = plan_blocks(n, n_programs)
     worst = 0.0
-    for call in range(1, calls + 1):
+    for i in range(1, calls + 1):
+        call = _i32(epoch0 + i)
         outs = torch.randn((W, T, H, D), generator=gen).to(dtype)
         lses = torch.randn((W, T, H), generator=gen) * 3
         empty = torch.rand((W, T, H), generator=gen) < 0.2
@@ -158,6 +165,9 @@ CASES = [
     (2, 8, 8, 30, 30, torch.bfloat16, False),  # several blocks per program (pipelined)
     (2, 8, 8, 30, 30, torch.float16, True),
     (2, 4, 8, 70, 70, torch.bfloat16, False),  # 140 rows: 32-row blocks, 2 per program
+    # the int32 epoch wraps from 2**31 - 1 to -2**31 (parity 1 → 0 → 1)
+    (2, 4, 8, 3, 3, torch.bfloat16, False, 3, 1, 3, 2 ** 31 - 2),
+    (2, 4, 8, 3, 3, torch.float16, True, 3, 2, 3, 2 ** 31 - 2),
 ]
 
 

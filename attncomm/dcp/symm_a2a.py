@@ -14,13 +14,16 @@ own rows, which it reads in place (never copied). Two protocols, chosen per call
 
 Shared rules:
 
-- Epoch: ``state[0]`` on the device. Every program reads it at start (``e = state[0] + 1``) and
-  counts itself in right after; the last one to count in writes ``e`` back, so graph replays
-  advance it without a host step. ``e & 1`` selects the parity slot; flags and LL words hold the
-  full epoch (int32, wrapping), so a stale value never matches. A fast rank never overwrites what
-  a slow rank reads: it can only start call ``e+2`` (same slot as ``e``) after every peer has
-  sent its part of ``e+1``, which each peer does only after its call ``e`` finished (stream
-  order).
+- Epoch: ``state[0]`` on the device, ``state[1]`` the count of programs in this call; read
+  together as one 64-bit word. Every program adds ``1 << 32`` to it atomically, which both counts
+  it in and reads the epoch (``e = state[0] + 1``); the last one to count in writes ``e`` back
+  (count 0), so graph replays advance it without a host step. ``e & 1`` selects the parity slot;
+  flags and LL words hold the full epoch (int32, wrapping), so a stale value never matches. A
+  fast rank never overwrites what a slow rank reads: it can only start call ``e+2`` (same slot
+  as ``e``) after every peer has sent its part of ``e+1``, which each peer does only after its
+  call ``e`` finished (stream order).
+- Each program folds its own rows (read in place) before it waits for a peer; the LL kernel
+  also loads its first block's payload before the epoch atomic, so the two round trips overlap.
 - Deadlock freedom: the grid is at most one program per SM (persistent programs loop over row
   blocks), and every program sends its first block before it waits for anything, so no spinning
   program waits on a program that cannot become resident.
@@ -33,8 +36,9 @@ The merge rule is the one in ``attncomm.dcp.combine`` (NaN LSE → −inf, ``m :
 rescaling). A zero-weight source's payload is loaded but never used (a select, not a multiply),
 so a NaN behind a −inf LSE cannot leak.
 
-Measured on 2× H200 (W=2, 64 heads, D=512, bf16, CUDA graphs): about 4 / 6 / 7.4 / 8.8 / 12.7 /
-20 µs at 1 / 8 / 16 / 32 / 64 / 128 tokens (``benchmarks/results/dcp-2026-11-30-*.md``).
+Measured on 2× H200 (W=2, 64 heads, D=512, bf16, CUDA graphs): 3.7 / 5.4 / 6.8 / 8.3 / 11.9 /
+18.8 µs at 1 / 8 / 16 / 32 / 64 / 128 tokens (``benchmarks/results/dcp-2026-11-30-*.md``; the
+kernel's history and the NVLink ceilings under it: ``dcp-kernel-2026-11-30-*.md``).
 """
 from __future__ import annotations
 
@@ -62,6 +66,8 @@ __all__ = ["SymmA2ABackend", "plan_blocks", "use_ll", "ll_rows_for", "launch_mer
 _MAX_BLOCK_ROWS = int(os.environ.get("ATTNCOMM_SYMM_MAX_BLOCK_ROWS", "64"))
 _PROGRAMS_PER_SM = int(os.environ.get("ATTNCOMM_SYMM_PROGRAMS_PER_SM", "1"))
 _MAX_WARPS = int(os.environ.get("ATTNCOMM_SYMM_MAX_WARPS", "16"))
+# Cap on the grid (0: none): fewer programs, each looping over several pipelined blocks.
+_MAX_PROGRAMS = int(os.environ.get("ATTNCOMM_SYMM_MAX_PROGRAMS", "0"))
 # Payload per peer up to which the LL protocol (flag inside every 8-byte word) is used.
 _LL_MAX_BYTES = int(os.environ.get("ATTNCOMM_SYMM_LL_MAX_BYTES", str(256 * 1024)))
 _DELTA_UNIT = 16  # peer offsets are passed in units of 16 elements (keeps stores vectorised)
@@ -75,14 +81,15 @@ if triton is not None:
                                          is_pure=False, pack=1)
 
     @triton.jit
-    def _epoch_begin(state_ptr, grid_size):
-        # This call's epoch. Every program counts itself in right after reading it (release:
-        # the read is ordered first); the last one stores it back for the next call.
-        e = tl.load(state_ptr, volatile=True) + 1
-        done = tl.atomic_add(state_ptr + 1, 1, sem="release", scope="gpu")
-        if done == grid_size - 1:
-            tl.store(state_ptr + 1, 0)
-            tl.store(state_ptr, e)
+    def _epoch_begin(state64_ptr, grid_size):
+        # This call's epoch from one atomic on the 64-bit word (count << 32) | epoch: each
+        # program adds 1 << 32 and reads the previous epoch in the same step, so no program can
+        # read after the write-back (every count-in precedes the last one). The last program to
+        # count in stores (0 << 32) | e for the next call. One round trip before the first store.
+        old = tl.atomic_add(state64_ptr, 1 << 32, sem="relaxed", scope="gpu")
+        e = (old & 0xFFFFFFFF).to(tl.int32) + 1
+        if (old >> 32) == grid_size - 1:
+            tl.atomic_xchg(state64_ptr, e.to(tl.int64) & 0xFFFFFFFF, sem="relaxed", scope="gpu")
         return e
 
     @triton.jit
@@ -133,27 +140,35 @@ if triton is not None:
     # ---------------------------------------------------------------- flag protocol (large T)
 
     @triton.jit
-    def _combine_rows(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slot, rows, rmask,
-                      H, HS, D, o_cell, l_base, l_cell, RANK: tl.constexpr, W: tl.constexpr,
-                      BR: tl.constexpr, BD: tl.constexpr):
+    def _own_rows(out_ptr, lse_ptr, rows, rmask, H, HS, D, RANK: tl.constexpr,
+                  BR: tl.constexpr, BD: tl.constexpr):
+        # Start the fold with this rank's own rows (read in place): needs nothing from a peer,
+        # so it runs before the wait and overlaps the transfer.
         d = tl.arange(0, BD)
         m2 = rmask[:, None] & (d < D)[None, :]
         own = (rows // HS) * H + RANK * HS + rows % HS
-        m = tl.full([BR], float("-inf"), tl.float32)
-        s = tl.zeros([BR], tl.float32)
-        acc = tl.zeros([BR, BD], tl.float32)
+        l = tl.load(lse_ptr + own, mask=rmask, other=float("-inf"))
+        o = tl.load(out_ptr + own[:, None] * D + d[None, :], mask=m2, other=0.0)
+        m, s, scale, w = _online(tl.full([BR], float("-inf"), tl.float32),
+                                 tl.zeros([BR], tl.float32), l)
+        return m, s, _fold(tl.zeros([BR, BD], tl.float32), scale, w, o)
+
+    @triton.jit
+    def _combine_rows(m, s, acc, res_ptr, res_lse_ptr, slab_o, slab_l, slot, rows, rmask, D,
+                      o_cell, l_base, l_cell, RANK: tl.constexpr, W: tl.constexpr,
+                      BR: tl.constexpr, BD: tl.constexpr):
+        # Fold every peer's received rows into (m, s, acc) from _own_rows; store the result.
+        d = tl.arange(0, BD)
+        m2 = rmask[:, None] & (d < D)[None, :]
         for q in tl.static_range(W):
-            if q == RANK:  # this rank's own rows, read in place
-                l = tl.load(lse_ptr + own, mask=rmask, other=float("-inf"))
-                o = tl.load(out_ptr + own[:, None] * D + d[None, :], mask=m2, other=0.0)
-            else:
+            if q != RANK:
                 cell = slot * W + q
                 l = tl.load(slab_l + l_base + cell * l_cell + rows, mask=rmask,
                             other=float("-inf"), cache_modifier=".cg")
                 o = tl.load(slab_o + cell * o_cell + rows[:, None] * D + d[None, :], mask=m2,
                             other=0.0, cache_modifier=".cg")
-            m, s, scale, w = _online(m, s, l)
-            acc = _fold(acc, scale, w, o)
+                m, s, scale, w = _online(m, s, l)
+                acc = _fold(acc, scale, w, o)
         s_safe, lse = _final(s, m)
         tl.store(res_ptr + rows[:, None] * D + d[None, :],
                  (acc / s_safe[:, None]).to(res_ptr.dtype.element_ty), mask=m2)
@@ -199,16 +214,19 @@ if triton is not None:
                        e, slot, b, deadline, timeout_ns, bad, n_rows, H, HS, D, o_cell, l_base,
                        l_cell, f_base, f_cell, RANK: tl.constexpr, W: tl.constexpr,
                        BR: tl.constexpr, BD: tl.constexpr):
-        # Wait (acquire, bounded) for every source's flag of block b, then combine it.
+        # Fold this rank's own rows of block b, wait (acquire, bounded) for every source's flag
+        # of block b, then fold the received rows and store.
+        rows = b * BR + tl.arange(0, BR)
+        rmask = rows < n_rows
+        m, s, acc = _own_rows(out_ptr, lse_ptr, rows, rmask, H, HS, D, RANK, BR, BD)
         for q in tl.static_range(W):
             if q != RANK:
                 deadline, bad = _wait_flag(slab_f + f_base + (slot * W + q) * f_cell + b, e,
                                            deadline, timeout_ns, err_ptr + q, bad)
         tl.debug_barrier()
         if bad == 0:
-            rows = b * BR + tl.arange(0, BR)
-            _combine_rows(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slot, rows,
-                          rows < n_rows, H, HS, D, o_cell, l_base, l_cell, RANK, W, BR, BD)
+            _combine_rows(m, s, acc, res_ptr, res_lse_ptr, slab_o, slab_l, slot, rows, rmask, D,
+                          o_cell, l_base, l_cell, RANK, W, BR, BD)
         return deadline, bad
 
     @triton.jit(do_not_specialize=["n_rows", "n_blocks", "grid_size", "timeout_ns"])
@@ -227,6 +245,8 @@ if triton is not None:
         transfer of block k+1 (a release fence waits for every earlier store). Every program
         publishes its first block before it waits for anything, so no wait depends on a wait."""
         pid = tl.program_id(0)
+        # (Loading the first block before the epoch atomic, as the LL kernel does, measured
+        # 0.3 µs slower here at 64-128 tokens: the epoch's round trip queues behind 64 KiB.)
         e = _epoch_begin(state_ptr, grid_size)
         slot = e & 1
         deadline = timeout_ns.to(tl.int64) * 0
@@ -279,6 +299,32 @@ if triton is not None:
         ok = tl.min(((y >> 32).to(tl.int32) == e).to(tl.int32))
         return ok & tl.min(((yl >> 32).to(tl.int32) == e).to(tl.int32))
 
+    @triton.jit
+    def _ll_load(out_w, lse_w, b, q, n_rows, H, HS, DW, BR: tl.constexpr, BW: tl.constexpr):
+        # Block b of this rank's rows of peer q's head slice as int32 words ([BR, BW], [BR]).
+        rows = b * BR + tl.arange(0, BR)
+        rmask = rows < n_rows
+        c = tl.arange(0, BW)
+        src = (rows // HS) * H + rows % HS + q * HS
+        x = tl.load(out_w + src[:, None] * DW + c[None, :],
+                    mask=rmask[:, None] & (c < DW)[None, :], other=0)
+        return x, tl.load(lse_w + src, mask=rmask, other=0)
+
+    @triton.jit
+    def _ll_store(x, xl, tag, slab_q, delta_q, slot, b, q, n_rows, DW, llo_base, llo_cell,
+                  lll_base, lll_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
+                  BW: tl.constexpr):
+        # ... stored as (epoch << 32) | word into cell (slot, RANK) of peer q's LL regions.
+        rows = b * BR + tl.arange(0, BR)
+        rmask = rows < n_rows
+        c = tl.arange(0, BW)
+        base = slab_q + tl.load(delta_q + q) * 16
+        cell = slot * W + RANK
+        tl.store(base + llo_base + cell * llo_cell + rows[:, None] * DW + c[None, :],
+                 tag | (x.to(tl.int64) & 0xFFFFFFFF), mask=rmask[:, None] & (c < DW)[None, :])
+        tl.store(base + lll_base + cell * lll_cell + rows, tag | (xl.to(tl.int64) & 0xFFFFFFFF),
+                 mask=rmask)
+
     @triton.jit(do_not_specialize=["n_rows", "n_blocks", "grid_size", "timeout_ns"])
     def _merge_ll_kernel(out_w, lse_ptr, lse_w, res_w, res_lse_ptr, slab_q, delta_q, state_ptr,
                          err_ptr, n_rows, n_blocks, grid_size, timeout_ns, H, HS, DW,
@@ -289,29 +335,31 @@ if triton is not None:
         bits``, so no fence and no separate flag; the receiver polls the words themselves.
         ``out_w [T, H, DW]`` / ``res_w [T, HS, DW]`` are the payloads viewed as int32."""
         pid = tl.program_id(0)
+        r = tl.arange(0, BR)
+        c = tl.arange(0, BW)
+        # The first block's words for the next rank are loaded before the epoch is known: the
+        # loads overlap the epoch atomic's round trip.
+        Q0: tl.constexpr = (RANK + 1) % W
+        x0, xl0 = _ll_load(out_w, lse_w, pid, Q0, n_rows, H, HS, DW, BR, BW)
         e = _epoch_begin(state_ptr, grid_size)
         slot = e & 1
         tag = e.to(tl.int64) << 32
-        r = tl.arange(0, BR)
-        c = tl.arange(0, BW)
         cmask = c < DW
-        b = pid
+        if Q0 != RANK:
+            _ll_store(x0, xl0, tag, slab_q, delta_q, slot, pid, Q0, n_rows, DW, llo_base,
+                      llo_cell, lll_base, lll_cell, RANK, W, BR, BW)
+        for q in tl.static_range(W):
+            if q != RANK and q != Q0:
+                x, xl = _ll_load(out_w, lse_w, pid, q, n_rows, H, HS, DW, BR, BW)
+                _ll_store(x, xl, tag, slab_q, delta_q, slot, pid, q, n_rows, DW, llo_base,
+                          llo_cell, lll_base, lll_cell, RANK, W, BR, BW)
+        b = pid + grid_size
         while b < n_blocks:
-            rows = b * BR + r
-            rmask = rows < n_rows
-            src_base = (rows // HS) * H + rows % HS
-            m2 = rmask[:, None] & cmask[None, :]
             for q in tl.static_range(W):
                 if q != RANK:
-                    src = src_base + q * HS
-                    x = tl.load(out_w + src[:, None] * DW + c[None, :], mask=m2, other=0)
-                    xl = tl.load(lse_w + src, mask=rmask, other=0)
-                    base = slab_q + tl.load(delta_q + q) * 16
-                    cell = slot * W + RANK
-                    tl.store(base + llo_base + cell * llo_cell + rows[:, None] * DW + c[None, :],
-                             tag | (x.to(tl.int64) & 0xFFFFFFFF), mask=m2)
-                    tl.store(base + lll_base + cell * lll_cell + rows,
-                             tag | (xl.to(tl.int64) & 0xFFFFFFFF), mask=rmask)
+                    x, xl = _ll_load(out_w, lse_w, b, q, n_rows, H, HS, DW, BR, BW)
+                    _ll_store(x, xl, tag, slab_q, delta_q, slot, b, q, n_rows, DW, llo_base,
+                              llo_cell, lll_base, lll_cell, RANK, W, BR, BW)
             b += grid_size
         deadline = timeout_ns.to(tl.int64) * 0
         bad = tl.full([], 0, tl.int32)
@@ -409,7 +457,8 @@ def launch_merge(out, lse, res, res_lse, *, slab, delta_o, delta_w, delta_q, sta
     """Launch one merge (no host sync). ``out [T, H, D]`` and ``lse [T, H]`` fp32 contiguous;
     ``res``/``res_lse`` contiguous, at least ``[T, H/W, D]``/``[T, H/W]``; ``slab`` the local
     symmetric uint8 slab; ``delta_*`` the ``[W]`` int64 peer offsets in 16-element units of
-    the payload dtype, 4-byte and 8-byte words."""
+    the payload dtype, 4-byte and 8-byte words; ``state`` the ``[4]`` int32 ``[epoch, count, 0,
+    0]`` (its first 8 bytes are used as one int64 word)."""
     T, H, D = out.shape
     hs = num_heads // world_size
     n_rows = T * hs
@@ -422,7 +471,8 @@ def launch_merge(out, lse, res, res_lse, *, slab, delta_o, delta_w, delta_q, sta
         bw = triton.next_power_of_2(dw)
         _merge_ll_kernel[(grid,)](
             out.view(torch.int32), lse, lse.view(torch.int32), res.view(torch.int32), res_lse,
-            slab.view(torch.int64), delta_q, state, errors, n_rows, n_blocks, grid, timeout_ns,
+            slab.view(torch.int64), delta_q, state.view(torch.int64), errors, n_rows, n_blocks,
+            grid, timeout_ns,
             H, hs, dw, st["llo_base"], st["llo_cell"], st["lll_base"], st["lll_cell"],
             RANK=rank, W=world_size, BR=br, BW=bw, PACK=4 // out.element_size(),
             DTYPE=_TL_DTYPES[out.dtype], num_warps=_num_warps(br * bw * 8))
@@ -430,7 +480,7 @@ def launch_merge(out, lse, res, res_lse, *, slab, delta_o, delta_w, delta_q, sta
     bd = triton.next_power_of_2(D)
     _merge_flag_kernel[(grid,)](
         out, lse, res, res_lse, slab.view(out.dtype), slab.view(torch.float32),
-        slab.view(torch.int32), delta_o, delta_w, state, errors,
+        slab.view(torch.int32), delta_o, delta_w, state.view(torch.int64), errors,
         n_rows, n_blocks, grid, timeout_ns,
         H, hs, D, st["o_cell"], st["l_base"], st["l_cell"], st["f_base"], st["f_cell"],
         RANK=rank, W=world_size, BR=br, BD=bd,
@@ -439,7 +489,8 @@ def launch_merge(out, lse, res, res_lse, *, slab, delta_o, delta_w, delta_q, sta
 
 def _n_programs_max(device: torch.device) -> int:
     props = torch.cuda.get_device_properties(device)
-    return max(1, props.multi_processor_count * max(1, _PROGRAMS_PER_SM))
+    n = max(1, props.multi_processor_count * max(1, _PROGRAMS_PER_SM))
+    return min(n, _MAX_PROGRAMS) if _MAX_PROGRAMS > 0 else n
 
 
 class SymmA2ABackend(DcpBackend):
