@@ -193,3 +193,22 @@ def test_out_of_range_row_values_are_named(pools):
         assert "row field 3 = 'x'" in out["type"], out
         assert out["limits"] == [hi, lo, 0, 0, 0, 0, hi, lo, 1, 0, 0, 0]
         assert "field 4 = 18446744073709551616" in out["rows"], out
+
+
+def _sync_values(rank, world):
+    from attncomm.dp_attention import close_shm_channels
+    out = {}
+    for name, values in (("differ", ["shm", "cpu", "shm"]), ("invalid", ["cpu", "cpu", "nope"])):
+        close_shm_channels()  # forget the plans: the check runs on a value's first use
+        out[name] = _outcome(lambda: _decode(rank, world, values[rank]))
+    out["after"] = _decode(rank, world, "cpu")[1].global_num_tokens
+    return out
+
+
+def test_sync_argument_differing_across_ranks_raises_everywhere(pools):
+    for r, out in enumerate(pools.run(3, _sync_values)):
+        assert out["differ"].startswith("ValueError: dp_attention sync: ranks disagree"), out
+        assert "= 1 (rank 0), 2 (rank 1), 1 (rank 2)" in out["differ"], out
+        assert ("ValueError: dp_attention sync: invalid arguments — rank 2: sync must be one of"
+                in out["invalid"] and "'nope'" in out["invalid"]), out
+        assert out["after"] == [1, 2, 3]

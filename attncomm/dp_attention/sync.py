@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from .._dist import agree_reason, all_gather_tensor, group_device, guard_timeout, wait
+from .._dist import agree, agree_reason, all_gather_tensor, group_device, guard_timeout, wait
 from ..capability import same_host
 from ..errors import PeerTimeoutError
 from ..launch import cpu_group
@@ -185,16 +185,29 @@ def _one_host(cg, timeout_s: float | None) -> tuple[bool, str | None]:
 def _resolve(p: _Plan, sync: str, timeout_s: float | None) -> str:
     path = p.paths.get(sync) if isinstance(sync, str) else None
     if path is None:  # decided once per plan and argument (an error is never cached)
+        _agree_sync(p, sync, timeout_s)
         path = _decide(p, sync, timeout_s)
         p.paths[sync] = path
     return path
 
 
+def _agree_sync(p: _Plan, sync, timeout_s: float | None) -> None:
+    """On the first use of a ``sync`` value on a group: one small collective over the gloo twin
+    checks that every rank passed the same valid value (ranks on different paths would each wait
+    for the others until the timeout). Raises the same ValueError on every rank, naming each
+    rank's value. Later steps with that value skip it; a rank that changes its value alone runs
+    it while its peers exchange rows, and both sides time out (PeerTimeoutError)."""
+    ok = isinstance(sync, str) and sync in SYNC_CHOICES
+    code = SYNC_CHOICES.index(sync) if ok else -1
+    err = None if ok else f"sync must be one of {list(SYNC_CHOICES)}, got {sync!r}"
+    agree(p.group, "dp_attention sync", [code],
+          [f"sync (index into {list(SYNC_CHOICES)}; -1: invalid)"], local_error=err,
+          timeout_s=config.timeout_s(timeout_s))
+
+
 def _decide(p: _Plan, sync: str, timeout_s: float | None) -> str:
     if sync == "cpu" or sync == "device":
         return sync
-    if sync not in SYNC_CHOICES:
-        raise ValueError(f"sync must be one of {list(SYNC_CHOICES)}, got {sync!r}")
     if p.auto is None:
         ok, p.why = _one_host(p.cg, timeout_s)
         p.auto = "shm" if ok else "cpu"
@@ -404,13 +417,15 @@ class MLPSyncBatchInfo:
             active_ranks: one entry per group rank (list or tensor); an inactive rank counts as
                 ``[0, 0, 1, 0, 1, IDLE]`` whatever it sent (it still takes part in the exchange).
             enable_tbo: whether two-batch overlap may run at all.
-            sync: "auto", "shm", "cpu" or "device" (see ``resolve_sync``).
+            sync: "auto", "shm", "cpu" or "device" (see ``resolve_sync``), the same on every
+                rank (checked by one collective on a value's first use on the group).
             timeout_s: wait bound (None → ``ATTNCOMM_TIMEOUT_S``).
 
         Raises:
             ValueError (every rank, after the exchange) for sizes that do not match the group or
             an ``active_ranks`` of the wrong length on any rank, an invalid row on any active
-            rank, or an explicit sync path that cannot run here; the message names the ranks and
+            rank, or an explicit sync path that cannot run here; (every rank, before it) for a
+            ``sync`` that is invalid or differs between ranks; the message names the ranks and
             what was wrong, and this rank's own problem in full.
             PeerTimeoutError when a rank's row does not arrive in time.
         """
