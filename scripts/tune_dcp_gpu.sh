@@ -33,14 +33,19 @@ for cfg in $CONFIGS; do
   sweep_one "$cfg" "$SWEEP/$cfg.json"
   echo "$cfg rc=$?" | tee -a "$OUT/sweep.log"
 done
-if [ -n "${AB_KERNEL:-}" ]; then
+if [ -n "${AB_KERNEL:-}" ]; then  # a path relative to the repository root
   K=attncomm/dcp/symm_a2a.py
-  cp "$K" "$SWEEP/current_kernel.py" && cp "$AB_KERNEL" "$K"
+  cp "$K" "$SWEEP/current_kernel.py"
+  trap 'cp "$SWEEP/current_kernel.py" "$K"' EXIT  # the kernel file comes back whatever happens
   AB=$(mktemp -d)
-  sweep_one 64,1,16,0 "$AB/ab.json"
-  echo "A/B $AB_KERNEL (64,1,16,0) rc=$?" | tee -a "$OUT/sweep.log"
+  if cp "$AB_KERNEL" "$K"; then
+    sweep_one 64,1,16,0 "$AB/ab.json"
+    echo "A/B $AB_KERNEL (64,1,16,0) rc=$?" | tee -a "$OUT/sweep.log"
+  else
+    echo "A/B skipped: cannot read $AB_KERNEL" | tee -a "$OUT/sweep.log"
+  fi
   cp "$SWEEP/current_kernel.py" "$K"
-  python3 -c 'import json, sys
+  [ -f "$AB/ab.json" ] && python3 -c 'import json, sys
 for r in json.load(open(sys.argv[1]))["records"]:
     print("A/B kernel %s: %d tokens %.2f us" % (sys.argv[2], r["tokens"], r["latency_us"]))' \
     "$AB/ab.json" "$AB_KERNEL" | tee -a "$OUT/sweep.log"

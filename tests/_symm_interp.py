@@ -58,6 +58,11 @@ def _stage(slab, layout, e, src, rows_o, rows_l, n_blocks):
         i32[base:base + n_blocks] = e
 
 
+def _i32(x: int) -> int:
+    """``x`` wrapped to int32, as the kernels' epoch."""
+    return (x + 2 ** 31) % 2 ** 32 - 2 ** 31
+
+
 def _sent(slab, layout, e, src, n, dtype, D):
     """What ``src`` (here rank 0) stored into this peer slab for epoch ``e``: (rows, lse)."""
     st = layout.kernel_strides()
@@ -76,10 +81,6 @@ def _sent(slab, layout, e, src, n, dtype, D):
     rows = slab.view(dtype)[base:base + n * D].reshape(n, D)
     base = st["l_base"] + cell * st["l_cell"]
     return rows, slab.view(torch.float32)[base:base + n]
-
-
-def _i32(x: int) -> int:
-    return (x + 2 ** 31) % 2 ** 32 - 2 ** 31
 
 
 def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3, epoch0=0):
@@ -103,8 +104,9 @@ def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3, e
     assert use_ll(n, layout) == ll
     _, n_blocks, grid = plan_blocks(n, n_programs)
     worst = 0.0
-    for i in range(1, calls + 1):
-        call = _i32(epoch0 + i)
+    call = epoch0
+    for _ in range(calls):
+        call = _i32(call + 1)
         outs = torch.randn((W, T, H, D), generator=gen).to(dtype)
         lses = torch.randn((W, T, H), generator=gen) * 3
         empty = torch.rand((W, T, H), generator=gen) < 0.2
@@ -168,6 +170,7 @@ CASES = [
     # the int32 epoch wraps from 2**31 - 1 to -2**31 (parity 1 → 0 → 1)
     (2, 4, 8, 3, 3, torch.bfloat16, False, 3, 1, 3, 2 ** 31 - 2),
     (2, 4, 8, 3, 3, torch.float16, True, 3, 2, 3, 2 ** 31 - 2),
+    (2, 8, 8, 60, 60, torch.float16, True, 2, 5),  # LL: 4 blocks on 3 programs
 ]
 
 

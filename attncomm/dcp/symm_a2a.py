@@ -18,12 +18,18 @@ Shared rules:
   together as one 64-bit word. Every program adds ``1 << 32`` to it atomically, which both counts
   it in and reads the epoch (``e = state[0] + 1``); the last one to count in writes ``e`` back
   (count 0), so graph replays advance it without a host step. ``e & 1`` selects the parity slot;
-  flags and LL words hold the full epoch (int32, wrapping), so a stale value never matches. A
+  flags and LL words hold the full epoch (int32, wrapping), so a value from the last 2**32 - 1
+  calls never matches. Known limit: the epoch wraps after 2**32 calls (hours of back-to-back
+  merges, days in a server); at e = 0 a never-written (zeroed) cell, and at any e a cell last
+  written exactly 2**32 calls earlier, would match. The fix (skip epoch 0; set every consumed
+  flag and LL word back to 0, the LL words only after a block barrier — replicated elements are
+  reloaded by other threads) is not in yet: it needs a GPU run. A
   fast rank never overwrites what a slow rank reads: it can only start call ``e+2`` (same slot
   as ``e``) after every peer has sent its part of ``e+1``, which each peer does only after its
   call ``e`` finished (stream order).
 - Each program folds its own rows (read in place) before it waits for a peer; the LL kernel
-  also loads its first block's payload before the epoch atomic, so the two round trips overlap.
+  also loads its first block's payload for peer ``(rank + 1) % W`` before the epoch atomic, so
+  the two round trips overlap.
 - Deadlock freedom: the grid is at most one program per SM (persistent programs loop over row
   blocks), and every program sends its first block before it waits for anything, so no spinning
   program waits on a program that cannot become resident.
@@ -61,8 +67,9 @@ except Exception:  # noqa: BLE001 - the backend reports itself unavailable
 __all__ = ["SymmA2ABackend", "plan_blocks", "use_ll", "ll_rows_for", "launch_merge"]
 
 # Private tuning knobs (the same on every rank: read from the environment at import). Defaults
-# from scripts/tune_dcp_gpu.sh on 2× H200 (64 heads × 512, bf16): every shape tried gave
-# 19.97–22.35 µs at 128 tokens; (64, 1, 16) was best and is what the committed results ran.
+# from scripts/tune_dcp_gpu.sh on 2× H200 (64 heads × 512, bf16): 64- and 32-row blocks with one
+# program per SM measure the same at 128 tokens (within 0.1 µs in every sweep); capping the grid
+# (several pipelined blocks per program) is slower (benchmarks/results/dcp-sweep-2026-11-30-*).
 _MAX_BLOCK_ROWS = int(os.environ.get("ATTNCOMM_SYMM_MAX_BLOCK_ROWS", "64"))
 _PROGRAMS_PER_SM = int(os.environ.get("ATTNCOMM_SYMM_PROGRAMS_PER_SM", "1"))
 _MAX_WARPS = int(os.environ.get("ATTNCOMM_SYMM_MAX_WARPS", "16"))

@@ -222,7 +222,8 @@ def resolve_sync(sync: str, group=None, *, timeout_s: float | None = None) -> st
     "auto" → "shm" when every rank of the group is on this host (decided once per group, by one
     collective over its gloo twin), else "cpu". An explicit "shm" that cannot run raises
     ``ValueError`` on every rank, saying why (the decision is shared, so it is the same
-    everywhere).
+    everywhere). Collective on a value's first use on a group (every rank must call it then; a
+    value that is invalid or differs between ranks raises ``ValueError`` on every rank).
     """
     return _resolve(_plan(group), sync, timeout_s)
 
@@ -279,8 +280,9 @@ def exchange_rows(row: Sequence[int], group=None, *, sync: str, device=None,
     """Every group rank's row (``W`` lists of 6 ints, rank order) through path ``sync``
     ("auto", "shm", "cpu" or "device"); at most one device→host copy.
 
-    A low-level helper: a row that is not 6 ints in the int64 range raises ``ValueError`` on
-    this rank only (before the exchange); field 5 must not be ``-2**63`` (on the cpu/device
+    A low-level helper, collective like every exchange (a ``sync`` value's first use on the
+    group adds a check that every rank passed the same one). A row that is not 6 ints in the
+    int64 range raises ``ValueError`` on this rank only (before the exchange); field 5 must not be ``-2**63`` (on the cpu/device
     paths that value marks a row that did not arrive → ``PeerTimeoutError``).
     """
     vals = [int(v) for v in row]
