@@ -13,10 +13,10 @@ a device-to-device copy of one rank's payload per peer.
         [--kernel-module PATH] [--label NAME] [--json PATH]
 
 ``--kernel-module`` loads ``launch_merge`` / ``plan_blocks`` from another file (an A/B of two
-kernel versions in one device call). Reading: compare versions, not absolute values. On an H200
-two kernel versions differed here as on 2× H200 (14.73 → 14.01 µs here, 19.43 → 18.83 µs there,
-at 128 tokens), but the absolute figures mix in the W ranks sharing one GPU's SMs and memory and
-the skew between the W streams' launches; they are not NVLink figures
+kernel versions in one device call). Reading: compare versions, not absolute values. On an
+H200 two kernel versions differed here as on 2× H200 (14.73 → 14.01 µs here, 19.43 → 18.83 µs
+there, at 128 tokens), but the absolute figures mix in the W ranks sharing one GPU's SMs and
+memory and the skew between the W streams' launches; they are not NVLink figures
 (``benchmarks/results/dcp-kernel-2026-11-30-nvidia-h200-x2.md``).
 """
 from __future__ import annotations

@@ -18,15 +18,13 @@ Shared rules:
   together as one 64-bit word. Every program adds ``1 << 32`` to it atomically, which both counts
   it in and reads the epoch (``e = state[0] + 1``); the last one to count in writes ``e`` back
   (count 0), so graph replays advance it without a host step. ``e & 1`` selects the parity slot;
-  flags and LL words hold the full epoch (int32, wrapping), so a value from the last 2**32 - 1
-  calls never matches. Known limit: the epoch wraps after 2**32 calls (hours of back-to-back
-  merges, days in a server); at e = 0 a never-written (zeroed) cell, and at any e a cell last
-  written exactly 2**32 calls earlier, would match. The fix (skip epoch 0; set every consumed
-  flag and LL word back to 0, the LL words only after a block barrier — replicated elements are
-  reloaded by other threads) is not in yet: it needs a GPU run. A
-  fast rank never overwrites what a slow rank reads: it can only start call ``e+2`` (same slot
-  as ``e``) after every peer has sent its part of ``e+1``, which each peer does only after its
-  call ``e`` finished (stream order).
+  flags and LL words hold the full epoch (int32), so a value from the last 2**32 - 1 calls never
+  matches. A fast rank never overwrites what a slow rank reads: it can only start call ``e+2``
+  (same slot as ``e``) after every peer has sent its part of ``e+1``, which each peer does only
+  after its call ``e`` finished (stream order). Known limit: after 2**32 calls the epoch wraps;
+  at e = 0 a never-written (zeroed) cell matches, and at any e a cell last written 2**32 calls
+  before. Fix, not yet run on a GPU: skip e = 0 and set consumed flags and LL words back to 0
+  (the LL words after a block barrier: other threads reload replicated elements).
 - Each program folds its own rows (read in place) before it waits for a peer; the LL kernel
   also loads its first block's payload for peer ``(rank + 1) % W`` before the epoch atomic, so
   the two round trips overlap.
@@ -252,8 +250,8 @@ if triton is not None:
         transfer of block k+1 (a release fence waits for every earlier store). Every program
         publishes its first block before it waits for anything, so no wait depends on a wait."""
         pid = tl.program_id(0)
-        # (Loading the first block before the epoch atomic, as the LL kernel does, measured
-        # 0.3 µs slower here at 64-128 tokens: the epoch's round trip queues behind 64 KiB.)
+        # (Loading the first block before the epoch atomic, as the LL kernel does, was 0.3 µs
+        # slower here at 64-128 tokens.)
         e = _epoch_begin(state_ptr, grid_size)
         slot = e & 1
         deadline = timeout_ns.to(tl.int64) * 0

@@ -282,8 +282,9 @@ def exchange_rows(row: Sequence[int], group=None, *, sync: str, device=None,
 
     A low-level helper, collective like every exchange (a ``sync`` value's first use on the
     group adds a check that every rank passed the same one). A row that is not 6 ints in the
-    int64 range raises ``ValueError`` on this rank only (before the exchange); field 5 must not be ``-2**63`` (on the cpu/device
-    paths that value marks a row that did not arrive → ``PeerTimeoutError``).
+    int64 range raises ``ValueError`` on this rank only (before the exchange); field 5 must not
+    be ``-2**63`` (on the cpu/device paths that value marks a row that did not arrive →
+    ``PeerTimeoutError``).
     """
     vals = [int(v) for v in row]
     if len(vals) != _ROW:
