@@ -33,6 +33,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
+from attncomm.bench.common import time_graph  # noqa: E402
 from attncomm.symm import SlabLayout  # noqa: E402
 from _reference import ref_merge  # noqa: E402
 
@@ -129,29 +130,9 @@ class Sim:
         return worst
 
 
-def graph_us(fn, per_graph=10, iters=100, warmup=10):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(per_graph):
-            fn()
-    for _ in range(warmup):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / per_graph)
-    return statistics.median(times)
+def graph_us(fn) -> float:
+    """Median µs per call: 10 calls per CUDA graph, replays back to back (the bench helper)."""
+    return statistics.median(time_graph(fn, per_graph=10, back_to_back=True))
 
 
 def main() -> int:
