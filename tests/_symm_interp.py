@@ -58,9 +58,26 @@ def _stage(slab, layout, e, src, rows_o, rows_l, n_blocks):
         i32[base:base + n_blocks] = e
 
 
-def _i32(x: int) -> int:
-    """``x`` wrapped to int32, as the kernels' epoch."""
-    return (x + 2 ** 31) % 2 ** 32 - 2 ** 31
+def _next_epoch(e: int) -> int:
+    """The epoch after ``e``, as the kernels count: int32, wrapping, skipping 0 (→ 2)."""
+    e = (e + 1 + 2 ** 31) % 2 ** 32 - 2 ** 31
+    return 2 if e == 0 else e
+
+
+def _scrubs(e: int) -> bool:
+    """Whether the call of epoch ``e`` zeroes the other slot's flags and LL words first."""
+    return (e >> 1) & (2 ** 29 - 1) == 0
+
+
+def _signal_cells(slab, layout, slot, src):
+    """Views of every flag and LL word of cell (``slot``, ``src``) in ``slab``, as int32."""
+    st = layout.kernel_strides()
+    cell = slot * layout.world_size + src
+    w = slab.view(torch.int32)
+    f = st["f_base"] + cell * st["f_cell"]
+    o = 2 * (st["llo_base"] + cell * st["llo_cell"])
+    x = 2 * (st["lll_base"] + cell * st["lll_cell"])
+    return [w[f:f + st["f_cell"]], w[o:o + 2 * st["llo_cell"]], w[x:x + 2 * st["lll_cell"]]]
 
 
 def _sent(slab, layout, e, src, n, dtype, D):
@@ -84,8 +101,8 @@ def _sent(slab, layout, e, src, n, dtype, D):
 
 
 def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3, epoch0=0):
-    """Consecutive calls (epochs epoch0+1, epoch0+2, …: both parity slots; the epoch is int32 and
-    wraps) on rank 0 of W ranks."""
+    """Consecutive calls (epochs epoch0+1, epoch0+2, …: both parity slots; the epoch is int32,
+    wraps and skips 0) on rank 0 of W ranks."""
     gen = torch.Generator().manual_seed(seed)
     hs = H // W
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -106,7 +123,7 @@ def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3, e
     worst = 0.0
     call = epoch0
     for _ in range(calls):
-        call = _i32(call + 1)
+        call = _next_epoch(call)
         outs = torch.randn((W, T, H, D), generator=gen).to(dtype)
         lses = torch.randn((W, T, H), generator=gen) * 3
         empty = torch.rand((W, T, H), generator=gen) < 0.2
@@ -119,6 +136,10 @@ def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3, e
         for src in range(1, W):
             _stage(slabs[0], layout, call, src, outs[src][:, 0:hs].reshape(n, D),
                    lses[src][:, 0:hs].reshape(n), n_blocks)
+        junk = _next_epoch(call)  # the other slot: stale cells that would match the next call
+        for src in range(1, W):
+            for c in _signal_cells(slabs[0], layout, 1 - (call & 1), src):
+                c.fill_(junk)
         res.fill_(float("nan"))
         res_lse.fill_(float("nan"))
         launch_merge(outs[0].contiguous(), lses[0].contiguous(), res, res_lse, slab=slabs[0],
@@ -127,6 +148,10 @@ def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3, e
                      timeout_ns=10 ** 9)
         assert int(state[0]) == call and int(state[1]) == 0, state
         assert not bool(errors.any())
+        for src in range(1, W):  # zeroed by a scrub call, untouched otherwise
+            for c in _signal_cells(slabs[0], layout, 1 - (call & 1), src):
+                assert bool((c == (0 if _scrubs(call) else junk)).all()), (
+                    f"epoch {call}: other slot of source {src} {'not ' * _scrubs(call)}zeroed")
         lses_ref = lses.clone()
         lses_ref[0, -1, 0] = NEG_INF
         ref, ref_lse = _ref64(outs, lses_ref, slice(0, hs))
@@ -167,9 +192,16 @@ CASES = [
     (2, 8, 8, 30, 30, torch.bfloat16, False),  # several blocks per program (pipelined)
     (2, 8, 8, 30, 30, torch.float16, True),
     (2, 4, 8, 70, 70, torch.bfloat16, False),  # 140 rows: 32-row blocks, 2 per program
-    # the int32 epoch wraps from 2**31 - 1 to -2**31 (parity 1 → 0 → 1)
+    # the int32 epoch wraps from 2**31 - 1 to -2**31 (parity 1 → 0 → 1) ...
     (2, 4, 8, 3, 3, torch.bfloat16, False, 3, 1, 3, 2 ** 31 - 2),
     (2, 4, 8, 3, 3, torch.float16, True, 3, 2, 3, 2 ** 31 - 2),
+    # ... and skips 0: -1 → 2 → 3 (parity 1 → 0 → 1)
+    (2, 4, 8, 3, 3, torch.bfloat16, False, 3, 3, 3, -2),
+    (2, 4, 8, 3, 3, torch.bfloat16, True, 3, 4, 3, -2),
+    # scrub calls (epochs ≡ 0, 1 mod 2**30; the first call, epoch 1, is one too)
+    (3, 6, 16, 4, 4, torch.float16, False, 3, 5, 3, 2 ** 30 - 2),
+    (3, 6, 16, 4, 4, torch.float16, True, 3, 6, 3, 2 ** 30 - 2),
+    (2, 4, 8, 30, 30, torch.bfloat16, True, 3, 7, 2, 2 ** 30 - 2),
     (2, 8, 8, 60, 60, torch.float16, True, 2, 5),  # LL: 4 blocks on 3 programs
 ]
 

@@ -81,11 +81,15 @@ def test_ll_rows_and_choice():
 
 # ------------------------------------------------------------------------------ interpreter
 
-def test_kernels_under_interpreter():
+@pytest.mark.parametrize("stagger", [None, "50"])
+def test_kernels_under_interpreter(stagger):
     """The real kernels on one CPU process: rank 0 runs, peers' stores are staged (see
     tests/_symm_interp.py): flag and LL protocols, W=1..4, fp16/bf16/fp32, both parity slots,
-    −inf/NaN rows, bit-exact dispatch, the device epoch, and the backend's host code at W=1."""
+    −inf/NaN rows, bit-exact dispatch, the device epoch, its wrap and scrub, and the backend's
+    host code at W=1; also with staggered sends at every size."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.dirname(HERE))
+    if stagger:
+        env.update(ATTNCOMM_SYMM_STAGGER_MIN_BYTES="1", ATTNCOMM_SYMM_STAGGER_SPLIT=stagger)
     proc = subprocess.run([sys.executable, os.path.join(HERE, "_symm_interp.py")], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

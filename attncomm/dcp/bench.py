@@ -11,6 +11,7 @@ ranks: gloo) backend of the same run.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -182,7 +183,7 @@ def main(args) -> int:
     if args.json:
         m = meta(cfg["device"], args.world_size, heads=cfg["heads"], head_dim=cfg["head_dim"],
                  dtype=cfg["dtype"], warmup=cfg["warmup"], iters=cfg["iters"],
-                 per_graph=cfg["per_graph"])
+                 per_graph=cfg["per_graph"], symm_settings=_symm_settings())
         if cfg["device"] == "cuda":
             m = _gpu_meta(m)
         write_json(args.json, m, records)
@@ -195,7 +196,8 @@ def main(args) -> int:
                     f"GPU {m['gpu']}; torch {m['torch']}, Triton {m['triton']}, CUDA "
                     f"{m['cuda']}, NCCL {m['nccl']}. {cfg['warmup']} warm-up + {cfg['iters']} "
                     f"timed iterations, slowest-rank median; graph mode: {cfg['per_graph']} "
-                    f"merges per graph, replay / {cfg['per_graph']}.\n\n"
+                    f"merges per graph, replay / {cfg['per_graph']}. symm_a2a settings "
+                    f"(environment): {_symm_settings() or 'defaults'}.\n\n"
                     + markdown_table(records) + "\n")
     if args.plot and records:
         series = {}
@@ -211,6 +213,11 @@ def main(args) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _symm_settings() -> dict:
+    """The symm_a2a tuning variables set in the environment (``ATTNCOMM_SYMM_*``)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("ATTNCOMM_SYMM_")}
 
 
 def _gpu_meta(m: dict) -> dict:

@@ -10,7 +10,11 @@ own rows, which it reads in place (never copied). Two protocols, chosen per call
   flag: the receiver polls the words themselves. Twice the bytes, one NVLink trip less.
 - flag (larger): rows are sent in blocks of ≤ 64 rows, each published with a release store of the
   epoch into the peer's flag for that block; the receiver acquires the flag, then reads the rows.
-  A program with several blocks sends block k+1 before it waits for and combines block k.
+  A program with several blocks sends block k+1 before it waits for and combines block k. From
+  1 MiB per peer, with one block per program, the sends are staggered: the second half of the
+  grid starts sending only when its partner in the first half has issued its stores, so the
+  first half's fences, flags and combines overlap the second half's transfer (18.47 → 18.23 µs
+  at 128 tokens in one A/B).
 
 Shared rules:
 
@@ -18,19 +22,21 @@ Shared rules:
   together as one 64-bit word. Every program adds ``1 << 32`` to it atomically, which both counts
   it in and reads the epoch (``e = state[0] + 1``); the last one to count in writes ``e`` back
   (count 0), so graph replays advance it without a host step. ``e & 1`` selects the parity slot;
-  flags and LL words hold the full epoch (int32), so a value from the last 2**32 - 1 calls never
-  matches. A fast rank never overwrites what a slow rank reads: it can only start call ``e+2``
-  (same slot as ``e``) after every peer has sent its part of ``e+1``, which each peer does only
-  after its call ``e`` finished (stream order). Known limit: after 2**32 calls the epoch wraps;
-  at e = 0 a never-written (zeroed) cell matches, and at any e a cell last written 2**32 calls
-  before. Fix, not yet run on a GPU: skip e = 0 and set consumed flags and LL words back to 0
-  (the LL words after a block barrier: other threads reload replicated elements).
+  flags and LL words hold the full epoch (int32). A fast rank never overwrites what a slow rank
+  reads: it can only start call ``e+2`` (same slot as ``e``) after every peer has sent its part
+  of ``e+1``, which each peer does only after its call ``e`` finished (stream order).
+- Epoch wrap (int32): the epoch skips 0 (…, -1, 2, 3, …; the parity still alternates), so a
+  never-written (zeroed) cell matches no call; and at epochs ≡ 0, 1 (mod 2**30) the kernel first
+  zeroes the other slot's flags and LL words from every peer ("scrub"), then fences, then sends,
+  so no cell keeps a value for 2**32 calls, where it would match again. The peers write that
+  slot next in call ``e+1``, after they have this call's data, so they never race the scrub.
 - Each program folds its own rows (read in place) before it waits for a peer; the LL kernel
   also loads its first block's payload for peer ``(rank + 1) % W`` before the epoch atomic, so
   the two round trips overlap.
 - Deadlock freedom: the grid is at most one program per SM (persistent programs loop over row
-  blocks), and every program sends its first block before it waits for anything, so no spinning
-  program waits on a program that cannot become resident.
+  blocks), and every program sends its first block before it waits for a peer (a staggered
+  program first waits for a local program that waits for nothing before it signals), so no
+  spinning program waits on a program that cannot become resident.
 - Timeouts: a wait past ``timeout_s`` sets ``errors[src] = 1`` and the program skips that block;
   the host reads the word after every eager call and in ``check()`` (after graph replays), and
   raises ``PeerTimeoutError`` naming ``src``.
@@ -40,8 +46,8 @@ The merge rule is the one in ``attncomm.dcp.combine`` (NaN LSE → −inf, ``m :
 rescaling). A zero-weight source's payload is loaded but never used (a select, not a multiply),
 so a NaN behind a −inf LSE cannot leak.
 
-Measured on 2× H200 (W=2, 64 heads, D=512, bf16, CUDA graphs): 3.7 / 5.4 / 6.8 / 8.3 / 11.9 /
-18.8 µs at 1 / 8 / 16 / 32 / 64 / 128 tokens (``benchmarks/results/dcp-2026-11-30-*.md``; the
+Measured on 2× H200 (W=2, 64 heads, D=512, bf16, CUDA graphs): 3.8 / 5.5 / 6.8 / 8.4 / 11.9 /
+18.6 µs at 1 / 8 / 16 / 32 / 64 / 128 tokens (``benchmarks/results/dcp-2026-11-30-*.md``; the
 kernel's history and the NVLink ceilings under it: ``dcp-kernel-2026-11-30-*.md``).
 """
 from __future__ import annotations
@@ -75,6 +81,13 @@ _MAX_WARPS = int(os.environ.get("ATTNCOMM_SYMM_MAX_WARPS", "16"))
 _MAX_PROGRAMS = int(os.environ.get("ATTNCOMM_SYMM_MAX_PROGRAMS", "0"))
 # Payload per peer up to which the LL protocol (flag inside every 8-byte word) is used.
 _LL_MAX_BYTES = int(os.environ.get("ATTNCOMM_SYMM_LL_MAX_BYTES", str(256 * 1024)))
+# Payload per peer from which the flag protocol staggers its sends (0: never): with one block per
+# program, the last programs of the grid start sending only when a program of the first group
+# has issued its stores, so the first group's fences, flags and combines overlap the second
+# group's transfer. _STAGGER_SPLIT: percent of the grid in the first group (≥ 50). Measured
+# best: from 1 MiB, 50 % (from 256 KiB it is slower at 16 tokens; 67 % and 75 % slower at 128).
+_STAGGER_MIN_BYTES = int(os.environ.get("ATTNCOMM_SYMM_STAGGER_MIN_BYTES", str(1 << 20)))
+_STAGGER_SPLIT = int(os.environ.get("ATTNCOMM_SYMM_STAGGER_SPLIT", "50"))
 _DELTA_UNIT = 16  # peer offsets are passed in units of 16 elements (keeps stores vectorised)
 
 
@@ -91,11 +104,40 @@ if triton is not None:
         # program adds 1 << 32 and reads the previous epoch in the same step, so no program can
         # read after the write-back (every count-in precedes the last one). The last program to
         # count in stores (0 << 32) | e for the next call. One round trip before the first store.
+        # Epoch 0 is skipped (it would match never-written, zeroed cells; 2 keeps the parity).
         old = tl.atomic_add(state64_ptr, 1 << 32, sem="relaxed", scope="gpu")
         e = (old & 0xFFFFFFFF).to(tl.int32) + 1
+        e = tl.where(e == 0, 2, e)
         if (old >> 32) == grid_size - 1:
             tl.atomic_xchg(state64_ptr, e.to(tl.int64) & 0xFFFFFFFF, sem="relaxed", scope="gpu")
         return e
+
+    @triton.jit
+    def _scrub(slab_w, err_ptr, e, pid, grid_size, f_base, f_cell, llo_base, llo_cell, lll_base,
+               lll_cell, RANK: tl.constexpr, W: tl.constexpr):
+        # Rare path (epochs ≡ 0, 1 mod 2**30): zero the other slot's flag and LL cells from
+        # every peer (slab_w: the slab as int32; LL offsets count 8-byte words), split over the
+        # grid; then a block barrier and a release (sys) so that the zeros are in place before
+        # any store of this call reaches a peer.
+        if ((e >> 1) & 0x1FFFFFFF) == 0:
+            i = tl.arange(0, 1024)
+            for q in tl.static_range(W):
+                if q != RANK:
+                    cell = (1 - (e & 1)) * W + q
+                    for region in tl.static_range(3):
+                        if region == 0:
+                            base, n = f_base + cell * f_cell, f_cell
+                        elif region == 1:
+                            base, n = 2 * (llo_base + cell * llo_cell), 2 * llo_cell
+                        else:
+                            base, n = 2 * (lll_base + cell * lll_cell), 2 * lll_cell
+                        k = pid * 1024
+                        while k < n:
+                            tl.store(slab_w + base + k + i, 0, mask=k + i < n)
+                            k += grid_size * 1024
+            tl.debug_barrier()
+            tl.atomic_add(err_ptr + RANK, 0, sem="release", scope="sys")  # errors[RANK] stays 0
+            tl.debug_barrier()
 
     @triton.jit
     def _timed_out(deadline, timeout_ns):
@@ -117,6 +159,19 @@ if triton is not None:
             else:
                 v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
         return deadline, bad
+
+    @triton.jit
+    def _wait_go(ptr, e, deadline, timeout_ns):
+        # Wait until a local cell holds e. Timing only (no data depends on it): past the timeout
+        # the program just goes on.
+        v = tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu")
+        while v != e:
+            deadline, expired = _timed_out(deadline, timeout_ns)
+            if expired:
+                v = e
+            else:
+                v = tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu")
+        return deadline
 
     @triton.jit
     def _online(m, s, l):
@@ -239,8 +294,9 @@ if triton is not None:
                            delta_o, delta_w, state_ptr, err_ptr,
                            n_rows, n_blocks, grid_size, timeout_ns,
                            H, HS, D, o_cell, l_base, l_cell, f_base, f_cell,
+                           llo_base, llo_cell, lll_base, lll_cell,
                            RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
-                           BD: tl.constexpr):
+                           BD: tl.constexpr, STAGGER: tl.constexpr):
         """One merge, flag protocol. ``out [T, H, D]``, ``lse [T, H]`` fp32 → ``res [T, HS,
         D]``, ``res_lse [T, HS]`` fp32; a row is a ``(t, h_local)`` pair, ``n_rows = T·HS``.
 
@@ -253,12 +309,25 @@ if triton is not None:
         # (Loading the first block before the epoch atomic, as the LL kernel does, was 0.3 µs
         # slower here at 64-128 tokens.)
         e = _epoch_begin(state_ptr, grid_size)
+        _scrub(slab_f, err_ptr, e, pid, grid_size, f_base, f_cell, llo_base, llo_cell, lll_base,
+               lll_cell, RANK, W)
         slot = e & 1
         deadline = timeout_ns.to(tl.int64) * 0
         bad = tl.full([], 0, tl.int32)
+        # STAGGER (percent of the grid in the first group; one block per program): this rank's
+        # own flag cell, unused by the peers, holds "program p has issued its stores"; program
+        # first + p starts sending only then.
+        go = slab_f + f_base + (slot * W + RANK) * f_cell
+        first = tl.maximum((grid_size * STAGGER + 99) // 100, (grid_size + 1) // 2)
+        if STAGGER > 0:
+            if pid >= first:
+                deadline = _wait_go(go + pid - first, e, deadline, timeout_ns)
         _send_block(out_ptr, lse_ptr, slab_o, slab_l, delta_o, delta_w, slot, pid, n_rows, H,
                     HS, D, o_cell, l_base, l_cell, RANK, W, BR, BD)
         tl.debug_barrier()
+        if STAGGER > 0:
+            if pid < grid_size - first:
+                tl.atomic_xchg(go + pid, e, sem="relaxed", scope="gpu")
         _publish(slab_f, delta_w, e, slot, pid, f_base, f_cell, RANK, W)
         prev = pid
         b = pid + grid_size  # a while loop: the interpreter cannot range() over a program id
@@ -331,9 +400,9 @@ if triton is not None:
                  mask=rmask)
 
     @triton.jit(do_not_specialize=["n_rows", "n_blocks", "grid_size", "timeout_ns"])
-    def _merge_ll_kernel(out_w, lse_ptr, lse_w, res_w, res_lse_ptr, slab_q, delta_q, state_ptr,
-                         err_ptr, n_rows, n_blocks, grid_size, timeout_ns, H, HS, DW,
-                         llo_base, llo_cell, lll_base, lll_cell,
+    def _merge_ll_kernel(out_w, lse_ptr, lse_w, res_w, res_lse_ptr, slab_q, slab_w, delta_q,
+                         state_ptr, err_ptr, n_rows, n_blocks, grid_size, timeout_ns, H, HS, DW,
+                         f_base, f_cell, llo_base, llo_cell, lll_base, lll_cell,
                          RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
                          BW: tl.constexpr, PACK: tl.constexpr, DTYPE: tl.constexpr):
         """One merge, LL protocol: every 8-byte word sent is ``(epoch << 32) | 32 payload
@@ -347,6 +416,8 @@ if triton is not None:
         Q0: tl.constexpr = (RANK + 1) % W
         x0, xl0 = _ll_load(out_w, lse_w, pid, Q0, n_rows, H, HS, DW, BR, BW)
         e = _epoch_begin(state_ptr, grid_size)
+        _scrub(slab_w, err_ptr, e, pid, grid_size, f_base, f_cell, llo_base, llo_cell, lll_base,
+               lll_cell, RANK, W)
         slot = e & 1
         tag = e.to(tl.int64) << 32
         cmask = c < DW
@@ -471,14 +542,15 @@ def launch_merge(out, lse, res, res_lse, *, slab, delta_o, delta_w, delta_q, sta
     if grid == 0:
         return
     st = layout.kernel_strides()
+    scrub_strides = [st[k] for k in ("f_base", "f_cell", "llo_base", "llo_cell", "lll_base",
+                                  "lll_cell")]
     if use_ll(n_rows, layout):
         dw = layout.row_words
         bw = triton.next_power_of_2(dw)
         _merge_ll_kernel[(grid,)](
             out.view(torch.int32), lse, lse.view(torch.int32), res.view(torch.int32), res_lse,
-            slab.view(torch.int64), delta_q, state.view(torch.int64), errors, n_rows, n_blocks,
-            grid, timeout_ns,
-            H, hs, dw, st["llo_base"], st["llo_cell"], st["lll_base"], st["lll_cell"],
+            slab.view(torch.int64), slab.view(torch.int32), delta_q, state.view(torch.int64),
+            errors, n_rows, n_blocks, grid, timeout_ns, H, hs, dw, *scrub_strides,
             RANK=rank, W=world_size, BR=br, BW=bw, PACK=4 // out.element_size(),
             DTYPE=_TL_DTYPES[out.dtype], num_warps=_num_warps(br * bw * 8))
         return
@@ -487,9 +559,15 @@ def launch_merge(out, lse, res, res_lse, *, slab, delta_o, delta_w, delta_q, sta
         out, lse, res, res_lse, slab.view(out.dtype), slab.view(torch.float32),
         slab.view(torch.int32), delta_o, delta_w, state.view(torch.int64), errors,
         n_rows, n_blocks, grid, timeout_ns,
-        H, hs, D, st["o_cell"], st["l_base"], st["l_cell"], st["f_base"], st["f_cell"],
-        RANK=rank, W=world_size, BR=br, BD=bd,
+        H, hs, D, st["o_cell"], st["l_base"], st["l_cell"], *scrub_strides,
+        RANK=rank, W=world_size, BR=br, BD=bd, STAGGER=_stagger(n_rows, n_blocks, grid, D, out),
         num_warps=_num_warps(br * bd * out.element_size()))
+
+
+def _stagger(n_rows: int, n_blocks: int, grid: int, head_dim: int, out) -> int:
+    """The flag kernel's STAGGER: the percent of the grid in the first group, or 0 (off)."""
+    payload = n_rows * head_dim * out.element_size()
+    return _STAGGER_SPLIT if 0 < _STAGGER_MIN_BYTES <= payload and n_blocks == grid >= 2 else 0
 
 
 def _n_programs_max(device: torch.device) -> int:
@@ -579,8 +657,10 @@ class SymmA2ABackend(DcpBackend):
         # capture and proves the P2P path; a timeout here raises on construction.
         seen = set()
         for t in range(1, self.max_tokens + 1):
-            key = (plan_blocks(t * self.hs, self.n_programs_max)[0],
-                   use_ll(t * self.hs, self.layout))
+            n = t * self.hs
+            br, n_blocks, grid = plan_blocks(n, self.n_programs_max)
+            key = (br, use_ll(n, self.layout),
+                   _stagger(n, n_blocks, grid, self.head_dim, torch.empty((), dtype=self.dtype)))
             if key in seen:
                 continue
             seen.add(key)

@@ -173,6 +173,55 @@ def _two_mergers(rank, world_size):
     return True
 
 
+def _signal_cells(impl, slot):
+    """Every flag and LL word of this rank's slot ``slot`` from each peer, as int32 views."""
+    L, st, w = impl.layout, impl.layout.kernel_strides(), impl.ws.slab.view(torch.int32)
+    cells = []
+    for q in range(L.world_size):
+        if q != impl.rank:
+            cell = slot * L.world_size + q
+            for base, n in ((st["f_base"] + cell * st["f_cell"], st["f_cell"]),
+                            (2 * (st["llo_base"] + cell * st["llo_cell"]), 2 * st["llo_cell"]),
+                            (2 * (st["lll_base"] + cell * st["lll_cell"]), 2 * st["lll_cell"])):
+                cells.append(w[base:base + n])
+    return cells
+
+
+def _epoch_wrap(rank, world_size, epoch0, tokens):
+    """Calls from epoch ``epoch0`` on, in both protocols (T ≤ 8 is LL at 64 heads × 512): the
+    results, the epochs, and at a scrub epoch (≡ 0, 1 mod 2**30) the other slot's flags and LL
+    words, planted beforehand with the next call's epoch (a stale cell that would match), zeroed."""
+    from attncomm import cpu_group
+    H, D, dtype = 64, 512, torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(6000 + rank)
+    m = DcpMerger(max_tokens=64, num_heads=H, head_dim=D, dtype=dtype, backend="symm_a2a")
+    impl = m._impl
+    torch.cuda.synchronize()
+    dist.barrier(group=cpu_group())
+    impl.ws.state[0] = epoch0
+    epochs = []
+    for T in tokens:
+        e = int(impl.ws.state[0]) + 1
+        e = 2 if e == 0 else e
+        scrub = (e >> 1) & (2 ** 29 - 1) == 0
+        if scrub:
+            for c in _signal_cells(impl, 1 - (e & 1)):
+                c.fill_(2 if e + 1 == 0 else e + 1)
+        torch.cuda.synchronize()
+        dist.barrier(group=cpu_group())
+        out, lse = _inputs(gen, T, H, D, dtype, rank=rank)
+        _poison(m)
+        got, got_lse = m(out, lse, return_lse=True)
+        torch.cuda.synchronize()
+        epochs.append(int(impl.ws.state[0]))
+        _assert_close(got.clone(), got_lse.clone(), _gather(out), _gather(lse), rank, H, dtype,
+                      f"epoch {epochs[-1]} T={T}")
+        if scrub:
+            left = sum(int((c != 0).sum()) for c in _signal_cells(impl, 1 - (e & 1)))
+            assert left == 0, f"epoch {e}: {left} words of the other slot not zeroed"
+    return epochs
+
+
 def _auto_and_merge(rank, world_size):
     m = DcpMerger(max_tokens=32, num_heads=64, head_dim=512, dtype=torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(4000 + rank)
@@ -228,6 +277,14 @@ def test_symm_a2a_eager_tokens(cuda_pool, dtype):
 def test_symm_a2a_graph_replays(cuda_pool, dtype):
     epochs = cuda_pool.run(_graph_replays, dtype, 37, 110)
     assert epochs[0] == epochs[1] and epochs[0] > 110
+
+
+def test_epoch_wrap_and_scrub(cuda_pool):
+    tokens = (1, 40, 3, 64, 8, 9)
+    epochs = cuda_pool.run(_epoch_wrap, -4, tokens)  # int32 wrap, 0 skipped
+    assert epochs[0] == epochs[1] == [-3, -2, -1, 2, 3, 4], epochs
+    epochs = cuda_pool.run(_epoch_wrap, 2 ** 30 - 3, tokens)  # scrubs at 2**30 and 2**30 + 1
+    assert epochs[0] == epochs[1] == [2 ** 30 + i for i in range(-2, 4)], epochs
 
 
 def test_two_mergers(cuda_pool):
