@@ -57,7 +57,8 @@ BEST=$(python3 - "$SWEEP" <<'EOF' | tee -a "$OUT/sweep.log" | tail -1
 import collections, json, pathlib, statistics, sys
 lat = collections.defaultdict(lambda: collections.defaultdict(list))
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*=*=*.json")):
-    kind, name, _ = f.stem.split("=")
+    kind, rest = f.stem.split("=", 1)
+    name = rest.rsplit("=", 1)[0]
     for r in json.load(open(f))["records"]:
         if r["backend"] == "symm_a2a" and r["mode"] == "graph":
             lat[(kind, name.replace(":", "/"))][r["tokens"]].append(r["latency_us"])
@@ -70,9 +71,13 @@ for (kind, name), by_t in lat.items():
                                     for t in sorted(mean)))
     if kind == "cfg" and 128 in mean:
         rows.append((mean[128], name))
-print(min(rows)[1] if rows else "64,1,16,0,1048576,50")
+print(min(rows)[1] if rows else "none: no configuration timed at 128 tokens")
 EOF
 )
+if ! [[ $BEST =~ ^[0-9]+(,[0-9]+){2,5}$ ]]; then
+  echo "no best shape from the sweep ($BEST): the defaults" | tee -a "$OUT/sweep.log"
+  BEST=64,1,16,0,1048576,50
+fi
 IFS=, read -r rows per_sm warps cap stagger split <<<"$BEST"
 echo "best: rows=$rows programs_per_sm=$per_sm warps=$warps max_programs=${cap:-0}" \
   "stagger_min_bytes=${stagger:-1048576} split=${split:-50}" | tee -a "$OUT/sweep.log"

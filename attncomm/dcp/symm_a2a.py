@@ -14,7 +14,7 @@ own rows, which it reads in place (never copied). Two protocols, chosen per call
   1 MiB per peer, with one block per program, the sends are staggered: the second half of the
   grid starts sending only when its partner in the first half has issued its stores, so the
   first half's fences, flags and combines overlap the second half's transfer (18.47 → 18.23 µs
-  at 128 tokens in one A/B).
+  at 128 tokens in one A/B, both with programmatic dependent launch, which is not used here).
 
 Shared rules:
 
@@ -28,7 +28,8 @@ Shared rules:
 - Epoch wrap (int32): the epoch skips 0 (…, -1, 2, 3, …; the parity still alternates), so a
   never-written (zeroed) cell matches no call; and at epochs ≡ 0, 1 (mod 2**30) the kernel first
   zeroes the other slot's flags and LL words from every peer ("scrub"), then fences, then sends,
-  so no cell keeps a value for 2**32 calls, where it would match again. The peers write that
+  so no cell keeps a value for 2**32 calls, where it would match again (scrubs of a slot are at
+  most 2**31 calls apart: epochs 0 and 1 do not come round again). The peers write that
   slot next in call ``e+1``, after they have this call's data, so they never race the scrub.
 - Each program folds its own rows (read in place) before it waits for a peer; the LL kernel
   also loads its first block's payload for peer ``(rank + 1) % W`` before the epoch atomic, so
@@ -84,8 +85,9 @@ _LL_MAX_BYTES = int(os.environ.get("ATTNCOMM_SYMM_LL_MAX_BYTES", str(256 * 1024)
 # Payload per peer from which the flag protocol staggers its sends (0: never): with one block per
 # program, the last programs of the grid start sending only when a program of the first group
 # has issued its stores, so the first group's fences, flags and combines overlap the second
-# group's transfer. _STAGGER_SPLIT: percent of the grid in the first group (≥ 50). Measured
-# best: from 1 MiB, 50 % (from 256 KiB it is slower at 16 tokens; 67 % and 75 % slower at 128).
+# group's transfer. _STAGGER_SPLIT: percent of the grid in the first group (below 50 acts as 50,
+# 100 or more turns staggering off). Measured best (A/Bs with programmatic dependent launch on):
+# from 1 MiB, 50 % (from 256 KiB slower at 16 tokens; 67 % and 75 % slower at 128 tokens).
 _STAGGER_MIN_BYTES = int(os.environ.get("ATTNCOMM_SYMM_STAGGER_MIN_BYTES", str(1 << 20)))
 _STAGGER_SPLIT = int(os.environ.get("ATTNCOMM_SYMM_STAGGER_SPLIT", "50"))
 _DELTA_UNIT = 16  # peer offsets are passed in units of 16 elements (keeps stores vectorised)
@@ -304,7 +306,9 @@ if triton is not None:
         software-pipelined: block k+1 is sent before block k is waited for and combined, and
         block k+1's flag is released only after that, so the combine of block k overlaps the
         transfer of block k+1 (a release fence waits for every earlier store). Every program
-        publishes its first block before it waits for anything, so no wait depends on a wait."""
+        publishes its first block before it waits for a peer, so no peer wait depends on a
+        wait; with STAGGER > 0 a program of the second group first waits, locally and bounded,
+        for its partner of the first group, which waits for nothing before it signals."""
         pid = tl.program_id(0)
         # (Loading the first block before the epoch atomic, as the LL kernel does, was 0.3 µs
         # slower here at 64-128 tokens.)
@@ -320,8 +324,8 @@ if triton is not None:
         go = slab_f + f_base + (slot * W + RANK) * f_cell
         first = tl.maximum((grid_size * STAGGER + 99) // 100, (grid_size + 1) // 2)
         if STAGGER > 0:
-            if pid >= first:
-                deadline = _wait_go(go + pid - first, e, deadline, timeout_ns)
+            if pid >= first:  # its own deadline: a slow partner is no peer's timeout
+                _wait_go(go + pid - first, e, deadline, timeout_ns)
         _send_block(out_ptr, lse_ptr, slab_o, slab_l, delta_o, delta_w, slot, pid, n_rows, H,
                     HS, D, o_cell, l_base, l_cell, RANK, W, BR, BD)
         tl.debug_barrier()
@@ -560,13 +564,13 @@ def launch_merge(out, lse, res, res_lse, *, slab, delta_o, delta_w, delta_q, sta
         slab.view(torch.int32), delta_o, delta_w, state.view(torch.int64), errors,
         n_rows, n_blocks, grid, timeout_ns,
         H, hs, D, st["o_cell"], st["l_base"], st["l_cell"], *scrub_strides,
-        RANK=rank, W=world_size, BR=br, BD=bd, STAGGER=_stagger(n_rows, n_blocks, grid, D, out),
+        RANK=rank, W=world_size, BR=br, BD=bd, STAGGER=_stagger(n_rows, n_blocks, grid, D, out.element_size()),
         num_warps=_num_warps(br * bd * out.element_size()))
 
 
-def _stagger(n_rows: int, n_blocks: int, grid: int, head_dim: int, out) -> int:
+def _stagger(n_rows: int, n_blocks: int, grid: int, head_dim: int, itemsize: int) -> int:
     """The flag kernel's STAGGER: the percent of the grid in the first group, or 0 (off)."""
-    payload = n_rows * head_dim * out.element_size()
+    payload = n_rows * head_dim * itemsize
     return _STAGGER_SPLIT if 0 < _STAGGER_MIN_BYTES <= payload and n_blocks == grid >= 2 else 0
 
 
@@ -653,14 +657,16 @@ class SymmA2ABackend(DcpBackend):
         self.n_programs_max = int(n.item())
 
     def _warm_up(self) -> None:
-        # One merge per kernel variant (block size) up to max_tokens: compiles before any
-        # capture and proves the P2P path; a timeout here raises on construction.
+        # One merge per kernel variant (block size, protocol, staggering) up to max_tokens:
+        # compiles before any capture and proves the P2P path; a timeout here raises on
+        # construction.
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
         seen = set()
         for t in range(1, self.max_tokens + 1):
             n = t * self.hs
             br, n_blocks, grid = plan_blocks(n, self.n_programs_max)
-            key = (br, use_ll(n, self.layout),
-                   _stagger(n, n_blocks, grid, self.head_dim, torch.empty((), dtype=self.dtype)))
+            ll = use_ll(n, self.layout)
+            key = (br, ll, 0 if ll else _stagger(n, n_blocks, grid, self.head_dim, itemsize))
             if key in seen:
                 continue
             seen.add(key)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import attncomm
 from attncomm.dcp import DcpMerger, merge, merge_states
 from _reference import ref_merge
+from _symm_interp import _next_epoch
 
 pytestmark = pytest.mark.gpu
 
@@ -190,7 +191,11 @@ def _signal_cells(impl, slot):
 def _epoch_wrap(rank, world_size, epoch0, tokens):
     """Calls from epoch ``epoch0`` on, in both protocols (T ≤ 8 is LL at 64 heads × 512): the
     results, the epochs, and at a scrub epoch (≡ 0, 1 mod 2**30) the other slot's flags and LL
-    words, planted beforehand with the next call's epoch (a stale cell that would match), zeroed."""
+    words, planted beforehand with the next call's epoch (a stale cell that would match), zeroed.
+
+    Jumping the epoch to ``epoch0`` would replay epochs the warm-up merges already wrote (cells
+    that a real merger scrubs long before the epoch comes round again), so every flag and LL
+    word of both slots is zeroed first."""
     from attncomm import cpu_group
     H, D, dtype = 64, 512, torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(6000 + rank)
@@ -198,15 +203,17 @@ def _epoch_wrap(rank, world_size, epoch0, tokens):
     impl = m._impl
     torch.cuda.synchronize()
     dist.barrier(group=cpu_group())
+    for slot in (0, 1):
+        for c in _signal_cells(impl, slot):
+            c.zero_()
     impl.ws.state[0] = epoch0
     epochs = []
     for T in tokens:
-        e = int(impl.ws.state[0]) + 1
-        e = 2 if e == 0 else e
+        e = _next_epoch(int(impl.ws.state[0]))
         scrub = (e >> 1) & (2 ** 29 - 1) == 0
         if scrub:
             for c in _signal_cells(impl, 1 - (e & 1)):
-                c.fill_(2 if e + 1 == 0 else e + 1)
+                c.fill_(_next_epoch(e))
         torch.cuda.synchronize()
         dist.barrier(group=cpu_group())
         out, lse = _inputs(gen, T, H, D, dtype, rank=rank)
