@@ -547,7 +547,7 @@ def launch_merge(out, lse, res, res_lse, *, slab, delta_o, delta_w, delta_q, sta
         return
     st = layout.kernel_strides()
     scrub_strides = [st[k] for k in ("f_base", "f_cell", "llo_base", "llo_cell", "lll_base",
-                                  "lll_cell")]
+                                     "lll_cell")]
     if use_ll(n_rows, layout):
         dw = layout.row_words
         bw = triton.next_power_of_2(dw)
@@ -564,7 +564,8 @@ def launch_merge(out, lse, res, res_lse, *, slab, delta_o, delta_w, delta_q, sta
         slab.view(torch.int32), delta_o, delta_w, state.view(torch.int64), errors,
         n_rows, n_blocks, grid, timeout_ns,
         H, hs, D, st["o_cell"], st["l_base"], st["l_cell"], *scrub_strides,
-        RANK=rank, W=world_size, BR=br, BD=bd, STAGGER=_stagger(n_rows, n_blocks, grid, D, out.element_size()),
+        RANK=rank, W=world_size, BR=br, BD=bd,
+        STAGGER=_stagger(n_rows, n_blocks, grid, D, out.element_size()),
         num_warps=_num_warps(br * bd * out.element_size()))
 
 
