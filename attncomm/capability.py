@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from ._dist import agree_reason
 
-__all__ = ["agree_reason", "hostname", "host_identity", "cuda_reason", "p2p_matrix", "symm_mem_reason",
-           "stream_mem_ops_reason", "same_host", "peer_access_reason", "symm_unavailable_reason",
-           "collective_try", "multicast_env", "fake_ineligible_reason"]
+__all__ = ["agree_reason", "hostname", "host_identity", "cuda_reason", "p2p_matrix",
+           "symm_mem_reason", "stream_mem_ops_reason", "same_host", "peer_access_reason",
+           "symm_unavailable_reason", "collective_try", "multicast_env", "fake_ineligible_reason"]
 
 _FAKE_ENV = "ATTNCOMM_FAKE_INELIGIBLE"
 

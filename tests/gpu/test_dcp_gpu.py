@@ -11,7 +11,7 @@ import torch.distributed as dist
 import attncomm
 from attncomm.dcp import DcpMerger, merge, merge_states
 from _reference import ref_merge
-from _symm_interp import _next_epoch
+from _symm_interp import _next_epoch, _scrubs, _signal_cells as signal_cells
 
 pytestmark = pytest.mark.gpu
 
@@ -176,16 +176,8 @@ def _two_mergers(rank, world_size):
 
 def _signal_cells(impl, slot):
     """Every flag and LL word of this rank's slot ``slot`` from each peer, as int32 views."""
-    L, st, w = impl.layout, impl.layout.kernel_strides(), impl.ws.slab.view(torch.int32)
-    cells = []
-    for q in range(L.world_size):
-        if q != impl.rank:
-            cell = slot * L.world_size + q
-            for base, n in ((st["f_base"] + cell * st["f_cell"], st["f_cell"]),
-                            (2 * (st["llo_base"] + cell * st["llo_cell"]), 2 * st["llo_cell"]),
-                            (2 * (st["lll_base"] + cell * st["lll_cell"]), 2 * st["lll_cell"])):
-                cells.append(w[base:base + n])
-    return cells
+    return [c for q in range(impl.world_size) if q != impl.rank
+            for c in signal_cells(impl.ws.slab, impl.layout, slot, q)]
 
 
 def _epoch_wrap(rank, world_size, epoch0, tokens):
@@ -210,7 +202,7 @@ def _epoch_wrap(rank, world_size, epoch0, tokens):
     epochs = []
     for T in tokens:
         e = _next_epoch(int(impl.ws.state[0]))
-        scrub = (e >> 1) & (2 ** 29 - 1) == 0
+        scrub = _scrubs(e)
         if scrub:
             for c in _signal_cells(impl, 1 - (e & 1)):
                 c.fill_(_next_epoch(e))
