@@ -81,12 +81,12 @@ def test_ll_rows_and_choice():
 
 # ------------------------------------------------------------------------------ interpreter
 
-@pytest.mark.parametrize("stagger", [None, "50"])
+@pytest.mark.parametrize("stagger", [None, "50", "25"])
 def test_kernels_under_interpreter(stagger):
     """The real kernels on one CPU process: rank 0 runs, peers' stores are staged (see
     tests/_symm_interp.py): flag and LL protocols, W=1..4, fp16/bf16/fp32, both parity slots,
     −inf/NaN rows, bit-exact dispatch, the device epoch, its wrap and scrub, and the backend's
-    host code at W=1; also with staggered sends at every size."""
+    host code at W=1; also with staggered sends at every size (two groups; four, chained)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.dirname(HERE))
     if stagger:
         env.update(ATTNCOMM_SYMM_STAGGER_MIN_BYTES="1", ATTNCOMM_SYMM_STAGGER_SPLIT=stagger)
@@ -196,3 +196,29 @@ def test_bench_dcp_on_cpu_ranks(pools, tmp_path):
     rows = add_speedups(records)
     assert all(r["speedup"] is not None and r["speedup"] <= 1.0 + 1e-9 for r in rows)
     assert "| eager | 1 |" in markdown_table(records)
+
+
+def test_bench_dcp_marks_host_bound_figures():
+    from attncomm.dcp.bench import host_bound, markdown_table
+    gpu = {"backend": "symm_a2a", "mode": "graph", "tokens": 8, "world_size": 2,
+           "latency_us": 4.5, "host_us": 1.2}
+    host = dict(gpu, tokens=1, latency_us=7.4, host_us=7.0)
+    eager = dict(gpu, mode="eager", latency_us=200.0)
+    del eager["host_us"]
+    assert not host_bound(gpu) and host_bound(host) and not host_bound(eager)
+    table = markdown_table([gpu, host, eager])
+    assert "| graph | 1 | 7.4ʰ |" in table and "| graph | 8 | 4.5 |" in table
+    assert "host-bound" in table
+    assert "ʰ" not in markdown_table([gpu, eager])
+
+
+@pytest.mark.parametrize("modes", [["graph"], ["eager", "graph-interleaved"]])
+def test_bench_dcp_graph_modes_need_cuda(modes, capsys):
+    import argparse
+
+    from attncomm.dcp.bench import add_arguments, main
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert main(p.parse_args(["--device", "cpu", "--modes", *modes])) == 2
+    err = capsys.readouterr().err
+    assert "graph modes need --device cuda" in err and modes[-1] in err

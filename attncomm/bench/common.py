@@ -74,14 +74,17 @@ def time_eager(fn: Callable[[], object], *, warmup: int = 10, iters: int = 100,
 
 def time_graph(fn: Callable[[], object], *, per_graph: int = 10, warmup: int = 10,
                iters: int = 100, barrier: Callable[[], None] | None = None,
-               back_to_back: bool = False) -> list[float]:
+               back_to_back: bool = False, stats: dict | None = None) -> list[float]:
     """Capture ``per_graph`` consecutive calls of ``fn`` in one CUDA graph (as an engine's graph
     holds every layer) and return replay time / ``per_graph`` per iteration, in µs.
 
     ``back_to_back=False``: ``barrier`` before every timed replay (ranks start each replay
     together; for transfers long next to a barrier). ``True``: one ``barrier``, then the replays
     run back to back, each between its own events (for µs-scale work, where a per-replay barrier
-    would dominate; ranks stay in step through the exchange itself)."""
+    would dominate; ranks stay in step through the exchange itself). There, ``stats`` (a dict,
+    if given) receives ``host_us``: the host's time to enqueue one replay and its events, per
+    call. When that reaches the GPU time per call, the GPU waited for the host and the times
+    measure the host (or, across ranks, the slowest rank's host), not the work."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -105,11 +108,15 @@ def time_graph(fn: Callable[[], object], *, per_graph: int = 10, warmup: int = 1
         barrier()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(iters)]
+    t0 = time.perf_counter()
     for start, end in events:
         start.record()
         graph.replay()
         end.record()
+    host_s = time.perf_counter() - t0
     torch.cuda.synchronize()
+    if stats is not None:
+        stats["host_us"] = host_s * 1e6 / (iters * per_graph)
     return [s.elapsed_time(e) * 1e3 / per_graph for s, e in events]
 
 

@@ -3,7 +3,11 @@
 Default geometry is Kimi-K2.5's attention (64 heads, head_dim 512, bf16) at decode token counts
 1/8/16/32/64/128. Graph mode captures 10 consecutive merges per graph (as an engine's graph holds
 every layer) and reports replay time / 10; replays are enqueued back to back (no host sync in
-between, as an engine replays them) and each is timed with CUDA events. Eager mode times each
+between, as an engine replays them) and each is timed with CUDA events. ``graph-interleaved``
+(on request) puts a small kernel that rewrites the input before every merge, as attention sits
+between merges in an engine; it times kernel + merge. Graph records carry ``host_us``, the
+host's enqueue time per call (slowest rank); a figure that it nearly reaches is marked
+host-bound. Eager mode times each
 call after a group barrier. 10 warm-up + 100 timed iterations; ``latency_us`` is the median over
 iterations of the slowest rank. The table gives each backend's speedup over the best NCCL (on CPU
 ranks: gloo) backend of the same run.
@@ -36,8 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", nargs="+", default=None,
                    choices=["reference", "ag_rs", "a2a", "symm_a2a", "auto"],
                    help="default: reference ag_rs a2a (+ symm_a2a on CUDA)")
-    p.add_argument("--modes", nargs="+", choices=("eager", "graph"), default=None,
-                   help="default: eager graph on CUDA, eager on CPU")
+    p.add_argument("--modes", nargs="+", choices=("eager", "graph", "graph-interleaved"),
+                   default=None,
+                   help="default: eager graph on CUDA, eager on CPU; graph-interleaved: a small "
+                        "kernel that rewrites the input (out *= 1) before every merge in the "
+                        "graph, as attention sits between merges in an engine (times kernel + "
+                        "merge)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--per-graph", type=int, default=10, help="merges captured per graph")
@@ -53,8 +61,8 @@ def _config(args) -> dict:
     backends = args.backends or (["reference", "ag_rs", "a2a"]
                                  + (["symm_a2a"] if device == "cuda" else []))
     modes = args.modes or (["eager", "graph"] if device == "cuda" else ["eager"])
-    if device == "cpu" and "graph" in modes:
-        raise ValueError("--modes graph needs --device cuda")
+    if device == "cpu" and any(m.startswith("graph") for m in modes):
+        raise ValueError(f"--modes {' '.join(modes)}: graph modes need --device cuda")
     if args.heads % args.world_size:
         raise ValueError(f"--heads {args.heads} is not divisible by --world-size "
                          f"{args.world_size}")
@@ -64,17 +72,26 @@ def _config(args) -> dict:
                 progress=not args.no_progress)
 
 
-def _graph_times(fn, cfg, barrier) -> list[float]:
-    """``per_graph`` merges captured in one graph; back-to-back event-timed replays (µs/call)."""
+def _graph_times(fn, cfg, barrier, stats) -> list[float]:
+    """``per_graph`` merges captured in one graph; back-to-back event-timed replays (µs/call);
+    ``stats["host_us"]``: the host's enqueue time per call."""
     from ..bench.common import time_graph
     return time_graph(fn, per_graph=cfg["per_graph"], warmup=cfg["warmup"], iters=cfg["iters"],
-                      barrier=barrier, back_to_back=True)
+                      barrier=barrier, back_to_back=True, stats=stats)
 
 
-def _eager_times(fn, cfg, barrier) -> list[float]:
+def _eager_times(fn, cfg, barrier, stats) -> list[float]:
     from ..bench.common import time_eager
     return time_eager(fn, warmup=cfg["warmup"], iters=cfg["iters"], device=cfg["device"],
                       barrier=barrier)
+
+
+def host_bound(record: dict) -> bool:
+    """Whether a graph-mode record's host enqueue time (``host_us``, slowest rank) reached 90 %
+    of its latency: then the GPU waited for a host, and the figure is the host's, not the
+    merge's."""
+    h = record.get("host_us")
+    return h is not None and h >= 0.9 * record["latency_us"]
 
 
 def _inputs(T, H, D, dtype, device, rank):
@@ -115,17 +132,34 @@ def run_rank(rank: int, world_size: int, cfg: dict) -> list[dict] | None:
         for T in cfg["tokens"]:
             out, lse = _inputs(T, H, D, dtype, device, rank)
             for mode in cfg["modes"]:
-                fn = (lambda: merger(out, lse))  # noqa: E731 - the timed call
-                times = (_graph_times if mode == "graph" else _eager_times)(fn, cfg, barrier)
-                if mode == "graph":
+                if mode == "graph-interleaved":
+                    def fn(out=out, lse=lse, merger=merger):  # the producer, then the merge
+                        out.mul_(1.0)
+                        return merger(out, lse)
+                else:
+                    fn = (lambda: merger(out, lse))  # noqa: E731 - the timed call
+                stats: dict = {}
+                graph = mode.startswith("graph")
+                times = (_graph_times if graph else _eager_times)(fn, cfg, barrier, stats)
+                if graph:
                     merger.check()
                 lat = slowest_rank_median(times)
-                records.append({"backend": backend, "mode": mode, "tokens": T,
-                                "world_size": world_size, "latency_us": round(lat, 3)})
+                rec = {"backend": backend, "mode": mode, "tokens": T, "world_size": world_size,
+                       "latency_us": round(lat, 3)}
+                if "host_us" in stats:
+                    rec["host_us"] = round(_max_over_ranks(stats["host_us"], g), 3)
+                records.append(rec)
                 bar.update(1)
-        del merger
+        merger = None  # free its workspace before the next backend's
     bar.close()
     return records if rank == 0 else None
+
+
+def _max_over_ranks(x: float, group) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
 
 
 def add_speedups(records: list[dict]) -> list[dict]:
@@ -146,7 +180,8 @@ def add_speedups(records: list[dict]) -> list[dict]:
 
 def markdown_table(records: list[dict]) -> str:
     """Pivot: one row per (mode, tokens), one column per backend (µs), plus symm_a2a's
-    speedup over the best collective backend."""
+    speedup over the best collective backend. A host-bound figure (``host_bound``) is marked
+    with ``ʰ`` and a note under the table."""
     backends = list(dict.fromkeys(r["backend"] for r in records))
     keyed = {(r["mode"], r["tokens"], r["backend"]): r for r in add_speedups(records)}
     head = "| mode | tokens | " + " | ".join(f"{b} (µs)" for b in backends) + \
@@ -157,10 +192,15 @@ def markdown_table(records: list[dict]) -> str:
             cells = []
             for b in backends:
                 r = keyed.get((mode, T, b))
-                cells.append(f"{r['latency_us']:.1f}" if r else "-")
+                cells.append((f"{r['latency_us']:.1f}" + ("ʰ" if host_bound(r) else ""))
+                             if r else "-")
             s = keyed.get((mode, T, "symm_a2a"))
             sp = f"{s['speedup']:.2f}×" if s and s["speedup"] else "-"
             lines.append(f"| {mode} | {T} | " + " | ".join(cells) + f" | {sp} |")
+    if any(host_bound(r) for r in records):
+        lines.append("\nʰ host-bound: a rank's host took at least 90 % of this time to enqueue "
+                     "each call (`host_us` in the JSON), so the GPU waited for it; the merge "
+                     "itself is faster than shown.")
     return "\n".join(lines)
 
 
@@ -171,14 +211,24 @@ def main(args) -> int:
     if min(args.tokens) < 1:
         print(f"attncomm bench dcp: --tokens must be ≥ 1, got {args.tokens}", file=sys.stderr)
         return 2
-    cfg = _config(args)
+    try:
+        cfg = _config(args)
+    except ValueError as exc:
+        print(f"attncomm bench dcp: {exc}", file=sys.stderr)
+        return 2
     t0 = time.monotonic()
     results = launch(run_rank, args.world_size, device=cfg["device"], args=(cfg,))
     records = results[0] or []
     rows = add_speedups(records)
-    print_table(rows, ["backend", "mode", "tokens", "world_size", "latency_us", "speedup"],
+    print_table(rows, ["backend", "mode", "tokens", "world_size", "latency_us", "speedup",
+                       "host_us"],
                 title=f"DCP merge, W={args.world_size}, H={cfg['heads']}, D={cfg['head_dim']}, "
-                      f"{cfg['dtype']} (speedup: best of {'/'.join(_COLLECTIVE)} ÷ this)")
+                      f"{cfg['dtype']} (speedup: best of {'/'.join(_COLLECTIVE)} ÷ this; "
+                      f"host_us: host enqueue time per call, graph mode)")
+    slow = [f"{r['backend']} {r['tokens']}" for r in records if host_bound(r)]
+    if slow:
+        print(f"warning: host-bound graph figures (the GPU waited for a host): "
+              f"{', '.join(slow)}", file=sys.stderr)
     print(f"({time.monotonic() - t0:.1f} s)")
     if args.json:
         m = meta(cfg["device"], args.world_size, heads=cfg["heads"], head_dim=cfg["head_dim"],

@@ -14,7 +14,7 @@ own rows, which it reads in place (never copied). Two protocols, chosen per call
   1 MiB per peer, with one block per program, the sends are staggered: the second half of the
   grid starts sending only when its partner in the first half has issued its stores, so the
   first half's fences, flags and combines overlap the second half's transfer (18.47 → 18.23 µs
-  at 128 tokens in one A/B, both with programmatic dependent launch, which is not used here).
+  at 128 tokens in one A/B).
 
 Shared rules:
 
@@ -25,19 +25,28 @@ Shared rules:
   flags and LL words hold the full epoch (int32). A fast rank never overwrites what a slow rank
   reads: it can only start call ``e+2`` (same slot as ``e``) after every peer has sent its part
   of ``e+1``, which each peer does only after its call ``e`` finished (stream order).
+- Programmatic dependent launch (PDL; capability ≥ 9.0, ``ATTNCOMM_SYMM_PDL=0`` turns it off):
+  every program counts in, then ``gdc_wait()`` (the kernel before it on the stream has finished
+  and its writes are visible), then the last one writes the epoch back, fenced, and every
+  program calls ``gdc_launch_dependents()``. So the next merge starts while this one runs and
+  takes its epoch there (off the critical path), but touches nothing else before this one has
+  finished: stream order holds for everything but the epoch word, which only count-ins touch.
 - Epoch wrap (int32): the epoch skips 0 (…, -1, 2, 3, …; the parity still alternates), so a
   never-written (zeroed) cell matches no call; and at epochs ≡ 0, 1 (mod 2**30) the kernel first
   zeroes the other slot's flags and LL words from every peer ("scrub"), then fences, then sends,
   so no cell keeps a value for 2**32 calls, where it would match again (scrubs of a slot are at
   most 2**31 calls apart: epochs 0 and 1 do not come round again). The peers write that
   slot next in call ``e+1``, after they have this call's data, so they never race the scrub.
-- Each program folds its own rows (read in place) before it waits for a peer; the LL kernel
-  also loads its first block's payload for peer ``(rank + 1) % W`` before the epoch atomic, so
-  the two round trips overlap.
+- Each program folds its own rows (read in place) before it waits for a peer. Without PDL the
+  LL kernel loads its first block's payload for peer ``(rank + 1) % W`` before the epoch atomic,
+  so the two round trips overlap (with PDL the atomic comes first: inputs are read only after
+  ``gdc_wait()``).
 - Deadlock freedom: the grid is at most one program per SM (persistent programs loop over row
   blocks), and every program sends its first block before it waits for a peer (a staggered
-  program first waits for a local program that waits for nothing before it signals), so no
-  spinning program waits on a program that cannot become resident.
+  program first waits for a local program of the group before it, and every such chain starts
+  at a program that waits for nothing before it signals), so no spinning program waits on a
+  program that cannot become resident. With PDL the next merge's programs are launched only
+  once all of this merge's programs run, and they wait in ``gdc_wait()`` (no spinning).
 - Timeouts: a wait past ``timeout_s`` sets ``errors[src] = 1`` and the program skips that block;
   the host reads the word after every eager call and in ``check()`` (after graph replays), and
   raises ``PeerTimeoutError`` naming ``src``.
@@ -47,9 +56,12 @@ The merge rule is the one in ``attncomm.dcp.combine`` (NaN LSE → −inf, ``m :
 rescaling). A zero-weight source's payload is loaded but never used (a select, not a multiply),
 so a NaN behind a −inf LSE cannot leak.
 
-Measured on 2× H200 (W=2, 64 heads, D=512, bf16, CUDA graphs): 3.8 / 5.5 / 6.8 / 8.4 / 11.9 /
-18.6 µs at 1 / 8 / 16 / 32 / 64 / 128 tokens (``benchmarks/results/dcp-2026-11-30-*.md``; the
-kernel's history and the NVLink ceilings under it: ``dcp-kernel-2026-11-30-*.md``).
+Measured on 2× H200 (W=2, 64 heads, D=512, bf16, CUDA graphs of 10 merges back to back): 3.1 /
+4.5 / 6.2 / 7.9 / 11.1 / 18.0 µs at 1 / 8 / 16 / 32 / 64 / 128 tokens; without PDL 3.8 / 5.4 /
+7.0 / 8.6 / 11.9 / 18.6 (``benchmarks/results/dcp-2026-11-30-*.md``; the kernel's history and
+the NVLink ceilings under it: ``dcp-kernel-2026-11-30-*.md``). With a kernel between merges
+that does not trigger early (a producer that does not use PDL), PDL gains nothing and costs up
+to 0.24 µs (1 token): ``attncomm bench dcp --modes graph-interleaved``.
 """
 from __future__ import annotations
 
@@ -65,9 +77,11 @@ from .backend import DcpBackend
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import cuda as tl_cuda
 except Exception:  # noqa: BLE001 - the backend reports itself unavailable
     triton = None
     tl = None
+    tl_cuda = None
 
 __all__ = ["SymmA2ABackend", "plan_blocks", "use_ll", "ll_rows_for", "launch_merge"]
 
@@ -78,6 +92,9 @@ __all__ = ["SymmA2ABackend", "plan_blocks", "use_ll", "ll_rows_for", "launch_mer
 _MAX_BLOCK_ROWS = int(os.environ.get("ATTNCOMM_SYMM_MAX_BLOCK_ROWS", "64"))
 _PROGRAMS_PER_SM = int(os.environ.get("ATTNCOMM_SYMM_PROGRAMS_PER_SM", "1"))
 _MAX_WARPS = int(os.environ.get("ATTNCOMM_SYMM_MAX_WARPS", "16"))
+# Warps for blocks of ≥ 32 KiB (0: no exception to _MAX_WARPS): 32-row blocks of 512 bf16 (128
+# tokens) measure 18.08 → 18.00 µs with 32 warps, 16 KiB blocks (64 tokens) 11.10 → 11.40.
+_WIDE_WARPS = int(os.environ.get("ATTNCOMM_SYMM_WIDE_WARPS", "32"))
 # Cap on the grid (0: none): fewer programs, each looping over several pipelined blocks.
 _MAX_PROGRAMS = int(os.environ.get("ATTNCOMM_SYMM_MAX_PROGRAMS", "0"))
 # Payload per peer up to which the LL protocol (flag inside every 8-byte word) is used.
@@ -85,11 +102,20 @@ _LL_MAX_BYTES = int(os.environ.get("ATTNCOMM_SYMM_LL_MAX_BYTES", str(256 * 1024)
 # Payload per peer from which the flag protocol staggers its sends (0: never): with one block per
 # program, the last programs of the grid start sending only when a program of the first group
 # has issued its stores, so the first group's fences, flags and combines overlap the second
-# group's transfer. _STAGGER_SPLIT: percent of the grid in the first group (below 50 acts as 50,
-# 100 or more turns staggering off). Measured best (A/Bs with programmatic dependent launch on):
-# from 1 MiB, 50 % (from 256 KiB slower at 16 tokens; 67 % and 75 % slower at 128 tokens).
+# group's transfer. _STAGGER_SPLIT: percent of the grid in the first group; below 50, the grid
+# is cut into groups of that size, each waiting for the one before (100 or more: off). Measured
+# best (A/Bs with PDL on): from 1 MiB, 50 % (from 256 KiB slower at 16 tokens; 67 % and 75 %
+# slower at 128 tokens; groups of 34 % or 25 % faster at 32 tokens, 7.90 → 7.73 µs, but slower
+# at 128, 18.08 → 18.21 / 18.36).
 _STAGGER_MIN_BYTES = int(os.environ.get("ATTNCOMM_SYMM_STAGGER_MIN_BYTES", str(1 << 20)))
 _STAGGER_SPLIT = int(os.environ.get("ATTNCOMM_SYMM_STAGGER_SPLIT", "50"))
+# Programmatic dependent launch (capability ≥ 9.0; "0" turns it off): a merge launches while the
+# previous kernel on the stream runs, counts itself into the epoch there, and waits
+# (gdc_wait) for that kernel to finish before it reads anything else. It saves the launch gap
+# and the epoch atomic when merges follow merges (or any kernel that calls
+# gdc_launch_dependents early): 0.6–0.9 µs per merge. After a kernel that does not, it starts
+# as without PDL, and the LL kernel loses its load-ahead: up to 0.24 µs slower (1 token).
+_PDL = os.environ.get("ATTNCOMM_SYMM_PDL", "1") != "0"
 _DELTA_UNIT = 16  # peer offsets are passed in units of 16 elements (keeps stores vectorised)
 
 
@@ -101,17 +127,26 @@ if triton is not None:
                                          is_pure=False, pack=1)
 
     @triton.jit
-    def _epoch_begin(state64_ptr, grid_size):
-        # This call's epoch from one atomic on the 64-bit word (count << 32) | epoch: each
-        # program adds 1 << 32 and reads the previous epoch in the same step, so no program can
-        # read after the write-back (every count-in precedes the last one). The last program to
-        # count in stores (0 << 32) | e for the next call. One round trip before the first store.
-        # Epoch 0 is skipped (it would match never-written, zeroed cells; 2 keeps the parity).
-        old = tl.atomic_add(state64_ptr, 1 << 32, sem="relaxed", scope="gpu")
+    def _count_in(state64_ptr):
+        # The first half of the epoch step: one atomic on the 64-bit word (count << 32) | epoch
+        # adds 1 << 32 (counts this program in) and returns the previous word.
+        return tl.atomic_add(state64_ptr, 1 << 32, sem="relaxed", scope="gpu")
+
+    @triton.jit
+    def _epoch_of(old, state64_ptr, grid_size, PDL: tl.constexpr):
+        # The second half: this call's epoch from the word _count_in returned. No program can
+        # read after the write-back (every count-in precedes the last one); the last program to
+        # count in stores (0 << 32) | e for the next call. Epoch 0 is skipped (it would match
+        # never-written, zeroed cells; 2 keeps the parity). With PDL the next merge counts in
+        # before its gdc_wait, once every program here has called gdc_launch_dependents: the
+        # fence puts the write-back ahead of that.
         e = (old & 0xFFFFFFFF).to(tl.int32) + 1
         e = tl.where(e == 0, 2, e)
         if (old >> 32) == grid_size - 1:
             tl.atomic_xchg(state64_ptr, e.to(tl.int64) & 0xFFFFFFFF, sem="relaxed", scope="gpu")
+            if PDL:
+                tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [],
+                                          dtype=tl.int32, is_pure=False, pack=1)
         return e
 
     @triton.jit
@@ -237,25 +272,43 @@ if triton is not None:
         tl.store(res_lse_ptr + rows, lse, mask=rmask)
 
     @triton.jit
-    def _send_block(out_ptr, lse_ptr, slab_o, slab_l, delta_o, delta_w, slot, b, n_rows, H, HS,
-                    D, o_cell, l_base, l_cell, RANK: tl.constexpr, W: tl.constexpr,
-                    BR: tl.constexpr, BD: tl.constexpr):
-        # Store block b of this rank's rows for every peer's head slice into that peer's slab.
+    def _load_rows(out_ptr, lse_ptr, b, q, n_rows, H, HS, D, BR: tl.constexpr,
+                   BD: tl.constexpr):
+        # Block b of this rank's rows of peer q's head slice: ([BR, BD] payload, [BR] LSE).
         rows = b * BR + tl.arange(0, BR)
         rmask = rows < n_rows
         d = tl.arange(0, BD)
-        m2 = rmask[:, None] & (d < D)[None, :]
-        src_base = (rows // HS) * H + rows % HS
+        src = (rows // HS) * H + rows % HS + q * HS
+        vals = tl.load(out_ptr + src[:, None] * D + d[None, :],
+                       mask=rmask[:, None] & (d < D)[None, :])
+        return vals, tl.load(lse_ptr + src, mask=rmask)
+
+    @triton.jit
+    def _store_rows(vals, lv, slab_o, slab_l, delta_oq, delta_wq, slot, b, n_rows, D, o_cell,
+                    l_base, l_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
+                    BD: tl.constexpr):
+        # ... stored into cell (slot, RANK) of peer q's slab (delta_oq, delta_wq: q's offsets).
+        rows = b * BR + tl.arange(0, BR)
+        rmask = rows < n_rows
+        d = tl.arange(0, BD)
+        cell = slot * W + RANK
+        po = slab_o + delta_oq * 16 + cell * o_cell
+        tl.store(po + rows[:, None] * D + d[None, :], vals,
+                 mask=rmask[:, None] & (d < D)[None, :])
+        pl = slab_l + delta_wq * 16 + l_base + cell * l_cell
+        tl.store(pl + rows, lv, mask=rmask)
+
+    @triton.jit
+    def _send_block(out_ptr, lse_ptr, slab_o, slab_l, delta_o, delta_w, slot, b, n_rows, H, HS,
+                    D, o_cell, l_base, l_cell, RANK: tl.constexpr, W: tl.constexpr,
+                    BR: tl.constexpr, BD: tl.constexpr, SKIP: tl.constexpr):
+        # Store block b of this rank's rows for every peer's head slice (but SKIP) into that
+        # peer's slab.
         for q in tl.static_range(W):
-            if q != RANK:
-                src = src_base + q * HS
-                vals = tl.load(out_ptr + src[:, None] * D + d[None, :], mask=m2)
-                lv = tl.load(lse_ptr + src, mask=rmask)
-                cell = slot * W + RANK
-                po = slab_o + tl.load(delta_o + q) * 16 + cell * o_cell
-                tl.store(po + rows[:, None] * D + d[None, :], vals, mask=m2)
-                pl = slab_l + tl.load(delta_w + q) * 16 + l_base + cell * l_cell
-                tl.store(pl + rows, lv, mask=rmask)
+            if q != RANK and q != SKIP:
+                vals, lv = _load_rows(out_ptr, lse_ptr, b, q, n_rows, H, HS, D, BR, BD)
+                _store_rows(vals, lv, slab_o, slab_l, tl.load(delta_o + q), tl.load(delta_w + q),
+                            slot, b, n_rows, D, o_cell, l_base, l_cell, RANK, W, BR, BD)
 
     @triton.jit
     def _publish(slab_f, delta_w, e, slot, b, f_base, f_cell, RANK: tl.constexpr,
@@ -298,7 +351,7 @@ if triton is not None:
                            H, HS, D, o_cell, l_base, l_cell, f_base, f_cell,
                            llo_base, llo_cell, lll_base, lll_cell,
                            RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
-                           BD: tl.constexpr, STAGGER: tl.constexpr):
+                           BD: tl.constexpr, STAGGER: tl.constexpr, PDL: tl.constexpr):
         """One merge, flag protocol. ``out [T, H, D]``, ``lse [T, H]`` fp32 → ``res [T, HS,
         D]``, ``res_lse [T, HS]`` fp32; a row is a ``(t, h_local)`` pair, ``n_rows = T·HS``.
 
@@ -307,27 +360,44 @@ if triton is not None:
         block k+1's flag is released only after that, so the combine of block k overlaps the
         transfer of block k+1 (a release fence waits for every earlier store). Every program
         publishes its first block before it waits for a peer, so no peer wait depends on a
-        wait; with STAGGER > 0 a program of the second group first waits, locally and bounded,
-        for its partner of the first group, which waits for nothing before it signals."""
+        wait; with STAGGER > 0 a program of a later group first waits, locally and bounded,
+        for its partner of the group before, so every chain of local waits starts at a program
+        of the first group, which waits for nothing before it signals."""
         pid = tl.program_id(0)
         # (Loading the first block before the epoch atomic, as the LL kernel does, was 0.3 µs
         # slower here at 64-128 tokens.)
-        e = _epoch_begin(state_ptr, grid_size)
+        old = _count_in(state_ptr)
+        if PDL:  # the previous kernel's writes are complete and visible from here on
+            tl_cuda.gdc_wait()
+        e = _epoch_of(old, state_ptr, grid_size, PDL)
+        if PDL:
+            tl_cuda.gdc_launch_dependents()
         _scrub(slab_f, err_ptr, e, pid, grid_size, f_base, f_cell, llo_base, llo_cell, lll_base,
                lll_cell, RANK, W)
         slot = e & 1
         deadline = timeout_ns.to(tl.int64) * 0
         bad = tl.full([], 0, tl.int32)
-        # STAGGER (percent of the grid in the first group; one block per program): this rank's
-        # own flag cell, unused by the peers, holds "program p has issued its stores"; program
-        # first + p starts sending only then.
+        # STAGGER (percent of the grid per group, the last group takes the rest; one block per
+        # program): this rank's own flag cell, unused by the peers, holds "program p has
+        # issued its stores"; program p + first starts sending only then (below 50 %, chains:
+        # p + first may itself have waited for p). The rows for peer (rank + 1) % W and its
+        # offsets are loaded before that wait, so a waiting program stores the moment its
+        # partner signals.
         go = slab_f + f_base + (slot * W + RANK) * f_cell
-        first = tl.maximum((grid_size * STAGGER + 99) // 100, (grid_size + 1) // 2)
+        first = tl.maximum((grid_size * STAGGER + 99) // 100, 1)
+        Q0: tl.constexpr = (RANK + 1) % W
+        if Q0 != RANK:
+            vals, lv = _load_rows(out_ptr, lse_ptr, pid, Q0, n_rows, H, HS, D, BR, BD)
+            delta_o0 = tl.load(delta_o + Q0)
+            delta_w0 = tl.load(delta_w + Q0)
         if STAGGER > 0:
             if pid >= first:  # its own deadline: a slow partner is no peer's timeout
                 _wait_go(go + pid - first, e, deadline, timeout_ns)
+        if Q0 != RANK:
+            _store_rows(vals, lv, slab_o, slab_l, delta_o0, delta_w0, slot, pid, n_rows, D,
+                        o_cell, l_base, l_cell, RANK, W, BR, BD)
         _send_block(out_ptr, lse_ptr, slab_o, slab_l, delta_o, delta_w, slot, pid, n_rows, H,
-                    HS, D, o_cell, l_base, l_cell, RANK, W, BR, BD)
+                    HS, D, o_cell, l_base, l_cell, RANK, W, BR, BD, Q0)
         tl.debug_barrier()
         if STAGGER > 0:
             if pid < grid_size - first:
@@ -337,7 +407,7 @@ if triton is not None:
         b = pid + grid_size  # a while loop: the interpreter cannot range() over a program id
         while b < n_blocks:
             _send_block(out_ptr, lse_ptr, slab_o, slab_l, delta_o, delta_w, slot, b, n_rows, H,
-                        HS, D, o_cell, l_base, l_cell, RANK, W, BR, BD)
+                        HS, D, o_cell, l_base, l_cell, RANK, W, BR, BD, RANK)
             deadline, bad = _receive_block(
                 out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slab_f, err_ptr, e,
                 slot, prev, deadline, timeout_ns, bad, n_rows, H, HS, D, o_cell, l_base, l_cell,
@@ -408,7 +478,8 @@ if triton is not None:
                          state_ptr, err_ptr, n_rows, n_blocks, grid_size, timeout_ns, H, HS, DW,
                          f_base, f_cell, llo_base, llo_cell, lll_base, lll_cell,
                          RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
-                         BW: tl.constexpr, PACK: tl.constexpr, DTYPE: tl.constexpr):
+                         BW: tl.constexpr, PACK: tl.constexpr, DTYPE: tl.constexpr,
+                         PDL: tl.constexpr):
         """One merge, LL protocol: every 8-byte word sent is ``(epoch << 32) | 32 payload
         bits``, so no fence and no separate flag; the receiver polls the words themselves.
         ``out_w [T, H, DW]`` / ``res_w [T, HS, DW]`` are the payloads viewed as int32."""
@@ -418,8 +489,16 @@ if triton is not None:
         # The first block's words for the next rank are loaded before the epoch is known: the
         # loads overlap the epoch atomic's round trip.
         Q0: tl.constexpr = (RANK + 1) % W
-        x0, xl0 = _ll_load(out_w, lse_w, pid, Q0, n_rows, H, HS, DW, BR, BW)
-        e = _epoch_begin(state_ptr, grid_size)
+        if PDL:  # count in while the previous merge runs; read the inputs only after gdc_wait
+            old = _count_in(state_ptr)
+            tl_cuda.gdc_wait()
+            x0, xl0 = _ll_load(out_w, lse_w, pid, Q0, n_rows, H, HS, DW, BR, BW)
+        else:
+            x0, xl0 = _ll_load(out_w, lse_w, pid, Q0, n_rows, H, HS, DW, BR, BW)
+            old = _count_in(state_ptr)
+        e = _epoch_of(old, state_ptr, grid_size, PDL)
+        if PDL:
+            tl_cuda.gdc_launch_dependents()
         _scrub(slab_w, err_ptr, e, pid, grid_size, f_base, f_cell, llo_base, llo_cell, lll_base,
                lll_cell, RANK, W)
         slot = e & 1
@@ -522,6 +601,8 @@ def ll_rows_for(max_rows: int, head_dim: int, itemsize: int,
 
 def _num_warps(nbytes: int) -> int:
     # about one 16-byte vector per thread and row chunk
+    if _WIDE_WARPS > 0 and nbytes >= 32 * 1024:
+        return _WIDE_WARPS
     return max(1, min(_MAX_WARPS, nbytes // (32 * 16)))
 
 
@@ -533,12 +614,13 @@ if triton is not None:
 
 def launch_merge(out, lse, res, res_lse, *, slab, delta_o, delta_w, delta_q, state, errors,
                  rank: int, world_size: int, num_heads: int, layout: SlabLayout,
-                 n_programs_max: int, timeout_ns: int) -> None:
+                 n_programs_max: int, timeout_ns: int, pdl: bool = False) -> None:
     """Launch one merge (no host sync). ``out [T, H, D]`` and ``lse [T, H]`` fp32 contiguous;
     ``res``/``res_lse`` contiguous, at least ``[T, H/W, D]``/``[T, H/W]``; ``slab`` the local
     symmetric uint8 slab; ``delta_*`` the ``[W]`` int64 peer offsets in 16-element units of
     the payload dtype, 4-byte and 8-byte words; ``state`` the ``[4]`` int32 ``[epoch, count, 0,
-    0]`` (its first 8 bytes are used as one int64 word)."""
+    0]`` (its first 8 bytes are used as one int64 word). ``pdl``: launch with programmatic
+    dependent launch (capability ≥ 9.0 only; see ``_PDL``)."""
     T, H, D = out.shape
     hs = num_heads // world_size
     n_rows = T * hs
@@ -556,7 +638,8 @@ def launch_merge(out, lse, res, res_lse, *, slab, delta_o, delta_w, delta_q, sta
             slab.view(torch.int64), slab.view(torch.int32), delta_q, state.view(torch.int64),
             errors, n_rows, n_blocks, grid, timeout_ns, H, hs, dw, *scrub_strides,
             RANK=rank, W=world_size, BR=br, BW=bw, PACK=4 // out.element_size(),
-            DTYPE=_TL_DTYPES[out.dtype], num_warps=_num_warps(br * bw * 8))
+            DTYPE=_TL_DTYPES[out.dtype], PDL=pdl, num_warps=_num_warps(br * bw * 8),
+            launch_pdl=pdl)
         return
     bd = triton.next_power_of_2(D)
     _merge_flag_kernel[(grid,)](
@@ -565,8 +648,8 @@ def launch_merge(out, lse, res, res_lse, *, slab, delta_o, delta_w, delta_q, sta
         n_rows, n_blocks, grid, timeout_ns,
         H, hs, D, st["o_cell"], st["l_base"], st["l_cell"], *scrub_strides,
         RANK=rank, W=world_size, BR=br, BD=bd,
-        STAGGER=_stagger(n_rows, n_blocks, grid, D, out.element_size()),
-        num_warps=_num_warps(br * bd * out.element_size()))
+        STAGGER=_stagger(n_rows, n_blocks, grid, D, out.element_size()), PDL=pdl,
+        num_warps=_num_warps(br * bd * out.element_size()), launch_pdl=pdl)
 
 
 def _stagger(n_rows: int, n_blocks: int, grid: int, head_dim: int, itemsize: int) -> int:
@@ -619,6 +702,8 @@ class SymmA2ABackend(DcpBackend):
             raise RuntimeError(f"symm_a2a: slab of {self.layout.total_bytes} bytes exceeds the "
                                f"kernel's 32-bit offsets; lower max_tokens")
         self.timeout_ns = int(timeout_s * 1e9)
+        self.pdl = (_PDL and device.type == "cuda"
+                    and torch.cuda.get_device_capability(device)[0] >= 9)
         ws, reason = capability.collective_try(
             group, lambda: SymmWorkspace(group, self.layout, device, op="dcp.merge[symm_a2a]",
                                          timeout_s=timeout_s, rendezvous=False),
@@ -681,7 +766,8 @@ class SymmA2ABackend(DcpBackend):
                      delta_w=self.delta_w, delta_q=self.delta_q,
                      state=self.ws.state, errors=self.ws.errors, rank=self.rank,
                      world_size=self.world_size, num_heads=self.num_heads, layout=self.layout,
-                     n_programs_max=self.n_programs_max, timeout_ns=self.timeout_ns)
+                     n_programs_max=self.n_programs_max, timeout_ns=self.timeout_ns,
+                     pdl=self.pdl)
 
     def __call__(self, out: torch.Tensor, lse: torch.Tensor):
         """``out [T, H, D]`` (``dtype``, contiguous, CUDA), ``lse [T, H]`` fp32 base e →
