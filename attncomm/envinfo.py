@@ -77,13 +77,13 @@ def nvlink_state() -> dict:
 
 
 def _symm_a2a_reason(p2p: list[list[bool]]) -> str | None:
+    reason = capability.cuda_reason() or capability.symm_mem_reason()
+    if reason:  # the more basic reason first (no CUDA), then Triton
+        return reason
     try:
         import triton  # noqa: F401
     except Exception:  # noqa: BLE001
         return "Triton is not importable"
-    reason = capability.cuda_reason() or capability.symm_mem_reason()
-    if reason:
-        return reason
     if len(p2p) < 2:
         return f"needs ≥ 2 GPUs on this host for W ≥ 2 (found {len(p2p)}); W=1 runs"
     missing = [f"{i}→{j}" for i, row in enumerate(p2p) for j, ok in enumerate(row) if not ok]

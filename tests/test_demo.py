@@ -174,7 +174,8 @@ def test_cli_json_and_exit_codes(tmp_path, capsys):
                           "seconds"}
         assert r["mode"] == "context_parallel" and r["min_cosine"] >= 1 - 1e-9
         assert r["world_size"] == 1 and r["max_abs_err"] < 2e-5 and r["seconds"] > 0
-    assert "min_cosine" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "min_cosine" in out and f"all {len(doc['runs'])} rows passed" in out
     assert demo_main(_args(["--world-size", "0"])) == 2
     assert demo_main(_args(["--sentences", "100000"])) == 2
     assert demo_main(_args(["--model-dir", str(tmp_path / "nothing")])) == 2

@@ -31,10 +31,11 @@ _COLLECTIVE = ("ag_rs", "a2a")  # the "NCCL backends" the speedup compares again
 def add_arguments(p: argparse.ArgumentParser) -> None:
     cuda = torch.cuda.is_available()
     p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if cuda else "cpu")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if cuda else "cpu",
+                   help=f"default: {'cuda' if cuda else 'cpu'} (CUDA ranks use NCCL, CPU gloo)")
     p.add_argument("--heads", type=int, default=64, help="total heads H (default 64)")
     p.add_argument("--head-dim", type=int, default=512, help="head_dim D (default 512)")
-    p.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16", help="default bf16")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128],
                    help="token counts T ≥ 1 (default 1 8 16 32 64 128)")
     p.add_argument("--backends", nargs="+", default=None,
@@ -46,14 +47,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "kernel that rewrites the input (out *= 1) before every merge in the "
                         "graph, as attention sits between merges in an engine (times kernel + "
                         "merge)")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=10, help="untimed iterations (default 10)")
+    p.add_argument("--iters", type=int, default=100,
+                   help="timed iterations; the median counts (default 100)")
     p.add_argument("--per-graph", type=int, default=10, help="merges captured per graph")
     p.add_argument("--json", metavar="PATH", default=None, help="write records as JSON")
     p.add_argument("--plot", metavar="PATH", default=None, help="latency vs tokens PNG")
     p.add_argument("--markdown", metavar="PATH", default=None,
                    help="write the table (one row per mode and tokens) as Markdown")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _config(args) -> dict:

@@ -722,7 +722,7 @@ class SymmA2ABackend(DcpBackend):
     @classmethod
     def local_unavailable_reason(cls, group, device: torch.device) -> str | None:
         reason = capability.symm_unavailable_reason(group, device)  # collective: always call
-        if triton is None:
+        if reason is None and triton is None:
             return "Triton is not importable"
         return reason
 

@@ -198,6 +198,9 @@ def _print_rows(rows: list[DemoRow], cfg: DemoConfig) -> None:
     for r in rows:
         if r.error:
             print(f"  {r.mode}/{r.backend} failed: {r.error}")
+    failed = sum(not _passed(r, cfg) for r in rows)
+    print(f"all {len(rows)} rows passed" if not failed
+          else f"{failed} of {len(rows)} rows FAILED", flush=True)
 
 
 def _write_json(path: str, rows: list[DemoRow], cfg: DemoConfig) -> None:
