@@ -100,6 +100,18 @@ def _sent(slab, layout, e, src, n, dtype, D):
     return rows, slab.view(torch.float32)[base:base + n]
 
 
+def _check_go_cells(slab, layout, e, n_rows, n_blocks, grid, D, itemsize):
+    """Staggered sends: program p signalled its waiter p + first in rank 0's own flag cell of
+    this slot (which no peer writes) exactly for p < grid − first; without staggering, none."""
+    from attncomm.dcp.symm_a2a import _stagger
+    split = _stagger(n_rows, n_blocks, grid, D, itemsize)
+    first = max(-(-grid * split // 100), 1) if split else grid
+    st = layout.kernel_strides()
+    base = st["f_base"] + ((e & 1) * layout.world_size) * st["f_cell"]
+    got = (slab.view(torch.int32)[base:base + grid] == e).tolist()
+    assert got == [p < grid - first for p in range(grid)], (split, grid, got)
+
+
 def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3, epoch0=0):
     """Consecutive calls (epochs epoch0+1, epoch0+2, …: both parity slots; the epoch is int32,
     wraps and skips 0) on rank 0 of W ranks."""
@@ -148,6 +160,8 @@ def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3, e
                      timeout_ns=10 ** 9)
         assert int(state[0]) == call and int(state[1]) == 0, state
         assert not bool(errors.any())
+        if not ll:
+            _check_go_cells(slabs[0], layout, call, n, n_blocks, grid, D, itemsize)
         for src in range(1, W):  # zeroed by a scrub call, untouched otherwise
             for c in _signal_cells(slabs[0], layout, 1 - (call & 1), src):
                 assert bool((c == (0 if _scrubs(call) else junk)).all()), (

@@ -86,7 +86,8 @@ def test_kernels_under_interpreter(stagger):
     """The real kernels on one CPU process: rank 0 runs, peers' stores are staged (see
     tests/_symm_interp.py): flag and LL protocols, W=1..4, fp16/bf16/fp32, both parity slots,
     −inf/NaN rows, bit-exact dispatch, the device epoch, its wrap and scrub, and the backend's
-    host code at W=1; also with staggered sends at every size (two groups; four, chained)."""
+    host code at W=1; also with staggered sends at every size (two groups; groups of one
+    program, chained)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.dirname(HERE))
     if stagger:
         env.update(ATTNCOMM_SYMM_STAGGER_MIN_BYTES="1", ATTNCOMM_SYMM_STAGGER_SPLIT=stagger)
@@ -201,15 +202,17 @@ def test_bench_dcp_on_cpu_ranks(pools, tmp_path):
 def test_bench_dcp_marks_host_bound_figures():
     from attncomm.dcp.bench import host_bound, markdown_table
     gpu = {"backend": "symm_a2a", "mode": "graph", "tokens": 8, "world_size": 2,
-           "latency_us": 4.5, "host_us": 1.2}
-    host = dict(gpu, tokens=1, latency_us=7.4, host_us=7.0)
+           "latency_us": 4.5, "gpu_idle_us": 0.30}  # the launch gap only
+    nccl = dict(gpu, backend="a2a", latency_us=22.0, gpu_idle_us=0.28)
+    host = dict(gpu, tokens=1, latency_us=7.4, gpu_idle_us=4.4)  # the GPU waited for a host
     eager = dict(gpu, mode="eager", latency_us=200.0)
-    del eager["host_us"]
-    assert not host_bound(gpu) and host_bound(host) and not host_bound(eager)
-    table = markdown_table([gpu, host, eager])
-    assert "| graph | 1 | 7.4ʰ |" in table and "| graph | 8 | 4.5 |" in table
+    del eager["gpu_idle_us"]
+    records = [gpu, nccl, host, eager]
+    assert [host_bound(r, records) for r in records] == [False, False, True, False]
+    table = markdown_table(records)
+    assert "| graph | 1 | 7.4ʰ | - |" in table and "| graph | 8 | 4.5 | 22.0 |" in table
     assert "host-bound" in table
-    assert "ʰ" not in markdown_table([gpu, eager])
+    assert "ʰ" not in markdown_table([gpu, nccl, eager])
 
 
 @pytest.mark.parametrize("modes", [["graph"], ["eager", "graph-interleaved"]])
@@ -222,3 +225,35 @@ def test_bench_dcp_graph_modes_need_cuda(modes, capsys):
     assert main(p.parse_args(["--device", "cpu", "--modes", *modes])) == 2
     err = capsys.readouterr().err
     assert "graph modes need --device cuda" in err and modes[-1] in err
+
+
+# ------------------------------------------------------------------------------ PDL prologue
+
+@pytest.mark.parametrize("kind", ["flag", "ll"])
+def test_pdl_prologue_order_in_ptx(kind):
+    """The kernels compiled for sm_90 (no GPU needed; tests/_symm_ptx.py, in a process without
+    TRITON_INTERPRET). With PDL, only the epoch count-in comes before griddepcontrol.wait (every
+    other global access after it), and the epoch's write-back is fenced and followed by a block
+    barrier before launch_dependents (the first trigger of a block counts for all its warps);
+    without PDL, none of it."""
+    import json
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.dirname(HERE)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_symm_ptx.py"), kind], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ptx = json.loads(proc.stdout)
+    lines = [ln.strip() for ln in ptx["pdl"].splitlines()]
+    wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
+    before = [ln for ln in lines[:wait]
+              if ".global" in ln and ("ld." in ln or "st." in ln or "atom." in ln)]
+    assert len(before) == 1 and "atom.global.gpu.relaxed.add.u64" in before[0], before
+    trigger = next(i for i, ln in enumerate(lines)
+                   if ln.startswith("griddepcontrol.launch_dependents"))
+    exch = max(i for i, ln in enumerate(lines[:trigger])
+               if "atom.global.gpu.relaxed.exch.b64" in ln)
+    between = lines[exch:trigger]
+    fence = next(i for i, ln in enumerate(between) if ln.startswith("fence.acq_rel.gpu"))
+    assert any(ln.startswith("bar.sync") for ln in between[fence:]), between
+    assert sum(ln.startswith("griddepcontrol") for ln in lines) == 2
+    assert "griddepcontrol" not in ptx["plain"] and "fence.acq_rel.gpu" not in ptx["plain"]

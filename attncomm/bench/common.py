@@ -82,9 +82,10 @@ def time_graph(fn: Callable[[], object], *, per_graph: int = 10, warmup: int = 1
     together; for transfers long next to a barrier). ``True``: one ``barrier``, then the replays
     run back to back, each between its own events (for µs-scale work, where a per-replay barrier
     would dominate; ranks stay in step through the exchange itself). There, ``stats`` (a dict,
-    if given) receives ``host_us``: the host's time to enqueue one replay and its events, per
-    call. When that reaches the GPU time per call, the GPU waited for the host and the times
-    measure the host (or, across ranks, the slowest rank's host), not the work."""
+    if given) receives ``gpu_idle_us``: the median time the GPU sat between one replay's end
+    event and the next one's start event, per call. Enqueued ahead, the next replay follows at
+    once; a gap means the GPU waited for the host, and the times then measure the host (across
+    ranks, the slowest rank's host), not the work."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -108,15 +109,14 @@ def time_graph(fn: Callable[[], object], *, per_graph: int = 10, warmup: int = 1
         barrier()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(iters)]
-    t0 = time.perf_counter()
     for start, end in events:
         start.record()
         graph.replay()
         end.record()
-    host_s = time.perf_counter() - t0
     torch.cuda.synchronize()
-    if stats is not None:
-        stats["host_us"] = host_s * 1e6 / (iters * per_graph)
+    if stats is not None and len(events) > 1:
+        gaps = [e.elapsed_time(s) * 1e3 for (_, e), (s, _) in zip(events, events[1:])]
+        stats["gpu_idle_us"] = statistics.median(gaps) / per_graph
     return [s.elapsed_time(e) * 1e3 / per_graph for s, e in events]
 
 

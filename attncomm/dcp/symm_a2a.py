@@ -14,7 +14,7 @@ own rows, which it reads in place (never copied). Two protocols, chosen per call
   1 MiB per peer, with one block per program, the sends are staggered: the second half of the
   grid starts sending only when its partner in the first half has issued its stores, so the
   first half's fences, flags and combines overlap the second half's transfer (18.47 → 18.23 µs
-  at 128 tokens in one A/B).
+  at 128 tokens in one A/B, with an earlier form of PDL in both).
 
 Shared rules:
 
@@ -27,10 +27,12 @@ Shared rules:
   of ``e+1``, which each peer does only after its call ``e`` finished (stream order).
 - Programmatic dependent launch (PDL; capability ≥ 9.0, ``ATTNCOMM_SYMM_PDL=0`` turns it off):
   every program counts in, then ``gdc_wait()`` (the kernel before it on the stream has finished
-  and its writes are visible), then the last one writes the epoch back, fenced, and every
-  program calls ``gdc_launch_dependents()``. So the next merge starts while this one runs and
-  takes its epoch there (off the critical path), but touches nothing else before this one has
-  finished: stream order holds for everything but the epoch word, which only count-ins touch.
+  and its writes are visible), then the last one writes the epoch back, fenced, a block
+  barrier, and every program calls ``gdc_launch_dependents()``. So the next merge starts while
+  this one runs and takes its epoch there (off the critical path), but touches nothing else
+  before this one has finished: stream order holds for everything but the epoch word, which
+  only count-ins and the write-back touch. Hence the host may set ``state`` only with the
+  stream synchronised before the next merge (tests do; a merger never needs to).
 - Epoch wrap (int32): the epoch skips 0 (…, -1, 2, 3, …; the parity still alternates), so a
   never-written (zeroed) cell matches no call; and at epochs ≡ 0, 1 (mod 2**30) the kernel first
   zeroes the other slot's flags and LL words from every peer ("scrub"), then fences, then sends,
@@ -57,7 +59,8 @@ rescaling). A zero-weight source's payload is loaded but never used (a select, n
 so a NaN behind a −inf LSE cannot leak.
 
 Measured on 2× H200 (W=2, 64 heads, D=512, bf16, CUDA graphs of 10 merges back to back): 3.1 /
-4.5 / 6.2 / 7.9 / 11.1 / 18.0 µs at 1 / 8 / 16 / 32 / 64 / 128 tokens; without PDL 3.8 / 5.4 /
+4.5 / 6.2 / 7.8 / 11.1 / 18.0 µs at 1 / 8 / 16 / 32 / 64 / 128 tokens (17.95–18.05 over 13
+runs); without PDL 3.8 / 5.4 /
 7.0 / 8.6 / 11.9 / 18.6 (``benchmarks/results/dcp-2026-11-30-*.md``; the kernel's history and
 the NVLink ceilings under it: ``dcp-kernel-2026-11-30-*.md``). With a kernel between merges
 that does not trigger early (a producer that does not use PDL), PDL gains nothing and costs up
@@ -92,8 +95,9 @@ __all__ = ["SymmA2ABackend", "plan_blocks", "use_ll", "ll_rows_for", "launch_mer
 _MAX_BLOCK_ROWS = int(os.environ.get("ATTNCOMM_SYMM_MAX_BLOCK_ROWS", "64"))
 _PROGRAMS_PER_SM = int(os.environ.get("ATTNCOMM_SYMM_PROGRAMS_PER_SM", "1"))
 _MAX_WARPS = int(os.environ.get("ATTNCOMM_SYMM_MAX_WARPS", "16"))
-# Warps for blocks of ≥ 32 KiB (0: no exception to _MAX_WARPS): 32-row blocks of 512 bf16 (128
-# tokens) measure 18.08 → 18.00 µs with 32 warps, 16 KiB blocks (64 tokens) 11.10 → 11.40.
+# Warps for blocks of ≥ 32 KiB, not capped by _MAX_WARPS (0: no exception): 32-row blocks of
+# 512 bf16 (128 tokens) measure 18.08 → 18.00 µs with 32 warps, 16 KiB blocks (64 tokens)
+# 11.10 → 11.40. (LL blocks stay far below 32 KiB at the default _LL_MAX_BYTES.)
 _WIDE_WARPS = int(os.environ.get("ATTNCOMM_SYMM_WIDE_WARPS", "32"))
 # Cap on the grid (0: none): fewer programs, each looping over several pipelined blocks.
 _MAX_PROGRAMS = int(os.environ.get("ATTNCOMM_SYMM_MAX_PROGRAMS", "0"))
@@ -137,9 +141,14 @@ if triton is not None:
         # The second half: this call's epoch from the word _count_in returned. No program can
         # read after the write-back (every count-in precedes the last one); the last program to
         # count in stores (0 << 32) | e for the next call. Epoch 0 is skipped (it would match
-        # never-written, zeroed cells; 2 keeps the parity). With PDL the next merge counts in
-        # before its gdc_wait, once every program here has called gdc_launch_dependents: the
-        # fence puts the write-back ahead of that.
+        # never-written, zeroed cells; 2 keeps the parity).
+        # With PDL, then gdc_launch_dependents: the next merge counts in (before its gdc_wait)
+        # once every program here has called it. In the last program, thread 0 writes back,
+        # its fence waits until the write has reached L2 (where every count-in's atomic runs),
+        # and a block barrier (the branch is the same for the whole block) keeps the other
+        # warps from triggering before that: the first trigger of a block counts for the whole
+        # block. (A practical guarantee: PTX gives launch_dependents no memory ordering; only
+        # gdc_wait makes a grid's writes visible.)
         e = (old & 0xFFFFFFFF).to(tl.int32) + 1
         e = tl.where(e == 0, 2, e)
         if (old >> 32) == grid_size - 1:
@@ -147,6 +156,9 @@ if triton is not None:
             if PDL:
                 tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [],
                                           dtype=tl.int32, is_pure=False, pack=1)
+                tl.debug_barrier()
+        if PDL:
+            tl_cuda.gdc_launch_dependents()
         return e
 
     @triton.jit
@@ -370,8 +382,6 @@ if triton is not None:
         if PDL:  # the previous kernel's writes are complete and visible from here on
             tl_cuda.gdc_wait()
         e = _epoch_of(old, state_ptr, grid_size, PDL)
-        if PDL:
-            tl_cuda.gdc_launch_dependents()
         _scrub(slab_f, err_ptr, e, pid, grid_size, f_base, f_cell, llo_base, llo_cell, lll_base,
                lll_cell, RANK, W)
         slot = e & 1
@@ -497,8 +507,6 @@ if triton is not None:
             x0, xl0 = _ll_load(out_w, lse_w, pid, Q0, n_rows, H, HS, DW, BR, BW)
             old = _count_in(state_ptr)
         e = _epoch_of(old, state_ptr, grid_size, PDL)
-        if PDL:
-            tl_cuda.gdc_launch_dependents()
         _scrub(slab_w, err_ptr, e, pid, grid_size, f_base, f_cell, llo_base, llo_cell, lll_base,
                lll_cell, RANK, W)
         slot = e & 1
