@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Tune symm_a2a's launch shape on the GPU machine, then verify the best shape:
 #
-#   [SWEEP_CONFIGS="rows,per_sm,warps[,max_programs[,stagger_bytes[,split[,pdl[,wide]]]]] ..."] \
-#   [SWEEP_TOKENS="64 128"] [SWEEP_ROUNDS=1] [AB_KERNELS="path/to/symm_a2a.py ..."] [AB_CONFIG=...] \
+#   [SWEEP_CONFIGS="rows,per_sm,warps[,max_programs[,stagger_bytes[,split[,pdl[,wide]]]]] ..."]
+#   [SWEEP_TOKENS="64 128"] [SWEEP_ROUNDS=1] [AB_KERNELS="path/to/symm_a2a.py ..."]
+#   [AB_CONFIG=rows,per_sm,...] \
 #     bash scripts/tune_dcp_gpu.sh [gpu_check steps...]   (default steps after the sweep: tests dcp)
 #
 # 1. times symm_a2a (graph mode, 64 heads × 512, bf16, W=2) at SWEEP_TOKENS for each (max block

@@ -7,9 +7,9 @@ between, as an engine replays them) and each is timed with CUDA events. ``graph-
 (on request) puts a small kernel that rewrites the input before every merge, as attention sits
 between merges in an engine; it times kernel + merge. Graph records carry ``gpu_idle_us``, the
 median time the GPU sat between replays, per call (slowest rank); a figure whose idle time
-exceeds the run's smallest (the GPU's own launch gap) by ≥ 10 % of it is marked host-bound. Eager mode times each
-call after a group barrier. 10 warm-up + 100 timed iterations; ``latency_us`` is the median over
-iterations of the slowest rank. The table gives each backend's speedup over the best NCCL (on CPU
+exceeds the run's smallest (the GPU's own launch gap) by ≥ 10 % of it is marked host-bound.
+Eager mode times each call after a group barrier. 10 warm-up + 100 timed iterations;
+``latency_us`` is the median over iterations of the slowest rank. The table gives each backend's speedup over the best NCCL (on CPU
 ranks: gloo) backend of the same run.
 """
 from __future__ import annotations
