@@ -22,7 +22,10 @@ step); the host only reads the error word (``check``).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
 import warnings
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -132,19 +135,20 @@ class SlabLayout:
     def total_bytes(self) -> int:
         return self.cells * sum(self.cell_bytes().values())
 
-    def kernel_strides(self) -> dict[str, int]:
+    @functools.lru_cache(maxsize=None)  # noqa: B019 - a few frozen layouts per process
+    def kernel_strides(self) -> Mapping[str, int]:
         """Region bases and cell strides in elements of each region's type, as kernels index
         them: ``o`` in payload elements (base 0), ``l``/``f`` in 4-byte words, ``llo``/``lll``
         in 8-byte words. Every region is 128-byte aligned, so each base is a whole number of
-        its elements."""
+        its elements. Computed once per layout (every merge launch reads it)."""
         cb = self.cell_bytes()
-        return {
+        return types.MappingProxyType({
             "o_cell": cb["o"] // self.itemsize,
             "l_base": self.region_base("l") // 4, "l_cell": cb["l"] // 4,
             "f_base": self.region_base("f") // 4, "f_cell": cb["f"] // 4,
             "llo_base": self.region_base("llo") // 8, "llo_cell": cb["llo"] // 8,
             "lll_base": self.region_base("lll") // 8, "lll_cell": cb["lll"] // 8,
-        }
+        })
 
 
 def _group_or_world(group):

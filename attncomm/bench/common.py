@@ -13,8 +13,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["meta", "time_eager", "time_graph", "slowest_rank_median", "print_table",
-           "write_json", "plot_lines", "progress"]
+__all__ = ["meta", "time_eager", "time_graph", "max_over_ranks", "slowest_rank_median",
+           "print_table", "write_json", "plot_lines", "progress"]
 
 
 def meta(device: str, world_size: int, **extra) -> dict:
@@ -120,13 +120,18 @@ def time_graph(fn: Callable[[], object], *, per_graph: int = 10, warmup: int = 1
     return [s.elapsed_time(e) * 1e3 / per_graph for s, e in events]
 
 
-def slowest_rank_median(times_us: Sequence[float], group=None) -> float:
-    """Median over iterations of the slowest rank's time (max over ranks per iteration)."""
-    t = torch.tensor(list(times_us), dtype=torch.float64)
+def max_over_ranks(values: Sequence[float], group=None) -> list[float]:
+    """Element-wise max of ``values`` over the ranks of ``group`` (through its gloo twin)."""
+    t = torch.tensor(list(values), dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         from .. import cpu_group
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group(group))
-    return float(statistics.median(t.tolist()))
+    return t.tolist()
+
+
+def slowest_rank_median(times_us: Sequence[float], group=None) -> float:
+    """Median over iterations of the slowest rank's time (max over ranks per iteration)."""
+    return float(statistics.median(max_over_ranks(times_us, group)))
 
 
 def print_table(rows: Sequence[dict], columns: Sequence[str], title: str | None = None,

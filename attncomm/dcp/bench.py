@@ -82,7 +82,7 @@ def _graph_times(fn, cfg, barrier, stats) -> list[float]:
                       barrier=barrier, back_to_back=True, stats=stats)
 
 
-def _eager_times(fn, cfg, barrier, stats) -> list[float]:
+def _eager_times(fn, cfg, barrier) -> list[float]:
     from ..bench.common import time_eager
     return time_eager(fn, warmup=cfg["warmup"], iters=cfg["iters"], device=cfg["device"],
                       barrier=barrier)
@@ -111,7 +111,7 @@ def run_rank(rank: int, world_size: int, cfg: dict) -> list[dict] | None:
     """Every rank: build each backend's merger, time every (tokens, mode); rank 0 returns the
     records (slowest-rank medians), the others None."""
     from .. import cpu_group
-    from ..bench.common import progress, slowest_rank_median
+    from ..bench.common import max_over_ranks, progress, slowest_rank_median
     from .api import DcpMerger
 
     device = torch.device("cuda", torch.cuda.current_device()) if cfg["device"] == "cuda" \
@@ -146,26 +146,20 @@ def run_rank(rank: int, world_size: int, cfg: dict) -> list[dict] | None:
                     fn = (lambda: merger(out, lse))  # noqa: E731 - the timed call
                 stats: dict = {}
                 graph = mode.startswith("graph")
-                times = (_graph_times if graph else _eager_times)(fn, cfg, barrier, stats)
+                times = (_graph_times(fn, cfg, barrier, stats) if graph
+                         else _eager_times(fn, cfg, barrier))
                 if graph:
                     merger.check()
                 lat = slowest_rank_median(times)
                 rec = {"backend": backend, "mode": mode, "tokens": T, "world_size": world_size,
                        "latency_us": round(lat, 3)}
                 if "gpu_idle_us" in stats:
-                    rec["gpu_idle_us"] = round(_max_over_ranks(stats["gpu_idle_us"], g), 3)
+                    rec["gpu_idle_us"] = round(max_over_ranks([stats["gpu_idle_us"]])[0], 3)
                 records.append(rec)
                 bar.update(1)
         merger = fn = None  # free its workspace before the next backend's
     bar.close()
     return records if rank == 0 else None
-
-
-def _max_over_ranks(x: float, group) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t.item())
 
 
 def add_speedups(records: list[dict]) -> list[dict]:
