@@ -2,12 +2,15 @@
 
 Backends: ``reference`` (all_gather everything), ``ag_rs`` (all_gather LSE + local correction +
 reduce_scatter), ``a2a`` (one packed all_to_all + local combine), ``symm_a2a`` (P2P stores into
-symmetric memory, CUDA only), ``auto``.
+symmetric memory, CUDA only), ``auto``. Before attention, the query-head all-gather:
+``gather_heads`` / ``DcpQueryGather`` (backends ``all_gather``, ``symm``, ``auto``), with RoPE on
+the last R dims fused into the producer.
 """
 from __future__ import annotations
 
 from .api import (BACKENDS, DcpMerger, available_backends, merge, merge_states,
                   shard_kv_interleaved)
+from .gather import GATHER_BACKENDS, DcpQueryGather, gather_heads, rotate_tail
 
 __all__ = ["merge_states", "merge", "DcpMerger", "shard_kv_interleaved", "available_backends",
-           "BACKENDS"]
+           "BACKENDS", "gather_heads", "DcpQueryGather", "rotate_tail", "GATHER_BACKENDS"]

@@ -1,0 +1,485 @@
+"""DCP's query-head all-gather: ``gather_heads``, ``DcpQueryGather``, ``rotate_tail``.
+
+In DCP decode each rank holds the query heads of its slice ``[r·H/W, (r+1)·H/W)`` (its share of
+the head-sharded q projection) but attends all heads over its own KV shard, so before attention
+the group all-gathers the queries (vLLM's DCP, SGLang's Shared-DCP); after it ``dcp.merge``
+merges the partial outputs. MLA (DeepSeek, Kimi-K2.5) rotates only the last R dims of a query
+head (``q_pe``: D = 512 + 64, R = 64); the rotation is applied here, by the producer, before the
+exchange, so the gathered query is ready for attention.
+
+Backends (one interface, ``QueryGatherBackend``):
+
+- ``all_gather``: the process group's ``all_gather_into_tensor`` (NCCL or gloo) into a staging
+  buffer, then a local permute into ``[T, H, D]``;
+- ``symm``: every rank stores its (rotated) slice straight into every peer's persistent buffer
+  (``attncomm.dcp.gather_symm``; CUDA, one host, P2P);
+- ``auto``: ``symm`` when it can run and measures faster at construction, else ``all_gather``.
+
+Every backend returns exactly the bits the ranks passed (after the rotation, which is
+elementwise and fixed in its operation order, so rotating before or after the exchange, in torch
+or in a kernel, gives the same bits).
+"""
+from __future__ import annotations
+
+import collections
+import importlib
+import logging
+from abc import ABC, abstractmethod
+
+import torch
+import torch.distributed as dist
+
+from .. import config
+from .._dist import (DTYPE_CODES, agree, agree_reason, all_gather_tensor, as_bits, group_device,
+                     group_key, wait)
+
+__all__ = ["gather_heads", "DcpQueryGather", "rotate_tail", "QueryGatherBackend",
+           "AllGatherBackend", "GATHER_BACKENDS"]
+
+log = logging.getLogger("attncomm.dcp")
+
+GATHER_BACKENDS = ("all_gather", "symm", "auto")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_CACHE_SIZE = 8
+
+
+def rotate_tail(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate-half (NeoX) RoPE on the last ``R`` dims of every head, in fp32, rounded once.
+
+    Arguments:
+        q: ``[T, h, D]`` fp16/bf16/fp32.
+        cos, sin: ``[T, R]`` (any float dtype, converted to fp32 exactly), ``R`` even, ``R ≤ D``.
+        out: optional ``[T, h, D]`` tensor of ``q``'s dtype to write into (may be ``q``).
+
+    Returns:
+        ``[T, h, D]`` in ``q.dtype``: dims ``[0, D−R)`` copied, and with ``x`` the last ``R``
+        dims in fp32, ``x1, x2`` its halves: ``x·cos + (−x2, x1)·sin``, two products and one
+        sum per value, no fused multiply-add (the ``symm`` kernel computes the same bits).
+    """
+    D = q.shape[-1]
+    R = cos.shape[-1]
+    half = R // 2
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if out.data_ptr() != q.data_ptr():
+        out[..., :D - R].copy_(q[..., :D - R])
+    if R == 0:
+        return out
+    x = q[..., D - R:].to(torch.float32)
+    c = cos.to(torch.float32)[:, None, :]
+    s = sin.to(torch.float32)[:, None, :]
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    out[..., D - R:].copy_(x * c + rot * s)
+    return out
+
+
+def _rope_error(rope, T: int, D: int, device) -> str | None:
+    if not (isinstance(rope, (tuple, list)) and len(rope) == 2
+            and all(isinstance(t, torch.Tensor) for t in rope)):
+        return "rope must be a (cos, sin) pair of tensors"
+    cos, sin = rope
+    if cos.dim() != 2 or tuple(sin.shape) != tuple(cos.shape) or cos.shape[0] != T:
+        return (f"rope cos and sin must both be [T={T}, R]; got cos {tuple(cos.shape)}, "
+                f"sin {tuple(sin.shape)}")
+    R = cos.shape[1]
+    if R < 2 or R % 2 or R > D:
+        return f"rope dim R={R} must be even, ≥ 2 and ≤ head_dim D={D}"
+    if not cos.is_floating_point() or not sin.is_floating_point():
+        return f"rope cos/sin must be floating point, got {cos.dtype}, {sin.dtype}"
+    if cos.device != device or sin.device != device:
+        return f"rope cos/sin are on {cos.device}/{sin.device}, q on {device}"
+    return None
+
+
+def _check_q(q, world_size: int, rope, backend: str) -> str | None:
+    """This rank's argument errors for ``gather_heads`` (no communication), or None."""
+    if backend not in GATHER_BACKENDS:
+        return f"backend={backend!r} is not one of {list(GATHER_BACKENDS)}"
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        return f"q must be a [T, H/W, D] tensor, got {getattr(q, 'shape', type(q).__name__)}"
+    if q.dtype not in _DTYPES:
+        return f"q dtype must be fp16/bf16/fp32, got {q.dtype}"
+    if q.shape[1] < 1 or q.shape[2] < 1:
+        return f"heads per rank H/W and head_dim D must be ≥ 1, got {tuple(q.shape[1:])}"
+    if rope is not None:
+        return _rope_error(rope, q.shape[0], q.shape[2], q.device)
+    return None
+
+
+def _signature(q, rope, backend):
+    shape = list(q.shape) if isinstance(q, torch.Tensor) and q.dim() == 3 else [-1, -1, -1]
+    r = -1
+    if rope is not None:
+        try:
+            r = int(rope[0].shape[-1])
+        except Exception:  # noqa: BLE001 - a bad rope is a local error already
+            r = -2
+    sig = shape + [DTYPE_CODES.get(getattr(q, "dtype", None), 0),
+                   0 if rope is None else 1, r if rope is not None else 0,
+                   GATHER_BACKENDS.index(backend) if backend in GATHER_BACKENDS else -1]
+    return sig, ["T (tokens)", "H/W (heads per rank)", "D (head_dim)", "dtype", "rope",
+                 "rope dim R", "backend"]
+
+
+def gather_heads(q: torch.Tensor, group=None, *, backend: str = "auto", rope=None,
+                 validate: bool | None = None, timeout_s: float | None = None) -> torch.Tensor:
+    """All-gather this rank's query heads with every other rank's (DCP's query gather).
+
+    Arguments:
+        q: ``[T, H/W, D]`` fp16/bf16/fp32, this rank's heads ``[r·H/W, (r+1)·H/W)``.
+        group: process group of W ranks (None: the default group).
+        backend: "all_gather", "symm" or "auto" (env ``ATTNCOMM_DCP_GATHER_BACKEND`` names a
+            preferred backend for "auto", taken when it can run here).
+        rope: ``(cos, sin)``, each ``[T, R]``, R even, R ≤ D: rotate the last R dims of every
+            head first (``rotate_tail``: rotate-half, fp32, one rounding), as MLA rotates only
+            ``q_pe``. None: no rotation.
+        validate: check that every rank passed the same T, H/W, D, dtype and rope dim (None →
+            env ``ATTNCOMM_VALIDATE``, default on). One small all_gather.
+        timeout_s: wait budget (None → ``ATTNCOMM_TIMEOUT_S``, 60 s).
+
+    Returns:
+        ``[T, H, D]`` in ``q.dtype`` (a new tensor): every rank's slice in rank order, bit for bit
+        what the ranks passed (rotated when ``rope`` is given: equal to ``rotate_tail`` then the
+        gather). ``q`` is never modified. ``T == 0`` works.
+
+    Raises:
+        ValueError: bad arguments, or ranks that disagree on them (on every rank alike when
+            validation is on); a named backend that cannot run here.
+        PeerTimeoutError: a peer did not answer within ``timeout_s``.
+    """
+    W = dist.get_world_size(group)
+    budget = config.timeout_s(timeout_s)
+    local_error = _check_q(q, W, rope, backend)
+    if config.validate_enabled(validate):
+        sig, labels = _signature(q, rope, backend)
+        agree(group, "dcp.gather_heads", sig, labels, local_error, budget)
+    elif local_error:
+        raise ValueError(f"dcp.gather_heads: {local_error}")
+    T, h, D = q.shape
+    if T == 0:
+        return torch.empty((0, h * W, D), dtype=q.dtype, device=q.device)
+    R = 0 if rope is None else rope[0].shape[-1]
+    gatherer = _cached_gatherer(group, T, h * W, D, q.dtype, backend, R, budget)
+    return gatherer(q, rope=rope).clone()
+
+
+_GATHERERS: "dict[object, collections.OrderedDict[tuple, DcpQueryGather]]" = {}
+
+
+def _cached_gatherer(group, T, H, D, dtype, backend, R, budget) -> "DcpQueryGather":
+    # One gatherer per geometry and power-of-two token bucket; every rank makes the same agreed
+    # calls, so every rank evicts the same entry.
+    bucket = max(16, 1 << (T - 1).bit_length())
+    lru = _GATHERERS.setdefault(group_key(group), collections.OrderedDict())
+    key = (bucket, H, D, dtype, backend, R, budget)
+    g = lru.get(key)
+    if g is None:
+        g = DcpQueryGather(group, max_tokens=bucket, num_heads=H, head_dim=D, dtype=dtype,
+                           backend=backend, rope_dim=R, timeout_s=budget)
+        lru[key] = g
+        while len(lru) > _CACHE_SIZE:
+            lru.popitem(last=False)
+    else:
+        lru.move_to_end(key)
+    return g
+
+
+class QueryGatherBackend(ABC):
+    """The one interface every query-gather backend implements.
+
+    Constructed collectively (every rank of ``group``, same arguments). ``__call__(q, cos,
+    sin)`` takes this rank's ``[T, H/W, D]`` slice (``dtype``, contiguous, ``T ≤ max_tokens``)
+    and, when ``rope_dim > 0``, fp32 contiguous ``cos, sin [T, rope_dim]``; it returns
+    ``[T, H, D]`` in ``dtype``, a view of a persistent buffer (see each backend for how long it
+    stays valid). ``q`` is never modified.
+    """
+
+    name: str = "?"
+
+    def __init__(self, group, *, max_tokens: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype, rope_dim: int, device: torch.device, timeout_s: float):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.max_tokens, self.num_heads, self.head_dim = max_tokens, num_heads, head_dim
+        self.hs = num_heads // self.world_size
+        self.dtype, self.rope_dim = dtype, rope_dim
+        self.device, self.timeout_s = device, timeout_s
+
+    @classmethod
+    def local_unavailable_reason(cls, group, device: torch.device) -> str | None:
+        """Why this backend cannot run on this rank (None if it can); called on every rank
+        alike (it may be collective); the caller agrees the verdict."""
+        return None
+
+    @abstractmethod
+    def __call__(self, q: torch.Tensor, cos: torch.Tensor | None,
+                 sin: torch.Tensor | None) -> torch.Tensor:
+        ...
+
+    def check(self) -> None:
+        """Raise any timeout recorded on the device since the last check (default: none)."""
+
+
+class AllGatherBackend(QueryGatherBackend):
+    """Rotate into a send buffer, ``all_gather_into_tensor`` into ``[W, T, H/W, D]`` staging
+    (payload as bytes: every process-group backend moves uint8), permute into ``out``.
+
+    The result is a view of ``out [max_tokens, H, D]``, local memory that only this rank's
+    stream writes: valid until this rank's next call. Graph-capturable on NCCL.
+    """
+
+    name = "all_gather"
+
+    def __init__(self, group, **kw):
+        super().__init__(group, **kw)
+        W, n, h, D = self.world_size, self.max_tokens, self.hs, self.head_dim
+        self.send = torch.empty((n, h, D), dtype=self.dtype, device=self.device)
+        self.stage = torch.empty((W * n * h * D,), dtype=self.dtype, device=self.device)
+        self.out = torch.empty((n, W * h, D), dtype=self.dtype, device=self.device)
+
+    def __call__(self, q, cos, sin):
+        T, h, D = q.shape
+        W = self.world_size
+        send = self.send[:T]
+        if cos is not None:
+            rotate_tail(q, cos, sin, out=send)
+        else:
+            send.copy_(q)
+        out = self.out[:T]
+        if W == 1:
+            out.copy_(send)
+            return out
+        stage = self.stage[:W * T * h * D]
+        work = all_gather_tensor(as_bits(stage), as_bits(send.view(-1)), self.group,
+                                 async_op=True)
+        wait(work, self.group, "dcp.gather[all_gather]", self.timeout_s)
+        out.view(T, W, h, D).copy_(stage.view(W, T, h, D).transpose(0, 1))
+        return out
+
+
+def _backend_class(name: str) -> type[QueryGatherBackend]:
+    if name == "all_gather":
+        return AllGatherBackend
+    if name == "symm":
+        return importlib.import_module("attncomm.dcp.gather_symm").SymmGatherBackend
+    raise ValueError(f"unknown gather backend {name!r}; expected one of "
+                     f"{list(GATHER_BACKENDS)}")
+
+
+def _measured_choice(group, impls: dict, max_tokens: int, rope_dim: int):
+    """Time each backend in CUDA graphs at token buckets up to ``max_tokens`` (1, 8, 64,
+    ``max_tokens``), slowest rank (all_reduce MAX over the gloo twin), pick the lowest geometric
+    mean: ``(name, why symm was not taken or None)``, the same on every rank."""
+    import math
+
+    from .. import cpu_group
+    from ..bench.common import time_graph
+    from .auto import token_buckets
+
+    names = list(impls)
+    buckets = token_buckets(max_tokens)
+    scores = torch.full((len(names), len(buckets)), math.inf, dtype=torch.float64)
+    any_impl = impls[names[0]]
+    gen = torch.Generator(device=any_impl.device).manual_seed(dist.get_rank(group))
+    for i, name in enumerate(names):
+        impl = impls[name]
+        try:
+            for j, T in enumerate(buckets):
+                q = torch.randn((T, impl.hs, impl.head_dim), generator=gen,
+                                device=impl.device).to(impl.dtype)
+                cs = (torch.randn((T, rope_dim), generator=gen, device=impl.device)
+                      if rope_dim else None)
+                times = time_graph(lambda: impl(q, cs, cs), per_graph=4, warmup=1, iters=5,
+                                   back_to_back=True)
+                impl.check()
+                scores[i, j] = sorted(times)[len(times) // 2]
+        except Exception as exc:  # noqa: BLE001 - agreed below: the candidate is dropped
+            log.warning("DcpQueryGather: timing %s failed: %s", name, exc)
+            scores[i] = math.inf
+    dist.all_reduce(scores, op=dist.ReduceOp.MAX, group=cpu_group(group))
+    means = [math.exp(sum(math.log(max(v, 1e-3)) for v in row) / len(row))
+             if all(math.isfinite(v) for v in row) else math.inf for row in scores.tolist()]
+    best = min(range(len(names)), key=lambda i: means[i])
+    table = ", ".join(f"{n} {m:.1f} µs" for n, m in zip(names, means))
+    if names[best] == "symm":
+        return "symm", None
+    why = "symm failed while timing on some rank" if math.isinf(means[names.index("symm")]) \
+        else f"measured slower over tokens {buckets} ({table})"
+    return names[best], why
+
+
+class DcpQueryGather:
+    """A preallocated, CUDA-graph-capturable query-head all-gather for up to ``max_tokens``.
+
+    Arguments:
+        group: process group of W ranks (None: default group). Construction is collective.
+        max_tokens: largest T a call may pass (≥ 1).
+        num_heads: H, divisible by W (each rank passes H/W heads). head_dim: D.
+        dtype: fp16/bf16/fp32 of the query.
+        backend: "all_gather", "symm" or "auto" (decided here, eagerly, before any capture:
+            ``symm`` when every rank can run it and it measures faster over token buckets up to
+            ``max_tokens``; env ``ATTNCOMM_DCP_GATHER_BACKEND`` names a preference for "auto").
+        rope_dim: R: every call rotates the last R dims (0: no rotation; else even, ≤ D).
+        out_dtype: None (the query's dtype). FP8 output is not supported yet (ValueError).
+        timeout_s: wait budget (None → ``ATTNCOMM_TIMEOUT_S``).
+
+    ``gather(q [T, H/W, D], rope=None)`` → ``[T, H, D]``, a view of a persistent buffer;
+    ``rope=(cos, sin)`` each ``[T, rope_dim]`` is required iff ``rope_dim > 0``. Per-call checks
+    are local (no collective), so calls can be captured.
+
+    Ordering rule (the view is valid until this rank's next call is enqueued): enqueue every
+    reader of a result on the gather's stream before the next call. The ``symm`` backend keeps
+    peers from overwriting a result a slow rank still reads on its own (see
+    ``attncomm.dcp.gather_symm``); with ``ordered_by_caller=True`` it leaves that to the caller,
+    who promises a cross-rank dependency between a result's readers and the next call on every
+    rank (``DcpAttention``: the DCP merge that follows attention).
+
+    Attributes:
+        backend: the backend in use; fallback_reason: why "auto" did not take ``symm`` (None if
+            it did or was not asked).
+
+    Raises:
+        ValueError (every rank): bad arguments, or a named backend that cannot run here.
+    """
+
+    def __init__(self, group=None, *, max_tokens: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype, backend: str = "auto", rope_dim: int = 0,
+                 out_dtype: torch.dtype | None = None, timeout_s: float | None = None,
+                 ordered_by_caller: bool = False):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.timeout_s = config.timeout_s(timeout_s)
+        err = self._check_args(max_tokens, num_heads, head_dim, dtype, backend, rope_dim,
+                               out_dtype, self.world_size)
+        ints = [v if isinstance(v, int) else -1 for v in (max_tokens, num_heads, head_dim,
+                                                          rope_dim)]
+        sig = ints + [DTYPE_CODES.get(dtype, 0),
+                      GATHER_BACKENDS.index(backend) if backend in GATHER_BACKENDS else -1,
+                      int(bool(ordered_by_caller))]
+        agree(group, "DcpQueryGather", sig, ["max_tokens", "num_heads", "head_dim", "rope_dim",
+                                             "dtype", "backend", "ordered_by_caller"],
+              err, self.timeout_s)
+        self.max_tokens, self.num_heads, self.head_dim = max_tokens, num_heads, head_dim
+        self.dtype, self.rope_dim, self.out_dtype = dtype, rope_dim, dtype
+        self.ordered_by_caller = bool(ordered_by_caller)
+        self.device = group_device(group)
+        self.requested_backend = backend
+        self.fallback_reason: str | None = None
+        name = config.env_backend("ATTNCOMM_DCP_GATHER_BACKEND", backend, GATHER_BACKENDS[:-1])
+        if backend == "auto" and name != "auto":
+            why = agree_reason(group, self._local_reason(name), f"gather backend {name}")
+            if why:
+                log.warning("DcpQueryGather: ATTNCOMM_DCP_GATHER_BACKEND=%s cannot run here "
+                            "(%s); choosing automatically", name, why)
+                name = "auto"
+        if name == "auto":
+            self._impl = self._choose_auto()
+        else:
+            if backend != "auto":
+                reason = agree_reason(group, self._local_reason(name), f"gather backend {name}")
+                if reason:
+                    raise ValueError(f"DcpQueryGather: backend {name!r} cannot run here: "
+                                     f"{reason}")
+            self._impl = self._build(name)
+        self.backend = self._impl.name
+
+    @staticmethod
+    def _check_args(max_tokens, num_heads, head_dim, dtype, backend, rope_dim, out_dtype,
+                    world_size):
+        if backend not in GATHER_BACKENDS:
+            return f"backend={backend!r} is not one of {list(GATHER_BACKENDS)}"
+        for label, v in (("max_tokens", max_tokens), ("num_heads", num_heads),
+                         ("head_dim", head_dim)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                return f"{label} must be an int ≥ 1, got {v!r}"
+        if dtype not in _DTYPES:
+            return f"dtype must be fp16/bf16/fp32, got {dtype}"
+        if num_heads % world_size:
+            return f"num_heads={num_heads} is not divisible by world size W={world_size}"
+        if not isinstance(rope_dim, int) or rope_dim < 0 or rope_dim % 2 or rope_dim > head_dim:
+            return f"rope_dim must be 0 or an even int ≤ head_dim={head_dim}, got {rope_dim!r}"
+        if out_dtype is not None and out_dtype != dtype:
+            if "float8" in str(out_dtype):
+                return (f"out_dtype={out_dtype}: FP8 query output (per-head scale) is not "
+                        f"supported yet; pass out_dtype=None")
+            return f"out_dtype must be None or the query dtype {dtype}, got {out_dtype}"
+        return None
+
+    def _kwargs(self):
+        return dict(max_tokens=self.max_tokens, num_heads=self.num_heads,
+                    head_dim=self.head_dim, dtype=self.dtype, rope_dim=self.rope_dim,
+                    device=self.device, timeout_s=self.timeout_s)
+
+    def _local_reason(self, name: str) -> str | None:
+        if name == "symm" and self.device.type != "cuda":
+            return "symm needs CUDA tensors on an NCCL group; this group is on CPU (gloo)"
+        try:
+            cls = _backend_class(name)
+        except ImportError as exc:
+            return f"{name} is not available: {exc}"
+        return cls.local_unavailable_reason(self.group, self.device)
+
+    def _build(self, name: str) -> QueryGatherBackend:
+        cls = _backend_class(name)
+        if name == "all_gather":
+            return cls(self.group, **self._kwargs())
+        impl, err = None, None
+        try:
+            impl = cls(self.group, ordered_by_caller=self.ordered_by_caller, **self._kwargs())
+        except Exception as exc:  # noqa: BLE001 - agreed below, re-raised or fallen back from
+            err = f"{type(exc).__name__}: {exc}"
+        reason = agree_reason(self.group, err, f"{name} setup")
+        if reason is None:
+            return impl
+        if self.requested_backend != "auto":
+            raise ValueError(f"DcpQueryGather: backend {name!r} failed to set up: {reason}")
+        self.fallback_reason = reason
+        log.warning("DcpQueryGather: %s setup failed (%s); using all_gather", name, reason)
+        return AllGatherBackend(self.group, **self._kwargs())
+
+    def _choose_auto(self) -> QueryGatherBackend:
+        reason = agree_reason(self.group, self._local_reason("symm"), "symm")
+        if reason is not None:
+            self.fallback_reason = reason
+            return AllGatherBackend(self.group, **self._kwargs())
+        symm = self._build("symm")
+        if symm.name != "symm":
+            return symm
+        base = AllGatherBackend(self.group, **self._kwargs())
+        pick, why = _measured_choice(self.group, {"symm": symm, "all_gather": base},
+                                     self.max_tokens, self.rope_dim)
+        self.fallback_reason = why
+        log.info("DcpQueryGather: auto chose %s (%s)", pick, why or "measured faster")
+        return symm if pick == "symm" else base
+
+    def check(self) -> None:
+        """Raise ``PeerTimeoutError`` for any timeout the device recorded since the last check."""
+        self._impl.check()
+
+    def __call__(self, q: torch.Tensor, rope=None) -> torch.Tensor:
+        err = _check_q(q, self.world_size, rope, "auto")
+        if err is None:
+            T, h, D = q.shape
+            if T > self.max_tokens or h * self.world_size != self.num_heads \
+                    or D != self.head_dim or q.dtype != self.dtype:
+                err = (f"got q {tuple(q.shape)} {q.dtype}; this gather takes T ≤ "
+                       f"{self.max_tokens}, H/W={self.num_heads // self.world_size}, "
+                       f"D={self.head_dim}, {self.dtype}")
+            elif (rope is None) != (self.rope_dim == 0) or (
+                    rope is not None and rope[0].shape[-1] != self.rope_dim):
+                got = "none" if rope is None else f"R={rope[0].shape[-1]}"
+                err = f"rope_dim={self.rope_dim} needs (cos, sin) of [T, {self.rope_dim}]; " \
+                      f"got {got}"
+        if err:
+            raise ValueError(f"DcpQueryGather: {err}")
+        if q.shape[0] == 0:
+            return torch.empty((0, self.num_heads, self.head_dim), dtype=q.dtype,
+                               device=q.device)
+        cos = sin = None
+        if rope is not None:
+            cos = rope[0].to(torch.float32).contiguous()
+            sin = rope[1].to(torch.float32).contiguous()
+        return self._impl(q.contiguous(), cos, sin)
