@@ -282,7 +282,7 @@ class DcpMerger:
             self._require(name)
         self._impl = self._build(name)
         self.backend = self._impl.name
-        self.returns_views = bool(getattr(self._impl, "returns_views", False))
+        self.returns_views = self._impl.returns_views
 
     @staticmethod
     def _check_args(max_tokens, num_heads, head_dim, dtype, backend, lse_base, world_size):
@@ -356,8 +356,7 @@ class DcpMerger:
 
     def backend_for(self, num_tokens: int) -> str:
         """The backend a call with ``num_tokens`` tokens uses."""
-        fn = getattr(self._impl, "backend_for", None)
-        return fn(num_tokens) if fn is not None else self.backend
+        return self._impl.backend_for(num_tokens)
 
     def check(self) -> None:
         """Raise ``PeerTimeoutError`` for any timeout the device recorded since the last check."""

@@ -20,6 +20,9 @@ class DcpBackend(ABC):
     """
 
     name: str = "?"
+    #: ``__call__`` returns views of internal buffers, valid until the next call (the caller
+    #: copies to keep them).
+    returns_views: bool = False
 
     def __init__(self, group, *, max_tokens: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, timeout_s: float):
@@ -41,6 +44,10 @@ class DcpBackend(ABC):
     @abstractmethod
     def __call__(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ...
+
+    def backend_for(self, num_tokens: int) -> str:
+        """The backend a call of ``num_tokens`` tokens runs (default: this one)."""
+        return self.name
 
     def check(self) -> None:
         """Raise any timeout recorded on the device since the last check (default: none)."""

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from .. import _dist
 from .layout import ExchangePlan
-from .transport import Exchange, Transport, source_view
+from .transport import (Exchange, SendBuffer, Transport, dense_send_buffer, fill_send_buffer,
+                        source_view)
 
 __all__ = ["AllToAllTransport"]
 
@@ -57,14 +58,20 @@ class _A2AExchange(Exchange):
 
 class AllToAllTransport(Transport):
     """``all_to_all_single`` over ``group`` (async; ``Exchange.wait`` blocks the stream or, on
-    gloo, the host, bounded by ``timeout_s``)."""
+    gloo, the host, bounded by ``timeout_s``). Its send buffer (``send_buffer``) is the
+    ``all_to_all_single`` input itself; results never alias staging."""
 
     name = "all_to_all"
 
     def start(self, plan: ExchangePlan, parts: Sequence[torch.Tensor], dtype: torch.dtype,
-              device: torch.device, out: torch.Tensor | None = None) -> Exchange:
+              device: torch.device, out: torch.Tensor | None = None, *,
+              send: SendBuffer | None = None) -> Exchange:
         r, w = self.rank, self.world_size
-        send = self._pack(plan, parts, dtype, device)
+        if send is not None:
+            self._check_send(plan, dtype, send)
+            send = send.flat
+        else:
+            send = self._pack(plan, parts, dtype, device)
         if plan.tiled and out is not None and plan.covers(r):
             recv = out
         else:
@@ -83,25 +90,13 @@ class AllToAllTransport(Transport):
         return _A2AExchange(self, work, plan, recv, out, dtype, device)
 
     def _pack(self, plan: ExchangePlan, parts, dtype, device) -> torch.Tensor:
-        r, w = self.rank, self.world_size
+        r = self.rank
         direct = _direct_send(plan, parts, r)
         if direct is not None:
             return direct
-        total = sum(plan.numel[r])
-        send = torch.empty(total, dtype=dtype, device=device)
-        base = 0
-        for p in range(w):
-            pos = 0
-            for x in plan.pieces[r][p]:
-                if plan.tiled:
-                    off = base + x.dst_offset - plan.region_start[r][p]
-                    dst = send.as_strided((x.rows, x.cols), (x.dst_pitch, 1), off)
-                else:
-                    dst = send[base + pos:base + pos + x.numel].view(x.rows, x.cols)
-                dst.copy_(source_view(parts, x))
-                pos += x.numel
-            base += plan.numel[r][p]
-        return send
+        buf = dense_send_buffer(plan, dtype, device, r)
+        fill_send_buffer(buf, parts)
+        return buf.flat
 
 
 def _direct_send(plan: ExchangePlan, parts, r: int) -> torch.Tensor | None:

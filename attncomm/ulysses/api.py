@@ -96,7 +96,7 @@ def get_transport(group, backend: str, device: torch.device, timeout_s: float,
                 _set_fallback_reason(None, owner)  # small message: NCCL's lower fixed cost wins
                 return _cached(group, "all_to_all", device, timeout_s, rank, world)
             t = _cached(group, "ce", device, timeout_s, rank, world)
-            reason = t.start_blocker(plan, dtype)  # allocates (collectively) if new
+            reason = t.prepare(plan, dtype)  # allocates (collectively) if new
             if reason is None:
                 _set_fallback_reason(None, owner)
                 return t
@@ -267,7 +267,7 @@ def seq_to_head(x: torch.Tensor, group=None, *, seq_lens=None, backend: str = "a
     ex = t.start(plan, [x], x.dtype, x.device)
     buf = ex.wait()
     out = buf.view(sum(seq), b, heads[rank], d).permute(1, 0, 2, 3)
-    if t.name != "all_to_all" or b > 1:
+    if t.result_aliases_staging or b > 1:
         out = out.clone(memory_format=torch.contiguous_format)  # never alias a staging slot
     ex.release()
     return out

@@ -137,10 +137,9 @@ def _dit_fn(t, case, dtype, device):
 
 
 def _prepare(t, plan, dtype):
-    if t.name == "ce":
-        why = t.start_blocker(plan, dtype)
-        if why:
-            raise RuntimeError(f"ce cannot run this size: {why}")
+    why = t.prepare(plan, dtype)
+    if why:
+        raise RuntimeError(f"{t.name} cannot run this size: {why}")
 
 
 def _first_call(t, geometry, case, dtype, device):

@@ -43,7 +43,7 @@ from .. import capability
 from .._dist import agree_reason, group_key
 from ..errors import PeerTimeoutError
 from .layout import ExchangePlan
-from .transport import Exchange, Transport, source_view
+from .transport import Exchange, SendBuffer, Transport, send_views, source_view
 
 __all__ = ["CopyEngineTransport", "local_unavailable_reason", "host_unavailable_reason",
            "agreed_unavailable_reason", "probe_stream_mem_ops", "CACHE_ENTRIES"]
@@ -242,6 +242,8 @@ class _Staging:
         self.ptrs: list = []
         self.parity = 0
         self.pinned = False
+        self.send_bufs = [None, None]  # local send staging per parity (send_buffer), lazily
+        self.send_done = [[], []]      # events after the copies that last read it
 
     def rendezvous(self) -> None:
         """Collective: exchange buffer handles with every rank (host-blocking)."""
@@ -285,6 +287,7 @@ class CopyEngineTransport(Transport):
     """
 
     name = "ce"
+    result_aliases_staging = True
 
     def __init__(self, group, rank: int, world_size: int, timeout_s: float, *,
                  device: torch.device, flag_mode: str | None = None,
@@ -337,7 +340,7 @@ class CopyEngineTransport(Transport):
         item = torch.empty((), dtype=dtype).element_size()
         return (plan.tiled, _bucket(max(plan.recv_numel) * item))
 
-    def start_blocker(self, plan: ExchangePlan, dtype) -> str | None:
+    def prepare(self, plan: ExchangePlan, dtype) -> str | None:
         """None if ``start`` can run this plan now (allocating its staging buffer if needed,
         collectively), else why not (the same on every rank)."""
         self.check()
@@ -394,16 +397,61 @@ class CopyEngineTransport(Transport):
                                    op="ulysses ce")
 
     # -------------------------------------------------------------------------- exchange
-    def start(self, plan: ExchangePlan, parts: Sequence[torch.Tensor], dtype: torch.dtype,
-              device: torch.device, out: torch.Tensor | None = None) -> Exchange:
+    def _entry(self, plan: ExchangePlan, dtype) -> tuple:
         if self.broken is not None:
             raise PeerTimeoutError(self.broken, op="ulysses ce")
         key = self._key(plan, dtype)
         if key not in self.cache:
-            why = self.start_blocker(plan, dtype)
+            why = self.prepare(plan, dtype)
             if why:
                 raise ValueError(f"ulysses ce: {why}")
-        st = self.cache[key]
+        return key, self.cache[key]
+
+    def send_buffer(self, plan: ExchangePlan, dtype: torch.dtype,
+                    device: torch.device) -> SendBuffer:
+        """Views of this transport's staging for the next ``start(plan, ..., send=)``: for a
+        tiled plan ``regions[rank]`` is this rank's own region of its receive slot (written in
+        place, never copied), the peers' regions lie in a local send staging buffer that the
+        copy engine reads. The current stream first waits (on the device) until the copies
+        that last read that buffer are done."""
+        key, st = self._entry(plan, dtype)
+        k, r = st.parity, self.rank
+        item = torch.empty((), dtype=dtype).element_size()
+        own_in_slot = plan.tiled
+        need = sum(n for p, n in enumerate(plan.numel[r]) if p != r or not own_in_slot) * item
+        cur = torch.cuda.current_stream(self.device)
+        for ev in st.send_done[k]:
+            cur.wait_event(ev)
+        buf = st.send_bufs[k]
+        if buf is None or buf.numel() < need:
+            if torch.cuda.is_current_stream_capturing():
+                raise ValueError("ulysses ce: a new send buffer size during CUDA graph capture "
+                                 "(run it once before capturing)")
+            if buf is not None:
+                for cs in self.streams:
+                    buf.record_stream(cs)
+            buf = st.send_bufs[k] = torch.empty(_bucket(need), dtype=torch.uint8,
+                                                device=self.device)
+        flat = buf.view(dtype)
+        regions, base = [], 0
+        for p, n in enumerate(plan.numel[r]):
+            if p == r and own_in_slot:
+                lo = plan.region_start[r][r]
+                regions.append(st.slot_view(k, plan.recv_numel[r], dtype)[lo:lo + n])
+            else:
+                regions.append(flat[base:base + n])
+                base += n
+        return SendBuffer(plan, dtype, r, tuple(regions), None, token=(key, k, st))
+
+    def start(self, plan: ExchangePlan, parts: Sequence[torch.Tensor], dtype: torch.dtype,
+              device: torch.device, out: torch.Tensor | None = None, *,
+              send: SendBuffer | None = None) -> Exchange:
+        key, st = self._entry(plan, dtype)
+        if send is not None:
+            self._check_send(plan, dtype, send)
+            if send.token != (key, st.parity, st):
+                raise ValueError("ulysses ce: send buffer is stale (take it right before the "
+                                 "start it is for)")
         self.cache.move_to_end(key)
         capturing = torch.cuda.is_current_stream_capturing()
         if capturing:
@@ -423,17 +471,42 @@ class CopyEngineTransport(Transport):
             cs.wait_event(ready)
             self.flags.wait(cs, st.a_addr(r, k, p), 1, p + 1, bounded=capturing)
             a_events[p] = _record(cs)
-            base = st.slot_addr(p, k)
-            for x in plan.pieces[r][p]:
-                self._copy(cs, base, x, source_view(parts, x), item)
+            self._copy_to(cs, st.slot_addr(p, k), plan, p, parts, send, item)
             self.flags.write(cs, st.f_addr(p, k, r), 1, kernel=capturing)
             done[p] = _record(cs)
+        if send is not None:
+            st.send_done[k] = list(done.values())
         local = st.slot_view(k, plan.recv_numel[r], dtype)
-        for x in plan.pieces[r][r]:
-            dst = local.as_strided((x.rows, x.cols), (x.dst_pitch, 1),
-                                   local.storage_offset() + x.dst_offset)
-            dst.copy_(source_view(parts, x))
+        if send is None or not plan.tiled:
+            srcs = (send_views(send, r) if send is not None else
+                    [(x, source_view(parts, x)) for x in plan.pieces[r][r]])
+            for x, src in srcs:
+                dst = local.as_strided((x.rows, x.cols), (x.dst_pitch, 1),
+                                       local.storage_offset() + x.dst_offset)
+                dst.copy_(src)
         return _CEExchange(self, st, k, plan, local, out, done, a_events, capturing, parts)
+
+    def _copy_to(self, cs, base: int, plan: ExchangePlan, p: int, parts, send, item) -> None:
+        """Everything this rank sends to ``p`` into ``p``'s slot at ``base``: from the send
+        buffer one 1D copy per region of a tiled plan, else one copy per piece."""
+        r = self.rank
+        if send is not None and plan.tiled:
+            region = send.regions[p]
+            if region.numel():
+                self._raw_copy(cs, base + plan.region_start[r][p] * item, region.data_ptr(),
+                               region.numel() * item)
+            return
+        srcs = (send_views(send, p) if send is not None else
+                [(x, source_view(parts, x)) for x in plan.pieces[r][p]])
+        for x, src in srcs:
+            self._copy(cs, base, x, src, item)
+
+    def _raw_copy(self, stream, dst: int, src: int, nbytes: int) -> None:
+        rt = self.rt
+        res = rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
+                                 stream.cuda_stream)
+        if not _ok(res):
+            raise RuntimeError(f"ulysses ce: copy of {nbytes} B failed: {res}")
 
     def _copy(self, stream, base: int, x, src: torch.Tensor, item: int) -> None:
         """Rows of ``src`` (``[rows, cols]``, unit column stride) to ``base + dst_offset`` with

@@ -1,6 +1,13 @@
-"""The one small interface every Ulysses transport implements."""
+"""The one small interface every Ulysses transport implements.
+
+A transport moves the pieces of an ``ExchangePlan``. Callers use only this interface (never a
+transport's name): ``prepare`` before capture, ``send_buffer`` + ``start(..., send=)`` for a
+producer that writes its outgoing data in place (no pack), ``result_aliases_staging`` to know
+whether a result must be copied before ``release()``.
+"""
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from typing import Sequence
 
@@ -8,7 +15,8 @@ import torch
 
 from .layout import ExchangePlan, Piece
 
-__all__ = ["Transport", "Exchange", "source_view"]
+__all__ = ["Transport", "Exchange", "SendBuffer", "source_view", "region_view",
+           "fill_send_buffer", "dense_send_buffer", "send_views"]
 
 
 def source_view(parts: Sequence[torch.Tensor], piece: Piece) -> torch.Tensor:
@@ -22,10 +30,89 @@ def source_view(parts: Sequence[torch.Tensor], piece: Piece) -> torch.Tensor:
     return v.reshape(piece.rows, piece.cols)
 
 
+def region_view(plan: ExchangePlan, src: int, dst: int, piece: Piece,
+                region: torch.Tensor, pos: int) -> torch.Tensor:
+    """The ``[rows, cols]`` view of ``piece`` (one of ``plan.pieces[src][dst]``) inside the flat
+    send region ``region`` for ``dst`` (``[plan.numel[src][dst]]``).
+
+    Tiled plans keep the destination's layout: the piece starts at ``piece.dst_offset −
+    plan.region_start[src][dst]`` with the destination pitch. Other plans pack the pieces
+    densely in plan order: the piece starts at ``pos`` (the sum of the earlier pieces' numel)
+    with pitch ``cols``."""
+    if plan.tiled:
+        off, pitch = piece.dst_offset - plan.region_start[src][dst], piece.dst_pitch
+    else:
+        off, pitch = pos, piece.cols
+    return region.as_strided((piece.rows, piece.cols), (pitch, 1), region.storage_offset() + off)
+
+
+def _region_pieces(plan: ExchangePlan, src: int, dst: int):
+    pos = 0
+    for x in plan.pieces[src][dst]:
+        yield x, pos
+        pos += x.numel
+
+
+@dataclasses.dataclass(frozen=True)
+class SendBuffer:
+    """Where a producer writes what this rank sends in one exchange, in the transport's layout.
+
+    Attributes:
+        plan, dtype: the exchange it is for.
+        rank: this rank (the source).
+        regions: ``regions[p]`` is a flat ``[plan.numel[rank][p]]`` tensor of ``dtype`` holding
+            what goes to destination ``p`` (``region_view`` gives each piece's place). For a
+            tiled plan such as ``seq_to_head_plan`` that is this rank's rows of ``p``'s final
+            buffer: ``regions[p].view(S_rank, B, n(p), D)`` with ``n(p)`` the heads ``p``
+            receives (the parts' heads side by side). A transport may hand out views of its
+            own staging (``regions[rank]`` may be this rank's receive slot).
+        flat: all regions as one destination-major ``[Σ_p numel[rank][p]]`` tensor when they are
+            its consecutive slices, else None.
+        token: private to the transport that made it.
+    """
+
+    plan: ExchangePlan
+    dtype: torch.dtype
+    rank: int
+    regions: tuple
+    flat: torch.Tensor | None = None
+    token: object = None
+
+
+def dense_send_buffer(plan: ExchangePlan, dtype: torch.dtype, device: torch.device,
+                      rank: int, token: object = None) -> SendBuffer:
+    """A fresh destination-major buffer: the regions are consecutive slices of one tensor."""
+    flat = torch.empty(sum(plan.numel[rank]), dtype=dtype, device=device)
+    regions, base = [], 0
+    for n in plan.numel[rank]:
+        regions.append(flat[base:base + n])
+        base += n
+    return SendBuffer(plan, dtype, rank, tuple(regions), flat, token)
+
+
+def fill_send_buffer(send: SendBuffer, parts: Sequence[torch.Tensor]) -> None:
+    """Copy the pieces of ``parts`` into ``send`` (the reference producer; SM copies on the
+    current stream)."""
+    plan, r = send.plan, send.rank
+    for p in range(plan.world_size):
+        for x, pos in _region_pieces(plan, r, p):
+            region_view(plan, r, p, x, send.regions[p], pos).copy_(source_view(parts, x))
+
+
+def send_views(send: SendBuffer, p: int):
+    """``(piece, [rows, cols] view in send.regions[p])`` for every piece this rank sends to
+    ``p``."""
+    plan, r = send.plan, send.rank
+    return [(x, region_view(plan, r, p, x, send.regions[p], pos))
+            for x, pos in _region_pieces(plan, r, p)]
+
+
 class Exchange(ABC):
     """An exchange in flight. ``wait()`` returns this rank's final buffer (flat, ``[numel]``)
-    once every source's data is there; ``release()`` says the caller is done reading it (a
-    transport with staging buffers may reuse them afterwards; the default does nothing)."""
+    once every source's data is there (in stream order: the returned tensor is ready for work
+    enqueued on the current stream after ``wait()``; the host need not have waited);
+    ``release()`` says the caller is done reading it (a transport with staging buffers may
+    reuse them afterwards; the default does nothing)."""
 
     @abstractmethod
     def wait(self) -> torch.Tensor:
@@ -38,14 +125,22 @@ class Exchange(ABC):
 class Transport(ABC):
     """Moves the pieces of an ``ExchangePlan`` between the ranks of a group.
 
-    ``start(plan, parts, dtype, out=None)`` is called on every rank in the same order with the
-    same plan. ``parts`` are this rank's source tensors (``[B, S, H, D]``, last two dims dense,
-    dtype ``dtype``). ``out`` (optional, flat, ``recv_numel[rank]`` elements) is where the final
-    buffer should live; without it the transport chooses (it may be a staging buffer that is
-    valid until ``release()``).
+    ``start(plan, parts, dtype, device, out=None, *, send=None)`` is called on every rank in
+    the same order with the same plan. ``parts`` are this rank's source tensors (``[B, S, H,
+    D]``, last two dims dense, dtype ``dtype``, on ``device``); with ``send`` (a buffer from
+    ``send_buffer(plan, dtype, device)``, filled on the current stream) the data is taken from
+    there instead and ``parts`` may be empty. ``out`` (optional, flat, ``recv_numel[rank]``
+    elements) is where the final buffer should live; without it the transport chooses (a
+    staging buffer valid until ``release()`` when ``result_aliases_staging``).
+
+    Attributes:
+        name: the backend name (for reports only: callers never branch on it).
+        result_aliases_staging: ``Exchange.wait()`` without ``out`` may return a view of the
+            transport's staging, valid until ``release()``; copy it to keep it.
     """
 
     name: str = "?"
+    result_aliases_staging: bool = False
 
     def __init__(self, group, rank: int, world_size: int, timeout_s: float):
         self.group = group
@@ -53,11 +148,33 @@ class Transport(ABC):
         self.world_size = world_size
         self.timeout_s = timeout_s
 
+    def prepare(self, plan: ExchangePlan, dtype: torch.dtype) -> str | None:
+        """Make ``start`` ready for ``plan`` (collective when it allocates: every rank calls it
+        with the same plan). Returns None when ``start`` can run it now, else why not (the same
+        on every rank). Call it before CUDA graph capture. Default: always ready."""
+        return None
+
+    def send_buffer(self, plan: ExchangePlan, dtype: torch.dtype,
+                    device: torch.device) -> SendBuffer:
+        """Where a producer writes this rank's outgoing data for the next ``start(plan, ...,
+        send=buf)`` of this transport (at most one buffer outstanding per plan: take it right
+        before that ``start``). Default: a fresh dense buffer."""
+        return dense_send_buffer(plan, dtype, device, self.rank)
+
     @abstractmethod
     def start(self, plan: ExchangePlan, parts: Sequence[torch.Tensor], dtype: torch.dtype,
-              device: torch.device, out: torch.Tensor | None = None) -> Exchange:
+              device: torch.device, out: torch.Tensor | None = None, *,
+              send: SendBuffer | None = None) -> Exchange:
         ...
 
     def check(self) -> None:
-        """Raise any timeout recorded on the device since the last check (default: none)."""
+        """Raise any timeout recorded since the last check (default: none). Never waits for
+        the GPU."""
         return None
+
+    def _check_send(self, plan: ExchangePlan, dtype: torch.dtype, send: SendBuffer) -> None:
+        if send.plan is not plan and send.plan != plan:
+            raise ValueError(f"ulysses {self.name}: send buffer is for another plan")
+        if send.dtype != dtype or send.rank != self.rank:
+            raise ValueError(f"ulysses {self.name}: send buffer is for dtype {send.dtype}, "
+                             f"rank {send.rank}; start got {dtype}, rank {self.rank}")

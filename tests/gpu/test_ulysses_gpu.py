@@ -92,7 +92,7 @@ def _transport_cases(rank, world, seed, flag_mode, cache_entries):
         plan = seq_to_head_plan(1, (s_r,) * world, d,
                                 (tuple((offs[p], offs[p] + counts[p]) for p in range(world)),))
         x = _data(seed + rep * 7 + rank, (1, s_r, h, d), torch.bfloat16, dev)
-        why = ce.start_blocker(plan, torch.bfloat16)
+        why = ce.prepare(plan, torch.bfloat16)
         if why:
             bad.append(("blocker", why))
             continue
@@ -163,7 +163,7 @@ def _timeout(rank, world, mode):
     dev = torch.device("cuda", rank)
     ce = CopyEngineTransport(None, rank, world, 3.0, device=dev, flag_mode=mode)
     plan = seq_to_head_plan(1, (8, 8), 64, (((0, 2), (2, 4)),))
-    assert ce.start_blocker(plan, torch.float32) is None
+    assert ce.prepare(plan, torch.float32) is None
     x = torch.randn(1, 8, 4, 64, device=dev)
     if rank == 1:
         time.sleep(8.0)  # never takes part
