@@ -34,6 +34,9 @@ def make_case(seed: int, W: int, T: int, H: int, D: int, dtype, spread: float = 
         if W > 1:
             lses[0, 0, 0] = float("nan")  # a NaN LSE counts as an empty shard
             outs[0, 0, 0] = float("nan")
+        if W > 1 and T > 1:
+            lses[1, 1, 0] = math.inf  # so does +inf (FlashAttention's keyless row)
+            outs[1, 1, 0] = float("nan")
     return outs, lses
 
 

@@ -91,8 +91,10 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, lse_base: str = "e",
 
     Returns:
         ``[T, H, D]`` in ``outs.dtype`` (and ``[T, H]`` fp32 LSE in ``lse_base``). Rows whose LSE
-        is −inf or NaN contribute nothing, whatever their output holds; a row empty on every
-        source gives exactly 0 and LSE −inf. fp32 accumulation, one rounding.
+        is not finite (−inf, +inf or NaN) contribute nothing, whatever their output holds; a row
+        empty on every source (or ``N == 0``) gives exactly 0 and LSE −inf; NaN/±inf in a
+        contributing row's output propagates (docs/API.md, "Special values"). fp32
+        accumulation, one rounding.
 
     Raises:
         ValueError: shapes that do not match, an unsupported dtype or base.
@@ -146,8 +148,8 @@ def merge(out: torch.Tensor, lse: torch.Tensor, group=None, *, backend: str = "a
 
     Arguments:
         out: ``[T, H, D]`` fp16/bf16/fp32, this rank's partial attention over its KV shard.
-        lse: ``[T, H]`` fp32 (fp16/bf16 accepted), its log-sum-exp in base ``lse_base``; −inf for
-            an empty shard (its ``out`` rows are then never read).
+        lse: ``[T, H]`` fp32 (fp16/bf16 accepted), its log-sum-exp in base ``lse_base``; −inf,
+            +inf or NaN for an empty shard (its ``out`` rows are then never read).
         group: process group of W ranks (None: the default group).
         backend: "reference", "ag_rs", "a2a", "symm_a2a" or "auto" (env
             ``ATTNCOMM_DCP_BACKEND`` names a preferred backend for "auto", taken when it can run

@@ -6,10 +6,13 @@ key sets, the exact attention output over their union is ``Σ_n w_n O_n`` with
 exp(L_s − m)`` (the online-softmax rescaling of Milakov & Gimelshein 2018, as used by
 FlashAttention's split-KV and by vLLM/SGLang's ``merge_attn_states``).
 
-Safety rules (both paths): a NaN LSE counts as −inf; ``m := 0`` when every LSE of the row is
-−inf; a source whose weight is 0 (−inf LSE, or underflow) is never read, so a NaN payload behind a
-−inf LSE cannot leak; the divide is guarded, so a row empty on every source gives exactly 0 and
-LSE −inf. Accumulation is fp32; the output is rounded once.
+Special values (both paths, and every backend built on them; docs/API.md "Special values"):
+an LSE that is not finite (−inf, +inf or NaN) marks an empty source and counts as −inf (vLLM and
+SGLang treat FlashAttention's +inf for a keyless row the same way); ``m := 0`` when every LSE of
+the row is −inf; a source whose weight is 0 (an empty source, or underflow) is never read, so
+whatever its payload holds cannot leak; the divide is guarded, so a row empty on every source
+gives exactly 0 and LSE −inf. A contributing source's payload is used as is: NaN or ±inf in it
+propagates to the merged row. Accumulation is fp32; the output is rounded once.
 
 The Triton kernels also run on CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests them);
 ``ATTNCOMM_COMBINE_IMPL=triton|torch`` forces a path.
@@ -47,7 +50,8 @@ def use_triton(t: torch.Tensor) -> bool:
 def _weights_torch(lses: torch.Tensor):
     """``lses [N, ...]`` fp32 → (unnormalised weights ``[N, ...]``, sum ``[...]``, max ``[...]``)."""
     lses = lses.float()
-    lses = torch.where(torch.isnan(lses), torch.full_like(lses, float("-inf")), lses)
+    # NaN < inf and +inf < inf are both False: every non-finite LSE becomes −inf (empty).
+    lses = torch.where(lses < float("inf"), lses, torch.full_like(lses, float("-inf")))
     m = lses.amax(dim=0)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     w = torch.exp(lses - m)  # exp(-inf) = 0
@@ -61,7 +65,9 @@ def _merged_lse(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 def combine_torch(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype):
     """``outs [N, T, H, D]``, ``lses [N, T, H]`` (base e) → (``[T, H, D]`` out_dtype, ``[T, H]``
-    fp32)."""
+    fp32). ``N == 0`` gives zeros and LSE −inf."""
+    if outs.shape[0] == 0:
+        return _no_sources(outs, out_dtype)
     w, s, m = _weights_torch(lses)
     acc = torch.zeros(outs.shape[1:], dtype=torch.float32, device=outs.device)
     for n in range(outs.shape[0]):
@@ -85,6 +91,13 @@ def scale_own_torch(out: torch.Tensor, lses: torch.Tensor, rank: int, dest: torc
     return _merged_lse(s, m)
 
 
+def _no_sources(outs: torch.Tensor, out_dtype: torch.dtype):
+    # Zero sources: every row is empty everywhere.
+    T, H, D = outs.shape[1:]
+    return (torch.zeros((T, H, D), dtype=out_dtype, device=outs.device),
+            torch.full((T, H), float("-inf"), dtype=torch.float32, device=outs.device))
+
+
 # --------------------------------------------------------------------------------------------
 # Triton path
 # --------------------------------------------------------------------------------------------
@@ -92,18 +105,23 @@ def scale_own_torch(out: torch.Tensor, lses: torch.Tensor, rank: int, dest: torc
 if triton is not None:
 
     @triton.jit
+    def _live_lse(l):
+        # A non-finite LSE (−inf, +inf, NaN) marks an empty source: −inf. NaN < inf and
+        # inf < inf are False.
+        return tl.where(l < float("inf"), l, float("-inf"))
+
+    @triton.jit
     def _row_stats(lse_ptr, stride_ln, row_off, N: tl.constexpr):
-        # max over sources (NaN → −inf), then the sum of exp(L − m); m := 0 if all are −inf.
+        # max over sources (non-finite → −inf), then the sum of exp(L − m); m := 0 if all are
+        # −inf.
         m = float("-inf")
         for n in range(N):
-            l = tl.load(lse_ptr + n * stride_ln + row_off)
-            l = tl.where(l == l, l, float("-inf"))
+            l = _live_lse(tl.load(lse_ptr + n * stride_ln + row_off))
             m = tl.maximum(m, l)
         m = tl.where(m == float("-inf"), 0.0, m)
         s = 0.0
         for n in range(N):
-            l = tl.load(lse_ptr + n * stride_ln + row_off)
-            l = tl.where(l == l, l, float("-inf"))
+            l = _live_lse(tl.load(lse_ptr + n * stride_ln + row_off))
             s += tl.exp(l - m)
         return m, s
 
@@ -119,8 +137,7 @@ if triton is not None:
         m, s = _row_stats(lse_ptr, s_ln, t * s_lt + h * s_lh, N)
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for n in range(N):
-            l = tl.load(lse_ptr + n * s_ln + t * s_lt + h * s_lh)
-            l = tl.where(l == l, l, float("-inf"))
+            l = _live_lse(tl.load(lse_ptr + n * s_ln + t * s_lt + h * s_lh))
             w = tl.exp(l - m)
             # A zero-weight source is never read: its payload may be garbage or NaN.
             live = dmask & ((tl.zeros([BLOCK_D], dtype=tl.float32) + w) > 0)
@@ -144,8 +161,7 @@ if triton is not None:
         offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         dmask = offs < D
         m, s = _row_stats(lse_ptr, s_ln, t * s_lt + h * s_lh, N)
-        l = tl.load(lse_ptr + rank * s_ln + t * s_lt + h * s_lh)
-        l = tl.where(l == l, l, float("-inf"))
+        l = _live_lse(tl.load(lse_ptr + rank * s_ln + t * s_lt + h * s_lh))
         s_safe = tl.where(s > 0, s, 1.0)
         w = tl.exp(l - m) / s_safe
         live = dmask & ((tl.zeros([BLOCK_D], dtype=tl.float32) + w) > 0)
@@ -174,6 +190,8 @@ def combine(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype):
     if not use_triton(outs):
         return combine_torch(outs, lses, out_dtype)
     N, T, H, D = outs.shape
+    if N == 0:
+        return _no_sources(outs, out_dtype)
     out = torch.empty((T, H, D), dtype=out_dtype, device=outs.device)
     lse_out = torch.empty((T, H), dtype=torch.float32, device=outs.device)
     if T * H == 0:
