@@ -11,10 +11,11 @@ from __future__ import annotations
 import importlib
 
 from . import config
+from ._dist import cpu_group
 from .errors import PeerTimeoutError
-from .launch import RankPool, cpu_group, launch
+from .launch import RankPool, launch
 
-config.apply_safe_env()
+config.default_safe_env()
 
 __version__ = "0.1.0"
 __all__ = ["launch", "RankPool", "cpu_group", "PeerTimeoutError", "dcp", "ulysses",

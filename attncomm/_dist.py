@@ -1,5 +1,6 @@
 """Small helpers over torch.distributed shared by every exchange.
 
+- ``cpu_group``: the gloo twin of a process group (cached per group), for host-side agreement,
 - version shims for collectives renamed between torch 2.11 and 2.13,
 - ``agree``: the cross-rank argument check that raises the same ``ValueError`` on every rank,
 - ``guard_timeout``: turns a process group's timeout into ``PeerTimeoutError``.
@@ -7,15 +8,19 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+import datetime
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
+from . import config
 from .errors import PeerTimeoutError
 
-__all__ = ["all_gather_tensor", "reduce_scatter_tensor", "group_key", "group_device", "agree",
-           "guard_timeout", "wait", "as_bits", "agree_reason", "DTYPE_CODES"]
+__all__ = ["cpu_group", "clear_cpu_groups", "all_gather_tensor", "reduce_scatter_tensor",
+           "group_key", "group_device", "agree", "guard_timeout", "wait", "as_bits",
+           "agree_reason", "DTYPE_CODES"]
 
 DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
                torch.int64: 5, torch.int32: 6, torch.int16: 7, torch.int8: 8, torch.uint8: 9,
@@ -54,6 +59,70 @@ def group_device(group=None) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+_CPU_GROUPS: dict[Any, Any] = {}
+
+
+def cpu_group(group=None, *, world_collective: bool = False):
+    """The gloo group over the same ranks as ``group`` (``None``: the default group).
+
+    On a gloo group this is the group itself. Otherwise the first call creates the gloo twin:
+
+    - default group: collective over every rank (``launch`` does it at start-up);
+    - a subgroup, ``world_collective=False`` (how the library calls it, lazily): collective over
+      the group's members only. torch names such a group from its ranks and the number of
+      groups each member already has, so it works when every member belongs to the same number
+      of process groups (the usual TP / DP / CP grids) and raises ``ValueError`` on every member
+      otherwise, instead of waiting for a rendezvous that cannot happen;
+    - a subgroup, ``world_collective=True``: call it on every rank of the default group (members
+      or not, in the same order, like ``dist.new_group``) right after creating the subgroup;
+      works for any layout. Non-members get None.
+    """
+    g = group if group is not None else dist.group.WORLD
+    if g is dist.GroupMember.NON_GROUP_MEMBER:
+        return None
+    if dist.get_backend(g) == "gloo":
+        return g
+    key = group_key(group)
+    pg = _CPU_GROUPS.get(key)
+    if pg is None:
+        if group is None:
+            pg = dist.new_group(backend="gloo", timeout=_default_timeout())
+        elif world_collective:
+            pg = dist.new_group(ranks=dist.get_process_group_ranks(g), backend="gloo",
+                                timeout=_default_timeout())
+        else:
+            _check_local_naming(g)
+            pg = dist.new_group(ranks=dist.get_process_group_ranks(g), backend="gloo",
+                                timeout=_default_timeout(), use_local_synchronization=True)
+        _CPU_GROUPS[key] = pg
+    return pg
+
+
+def _check_local_naming(g) -> None:
+    # A group made with use_local_synchronization=True is named sha1(ranks, number of groups
+    # this rank has): members with different counts would rendezvous under different names.
+    names = getattr(getattr(c10d, "_world", None), "pg_names", None)
+    if names is None:  # a torch that names groups otherwise: nothing to check
+        return
+    counts: list = [None] * dist.get_world_size(g)
+    dist.all_gather_object(counts, len(names), group=g)
+    if len(set(counts)) > 1:
+        raise ValueError(
+            f"attncomm.cpu_group: the members of group {dist.get_process_group_ranks(g)} belong "
+            f"to different numbers of process groups ({counts}), so its gloo twin cannot be "
+            f"created lazily; call attncomm.cpu_group(group, world_collective=True) on every "
+            f"rank right after creating the group")
+
+
+def clear_cpu_groups() -> None:
+    """Forget every cached gloo twin (a rank calls it before destroying its process groups)."""
+    _CPU_GROUPS.clear()
+
+
+def _default_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=config.timeout_s())
 
 
 _PEER_FAILURE_WORDS = ("timed out", "timeout", "deadline", "connection closed",
@@ -107,8 +176,6 @@ def agree(group, op: str, signature: Sequence[int], labels: Sequence[str],
     """
     if len(signature) > _SIG_LEN - 2:
         raise ValueError(f"signature too long ({len(signature)} > {_SIG_LEN - 2})")
-    from .launch import cpu_group
-
     # Over the gloo twin: host tensors, no device round trip, and a wait bounded by timeout_s.
     g = cpu_group(group)
     world = dist.get_world_size(g)
@@ -152,7 +219,6 @@ def wait(work, group, op: str, timeout_s: float | None) -> None:
     """
     with guard_timeout(group, op, timeout_s):
         if timeout_s is not None and dist.get_backend(group) == "gloo":
-            import datetime
             work.wait(datetime.timedelta(seconds=timeout_s))
         else:
             work.wait()
@@ -171,8 +237,6 @@ def agree_reason(group, local_reason: str | None, what: str = "") -> str | None:
     Uses an all_reduce(MIN) of an ok-flag over the gloo twin of ``group`` (no device work, safe
     before any allocation), plus an object all_gather only when some rank said no.
     """
-    from .launch import cpu_group
-
     g = cpu_group(group)
     if dist.get_world_size(g) == 1:
         return f"rank 0: {local_reason}" if local_reason else None

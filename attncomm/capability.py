@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ._dist import agree_reason
+from ._dist import agree_reason, cpu_group
 
 __all__ = ["agree_reason", "hostname", "host_identity", "cuda_reason", "p2p_matrix",
            "symm_mem_reason", "stream_mem_ops_reason", "same_host", "peer_access_reason",
@@ -129,8 +129,6 @@ def multicast_env() -> dict[str, str | None]:
 
 
 def _gather(group, value) -> list:
-    from .launch import cpu_group
-
     g = cpu_group(group)
     out: list = [None] * dist.get_world_size(g)
     dist.all_gather_object(out, value, group=g)

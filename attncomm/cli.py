@@ -9,6 +9,8 @@ import argparse
 import importlib
 import sys
 
+from . import config
+
 _BENCHES = {"dcp": "attncomm.dcp.bench", "ulysses": "attncomm.ulysses.bench",
             "dp-sync": "attncomm.dp_attention.bench"}
 
@@ -43,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    config.force_safe_env()
     args = build_parser().parse_args(argv)
     if getattr(args, "_missing", None):
         print(f"attncomm: this command is not available: {args._missing}", file=sys.stderr)

@@ -3,23 +3,31 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["timeout_s", "validate_enabled", "env_backend", "apply_safe_env", "DEFAULT_TIMEOUT_S"]
+__all__ = ["timeout_s", "validate_enabled", "env_backend", "default_safe_env", "force_safe_env", "SAFE_ENV", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 60.0
 
-# NVLink multicast can take a shared host's GPUs out of service (HARDWARE.md): keep it off in
-# NCCL, torch SymmetricMemory and NVSHMEM, also in every process we spawn (they inherit os.environ).
-_SAFE_ENV = {
+# NVLink multicast can take a shared host's GPUs out of service: it stays off in NCCL, torch
+# SymmetricMemory and NVSHMEM. ``import attncomm`` only fills these in where the caller left them
+# unset (an engine's environment is its own); every process attncomm starts (launch's ranks, the
+# CLI, the benches, the tests, scripts/) forces them.
+SAFE_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 
 
-def apply_safe_env() -> None:
-    """Force NVLink multicast off for this process and every process it starts."""
-    for key, value in _SAFE_ENV.items():
-        os.environ[key] = value
+def default_safe_env() -> None:
+    """Set the multicast-off variables of ``SAFE_ENV`` where this process has none."""
+    for key, value in SAFE_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def force_safe_env() -> None:
+    """Force NVLink multicast off for this process and every process it starts (for processes
+    attncomm itself starts)."""
+    os.environ.update(SAFE_ENV)
 
 
 def timeout_s(value: float | None = None) -> float:

@@ -11,6 +11,8 @@ import sys
 import torch
 
 from . import capability, config
+from .dp_attention.shm import shm_supported
+from .ulysses import api as ulysses_api
 
 __all__ = ["add_arguments", "main", "collect", "nvlink_state"]
 
@@ -99,16 +101,14 @@ def _backends(p2p) -> dict:
     dcp.append({"backend": "symm_a2a", "available": why is None, "why_not": why})
     ulysses = []
     try:
-        from .ulysses import api as ulysses_api
         avail = ulysses_api.backend_availability()
         ulysses = [{"backend": k, "available": v is None, "why_not": v} for k, v in avail.items()]
-    except Exception as exc:  # noqa: BLE001 - the exchange may be missing or fail to import
+    except Exception as exc:  # noqa: BLE001 - a failing probe is reported, not raised
         ulysses = [{"backend": "all_to_all", "available": True, "why_not": None},
                    {"backend": "ce", "available": False,
                     "why_not": f"could not ask attncomm.ulysses: {exc}"}]
     dp = []
     try:
-        from .dp_attention.shm import shm_supported
         ok, why_shm = shm_supported()
     except Exception as exc:  # noqa: BLE001
         ok, why_shm = False, f"could not ask attncomm.dp_attention: {exc}"
@@ -169,6 +169,7 @@ def _print(info: dict) -> None:
 
 
 def main(args) -> int:
+    config.force_safe_env()
     info = collect()
     _print(info)
     path = getattr(args, "json", None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -18,71 +19,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import config
+from ._dist import clear_cpu_groups, cpu_group
 from .errors import PeerTimeoutError
 
-__all__ = ["launch", "RankPool", "cpu_group", "init_distributed"]
+__all__ = ["launch", "RankPool", "init_distributed"]
 
 # How long the other ranks get to finish after one rank failed, before the pool is torn down.
 FAILURE_GRACE_S = 30.0
-
-_CPU_GROUPS: dict[Any, Any] = {}
-
-
-def cpu_group(group=None, *, world_collective: bool = False):
-    """The gloo group over the same ranks as ``group`` (``None``: the default group).
-
-    On a gloo group this is the group itself. Otherwise the first call creates the gloo twin:
-
-    - default group: collective over every rank (``launch`` does it at start-up);
-    - a subgroup, ``world_collective=False`` (how the library calls it, lazily): collective over
-      the group's members only. torch names such a group from its ranks and the number of
-      groups each member already has, so it works when every member belongs to the same number
-      of process groups (the usual TP / DP / CP grids) and raises ``ValueError`` on every member
-      otherwise, instead of waiting for a rendezvous that cannot happen;
-    - a subgroup, ``world_collective=True``: call it on every rank of the default group (members
-      or not, in the same order, like ``dist.new_group``) right after creating the subgroup;
-      works for any layout. Non-members get None.
-    """
-    g = group if group is not None else dist.group.WORLD
-    if g is dist.GroupMember.NON_GROUP_MEMBER:
-        return None
-    if dist.get_backend(g) == "gloo":
-        return g
-    from ._dist import group_key
-
-    key = group_key(group)
-    pg = _CPU_GROUPS.get(key)
-    if pg is None:
-        if group is None:
-            pg = dist.new_group(backend="gloo", timeout=_timedelta())
-        elif world_collective:
-            pg = dist.new_group(ranks=dist.get_process_group_ranks(g), backend="gloo",
-                                timeout=_timedelta())
-        else:
-            _check_local_naming(g)
-            pg = dist.new_group(ranks=dist.get_process_group_ranks(g), backend="gloo",
-                                timeout=_timedelta(), use_local_synchronization=True)
-        _CPU_GROUPS[key] = pg
-    return pg
-
-
-def _check_local_naming(g) -> None:
-    # A group made with use_local_synchronization=True is named sha1(ranks, number of groups
-    # this rank has): members with different counts would rendezvous under different names.
-    from torch.distributed import distributed_c10d as c10d
-
-    names = getattr(getattr(c10d, "_world", None), "pg_names", None)
-    if names is None:  # a torch that names groups otherwise: nothing to check
-        return
-    counts: list = [None] * dist.get_world_size(g)
-    dist.all_gather_object(counts, len(names), group=g)
-    if len(set(counts)) > 1:
-        raise ValueError(
-            f"attncomm.cpu_group: the members of group {dist.get_process_group_ranks(g)} belong "
-            f"to different numbers of process groups ({counts}), so its gloo twin cannot be "
-            f"created lazily; call attncomm.cpu_group(group, world_collective=True) on every "
-            f"rank right after creating the group")
-
 
 def _timedelta(timeout: float | None = None) -> datetime.timedelta:
     return datetime.timedelta(seconds=config.timeout_s(timeout))
@@ -96,7 +39,7 @@ def init_distributed(rank: int, world_size: int, device: str, init_method: str,
     error (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``) so the failure surfaces as an exception in the
     caller instead of a watchdog killing the process.
     """
-    config.apply_safe_env()
+    config.force_safe_env()
     if device == "cuda":
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         torch.cuda.set_device(rank)
@@ -132,7 +75,7 @@ def _worker(rank, world_size, device, init_method, timeout_s, tasks, results):
             except BaseException as exc:  # noqa: BLE001 - reported to the parent
                 results.put((task_id, rank, False, _pack_exc(exc)))
     finally:
-        _CPU_GROUPS.clear()
+        clear_cpu_groups()
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - teardown after a failure may find a broken group
@@ -142,7 +85,6 @@ def _worker(rank, world_size, device, init_method, timeout_s, tasks, results):
 def _pack_exc(exc: BaseException):
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
-        import pickle
         pickle.loads(pickle.dumps(exc))
         return (exc, tb)
     except Exception:  # noqa: BLE001 - unpicklable exceptions travel as text
@@ -193,7 +135,6 @@ class RankPool:
             if n < world_size:
                 raise ValueError(f"device='cuda' with world_size={world_size} needs "
                                  f"{world_size} GPUs, this machine has {n}")
-        config.apply_safe_env()
         self.world_size = world_size
         self.device = device
         self._ctx = mp.get_context("spawn")

@@ -33,9 +33,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
+from _reference import ref_merge  # noqa: E402
+
+from attncomm import config  # noqa: E402
 from attncomm.bench.common import time_graph  # noqa: E402
 from attncomm.symm import SlabLayout  # noqa: E402
-from _reference import ref_merge  # noqa: E402
 
 
 def _kernel_module(path: str | None):
@@ -136,6 +138,7 @@ def graph_us(fn) -> float:
 
 
 def main() -> int:
+    config.force_safe_env()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--heads", type=int, default=64)

@@ -161,7 +161,8 @@ def main() -> int:
     p.add_argument("--grids", type=int, nargs="+", default=[32, 64, 128])
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    from attncomm import launch
+    from attncomm import config, launch
+    config.force_safe_env()
     from attncomm.bench.common import meta
     res = launch(_rank, a.world_size, device="cuda",
                  args=({"mib": a.mib, "grids": a.grids},))

@@ -19,7 +19,11 @@ if not torch.cuda.is_available():
     # spawned ranks inherit it).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from attncomm import config  # noqa: E402
 from attncomm.launch import RankPool  # noqa: E402
+
+# The test session is a process attncomm starts: NVLink multicast stays off in it and its ranks.
+config.force_safe_env()
 
 
 class _Pools:

@@ -160,7 +160,7 @@ def test_bad_idle_batch_raises_on_its_rank_only(pools):
 def _shm_range(rank, world):
     from attncomm.dp_attention.shm import ShmRowExchange
     from attncomm.dp_attention.sync import exchange_rows
-    from attncomm.launch import cpu_group
+    from attncomm import cpu_group
 
     ch = ShmRowExchange(cpu_group(None), 6, timeout_s=T)
     out = {}

@@ -122,10 +122,8 @@ def test_agree_signature_length_is_checked():
 
 def _twin_layouts(rank, world_size):
     """Gloo twins of "NCCL" subgroups (get_backend patched to say nccl for them)."""
-    import sys
-
-    from attncomm._dist import agree
-    launch_mod = sys.modules["attncomm.launch"]  # the name attncomm.launch is the function
+    from attncomm import cpu_group
+    from attncomm._dist import agree, clear_cpu_groups
 
     full = dist.new_group([0, 1, 2, 3], backend="gloo")
     pair = dist.new_group([0, 1], backend="gloo")
@@ -135,12 +133,12 @@ def _twin_layouts(rank, world_size):
     out = {}
     try:
         try:  # members 0,1 belong to one more group than 2,3: lazy creation must refuse
-            launch_mod.cpu_group(full)
+            cpu_group(full)
             out["lazy"] = "no error"
         except ValueError as exc:
             out["lazy"] = str(exc)
-        twin = launch_mod.cpu_group(full, world_collective=True)
-        pair_twin = launch_mod.cpu_group(pair, world_collective=True)
+        twin = cpu_group(full, world_collective=True)
+        pair_twin = cpu_group(pair, world_collective=True)
         out["pair twin"] = pair_twin is not None
         agree(full, "test", [7, 8], ["a", "b"], timeout_s=20)
         t = torch.tensor([rank])
@@ -148,7 +146,7 @@ def _twin_layouts(rank, world_size):
         out["sum"] = int(t.item())
     finally:
         dist.get_backend = real_get_backend
-        launch_mod._CPU_GROUPS.clear()
+        clear_cpu_groups()
     return out
 
 

@@ -1,5 +1,6 @@
-"""Shared benchmark plumbing: timing (eager and CUDA graph), slowest-rank medians, tables, JSON,
-plots, and the run's metadata. Each exchange's bench module builds on these."""
+"""Shared benchmark plumbing: slowest-rank medians, tables, JSON, plots, and the run's metadata.
+Each exchange's bench module builds on these. The timers (eager and CUDA graph) live in
+``attncomm._timing`` (``DcpMerger``'s ``auto`` times with them too) and are re-exported here."""
 from __future__ import annotations
 
 import datetime
@@ -7,11 +8,13 @@ import json
 import os
 import platform
 import statistics
-import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
+from .._dist import cpu_group
+from .._timing import time_eager, time_graph
 
 __all__ = ["meta", "time_eager", "time_graph", "max_over_ranks", "slowest_rank_median",
            "print_table", "write_json", "plot_lines", "progress"]
@@ -43,88 +46,10 @@ def meta(device: str, world_size: int, **extra) -> dict:
     return out
 
 
-def time_eager(fn: Callable[[], object], *, warmup: int = 10, iters: int = 100,
-               device: str = "cuda", barrier: Callable[[], None] | None = None) -> list[float]:
-    """Per-iteration times of ``fn()`` in µs. On CUDA each iteration is timed with events and
-    preceded by ``barrier`` (e.g. a group barrier) so ranks start together."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device == "cuda":
-        torch.cuda.synchronize()
-        for _ in range(iters):
-            if barrier is not None:
-                barrier()
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-    else:
-        for _ in range(iters):
-            if barrier is not None:
-                barrier()
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-    return times
-
-
-def time_graph(fn: Callable[[], object], *, per_graph: int = 10, warmup: int = 10,
-               iters: int = 100, barrier: Callable[[], None] | None = None,
-               back_to_back: bool = False, stats: dict | None = None) -> list[float]:
-    """Capture ``per_graph`` consecutive calls of ``fn`` in one CUDA graph (as an engine's graph
-    holds every layer) and return replay time / ``per_graph`` per iteration, in µs.
-
-    ``back_to_back=False``: ``barrier`` before every timed replay (ranks start each replay
-    together; for transfers long next to a barrier). ``True``: one ``barrier``, then the replays
-    run back to back, each between its own events (for µs-scale work, where a per-replay barrier
-    would dominate; ranks stay in step through the exchange itself). There, ``stats`` (a dict,
-    if given) receives ``gpu_idle_us``: the median time the GPU sat between one replay's end
-    event and the next one's start event, per call. Enqueued ahead, the next replay follows at
-    once; a gap means the GPU waited for the host, and the times then measure the host (across
-    ranks, the slowest rank's host), not the work."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(per_graph):
-            fn()
-    torch.cuda.synchronize()
-    if not back_to_back:
-        times = time_eager(graph.replay, warmup=warmup, iters=iters, device="cuda",
-                           barrier=barrier)
-        return [t / per_graph for t in times]
-    for _ in range(warmup):
-        graph.replay()
-    torch.cuda.synchronize()
-    if barrier is not None:
-        barrier()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    if stats is not None and len(events) > 1:
-        gaps = [e.elapsed_time(s) * 1e3 for (_, e), (s, _) in zip(events, events[1:])]
-        stats["gpu_idle_us"] = statistics.median(gaps) / per_graph
-    return [s.elapsed_time(e) * 1e3 / per_graph for s, e in events]
-
-
 def max_over_ranks(values: Sequence[float], group=None) -> list[float]:
     """Element-wise max of ``values`` over the ranks of ``group`` (through its gloo twin)."""
     t = torch.tensor(list(values), dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        from .. import cpu_group
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group(group))
     return t.tolist()
 

@@ -8,7 +8,6 @@ head-sharded o_proj.
 from __future__ import annotations
 
 import collections
-import importlib
 import logging
 import math
 
@@ -17,8 +16,8 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import DTYPE_CODES, agree, agree_reason, group_device, group_key
-from .backend import DcpBackend
-from .collective import A2ABackend, AgRsBackend, ReferenceBackend
+from . import auto
+from .backend import BACKENDS, DcpBackend, backend_class
 from .combine import combine
 
 __all__ = ["merge_states", "merge", "DcpMerger", "shard_kv_interleaved", "available_backends",
@@ -26,22 +25,9 @@ __all__ = ["merge_states", "merge", "DcpMerger", "shard_kv_interleaved", "availa
 
 log = logging.getLogger("attncomm.dcp")
 
-BACKENDS = ("reference", "ag_rs", "a2a", "symm_a2a", "auto")
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LN2 = math.log(2.0)
 _CACHE_SIZE = 8
-
-
-def _backend_class(name: str) -> type[DcpBackend]:
-    if name == "reference":
-        return ReferenceBackend
-    if name == "ag_rs":
-        return AgRsBackend
-    if name == "a2a":
-        return A2ABackend
-    if name == "symm_a2a":
-        return importlib.import_module("attncomm.dcp.symm_a2a").SymmA2ABackend
-    raise ValueError(f"unknown DCP backend {name!r}; expected one of {list(BACKENDS)}")
 
 
 def available_backends(device: str | torch.device) -> list[str]:
@@ -311,7 +297,7 @@ class DcpMerger:
         if name == "symm_a2a" and self.device.type != "cuda":
             return "symm_a2a needs CUDA tensors on an NCCL group; this group is on CPU (gloo)"
         try:
-            cls = _backend_class(name)
+            cls = backend_class(name)
         except ImportError as exc:
             return f"{name} is not available: {exc}"
         return cls.local_unavailable_reason(self.group, self.device)
@@ -327,7 +313,6 @@ class DcpMerger:
             reasons[name] = agree_reason(self.group, self._local_reason(name), name)
         candidates = [n for n, r in reasons.items() if r is None]
         self.fallback_reason = reasons["symm_a2a"]
-        from . import auto  # measured choice (times the candidates on CUDA)
 
         name, why = auto.choose_backend(self.group, candidates, **self._kwargs())
         if name != "symm_a2a" and why:
@@ -338,7 +323,7 @@ class DcpMerger:
         return name
 
     def _build(self, name: str) -> DcpBackend:
-        cls = _backend_class(name)
+        cls = backend_class(name)
         if name in ("reference", "ag_rs", "a2a"):
             return cls(self.group, **self._kwargs())
         # Allocation and rendezvous may fail on some rank: agree, and fall back together.
@@ -354,7 +339,7 @@ class DcpMerger:
             raise ValueError(f"DcpMerger: backend {name!r} failed to set up: {reason}")
         self.fallback_reason = reason
         log.warning("DcpMerger: %s setup failed (%s); using ag_rs", name, reason)
-        return AgRsBackend(self.group, **self._kwargs())
+        return backend_class("ag_rs")(self.group, **self._kwargs())
 
     def backend_for(self, num_tokens: int) -> str:
         """The backend a call with ``num_tokens`` tokens uses."""

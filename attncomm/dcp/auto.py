@@ -21,7 +21,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..bench.common import time_graph
+from .._dist import cpu_group
+from .._timing import time_graph
+from .backend import backend_class
 
 __all__ = ["choose_backend", "token_buckets", "RULE_OF_THUMB"]
 
@@ -53,9 +55,7 @@ def _time_graph(impl, out, lse) -> float:
 
 
 def _measure(name, group, buckets, kw) -> list[float]:
-    from .api import _backend_class
-
-    impl = _backend_class(name)(group, **kw)
+    impl = backend_class(name)(group, **kw)
     rank = dist.get_rank(group)
     gen = torch.Generator(device=kw["device"]).manual_seed(rank)
     times = []
@@ -84,8 +84,6 @@ def choose_backend(group, candidates: list[str], *, max_tokens: int, num_heads: 
     Raises:
         ValueError: no candidates.
     """
-    from .. import cpu_group
-
     if not candidates:
         raise ValueError("choose_backend: no DCP backend can run here")
     if torch.device(device).type != "cuda" or len(candidates) == 1:

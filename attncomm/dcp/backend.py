@@ -1,11 +1,26 @@
-"""The one small interface every DCP merge backend implements."""
+"""The one small interface every DCP merge backend implements, and the registry of backends.
+
+The registry names each backend's module and class; ``backend_class`` imports the module on
+first use, so the Triton-only ``symm_a2a`` stays optional and this module imports no backend
+(the backends import ``DcpBackend`` from here).
+"""
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 
 import torch
 
-__all__ = ["DcpBackend"]
+__all__ = ["DcpBackend", "BACKENDS", "REGISTRY", "backend_class"]
+
+# name → (module, class). ``auto`` is not a backend: ``DcpMerger`` resolves it to one of these.
+REGISTRY: dict[str, tuple[str, str]] = {
+    "reference": ("attncomm.dcp.collective", "ReferenceBackend"),
+    "ag_rs": ("attncomm.dcp.collective", "AgRsBackend"),
+    "a2a": ("attncomm.dcp.collective", "A2ABackend"),
+    "symm_a2a": ("attncomm.dcp.symm_a2a", "SymmA2ABackend"),
+}
+BACKENDS = (*REGISTRY, "auto")
 
 
 class DcpBackend(ABC):
@@ -51,3 +66,16 @@ class DcpBackend(ABC):
 
     def check(self) -> None:
         """Raise any timeout recorded on the device since the last check (default: none)."""
+
+
+def backend_class(name: str) -> type[DcpBackend]:
+    """The ``DcpBackend`` subclass registered as ``name``.
+
+    Raises:
+        ValueError: ``name`` is not a registered backend.
+        ImportError: the backend's optional dependency (Triton for ``symm_a2a``) is missing.
+    """
+    if name not in REGISTRY:
+        raise ValueError(f"unknown DCP backend {name!r}; expected one of {list(REGISTRY)}")
+    module, cls = REGISTRY[name]
+    return getattr(importlib.import_module(module), cls)

@@ -22,6 +22,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from .. import config
+from .._dist import cpu_group
+from ..bench.common import (max_over_ranks, meta, plot_lines, print_table, progress,
+                            slowest_rank_median, time_eager, time_graph, write_json)
+from ..launch import launch
+from .api import DcpMerger
+
 __all__ = ["add_arguments", "main", "run_rank"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -77,13 +84,11 @@ def _config(args) -> dict:
 def _graph_times(fn, cfg, barrier, stats) -> list[float]:
     """``per_graph`` merges captured in one graph; back-to-back event-timed replays (µs/call);
     ``stats["gpu_idle_us"]``: the GPU's median wait between replays, per call."""
-    from ..bench.common import time_graph
     return time_graph(fn, per_graph=cfg["per_graph"], warmup=cfg["warmup"], iters=cfg["iters"],
                       barrier=barrier, back_to_back=True, stats=stats)
 
 
 def _eager_times(fn, cfg, barrier) -> list[float]:
-    from ..bench.common import time_eager
     return time_eager(fn, warmup=cfg["warmup"], iters=cfg["iters"], device=cfg["device"],
                       barrier=barrier)
 
@@ -110,10 +115,6 @@ def _inputs(T, H, D, dtype, device, rank):
 def run_rank(rank: int, world_size: int, cfg: dict) -> list[dict] | None:
     """Every rank: build each backend's merger, time every (tokens, mode); rank 0 returns the
     records (slowest-rank medians), the others None."""
-    from .. import cpu_group
-    from ..bench.common import max_over_ranks, progress, slowest_rank_median
-    from .api import DcpMerger
-
     device = torch.device("cuda", torch.cuda.current_device()) if cfg["device"] == "cuda" \
         else torch.device("cpu")
     dtype = _DTYPES[cfg["dtype"]]
@@ -205,8 +206,7 @@ def markdown_table(records: list[dict]) -> str:
 
 
 def main(args) -> int:
-    from .. import launch
-    from ..bench.common import meta, plot_lines, print_table, write_json
+    config.force_safe_env()
 
     if min(args.tokens) < 1:
         print(f"attncomm bench dcp: --tokens must be ≥ 1, got {args.tokens}", file=sys.stderr)

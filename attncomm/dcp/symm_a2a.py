@@ -74,6 +74,7 @@ import torch
 import torch.distributed as dist
 
 from .. import capability
+from .._dist import cpu_group
 from ..symm import SlabLayout, SymmWorkspace
 from .backend import DcpBackend
 
@@ -747,7 +748,7 @@ class SymmA2ABackend(DcpBackend):
             for u in units)
         # Grid bound agreed across ranks: block plans must match everywhere.
         n = torch.tensor([_n_programs_max(self.device)], dtype=torch.int64)
-        dist.all_reduce(n, op=dist.ReduceOp.MIN, group=_cpu_group(self.group))
+        dist.all_reduce(n, op=dist.ReduceOp.MIN, group=cpu_group(self.group))
         self.n_programs_max = int(n.item())
 
     def _warm_up(self) -> None:
@@ -795,8 +796,3 @@ class SymmA2ABackend(DcpBackend):
         """Raise ``PeerTimeoutError`` for a wait that timed out since the last check (host
         sync)."""
         self.ws.check()
-
-
-def _cpu_group(group):
-    from ..launch import cpu_group
-    return cpu_group(group)

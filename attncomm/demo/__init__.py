@@ -21,7 +21,12 @@ import sys
 from importlib import resources
 
 import torch
+import torch.distributed as dist
 
+from .. import config
+from ..bench.common import print_table
+from ..launch import launch
+from ..models import load_minilm
 from .base import THRESHOLDS, DemoConfig, DemoInputs, DemoRow, RankContext
 
 __all__ = ["MODES", "add_arguments", "main", "run_demo", "load_corpus", "prepare_inputs",
@@ -142,8 +147,6 @@ def plan_modes(cfg: DemoConfig, info) -> tuple[list[tuple[str, list[str]]],
 
 def _agree_ok(ctx: RankContext, error: str | None) -> None:
     """Every rank must have failed (ValueError) alike, or none; otherwise stop everyone."""
-    import torch.distributed as dist
-
     flags = torch.tensor([1 if error else 0, 0 if error else 1], dtype=torch.int64)
     dist.all_reduce(flags, group=ctx.cpu_group)
     if int(flags[0]) and int(flags[1]):
@@ -187,8 +190,6 @@ def _passed(row: DemoRow, cfg: DemoConfig) -> bool:
 
 
 def _print_rows(rows: list[DemoRow], cfg: DemoConfig) -> None:
-    from ..bench.common import print_table
-
     table = [dict(r.record(), result=("PASS" if _passed(r, cfg) else "FAIL")) for r in rows]
     print_table(table, ["mode", "backend", "world_size", "min_cosine", "max_abs_err", "seconds",
                         "result"],
@@ -218,9 +219,6 @@ def _write_json(path: str, rows: list[DemoRow], cfg: DemoConfig) -> None:
 
 def run_demo(cfg: DemoConfig, *, out=sys.stdout) -> tuple[list[DemoRow], list[tuple[str, str]]]:
     """Load, plan, launch the ranks, return ``(rows, skipped)``. Prints the plan to ``out``."""
-    from .. import launch
-    from ..models import load_minilm
-
     loaded = load_minilm(cfg.model_dir)
     inputs = prepare_inputs(cfg, loaded)
     plan, skipped = plan_modes(cfg, loaded.info)
@@ -240,6 +238,7 @@ def run_demo(cfg: DemoConfig, *, out=sys.stdout) -> tuple[list[DemoRow], list[tu
 
 def main(args) -> int:
     """The ``attncomm demo`` command. 0: every row passed; 1: a row failed; 2: bad options."""
+    config.force_safe_env()
     try:
         cfg = _config(args)
     except ValueError as exc:

@@ -44,6 +44,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from .._dist import cpu_group
 from ..models import MiniLM, MiniLMInfo, full_attention, mean_pool
 
 __all__ = ["DemoConfig", "DemoRow", "DemoInputs", "RankContext", "DemoMode", "compare",
@@ -181,8 +182,6 @@ class RankContext:
     @classmethod
     def create(cls, rank: int, world_size: int, cfg: DemoConfig, inputs: DemoInputs,
                total_runs: int) -> "RankContext":
-        from .. import cpu_group
-
         device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" \
             else torch.device("cpu")
         bar = None

@@ -14,14 +14,20 @@ JSON: ``{"meta": {...}, "records": [{"sync", "world_size", "sync_us"}, {"op", "m
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from ..bench.common import meta, plot_lines, print_table, progress, slowest_rank_median, \
-    time_eager, write_json
+from .. import config
+from .._dist import cpu_group
+from ..bench.common import (meta, plot_lines, print_table, progress, slowest_rank_median,
+                            time_eager, write_json)
+from ..launch import launch
+from .gather import DpPaddingMode, dp_gather, dp_reduce_scatter, dp_scatter, global_layout
+from .sync import MLPSyncBatchInfo, exchange_rows, resolve_sync
 
 __all__ = ["add_arguments", "main", "run_rank", "markdown_tables", "with_speedups"]
 
@@ -83,8 +89,6 @@ def _per_step(fn, cfg: dict, cg) -> float:
 def _time_sync(path: str, world: int, rank: int, cfg: dict, device, cg) -> dict:
     """``sync_us``: the whole ``MLPSyncBatchInfo.all_gather``; ``exchange_us``: the transport
     alone (``exchange_rows``: rows in, every rank's rows out as ints)."""
-    from .sync import MLPSyncBatchInfo, exchange_rows, resolve_sync
-
     resolve_sync(path)  # one-time setup (host check, shm segment) outside the timing
     row = [rank + 1, rank + 1, 1, 0, 1, 2]
 
@@ -98,8 +102,6 @@ def _time_sync(path: str, world: int, rank: int, cfg: dict, device, cg) -> dict:
 
 
 def _time_gathers(world: int, rank: int, cfg: dict, device, cg, bar) -> list[dict]:
-    from .gather import DpPaddingMode, dp_gather, dp_reduce_scatter, dp_scatter, global_layout
-
     dtype = _DTYPES[cfg["dtype"]]
     cuda = device.type == "cuda"
     barrier = (lambda: dist.barrier(group=cg))
@@ -126,13 +128,10 @@ def _time_gathers(world: int, rank: int, cfg: dict, device, cg, bar) -> list[dic
 
 def run_rank(rank: int, world: int, cfg: dict) -> list[dict] | None:
     """Every rank: time each sync path, then each gather op; rank 0 returns the records."""
-    from .. import cpu_group
-
     device = torch.device("cuda", torch.cuda.current_device()) if cfg["device"] == "cuda" \
         else torch.device("cpu")
     threads = torch.get_num_threads()
     if device.type == "cpu":  # ranks share the host's cores
-        import os
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     cg = cpu_group(None)
     total = len(cfg["syncs"]) + len(cfg["tokens"]) * 2 * len(cfg["ops"])
@@ -181,7 +180,7 @@ def markdown_tables(records: list[dict], cfg: dict, world: int) -> str:
 
 def main(args) -> int:
     """The ``attncomm bench dp-sync`` command (0: done, 2: bad options)."""
-    from .. import launch
+    config.force_safe_env()
 
     try:
         cfg = _config(args)
@@ -211,7 +210,6 @@ def main(args) -> int:
         write_json(args.json, m, records)
         print(f"wrote {args.json}")
     if args.markdown:
-        import os
         os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
         with open(args.markdown, "w") as f:
             f.write(markdown_tables(records, cfg, args.world_size))

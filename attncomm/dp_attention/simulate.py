@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from ..launch import cpu_group
-from .._dist import all_gather_tensor, wait
-from .gather import (DpPaddingMode, choose_padding_mode, dp_gather, dp_reduce_scatter,
-                     dp_scatter, select_cuda_graph_bs)
+from .._dist import all_gather_tensor, cpu_group, wait
+from ..launch import launch
+from .gather import (DpPaddingMode, choose_padding_mode, dp_gather, dp_reduce_scatter, dp_scatter,
+                     select_cuda_graph_bs)
 from .sync import BatchView, ForwardMode, prepare_mlp_sync_batch
 
 __all__ = ["SimConfig", "MlpWeights", "SimulationError", "simulate_rank",
@@ -406,8 +406,6 @@ def run_dp_attention_demo(world_size: int = 2, *, device: str = "cpu", dtype: st
     """Launch ``world_size`` ranks, run the simulation, and return the demo row:
     ``{"mode": "dp_attention", "backend": "auto", "world_size", "min_cosine", "max_abs_err",
     "seconds", ...}`` plus the per-rank results under ``"ranks"``."""
-    from ..launch import launch
-
     cfg = SimConfig(steps=steps, attn_tp_size=attn_tp_size, sync=sync, dtype=dtype, seed=seed,
                     timeout_s=timeout_s, device=device)
     results = launch(simulate_rank, world_size, device=device, args=(cfg,))

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from .._dist import agree, agree_reason, all_gather_tensor, group_device, guard_timeout, wait
+from .._dist import (agree, agree_reason, all_gather_tensor, cpu_group, group_device, guard_timeout,
+                     wait)
 from ..capability import same_host
 from ..errors import PeerTimeoutError
-from ..launch import cpu_group
 from . import shm as _shm
 
 __all__ = ["ForwardMode", "BatchView", "MLPSyncBatchInfo", "prepare_mlp_sync_batch",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import _dist
+from .. import _dist, dcp
 
 __all__ = ["partial_attention", "full_attention", "dcp_attention", "gather_heads"]
 
@@ -78,8 +78,6 @@ def dcp_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor,
     Raises:
         ValueError: ``H % W != 0`` (from ``dcp.merge``).
     """
-    from .. import dcp
-
     B, Sq, H, D = q.shape
     out, lse = partial_attention(q, k_local, v_local, valid_local, scale)
     merged = dcp.merge(out.reshape(B * Sq, H, D), lse.reshape(B * Sq, H), group,

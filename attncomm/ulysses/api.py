@@ -17,7 +17,9 @@ import torch.distributed as dist
 
 from .. import _dist, config
 from .._dist import group_key
+from . import ce
 from .all_to_all import AllToAllTransport
+from .ce import CopyEngineTransport
 from .layout import head_offsets, head_split, head_to_seq_plan, seq_to_head_plan
 from .transport import Transport
 
@@ -52,7 +54,6 @@ def _set_fallback_reason(reason: str | None, owner=None) -> None:
 def ce_reason(group, device: torch.device) -> str | None:
     """Why the ``ce`` transport cannot run for ``device`` tensors on ``group`` (None if it can),
     agreed across ranks (collective on first use per group and device type; cached)."""
-    from . import ce
     return ce.agreed_unavailable_reason(group, device)
 
 
@@ -60,7 +61,6 @@ def backend_availability(group=None) -> dict:
     """``{backend name: None if it can run here, else the reason}`` for the Ulysses transports,
     for CUDA tensors on ``group`` (collective over ``group`` when torch.distributed is
     initialised; a local check otherwise)."""
-    from . import ce
     out = {"all_to_all": None if dist.is_available() else "torch.distributed is unavailable"}
     if dist.is_initialized():
         dev = (torch.device("cuda", torch.cuda.current_device())
@@ -125,7 +125,6 @@ def _cached(group, name, device, timeout_s, rank, world) -> Transport:
     t = _TRANSPORTS.get(key)
     if t is None:
         if name == "ce":
-            from .ce import CopyEngineTransport
             t = CopyEngineTransport(group, rank, world, timeout_s, device=device)
         else:
             t = AllToAllTransport(group, rank, world, timeout_s)

@@ -8,11 +8,11 @@ import torch
 import torch.distributed as dist
 
 from .. import _dist, config
-from .._dist import group_key
-from .api import (_BACKEND_CODES, check_call, dense, get_transport, resolve_backend,
-                  seq_lens_hash, _norm_seq_lens, _seq_lens_error)
-from .layout import (group_head_ranges, head_offsets, head_to_seq_plan,
-                     kv_head_range, seq_to_head_plan, uniform_group)
+from .._dist import cpu_group, group_key
+from .api import (_BACKEND_CODES, _norm_seq_lens, _seq_lens_error, check_call, dense, get_transport,
+                  resolve_backend, seq_lens_hash)
+from .layout import (group_head_ranges, head_offsets, head_to_seq_plan, kv_head_range,
+                     seq_to_head_plan, uniform_group)
 
 __all__ = ["UlyssesAttention", "sdpa_attention", "rms_norm_rope"]
 
@@ -387,7 +387,6 @@ def _agree_fits(group, device) -> bool:
     key = group_key(group)
     if key not in _FITS:
         free, total = torch.cuda.mem_get_info(device)
-        from ..launch import cpu_group
         flag = torch.tensor([1 if free * 4 >= total else 0], dtype=torch.int64)
         g = cpu_group(group)
         if dist.get_world_size(g) > 1:

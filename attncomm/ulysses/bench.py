@@ -27,7 +27,12 @@ import sys
 import torch
 import torch.distributed as dist
 
+from .. import config
+from .._dist import cpu_group
 from ..bench import common
+from ..launch import launch
+from .api import _cached, ce_reason, dense
+from .attention import UlyssesAttention, sdpa_attention
 from .layout import head_offsets, head_split, head_to_seq_plan, seq_to_head_plan
 
 __all__ = ["add_arguments", "main", "run_rank", "report", "markdown_report"]
@@ -107,7 +112,6 @@ def _dit_case(world, rank, seq_total, dtype, device, heads=24):
 
 
 def _transport(name, group, rank, world, device, timeout):
-    from .api import _cached, ce_reason
     if name == "ce":
         why = ce_reason(group, device)
         if why:
@@ -168,8 +172,6 @@ def _time(fn, mode, device, iters, cpu_g):
 
 def run_rank(rank: int, world: int, opts: dict) -> list[dict] | None:
     """Run the benchmark on one rank of an initialised group; rank 0 returns the records."""
-    from .. import config
-    from ..launch import cpu_group
     device = (torch.device("cuda", torch.cuda.current_device()) if opts["device"] == "cuda"
               else torch.device("cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -254,8 +256,6 @@ def _all_ranks(flag: bool, cpu_g) -> bool:
 def _layer_fns(name, t, case, local, seq, opts, dtype, device):
     """``({variant: timed fn}, {variant: UlyssesAttention}, sequential out, pipelined out)``;
     each module runs once here (first call: staging buffers, group count)."""
-    from .api import dense
-    from .attention import UlyssesAttention, sdpa_attention
     q, k, v = case[1]
     fns = {"exchange": _first_call(t, "dit", case, dtype, device)[0],
            "attention": lambda: dense(sdpa_attention(*local, False))}
@@ -372,7 +372,7 @@ def _defaults(args) -> dict:
 
 
 def main(args) -> int:
-    from ..launch import launch
+    config.force_safe_env()
     opts = _defaults(args)
     for t in opts["transports"]:
         if t not in ("all_to_all", "ce"):

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .. import capability
-from .._dist import agree_reason, group_key
+from .._dist import agree_reason, cpu_group, group_key
 from ..errors import PeerTimeoutError
 from .layout import ExchangePlan
 from .transport import Exchange, SendBuffer, Transport, send_views, source_view
@@ -300,7 +300,6 @@ class CopyEngineTransport(Transport):
         if mode != "kernel":
             why = probe_stream_mem_ops(self.device)
             ok = torch.tensor([1 if why is None else 0], dtype=torch.int64)
-            from ..launch import cpu_group
             if world_size > 1:
                 dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=cpu_group(group))
             if int(ok.item()) == 1:
@@ -352,7 +351,6 @@ class CopyEngineTransport(Transport):
         return self._allocate(key)
 
     def _allocate(self, key) -> str | None:
-        from ..launch import cpu_group
         g = cpu_group(self.group)
         # Entries used inside a CUDA graph are pinned (the graph holds their addresses); the
         # bound counts the others.
