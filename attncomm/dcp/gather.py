@@ -24,14 +24,17 @@ from __future__ import annotations
 import collections
 import importlib
 import logging
+import math
 from abc import ABC, abstractmethod
 
 import torch
 import torch.distributed as dist
 
 from .. import config
-from .._dist import (DTYPE_CODES, agree, agree_reason, all_gather_tensor, as_bits, group_device,
-                     group_key, wait)
+from .._dist import (DTYPE_CODES, agree, agree_reason, all_gather_tensor, as_bits, cpu_group,
+                     group_device, group_key, wait)
+from .._timing import time_graph
+from .auto import token_buckets
 
 __all__ = ["gather_heads", "DcpQueryGather", "rotate_tail", "QueryGatherBackend",
            "AllGatherBackend", "GATHER_BACKENDS"]
@@ -272,12 +275,6 @@ def _measured_choice(group, impls: dict, max_tokens: int, rope_dim: int):
     """Time each backend in CUDA graphs at token buckets up to ``max_tokens`` (1, 8, 64,
     ``max_tokens``), slowest rank (all_reduce MAX over the gloo twin), pick the lowest geometric
     mean: ``(name, why symm was not taken or None)``, the same on every rank."""
-    import math
-
-    from .. import cpu_group
-    from ..bench.common import time_graph
-    from .auto import token_buckets
-
     names = list(impls)
     buckets = token_buckets(max_tokens)
     scores = torch.full((len(names), len(buckets)), math.inf, dtype=torch.float64)
