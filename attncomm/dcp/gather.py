@@ -411,8 +411,6 @@ class DcpQueryGather:
                     device=self.device, timeout_s=self.timeout_s)
 
     def _local_reason(self, name: str) -> str | None:
-        if name == "symm" and self.device.type != "cuda":
-            return "symm needs CUDA tensors on an NCCL group; this group is on CPU (gloo)"
         try:
             cls = _backend_class(name)
         except ImportError as exc:

@@ -1,0 +1,269 @@
+"""``symm``: the DCP query gather over torch SymmetricMemory, one persistent Triton kernel per call.
+
+Each rank stores its slice of the query heads, already rotated, straight into every peer's
+persistent buffer over NVLink (vLLM's direct query gather and b12x's push into peers' staging
+slots do the same): LL words (payload and epoch in one 8-byte word) up to 256 KiB per peer,
+rows plus a flag per block above (``attncomm.dcp.gather_symm_kernels`` holds the kernels and
+the epoch, parity and ordering rules). The result is a view of ``OUT [max_tokens, H, D]`` in
+this rank's slab: a fixed address, so a captured graph's readers keep pointing at it.
+
+Slab layout (bytes, every region 128-byte aligned)::
+
+    OUT    [max_tokens, H, D]          query dtype   the gathered query (the result)
+    F      [2, W, max_blocks]          int32         one flag per row block (holds the epoch)
+    LL     [2, W, ll_rows, row_words]  int64         LL words: (epoch << 32) | payload
+    READY  [W]                         int32         READY[q]: the last call q has started
+
+Cells ``(slot, src)`` of F and LL, and ``READY[src]``, are written only by rank ``src``; OUT's
+heads ``[src·H/W, (src+1)·H/W)`` only by rank ``src``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.distributed as dist
+
+from .. import capability
+from ..symm import SymmWorkspace
+from . import gather_symm_kernels as kern
+from .gather import QueryGatherBackend
+
+__all__ = ["GatherLayout", "SymmGatherBackend", "launch_gather", "use_ll"]
+
+_ALIGN = 128
+_LL_MAX_BYTES = 256 * 1024  # payload per peer up to which the LL protocol is used
+_DELTA_UNIT = 16  # peer offsets in units of 16 elements (keeps stores vectorised)
+_TL_DTYPE_SIZES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherLayout:
+    """Byte offsets of the gather slab's regions (see the module docstring).
+
+    Arguments:
+        world_size: W ≥ 1. max_tokens: T bound ≥ 1. num_heads: H (divisible by W).
+        head_dim: D. itemsize: bytes per value (2 or 4). ll_rows: rows per LL cell (≤ the
+            rows per rank, ``max_tokens·H/W``); 0 disables LL.
+    """
+
+    world_size: int
+    max_tokens: int
+    num_heads: int
+    head_dim: int
+    itemsize: int
+    ll_rows: int = 0
+
+    def __post_init__(self):
+        if self.world_size < 1 or self.max_tokens < 1 or self.head_dim < 1 \
+                or self.num_heads % self.world_size or self.itemsize not in (2, 4):
+            raise ValueError(f"GatherLayout: bad geometry {self}")
+        if not 0 <= self.ll_rows <= self.max_rows:
+            raise ValueError(f"GatherLayout: ll_rows must be in [0, {self.max_rows}], got "
+                             f"{self.ll_rows}")
+        if self.ll_rows and (self.head_dim * self.itemsize) % 4:
+            raise ValueError("GatherLayout: LL rows need head_dim·itemsize divisible by 4")
+
+    @property
+    def max_rows(self) -> int:
+        """Rows a rank sends per call at most: ``max_tokens · H/W``."""
+        return self.max_tokens * (self.num_heads // self.world_size)
+
+    @property
+    def row_words(self) -> int:
+        return self.head_dim * self.itemsize // 4
+
+    def region_bytes(self) -> dict[str, int]:
+        W = self.world_size
+        return {"out": _align(self.max_tokens * self.num_heads * self.head_dim * self.itemsize),
+                "f": 2 * W * _align(self.max_rows * 4),
+                "ll": 2 * W * _align(self.ll_rows * self.row_words * 8),
+                "ready": _align(W * 4)}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.region_bytes().values())
+
+    def base(self, region: str) -> int:
+        off = 0
+        for name, n in self.region_bytes().items():
+            if name == region:
+                return off
+            off += n
+        raise ValueError(f"GatherLayout: no region {region!r}")
+
+    @functools.cached_property
+    def kernel_strides(self) -> dict[str, int]:
+        """Bases and cell strides as the kernels index them: F and READY in int32 words, LL in
+        int64 words (OUT is at offset 0)."""
+        return {"f_base": self.base("f") // 4, "f_cell": _align(self.max_rows * 4) // 4,
+                "ll_base": self.base("ll") // 8,
+                "ll_cell": _align(self.ll_rows * self.row_words * 8) // 8,
+                "ready_base": self.base("ready") // 4}
+
+
+def ll_rows_for(max_rows: int, head_dim: int, itemsize: int,
+                ll_max_bytes: int = _LL_MAX_BYTES) -> int:
+    """Rows per LL cell: the rows whose payload per peer fits ``ll_max_bytes``."""
+    if (head_dim * itemsize) % 4:
+        return 0
+    return min(max_rows, ll_max_bytes // (head_dim * itemsize))
+
+
+def use_ll(n_rows: int, layout: GatherLayout) -> bool:
+    """Whether a gather of ``n_rows`` rows per rank takes the LL protocol."""
+    return 0 < n_rows <= layout.ll_rows
+
+
+def _num_warps(nbytes: int) -> int:
+    return max(1, min(16, nbytes // (32 * 16)))
+
+
+def launch_gather(q, cos, sin, *, slab, delta_o, delta_w, delta_q, state, errors, rank: int,
+                  layout: GatherLayout, n_programs_max: int, timeout_ns: int,
+                  ordered: bool = False) -> None:
+    """Launch one gather (no host sync). ``q [T, H/W, D]`` contiguous; ``cos, sin [T, R]`` fp32
+    contiguous or None; ``slab`` the local symmetric uint8 slab (``layout``); ``delta_*`` the
+    ``[W]`` int64 peer offsets in 16-element units of q's dtype, 4-byte and 8-byte words;
+    ``state`` the ``[4]`` int32 ``[epoch, count, 0, 0]``; ``errors`` the ``[W]`` int32 error
+    word."""
+    T, hs, D = q.shape
+    W, H = layout.world_size, layout.num_heads
+    n_rows = T * hs
+    br, n_blocks, grid = kern.plan_blocks(n_rows, n_programs_max)
+    if grid == 0:
+        return
+    R = 0 if cos is None else cos.shape[-1]
+    if cos is None:
+        cos = sin = q  # never read (ROT is off)
+    st = layout.kernel_strides
+    common = dict(RANK=rank, W=W, BR=br, ROT=R > 0, enable_fp_fusion=False)
+    if use_ll(n_rows, layout):
+        dw = layout.row_words
+        bw = 1 << max(dw - 1, 0).bit_length()
+        kern.gather_ll_kernel[(grid,)](
+            q, cos, sin, slab.view(torch.int32), slab.view(torch.int64), delta_w, delta_q,
+            state.view(torch.int64), errors, n_rows, n_blocks, grid, timeout_ns, H, hs, D, R,
+            dw, st["f_base"], st["f_cell"], st["ll_base"], st["ll_cell"], st["ready_base"],
+            BW=bw, PACK=4 // q.element_size(), num_warps=_num_warps(br * bw * 8), **common)
+        return
+    bd = 1 << max(D - 1, 0).bit_length()
+    kern.gather_flag_kernel[(grid,)](
+        q, cos, sin, slab.view(q.dtype), slab.view(torch.int32), delta_o, delta_w,
+        state.view(torch.int64), errors, n_rows, n_blocks, grid, timeout_ns, H, hs, D, R,
+        st["f_base"], st["f_cell"], st["ll_base"], st["ll_cell"], st["ready_base"],
+        BD=bd, ORDERED=bool(ordered), num_warps=_num_warps(br * bd * q.element_size()),
+        **common)
+
+
+def _n_programs_max(device: torch.device) -> int:
+    return max(1, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+class SymmGatherBackend(QueryGatherBackend):
+    """The symmetric-memory query gather (see the module docstring).
+
+    Construction is collective and host-blocking (allocation, rendezvous, each agreed across
+    ranks; then one warm-up gather per kernel variant, so JIT compilation and the first P2P
+    stores happen before any capture). Calls are graph-capturable; outside capture every call
+    reads the device error word (a host sync) and raises ``PeerTimeoutError`` at once; inside
+    graphs call ``check()`` after replays.
+
+    Returns a view of ``OUT[:T]`` (``[T, H, D]``), valid until this rank's next call is
+    enqueued. Constraints: CUDA, every rank on one host with P2P between every pair, torch
+    SymmetricMemory, Triton; issue the calls of one group on one stream.
+    """
+
+    name = "symm"
+
+    def __init__(self, group, *, ordered_by_caller: bool = False, **kw):
+        super().__init__(group, **kw)
+        if kern.triton is None:
+            raise RuntimeError("symm gather needs Triton")
+        itemsize = _TL_DTYPE_SIZES[self.dtype]
+        max_rows = self.max_tokens * self.hs
+        self.layout = GatherLayout(self.world_size, self.max_tokens, self.num_heads,
+                                   self.head_dim, itemsize,
+                                   ll_rows_for(max_rows, self.head_dim, itemsize))
+        if self.layout.total_bytes >= 2 ** 31:
+            raise RuntimeError(f"symm gather: slab of {self.layout.total_bytes} bytes exceeds "
+                               f"the kernel's 32-bit offsets; lower max_tokens")
+        self.ordered = bool(ordered_by_caller)
+        self.timeout_ns = int(self.timeout_s * 1e9)
+        ws, reason = capability.collective_try(
+            group, lambda: SymmWorkspace(group, self.layout, self.device,
+                                         op="dcp.gather[symm]", timeout_s=self.timeout_s,
+                                         rendezvous=False), "symm gather allocation")
+        if reason:
+            raise RuntimeError(f"symm gather: allocation failed: {reason}")
+        _, reason = capability.collective_try(group, ws.rendezvous, "symm gather rendezvous")
+        if reason:
+            raise RuntimeError(f"symm gather: rendezvous failed: {reason}")
+        self.ws = ws
+        self._setup_tables(itemsize)
+        self.out = ws.slab[:self.layout.region_bytes()["out"]].view(self.dtype)[
+            :self.max_tokens * self.num_heads * self.head_dim].view(
+            self.max_tokens, self.num_heads, self.head_dim)
+        self._warm_up()
+
+    @classmethod
+    def local_unavailable_reason(cls, group, device: torch.device) -> str | None:
+        reason = capability.symm_unavailable_reason(group, device)  # collective: always call
+        if reason is None and kern.triton is None:
+            return "Triton is not importable"
+        return reason
+
+    def _setup_tables(self, itemsize: int) -> None:
+        ptrs = [int(p) for p in self.ws.handle.buffer_ptrs]
+        me = ptrs[self.rank]
+        units = (_DELTA_UNIT * itemsize, _DELTA_UNIT * 4, _DELTA_UNIT * 8)
+        deltas = [p - me for p in ptrs]
+        if any(dl % u for dl in deltas for u in units):
+            raise RuntimeError(f"symm gather: peer slabs are not {max(units)}-byte aligned "
+                               f"relative to each other: {deltas}")
+        self.delta_o, self.delta_w, self.delta_q = (
+            torch.tensor([dl // u for dl in deltas], dtype=torch.int64, device=self.device)
+            for u in units)
+        from .. import cpu_group
+
+        n = torch.tensor([_n_programs_max(self.device) if self.device.type == "cuda" else 3],
+                         dtype=torch.int64)
+        dist.all_reduce(n, op=dist.ReduceOp.MIN, group=cpu_group(self.group))
+        self.n_programs_max = int(n.item())
+
+    def _warm_up(self) -> None:
+        # One gather per kernel variant (block size, protocol) up to max_tokens: compiles
+        # before any capture and proves the P2P path (a timeout here raises on construction).
+        seen = set()
+        R = self.rope_dim
+        for t in range(1, self.max_tokens + 1):
+            n = t * self.hs
+            key = (kern.plan_blocks(n, self.n_programs_max)[0], use_ll(n, self.layout))
+            if key in seen:
+                continue
+            seen.add(key)
+            q = torch.zeros((t, self.hs, self.head_dim), dtype=self.dtype, device=self.device)
+            cs = torch.zeros((t, R), dtype=torch.float32, device=self.device) if R else None
+            self(q, cs, cs)
+
+    def __call__(self, q, cos, sin):
+        self.ws.ensure_usable()
+        T = q.shape[0]
+        if T > self.max_tokens:
+            raise ValueError(f"symm gather: T={T} exceeds max_tokens={self.max_tokens}")
+        launch_gather(q, cos, sin, slab=self.ws.slab, delta_o=self.delta_o,
+                      delta_w=self.delta_w, delta_q=self.delta_q, state=self.ws.state,
+                      errors=self.ws.errors, rank=self.rank, layout=self.layout,
+                      n_programs_max=self.n_programs_max, timeout_ns=self.timeout_ns,
+                      ordered=self.ordered)
+        if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.ws.check()
+        return self.out[:T]
+
+    def check(self) -> None:
+        self.ws.check()

@@ -1,0 +1,308 @@
+"""Triton kernels of the ``symm`` query gather (host side: ``attncomm.dcp.gather_symm``).
+
+One persistent kernel per gather. A "row" is one ``(token, local head)`` pair of this rank's
+slice (``n_rows = T·H/W``, row ``t·H/W + j``); rows go in blocks of ``BR``, program ``p`` takes
+blocks ``p, p+G, …`` (``G`` ≤ one program per SM, so every program is resident and spinning
+programs never wait on one that cannot run). Each row is read once, rotated on its last ``R``
+dims (``x·cos + (−x2, x1)·sin`` in fp32, no fused multiply-add: the host launches with
+``enable_fp_fusion=False``, so the bits equal ``rotate_tail``'s), and stored:
+
+- flag protocol (``gather_flag_kernel``): straight into every rank's ``OUT [max_tokens, H, D]``
+  at heads ``[RANK·H/W, …)``, then, after a block barrier, a release store of the epoch into
+  each peer's flag ``F[slot, RANK, block]``; then every program waits (acquire, bounded) for
+  every source's flag of its blocks. The data needs no copy: the result is ``OUT`` itself.
+- LL protocol (``gather_ll_kernel``, small payloads): every 8-byte word sent is
+  ``(epoch << 32) | 32 payload bits`` into the peer's ``LL[slot, RANK, row, word]``, so there
+  is no fence and no flag; the receiver polls the words (bounded) and writes the payloads into
+  its own ``OUT``.
+
+Epoch, parity and wrap as ``symm_a2a``: ``state[0:2]`` is one 64-bit word ``(count << 32) |
+epoch``; every program adds ``1 << 32`` (counts in, reads the epoch ``e = epoch + 1``, skipping
+0); the last to count in writes ``e`` back with count 0, so graph replays advance it on the
+device. ``slot = e & 1`` selects the parity cells of ``F`` and ``LL``; flags and LL tags hold
+the full epoch; at epochs ≡ 0, 1 (mod 2**30) the kernel first zeroes the other slot's flags and
+LL words from every peer, fences, and only then sends (no cell keeps a value for 2**32 calls).
+
+Ordering (why a fast rank never overwrites what a slow rank still reads):
+
+- LL cells: a rank can start call ``e+2`` (same slot as ``e``) only after every peer has sent
+  its part of ``e+1``, which each peer does only after its call ``e`` finished (stream order).
+  ``OUT`` is written by its own rank only, in stream order after the previous result's readers.
+- ``OUT`` on the flag protocol is written by the peers directly and is single-buffered (a
+  fixed address, so a captured graph's readers keep pointing at it). Program 0 of every call
+  first stores ``e`` into ``READY[RANK]`` of every peer — this rank has started call ``e``, so
+  every reader of its previous result, enqueued before, has finished — and every program waits
+  (bounded) for ``READY[q] == e`` before its first store into peer ``q``'s ``OUT``. With
+  ``ORDERED`` (the caller promises a cross-rank dependency between a result's readers and the
+  next call, as the DCP merge after attention is) the wait is skipped; the store still happens.
+- Timeouts: a wait past ``timeout_ns`` (``%globaltimer``) sets ``errors[q] = 1`` and the program
+  skips what depended on it; the host turns that into ``PeerTimeoutError``.
+"""
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - the backend reports itself unavailable
+    triton = None
+    tl = None
+
+__all__ = ["gather_flag_kernel", "gather_ll_kernel", "plan_blocks", "MAX_BLOCK_ROWS"]
+
+MAX_BLOCK_ROWS = 64
+
+
+def plan_blocks(n_rows: int, n_programs_max: int, max_block_rows: int = MAX_BLOCK_ROWS):
+    """``(block_rows, n_blocks, grid)`` for ``n_rows`` rows: a power-of-two block (≤
+    ``max_block_rows``) large enough that the blocks roughly fill ``n_programs_max`` programs.
+    The same on every rank for the same inputs."""
+    if n_rows <= 0:
+        return 1, 0, 0
+    per = -(-n_rows // max(n_programs_max, 1))
+    br = 1
+    while br < per and br < max_block_rows:
+        br *= 2
+    n_blocks = -(-n_rows // br)
+    return br, n_blocks, min(n_blocks, n_programs_max)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _now_ns():
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+
+    @triton.jit
+    def _timed_out(deadline, timeout_ns):
+        # (deadline, expired): the deadline is set on the first wait that has to spin.
+        now = _now_ns()
+        if deadline == 0:
+            deadline = now + timeout_ns.to(tl.int64)
+        return deadline, now > deadline
+
+    @triton.jit
+    def _epoch(state64_ptr, grid_size):
+        # Count in and read the epoch in one atomic; the last program writes it back.
+        old = tl.atomic_add(state64_ptr, 1 << 32, sem="relaxed", scope="gpu")
+        e = (old & 0xFFFFFFFF).to(tl.int32) + 1
+        e = tl.where(e == 0, 2, e)
+        if (old >> 32) == grid_size - 1:
+            tl.atomic_xchg(state64_ptr, e.to(tl.int64) & 0xFFFFFFFF, sem="relaxed", scope="gpu")
+        return e
+
+    @triton.jit
+    def _scrub(slab_w, err_ptr, e, pid, grid_size, f_base, f_cell, ll_base, ll_cell,
+               RANK: tl.constexpr, W: tl.constexpr):
+        # Epochs ≡ 0, 1 (mod 2**30): zero the other slot's flags and LL words from every peer
+        # (slab_w: the slab as int32), then a barrier and a release before any store of this
+        # call can reach a peer.
+        if ((e >> 1) & 0x1FFFFFFF) == 0:
+            i = tl.arange(0, 1024)
+            for q in tl.static_range(W):
+                if q != RANK:
+                    cell = (1 - (e & 1)) * W + q
+                    for region in tl.static_range(2):
+                        if region == 0:
+                            base, n = f_base + cell * f_cell, f_cell
+                        else:
+                            base, n = 2 * (ll_base + cell * ll_cell), 2 * ll_cell
+                        k = pid * 1024
+                        while k < n:
+                            tl.store(slab_w + base + k + i, 0, mask=k + i < n)
+                            k += grid_size * 1024
+            tl.debug_barrier()
+            tl.atomic_add(err_ptr + RANK, 0, sem="release", scope="sys")  # errors[RANK] stays 0
+            tl.debug_barrier()
+
+    @triton.jit
+    def _announce(slab_w, delta_w, e, pid, ready_base, RANK: tl.constexpr, W: tl.constexpr):
+        # Program 0: READY[RANK] := e in every peer's slab (this rank has started call e).
+        if pid == 0:
+            for q in tl.static_range(W):
+                if q != RANK:
+                    p = slab_w + tl.load(delta_w + q) * 16 + ready_base + RANK
+                    tl.atomic_xchg(p, e, sem="relaxed", scope="sys")
+
+    @triton.jit
+    def _wait_word(ptr, e, deadline, timeout_ns, err_ptr, bad, SEM: tl.constexpr):
+        # Bounded wait until *ptr == e; past the deadline: errors[src] = 1, bad = 1.
+        v = tl.atomic_add(ptr, 0, sem=SEM, scope="sys")
+        while v != e:
+            deadline, expired = _timed_out(deadline, timeout_ns)
+            if expired:
+                tl.atomic_xchg(err_ptr, 1)
+                bad = bad | 1
+                v = e
+            else:
+                v = tl.atomic_add(ptr, 0, sem=SEM, scope="sys")
+        return deadline, bad
+
+    @triton.jit
+    def _round(v, DTYPE: tl.constexpr):
+        # fp32 → DTYPE, round to nearest even. bf16 by integer arithmetic, as torch defines it
+        # (NaN → 0x7FC0): the same bits on the GPU and under the interpreter, whose own bf16
+        # cast truncates.
+        if DTYPE == tl.bfloat16:
+            u = v.to(tl.uint32, bitcast=True)
+            r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+            r = tl.where(v != v, 0x7FC0, r)
+            return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return v.to(DTYPE)
+
+    @triton.jit
+    def _load_rot(q_ptr, cos_ptr, sin_ptr, rows, rmask, d, dmask, HS, D, R,
+                  ROT: tl.constexpr):
+        # This rank's query values at rows × element indices d ([BR, n], q's dtype); with ROT
+        # the last R dims rotated: x·cos + (−x2 | x1)·sin in fp32, rounded once.
+        m2 = rmask[:, None] & dmask[None, :]
+        x = tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=m2, other=0.0)
+        if ROT:
+            half = R // 2
+            tail = d >= D - R
+            first = d < D - half
+            partner = tl.where(first, d + half, d - half)
+            mt = m2 & tail[None, :]
+            xp = tl.load(q_ptr + rows[:, None] * D + partner[None, :], mask=mt, other=0.0)
+            t = rows // HS
+            k = d - (D - R)
+            c = tl.load(cos_ptr + t[:, None] * R + k[None, :], mask=mt, other=0.0)
+            s = tl.load(sin_ptr + t[:, None] * R + k[None, :], mask=mt, other=0.0)
+            xf = x.to(tl.float32)
+            pf = xp.to(tl.float32)
+            rot = xf * c + tl.where(first[None, :], -pf, pf) * s
+            x = tl.where(mt, _round(rot, x.dtype), x)
+        return x
+
+    @triton.jit
+    def _words(q_ptr, cos_ptr, sin_ptr, rows, rmask, w, wmask, HS, D, R, ROT: tl.constexpr,
+               PACK: tl.constexpr):
+        # The rotated rows as int32 words ([BR, BW]); PACK 2: two 16-bit values per word.
+        if PACK == 2:
+            lo = _load_rot(q_ptr, cos_ptr, sin_ptr, rows, rmask, 2 * w, wmask, HS, D, R, ROT)
+            hi = _load_rot(q_ptr, cos_ptr, sin_ptr, rows, rmask, 2 * w + 1, wmask, HS, D, R,
+                           ROT)
+            a = lo.to(tl.uint16, bitcast=True).to(tl.int32)
+            b = hi.to(tl.uint16, bitcast=True).to(tl.int32)
+            return a | (b << 16)
+        else:
+            x = _load_rot(q_ptr, cos_ptr, sin_ptr, rows, rmask, w, wmask, HS, D, R, ROT)
+            return x.to(tl.int32, bitcast=True)
+
+    @triton.jit(do_not_specialize=["n_rows", "n_blocks", "grid_size", "timeout_ns"])
+    def gather_flag_kernel(q_ptr, cos_ptr, sin_ptr, slab_o, slab_w, delta_o, delta_w,
+                           state_ptr, err_ptr, n_rows, n_blocks, grid_size, timeout_ns,
+                           H, HS, D, R, f_base, f_cell, ll_base, ll_cell, ready_base,
+                           RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
+                           BD: tl.constexpr, ROT: tl.constexpr, ORDERED: tl.constexpr):
+        """One gather, flag protocol. ``q [T, HS, D]`` → ``OUT[t, RANK·HS + j]`` of every
+        rank (``slab_o``: the slab in q's dtype, OUT at offset 0; ``slab_w``: as int32)."""
+        pid = tl.program_id(0)
+        e = _epoch(state_ptr, grid_size)
+        _scrub(slab_w, err_ptr, e, pid, grid_size, f_base, f_cell, ll_base, ll_cell, RANK, W)
+        _announce(slab_w, delta_w, e, pid, ready_base, RANK, W)
+        slot = e & 1
+        deadline = timeout_ns.to(tl.int64) * 0
+        bad = tl.full([], 0, tl.int32)  # bit q: a wait for peer q timed out
+        d = tl.arange(0, BD)
+        dmask = d < D
+        b = pid
+        first = tl.full([], 1, tl.int32)
+        while b < n_blocks:
+            rows = b * BR + tl.arange(0, BR)
+            rmask = rows < n_rows
+            x = _load_rot(q_ptr, cos_ptr, sin_ptr, rows, rmask, d, dmask, HS, D, R, ROT)
+            dst = ((rows // HS) * H + RANK * HS + rows % HS)[:, None] * D + d[None, :]
+            m2 = rmask[:, None] & dmask[None, :]
+            tl.store(slab_o + dst, x, mask=m2)
+            for q in tl.static_range(W):
+                if q != RANK:
+                    if not ORDERED:
+                        if first == 1:
+                            deadline, bq = _wait_word(slab_w + ready_base + q, e, deadline,
+                                                      timeout_ns, err_ptr + q, (bad >> q) & 1,
+                                                      "relaxed")
+                            bad = bad | (bq << q)
+                    if ((bad >> q) & 1) == 0:
+                        tl.store(slab_o + tl.load(delta_o + q) * 16 + dst, x, mask=m2)
+            first = first * 0
+            tl.debug_barrier()
+            for q in tl.static_range(W):
+                if q != RANK:
+                    pf = (slab_w + tl.load(delta_w + q) * 16 + f_base
+                          + (slot * W + RANK) * f_cell + b)
+                    tl.atomic_xchg(pf, e, sem="release", scope="sys")
+            b += grid_size
+        b = pid
+        while b < n_blocks:
+            for q in tl.static_range(W):
+                if q != RANK:
+                    deadline, bq = _wait_word(slab_w + f_base + (slot * W + q) * f_cell + b, e,
+                                              deadline, timeout_ns, err_ptr + q, (bad >> q) & 1,
+                                              "acquire")
+                    bad = bad | (bq << q)
+            b += grid_size
+
+    @triton.jit(do_not_specialize=["n_rows", "n_blocks", "grid_size", "timeout_ns"])
+    def gather_ll_kernel(q_ptr, cos_ptr, sin_ptr, slab_w, slab_q, delta_w, delta_q, state_ptr,
+                         err_ptr, n_rows, n_blocks, grid_size, timeout_ns, H, HS, D, R, DW,
+                         f_base, f_cell, ll_base, ll_cell, ready_base,
+                         RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
+                         BW: tl.constexpr, ROT: tl.constexpr, PACK: tl.constexpr):
+        """One gather, LL protocol: ``(epoch << 32) | word`` into every peer's
+        ``LL[slot, RANK]``; the receiver polls its ``LL[slot, q]`` and writes ``OUT`` (``slab_w``:
+        the slab as int32, OUT at offset 0 as ``[max_tokens, H, DW]`` words; ``slab_q``: as
+        int64)."""
+        pid = tl.program_id(0)
+        e = _epoch(state_ptr, grid_size)
+        _scrub(slab_w, err_ptr, e, pid, grid_size, f_base, f_cell, ll_base, ll_cell, RANK, W)
+        _announce(slab_w, delta_w, e, pid, ready_base, RANK, W)
+        slot = e & 1
+        tag = e.to(tl.int64) << 32
+        w = tl.arange(0, BW)
+        wmask = w < DW
+        b = pid
+        while b < n_blocks:
+            rows = b * BR + tl.arange(0, BR)
+            rmask = rows < n_rows
+            m2 = rmask[:, None] & wmask[None, :]
+            x = _words(q_ptr, cos_ptr, sin_ptr, rows, rmask, w, wmask, HS, D, R, ROT, PACK)
+            tagged = tag | (x.to(tl.int64) & 0xFFFFFFFF)
+            for q in tl.static_range(W):
+                if q != RANK:
+                    cell = ll_base + (slot * W + RANK) * ll_cell
+                    tl.store(slab_q + tl.load(delta_q + q) * 16 + cell + rows[:, None] * DW
+                             + w[None, :], tagged, mask=m2)
+            dst = ((rows // HS) * H + RANK * HS + rows % HS)[:, None] * DW + w[None, :]
+            tl.store(slab_w + dst, x, mask=m2)
+            b += grid_size
+        deadline = timeout_ns.to(tl.int64) * 0
+        b = pid
+        while b < n_blocks:
+            rows = b * BR + tl.arange(0, BR)
+            rmask = rows < n_rows
+            m2 = rmask[:, None] & wmask[None, :]
+            for q in tl.static_range(W):
+                if q != RANK:
+                    p = slab_q + ll_base + (slot * W + q) * ll_cell + rows[:, None] * DW \
+                        + w[None, :]
+                    y = tl.load(p, mask=m2, other=tag, volatile=True)
+                    ready = tl.min(((y >> 32).to(tl.int32) == e).to(tl.int32))
+                    ok = tl.full([], 1, tl.int32)
+                    while ready == 0:
+                        deadline, expired = _timed_out(deadline, timeout_ns)
+                        if expired:
+                            tl.atomic_xchg(err_ptr + q, 1)
+                            ok = ok * 0
+                            ready = ready | 1
+                        else:
+                            y = tl.load(p, mask=m2, other=tag, volatile=True)
+                            ready = tl.min(((y >> 32).to(tl.int32) == e).to(tl.int32))
+                    if ok == 1:
+                        # Reload once ready: the check ran on one thread's copy of a value
+                        # replicated over threads; the words cannot change before epoch e+2.
+                        y = tl.load(p, mask=m2, other=tag, volatile=True)
+                        dst = ((rows // HS) * H + q * HS + rows % HS)[:, None] * DW + w[None, :]
+                        tl.store(slab_w + dst, y.to(tl.int32), mask=m2)
+            b += grid_size

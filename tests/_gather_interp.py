@@ -1,0 +1,239 @@
+"""Single-process simulation of a W-rank ``symm`` query gather under the Triton interpreter.
+
+Run as a script with TRITON_INTERPRET=1 (tests/test_gather_symm_cpu.py does, in a subprocess).
+Rank 0's kernel runs for real; every other rank's part is staged into rank 0's slab exactly as
+that rank's kernel would store it (rows + flags, or LL words, with the right epoch, and its
+READY word), so the waits find their data at once (the interpreter cannot spin on a clock).
+Checks, bitwise: rank 0's gathered ``OUT`` against ``rotate_tail`` then the gather, what rank 0
+stored into each peer's slab (rows, flags, LL tags, READY), the device epoch, both parity slots
+over consecutive calls, stale cells of the other slot, and the scrub at wrapping epochs.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from attncomm.dcp.gather import rotate_tail
+from attncomm.dcp.gather_symm import GatherLayout, launch_gather, ll_rows_for, use_ll
+from attncomm.dcp.gather_symm_kernels import plan_blocks
+
+
+def _aligned(nbytes: int) -> torch.Tensor:
+    raw = torch.zeros(nbytes + 256, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % 256
+    return raw[off:off + nbytes]
+
+
+def _next_epoch(e: int) -> int:
+    e = (e + 1 + 2 ** 31) % 2 ** 32 - 2 ** 31
+    return 2 if e == 0 else e
+
+
+def _scrubs(e: int) -> bool:
+    return (e >> 1) & (2 ** 29 - 1) == 0
+
+
+def _bits(t):
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _out(slab, layout, dtype):
+    n = layout.max_tokens * layout.num_heads * layout.head_dim
+    return slab.view(dtype)[:n].view(layout.max_tokens, layout.num_heads, layout.head_dim)
+
+
+def _flags(slab, layout, slot, src):
+    st = layout.kernel_strides
+    base = st["f_base"] + (slot * layout.world_size + src) * st["f_cell"]
+    return slab.view(torch.int32)[base:base + st["f_cell"]]
+
+
+def _ll(slab, layout, slot, src):
+    st = layout.kernel_strides
+    base = st["ll_base"] + (slot * layout.world_size + src) * st["ll_cell"]
+    return slab.view(torch.int64)[base:base + st["ll_cell"]]
+
+
+def _ready(slab, layout):
+    st = layout.kernel_strides
+    return slab.view(torch.int32)[st["ready_base"]:st["ready_base"] + layout.world_size]
+
+
+def _words(rows: torch.Tensor) -> torch.Tensor:
+    """``[n, D]`` rows as int64 holding their 32-bit payload words (no tag)."""
+    return rows.contiguous().view(torch.int32).reshape(rows.shape[0], -1).to(torch.int64) \
+        & 0xFFFFFFFF
+
+
+def _stage(slab, layout, e, src, rows, n_blocks, ll):
+    """Store source ``src``'s rotated rows ``[T, hs, D]`` for rank 0 as ``src``'s kernel
+    would."""
+    T, hs, D = rows.shape
+    if ll:
+        w = _words(rows.reshape(T * hs, D))
+        _ll(slab, layout, e & 1, src)[:w.numel()] = (w | (e << 32)).reshape(-1)
+    else:
+        _out(slab, layout, rows.dtype)[:T, src * hs:(src + 1) * hs] = rows
+        _flags(slab, layout, e & 1, src)[:n_blocks] = e
+    _ready(slab, layout)[src] = e
+
+
+def _make(gen, W, T, hs, D, R, dtype):
+    q = (torch.randn(W, T, hs, D, generator=gen) * 2).to(dtype)
+    if D - R >= 2 and T:  # special values where they are moved, not rotated
+        q[:, 0, 0, 0] = float("nan")
+        q[:, -1, -1, 1] = float("-inf")
+        q[0, 0, -1, 0] = -0.0
+    rope = None
+    if R:
+        ang = torch.rand(T, R // 2, generator=gen, dtype=torch.float64) * 30
+        ang = torch.cat((ang, ang), -1)
+        rope = (ang.cos().float().contiguous(), ang.sin().float().contiguous())
+    return q, rope
+
+
+def run_case(W, hs, D, T, max_tokens, dtype, R, ll, calls=2, seed=0, n_programs=3, epoch0=0,
+             ordered=False):
+    gen = torch.Generator().manual_seed(seed)
+    H = W * hs
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    max_rows = max_tokens * hs
+    layout = GatherLayout(W, max_tokens, H, D, itemsize,
+                          ll_rows_for(max_rows, D, itemsize) if ll else 0)
+    n = T * hs
+    assert use_ll(n, layout) == ll, (n, layout.ll_rows)
+    slabs = [_aligned(layout.total_bytes) for _ in range(W)]
+    ptrs = [s.data_ptr() for s in slabs]
+    deltas = [p - ptrs[0] for p in ptrs]
+    d_o, d_w, d_q = (torch.tensor([dl // (16 * u) for dl in deltas]) for u in (itemsize, 4, 8))
+    state = torch.zeros(4, dtype=torch.int32)
+    state[0] = epoch0
+    errors = torch.zeros(W, dtype=torch.int32)
+    _, n_blocks, _ = plan_blocks(n, n_programs)
+    call = epoch0
+    for _ in range(calls):
+        call = _next_epoch(call)
+        q, rope = _make(gen, W, T, hs, D, R, dtype)
+        rot = q if rope is None else torch.stack([rotate_tail(q[r], *rope) for r in range(W)])
+        for s in slabs:  # poison every OUT
+            _out(s, layout, dtype).fill_(float("nan"))
+        for src in range(1, W):
+            _stage(slabs[0], layout, call, src, rot[src], n_blocks, ll)
+        junk = _next_epoch(call)  # the other slot: stale cells that would match the next call
+        for src in range(1, W):
+            _flags(slabs[0], layout, 1 - (call & 1), src).fill_(junk)
+            _ll(slabs[0], layout, 1 - (call & 1), src).fill_(junk << 32)
+        cos, sin = rope if rope is not None else (None, None)
+        launch_gather(q[0].contiguous(), cos, sin, slab=slabs[0], delta_o=d_o, delta_w=d_w,
+                      delta_q=d_q, state=state, errors=errors, rank=0, layout=layout,
+                      n_programs_max=n_programs, timeout_ns=10 ** 9, ordered=ordered)
+        what = f"W={W} hs={hs} D={D} T={T} {dtype} R={R} ll={ll} epoch={call}"
+        assert int(state[0]) == call and int(state[1]) == 0, (what, state)
+        assert not bool(errors.any()), what
+        want = rot.permute(1, 0, 2, 3).reshape(T, H, D)
+        got = _out(slabs[0], layout, dtype)[:T]
+        assert torch.equal(_bits(got), _bits(want)), f"{what}: gathered OUT not bit for bit"
+        for src in range(1, W):  # the other slot: zeroed by a scrub call, untouched otherwise
+            keep = 0 if _scrubs(call) else junk
+            assert bool((_flags(slabs[0], layout, 1 - (call & 1), src) == keep).all()), what
+            assert bool((_ll(slabs[0], layout, 1 - (call & 1), src) == (keep << 32)).all()), what
+        mine = rot[0].reshape(n, D)
+        for p in range(1, W):  # what rank 0 stored into peer p's slab
+            assert int(_ready(slabs[p], layout)[0]) == call, f"{what}: READY not announced"
+            if ll:
+                words = _ll(slabs[p], layout, call & 1, 0)[:n * layout.row_words]
+                assert bool(((words >> 32) == call).all()), f"{what}: LL tags"
+                assert torch.equal(words & 0xFFFFFFFF, _words(mine).reshape(-1)), what
+                # LL sends no rows into the peer's OUT
+                assert bool(torch.isnan(_out(slabs[p], layout, dtype).float()).all()), what
+            else:
+                rows = _out(slabs[p], layout, dtype)[:T, 0:hs]
+                assert torch.equal(_bits(rows), _bits(rot[0])), f"{what}: rows sent to {p}"
+                assert bool((_flags(slabs[p], layout, call & 1, 0)[:n_blocks] == call).all())
+    return True
+
+
+CASES = [
+    # W, hs, D, T, max_tokens, dtype, R, ll
+    (2, 2, 24, 3, 5, torch.bfloat16, 8, False),
+    (2, 2, 24, 3, 5, torch.bfloat16, 8, True),
+    (2, 3, 40, 5, 7, torch.float16, 0, True),
+    (2, 3, 40, 5, 7, torch.float16, 0, False),
+    (3, 2, 16, 4, 4, torch.float32, 16, False),
+    (3, 2, 16, 4, 4, torch.float32, 6, True),
+    (4, 1, 20, 7, 9, torch.bfloat16, 4, False),
+    (4, 2, 12, 2, 3, torch.bfloat16, 12, True),
+    (1, 2, 8, 3, 3, torch.bfloat16, 4, False),
+    (1, 2, 8, 3, 3, torch.float16, 0, True),
+    (2, 4, 8, 30, 30, torch.bfloat16, 4, False),  # several blocks per program
+    (2, 4, 8, 30, 30, torch.float16, 2, True),
+    (2, 2, 72, 4, 4, torch.bfloat16, 64, False),  # MLA-like tail: D = 8 + 64
+    (2, 2, 6, 3, 3, torch.bfloat16, 6, True),  # odd words per row (D·2/4 = 3)
+    # the int32 epoch wraps from 2**31 - 1 to -2**31 and skips 0; scrub epochs
+    (2, 2, 8, 3, 3, torch.bfloat16, 4, False, 3, 1, 3, 2 ** 31 - 2),
+    (2, 2, 8, 3, 3, torch.float16, 4, True, 3, 2, 3, -2),
+    (3, 2, 16, 4, 4, torch.float16, 0, False, 3, 5, 3, 2 ** 30 - 2),
+    (3, 2, 16, 4, 4, torch.float16, 8, True, 3, 6, 3, 2 ** 30 - 2),
+]
+
+
+def run_backend_w1() -> None:
+    """``DcpQueryGather(backend="symm")`` end to end on one CPU rank (a fake workspace, the
+    probe overridden): warm-up, epochs, bits, T == 0, the error word → PeerTimeoutError, and a
+    broken workspace refusing calls."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    import attncomm.dcp.gather_symm as mod
+    from attncomm import PeerTimeoutError, capability
+    from attncomm.dcp import DcpQueryGather
+    from _symm_interp import _FakeWorkspace
+
+    path = tempfile.mktemp(prefix="attncomm-interp-")
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    try:
+        mod.SymmWorkspace = _FakeWorkspace
+        capability._override_probe(lambda group, device: None)
+        g = DcpQueryGather(max_tokens=5, num_heads=3, head_dim=16, dtype=torch.bfloat16,
+                           backend="symm", rope_dim=4)
+        assert g.backend == "symm", g.backend
+        ws = g._impl.ws
+        epoch0 = int(ws.state[0])
+        assert epoch0 >= 2, "warm-up ran fewer than one gather per kernel variant"
+        gen = torch.Generator().manual_seed(1)
+        for T in (1, 4, 5, 0):
+            q, (cos, sin) = _make(gen, 1, T, 3, 16, 4, torch.bfloat16)
+            got = g(q[0], rope=(cos, sin))
+            assert got.shape == (T, 3, 16)
+            assert torch.equal(_bits(got), _bits(rotate_tail(q[0], cos, sin))), T
+        assert int(ws.state[0]) == epoch0 + 3
+        ws.errors[0] = 1
+        try:
+            g.check()
+            raise AssertionError("no PeerTimeoutError")
+        except PeerTimeoutError as exc:
+            assert exc.peer_ranks == [0], exc
+        q, (cos, sin) = _make(gen, 1, 2, 3, 16, 4, torch.bfloat16)
+        try:
+            g(q[0], rope=(cos, sin))
+            raise AssertionError("a broken workspace accepted a call")
+        except RuntimeError as exc:
+            assert "unusable" in str(exc), exc
+    finally:
+        capability._override_probe(None)
+        dist.destroy_process_group()
+
+
+def main() -> int:
+    for case in CASES:
+        run_case(*case)
+    run_case(2, 2, 24, 3, 5, torch.bfloat16, 8, False, ordered=True)
+    run_backend_w1()
+    print(f"ok {len(CASES) + 1} cases + backend")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

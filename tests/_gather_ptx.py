@@ -1,0 +1,45 @@
+"""Print, as JSON ``{name: ptx}``, the PTX of the ``symm`` gather kernels compiled for sm_90
+(bf16, RoPE on; flag kernel with and without ORDERED; LL kernel), as the launcher compiles them
+(``enable_fp_fusion=False``). Needs no GPU (Triton's own ptxas), but a process without
+TRITON_INTERPRET (tests/test_gather_symm_cpu.py runs it)."""
+from __future__ import annotations
+
+import json
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import attncomm.dcp.gather_symm_kernels as kern
+
+_PTR_TYPES = {"q_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slab_o": "*bf16",
+              "slab_w": "*i32", "slab_q": "*i64", "delta_o": "*i64", "delta_w": "*i64",
+              "delta_q": "*i64", "state_ptr": "*i64", "err_ptr": "*i32"}
+_DIV16 = ("H", "D", "f_base", "f_cell", "ll_base", "ll_cell", "ready_base")
+
+
+def sm90_ptx(kernel, consts: dict, num_warps: int) -> str:
+    names = kernel.arg_names
+    types = {n: ("constexpr" if n in consts else _PTR_TYPES.get(n, "i32")) for n in names}
+    div16 = [n for n in names if n in _PTR_TYPES or n in _DIV16]
+    src = ASTSource(fn=kernel, signature=types,
+                    constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div16})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps,
+                                   "enable_fp_fusion": False}).asm["ptx"]
+
+
+def main() -> int:
+    flag = dict(RANK=0, W=2, BR=32, BD=1024, ROT=True)
+    out = {"flag": sm90_ptx(kern.gather_flag_kernel, dict(flag, ORDERED=False), 16),
+           "flag_ordered": sm90_ptx(kern.gather_flag_kernel, dict(flag, ORDERED=True), 16),
+           "ll": sm90_ptx(kern.gather_ll_kernel, dict(RANK=1, W=3, BR=4, BW=512, ROT=True,
+                                                      PACK=2), 4)}
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
