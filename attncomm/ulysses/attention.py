@@ -1,7 +1,18 @@
 """``UlyssesAttention``: sequence-sharded q/k/v → head-sharded attention over the whole sequence →
-sequence-sharded output, with GQA/MQA, optional RMSNorm + RoPE and head-group pipelining."""
+sequence-sharded output, with GQA/MQA, optional RMSNorm + RoPE and head-group pipelining.
+
+Schedule of a forward with G head groups (one stream; the exchanges run on the transport's
+streams or copy engines)::
+
+    fill(0) send(0) | wait(0) fill(1) send(1) attend(0) out(0) | wait(1) fill(2) ... attend(1) ...
+
+Group g+1's fill (norm + RoPE + pack, ``ulysses/fill.py``) and exchange are enqueued before
+group g's attention, so the exchange runs under that attention; the host only enqueues (no
+event polling, ``.item()`` or synchronize inside this module), so it runs ahead of the GPU.
+"""
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -11,10 +22,41 @@ from .. import _dist, config
 from .._dist import cpu_group, group_key
 from .api import (_BACKEND_CODES, _norm_seq_lens, _seq_lens_error, check_call, dense, get_transport,
                   resolve_backend, seq_lens_hash)
-from .layout import (group_head_ranges, head_offsets, head_to_seq_plan, kv_head_range,
+from .fill import FillPart, fill, rms_norm_rope
+from .layout import (group_head_ranges, head_offsets, head_split, head_to_seq_plan, kv_head_range,
                      seq_to_head_plan, uniform_group)
 
-__all__ = ["UlyssesAttention", "sdpa_attention", "rms_norm_rope"]
+__all__ = ["UlyssesAttention", "sdpa_attention", "rms_norm_rope", "auto_groups",
+           "AUTO_PIPELINE", "MAX_GROUPS", "MIN_WAVES"]
+
+#: Whether ``pipeline_groups=-1`` pipelines (with ``auto_groups``'s count) or runs sequentially.
+#: Off until a two-GPU timeline shows head groups winning over the sequential forward: the
+#: one-GPU rehearsal (scripts/ulysses_one_gpu.py) shows the schedule's overlap, not NVLink's.
+AUTO_PIPELINE = False
+#: ``auto_groups`` bounds: at most this many groups (each adds launches and flag waits)...
+MAX_GROUPS = 8
+#: ... and each group's attention at least this many waves of 128-row query blocks over the
+#: SMs (a group's last, partial wave leaves SMs idle; G groups pay that tail G times).
+MIN_WAVES = 1.5
+_BLOCK_M = 128
+
+
+def auto_groups(heads_per_rank, batch: int, seq_total: int, sm_count: int,
+                max_groups: int = MAX_GROUPS, min_waves: float = MIN_WAVES) -> int:
+    """The head-group count ``pipeline_groups=-1`` uses when it pipelines: the largest
+    ``G ≤ max_groups`` that splits every rank's query heads evenly (``heads_per_rank``, e.g.
+    ``head_split(Hq, W)``) and keeps each group's attention ``≥ min_waves`` waves deep
+    (``batch · h_r/G · ⌈S/128⌉ ≥ min_waves · sm_count`` on the rank with the fewest heads);
+    1 when none does. 56 heads at W = 2, 4, 8 and S = 32768 on 132 SMs → 7 (SGLang's choice
+    for MiniMax-H3)."""
+    busy = [h for h in heads_per_rank if h > 0]
+    if not busy or sm_count < 1:
+        return 1
+    blocks = batch * math.ceil(seq_total / _BLOCK_M)
+    for g in range(min(max_groups, min(busy)), 1, -1):
+        if all(h % g == 0 for h in busy) and blocks * (min(busy) // g) >= min_waves * sm_count:
+            return g
+    return 1
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -44,44 +86,6 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.transpose(1, 2)
 
 
-def _tree_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim in a fixed pairwise order (same bits for any layout/device)."""
-    n = t.shape[-1]
-    while n > 1:
-        half = n // 2
-        head = t[..., :half] + t[..., half:2 * half]
-        t = torch.cat((head, t[..., 2 * half:]), dim=-1) if n % 2 else head
-        n = half + n % 2
-    return t
-
-
-def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                  cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
-    """RMSNorm over ``D`` then rotate-half (NeoX) RoPE, in fp32, rounded once to ``x.dtype``.
-
-    Arguments:
-        x: ``[B, S, H, D]`` (any strides).
-        weight: ``[D]`` RMSNorm weight or None (no norm); ``eps`` its epsilon.
-        cos, sin: ``[S, D]`` for the positions of ``x``'s sequence axis, or None (no RoPE).
-
-    Returns ``[B, S, H, D]`` contiguous. Elementwise ops and a fixed-order sum only, so the bits
-    do not depend on the layout: applied before or after the all-to-all (unfused / fused) they
-    agree exactly.
-    """
-    xf = x.to(torch.float32).contiguous()
-    d = xf.shape[-1]
-    if weight is not None:
-        ms = _tree_sum(xf * xf) / d
-        xf = xf * torch.rsqrt(ms + eps) * weight.to(torch.float32)
-    if cos is not None:
-        c = cos.to(torch.float32)[:, None, :]
-        s = sin.to(torch.float32)[:, None, :]
-        half = d // 2
-        rot = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-        xf = xf * c + rot * s
-    return xf.to(x.dtype)
-
-
 class UlyssesAttention(torch.nn.Module):
     """Attention over the whole sequence on sequence-sharded inputs (DeepSpeed-Ulysses).
 
@@ -91,13 +95,20 @@ class UlyssesAttention(torch.nn.Module):
             (default: ``sdpa_attention``).
         group: process group (None: default).
         backend: ``"all_to_all"``, ``"ce"`` or ``"auto"`` (env ``ATTNCOMM_ULYSSES_BACKEND``).
-        pipeline_groups: −1 automatic (env ``ATTNCOMM_ULYSSES_PIPELINE_GROUPS``; today
-            sequential, from measurement: see ``_pipeline_groups``), 0 sequential, N ≥ 2 forces N
-            head groups (group g+1's exchange issued before group g's attention).
+        pipeline_groups: −1 automatic (env ``ATTNCOMM_ULYSSES_PIPELINE_GROUPS``): sequential
+            while ``AUTO_PIPELINE`` is off (no two-GPU measurement has shown head groups to
+            win yet), else ``auto_groups``'s count; 0 sequential; N ≥ 2 forces N head groups
+            (group g+1's fill and exchange issued before group g's attention). Any G ≥ 2 runs
+            only when every rank has room for two groups' working sets (agreed before any
+            allocation), else every rank runs sequentially.
         qk_norm: ``(q_weight [D], k_weight [D], eps)`` RMSNorm for q and k, or None.
         timeout_s: wait budget (None: ``ATTNCOMM_TIMEOUT_S``).
-        fuse_qk_norm_rope: apply norm/RoPE to the received head-sharded data (True) or to the
-            local shard before the exchange (False); the results are bitwise equal.
+        fuse_qk_norm_rope: norm + RoPE inside the fill that packs the send buffer (True: one
+            pass over q, k, v) or as their own pass over the local shard before the transport
+            packs (False); the results are bitwise equal.
+        fill_impl: the fill's implementation: ``"auto"`` (the Triton kernel for CUDA tensors
+            with a power-of-two head_dim, else torch ops), ``"triton"`` or ``"torch"``; the
+            same bits either way.
         validate: cross-rank argument check (None: env, default on outside graph capture).
 
     ``forward(q [B, S_r, Hq, D], k [B, S_r, Hkv, D], v [B, S_r, Hkv, Dv], *, seq_lens=None,
@@ -123,8 +134,11 @@ class UlyssesAttention(torch.nn.Module):
 
     def __init__(self, attn_fn=None, group=None, *, backend: str = "auto",
                  pipeline_groups: int = -1, qk_norm=None, timeout_s: float | None = None,
-                 fuse_qk_norm_rope: bool = True, validate: bool | None = None):
+                 fuse_qk_norm_rope: bool = True, validate: bool | None = None,
+                 fill_impl: str = "auto"):
         super().__init__()
+        if fill_impl not in ("auto", "triton", "torch"):
+            raise ValueError(f"fill_impl must be 'auto', 'triton' or 'torch', got {fill_impl!r}")
         why = _pipeline_groups_error(pipeline_groups)
         if why:
             raise ValueError(f"pipeline_groups {why}, got {pipeline_groups!r}")
@@ -140,6 +154,8 @@ class UlyssesAttention(torch.nn.Module):
         self.qk_norm = qk_norm
         self.timeout_s = timeout_s
         self.fuse_qk_norm_rope = fuse_qk_norm_rope
+        self.fill_impl = fill_impl
+        self._idx: dict = {}  # (device, q_lo, q_hi, m) → KV head index for non-uniform groups
         self.validate = validate
         #: The transports the last forward used, e.g. ``{"in": "ce", "out": "ce"}``.
         self.last_backends: dict = {}
@@ -217,21 +233,27 @@ class UlyssesAttention(torch.nn.Module):
         why = _pipeline_groups_error(val)
         return (-1, f"ATTNCOMM_ULYSSES_PIPELINE_GROUPS={raw!r}: {why}") if why else (val, None)
 
-    def _pipeline_groups(self, g, device) -> int:
-        """Head groups for this forward: ``g`` (requested, checked) resolved; 1 = sequential.
-
-        ``-1`` (automatic) is sequential: measured on 2× H200 for a DiT layer (S=32768, 24
-        heads, D=128, bf16; ``benchmarks/results/ulysses-layer-2026-11-30-nvidia-h200-x2.md``),
-        4 head groups hid none of the exchange (all_to_all 0.998×, ce 0.90× of the sequential
-        forward), so automatic stays sequential until a pipelined schedule is shown to pay.
-        ``N ≥ 2`` forces N groups, on CUDA only when every rank has room for the groups' working
-        sets (agreed: every rank has ≥ 1/4 of its memory free), else sequential everywhere.
-        """
-        if g in (-1, 0):
+    def _pipeline_groups(self, g, device, dims, seq) -> int:
+        """Head groups for this forward (1 = sequential) from the requested ``g`` (checked and
+        agreed): −1 → ``auto_groups`` when ``AUTO_PIPELINE`` is on, else 1; N ≥ 2 → N if every
+        rank has room for two groups' working sets (``_agree_fits``, before any allocation)."""
+        b, hq, hkv, d, dv = dims
+        world = dist.get_world_size(self.group)
+        if g == -1:
+            g = 1
+            if AUTO_PIPELINE and device.type == "cuda":
+                sms = torch.cuda.get_device_properties(device).multi_processor_count
+                g = auto_groups(head_split(hq, world), b, sum(seq), sms)
+        if g < 2:
             return 1
-        if device.type == "cuda" and not _agree_fits(self.group, device):
-            return 1
-        return g
+        rank = dist.get_rank(self.group)
+        h_r = head_split(hq, world)[rank]
+        item = 4  # an upper bound for fp16/bf16/fp32
+        work = b * (seq[rank] * (hq + 2 * hkv) * d          # fill send buffer
+                    + sum(seq) * (h_r + 2 * hkv) * d        # receive buffer (≤ all KV heads)
+                    + sum(seq) * h_r * dv) * item           # attention output
+        key = (dims, tuple(seq), g)
+        return g if _agree_fits(self.group, device, key, 2 * -(-work // g)) else 1
 
     # ----------------------------------------------------------------------------- forward
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_lens=None,
@@ -278,31 +300,31 @@ class UlyssesAttention(torch.nn.Module):
                 rms_norm_rope(k, kw, float(eps), cs, sn))
 
     def _run(self, q, k, v, seq, causal, rope, backend, timeout, groups, dims):
-        """Head group g's exchange overlaps group g−1's attention; each group's output goes
-        straight into the final tensor. Pipelined and sequential runs give the same bits."""
+        """Group g+1's fill and exchange are enqueued before group g's attention; each group's
+        output goes straight into the final tensor. Pipelined and sequential runs give the
+        same bits. Nothing here waits for the GPU on the host."""
         b, hq, hkv, d, dv = dims
         group = self.group
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         s_total, m = sum(seq), hq // hkv
-        n_groups = self._pipeline_groups(groups, q.device)
+        n_groups = self._pipeline_groups(groups, q.device, dims, seq)
         self.last_pipeline_groups = n_groups
         qranges = group_head_ranges(hq, world, n_groups)
-        fused = self.fuse_qk_norm_rope
-        if not fused:  # norm/rope on the local shard, before the exchange
-            off = head_offsets(seq)[rank]
-            q, k = self._norm_rope(q, k, rope, None if rope is None else
-                                   (rope[0][off:off + seq[rank]], rope[1][off:off + seq[rank]]))
-        q, k, v = dense(q), dense(k), dense(v)
+        off = head_offsets(seq)[rank]
+        rows = None if rope is None else (rope[0][off:off + seq[rank]],
+                                          rope[1][off:off + seq[rank]])
+        if not self.fuse_qk_norm_rope:  # norm/rope as their own pass over the local shard
+            q, k = self._norm_rope(q, k, rope, rows)
+            q, k, v = dense(q), dense(k), dense(v)
         out = torch.empty(b, seq[rank], hq, dv, dtype=q.dtype, device=q.device)
-        ctx = dict(group=group, backend=backend, timeout=timeout, seq=seq, b=b, m=m)
+        ctx = dict(group=group, backend=backend, timeout=timeout, seq=seq, b=b, m=m,
+                   rows=rows)
         pending_out = []
         ex_in = self._start_in(ctx, q, k, v, qranges[0])
         for g in range(n_groups):
             bufs = [(e, e.wait()) for e in ex_in[1]]
             qg, kg, vg = self._views(ctx, ex_in[0], bufs)
             q_lo, q_hi = qranges[g][rank]
-            if fused and q_hi > q_lo:
-                qg, kg = self._norm_rope(qg, kg, rope, rope)
             nxt = self._start_in(ctx, q, k, v, qranges[g + 1]) if g + 1 < n_groups else None
             og = self._attend(qg, kg, vg, q_lo, q_hi, m, causal, s_total, dv)
             for e, _ in bufs:
@@ -324,14 +346,21 @@ class UlyssesAttention(torch.nn.Module):
         if q_hi <= q_lo or s_total == 0:
             return qg.new_empty(qg.shape[0], s_total, q_hi - q_lo, dv)
         if not uniform_group(q_lo, q_hi, m):
-            kv_lo = kv_head_range(q_lo, q_hi, m)[0]
-            idx = torch.tensor([h // m - kv_lo for h in range(q_lo, q_hi)], device=kg.device)
+            key = (kg.device, q_lo, q_hi, m)
+            idx = self._idx.get(key)
+            if idx is None:  # built once: a host → device copy per forward would block
+                kv_lo = kv_head_range(q_lo, q_hi, m)[0]
+                idx = torch.tensor([h // m - kv_lo for h in range(q_lo, q_hi)],
+                                   device=kg.device)
+                self._idx[key] = idx
             kg, vg = kg.index_select(2, idx), vg.index_select(2, idx)
         return dense(self.attn_fn(qg, kg, vg, causal))
 
     def _start_in(self, ctx, q, k, v, qr):
         """Start the exchanges of one head group: q, k, v in one exchange when their dtype and
-        head_dim agree (else one per (dtype, D))."""
+        head_dim agree (else one per (dtype, D)). With ``fuse_qk_norm_rope`` the fill packs
+        each exchange's send buffer (norm + RoPE on the way) and the transport sends it as
+        it is; otherwise the transport packs from q, k, v."""
         kvr = tuple(kv_head_range(lo, hi, ctx["m"]) for lo, hi in qr)
         qr = tuple(qr)
         keyed: dict = {}
@@ -339,14 +368,32 @@ class UlyssesAttention(torch.nn.Module):
             keyed.setdefault((t.dtype, t.shape[3]), []).append((name, t, ranges))
         layout, exs = [], []
         for (dtype, dd), items in keyed.items():
-            plan = seq_to_head_plan(ctx["b"], ctx["seq"], dd, tuple(r for _, _, r in items))
+            ranges = tuple(r for _, _, r in items)
+            plan = seq_to_head_plan(ctx["b"], ctx["seq"], dd, ranges)
             t = get_transport(ctx["group"], ctx["backend"], q.device, ctx["timeout"], plan,
                               dtype, "UlyssesAttention", owner=self)
             self.last_backends["in"] = t.name
-            exs.append(t.start(plan, [x for _, x, _ in items], dtype, q.device))
+            if self.fuse_qk_norm_rope:
+                send = t.send_buffer(plan, dtype, q.device)
+                self._fill(ctx, items, send)
+                exs.append(t.start(plan, [], dtype, q.device, send=send))
+            else:
+                exs.append(t.start(plan, [x for _, x, _ in items], dtype, q.device))
             layout.append(([(name, r) for name, _, r in items], dd))
         self.last_in_exchanges = len(exs)
         return layout, exs
+
+    def _fill(self, ctx, items, send):
+        """Fill the transport's send buffer of one exchange (``ulysses/fill.py``): region p
+        holds this rank's rows of p's heads, q and k normed and rotated on the way."""
+        qw, kw, eps = self.qk_norm if self.qk_norm is not None else (None, None, 0.0)
+        rows = ctx["rows"]
+        weights = {"q": qw, "k": kw}
+        parts = [FillPart(x, r, weights.get(name), rows is not None and name != "v")
+                 for name, x, r in items]
+        cos, sin = rows if rows is not None else (None, None)
+        out = send.flat if send.flat is not None else send.regions
+        fill(parts, float(eps), cos, sin, out=out, impl=self.fill_impl)
 
     def _views(self, ctx, layout, bufs):
         rank = dist.get_rank(ctx["group"])
@@ -378,18 +425,31 @@ def _pipeline_groups_error(g) -> str | None:
     return None
 
 
-#: ``group_key(group) → bool``, keyed by the group object (never ``id``, which can be reused).
+#: ``(group_key(group), device type, call key) → bool``; keyed by the group object (never
+#: ``id``, which can be reused) and a key every rank computes alike (the agreed call's shape).
 _FITS: dict = {}
 
 
-def _agree_fits(group, device) -> bool:
-    """Whether every rank has at least 1/4 of its memory free (agreed; cached per group)."""
-    key = group_key(group)
-    if key not in _FITS:
-        free, total = torch.cuda.mem_get_info(device)
-        flag = torch.tensor([1 if free * 4 >= total else 0], dtype=torch.int64)
+def _free_bytes(device) -> int | None:
+    """Memory this rank can still allocate on ``device`` (free + cached by torch's allocator);
+    None where there is no bound worth checking (CPU)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def _agree_fits(group, device, key, need_bytes: int) -> bool:
+    """Whether every rank has ``need_bytes`` to spare (its own need; agreed by all_reduce(MIN)
+    over the gloo twin of ``group``, cached per call shape, so a later call does not ask)."""
+    ck = (group_key(group), device.type, key)
+    if ck not in _FITS:
+        free = _free_bytes(device)
+        flag = torch.tensor([1 if free is None or free >= need_bytes else 0], dtype=torch.int64)
         g = cpu_group(group)
         if dist.get_world_size(g) > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=g)
-        _FITS[key] = bool(flag.item())
-    return _FITS[key]
+        if len(_FITS) > 256:
+            _FITS.clear()
+        _FITS[ck] = bool(flag.item())
+    return _FITS[ck]

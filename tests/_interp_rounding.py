@@ -1,0 +1,41 @@
+"""Make the Triton interpreter round fp32 → bf16 to nearest even, as the GPU does.
+
+Triton 3.6's interpreter truncates that cast (``cast_impl`` passes no rounding mode, and its
+RTNE branch rounds ties up), so a kernel that is bitwise equal to torch on the GPU would differ
+in the last bit under ``TRITON_INTERPRET=1``. Import this before launching kernels there.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton.language as tl
+from triton.runtime import interpreter
+
+
+def _patch() -> None:
+    builder = interpreter.InterpreterBuilder
+    orig = builder.cast_impl
+    if getattr(orig, "_attncomm_rtne", False):
+        return
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            t = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            bits = t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return interpreter.TensorHandle(bits.reshape(src.data.shape), dst_type.scalar)
+        return orig(self, src, dst_type)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return cast_impl(self, src, dst_type)
+        return orig_fp(self, src, dst_type, rounding_mode)
+
+    orig_fp = builder.create_fp_to_fp
+    cast_impl._attncomm_rtne = True
+    builder.cast_impl = cast_impl
+    builder.create_fp_to_fp = create_fp_to_fp
+    for name in ("create_fp_trunc",):
+        setattr(builder, name, cast_impl)
+
+
+_patch()

@@ -1,0 +1,97 @@
+"""The Ulysses fill (ulysses/fill.py): torch path against fp64 and a naive layout, the Triton
+kernel under the interpreter bitwise against the torch path, its sm_90 PTX free of FMA."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from attncomm.ulysses.fill import FillPart, fill, fill_torch, rms_norm_rope, send_layout
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _ref64(x, w, eps, cos, sin):
+    x = x.double()
+    if w is not None:
+        x = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w.double()
+    if cos is not None:
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        x = x * cos.double()[:, None, :] + rot * sin.double()[:, None, :]
+    return x
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 8e-3)])
+def test_rms_norm_rope_matches_fp64(dtype, tol):
+    seed = random.randrange(1 << 30)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((2, 9, 3, 16), generator=g).to(dtype)
+    w = torch.randn(16, generator=g)
+    cos, sin = torch.randn((9, 16), generator=g), torch.randn((9, 16), generator=g)
+    for args in ((w, None, None), (None, cos, sin), (w, cos, sin)):
+        got = rms_norm_rope(x, args[0], 1e-6, args[1], args[2])
+        ref = _ref64(x, args[0], 1e-6, args[1], args[2])
+        err = ((got.double() - ref).abs() / ref.abs().clamp_min(1.0)).max().item()
+        assert got.dtype == dtype and err < tol, f"seed {seed}: {err}"
+    # one rounding: fp32 compute, rounded once, equals the fp32 result rounded
+    f32 = rms_norm_rope(x.float(), w, 1e-6, cos, sin)
+    assert torch.equal(rms_norm_rope(x, w, 1e-6, cos, sin), f32.to(dtype))
+
+
+def test_fill_torch_layout_is_destination_major():
+    """Region p of the send buffer is ``[S_r, B, htot_p, D]``: q heads, then k, then v."""
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    b, s, d = 2, 5, 4
+    q, k, v = (torch.randn((b, s, h, d), generator=g) for h in (6, 2, 2))
+    qr, kr = ((0, 2), (2, 4), (4, 6)), ((0, 1), (0, 2), (1, 2))
+    out = fill_torch([FillPart(q, qr), FillPart(k, kr), FillPart(v, kr)])
+    htot, starts = send_layout(b, s, d, [qr, kr, kr])
+    assert htot == [4, 6, 4] and starts[-1] == out.numel()
+    for p in range(3):
+        want = torch.cat([t[:, :, lo:hi] for t, (lo, hi) in
+                          ((q, qr[p]), (k, kr[p]), (v, kr[p]))], dim=2).transpose(0, 1)
+        assert torch.equal(out[starts[p]:starts[p + 1]].view(s, b, htot[p], d), want)
+
+
+def test_fill_rejects_bad_parts():
+    x = torch.randn(1, 3, 2, 4)
+    with pytest.raises(ValueError, match="parts disagree on dtype"):
+        fill_torch([FillPart(x, ((0, 2),)), FillPart(x.half(), ((0, 2),))])
+    with pytest.raises(ValueError, match="out must be a contiguous flat"):
+        fill_torch([FillPart(x, ((0, 2),))], out=torch.empty(5))
+    with pytest.raises(ValueError, match="impl must be"):
+        fill([FillPart(x, ((0, 2),))], impl="cuda")
+
+
+def test_fill_kernel_under_interpreter():
+    """Uneven heads, GQA with Hkv < W, MQA, non-contiguous q/k/v, with and without norm and
+    RoPE, fp32/fp16/bf16, one and two head groups: bitwise equal to the torch path."""
+    seed = random.randrange(1 << 30)
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_fill_interp.py"), str(seed)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"seed {seed}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert "0 failed" in proc.stdout
+
+
+def test_fill_kernel_ptx_has_no_fma():
+    """With FMA contraction on, ``x * c + r * s`` would round once where torch rounds twice;
+    the launcher turns it off. Compiled for sm_90 by Triton's own ptxas (no GPU needed)."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.dirname(HERE)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_fill_ptx.py")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ptx = json.loads(proc.stdout)
+    assert re.search(r"\bfma\.", ptx["fused"]), "the check cannot fail: FMA never appears"
+    assert not re.search(r"\bfma\.", ptx["launched"])
+    assert "sqrt.rn.f32" in ptx["launched"] and "div.rn.f32" in ptx["launched"]
