@@ -11,7 +11,7 @@
 #    per peer (0 = never), percent of the grid in the first group, programmatic dependent launch
 #    (1/0), warps for blocks of ≥ 32 KiB (not capped by max warps; 0 = no exception)) below,
 #    through the private knobs ATTNCOMM_SYMM_MAX_BLOCK_ROWS / _PROGRAMS_PER_SM / _MAX_WARPS /
-#    _MAX_PROGRAMS / _STAGGER_MIN_BYTES / _STAGGER_SPLIT / _PDL / _WIDE_WARPS (read at import,
+#    _MAX_PROGRAMS / _STAGGER_MIN_BYTES / _STAGGER_SPLIT / _PDL / _WIDE_WARPS (SymmConfig.from_env,
 #    the same on every rank), writing
 #    $OUT/sweep.log. Every file of AB_KERNELS (paths relative to the repository root) is timed
 #    too, in place of attncomm/dcp/symm_a2a.py, with AB_CONFIG (default 64-row blocks, staggering

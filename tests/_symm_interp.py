@@ -13,11 +13,12 @@ import sys
 
 import torch
 
-from attncomm.dcp.symm_a2a import launch_merge, plan_blocks, use_ll
-from attncomm.symm import SlabLayout
+from attncomm.dcp.symm_a2a import MergeSlab, SymmConfig, launch_merge, plan_blocks, use_ll
+from attncomm.dcp.symm_layout import SlabLayout
 from _reference import ref_merge
 
 NEG_INF = float("-inf")
+CONFIG = SymmConfig()  # main() replaces it: the stagger knobs test_symm_cpu varies
 
 
 def _aligned(nbytes: int) -> torch.Tensor:
@@ -103,8 +104,8 @@ def _sent(slab, layout, e, src, n, dtype, D):
 def _check_go_cells(slab, layout, e, n_rows, n_blocks, grid, D, itemsize):
     """Staggered sends: program p signalled its waiter p + first in rank 0's own flag cell of
     this slot (which no peer writes) exactly for p < grid − first; without staggering, none."""
-    from attncomm.dcp.symm_a2a import _stagger
-    split = _stagger(n_rows, n_blocks, grid, D, itemsize)
+    from attncomm.dcp.symm_a2a import stagger
+    split = stagger(n_rows, n_blocks, grid, D, itemsize, CONFIG)
     first = max(-(-grid * split // 100), 1) if split else grid
     st = layout.kernel_strides()
     base = st["f_base"] + ((e & 1) * layout.world_size) * st["f_cell"]
@@ -121,12 +122,10 @@ def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3, e
     max_rows = max_tokens * hs
     layout = SlabLayout(W, max_rows, D, itemsize, max_rows if ll else 0)
     slabs = [_aligned(layout.total_bytes) for _ in range(W)]
-    ptrs = [s.data_ptr() for s in slabs]
-    deltas = [p - ptrs[0] for p in ptrs]
-    d_o, d_w, d_q = (torch.tensor([dl // (16 * u) for dl in deltas]) for u in (itemsize, 4, 8))
     state = torch.zeros(4, dtype=torch.int32)
     state[0] = epoch0
     errors = torch.zeros(W, dtype=torch.int32)
+    ms = MergeSlab.build(layout, slabs[0], dtype, [s.data_ptr() for s in slabs], 0, state, errors)
     res = torch.full((max_tokens, hs, D), float("nan")).to(dtype)
     res_lse = torch.full((max_tokens, hs), float("nan"))
     n = T * hs
@@ -154,10 +153,9 @@ def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3, e
                 c.fill_(junk)
         res.fill_(float("nan"))
         res_lse.fill_(float("nan"))
-        launch_merge(outs[0].contiguous(), lses[0].contiguous(), res, res_lse, slab=slabs[0],
-                     delta_o=d_o, delta_w=d_w, delta_q=d_q, state=state, errors=errors, rank=0,
+        launch_merge(outs[0].contiguous(), lses[0].contiguous(), res, res_lse, slab=ms, rank=0,
                      world_size=W, num_heads=H, layout=layout, n_programs_max=n_programs,
-                     timeout_ns=10 ** 9)
+                     timeout_ns=10 ** 9, config=CONFIG)
         assert int(state[0]) == call and int(state[1]) == 0, state
         assert not bool(errors.any())
         if not ll:
@@ -251,10 +249,11 @@ def run_backend_w1() -> None:
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
     try:
         mod.SymmWorkspace = _FakeWorkspace
-        mod._n_programs_max = lambda device: 3
+        mod._n_programs_max = lambda device, config: 3
         torch.cuda.is_current_stream_capturing = lambda: False
         b = mod.SymmA2ABackend(None, max_tokens=6, num_heads=3, head_dim=16,
-                               dtype=torch.bfloat16, device=torch.device("cpu"), timeout_s=5.0)
+                               dtype=torch.bfloat16, device=torch.device("cpu"), timeout_s=5.0,
+                               config=CONFIG)
         epoch0 = int(b.ws.state[0])
         assert epoch0 >= 1, "warm-up ran no merge"
         for T in (1, 4, 6):
@@ -281,7 +280,11 @@ def run_backend_w1() -> None:
         dist.destroy_process_group()
 
 
-def main() -> int:
+def main(argv) -> int:
+    """``_symm_interp.py [STAGGER_MIN_BYTES STAGGER_SPLIT]``."""
+    global CONFIG
+    if argv:
+        CONFIG = SymmConfig(stagger_min_bytes=int(argv[0]), stagger_split=int(argv[1]))
     for case in CASES:
         run_case(*case)
     run_backend_w1()
@@ -290,4 +293,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -11,16 +11,15 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-import attncomm.dcp.symm_a2a as mod
+import attncomm.dcp.symm_kernels as mod
 
 _PTR_TYPES = {"out_ptr": "*bf16", "lse_ptr": "*fp32", "res_ptr": "*bf16", "res_lse_ptr": "*fp32",
-              "slab_o": "*bf16", "slab_l": "*fp32", "slab_f": "*i32", "delta_o": "*i64",
-              "delta_w": "*i64", "delta_q": "*i64", "state_ptr": "*i64", "err_ptr": "*i32",
-              "out_w": "*i32", "lse_w": "*i32", "res_w": "*i32", "slab_q": "*i64",
-              "slab_w": "*i32"}
+              "slab_o": "*bf16", "slab_l": "*fp32", "slab_f": "*i32", "slab_llo": "*i64",
+              "slab_lll": "*i64", "delta_o": "*i64", "delta_w": "*i64", "delta_q": "*i64",
+              "state_ptr": "*i64", "err_ptr": "*i32", "out_w": "*i32", "lse_w": "*i32",
+              "res_w": "*i32"}
 # Integers the launcher passes divisible by 16 (Triton specialises them): shapes and strides.
-_DIV16 = ("H", "HS", "D", "DW", "o_cell", "l_base", "l_cell", "f_base", "f_cell", "llo_base",
-          "llo_cell", "lll_base", "lll_cell")
+_DIV16 = ("H", "HS", "D", "DW", "o_cell", "l_cell", "f_cell", "llo_cell", "lll_cell")
 
 
 def sm90_ptx(kernel, consts: dict, num_warps: int) -> str:
@@ -36,10 +35,10 @@ def sm90_ptx(kernel, consts: dict, num_warps: int) -> str:
 
 def main(kind: str) -> int:
     if kind == "flag":
-        kernel, consts, warps = mod._merge_flag_kernel, dict(RANK=0, W=2, BR=32, BD=512,
+        kernel, consts, warps = mod.merge_flag_kernel, dict(RANK=0, W=2, BR=32, BD=512,
                                                               STAGGER=50), 16
     else:
-        kernel, consts, warps = mod._merge_ll_kernel, dict(RANK=0, W=2, BR=2, BW=256, PACK=2,
+        kernel, consts, warps = mod.merge_ll_kernel, dict(RANK=0, W=2, BR=2, BW=256, PACK=2,
                                                             DTYPE=tl.bfloat16), 4
     print(json.dumps({"pdl": sm90_ptx(kernel, dict(consts, PDL=True), warps),
                       "plain": sm90_ptx(kernel, dict(consts, PDL=False), warps)}))

@@ -10,8 +10,10 @@ import sys
 import pytest
 import torch
 
-from attncomm.dcp.symm_a2a import _MAX_BLOCK_ROWS, ll_rows_for, plan_blocks, use_ll
-from attncomm.symm import ALIGN, SlabLayout
+from attncomm.dcp.symm_a2a import SymmConfig, ll_rows_for, plan_blocks, use_ll
+from attncomm.dcp.symm_layout import ALIGN, SlabLayout
+
+_MAX_BLOCK_ROWS = SymmConfig().max_block_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -79,6 +81,29 @@ def test_ll_rows_and_choice():
     assert use_ll(40, L) and not use_ll(41, L) and not use_ll(0, L)
 
 
+def test_symm_config_env_defaults_and_validation(monkeypatch):
+    from attncomm.dcp.symm_a2a import num_warps, stagger
+    for k in [k for k in os.environ if k.startswith("ATTNCOMM_SYMM_")]:
+        monkeypatch.delenv(k)
+    assert SymmConfig.from_env() == SymmConfig()
+    monkeypatch.setenv("ATTNCOMM_SYMM_MAX_BLOCK_ROWS", "32")
+    monkeypatch.setenv("ATTNCOMM_SYMM_PDL", "0")
+    cfg = SymmConfig.from_env()
+    assert cfg.max_block_rows == 32 and cfg.enable_pdl is False and cfg.stagger_split == 50
+    monkeypatch.setenv("ATTNCOMM_SYMM_WIDE_WARPS", "x")
+    with pytest.raises(ValueError, match="ATTNCOMM_SYMM_WIDE_WARPS"):
+        SymmConfig.from_env()
+    for bad in (dict(max_block_rows=48), dict(max_warps=0), dict(stagger_split=-1)):
+        with pytest.raises(ValueError):
+            SymmConfig(**bad)
+    # the knobs act in-process, through the object
+    assert plan_blocks(4096, 8, SymmConfig(max_block_rows=16).max_block_rows)[0] == 16
+    assert num_warps(64 * 1024, SymmConfig(wide_warps=0)) == 16
+    assert num_warps(64 * 1024) == 32
+    assert stagger(4096, 2, 2, 512, 2, SymmConfig(stagger_min_bytes=0)) == 0
+    assert stagger(4096, 2, 2, 512, 2) == 50
+
+
 # ------------------------------------------------------------------------------ interpreter
 
 @pytest.mark.parametrize("stagger", [None, "50", "25"])
@@ -89,10 +114,9 @@ def test_kernels_under_interpreter(stagger):
     host code at W=1; also with staggered sends at every size (two groups; groups of one
     program, chained)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.dirname(HERE))
-    if stagger:
-        env.update(ATTNCOMM_SYMM_STAGGER_MIN_BYTES="1", ATTNCOMM_SYMM_STAGGER_SPLIT=stagger)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "_symm_interp.py")], env=env,
-                          capture_output=True, text=True, timeout=600)
+    args = ["1", stagger] if stagger else []  # a SymmConfig built from them in the process
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_symm_interp.py"), *args],
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ok" in proc.stdout
 

@@ -1,0 +1,572 @@
+"""The ``symm_a2a`` merge kernels (Triton) and their protocol. Planning, launch and the backend
+class are in ``attncomm.dcp.symm_a2a``; the slab layout in ``attncomm.dcp.symm_layout``.
+
+Each rank stores, for every peer ``q``, the rows of its partial output and LSE that belong to
+``q``'s head slice straight into ``q``'s slab (P2P stores over NVLink), then waits (bounded by
+``%globaltimer``) for every source's rows of its own head slice and combines them by LSE with its
+own rows, which it reads in place (never copied). Two protocols, chosen per call from the size:
+
+- LL (small payloads, ``SymmConfig.ll_max_bytes`` per peer): every 8-byte word sent is
+  ``(epoch << 32) | 32 payload bits`` (NCCL's LL idea), so there is no fence and no separate
+  flag: the receiver polls the words themselves. Twice the bytes, one NVLink trip less.
+- flag (larger): rows are sent in blocks, each published with a release store of the epoch
+  into the peer's flag for that block; the receiver acquires the flag, then reads the rows. A
+  program with several blocks sends block k+1 before it waits for and combines block k. From
+  ``SymmConfig.stagger_min_bytes`` per peer, with one block per program, the sends are
+  staggered: a later group of the grid starts sending only when its partner in the group
+  before has issued its stores, so the first group's fences, flags and combines overlap the
+  later group's transfer.
+
+Shared rules:
+
+- Epoch: ``state[0]`` on the device, ``state[1]`` the count of programs in this call; read
+  together as one 64-bit word. Every program adds ``1 << 32`` to it atomically, which both counts
+  it in and reads the epoch (``e = state[0] + 1``); the last one to count in writes ``e`` back
+  (count 0), so graph replays advance it without a host step. ``e & 1`` selects the parity slot;
+  flags and LL words hold the full epoch (int32). A fast rank never overwrites what a slow rank
+  reads: it can only start call ``e+2`` (same slot as ``e``) after every peer has sent its part
+  of ``e+1``, which each peer does only after its call ``e`` finished (stream order).
+- Programmatic dependent launch (PDL, capability ≥ 9.0): every program counts in, then
+  ``gdc_wait()`` (the kernel before it on the stream has finished and its writes are visible),
+  then the last one writes the epoch back, fenced, a block barrier, and every program calls
+  ``gdc_launch_dependents()``. So the next merge starts while this one runs and takes its epoch
+  there (off the critical path), but touches nothing else before this one has finished: stream
+  order holds for everything but the epoch word, which only count-ins and the write-back touch.
+  Hence the host may set ``state`` only with the stream synchronised before the next merge.
+- Epoch wrap (int32): the epoch skips 0 (…, -1, 2, 3, …; the parity still alternates), so a
+  never-written (zeroed) cell matches no call; and at epochs ≡ 0, 1 (mod 2**30) the kernel first
+  zeroes the other slot's flags and LL words from every peer ("scrub"), then fences, then sends,
+  so no cell keeps a value for 2**32 calls, where it would match again (scrubs of a slot are at
+  most 2**31 calls apart: epochs 0 and 1 do not come round again). The peers write that
+  slot next in call ``e+1``, after they have this call's data, so they never race the scrub.
+- Each program folds its own rows (read in place) before it waits for a peer. Without PDL the
+  LL kernel loads its first block's payload for peer ``(rank + 1) % W`` before the epoch atomic,
+  so the two round trips overlap (with PDL the atomic comes first: inputs are read only after
+  ``gdc_wait()``). The flag kernel does not load ahead (measured slower there).
+- Deadlock freedom: the grid is at most one program per SM (persistent programs loop over row
+  blocks), and every program sends its first block before it waits for a peer (a staggered
+  program first waits for a local program of the group before it, and every such chain starts
+  at a program that waits for nothing before it signals), so no spinning program waits on a
+  program that cannot become resident. With PDL the next merge's programs are launched only
+  once all of this merge's programs run, and they wait in ``gdc_wait()`` (no spinning).
+- Timeouts: a wait past ``timeout_ns`` sets ``errors[src] = 1`` (a system-scope store: the
+  word may live in mapped host memory, read by the host without a CUDA call) and the program
+  skips that block; the workspace turns that into ``PeerTimeoutError`` naming ``src``.
+
+Pointers: ``slab_o``, ``slab_l``, ``slab_f``, ``slab_llo``, ``slab_lll`` point at the bases of
+this rank's slab regions (``SlabLayout``), typed as the region; cell ``c`` of a region starts
+``c · *_cell`` elements further. The same region on peer ``q`` is ``delta[q] · DELTA_UNIT``
+elements away (``delta_o`` in payload elements, ``delta_w`` in 4-byte words, ``delta_q`` in
+8-byte words).
+
+The merge rule is the one in ``attncomm.dcp.combine`` (NaN LSE → −inf, ``m := 0`` when all are
+−inf, guarded divide, fp32 accumulation, one rounding), folded source by source (online
+rescaling). A zero-weight source's payload is loaded but never used (a select, not a multiply),
+so a NaN behind a −inf LSE cannot leak.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import cuda as tl_cuda
+
+__all__ = ["merge_flag_kernel", "merge_ll_kernel", "DELTA_UNIT", "SCRUB_PERIOD"]
+
+#: Peer offsets are passed in units of this many elements (keeps the stores vectorised).
+DELTA_UNIT = 16
+#: Epochs ``e`` with ``(e >> 1) % SCRUB_PERIOD == 0`` scrub the other slot first.
+SCRUB_PERIOD = 1 << 29
+
+_DELTA_UNIT = tl.constexpr(DELTA_UNIT)
+_SCRUB_MASK = tl.constexpr(SCRUB_PERIOD - 1)
+_COUNT_ONE = tl.constexpr(1 << 32)   # one program's count-in, in the 64-bit epoch word
+_LOW32 = tl.constexpr(0xFFFFFFFF)
+_SCRUB_CHUNK = tl.constexpr(1024)    # words zeroed per program per step of a scrub
+_EPOCH_AFTER_ZERO = tl.constexpr(2)  # the epoch that replaces 0 (keeps the parity)
+
+
+@triton.jit
+def _now_ns():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _count_in(state64_ptr):
+    # The first half of the epoch step: one atomic on the 64-bit word (count << 32) | epoch
+    # counts this program in and returns the previous word.
+    return tl.atomic_add(state64_ptr, _COUNT_ONE, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _epoch_of(old, state64_ptr, grid_size, PDL: tl.constexpr):
+    # The second half: this call's epoch from the word _count_in returned. No program can
+    # read after the write-back (every count-in precedes the last one); the last program to
+    # count in stores (0 << 32) | e for the next call. Epoch 0 is skipped (it would match
+    # never-written, zeroed cells).
+    # With PDL, then gdc_launch_dependents: the next merge counts in (before its gdc_wait)
+    # once every program here has called it. In the last program, thread 0 writes back,
+    # its fence waits until the write has reached L2 (where every count-in's atomic runs),
+    # and a block barrier (the branch is the same for the whole block) keeps the other
+    # warps from triggering before that: the first trigger of a block counts for the whole
+    # block. (A practical guarantee: PTX gives launch_dependents no memory ordering; only
+    # gdc_wait makes a grid's writes visible.)
+    e = (old & _LOW32).to(tl.int32) + 1
+    e = tl.where(e == 0, _EPOCH_AFTER_ZERO, e)
+    if (old >> 32) == grid_size - 1:
+        tl.atomic_xchg(state64_ptr, e.to(tl.int64) & _LOW32, sem="relaxed", scope="gpu")
+        if PDL:
+            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+            tl.debug_barrier()
+    if PDL:
+        tl_cuda.gdc_launch_dependents()
+    return e
+
+
+@triton.jit
+def _zero(ptr, n, pid, grid_size):
+    # ptr[0:n] = 0, split over the grid.
+    i = tl.arange(0, _SCRUB_CHUNK)
+    k = pid * _SCRUB_CHUNK
+    while k < n:
+        tl.store(ptr + k + i, 0, mask=k + i < n)
+        k += grid_size * _SCRUB_CHUNK
+
+
+@triton.jit
+def _scrub(slab_f, slab_llo, slab_lll, f_cell, llo_cell, lll_cell, state64_ptr, e, pid,
+           grid_size, RANK: tl.constexpr, W: tl.constexpr):
+    # Rare path (see the module docstring): zero the other slot's flag and LL cells from every
+    # peer, split over the grid; then a block barrier and a release at system scope (on the
+    # unused word state[2:4], which stays 0) so that the zeros are in place before any store
+    # of this call reaches a peer.
+    if ((e >> 1) & _SCRUB_MASK) == 0:
+        for q in tl.static_range(W):
+            if q != RANK:
+                cell = (1 - (e & 1)) * W + q
+                _zero(slab_f + cell * f_cell, f_cell, pid, grid_size)
+                _zero(slab_llo + cell * llo_cell, llo_cell, pid, grid_size)
+                _zero(slab_lll + cell * lll_cell, lll_cell, pid, grid_size)
+        tl.debug_barrier()
+        tl.atomic_add(state64_ptr + 1, 0, sem="release", scope="sys")
+        tl.debug_barrier()
+
+
+@triton.jit
+def _timed_out(deadline, timeout_ns):
+    # (deadline, expired): the deadline is set on the first wait that has to spin.
+    now = _now_ns()
+    if deadline == 0:
+        deadline = now + timeout_ns.to(tl.int64)
+    return deadline, now > deadline
+
+
+@triton.jit
+def _record_timeout(err_ptr):
+    # errors[src] = 1, visible to the host (the word may be mapped host memory).
+    tl.atomic_xchg(err_ptr, 1, sem="relaxed", scope="sys")
+
+
+@triton.jit
+def _wait_flag(ptr, e, deadline, timeout_ns, err_ptr, bad):
+    v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    while v != e:
+        deadline, expired = _timed_out(deadline, timeout_ns)
+        if expired:
+            _record_timeout(err_ptr)
+            bad = bad | 1
+            v = e
+        else:
+            v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    return deadline, bad
+
+
+@triton.jit
+def _wait_go(ptr, e, deadline, timeout_ns):
+    # Wait until a local cell holds e. Timing only (no data depends on it): past the timeout
+    # the program just goes on.
+    v = tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu")
+    while v != e:
+        deadline, expired = _timed_out(deadline, timeout_ns)
+        if expired:
+            v = e
+        else:
+            v = tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu")
+    return deadline
+
+
+@triton.jit
+def _online(m, s, l):
+    # Fold one source's LSE into the running max m and sum s (NaN counts as −inf, m := 0
+    # while every LSE so far is −inf). Returns (m, s, scale of the old accumulator, weight).
+    l = tl.where(l == l, l, float("-inf"))
+    m_new = tl.maximum(m, l)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    scale = tl.exp(m - m_use)
+    w = tl.exp(l - m_use)
+    return m_new, s * scale + w, scale, w
+
+
+@triton.jit
+def _fold(acc, scale, w, o):
+    # A zero-weight source's payload is never used (it may be NaN behind a −inf LSE).
+    return acc * scale[:, None] + tl.where((w > 0)[:, None], w[:, None] * o.to(tl.float32),
+                                           0.0)
+
+
+@triton.jit
+def _final(s, m):
+    s_safe = tl.where(s > 0, s, 1.0)
+    lse = tl.where(s > 0, tl.log(s_safe) + tl.where(m == float("-inf"), 0.0, m),
+                   float("-inf"))
+    return s_safe, lse
+
+
+# -------------------------------------------------------------------- flag protocol (large T)
+
+@triton.jit
+def _own_rows(out_ptr, lse_ptr, rows, rmask, H, HS, D, RANK: tl.constexpr,
+              BR: tl.constexpr, BD: tl.constexpr):
+    # Start the fold with this rank's own rows (read in place): needs nothing from a peer,
+    # so it runs before the wait and overlaps the transfer.
+    d = tl.arange(0, BD)
+    m2 = rmask[:, None] & (d < D)[None, :]
+    own = (rows // HS) * H + RANK * HS + rows % HS
+    l = tl.load(lse_ptr + own, mask=rmask, other=float("-inf"))
+    o = tl.load(out_ptr + own[:, None] * D + d[None, :], mask=m2, other=0.0)
+    m, s, scale, w = _online(tl.full([BR], float("-inf"), tl.float32),
+                             tl.zeros([BR], tl.float32), l)
+    return m, s, _fold(tl.zeros([BR, BD], tl.float32), scale, w, o)
+
+
+@triton.jit
+def _combine_rows(m, s, acc, res_ptr, res_lse_ptr, slab_o, slab_l, slot, rows, rmask, D,
+                  o_cell, l_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
+                  BD: tl.constexpr):
+    # Fold every peer's received rows into (m, s, acc) from _own_rows; store the result.
+    d = tl.arange(0, BD)
+    m2 = rmask[:, None] & (d < D)[None, :]
+    for q in tl.static_range(W):
+        if q != RANK:
+            cell = slot * W + q
+            l = tl.load(slab_l + cell * l_cell + rows, mask=rmask, other=float("-inf"),
+                        cache_modifier=".cg")
+            o = tl.load(slab_o + cell * o_cell + rows[:, None] * D + d[None, :], mask=m2,
+                        other=0.0, cache_modifier=".cg")
+            m, s, scale, w = _online(m, s, l)
+            acc = _fold(acc, scale, w, o)
+    s_safe, lse = _final(s, m)
+    tl.store(res_ptr + rows[:, None] * D + d[None, :],
+             (acc / s_safe[:, None]).to(res_ptr.dtype.element_ty), mask=m2)
+    tl.store(res_lse_ptr + rows, lse, mask=rmask)
+
+
+@triton.jit
+def _load_rows(out_ptr, lse_ptr, b, q, n_rows, H, HS, D, BR: tl.constexpr, BD: tl.constexpr):
+    # Block b of this rank's rows of peer q's head slice: ([BR, BD] payload, [BR] LSE).
+    rows = b * BR + tl.arange(0, BR)
+    rmask = rows < n_rows
+    d = tl.arange(0, BD)
+    src = (rows // HS) * H + rows % HS + q * HS
+    vals = tl.load(out_ptr + src[:, None] * D + d[None, :],
+                   mask=rmask[:, None] & (d < D)[None, :])
+    return vals, tl.load(lse_ptr + src, mask=rmask)
+
+
+@triton.jit
+def _store_rows(vals, lv, slab_o, slab_l, delta_oq, delta_wq, slot, b, n_rows, D, o_cell,
+                l_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
+                BD: tl.constexpr):
+    # ... stored into cell (slot, RANK) of peer q's slab (delta_oq, delta_wq: q's offsets).
+    rows = b * BR + tl.arange(0, BR)
+    rmask = rows < n_rows
+    d = tl.arange(0, BD)
+    cell = slot * W + RANK
+    po = slab_o + delta_oq * _DELTA_UNIT + cell * o_cell
+    tl.store(po + rows[:, None] * D + d[None, :], vals, mask=rmask[:, None] & (d < D)[None, :])
+    pl = slab_l + delta_wq * _DELTA_UNIT + cell * l_cell
+    tl.store(pl + rows, lv, mask=rmask)
+
+
+@triton.jit
+def _send_block(out_ptr, lse_ptr, slab_o, slab_l, delta_o, delta_w, slot, b, n_rows, H, HS,
+                D, o_cell, l_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
+                BD: tl.constexpr, SKIP: tl.constexpr):
+    # Store block b of this rank's rows for every peer's head slice (but SKIP) into that
+    # peer's slab.
+    for q in tl.static_range(W):
+        if q != RANK and q != SKIP:
+            vals, lv = _load_rows(out_ptr, lse_ptr, b, q, n_rows, H, HS, D, BR, BD)
+            _store_rows(vals, lv, slab_o, slab_l, tl.load(delta_o + q), tl.load(delta_w + q),
+                        slot, b, n_rows, D, o_cell, l_cell, RANK, W, BR, BD)
+
+
+@triton.jit
+def _publish(slab_f, delta_w, e, slot, b, f_cell, RANK: tl.constexpr, W: tl.constexpr):
+    # Called after a block barrier: one release (fence + store) covers every thread's
+    # earlier stores; the same thread's later flag stores are ordered after it.
+    for q in tl.static_range(W):
+        if q != RANK:
+            pf = slab_f + tl.load(delta_w + q) * _DELTA_UNIT + (slot * W + RANK) * f_cell + b
+            if q == (RANK + 1) % W:
+                tl.atomic_xchg(pf, e, sem="release", scope="sys")
+            else:
+                tl.atomic_xchg(pf, e, sem="relaxed", scope="sys")
+
+
+@triton.jit
+def _receive_block(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slab_f, err_ptr,
+                   e, slot, b, deadline, timeout_ns, bad, n_rows, H, HS, D, o_cell, l_cell,
+                   f_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
+                   BD: tl.constexpr):
+    # Fold this rank's own rows of block b, wait (acquire, bounded) for every source's flag
+    # of block b, then fold the received rows and store.
+    rows = b * BR + tl.arange(0, BR)
+    rmask = rows < n_rows
+    m, s, acc = _own_rows(out_ptr, lse_ptr, rows, rmask, H, HS, D, RANK, BR, BD)
+    for q in tl.static_range(W):
+        if q != RANK:
+            deadline, bad = _wait_flag(slab_f + (slot * W + q) * f_cell + b, e, deadline,
+                                       timeout_ns, err_ptr + q, bad)
+    tl.debug_barrier()
+    if bad == 0:
+        _combine_rows(m, s, acc, res_ptr, res_lse_ptr, slab_o, slab_l, slot, rows, rmask, D,
+                      o_cell, l_cell, RANK, W, BR, BD)
+    return deadline, bad
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_blocks", "grid_size", "timeout_ns"])
+def merge_flag_kernel(out_ptr, lse_ptr, res_ptr, res_lse_ptr,
+                      slab_o, slab_l, slab_f, slab_llo, slab_lll, delta_o, delta_w,
+                      state_ptr, err_ptr, n_rows, n_blocks, grid_size, timeout_ns, H, HS, D,
+                      o_cell, l_cell, f_cell, llo_cell, lll_cell,
+                      RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+                      STAGGER: tl.constexpr, PDL: tl.constexpr):
+    """One merge, flag protocol. ``out [T, H, D]``, ``lse [T, H]`` fp32 → ``res [T, HS, D]``,
+    ``res_lse [T, HS]`` fp32; a row is a ``(t, h_local)`` pair, ``n_rows = T·HS``.
+
+    Program p handles blocks p, p+G, ... (G = grid size ≤ #SMs, so all are resident),
+    software-pipelined: block k+1 is sent before block k is waited for and combined, and
+    block k+1's flag is released only after that, so the combine of block k overlaps the
+    transfer of block k+1 (a release fence waits for every earlier store). Every program
+    publishes its first block before it waits for a peer, so no peer wait depends on a
+    wait; with STAGGER > 0 a program of a later group first waits, locally and bounded,
+    for its partner of the group before, so every chain of local waits starts at a program
+    of the first group, which waits for nothing before it signals."""
+    pid = tl.program_id(0)
+    old = _count_in(state_ptr)
+    if PDL:  # the previous kernel's writes are complete and visible from here on
+        tl_cuda.gdc_wait()
+    e = _epoch_of(old, state_ptr, grid_size, PDL)
+    _scrub(slab_f, slab_llo, slab_lll, f_cell, llo_cell, lll_cell, state_ptr, e, pid,
+           grid_size, RANK, W)
+    slot = e & 1
+    deadline = timeout_ns.to(tl.int64) * 0
+    bad = tl.full([], 0, tl.int32)
+    # STAGGER (percent of the grid per group, the last group takes the rest; one block per
+    # program): this rank's own flag cell, unused by the peers, holds "program p has
+    # issued its stores"; program p + first starts sending only then (below 50 %, chains:
+    # p + first may itself have waited for p). The rows for peer (rank + 1) % W and its
+    # offsets are loaded before that wait, so a waiting program stores the moment its
+    # partner signals.
+    go = slab_f + (slot * W + RANK) * f_cell
+    first = tl.maximum((grid_size * STAGGER + 99) // 100, 1)
+    Q0: tl.constexpr = (RANK + 1) % W
+    if Q0 != RANK:
+        vals, lv = _load_rows(out_ptr, lse_ptr, pid, Q0, n_rows, H, HS, D, BR, BD)
+        delta_o0 = tl.load(delta_o + Q0)
+        delta_w0 = tl.load(delta_w + Q0)
+    if STAGGER > 0:
+        if pid >= first:  # its own deadline: a slow partner is no peer's timeout
+            _wait_go(go + pid - first, e, deadline, timeout_ns)
+    if Q0 != RANK:
+        _store_rows(vals, lv, slab_o, slab_l, delta_o0, delta_w0, slot, pid, n_rows, D,
+                    o_cell, l_cell, RANK, W, BR, BD)
+    _send_block(out_ptr, lse_ptr, slab_o, slab_l, delta_o, delta_w, slot, pid, n_rows, H, HS,
+                D, o_cell, l_cell, RANK, W, BR, BD, Q0)
+    tl.debug_barrier()
+    if STAGGER > 0:
+        if pid < grid_size - first:
+            tl.atomic_xchg(go + pid, e, sem="relaxed", scope="gpu")
+    _publish(slab_f, delta_w, e, slot, pid, f_cell, RANK, W)
+    prev = pid
+    b = pid + grid_size  # a while loop: the interpreter cannot range() over a program id
+    while b < n_blocks:
+        _send_block(out_ptr, lse_ptr, slab_o, slab_l, delta_o, delta_w, slot, b, n_rows, H,
+                    HS, D, o_cell, l_cell, RANK, W, BR, BD, RANK)
+        deadline, bad = _receive_block(
+            out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slab_f, err_ptr, e, slot,
+            prev, deadline, timeout_ns, bad, n_rows, H, HS, D, o_cell, l_cell, f_cell, RANK, W,
+            BR, BD)
+        tl.debug_barrier()
+        _publish(slab_f, delta_w, e, slot, b, f_cell, RANK, W)
+        prev = b
+        b += grid_size
+    _receive_block(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slab_f, err_ptr, e,
+                   slot, prev, deadline, timeout_ns, bad, n_rows, H, HS, D, o_cell, l_cell,
+                   f_cell, RANK, W, BR, BD)
+
+
+# -------------------------------------------------------------------- LL protocol (small T)
+
+@triton.jit
+def _unpack(x, PACK: tl.constexpr, DTYPE: tl.constexpr):
+    # int32 words → (low, high) halves as fp32 (PACK 2: two 16-bit values per word).
+    if PACK == 2:
+        lo = (x & 0xFFFF).to(tl.uint16).to(DTYPE, bitcast=True).to(tl.float32)
+        hi = ((x >> 16) & 0xFFFF).to(tl.uint16).to(DTYPE, bitcast=True).to(tl.float32)
+    else:
+        lo = x.to(tl.float32, bitcast=True)
+        hi = lo
+    return lo, hi
+
+
+@triton.jit
+def _pack(lo, hi, PACK: tl.constexpr, DTYPE: tl.constexpr):
+    if PACK == 2:
+        a = lo.to(DTYPE).to(tl.uint16, bitcast=True).to(tl.int32)
+        b = hi.to(DTYPE).to(tl.uint16, bitcast=True).to(tl.int32)
+        return a | (b << 16)
+    else:
+        return lo.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _ll_ready(y, yl, e):
+    ok = tl.min(((y >> 32).to(tl.int32) == e).to(tl.int32))
+    return ok & tl.min(((yl >> 32).to(tl.int32) == e).to(tl.int32))
+
+
+@triton.jit
+def _ll_load(out_w, lse_w, b, q, n_rows, H, HS, DW, BR: tl.constexpr, BW: tl.constexpr):
+    # Block b of this rank's rows of peer q's head slice as int32 words ([BR, BW], [BR]).
+    rows = b * BR + tl.arange(0, BR)
+    rmask = rows < n_rows
+    c = tl.arange(0, BW)
+    src = (rows // HS) * H + rows % HS + q * HS
+    x = tl.load(out_w + src[:, None] * DW + c[None, :],
+                mask=rmask[:, None] & (c < DW)[None, :], other=0)
+    return x, tl.load(lse_w + src, mask=rmask, other=0)
+
+
+@triton.jit
+def _ll_store(x, xl, tag, slab_llo, slab_lll, delta_q, slot, b, q, n_rows, DW, llo_cell,
+              lll_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
+              BW: tl.constexpr):
+    # ... stored as (epoch << 32) | word into cell (slot, RANK) of peer q's LL regions.
+    rows = b * BR + tl.arange(0, BR)
+    rmask = rows < n_rows
+    c = tl.arange(0, BW)
+    dq = tl.load(delta_q + q) * _DELTA_UNIT
+    cell = slot * W + RANK
+    tl.store(slab_llo + dq + cell * llo_cell + rows[:, None] * DW + c[None, :],
+             tag | (x.to(tl.int64) & _LOW32), mask=rmask[:, None] & (c < DW)[None, :])
+    tl.store(slab_lll + dq + cell * lll_cell + rows, tag | (xl.to(tl.int64) & _LOW32),
+             mask=rmask)
+
+
+@triton.jit
+def _ll_send(x0, xl0, out_w, lse_w, tag, slab_llo, slab_lll, delta_q, slot, pid, grid_size,
+             n_rows, n_blocks, H, HS, DW, llo_cell, lll_cell, RANK: tl.constexpr,
+             W: tl.constexpr, BR: tl.constexpr, BW: tl.constexpr):
+    # Every block of this program for every peer: the first block for (RANK + 1) % W from
+    # the words loaded ahead (x0, xl0), then the others.
+    Q0: tl.constexpr = (RANK + 1) % W
+    if Q0 != RANK:
+        _ll_store(x0, xl0, tag, slab_llo, slab_lll, delta_q, slot, pid, Q0, n_rows, DW,
+                  llo_cell, lll_cell, RANK, W, BR, BW)
+    for q in tl.static_range(W):
+        if q != RANK and q != Q0:
+            x, xl = _ll_load(out_w, lse_w, pid, q, n_rows, H, HS, DW, BR, BW)
+            _ll_store(x, xl, tag, slab_llo, slab_lll, delta_q, slot, pid, q, n_rows, DW,
+                      llo_cell, lll_cell, RANK, W, BR, BW)
+    b = pid + grid_size
+    while b < n_blocks:
+        for q in tl.static_range(W):
+            if q != RANK:
+                x, xl = _ll_load(out_w, lse_w, b, q, n_rows, H, HS, DW, BR, BW)
+                _ll_store(x, xl, tag, slab_llo, slab_lll, delta_q, slot, b, q, n_rows, DW,
+                          llo_cell, lll_cell, RANK, W, BR, BW)
+        b += grid_size
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_blocks", "grid_size", "timeout_ns"])
+def merge_ll_kernel(out_w, lse_ptr, lse_w, res_w, res_lse_ptr, slab_f, slab_llo, slab_lll,
+                    delta_q, state_ptr, err_ptr, n_rows, n_blocks, grid_size, timeout_ns, H, HS,
+                    DW, f_cell, llo_cell, lll_cell, RANK: tl.constexpr, W: tl.constexpr,
+                    BR: tl.constexpr, BW: tl.constexpr, PACK: tl.constexpr,
+                    DTYPE: tl.constexpr, PDL: tl.constexpr):
+    """One merge, LL protocol: every 8-byte word sent is ``(epoch << 32) | 32 payload bits``,
+    so no fence and no separate flag; the receiver polls the words themselves.
+    ``out_w [T, H, DW]`` / ``res_w [T, HS, DW]`` are the payloads viewed as int32."""
+    pid = tl.program_id(0)
+    r = tl.arange(0, BR)
+    c = tl.arange(0, BW)
+    # The first block's words for the next rank are loaded before the epoch is known: the
+    # loads overlap the epoch atomic's round trip.
+    Q0: tl.constexpr = (RANK + 1) % W
+    if PDL:  # count in while the previous merge runs; read the inputs only after gdc_wait
+        old = _count_in(state_ptr)
+        tl_cuda.gdc_wait()
+        x0, xl0 = _ll_load(out_w, lse_w, pid, Q0, n_rows, H, HS, DW, BR, BW)
+    else:
+        x0, xl0 = _ll_load(out_w, lse_w, pid, Q0, n_rows, H, HS, DW, BR, BW)
+        old = _count_in(state_ptr)
+    e = _epoch_of(old, state_ptr, grid_size, PDL)
+    _scrub(slab_f, slab_llo, slab_lll, f_cell, llo_cell, lll_cell, state_ptr, e, pid,
+           grid_size, RANK, W)
+    slot = e & 1
+    tag = e.to(tl.int64) << 32
+    cmask = c < DW
+    _ll_send(x0, xl0, out_w, lse_w, tag, slab_llo, slab_lll, delta_q, slot, pid, grid_size,
+             n_rows, n_blocks, H, HS, DW, llo_cell, lll_cell, RANK, W, BR, BW)
+    deadline = timeout_ns.to(tl.int64) * 0
+    bad = tl.full([], 0, tl.int32)
+    b = pid
+    while b < n_blocks:
+        rows = b * BR + r
+        rmask = rows < n_rows
+        m2 = rmask[:, None] & cmask[None, :]
+        own = (rows // HS) * H + RANK * HS + rows % HS
+        m = tl.full([BR], float("-inf"), tl.float32)
+        s = tl.zeros([BR], tl.float32)
+        l = tl.load(lse_ptr + own, mask=rmask, other=float("-inf"))
+        lo, hi = _unpack(tl.load(out_w + own[:, None] * DW + c[None, :], mask=m2, other=0),
+                         PACK, DTYPE)
+        m, s, scale, w = _online(m, s, l)
+        acc_lo = _fold(tl.zeros([BR, BW], tl.float32), scale, w, lo)
+        acc_hi = _fold(tl.zeros([BR, BW], tl.float32), scale, w, hi)
+        for q in tl.static_range(W):
+            if q != RANK:
+                cell = slot * W + q
+                po = slab_llo + cell * llo_cell + rows[:, None] * DW + c[None, :]
+                pl = slab_lll + cell * lll_cell + rows
+                y = tl.load(po, mask=m2, other=tag, volatile=True)
+                yl = tl.load(pl, mask=rmask, other=tag, volatile=True)
+                ready = _ll_ready(y, yl, e)
+                while ready == 0:
+                    deadline, expired = _timed_out(deadline, timeout_ns)
+                    if expired:
+                        _record_timeout(err_ptr + q)
+                        bad = bad | 1
+                        ready = ready | 1
+                    else:
+                        y = tl.load(po, mask=m2, other=tag, volatile=True)
+                        yl = tl.load(pl, mask=rmask, other=tag, volatile=True)
+                        ready = _ll_ready(y, yl, e)
+                # Reload once ready: a value replicated over threads was checked in one
+                # thread's copy only; the words cannot change again before epoch e+2.
+                y = tl.load(po, mask=m2, other=tag, volatile=True)
+                yl = tl.load(pl, mask=rmask, other=tag, volatile=True)
+                lq = yl.to(tl.int32).to(tl.float32, bitcast=True)
+                lo, hi = _unpack(y.to(tl.int32), PACK, DTYPE)
+                m, s, scale, w = _online(m, s, lq)
+                acc_lo = _fold(acc_lo, scale, w, lo)
+                acc_hi = _fold(acc_hi, scale, w, hi)
+        if bad == 0:
+            s_safe, lse = _final(s, m)
+            words = _pack(acc_lo / s_safe[:, None], acc_hi / s_safe[:, None], PACK, DTYPE)
+            tl.store(res_w + rows[:, None] * DW + c[None, :], words, mask=m2)
+            tl.store(res_lse_ptr + rows, lse, mask=rmask)
+        b += grid_size
