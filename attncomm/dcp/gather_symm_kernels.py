@@ -230,9 +230,10 @@ if triton is not None:
             tl.debug_barrier()
             for q in tl.static_range(W):
                 if q != RANK:
-                    pf = (slab_w + tl.load(delta_w + q) * 16 + f_base
-                          + (slot * W + RANK) * f_cell + b)
-                    tl.atomic_xchg(pf, e, sem="release", scope="sys")
+                    if ((bad >> q) & 1) == 0:  # never a flag without its rows
+                        pf = (slab_w + tl.load(delta_w + q) * 16 + f_base
+                              + (slot * W + RANK) * f_cell + b)
+                        tl.atomic_xchg(pf, e, sem="release", scope="sys")
             b += grid_size
         b = pid
         while b < n_blocks:
