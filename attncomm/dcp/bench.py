@@ -41,7 +41,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if cuda else "cpu",
                    help=f"default: {'cuda' if cuda else 'cpu'} (CUDA ranks use NCCL, CPU gloo)")
     p.add_argument("--heads", type=int, default=64, help="total heads H (default 64)")
-    p.add_argument("--head-dim", type=int, default=512, help="head_dim D (default 512)")
+    p.add_argument("--op", choices=("merge", "gather", "layer"), default="merge",
+                   help="merge (default): the LSE merge; gather: the query-head all-gather "
+                        "(attncomm.dcp.bench_gather); layer: gather + merge per decode step")
+    p.add_argument("--head-dim", type=int, default=None,
+                   help="head_dim D (default 512; --op gather/layer: 576, Kimi-K2.5's q)")
+    p.add_argument("--rope-dim", type=int, default=64,
+                   help="--op gather/layer: RoPE dims R at the end of each head (default 64)")
+    p.add_argument("--v-head-dim", type=int, default=512,
+                   help="--op layer: head_dim Dv of the merged attention output (default 512)")
+    p.add_argument("--gather-backends", nargs="+", default=None,
+                   choices=["all_gather", "symm", "auto"],
+                   help="--op gather: default all_gather (+ symm on CUDA)")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16", help="default bf16")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128],
                    help="token counts T ≥ 1 (default 1 8 16 32 64 128)")
@@ -211,6 +222,12 @@ def main(args) -> int:
     if min(args.tokens) < 1:
         print(f"attncomm bench dcp: --tokens must be ≥ 1, got {args.tokens}", file=sys.stderr)
         return 2
+    op = getattr(args, "op", "merge")
+    if getattr(args, "head_dim", None) is None:
+        args.head_dim = 512 if op == "merge" else 576
+    if op != "merge":
+        from . import bench_gather
+        return bench_gather.main(args)
     try:
         cfg = _config(args)
     except ValueError as exc:
