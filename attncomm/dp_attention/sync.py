@@ -37,6 +37,9 @@ SYNC_CHOICES = ("auto", "shm", "cpu", "device")
 _ROW = 6
 _IDLE = 4
 _INVALID_MODE = -1  # row marker: this rank's input was invalid (every rank raises) ...
+# ... and this one: a layout row [dp, tp, cp, 0, 0, _LAYOUT_MODE], sent once per layout and group
+# (the first time it is used) so that every rank checks every other rank's layout.
+_LAYOUT_MODE = -3
 _BAD_BATCH, _BAD_SIZES, _BAD_ACTIVE = 1, 2, 3  # ... and field 0 says what was wrong
 _WHY = {_BAD_BATCH: "invalid batch or counts",
         _BAD_SIZES: "dp_size·tp_size·cp_size does not match the group size",
@@ -395,20 +398,19 @@ class MLPSyncBatchInfo:
         return (num, num_lp, 1 if self.can_cuda_graph else 0, 1 if self.is_extend_in_batch else 0,
                 1 if self.local_can_run_tbo else 0, mode)
 
-    def _per_dp(self, p: _Plan) -> int:
-        """``tp·cp`` after checking the sizes against the group; valid sizes given as plain
-        ints are remembered per plan, so the per-step path only looks them up."""
+    def _per_dp(self, p: _Plan) -> tuple[int, tuple | None]:
+        """``(tp·cp, key)`` after checking the sizes against the group. ``key`` is None when the
+        layout is known on the plan (agreed by every rank before: the per-step path only looks
+        it up), else the ``(dp, tp, cp)`` every rank must agree on first (``_agree_layout``)."""
         key = (self.dp_size, self.tp_size, self.cp_size)
         per_dp = p.per_dp.get(key)
-        if per_dp is None:
-            dp, tp, cp = (int(v) for v in key)
-            if min(dp, tp, cp) < 1 or dp * tp * cp != p.world:
-                raise ValueError(f"dp_size·tp_size·cp_size = {self.dp_size}·{self.tp_size}·"
-                                 f"{self.cp_size} must equal the group size {p.world}")
-            per_dp = tp * cp
-            if all(type(v) is int for v in key):  # not tensors etc.: the cache must not grow
-                p.per_dp[key] = per_dp
-        return per_dp
+        if per_dp is not None:
+            return per_dp, None
+        dp, tp, cp = (int(v) for v in key)
+        if min(dp, tp, cp) < 1 or dp * tp * cp != p.world:
+            raise ValueError(f"dp_size·tp_size·cp_size = {self.dp_size}·{self.tp_size}·"
+                             f"{self.cp_size} must equal the group size {p.world}")
+        return tp * cp, (dp, tp, cp)
 
     def all_gather(self, device=None, group=None, *, active_ranks=None, enable_tbo: bool = False,
                    sync: str = "auto", timeout_s: float | None = None) -> "MLPSyncBatchInfo":
@@ -436,9 +438,13 @@ class MLPSyncBatchInfo:
         path = _resolve(p, sync, timeout_s)
         code, why = 0, None
         try:
-            per_dp = self._per_dp(p)
+            per_dp, new_layout = self._per_dp(p)
         except (ValueError, TypeError) as exc:  # sent as an invalid row: all raise after it
-            code, why = _BAD_SIZES, str(exc)
+            code, why, new_layout = _BAD_SIZES, str(exc), None
+        if new_layout is not None:
+            _agree_layout(p, path, new_layout, device, timeout_s,
+                          all(type(v) is int for v in (self.dp_size, self.tp_size,
+                                                       self.cp_size)))
         active, mask = None, None
         if active_ranks is not None:  # None: the common case, every rank active
             try:
@@ -470,6 +476,10 @@ class MLPSyncBatchInfo:
             if row[5] in _MODE_VALUES and row[0] >= 0 and row[1] >= 0:
                 continue
             what = _WHY.get(row[0]) if row[5] == _INVALID_MODE else None
+            if row[5] == _LAYOUT_MODE:
+                what = (f"first use of dp_size·tp_size·cp_size = {row[0]}·{row[1]}·{row[2]} on "
+                        f"this group, where this rank's layout was agreed before "
+                        f"({self.dp_size}·{self.tp_size}·{self.cp_size})")
             parts.append((r, what or f"invalid row {list(row)}"))
         msg = (f"dp_attention sync: invalid input on rank(s) {[r for r, _ in parts]} — "
                + "; ".join(f"rank {r}: {w}" for r, w in parts))
@@ -502,6 +512,27 @@ class MLPSyncBatchInfo:
             agree = len(busy) == 1
             self.global_forward_mode = _MODE_OF[busy.pop()] if agree else None
         self.can_run_tbo = bool(enable_tbo and agree and all(flat[4::stride]))
+
+
+def _agree_layout(p: _Plan, path: str, layout: tuple, device, timeout_s, remember: bool) -> None:
+    """The first use of a ``(dp, tp, cp)`` layout on a group: one exchange of layout rows on the
+    sync path itself (the same buffer shape as a step, so a peer in a step exchange meanwhile
+    gets a row it refuses, never a size mismatch). Raises ``ValueError`` on every rank naming
+    each rank's layout when they differ (a peer in a step exchange raises it from
+    ``_check_rows``); remembers the layout on the plan when they agree (and ``remember``)."""
+    dp, tp, cp = layout
+    flat, _ = _exchange(p, path, (dp, tp, cp, 0, 0, _LAYOUT_MODE), device, timeout_s)
+    rows = [tuple(flat[i:i + _ROW]) for i in range(0, len(flat), _ROW)]
+    if all(r == rows[0] and r[5] == _LAYOUT_MODE for r in rows):
+        if remember:
+            p.per_dp[layout] = tp * cp
+        return
+    parts = [f"rank {r}: " + (f"{row[0]}·{row[1]}·{row[2]}" if row[5] == _LAYOUT_MODE else
+                              _WHY.get(row[0], "invalid input") if row[5] == _INVALID_MODE else
+                              "a layout agreed before (a step row)")
+             for r, row in enumerate(rows)]
+    raise ValueError("dp_attention sync: the ranks disagree on dp_size·tp_size·cp_size — "
+                     + "; ".join(parts))
 
 
 def _idle_batch(get_idle_batch: Callable[[], BatchView]) -> BatchView:
