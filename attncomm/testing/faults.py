@@ -32,7 +32,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["EXCHANGES", "FAULTS", "Cell", "run_cell", "run_matrix", "main"]
+__all__ = ["EXCHANGES", "FAULTS", "Cell", "main", "run_cell", "run_matrix"]
 
 FAULTS = ("kill", "skip", "shape")
 KILL_EXIT_CODE = 17
