@@ -442,9 +442,7 @@ class MLPSyncBatchInfo:
         except (ValueError, TypeError) as exc:  # sent as an invalid row: all raise after it
             code, why, new_layout = _BAD_SIZES, str(exc), None
         if new_layout is not None:
-            _agree_layout(p, path, new_layout, device, timeout_s,
-                          all(type(v) is int for v in (self.dp_size, self.tp_size,
-                                                       self.cp_size)))
+            _agree_layout(self, p, path, new_layout, device, timeout_s)
         active, mask = None, None
         if active_ranks is not None:  # None: the common case, every rank active
             try:
@@ -471,9 +469,12 @@ class MLPSyncBatchInfo:
         if _MODE_VALUES.issuperset(flat[5::_ROW]) and min(flat[0::_ROW] + flat[1::_ROW]) >= 0:
             return
         parts = []
+        mine = why or self._local_error
         for r in range(len(flat) // _ROW):
             row = flat[r * _ROW:(r + 1) * _ROW]
             if row[5] in _MODE_VALUES and row[0] >= 0 and row[1] >= 0:
+                continue
+            if row[5] == _LAYOUT_MODE and mine:  # this rank's own invalid input is the report
                 continue
             what = _WHY.get(row[0]) if row[5] == _INVALID_MODE else None
             if row[5] == _LAYOUT_MODE:
@@ -483,7 +484,6 @@ class MLPSyncBatchInfo:
             parts.append((r, what or f"invalid row {list(row)}"))
         msg = (f"dp_attention sync: invalid input on rank(s) {[r for r, _ in parts]} — "
                + "; ".join(f"rank {r}: {w}" for r, w in parts))
-        mine = why or self._local_error
         if mine:
             msg += f" (this rank: {mine})"
         raise ValueError(msg)
@@ -514,22 +514,25 @@ class MLPSyncBatchInfo:
         self.can_run_tbo = bool(enable_tbo and agree and all(flat[4::stride]))
 
 
-def _agree_layout(p: _Plan, path: str, layout: tuple, device, timeout_s, remember: bool) -> None:
+def _agree_layout(info: MLPSyncBatchInfo, p: _Plan, path: str, layout: tuple, device,
+                  timeout_s) -> None:
     """The first use of a ``(dp, tp, cp)`` layout on a group: one exchange of layout rows on the
     sync path itself (the same buffer shape as a step, so a peer in a step exchange meanwhile
     gets a row it refuses, never a size mismatch). Raises ``ValueError`` on every rank naming
     each rank's layout when they differ (a peer in a step exchange raises it from
-    ``_check_rows``); remembers the layout on the plan when they agree (and ``remember``)."""
+    ``_check_rows``; a peer whose sizes are invalid sends its invalid row, reported as in a
+    step); remembers the layout on the plan when every rank sent the same one."""
     dp, tp, cp = layout
     flat, _ = _exchange(p, path, (dp, tp, cp, 0, 0, _LAYOUT_MODE), device, timeout_s)
     rows = [tuple(flat[i:i + _ROW]) for i in range(0, len(flat), _ROW)]
     if all(r == rows[0] and r[5] == _LAYOUT_MODE for r in rows):
-        if remember:
-            p.per_dp[layout] = tp * cp
+        if all(type(v) is int for v in (info.dp_size, info.tp_size, info.cp_size)):
+            p.per_dp[layout] = tp * cp  # plain ints only: the cache must not grow
         return
+    if any(r[5] == _INVALID_MODE for r in rows):  # as a step would report it
+        info._check_rows(sum((NEUTRAL_ROW if r[5] == _LAYOUT_MODE else r for r in rows), ()))
     parts = [f"rank {r}: " + (f"{row[0]}·{row[1]}·{row[2]}" if row[5] == _LAYOUT_MODE else
-                              _WHY.get(row[0], "invalid input") if row[5] == _INVALID_MODE else
-                              "a layout agreed before (a step row)")
+                              "a layout agreed before (it sent a step row)")
              for r, row in enumerate(rows)]
     raise ValueError("dp_attention sync: the ranks disagree on dp_size·tp_size·cp_size — "
                      + "; ".join(parts))
