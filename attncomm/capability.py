@@ -9,10 +9,6 @@ Group facts: ``same_host`` and ``peer_access`` gather the per-rank facts over th
 group; ``agree_reason`` turns per-rank reasons into one verdict that every rank shares
 (all_reduce(MIN) of an ok-flag); ``collective_try`` runs a step (allocation, rendezvous) on every
 rank, catches a failure and agrees on it, so every rank takes the same path.
-
-Tests may fake a rank's local verdict through ``ATTNCOMM_FAKE_INELIGIBLE`` (private, for CI): a
-comma-separated list of ``rank`` or ``rank:what`` entries makes ``symm_unavailable_reason`` on
-those global ranks report a reason without probing.
 """
 from __future__ import annotations
 
@@ -28,9 +24,7 @@ from ._dist import agree_reason, cpu_group
 
 __all__ = ["agree_reason", "hostname", "host_identity", "cuda_reason", "p2p_matrix",
            "symm_mem_reason", "stream_mem_ops_reason", "same_host", "peer_access_reason",
-           "symm_unavailable_reason", "collective_try", "multicast_env", "fake_ineligible_reason"]
-
-_FAKE_ENV = "ATTNCOMM_FAKE_INELIGIBLE"
+           "symm_unavailable_reason", "collective_try", "multicast_env"]
 
 
 def hostname() -> str:
@@ -161,19 +155,6 @@ def peer_access_reason(group=None) -> str | None:
     return None
 
 
-def fake_ineligible_reason() -> str | None:
-    """The reason faked for this global rank by ``ATTNCOMM_FAKE_INELIGIBLE`` (tests only)."""
-    raw = os.environ.get(_FAKE_ENV, "").strip()
-    if not raw or not dist.is_initialized():
-        return None
-    me = dist.get_rank()
-    for item in raw.split(","):
-        rank, _, what = item.strip().partition(":")
-        if rank.strip().isdigit() and int(rank) == me:
-            return f"faked ineligible ({what or _FAKE_ENV})"
-    return None
-
-
 _PROBE_OVERRIDE: Callable | None = None
 
 
@@ -190,11 +171,8 @@ def symm_unavailable_reason(group, device: torch.device) -> str | None:
     caller agrees the verdict across ranks (``agree_reason``)."""
     if _PROBE_OVERRIDE is not None:
         return _PROBE_OVERRIDE(group, device)
-    fake = fake_ineligible_reason()
     # peer_access_reason is collective: every rank must call it, whatever its local verdict.
     peer = peer_access_reason(group) if torch.device(device).type == "cuda" else None
-    if fake:
-        return fake
     if torch.device(device).type != "cuda":
         return f"the group's tensors are on {torch.device(device).type}, not CUDA"
     return symm_mem_reason() or peer

@@ -123,8 +123,7 @@ def collect() -> dict:
     """Every fact ``attncomm env`` prints, as a dict."""
     p2p = capability.p2p_matrix()
     mc = capability.multicast_env()
-    mc_ok = mc == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                   "NVSHMEM_DISABLE_NVLS": "1"}
+    mc_ok = mc == config.SAFE_ENV
     return {
         "host": capability.hostname(),
         "versions": _versions(),
@@ -136,6 +135,7 @@ def collect() -> dict:
         "stream_mem_ops": capability.stream_mem_ops_reason() or "available (trial call)",
         "multicast": dict(mc, state="off" if mc_ok else "NOT OFF: set the variables above"),
         "timeout_s": config.timeout_s(),
+        "settings": config.overrides(),
         "backends": _backends(p2p),
     }
 
@@ -161,6 +161,8 @@ def _print(info: dict) -> None:
     state = mc.pop("state")
     print(f"NVLink multicast: {state} (" + ", ".join(f"{k}={v}" for k, v in mc.items()) + ")")
     print(f"default timeout: {info['timeout_s']:g} s (ATTNCOMM_TIMEOUT_S)")
+    settings = ", ".join(f"{k}={v}" for k, v in info["settings"].items())
+    print(f"ATTNCOMM_* set: {settings or 'none'} (every variable: attncomm.config.VARS)")
     for exchange, rows in info["backends"].items():
         print(f"{exchange} backends:")
         for r in rows:

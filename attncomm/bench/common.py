@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .. import config
 from .._dist import cpu_group
 from .._timing import time_eager, time_graph
 
@@ -40,7 +41,7 @@ def meta(device: str, world_size: int, **extra) -> dict:
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpu else None,
         "date": datetime.date.today().isoformat(),
         "host": platform.node(),
-        "machine": os.environ.get("ATTNCOMM_MACHINE"),
+        "machine": config.raw("ATTNCOMM_MACHINE") or None,
     }
     out.update(extra)
     return out

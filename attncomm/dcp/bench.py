@@ -15,7 +15,6 @@ ranks: gloo) backend of the same run.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -285,7 +284,7 @@ def main(args) -> int:
 
 def _symm_settings() -> dict:
     """The symm_a2a tuning variables set in the environment (``ATTNCOMM_SYMM_*``)."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("ATTNCOMM_SYMM_")}
+    return config.overrides("ATTNCOMM_SYMM_")
 
 
 def _gpu_meta(m: dict) -> dict:

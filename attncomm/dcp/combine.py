@@ -19,9 +19,9 @@ The Triton kernels also run on CPU tensors under ``TRITON_INTERPRET=1`` (how CI 
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from .. import config
 
 __all__ = ["combine", "combine_torch", "scale_own", "scale_own_torch", "use_triton"]
 
@@ -35,7 +35,7 @@ except Exception:  # noqa: BLE001
 
 def use_triton(t: torch.Tensor) -> bool:
     """Whether the Triton path handles tensor ``t`` (CUDA, or forced for interpreter tests)."""
-    forced = os.environ.get("ATTNCOMM_COMBINE_IMPL", "").strip().lower()
+    forced = config.get("ATTNCOMM_COMBINE_IMPL")
     if forced == "torch" or triton is None:
         return False
     if forced == "triton":

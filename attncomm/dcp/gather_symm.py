@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import capability
+from .._dist import cpu_group
 from ..symm import SymmWorkspace
 from . import gather_symm_kernels as kern
 from .gather import QueryGatherBackend
@@ -229,8 +230,6 @@ class SymmGatherBackend(QueryGatherBackend):
         self.delta_o, self.delta_w, self.delta_q = (
             torch.tensor([dl // u for dl in deltas], dtype=torch.int64, device=self.device)
             for u in units)
-        from .. import cpu_group
-
         n = torch.tensor([_n_programs_max(self.device) if self.device.type == "cuda" else 3],
                          dtype=torch.int64)
         dist.all_reduce(n, op=dist.ReduceOp.MIN, group=cpu_group(self.group))

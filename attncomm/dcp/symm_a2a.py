@@ -9,12 +9,12 @@ symm-a2a-tuning.md`` and ``dcp-kernel-2026-11-30-*.md``.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.distributed as dist
 
 from .. import capability
+from .. import config as env
 from .._dist import cpu_group
 from ..symm import SymmWorkspace
 from .backend import DcpBackend
@@ -87,22 +87,15 @@ class SymmConfig:
 
     @classmethod
     def from_env(cls) -> "SymmConfig":
-        """The defaults, overridden by ``ATTNCOMM_SYMM_<FIELD>`` where set (``PDL=0`` turns
-        PDL off)."""
+        """The defaults, overridden by the ``ATTNCOMM_SYMM_<FIELD>`` rows of
+        ``attncomm.config.VARS`` that are set (``ATTNCOMM_SYMM_PDL`` for ``enable_pdl``;
+        ``0`` turns PDL off). ``ValueError`` names a variable whose text is bad."""
         kw = {}
         for f in dataclasses.fields(cls):
-            if f.name == "enable_pdl":
-                continue
-            raw = os.environ.get(f"ATTNCOMM_SYMM_{f.name.upper()}", "").strip()
-            if raw:
-                try:
-                    kw[f.name] = int(raw)
-                except ValueError:
-                    raise ValueError(f"ATTNCOMM_SYMM_{f.name.upper()}={raw!r} is not an "
-                                     f"integer") from None
-        pdl = os.environ.get("ATTNCOMM_SYMM_PDL", "").strip()
-        if pdl:
-            kw["enable_pdl"] = pdl != "0"
+            field = "PDL" if f.name == "enable_pdl" else f.name.upper()
+            name = f"ATTNCOMM_SYMM_{field}"
+            if env.raw(name):
+                kw[f.name] = env.get(name)
         return cls(**kw)
 
 

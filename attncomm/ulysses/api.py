@@ -6,7 +6,6 @@ attention on whole sequences for a subset of heads, reached by one all-to-all ea
 """
 from __future__ import annotations
 
-import os
 import sys
 import zlib
 from dataclasses import dataclass
@@ -120,7 +119,7 @@ def reset_transports(group=None) -> None:
 
 
 def _cached(group, name, device, timeout_s, rank, world) -> Transport:
-    flags = os.environ.get("ATTNCOMM_ULYSSES_CE_FLAGS", "") if name == "ce" else ""
+    flags = config.raw("ATTNCOMM_ULYSSES_CE_FLAGS") if name == "ce" else ""
     key = (group_key(group), name, device.type, timeout_s, flags)
     t = _TRANSPORTS.get(key)
     if t is None:

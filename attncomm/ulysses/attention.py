@@ -13,7 +13,6 @@ event polling, ``.item()`` or synchronize inside this module), so it runs ahead 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.distributed as dist
@@ -223,7 +222,7 @@ class UlyssesAttention(torch.nn.Module):
         """``pipeline_groups`` with env ``ATTNCOMM_ULYSSES_PIPELINE_GROUPS`` applied to −1, and
         the error (or None) for a bad env value."""
         g = self.pipeline_groups
-        raw = os.environ.get("ATTNCOMM_ULYSSES_PIPELINE_GROUPS", "").strip()
+        raw = config.raw("ATTNCOMM_ULYSSES_PIPELINE_GROUPS")
         if g != -1 or not raw:
             return g, None
         try:

@@ -31,7 +31,6 @@ gives up at a device-side deadline (``globaltimer``) and records the error word 
 from __future__ import annotations
 
 import collections
-import os
 import time
 import warnings
 from typing import Sequence
@@ -39,7 +38,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import capability
+from .. import capability, config
 from .._dist import agree_reason, cpu_group, group_key
 from ..errors import PeerTimeoutError
 from .layout import ExchangePlan
@@ -49,7 +48,7 @@ __all__ = ["CopyEngineTransport", "local_unavailable_reason", "host_unavailable_
            "agreed_unavailable_reason", "probe_stream_mem_ops", "CACHE_ENTRIES"]
 
 #: Staging buffers kept per transport (least recently used evicted first).
-CACHE_ENTRIES = int(os.environ.get("ATTNCOMM_ULYSSES_CE_CACHE", "6"))
+CACHE_ENTRIES = config.get("ATTNCOMM_ULYSSES_CE_CACHE")
 _ALIGN = 256
 _WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
 
@@ -294,7 +293,7 @@ class CopyEngineTransport(Transport):
                  cache_entries: int | None = None):
         super().__init__(group, rank, world_size, timeout_s)
         self.device = torch.device(device)
-        mode = flag_mode or os.environ.get("ATTNCOMM_ULYSSES_CE_FLAGS", "auto") or "auto"
+        mode = flag_mode or config.get("ATTNCOMM_ULYSSES_CE_FLAGS")
         if mode not in ("auto", "stream", "kernel"):
             raise ValueError(f"flag_mode must be 'auto', 'stream' or 'kernel', got {mode!r}")
         if mode != "kernel":

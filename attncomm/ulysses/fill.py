@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import os
 from typing import Sequence
 
 import torch
@@ -183,7 +184,6 @@ def fill_torch(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | 
 # ------------------------------------------------------------------------------ Triton path
 def triton_fill_reason(parts: Sequence[FillPart], device: torch.device) -> str | None:
     """Why ``fill_triton`` cannot run these parts (None when it can)."""
-    import os
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return f"tensors are on {device.type} (the kernel needs CUDA or TRITON_INTERPRET=1)"
     try:

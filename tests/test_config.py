@@ -1,0 +1,152 @@
+"""config.py's table is the one place ``ATTNCOMM_*`` variables are defined and read."""
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+from attncomm import config
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PKG = ROOT / "attncomm"
+_NAME = re.compile(r"ATTNCOMM_[A-Z0-9_]*[A-Z0-9]")
+
+
+def _sources():
+    return sorted(PKG.rglob("*.py"))
+
+
+def test_every_name_in_the_package_is_in_the_table():
+    missing = {}
+    for path in _sources():
+        for m in _NAME.finditer(path.read_text()):
+            # a trailing "_" is a prefix (config.overrides("ATTNCOMM_SYMM_")), not a name
+            if m.group(0) not in config.VARS and path.read_text()[m.end():m.end() + 1] != "_":
+                missing.setdefault(m.group(0), str(path.relative_to(ROOT)))
+    assert not missing, f"ATTNCOMM_* names missing from config.VARS: {missing}"
+
+
+def _reads_environ(node) -> bool:
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Attribute) and sub.attr in ("environ", "getenv", "putenv"):
+            return True
+        if isinstance(sub, ast.Name) and sub.id in ("environ", "getenv"):
+            return True
+    return False
+
+
+def _mentions_attncomm(node) -> bool:
+    return any(isinstance(s, ast.Constant) and isinstance(s.value, str) and "ATTNCOMM" in s.value
+               for s in ast.walk(node))
+
+
+def test_only_config_reads_attncomm_variables():
+    offenders = []
+    for path in _sources():
+        if path == PKG / "config.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for stmt in ast.walk(tree):
+            if not isinstance(stmt, ast.stmt) or isinstance(
+                    stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.If, ast.For,
+                           ast.While, ast.With, ast.Try, ast.Module)):
+                continue
+            # os.environ wholesale (items(), copy(), dict(os.environ)) could read any name.
+            wholesale = any(isinstance(s, ast.Attribute) and s.attr in ("items", "keys", "copy")
+                            and _reads_environ(s.value) for s in ast.walk(stmt))
+            if _reads_environ(stmt) and (_mentions_attncomm(stmt) or wholesale):
+                offenders.append(f"{path.relative_to(ROOT)}:{stmt.lineno}")
+    assert not offenders, f"os.environ read for ATTNCOMM_* outside config.py: {offenders}"
+
+
+def test_the_checker_sees_an_environ_read():
+    stmt = ast.parse('x = os.environ.get("ATTNCOMM_X", "1")').body[0]
+    assert _reads_environ(stmt) and _mentions_attncomm(stmt)
+    stmt = ast.parse('x = config.get("ATTNCOMM_X")').body[0]
+    assert not _reads_environ(stmt)
+
+
+def test_table_rows_are_well_formed():
+    for name, var in config.VARS.items():
+        assert name == var.name and name.startswith("ATTNCOMM_")
+        assert var.type in (int, float, bool, str), name
+        assert var.read in ("call", "once"), name
+        assert isinstance(var.default, var.type), name
+        assert var.doc.strip(), name
+        if var.choices is not None:
+            assert var.type is str and (var.default == "" or var.default in var.choices), name
+
+
+def test_public_variables_are_documented():
+    docs = (ROOT / "README.md").read_text() + (ROOT / "docs" / "API.md").read_text()
+    undocumented = [n for n, v in config.VARS.items() if v.public and n not in docs]
+    assert not undocumented, f"public ATTNCOMM_* variables missing from README/API.md: " \
+                             f"{undocumented}"
+
+
+def test_get_parses_each_type(monkeypatch):
+    for name, var in config.VARS.items():
+        monkeypatch.delenv(name, raising=False)
+        assert config.get(name) == var.default
+        monkeypatch.setenv(name, "  ")
+        assert config.get(name) == var.default  # empty is unset
+    monkeypatch.setenv("ATTNCOMM_SYMM_MAX_WARPS", " 8 ")
+    assert config.get("ATTNCOMM_SYMM_MAX_WARPS") == 8
+    monkeypatch.setenv("ATTNCOMM_TIMEOUT_S", "2.5")
+    assert config.get("ATTNCOMM_TIMEOUT_S") == 2.5 and config.timeout_s() == 2.5
+    for text, want in (("0", False), ("off", False), ("No", False), ("1", True), ("on", True)):
+        monkeypatch.setenv("ATTNCOMM_SYMM_PDL", text)
+        assert config.get("ATTNCOMM_SYMM_PDL") is want
+    monkeypatch.setenv("ATTNCOMM_COMBINE_IMPL", "torch")
+    assert config.get("ATTNCOMM_COMBINE_IMPL") == "torch"
+    assert config.raw("ATTNCOMM_COMBINE_IMPL") == "torch"
+
+
+@pytest.mark.parametrize("name, text, words", [
+    ("ATTNCOMM_SYMM_MAX_WARPS", "many", "is not an integer"),
+    ("ATTNCOMM_SYMM_MAX_WARPS", "0", "below its minimum"),
+    ("ATTNCOMM_TIMEOUT_S", "soon", "is not a number"),
+    ("ATTNCOMM_SYMM_PDL", "2", "expected one of"),
+    ("ATTNCOMM_COMBINE_IMPL", "cuda", "is not one of"),
+    ("ATTNCOMM_ULYSSES_CE_FLAGS", "fast", "is not one of"),
+])
+def test_get_rejects_bad_text_naming_it(monkeypatch, name, text, words):
+    monkeypatch.setenv(name, text)
+    with pytest.raises(ValueError) as info:
+        config.get(name)
+    assert name in str(info.value) and repr(text) in str(info.value) and words in str(info.value)
+
+
+def test_unknown_names_are_refused():
+    with pytest.raises(KeyError, match="ATTNCOMM_NOPE"):
+        config.get("ATTNCOMM_NOPE")
+    with pytest.raises(KeyError, match="ATTNCOMM_NOPE"):
+        config.raw("ATTNCOMM_NOPE")
+
+
+def test_overrides_lists_set_variables(monkeypatch):
+    for name in config.VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ATTNCOMM_SYMM_STAGGER_SPLIT", "34")
+    monkeypatch.setenv("ATTNCOMM_TIMEOUT_S", "9")
+    assert config.overrides("ATTNCOMM_SYMM_") == {"ATTNCOMM_SYMM_STAGGER_SPLIT": "34"}
+    assert set(config.overrides()) == {"ATTNCOMM_SYMM_STAGGER_SPLIT", "ATTNCOMM_TIMEOUT_S"}
+
+
+def test_symm_config_defaults_match_the_table(monkeypatch):
+    pytest.importorskip("triton")
+    from attncomm.dcp.symm_a2a import SymmConfig
+    import dataclasses
+
+    for f in dataclasses.fields(SymmConfig):
+        name = "ATTNCOMM_SYMM_PDL" if f.name == "enable_pdl" else f"ATTNCOMM_SYMM_{f.name.upper()}"
+        var = config.VARS[name]
+        monkeypatch.delenv(name, raising=False)
+        if f.name != "enable_pdl":  # None: on where supported (the table's True)
+            assert f.default == var.default, name
+    assert SymmConfig.from_env() == SymmConfig()
+    monkeypatch.setenv("ATTNCOMM_SYMM_STAGGER_SPLIT", "34")
+    monkeypatch.setenv("ATTNCOMM_SYMM_PDL", "0")
+    assert SymmConfig.from_env() == SymmConfig(stagger_split=34, enable_pdl=False)
