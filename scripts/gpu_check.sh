@@ -3,7 +3,7 @@
 # $OUT (run from the repo root on the nvidia-h200-x2 machine through the device tool):
 #
 #   [ATTNCOMM_WORLD_SIZE=W ATTNCOMM_MACHINE=kind] bash scripts/gpu_check.sh [steps...]
-#   steps: env tests dcp demo ulysses ulysses-layer dp-sync demo-bf16 (default all)
+#   steps: env tests dcp gather demo ulysses ulysses-layer dp-sync demo-bf16 (default all)
 #
 # Writes $OUT/gpu-check.log (everything printed) and $OUT/results.tgz (JSON, PNG, Markdown, junit),
 # to unpack into benchmarks/results/ (file names carry the date and the machine).
@@ -22,7 +22,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/attncomm-triton}
 export ATTNCOMM_TIMEOUT_S=${ATTNCOMM_TIMEOUT_S:-30}
 mkdir -p "$OUT"
 LOG=$OUT/gpu-check.log
-STEPS=${*:-env tests dcp demo ulysses ulysses-layer dp-sync demo-bf16}
+STEPS=${*:-env tests dcp gather demo ulysses ulysses-layer dp-sync demo-bf16}
 PY=python3
 AC="$PY -m attncomm.cli"
 status=0
@@ -56,6 +56,15 @@ if want dcp; then
   step bench-dcp 120 $AC bench dcp --device cuda --world-size "$WS" --no-progress \
     --json "$RES/dcp-$DAY-$MACHINE.json" --plot "$RES/dcp-$DAY-$MACHINE.png" \
     --markdown "$RES/dcp-$DAY-$MACHINE.md"
+fi
+if want gather; then
+  step gather-one-gpu 150 $PY scripts/dcp_gather_one_gpu.py \
+    --json "$RES/gather-one-gpu-$DAY-$MACHINE.json"
+  for op in gather layer; do
+    step bench-$op 150 $AC bench dcp --op $op --device cuda --world-size "$WS" --no-progress \
+      --json "$RES/$op-$DAY-$MACHINE.json" --plot "$RES/$op-$DAY-$MACHINE.png" \
+      --markdown "$RES/$op-$DAY-$MACHINE.md"
+  done
 fi
 if want demo; then
   MODEL_DIR=${ATTNCOMM_MODEL_DIR:-.models/minilm-fp16}
