@@ -26,6 +26,7 @@ from .._dist import cpu_group
 from ..bench.common import (max_over_ranks, meta, plot_lines, print_table, progress,
                             slowest_rank_median, time_eager, time_graph, write_json)
 from ..launch import launch
+from . import bench_gather
 from .api import DcpMerger
 
 __all__ = ["add_arguments", "main", "run_rank"]
@@ -225,7 +226,6 @@ def main(args) -> int:
     if getattr(args, "head_dim", None) is None:
         args.head_dim = 512 if op == "merge" else 576
     if op != "merge":
-        from . import bench_gather
         return bench_gather.main(args)
     try:
         cfg = _config(args)

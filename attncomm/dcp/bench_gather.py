@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .. import config
 from .._dist import cpu_group
 from ..bench.common import (max_over_ranks, meta, plot_lines, print_table, progress,
-                            slowest_rank_median, write_json)
+                            slowest_rank_median, time_eager, time_graph, write_json)
 from ..launch import launch
 from .api import DcpMerger
 from .gather import DcpQueryGather
@@ -90,8 +90,6 @@ def _inputs(cfg, T, device, rank):
 
 def run_rank(rank: int, world_size: int, cfg: dict) -> list[dict] | None:
     """Every rank: build each backend, time every (tokens, mode); rank 0 returns the records."""
-    from ..bench.common import time_eager, time_graph
-
     device = torch.device("cuda", torch.cuda.current_device()) if cfg["device"] == "cuda" \
         else torch.device("cpu")
     g = cpu_group()

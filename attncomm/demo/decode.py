@@ -14,6 +14,7 @@ with a causal mask).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .. import dcp
 from ..models import dcp_attention, full_attention, partial_attention
@@ -80,8 +81,6 @@ def _prefill(ctx: RankContext, cache: _ShardedCache, ids: torch.Tensor, backend:
 def _own_qkv(model, i: int, x: torch.Tensor, rank: int, world_size: int):
     """This rank's query heads and the new token's k, v: ``x [B, 1, E]`` → ``q [B, H/W, D]``
     (only this rank's rows of the q projection), ``k, v [B, 1, H, D]``."""
-    import torch.nn.functional as F
-
     L = model.layers[i]
     H, D = model.info.num_heads, model.info.head_dim
     hs, E = H // world_size, H * D
