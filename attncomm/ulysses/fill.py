@@ -23,7 +23,8 @@ order, in fp32, rounded once):
 
 RMSNorm (Zhang & Sennrich, 2019) over ``D``: ``x · (1 / sqrt(mean(x²) + eps)) · w`` with the
 mean a pairwise sum in a fixed order (halves added, recursively) and IEEE-rounded ``sqrt`` and
-division (not ``rsqrt``, whose approximation differs between CPU, CUDA and Triton); RoPE
+division (not ``rsqrt``, whose approximation differs between CPU, CUDA and Triton; the torch
+path takes the fp32 square root through fp64, which rounds it correctly on the CPU too); RoPE
 rotate-half (NeoX, Su et al., 2021): ``x · cos + rotate_half(x) · sin`` over global positions.
 """
 from __future__ import annotations
@@ -89,7 +90,9 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     d = xf.shape[-1]
     if weight is not None:
         ms = _tree_sum(xf * xf) / d
-        inv = torch.reciprocal(torch.sqrt(ms + eps))
+        # fp32 sqrt correctly rounded on every device: torch's CPU fp32 sqrt is not (its
+        # vector path differs in the last bit); an fp64 sqrt rounded once to fp32 is.
+        inv = torch.reciprocal(torch.sqrt((ms + eps).double()).float())
         xf = xf * inv * weight.to(torch.float32)
     if cos is not None:
         c = cos.to(torch.float32)[:, None, :]
