@@ -28,13 +28,33 @@ def test_every_name_in_the_package_is_in_the_table():
     assert not missing, f"ATTNCOMM_* names missing from config.VARS: {missing}"
 
 
-def _reads_environ(node) -> bool:
-    for sub in ast.walk(node):
-        if isinstance(sub, ast.Attribute) and sub.attr in ("environ", "getenv", "putenv"):
-            return True
-        if isinstance(sub, ast.Name) and sub.id in ("environ", "getenv"):
-            return True
-    return False
+def _is_environ(node) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "environ") or (
+        isinstance(node, ast.Name) and node.id == "environ")
+
+
+def _environ_reads(tree) -> list[ast.AST]:
+    """Expressions that read os.environ: ``os.environ[...]`` loaded, ``.get``, ``getenv``,
+    ``in os.environ``, and wholesale reads (``items``, ``keys``, ``values``, ``copy``,
+    ``dict(os.environ)``). Writes (``os.environ[k] = v``, ``pop``) set a child's environment and
+    are allowed."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and _is_environ(node.value) and isinstance(
+                node.ctx, ast.Load):
+            out.append(node)
+        elif isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Attribute) and _is_environ(f.value) and f.attr in (
+                    "get", "items", "keys", "values", "copy"):
+                out.append(node)
+            elif (isinstance(f, ast.Attribute) and f.attr == "getenv") or (
+                    isinstance(f, ast.Name) and f.id in ("getenv", "dict")
+                    and node.args and _is_environ(node.args[0])):
+                out.append(node)
+        elif isinstance(node, ast.Compare) and any(_is_environ(c) for c in node.comparators):
+            out.append(node)
+    return out
 
 
 def _mentions_attncomm(node) -> bool:
@@ -42,30 +62,34 @@ def _mentions_attncomm(node) -> bool:
                for s in ast.walk(node))
 
 
+def _wholesale(node) -> bool:
+    return not (isinstance(node, ast.Subscript) or (isinstance(node, ast.Call) and isinstance(
+        node.func, ast.Attribute) and node.func.attr in ("get", "getenv")))
+
+
 def test_only_config_reads_attncomm_variables():
     offenders = []
     for path in _sources():
         if path == PKG / "config.py":
             continue
-        tree = ast.parse(path.read_text())
-        for stmt in ast.walk(tree):
-            if not isinstance(stmt, ast.stmt) or isinstance(
-                    stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.If, ast.For,
-                           ast.While, ast.With, ast.Try, ast.Module)):
-                continue
-            # os.environ wholesale (items(), copy(), dict(os.environ)) could read any name.
-            wholesale = any(isinstance(s, ast.Attribute) and s.attr in ("items", "keys", "copy")
-                            and _reads_environ(s.value) for s in ast.walk(stmt))
-            if _reads_environ(stmt) and (_mentions_attncomm(stmt) or wholesale):
-                offenders.append(f"{path.relative_to(ROOT)}:{stmt.lineno}")
+        for node in _environ_reads(ast.parse(path.read_text())):
+            # a read naming an ATTNCOMM_ variable, or one that takes every variable at once
+            if _mentions_attncomm(node) or _wholesale(node) and not isinstance(node, ast.Compare):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, f"os.environ read for ATTNCOMM_* outside config.py: {offenders}"
 
 
 def test_the_checker_sees_an_environ_read():
-    stmt = ast.parse('x = os.environ.get("ATTNCOMM_X", "1")').body[0]
-    assert _reads_environ(stmt) and _mentions_attncomm(stmt)
-    stmt = ast.parse('x = config.get("ATTNCOMM_X")').body[0]
-    assert not _reads_environ(stmt)
+    reads = ('x = os.environ.get("ATTNCOMM_X", "1")', 'x = os.environ["ATTNCOMM_X"]',
+             'x = os.getenv("ATTNCOMM_X")', 'x = "ATTNCOMM_X" in os.environ',
+             'x = {k: v for k, v in os.environ.items()}')
+    for src in reads:
+        nodes = _environ_reads(ast.parse(src))
+        assert nodes and (_mentions_attncomm(nodes[0]) or _wholesale(nodes[0])), src
+    for src in ('os.environ["ATTNCOMM_X"] = "1"', 'os.environ.pop("ATTNCOMM_X", None)',
+                'x = config.get("ATTNCOMM_X")', 'x = os.environ.get("TRITON_INTERPRET")'):
+        nodes = _environ_reads(ast.parse(src))
+        assert not any(_mentions_attncomm(n) or _wholesale(n) for n in nodes), src
 
 
 def test_table_rows_are_well_formed():

@@ -32,6 +32,15 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+import torch
+import torch.distributed as dist
+
+from attncomm import dcp, ulysses
+from attncomm.dp_attention import (BatchView, DpPaddingMode, ForwardMode, dp_gather,
+                                   dp_reduce_scatter, prepare_mlp_sync_batch, shm)
+from attncomm.errors import PeerTimeoutError
+from attncomm.launch import init_distributed
+
 __all__ = ["EXCHANGES", "FAULTS", "Cell", "main", "run_cell", "run_matrix"]
 
 FAULTS = ("kill", "skip", "shape")
@@ -51,9 +60,6 @@ _PRELOAD = ["torch", "torch.distributed", "attncomm", "attncomm.dcp", "attncomm.
 
 def _dcp(backend):
     def call(rank, world, bad, validate, timeout_s):
-        import torch
-
-        from attncomm import dcp
         T = 6 if bad else 5
         dcp.merge(torch.randn(T, 2 * world, 8), torch.randn(T, 2 * world), backend=backend,
                   validate=validate, timeout_s=timeout_s)
@@ -61,26 +67,17 @@ def _dcp(backend):
 
 
 def _seq_to_head(rank, world, bad, validate, timeout_s):
-    import torch
-
-    from attncomm import ulysses
     ulysses.seq_to_head(torch.randn(1, 3, 4, 16 if bad else 8), seq_lens=[3] * world,
                         backend="all_to_all", validate=validate, timeout_s=timeout_s)
 
 
 def _head_to_seq(rank, world, bad, validate, timeout_s):
-    import torch
-
-    from attncomm import ulysses
     ulysses.head_to_seq(torch.randn(1, 3 * world, 2, 16 if bad else 8), num_heads=2 * world,
                         seq_lens=[3] * world, backend="all_to_all", validate=validate,
                         timeout_s=timeout_s)
 
 
 def _ulysses_attention(rank, world, bad, validate, timeout_s):
-    import torch
-
-    from attncomm import ulysses
     d = 16 if bad else 8
     q, k, v = torch.randn(1, 3, 4, d), torch.randn(1, 3, 2, d), torch.randn(1, 3, 2, d)
     attn = ulysses.UlyssesAttention(backend="all_to_all", timeout_s=timeout_s,
@@ -90,7 +87,6 @@ def _ulysses_attention(rank, world, bad, validate, timeout_s):
 
 def _dp_sync(sync):
     def call(rank, world, bad, validate, timeout_s):
-        from attncomm.dp_attention import BatchView, ForwardMode, prepare_mlp_sync_batch
         # bad: the peer believes in another DP × attention-TP layout of the same group.
         dp, tp = (1, world) if bad else (world, 1)
         prepare_mlp_sync_batch(BatchView(ForwardMode.DECODE, batch_size=rank + 1), dp_size=dp,
@@ -100,18 +96,12 @@ def _dp_sync(sync):
 
 
 def _dp_gather(rank, world, bad, validate, timeout_s):
-    import torch
-
-    from attncomm.dp_attention import DpPaddingMode, dp_gather
     n = [2 + r for r in range(world)]
     dp_gather(torch.randn(n[rank], 8 if bad else 4), n, None, mode=DpPaddingMode.SUM_LEN,
               validate=validate, timeout_s=timeout_s)
 
 
 def _dp_reduce_scatter(rank, world, bad, validate, timeout_s):
-    import torch
-
-    from attncomm.dp_attention import DpPaddingMode, dp_reduce_scatter
     n = [2 + r for r in range(world)]
     dp_reduce_scatter(torch.randn(max(n) * world, 8 if bad else 4), n, None,
                       mode=DpPaddingMode.MAX_LEN, validate=validate, timeout_s=timeout_s)
@@ -141,9 +131,7 @@ EXCHANGES = {
 
 def _patch_collectives(kill_at: int | None) -> list:
     """Count (and with ``kill_at``, die at) the peer's collectives; returns the counter."""
-    import torch.distributed as dist
 
-    from attncomm.dp_attention import shm
 
     count = [0]
 
@@ -166,8 +154,6 @@ def _patch_collectives(kill_at: int | None) -> list:
 
 
 def _outcome(exc: BaseException | None, t0: float) -> dict:
-    from attncomm.errors import PeerTimeoutError
-
     out = {"elapsed_s": time.monotonic() - t0, "kind": "returned", "message": "", "peers": None}
     if exc is not None:
         out["kind"] = ("PeerTimeoutError" if isinstance(exc, PeerTimeoutError) else
@@ -181,7 +167,6 @@ def _rank_main(rank, world, path, exchange, fault, validate, timeout_s, results)
     os.environ["ATTNCOMM_VALIDATE"] = "1" if validate else "0"
     os.environ.pop("ATTNCOMM_TIMEOUT_S", None)  # the group keeps the 60 s default
     try:
-        from attncomm.launch import init_distributed
         init_distributed(rank, world, "cpu", f"file://{path}")
         call = EXCHANGES[exchange].call
         peer = rank == world - 1
