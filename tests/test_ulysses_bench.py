@@ -45,63 +45,44 @@ def test_bench_ulysses_cpu_smoke(pools, tmp_path, capsys):
 
 
 def test_bench_ulysses_layer_cpu_smoke(pools, tmp_path, capsys):
-    """--layer-only on 2 CPU ranks: exchange, attention, sequential and pipelined (automatic
-    groups, and 2 forced groups) per transport, one summary each with a finite hidden fraction,
-    outputs bitwise equal; no exchange records; table and Markdown section."""
+    """--layer-only on 2 CPU ranks: every variant that runs on all_to_all, with and without
+    qk_norm + RoPE, the issue's record fields, groups as the module ran them, one summary per
+    (seq, qk_norm) with every output bitwise equal; table and Markdown section."""
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
-    results = {}
-    for groups in ("-1", "2"):
-        out = tmp_path / groups
-        args = p.parse_args(["--device", "cpu", "--layer-only", "--layer-seq", "24",
-                             "--layer-heads", "6", "--layer-groups", groups, "--iters", "2",
-                             "--no-progress", "--json", str(out / "l.json"),
-                             "--markdown", str(out / "l.md")])
-        opts = bench._defaults(args)
-        assert opts["layer_only"] and opts["layer_seq"] == 24 and opts["layer_heads"] == 6
-        result = pools.run(2, _run_rank, opts)[0]
-        assert bench.report(result["records"], result["skipped"], args, opts) == 0
-        results[groups] = (json.loads((out / "l.json").read_text()), (out / "l.md").read_text())
-    for groups, (data, md) in results.items():
-        recs = data["records"]
-        assert {r["geometry"] for r in recs} == {"layer"}
-        transports = {r["transport"] for r in recs}
-        assert transports == {"all_to_all"} and "ce" in data["meta"]["skipped"]
-        timed = [r for r in recs if r["variant"] != "summary"]
-        assert [r["variant"] for r in timed] == ["exchange", "attention", "sequential",
-                                                 "pipelined"]
-        for r in timed:
-            assert set(r) >= {"transport", "mode", "world_size", "geometry", "variant",
-                              "time_us", "pipeline_groups"}
-            assert r["world_size"] == 2 and r["mode"] == "eager" and r["time_us"] > 0
-        by = {r["variant"]: r for r in recs}
-        assert by["exchange"]["pipeline_groups"] is None
-        assert by["sequential"]["pipeline_groups"] == 1
-        # CPU: automatic grouping stays sequential; a forced 2 splits each rank's 3 heads.
-        assert by["pipelined"]["pipeline_groups"] == (1 if groups == "-1" else 2)
-        s = by["summary"]
-        hf, sp = s["hidden_fraction"], s["speedup"]
-        assert isinstance(hf, float) and math.isfinite(hf)
-        seq_us, pipe_us = by["sequential"]["time_us"], by["pipelined"]["time_us"]
-        want = (seq_us - pipe_us) / by["exchange"]["time_us"]
-        assert abs(hf - want) < 1e-9 * max(1.0, abs(want))
-        assert abs(sp - seq_us / pipe_us) < 1e-9
-        assert s["bitwise_equal"] is True
-        assert s["pipeline_groups"] == by["pipelined"]["pipeline_groups"]
-        assert "## DiT layer" in md and md.count("\n| all_to_all |") == 1
-        assert "| sweep |" not in md
-    out = capsys.readouterr().out
-    assert "Ulysses DiT layer pipelining" in out and "Ulysses exchange" not in out
+    args = p.parse_args(["--device", "cpu", "--layer-only", "--layer-seq", "24",
+                         "--layer-heads", "6", "--layer-kv-heads", "2", "--iters", "2",
+                         "--no-progress", "--json", str(tmp_path / "l.json"),
+                         "--markdown", str(tmp_path / "l.md")])
+    opts = bench._defaults(args)
+    assert opts["layer_only"] and opts["layer_seqs"] == [24] and opts["layer_heads"] == 6
+    result = pools.run(2, _run_rank, opts)[0]
+    assert bench.report(result["records"], result["skipped"], args, opts) == 0
+    data = json.loads((tmp_path / "l.json").read_text())
+    recs = data["records"]
+    assert {r["geometry"] for r in recs} == {"layer"} and "ce" in data["meta"]["skipped"]
+    timed = [r for r in recs if r["variant"] != "summary"]
+    want = ["attention_only", "sequential_all_to_all", "pipelined_auto", "pipelined_g2",
+            "pipelined_g4", "pipelined_g7", "pipelined_g8", "pipelined_fused"]
+    assert [r["variant"] for r in timed] == want * 2
+    for r in timed:
+        assert set(r) >= {"variant", "transport", "seq", "heads", "groups", "qk_norm",
+                          "time_us"}
+        assert r["time_us"] > 0 and r["seq"] == 24 and r["heads"] == 6
+    by = {(r["variant"], r["qk_norm"]): r for r in timed}
+    for norm in (True, False):
+        assert by[("attention_only", norm)]["transport"] == "none"
+        assert by[("sequential_all_to_all", norm)]["groups"] == 1
+        assert by[("pipelined_auto", norm)]["groups"] == 1       # -1 is sequential
+        assert by[("pipelined_g2", norm)]["groups"] == 2
+        assert by[("pipelined_g8", norm)]["groups"] == 8         # more groups than heads
+        assert by[("pipelined_fused", norm)]["fused_fill"] is True
+    summaries = [r for r in recs if r["variant"] == "summary"]
+    assert len(summaries) == 2 and all(s["bitwise_equal"] for s in summaries)
+    for s in summaries:
+        assert set(s["hidden_vs_sequential_all_to_all"]) <= {"all_to_all"}
+    md = (tmp_path / "l.md").read_text()
+    assert "## Attention layer" in md and md.count("| pipelined_g2 |") == 2
+    assert "Ulysses attention layer" in capsys.readouterr().out
 
 
-def test_bench_ulysses_layer_rows_clamp():
-    """The printed hidden fraction is clamped to [0, 1]; the JSON keeps the raw value."""
-    base = {"transport": "ce", "mode": "eager", "world_size": 2, "geometry": "layer",
-            "seq": 8, "heads": 2}
-    for raw, shown in ((-0.5, 0.0), (1.7, 1.0), (0.25, 0.25)):
-        recs = [dict(base, variant="exchange", time_us=10.0, pipeline_groups=None),
-                dict(base, variant="summary", hidden_fraction=raw, speedup=1.1,
-                     pipeline_groups=4, bitwise_equal=True)]
-        row, = bench._layer_rows(recs)
-        assert row["hidden"] == shown and row["exchange_us"] == 10.0 and row["groups"] == 4
-        assert recs[1]["hidden_fraction"] == raw

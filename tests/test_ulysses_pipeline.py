@@ -12,7 +12,6 @@ import torch
 from attncomm.ulysses import attention as attn_mod
 from attncomm.ulysses import UlyssesAttention, head_split
 from attncomm.ulysses.attention import auto_groups
-from attncomm.ulysses.layout import head_offsets
 
 
 def _head_independent(q, k, v, causal):

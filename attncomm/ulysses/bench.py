@@ -7,13 +7,11 @@ Two geometries:
   ``--max-bytes`` (×2 steps).
 - ``dit``: a DiT layer's exchanges — q, k, v ``[1, S/W, 24, 128]`` in (one exchange) and the
   output back (B = 1, S = 32768 on CUDA).
-- ``layer`` (``--layer`` / ``--layer-only``): how much of that exchange the head-group
-  pipelining of ``UlyssesAttention`` hides under attention, per transport: the exchange alone,
-  the local attention alone (SDPA on the head-sharded ``[1, S, H/W, 128]``), the module's
-  forward with ``pipeline_groups=0`` (sequential) and ``--layer-groups`` groups (pipelined,
-  default 4; ``-1``, automatic, is sequential today); ``hidden_fraction = (sequential − pipelined) / exchange``, ``speedup = sequential /
-  pipelined``. Eager (per-iteration barrier): at the default size one forward takes
-  milliseconds, so launch costs are small next to it.
+- ``layer`` (``--layer`` / ``--layer-only``): a MiniMax-H3-like attention layer through
+  ``UlyssesAttention``, sequential and pipelined, per transport (``ulysses/bench_layer.py``;
+  ``--trace DIR`` adds a profiler trace and the per-layer budget of each variant).
+- ``--fill``: the fill kernel against torch ops and its floor, one GPU
+  (``ulysses/bench_fill.py``).
 
 The time is the slowest rank's median per exchange (data landed in the receiver's final
 buffer); bus bandwidth = bytes sent to peers per rank / time.
@@ -21,7 +19,7 @@ buffer); bus bandwidth = bytes sent to peers per rank / time.
 from __future__ import annotations
 
 import argparse
-import functools
+import os
 import sys
 
 import torch
@@ -31,13 +29,15 @@ from .. import config
 from .._dist import cpu_group
 from ..bench import common
 from ..launch import launch
-from .api import _cached, ce_reason, dense
-from .attention import UlyssesAttention, sdpa_attention
+from . import timeline
+from .api import _cached, ce_reason
 from .layout import head_offsets, head_split, head_to_seq_plan, seq_to_head_plan
 
 __all__ = ["add_arguments", "main", "run_rank", "report", "markdown_report"]
 
 MiB = 1 << 20
+_VARIANTS = ("attention_only", "sequential_all_to_all", "sequential_ce", "pipelined_auto",
+             "pipelined_g2", "pipelined_g4", "pipelined_g7", "pipelined_g8", "pipelined_fused")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,15 +54,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dit-seq", type=int, default=None,
                    help="DiT sequence length S (default 32768; CPU 64; 0 skips)")
     p.add_argument("--layer", action="store_true",
-                   help="also run the DiT layer pipelining benchmark (UlyssesAttention)")
+                   help="also run the attention-layer benchmark (UlyssesAttention variants)")
     p.add_argument("--layer-only", action="store_true", help="run only the layer benchmark")
-    p.add_argument("--layer-seq", type=int, default=None,
-                   help="layer benchmark: total sequence length S (default 32768; CPU 64)")
-    p.add_argument("--layer-heads", type=int, default=24,
-                   help="layer benchmark: attention heads (default 24; head_dim 128)")
-    p.add_argument("--layer-groups", type=int, default=4,
-                   help="layer benchmark: pipeline_groups of the pipelined variant (default 4; "
-                        "-1 is automatic, which is sequential)")
+    p.add_argument("--layer-seq", default=None,
+                   help="layer: total sequence lengths, comma-separated (default 8192,32768; "
+                        "CPU 24)")
+    p.add_argument("--layer-heads", type=int, default=56,
+                   help="layer: query heads (default 56; head_dim 128)")
+    p.add_argument("--layer-kv-heads", type=int, default=None,
+                   help="layer: KV heads (default: as many as query heads)")
+    p.add_argument("--layer-variants", default=",".join(_VARIANTS),
+                   help="layer: comma-separated variants (default all)")
+    p.add_argument("--layer-qk-norm", choices=["both", "on", "off"], default="both",
+                   help="layer: with qk_norm + RoPE, without, or both (default)")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="layer: write a torch.profiler trace per variant into DIR and print "
+                        "the per-layer budget (CUDA)")
+    p.add_argument("--fill", action="store_true",
+                   help="run only the fill benchmark (one GPU: triton vs torch vs floor)")
+    p.add_argument("--fill-seq", default="8192,32768",
+                   help="fill: total sequence lengths (each rank's shard is S / W)")
+    p.add_argument("--fill-heads", type=int, default=56, help="fill: heads (default 56)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default 20)")
     p.add_argument("--json", default=None, help="write the records here")
     p.add_argument("--plot", default=None, help="write a PNG of bus bandwidth here")
@@ -195,7 +207,9 @@ def run_rank(rank: int, world: int, opts: dict) -> list[dict] | None:
         work = []
     layer = opts.get("layer") or opts.get("layer_only")
     bar = common.progress(len(work) * len(transports) * len(modes)
-                          + (len(_LAYER_VARIANTS) * len(transports) if layer else 0),
+                          + (len(opts["layer_variants"]) * len(transports)
+                             * len(opts["layer_seqs"]) * len(opts["layer_norms"])
+                             if layer else 0),
                           "bench ulysses", enabled=rank == 0 and not opts["no_progress"])
     records = []
     for geometry, n in work:
@@ -223,7 +237,7 @@ def run_rank(rank: int, world: int, opts: dict) -> list[dict] | None:
                 if rec["geometry"] == geometry and rec["bytes_per_rank"] == sent:
                     rec["bitwise_equal"] = bool(flag.item())
     if layer:
-        records += _layer_records(rank, world, opts, transports, dtype, device, cpu_g, bar)
+        records += _layer(rank, world, opts, transports, dtype, device, cpu_g, bar)
     bar.close()
     if rank == 0:
         return {"records": records, "skipped": skipped}
@@ -231,123 +245,25 @@ def run_rank(rank: int, world: int, opts: dict) -> list[dict] | None:
 
 
 # ------------------------------------------------------------------------- layer benchmark
-_LAYER_VARIANTS = ("exchange", "attention", "sequential", "pipelined")
+def _layer(rank, world, opts, transports, dtype, device, cpu_g, bar) -> list[dict]:
+    from . import bench_layer
+
+    def time_fn(fn):
+        bar.update(1)
+        return common.slowest_rank_median(_time(fn, "eager", device, opts["iters"], cpu_g),
+                                          cpu_g)
+    if opts.get("trace") and rank == 0:
+        os.makedirs(opts["trace"], exist_ok=True)
+    dist.barrier(group=cpu_g)
+    return bench_layer.layer_records(rank, world, opts, transports, dtype, device, cpu_g,
+                                     time_fn)
 
 
-def _layer_inputs(world, rank, opts, dtype, device):
-    """The layer's tensors on this rank: the exchange case (its q, k, v ``[1, S_r, H, 128]``
-    also feed the module) and, for attention alone, q, k, v ``[1, S, H_r, 128]`` laid out as
-    the module receives them (views of one ``[S, 1, 3·H_r, 128]`` buffer)."""
-    seq_total, heads = opts["layer_seq"], opts["layer_heads"]
-    torch.manual_seed(4321 + seq_total + rank)
-    case, _ = _dit_case(world, rank, seq_total, dtype, device, heads)
-    h_r = head_split(heads, world)[rank]
-    packed = torch.randn(seq_total, 1, 3 * h_r, 128, device=device).to(dtype)
-    local = tuple(packed[:, :, i * h_r:(i + 1) * h_r].permute(1, 0, 2, 3) for i in range(3))
-    return case, local, tuple(head_split(seq_total, world))
-
-
-def _all_ranks(flag: bool, cpu_g) -> bool:
-    t = torch.tensor([int(flag)])
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=cpu_g)
-    return bool(t.item())
-
-
-def _layer_fns(name, t, case, local, seq, opts, dtype, device):
-    """``({variant: timed fn}, {variant: UlyssesAttention}, sequential out, pipelined out)``;
-    each module runs once here (first call: staging buffers, group count)."""
-    q, k, v = case[1]
-    fns = {"exchange": _first_call(t, "dit", case, dtype, device)[0],
-           "attention": lambda: dense(sdpa_attention(*local, False))}
-    mods, outs = {}, {}
-    for variant, groups in (("sequential", 0), ("pipelined", opts["layer_groups"])):
-        mod = UlyssesAttention(backend=name, pipeline_groups=groups, validate=False)
-        outs[variant] = mod(q, k, v, seq_lens=seq).clone()
-        mods[variant] = mod
-        fns[variant] = functools.partial(mod, q, k, v, seq_lens=seq)
-    return fns, mods, outs
-
-
-def _layer_records(rank, world, opts, transports, dtype, device, cpu_g, bar) -> list[dict]:
-    """Time the four layer variants per transport (slowest-rank median, eager) and add one
-    summary record per transport; outputs of sequential and pipelined runs (and of the
-    transports) must agree bit for bit on every rank (``bitwise_equal`` on the summary)."""
-    case, local, seq = _layer_inputs(world, rank, opts, dtype, device)
-    records, first = [], None
-    for name, t in transports.items():
-        fns, mods, outs = _layer_fns(name, t, case, local, seq, opts, dtype, device)
-        same = torch.equal(outs["sequential"], outs["pipelined"])
-        if first is None:
-            first = outs["sequential"]
-        else:
-            same = same and torch.equal(first, outs["sequential"])
-        times = {}
-        for variant in _LAYER_VARIANTS:
-            times[variant] = common.slowest_rank_median(
-                _time(fns[variant], "eager", device, opts["iters"], cpu_g), cpu_g)
-            mod = mods.get(variant)
-            records.append({"transport": name, "mode": "eager", "world_size": world,
-                            "geometry": "layer", "variant": variant,
-                            "time_us": times[variant],
-                            "pipeline_groups": mod.last_pipeline_groups if mod else None,
-                            "pipeline_groups_requested": mod.pipeline_groups if mod else None,
-                            "seq": opts["layer_seq"], "heads": opts["layer_heads"]})
-            bar.update(1)
-        ex, sq, pp = times["exchange"], times["sequential"], times["pipelined"]
-        records.append({"transport": name, "mode": "eager", "world_size": world,
-                        "geometry": "layer", "variant": "summary",
-                        "pipeline_groups": mods["pipelined"].last_pipeline_groups,
-                        "seq": opts["layer_seq"], "heads": opts["layer_heads"],
-                        "hidden_fraction": (sq - pp) / ex if ex > 0 else float("nan"),
-                        "speedup": sq / pp if pp > 0 else float("nan"),
-                        "bitwise_equal": _all_ranks(same, cpu_g)})
-    return records
-
-
-def _layer_rows(records: list[dict]) -> list[dict]:
-    """One row per transport: the four times, groups, hidden fraction (clamped to [0, 1]),
-    speedup, and whether the outputs agreed."""
-    rows = {}
-    for r in records:
-        if r.get("geometry") != "layer":
-            continue
-        row = rows.setdefault(r["transport"], {"transport": r["transport"],
-                                               "world_size": r["world_size"], "S": r["seq"],
-                                               "heads": r["heads"]})
-        if r["variant"] == "summary":
-            row.update(groups=r["pipeline_groups"], speedup=r["speedup"],
-                       bitwise_equal=r["bitwise_equal"],
-                       hidden=min(1.0, max(0.0, r["hidden_fraction"]))
-                       if r["hidden_fraction"] == r["hidden_fraction"] else None)
-        else:
-            row[f"{r['variant']}_us"] = r["time_us"]
-    return list(rows.values())
-
-
-_LAYER_COLS = ["transport", "world_size", "S", "heads", "groups", "exchange_us", "attention_us",
-               "sequential_us", "pipelined_us", "hidden", "speedup", "bitwise_equal"]
-_LAYER_FMT = {"exchange_us": "{:.1f}", "attention_us": "{:.1f}", "sequential_us": "{:.1f}",
-              "pipelined_us": "{:.1f}", "hidden": "{:.2f}", "speedup": "{:.3f}"}
-
-
-def _layer_markdown(records: list[dict], meta: dict) -> list[str]:
-    rows = _layer_rows(records)
-    if not rows:
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
         return []
-    lines = ["", "## DiT layer: exchange hidden by head-group pipelining", "",
-             f"{meta.get('layer_geometry')}. UlyssesAttention forward, eager, slowest-rank "
-             "median; exchange = q/k/v in + output back alone; attention = SDPA alone on the "
-             "head-sharded sequence; hidden = (sequential − "
-             "pipelined) ÷ exchange, clamped to [0, 1] (raw in the JSON); speedup = sequential "
-             "÷ pipelined; groups = head groups the pipelined run used.", "",
-             "| " + " | ".join(_LAYER_COLS) + " |", "|" + "---|" * len(_LAYER_COLS)]
-    for row in rows:
-        cells = []
-        for c in _LAYER_COLS:
-            v = row.get(c)
-            cells.append("-" if v is None else _LAYER_FMT.get(c, "{}").format(v))
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
 
 
 def _defaults(args) -> dict:
@@ -364,11 +280,37 @@ def _defaults(args) -> dict:
         "no_progress": args.no_progress,
         "layer": bool(getattr(args, "layer", False)),
         "layer_only": bool(getattr(args, "layer_only", False)),
-        "layer_seq": (args.layer_seq if getattr(args, "layer_seq", None) is not None
-                      else (64 if cpu else 32768)),
-        "layer_heads": getattr(args, "layer_heads", 24),
-        "layer_groups": getattr(args, "layer_groups", 4),
+        "layer_seqs": _ints(getattr(args, "layer_seq", None) or ("24" if cpu else "8192,32768")),
+        "layer_heads": getattr(args, "layer_heads", 56),
+        "layer_kv_heads": getattr(args, "layer_kv_heads", None),
+        "layer_variants": [x.strip() for x in
+                           getattr(args, "layer_variants", ",".join(_VARIANTS)).split(",")
+                           if x.strip()],
+        "layer_norms": {"both": [True, False], "on": [True], "off": [False]}[
+            getattr(args, "layer_qk_norm", "both")],
+        "trace": getattr(args, "trace", None),
+        "fill": bool(getattr(args, "fill", False)),
+        "fill_seqs": _ints(getattr(args, "fill_seq", "8192,32768")),
+        "fill_heads": getattr(args, "fill_heads", 56),
     }
+
+
+def _fill_main(args, opts) -> int:
+    """``--fill``: one process on the current GPU (no ranks)."""
+    from .bench_fill import fill_records
+    if opts["device"] != "cuda":
+        print("bench ulysses --fill: needs CUDA (the kernel is checked on CPU by the tests, "
+              "under TRITON_INTERPRET=1)", file=sys.stderr)
+        return 2
+    records, extra = fill_records(opts["fill_seqs"], opts["fill_heads"], 128,
+                                  args.world_size, opts["iters"])
+    common.print_table(records, ["impl", "seq", "qk_norm", "time_us", "floor_us", "vs_floor"],
+                       title=f"Ulysses fill, one rank's shard at W={args.world_size}",
+                       fmt={"time_us": "{:.1f}", "floor_us": "{:.1f}", "vs_floor": "{:.2f}"})
+    meta = common.meta("cuda", 1, bench="ulysses-fill", dtype="bf16", **extra)
+    if args.json:
+        common.write_json(args.json, meta, records)
+    return 0 if all(r.get("bitwise_equal", True) for r in records) else 1
 
 
 def main(args) -> int:
@@ -381,14 +323,22 @@ def main(args) -> int:
     if opts["min_bytes"] > opts["max_bytes"]:
         print("bench ulysses: --min-bytes is above --max-bytes", file=sys.stderr)
         return 2
+    if opts["fill"]:
+        return _fill_main(args, opts)
     if opts["layer"] or opts["layer_only"]:
-        if opts["layer_seq"] < 1 or opts["layer_heads"] < 1:
-            print(f"bench ulysses: --layer-seq ({opts['layer_seq']}) and --layer-heads "
+        bad = [v for v in opts["layer_variants"] if v not in _VARIANTS]
+        if bad or not opts["layer_variants"]:
+            print(f"bench ulysses: unknown --layer-variants {bad} (choose from "
+                  f"{list(_VARIANTS)})", file=sys.stderr)
+            return 2
+        if not opts["layer_seqs"] or min(opts["layer_seqs"]) < 1 or opts["layer_heads"] < 1:
+            print(f"bench ulysses: --layer-seq ({opts['layer_seqs']}) and --layer-heads "
                   f"({opts['layer_heads']}) must be ≥ 1", file=sys.stderr)
             return 2
-        if opts["layer_groups"] < -1 or opts["layer_groups"] in (0, 1):
-            print(f"bench ulysses: --layer-groups must be -1 (auto) or ≥ 2, got "
-                  f"{opts['layer_groups']}", file=sys.stderr)
+        kv = opts["layer_kv_heads"] or opts["layer_heads"]
+        if kv < 1 or opts["layer_heads"] % kv:
+            print(f"bench ulysses: --layer-kv-heads {kv} must divide --layer-heads "
+                  f"{opts['layer_heads']}", file=sys.stderr)
             return 2
     result = launch(run_rank, args.world_size, device=opts["device"], args=(opts,))[0]
     return report(result["records"], result["skipped"], args, opts)
@@ -404,16 +354,26 @@ def report(records: list, skipped: dict, args, opts: dict) -> int:
                                   "time_us", "busbw_gbps", "bitwise_equal"],
                            title=f"Ulysses exchange, W={args.world_size}, {opts['device']}",
                            fmt={"MB": "{:.3f}", "time_us": "{:.1f}", "busbw_gbps": "{:.1f}"})
-    layer_rows = _layer_rows(records)
+    layer_rows = [r for r in records if r.get("geometry") == "layer"
+                  and r["variant"] != "summary"]
     if layer_rows:
-        common.print_table(layer_rows, _LAYER_COLS, fmt=_LAYER_FMT,
-                           title=f"Ulysses DiT layer pipelining (UlyssesAttention, eager), "
+        common.print_table(layer_rows, ["seq", "qk_norm", "variant", "transport", "groups",
+                                        "fused_fill", "time_us"], fmt={"time_us": "{:.1f}"},
+                           title=f"Ulysses attention layer (UlyssesAttention, eager), "
                                  f"W={args.world_size}, {opts['device']}")
+        for r in layer_rows:
+            if r.get("budget"):
+                print(f"  budget {r['variant']} {r['transport']} S={r['seq']} "
+                      f"qk_norm={int(r['qk_norm'])}: {timeline.format_budget(r['budget'])}")
+        for r in records:
+            if r.get("variant") == "summary":
+                print(f"  S={r['seq']} qk_norm={int(r['qk_norm'])}: bitwise equal "
+                      f"{r['bitwise_equal']}, hidden {r['hidden_vs_sequential_all_to_all']}")
     extra = {}
     if opts.get("layer") or opts.get("layer_only"):
-        extra["layer_geometry"] = (f"B=1 S={opts['layer_seq']} H={opts['layer_heads']} D=128 "
-                                   "non-causal, SDPA; pipelined pipeline_groups="
-                                   f"{opts['layer_groups']}")
+        extra["layer_geometry"] = (f"B=1 S={opts['layer_seqs']} H={opts['layer_heads']} "
+                                   f"Hkv={opts['layer_kv_heads'] or opts['layer_heads']} "
+                                   "D=128 non-causal SDPA")
     meta = common.meta(opts["device"], args.world_size, bench="ulysses",
                        dtype="bf16" if opts["device"] == "cuda" else "fp32",
                        sweep_geometry="seq_to_head x[1, S_r, 8W, 128]",
@@ -449,7 +409,8 @@ def report(records: list, skipped: dict, args, opts: dict) -> int:
 def markdown_report(meta: dict, records: list[dict]) -> str:
     """A Markdown page: the run's facts and one row per (geometry, size, mode) with each
     transport's time and bus bandwidth and ce's speedup over all_to_all."""
-    layer = _layer_markdown(records, meta)
+    from .bench_layer import markdown_rows
+    layer = markdown_rows(records)
     records = [r for r in records if r["geometry"] != "layer"]
     keyed = {(r["geometry"], r["bytes_per_rank"], r["mode"], r["transport"]): r for r in records}
     transports = list(dict.fromkeys(r["transport"] for r in records))

@@ -38,7 +38,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["FillPart", "rms_norm_rope", "send_layout", "fill_torch", "fill_triton", "fill",
-           "triton_fill_reason"]
+           "triton_fill_reason", "default_block_s", "LAUNCH_OPTIONS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,10 +292,18 @@ def _table(device, part_index, ranges, cols0, htot, starts, batch, d):
     return tbl
 
 
+def default_block_s(head_dim: int) -> int:
+    """Rows per program: about 4096 elements per program."""
+    return max(1, min(64, 4096 // head_dim))
+
+
 def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | None = None,
-                sin: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                sin: torch.Tensor | None = None, out=None, *, block_s: int | None = None,
+                num_warps: int | None = None) -> torch.Tensor:
     """The fill as one Triton launch per part, bitwise equal to ``fill_torch`` (same arguments
-    and result). Raises ``ValueError`` when ``triton_fill_reason`` names a reason."""
+    and result; ``block_s`` rows per program, a power of two, and ``num_warps`` override the
+    launch shape, which never changes the bits). Raises ``ValueError`` when
+    ``triton_fill_reason`` names a reason."""
     (b, s_r, d), htot, starts, regions = _check_parts(parts, out)
     x0 = parts[0].x
     why = triton_fill_reason(parts, x0.device)
@@ -311,7 +319,8 @@ def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor |
         starts = [(r.data_ptr() - base.data_ptr()) // item for r in regions]
     kernel = _kernel()
     half = d // 2
-    block_s = max(1, min(64, 4096 // d))
+    block_s = block_s or default_block_s(d)
+    opts = dict(LAUNCH_OPTIONS, num_warps=num_warps or LAUNCH_OPTIONS["num_warps"])
     cols = [0] * len(htot)
     for i, part in enumerate(parts):
         x = part.x
@@ -330,7 +339,7 @@ def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor |
                      c.stride(0) if rope else 0, c.stride(1) if rope else 0,
                      s.stride(0) if rope else 0, s.stride(1) if rope else 0,
                      FANOUT=fan, HALF=half, LEVELS=half.bit_length() - 1, BLOCK_S=block_s,
-                     NORM=part.weight is not None, ROPE=rope, **LAUNCH_OPTIONS)
+                     NORM=part.weight is not None, ROPE=rope, **opts)
     return out
 
 

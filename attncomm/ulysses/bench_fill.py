@@ -1,0 +1,109 @@
+"""``attncomm bench ulysses --fill``: the fill (norm + RoPE + pack into the send buffer) as the
+Triton kernel, as torch ops, and against its floor, one process, one GPU.
+
+Shapes: one rank's sequence shard at world size ``W`` (default 2) of q, k, v ``[1, S/W, H, D]``
+(H query and KV heads, default 56, D = 128, bf16), for each ``S`` (default 8192 and 32768),
+with and without qk_norm + RoPE; the send buffer has W regions (``ulysses/fill.py``).
+
+- ``triton``: ``fill_triton`` (one launch per tensor), each launch configuration tried; the
+  record holds the best, ``configs`` all of them.
+- ``torch``: ``fill_torch``: ``rms_norm_rope`` of q and k in fp32 torch ops, then the copies
+  into the regions (the unfused path's work).
+- ``floor_us``: bytes read + written ÷ the bandwidth of a device-to-device copy measured in the
+  same run (``copy_`` of a 1 GiB buffer: 2 GiB moved).
+
+Times: median of CUDA-event timed calls (eager; each call is tens of µs or more). Records
+``{"impl", "seq", "heads", "head_dim", "time_us", "floor_us", "qk_norm", ...}``.
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from ..bench import common
+from .fill import FillPart, fill_torch, fill_triton, send_layout
+from .layout import group_head_ranges
+
+__all__ = ["fill_records", "copy_bandwidth", "FILL_CONFIGS"]
+
+#: Launch configurations the bench tries: (rows per program, warps).
+FILL_CONFIGS = ((16, 4), (32, 4), (64, 4), (32, 8), (64, 8))
+
+
+def _median_us(fn, iters: int) -> float:
+    return statistics.median(common.time_eager(fn, warmup=3, iters=iters, device="cuda"))
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30, iters: int = 10) -> float:
+    """Bytes moved per second (read + written) by a device-to-device ``copy_`` of
+    ``nbytes``."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = _median_us(lambda: dst.copy_(src), iters)
+    return 2 * nbytes / (t * 1e-6)
+
+
+def _case(seq, heads, d, world, norm, device, dtype, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    s_r = seq // world
+    q, k, v = (torch.randn((1, s_r, heads, d), generator=g).to(dtype).to(device)
+               for _ in range(3))
+    ranges = tuple(group_head_ranges(heads, world, 1)[0])
+    qw = torch.randn(d, generator=g).to(device) if norm else None
+    kw = torch.randn(d, generator=g).to(device) if norm else None
+    cos = torch.randn((s_r, d), generator=g).to(device) if norm else None
+    sin = torch.randn((s_r, d), generator=g).to(device) if norm else None
+    parts = [FillPart(q, ranges, qw, norm), FillPart(k, ranges, kw, norm), FillPart(v, ranges)]
+    _, starts = send_layout(1, s_r, d, [ranges] * 3)
+    return parts, cos, sin, starts[-1]
+
+
+def fill_records(seqs=(8192, 32768), heads: int = 56, head_dim: int = 128, world: int = 2,
+                 iters: int = 20, device=None) -> tuple[list[dict], dict]:
+    """Time every impl per (seq, qk_norm); ``(records, extra meta)``. Checks that the kernel's
+    output equals the torch path's bit for bit (``bitwise_equal`` on the triton records)."""
+    device = torch.device(device or "cuda")
+    dtype = torch.bfloat16
+    bw = copy_bandwidth(device)
+    records = []
+    for seq in seqs:
+        for norm in (True, False):
+            parts, cos, sin, numel = _case(seq, heads, head_dim, world, norm, device, dtype,
+                                           seq + norm)
+            item = torch.empty((), dtype=dtype).element_size()
+            moved = 2 * 3 * parts[0].x.numel() * item  # q, k, v read once, written once
+            if norm:
+                moved += 2 * cos.numel() * cos.element_size()
+            floor = moved / bw * 1e6
+            out_t = torch.empty(numel, dtype=dtype, device=device)
+            out_k = torch.empty(numel, dtype=dtype, device=device)
+            fill_torch(parts, 1e-6, cos, sin, out=out_t)
+            base = dict(seq=seq, heads=heads, head_dim=head_dim, world_size=world,
+                        qk_norm=norm, floor_us=floor, bytes_moved=moved)
+            t_torch = _median_us(lambda: fill_torch(parts, 1e-6, cos, sin, out=out_t),
+                                 max(3, iters // 4))
+            configs = []
+            for block_s, warps in FILL_CONFIGS:
+                out_k.fill_(float("nan"))
+                fill_triton(parts, 1e-6, cos, sin, out=out_k, block_s=block_s, num_warps=warps)
+                same = torch.equal(out_k, out_t)
+                t = _median_us(lambda: fill_triton(parts, 1e-6, cos, sin, out=out_k,
+                                                   block_s=block_s, num_warps=warps), iters)
+                configs.append({"block_s": block_s, "num_warps": warps, "time_us": t,
+                                "bitwise_equal": same})
+            default = dict(zip(("block_s", "num_warps"), _default_config(head_dim)))
+            t_default = _median_us(lambda: fill_triton(parts, 1e-6, cos, sin, out=out_k), iters)
+            best = min(configs, key=lambda c: c["time_us"])
+            records.append(dict(base, impl="triton", time_us=t_default,
+                                config=default, best_config=best, configs=configs,
+                                bitwise_equal=all(c["bitwise_equal"] for c in configs),
+                                vs_floor=t_default / floor, speedup_vs_torch=t_torch / t_default))
+            records.append(dict(base, impl="torch", time_us=t_torch, vs_floor=t_torch / floor))
+    return records, {"copy_bandwidth_gbps": bw / 1e9, "fill_geometry":
+                     f"q, k, v [1, S/{world}, {heads}, {head_dim}] bf16, {world} regions"}
+
+
+def _default_config(head_dim: int) -> tuple[int, int]:
+    from .fill import LAUNCH_OPTIONS, default_block_s
+    return default_block_s(head_dim), LAUNCH_OPTIONS["num_warps"]

@@ -1,0 +1,181 @@
+"""``attncomm bench ulysses --layer``: a MiniMax-H3-like attention layer through
+``UlyssesAttention``, sequential and pipelined, per transport, and the attention alone.
+
+Layer: B = 1, S ∈ ``--layer-seq`` (default 8192 and 32768), ``--layer-heads`` query heads
+(default 56) and as many KV heads unless ``--layer-kv-heads``, D = 128, bf16, non-causal SDPA,
+with and without qk_norm + RoPE. Variants (``--layer-variants``):
+
+- ``attention_only``: SDPA on this rank's head-sharded q, k, v ``[1, S, H/W, 128]``;
+- ``sequential_all_to_all``, ``sequential_ce``: ``pipeline_groups=0``, norm + RoPE as their
+  own pass, the transport packs (the unfused path);
+- ``pipelined_auto``: the module's defaults (``pipeline_groups=-1``, the fused fill);
+- ``pipelined_g2/g4/g7/g8``: N head groups, unfused;
+- ``pipelined_fused``: ``auto_groups``'s count with the fused fill.
+
+Each record: ``{"variant", "transport", "seq", "heads", "groups", "qk_norm", "time_us", ...}``
+(slowest rank's median, eager, a barrier before every iteration). A ``summary`` record per
+(seq, qk_norm) holds ``hidden = (sequential_all_to_all − pipelined_auto) /
+(sequential_all_to_all − attention_only)`` and whether every variant's output was bitwise
+equal. ``--trace DIR``: a torch.profiler trace per variant (rank 0 writes
+``DIR/<variant>-<transport>-S<seq>-norm<0|1>.json``) and the per-layer budget from it (wall =
+compute union + exposed exchange + idle, ``ulysses/timeline.py``).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.distributed as dist
+
+from . import timeline
+from .api import dense
+from .attention import UlyssesAttention, auto_groups, sdpa_attention
+from .layout import head_split
+
+__all__ = ["VARIANTS", "layer_records", "variant_settings"]
+
+VARIANTS = ("attention_only", "sequential_all_to_all", "sequential_ce", "pipelined_auto",
+            "pipelined_g2", "pipelined_g4", "pipelined_g7", "pipelined_g8", "pipelined_fused")
+
+
+def variant_settings(variant: str, transport: str, rule_groups: int):
+    """``(backend, pipeline_groups, fuse_qk_norm_rope)`` of a module variant on ``transport``,
+    or None when the variant does not run there."""
+    if variant.startswith("sequential_"):
+        return (transport, 0, False) if variant == f"sequential_{transport}" else None
+    if variant == "pipelined_auto":
+        return transport, -1, True
+    if variant == "pipelined_fused":
+        return transport, rule_groups if rule_groups > 1 else 0, True
+    if variant.startswith("pipelined_g"):
+        return transport, int(variant[len("pipelined_g"):]), False
+    return None
+
+
+def _inputs(world, rank, seq_total, heads, kv_heads, norm, device, dtype):
+    torch.manual_seed(4321 + seq_total + rank)
+    seq = tuple(head_split(seq_total, world))
+    q, k, v = (torch.randn(1, seq[rank], h, 128, device=device).to(dtype)
+               for h in (heads, kv_heads, kv_heads))
+    g = torch.Generator(device="cpu").manual_seed(99 + seq_total)  # the same on every rank
+    qk_norm = rope = None
+    if norm:
+        qk_norm = (torch.randn(128, generator=g).to(device), torch.randn(128, generator=g)
+                   .to(device), 1e-6)
+        pos = torch.arange(seq_total, dtype=torch.float64)[:, None]
+        ang = pos * 10000.0 ** (-torch.arange(0, 128, 2, dtype=torch.float64) / 128)
+        ang = torch.cat((ang, ang), dim=-1)
+        rope = (ang.cos().float().to(device), ang.sin().float().to(device))
+    h_r, kv_r = head_split(heads, world)[rank], head_split(kv_heads, world)[rank]
+    packed = torch.randn(seq_total, 1, h_r + 2 * max(kv_r, 1), 128, device=device).to(dtype)
+    local = (packed[:, :, :h_r].permute(1, 0, 2, 3),
+             packed[:, :, h_r:h_r + max(kv_r, 1)].permute(1, 0, 2, 3),
+             packed[:, :, h_r + max(kv_r, 1):].permute(1, 0, 2, 3))
+    return (q, k, v), seq, qk_norm, rope, local
+
+
+def _trace(fn, path, cpu_g, rank, iters=3) -> dict | None:
+    """Profile ``iters`` back-to-back calls (one barrier before); rank 0 writes ``path``; every
+    rank returns its budget (None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier(group=cpu_g)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    gpu, _ = timeline.load_trace(path)
+    if rank != 0:
+        os.remove(path)
+    return timeline.budget(gpu, iters)
+
+
+def layer_records(rank, world, opts, transports, dtype, device, cpu_g, time_fn) -> list[dict]:
+    """Every variant per (seq, qk_norm, transport); ``time_fn(fn) → slowest-rank median µs``."""
+    heads = opts["layer_heads"]
+    kv_heads = opts.get("layer_kv_heads") or heads
+    records = []
+    sms = (torch.cuda.get_device_properties(device).multi_processor_count
+           if device.type == "cuda" else 132)
+    for seq_total in opts["layer_seqs"]:
+        rule = auto_groups(head_split(heads, world), 1, seq_total, sms)
+        for norm in opts["layer_norms"]:
+            (q, k, v), seq, qk_norm, rope, local = _inputs(world, rank, seq_total, heads,
+                                                           kv_heads, norm, device, dtype)
+            base = dict(seq=seq_total, heads=heads, kv_heads=kv_heads, qk_norm=norm,
+                        world_size=world, geometry="layer", mode="eager")
+            outs, times = {}, {}
+            for variant in opts["layer_variants"]:
+                runs = ([("none", None)] if variant == "attention_only" else
+                        [(t, variant_settings(variant, t, rule)) for t in transports])
+                for tname, settings in runs:
+                    if variant != "attention_only" and settings is None:
+                        continue
+                    rec = dict(base, variant=variant, transport=tname)
+                    if settings is None:
+                        def fn(local=local):
+                            return dense(sdpa_attention(*local, False))
+                        rec["groups"] = None
+                    else:
+                        backend, groups, fused = settings
+                        mod = UlyssesAttention(backend=backend, pipeline_groups=groups,
+                                               qk_norm=qk_norm, fuse_qk_norm_rope=fused,
+                                               validate=False)
+                        fn = functools.partial(mod, q, k, v, seq_lens=seq, rope=rope)
+                        outs[(variant, tname)] = fn().clone()
+                        rec.update(groups=mod.last_pipeline_groups, groups_requested=groups,
+                                   fused_fill=fused, transport=mod.last_backends.get("in"))
+                    rec["time_us"] = time_fn(fn)
+                    if opts.get("trace"):
+                        name = f"{variant}-{tname}-S{seq_total}-norm{int(norm)}.json"
+                        rec["budget"] = _trace(fn, os.path.join(opts["trace"], name), cpu_g,
+                                               rank)
+                    times[(variant, tname)] = rec["time_us"]
+                    records.append(rec)
+            records.append(_summary(base, outs, times, cpu_g))
+    return records
+
+
+def _summary(base, outs, times, cpu_g) -> dict:
+    vals = list(outs.values())
+    same = all(torch.equal(vals[0], o) for o in vals[1:]) if vals else True
+    flag = torch.tensor([int(same)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_g)
+    seq_a2a = times.get(("sequential_all_to_all", "all_to_all"))
+    att = times.get(("attention_only", "none"))
+    autos = {t: v for (name, t), v in times.items() if name == "pipelined_auto"}
+    hidden = {}
+    if seq_a2a is not None and att is not None and seq_a2a > att:
+        hidden = {t: (seq_a2a - v) / (seq_a2a - att) for t, v in autos.items()}
+    return dict(base, variant="summary", transport=None, bitwise_equal=bool(flag.item()),
+                hidden_vs_sequential_all_to_all=hidden,
+                auto_vs_attention_only={t: v / att for t, v in autos.items()} if att else {})
+
+
+def markdown_rows(records: list[dict]) -> list[str]:
+    """The layer section of the Markdown report: one row per timed record."""
+    rows = [r for r in records if r.get("geometry") == "layer" and r["variant"] != "summary"]
+    if not rows:
+        return []
+    lines = ["", "## Attention layer: sequential vs pipelined", "",
+             "Slowest-rank median per forward, eager. groups: head groups the forward used; "
+             "fused: norm + RoPE inside the fill kernel.", "",
+             "| S | qk_norm | variant | transport | groups | fused | time µs | budget |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b = r.get("budget")
+        lines.append(f"| {r['seq']} | {int(r['qk_norm'])} | {r['variant']} | {r['transport']} | "
+                     f"{r.get('groups') or '-'} | {int(bool(r.get('fused_fill')))} | "
+                     f"{r['time_us']:.1f} | {timeline.format_budget(b) if b else '-'} |")
+    for r in records:
+        if r.get("variant") == "summary":
+            lines.append(f"\nS={r['seq']} qk_norm={int(r['qk_norm'])}: bitwise equal "
+                         f"{r['bitwise_equal']}; hidden (vs sequential_all_to_all) "
+                         f"{r['hidden_vs_sequential_all_to_all']}")
+    return lines
+
