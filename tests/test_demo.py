@@ -15,7 +15,7 @@ from attncomm import dcp  # noqa: E402
 from attncomm.demo import (MODES, load_corpus, main as demo_main, plan_modes,  # noqa: E402
                            prepare_inputs, rank_main)
 from attncomm.demo.base import DemoConfig, DemoRow, compare  # noqa: E402
-from attncomm.models import (MiniLM, full_attention, load_minilm, mean_pool,  # noqa: E402
+from attncomm.demo.models import (MiniLM, full_attention, load_minilm, mean_pool,  # noqa: E402
                              partial_attention)
 
 

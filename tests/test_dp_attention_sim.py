@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attncomm.dp_attention import DpPaddingMode
-from attncomm.dp_attention.simulate import (SimConfig, SimulationError, _check_decisions,
+from attncomm.demo.dp_simulate import (SimConfig, SimulationError, _check_decisions,
                                             _check_slots, default_tokens, simulate_rank,
                                             summarize)
 

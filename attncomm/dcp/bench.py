@@ -23,11 +23,13 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import cpu_group
-from ..bench.common import (max_over_ranks, meta, plot_lines, print_table, progress,
-                            slowest_rank_median, time_eager, time_graph, write_json)
+from ..bench.common import (max_over_ranks, meta, print_table, progress, slowest_rank_median,
+                            time_eager, time_graph)
+from ..bench.report import Report, add_common_arguments, emit, usage_error
 from ..launch import launch
 from . import bench_gather
 from .api import DcpMerger
+from .backend import BACKENDS
 
 __all__ = ["add_arguments", "main", "run_rank"]
 
@@ -36,10 +38,8 @@ _COLLECTIVE = ("ag_rs", "a2a")  # the "NCCL backends" the speedup compares again
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    cuda = torch.cuda.is_available()
-    p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if cuda else "cpu",
-                   help=f"default: {'cuda' if cuda else 'cpu'} (CUDA ranks use NCCL, CPU gloo)")
+    add_common_arguments(p, backends=BACKENDS,
+                         default_backends="reference ag_rs a2a, + symm_a2a on CUDA")
     p.add_argument("--heads", type=int, default=64, help="total heads H (default 64)")
     p.add_argument("--op", choices=("merge", "gather", "layer"), default="merge",
                    help="merge (default): the LSE merge; gather: the query-head all-gather "
@@ -56,9 +56,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16", help="default bf16")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128],
                    help="token counts T ≥ 1 (default 1 8 16 32 64 128)")
-    p.add_argument("--backends", nargs="+", default=None,
-                   choices=["reference", "ag_rs", "a2a", "symm_a2a", "auto"],
-                   help="default: reference ag_rs a2a (+ symm_a2a on CUDA)")
     p.add_argument("--modes", nargs="+", choices=("eager", "graph", "graph-interleaved"),
                    default=None,
                    help="default: eager graph on CUDA, eager on CPU; graph-interleaved: a small "
@@ -68,12 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=10, help="untimed iterations (default 10)")
     p.add_argument("--iters", type=int, default=100,
                    help="timed iterations; the median counts (default 100)")
-    p.add_argument("--per-graph", type=int, default=10, help="merges captured per graph")
-    p.add_argument("--json", metavar="PATH", default=None, help="write records as JSON")
-    p.add_argument("--plot", metavar="PATH", default=None, help="latency vs tokens PNG")
-    p.add_argument("--markdown", metavar="PATH", default=None,
-                   help="write the table (one row per mode and tokens) as Markdown")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--per-graph", type=int, default=10,
+                   help="merges captured per graph (default 10)")
 
 
 def _config(args) -> dict:
@@ -230,8 +223,7 @@ def main(args) -> int:
     try:
         cfg = _config(args)
     except ValueError as exc:
-        print(f"attncomm bench dcp: {exc}", file=sys.stderr)
-        return 2
+        return usage_error("dcp", str(exc))
     t0 = time.monotonic()
     results = launch(run_rank, args.world_size, device=cfg["device"], args=(cfg,))
     records = results[0] or []
@@ -247,39 +239,38 @@ def main(args) -> int:
         print(f"warning: host-bound graph figures (the GPU waited for a host): "
               f"{', '.join(slow)}", file=sys.stderr)
     print(f"({time.monotonic() - t0:.1f} s)")
-    if args.json:
-        m = meta(cfg["device"], args.world_size, heads=cfg["heads"], head_dim=cfg["head_dim"],
-                 dtype=cfg["dtype"], warmup=cfg["warmup"], iters=cfg["iters"],
-                 per_graph=cfg["per_graph"], symm_settings=_symm_settings())
-        if cfg["device"] == "cuda":
-            m = _gpu_meta(m)
-        write_json(args.json, m, records)
-    if getattr(args, "markdown", None):
-        m = _gpu_meta(meta(cfg["device"], args.world_size)) if cfg["device"] == "cuda" \
-            else meta("cpu", args.world_size)
-        with open(args.markdown, "w") as f:
-            f.write(f"# DCP merge — {m['date']}, {m.get('machine') or m['host']}\n\n"
-                    f"W={args.world_size}, H={cfg['heads']}, D={cfg['head_dim']}, {cfg['dtype']}; "
-                    f"GPU {m['gpu']}; torch {m['torch']}, Triton {m['triton']}, CUDA "
-                    f"{m['cuda']}, NCCL {m['nccl']}. {cfg['warmup']} warm-up + {cfg['iters']} "
-                    f"timed iterations, slowest-rank median; graph mode: {cfg['per_graph']} "
-                    f"merges per graph, replay / {cfg['per_graph']}. symm_a2a settings "
-                    f"(environment): {_symm_settings() or 'defaults'}.\n\n"
-                    + markdown_table(records) + "\n")
-    if args.plot and records:
-        series = {}
-        for r in records:
-            xs, ys = series.setdefault(f"{r['backend']} ({r['mode']})", ([], []))
-            xs.append(r["tokens"])
-            ys.append(r["latency_us"])
-        plot_lines(args.plot, series, xlabel="tokens", ylabel="latency (µs, slowest rank)",
-                   title=f"DCP merge W={args.world_size}, H={cfg['heads']}, D={cfg['head_dim']},"
-                         f" {cfg['dtype']}", logx=True, logy=True)
+    emit(args, _report(args, cfg, records))
     if not records:
         print("attncomm bench dcp: no backend could run here (see the messages above)",
               file=sys.stderr)
         return 1
     return 0
+
+
+def _report(args, cfg: dict, records: list[dict]) -> Report:
+    """The JSON meta and records, the Markdown page and the latency-vs-tokens plot."""
+    m = meta(cfg["device"], args.world_size, heads=cfg["heads"], head_dim=cfg["head_dim"],
+             dtype=cfg["dtype"], warmup=cfg["warmup"], iters=cfg["iters"],
+             per_graph=cfg["per_graph"], symm_settings=_symm_settings())
+    if cfg["device"] == "cuda":
+        m = _gpu_meta(m)
+    page = (f"# DCP merge — {m['date']}, {m.get('machine') or m['host']}\n\n"
+            f"W={args.world_size}, H={cfg['heads']}, D={cfg['head_dim']}, {cfg['dtype']}; "
+            f"GPU {m['gpu']}; torch {m['torch']}, Triton {m['triton']}, CUDA "
+            f"{m['cuda']}, NCCL {m['nccl']}. {cfg['warmup']} warm-up + {cfg['iters']} "
+            f"timed iterations, slowest-rank median; graph mode: {cfg['per_graph']} "
+            f"merges per graph, replay / {cfg['per_graph']}. symm_a2a settings "
+            f"(environment): {_symm_settings() or 'defaults'}.\n\n"
+            + markdown_table(records) + "\n")
+    series: dict = {}
+    for r in records:
+        xs, ys = series.setdefault(f"{r['backend']} ({r['mode']})", ([], []))
+        xs.append(r["tokens"])
+        ys.append(r["latency_us"])
+    plot = dict(series=series, xlabel="tokens", ylabel="latency (µs, slowest rank)",
+                title=f"DCP merge W={args.world_size}, H={cfg['heads']}, D={cfg['head_dim']}, "
+                      f"{cfg['dtype']}", logx=True, logy=True)
+    return Report(meta=m, records=records, markdown=page, plot=plot)
 
 
 def _symm_settings() -> dict:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .. import config
 from ..bench.common import print_table
 from ..launch import launch
-from ..models import load_minilm
+from .models import load_minilm
 from .base import THRESHOLDS, DemoConfig, DemoInputs, DemoRow, RankContext
 
 __all__ = ["MODES", "add_arguments", "main", "run_demo", "load_corpus", "prepare_inputs",

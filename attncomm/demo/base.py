@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .._dist import cpu_group
-from ..models import MiniLM, MiniLMInfo, full_attention, mean_pool
+from .models import MiniLM, MiniLMInfo, full_attention, mean_pool
 
 __all__ = ["DemoConfig", "DemoRow", "DemoInputs", "RankContext", "DemoMode", "compare",
            "sentence_reference", "DTYPES", "THRESHOLDS"]

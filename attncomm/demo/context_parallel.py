@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import dcp
-from ..models import MiniLMInfo, dcp_attention, mean_pool
+from .models import MiniLMInfo, dcp_attention, mean_pool
 from .base import DemoConfig, DemoRow, RankContext, sentence_reference
 
 __all__ = ["NAME", "skip_reason", "backends", "run", "dcp_skip_reason"]

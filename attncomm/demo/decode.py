@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import dcp
-from ..models import dcp_attention, full_attention, partial_attention
+from .models import dcp_attention, full_attention, partial_attention
 from .base import DemoConfig, DemoRow, RankContext
 from .context_parallel import dcp_skip_reason
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..dp_attention.simulate import MlpWeights, SimConfig, simulate_rank
+from .dp_simulate import MlpWeights, SimConfig, simulate_rank
 from .base import DemoConfig, DemoRow, RankContext
 
 __all__ = ["NAME", "STEPS", "skip_reason", "backends", "run"]

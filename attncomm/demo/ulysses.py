@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import _dist
-from ..models import MiniLMInfo, full_attention, mean_pool
+from .models import MiniLMInfo, full_attention, mean_pool
 from ..ulysses import UlyssesAttention, head_split
 from ..ulysses.layout import head_offsets
 from .base import DemoConfig, DemoRow, RankContext, sentence_reference

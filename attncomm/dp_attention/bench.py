@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
@@ -23,43 +22,44 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import cpu_group
-from ..bench.common import (meta, plot_lines, print_table, progress, slowest_rank_median,
-                            time_eager, write_json)
+from ..bench.common import meta, print_table, progress, slowest_rank_median, time_eager
+from ..bench.report import Report, add_common_arguments, emit, usage_error
 from ..launch import launch
 from .gather import DpPaddingMode, dp_gather, dp_reduce_scatter, dp_scatter, global_layout
 from .sync import MLPSyncBatchInfo, exchange_rows, resolve_sync
 
 __all__ = ["add_arguments", "main", "run_rank", "markdown_tables", "with_speedups"]
 
+_SYNCS = ("shm", "cpu", "device")
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    cuda = torch.cuda.is_available()
-    p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if cuda else "cpu")
-    p.add_argument("--syncs", nargs="+", choices=("shm", "cpu", "device"),
-                   default=["shm", "cpu", "device"], help="sync paths to time")
-    p.add_argument("--steps", type=int, default=2000, help="sync steps timed per path")
-    p.add_argument("--block", type=int, default=50, help="sync steps per timed block")
+    # --backends: the sync paths (--syncs, its older name, still works)
+    add_common_arguments(p, backends=_SYNCS, default_backends=" ".join(_SYNCS),
+                         aliases=("--syncs",))
+    p.add_argument("--steps", type=int, default=2000,
+                   help="sync steps timed per path (default 2000)")
+    p.add_argument("--block", type=int, default=50,
+                   help="sync steps per timed block (default 50)")
     p.add_argument("--hidden", type=int, default=7168, help="hidden size (default 7168)")
-    p.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16",
+                   help="gather payload dtype (default bf16)")
     p.add_argument("--tokens", type=int, nargs="+", default=None,
                    help="tokens per DP rank (default 1 8 32 128 512 2048; CPU: 1 16 128)")
     p.add_argument("--ops", nargs="+", choices=("dp_gather", "dp_scatter", "dp_reduce_scatter"),
-                   default=["dp_gather", "dp_scatter", "dp_reduce_scatter"])
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=None, help="gather iterations (GPU 50, CPU 10)")
-    p.add_argument("--json", metavar="PATH", default=None, help="write records as JSON")
-    p.add_argument("--markdown", metavar="PATH", default=None, help="write Markdown tables")
-    p.add_argument("--plot", metavar="PATH", default=None, help="gather time vs tokens PNG")
-    p.add_argument("--no-progress", action="store_true")
+                   default=["dp_gather", "dp_scatter", "dp_reduce_scatter"],
+                   help="gather ops to time, space separated (default: all three)")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed gather iterations (default 5)")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed gather iterations (default 50; CPU 10)")
 
 
 def _config(args) -> dict:
     cpu = args.device == "cpu"
-    cfg = dict(device=args.device, syncs=list(args.syncs), steps=args.steps, block=args.block,
-               hidden=args.hidden, dtype=args.dtype, ops=list(args.ops), warmup=args.warmup,
+    cfg = dict(device=args.device, syncs=list(args.backends or _SYNCS), steps=args.steps,
+               block=args.block, hidden=args.hidden, dtype=args.dtype, ops=list(args.ops), warmup=args.warmup,
                tokens=list(args.tokens or ([1, 16, 128] if cpu else [1, 8, 32, 128, 512, 2048])),
                iters=args.iters or (10 if cpu else 50), progress=not args.no_progress)
     bad = [f"{k} must be ≥ 1, got {cfg[k]}" for k in ("steps", "block", "hidden", "iters")
@@ -185,13 +185,11 @@ def main(args) -> int:
     try:
         cfg = _config(args)
     except ValueError as exc:
-        print(f"attncomm bench dp-sync: error: {exc}", file=sys.stderr)
-        return 2
+        return usage_error("dp-sync", str(exc))
     if cfg["device"] == "cuda" and torch.cuda.device_count() < args.world_size:
-        print(f"attncomm bench dp-sync: error: --device cuda with --world-size "
-              f"{args.world_size} needs {args.world_size} GPUs, found "
-              f"{torch.cuda.device_count()}", file=sys.stderr)
-        return 2
+        return usage_error("dp-sync", f"--device cuda with --world-size {args.world_size} "
+                                      f"needs {args.world_size} GPUs, found "
+                                      f"{torch.cuda.device_count()}")
     records = launch(run_rank, args.world_size, device=cfg["device"], args=(cfg,))[0]
     syncs = [r for r in records if "sync" in r]
     ops = [r for r in records if "op" in r]
@@ -202,24 +200,18 @@ def main(args) -> int:
     print_table(ops, ["op", "mode", "tokens", "world_size", "time_us"],
                 title=f"\ngather / scatter / reduce_scatter (µs), hidden {cfg['hidden']} "
                       f"{cfg['dtype']}, tokens per DP rank", fmt={"time_us": "{:.1f}"})
-    if args.json:
-        m = meta(cfg["device"], args.world_size, bench="dp-sync", hidden=cfg["hidden"],
-                 dtype=cfg["dtype"], steps=cfg["steps"], block=cfg["block"],
-                 iters=cfg["iters"], tokens_are="per DP rank (balanced)",
-                 sync_measures="MLPSyncBatchInfo.all_gather per step, back to back")
-        write_json(args.json, m, records)
-        print(f"wrote {args.json}")
-    if args.markdown:
-        os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
-        with open(args.markdown, "w") as f:
-            f.write(markdown_tables(records, cfg, args.world_size))
-    if args.plot and ops:
-        series: dict = {}
-        for r in ops:
-            xs, ys = series.setdefault(f"{r['op']} ({r['mode']})", ([], []))
-            xs.append(r["tokens"])
-            ys.append(r["time_us"])
-        plot_lines(args.plot, series, xlabel="tokens per DP rank", ylabel="time (µs, slowest "
-                   "rank)", title=f"dp_gather / scatter / reduce_scatter, W={args.world_size}, "
-                   f"hidden {cfg['hidden']} {cfg['dtype']}", logx=True, logy=True)
+    m = meta(cfg["device"], args.world_size, bench="dp-sync", hidden=cfg["hidden"],
+             dtype=cfg["dtype"], steps=cfg["steps"], block=cfg["block"],
+             iters=cfg["iters"], tokens_are="per DP rank (balanced)",
+             sync_measures="MLPSyncBatchInfo.all_gather per step, back to back")
+    series: dict = {}
+    for r in ops:
+        xs, ys = series.setdefault(f"{r['op']} ({r['mode']})", ([], []))
+        xs.append(r["tokens"])
+        ys.append(r["time_us"])
+    plot = dict(series=series, xlabel="tokens per DP rank", ylabel="time (µs, slowest rank)",
+                title=f"dp_gather / scatter / reduce_scatter, W={args.world_size}, "
+                      f"hidden {cfg['hidden']} {cfg['dtype']}", logx=True, logy=True)
+    emit(args, Report(meta=m, records=records,
+                      markdown=markdown_tables(records, cfg, args.world_size), plot=plot))
     return 0

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .. import config
 from .._dist import cpu_group
 from ..bench import common
+from ..bench.report import NameList, Report, add_common_arguments, default_device, emit
 from ..launch import launch
 from . import timeline
 from .api import _cached, ce_reason
@@ -38,15 +39,16 @@ __all__ = ["add_arguments", "main", "run_rank", "report", "markdown_report"]
 MiB = 1 << 20
 _VARIANTS = ("attention_only", "sequential_all_to_all", "sequential_ce", "pipelined_auto",
              "pipelined_g2", "pipelined_g4", "pipelined_g7", "pipelined_g8", "pipelined_fused")
+_TRANSPORTS = ("all_to_all", "ce")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                   help="default: cuda when available")
-    p.add_argument("--transports", default="all_to_all,ce",
-                   help="comma-separated: all_to_all, ce (default both)")
-    p.add_argument("--modes", default="eager,graph", help="eager, graph (graph: CUDA only)")
+    # --backends: the transports (--transports, its older name, still works)
+    add_common_arguments(p, backends=_TRANSPORTS, default_backends=" ".join(_TRANSPORTS),
+                         aliases=("--transports",))
+    p.add_argument("--modes", action=NameList, names=("eager", "graph"), default=None,
+                   metavar="MODE", help="space separated: eager graph (default both; graph: "
+                                        "CUDA only)")
     p.add_argument("--min-bytes", type=int, default=None,
                    help="smallest bytes sent to peers per rank (default 1 MiB; CPU 4 KiB)")
     p.add_argument("--max-bytes", type=int, default=None,
@@ -75,12 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fill-seq", default="8192,32768",
                    help="fill: total sequence lengths (each rank's shard is S / W)")
     p.add_argument("--fill-heads", type=int, default=56, help="fill: heads (default 56)")
-    p.add_argument("--iters", type=int, default=None, help="timed iterations (default 20)")
-    p.add_argument("--json", default=None, help="write the records here")
-    p.add_argument("--plot", default=None, help="write a PNG of bus bandwidth here")
-    p.add_argument("--markdown", default=None, metavar="PATH",
-                   help="write a Markdown summary (time, bus bandwidth, ce speedup) here")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed iterations (default 20; CPU 5)")
 
 
 def _sizes(lo: int, hi: int) -> list[int]:
@@ -267,12 +265,12 @@ def _ints(text: str) -> list[int]:
 
 
 def _defaults(args) -> dict:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or default_device()
     cpu = device == "cpu"
     return {
         "device": device,
-        "transports": [x.strip() for x in args.transports.split(",") if x.strip()],
-        "modes": [x.strip() for x in args.modes.split(",") if x.strip()],
+        "transports": list(args.backends or _TRANSPORTS),
+        "modes": list(args.modes or ("eager", "graph")),
         "min_bytes": args.min_bytes or (4096 if cpu else MiB),
         "max_bytes": args.max_bytes or (65536 if cpu else 1024 * MiB),
         "dit_seq": (args.dit_seq if args.dit_seq is not None else (64 if cpu else 32768)),
@@ -379,22 +377,17 @@ def report(records: list, skipped: dict, args, opts: dict) -> int:
                        sweep_geometry="seq_to_head x[1, S_r, 8W, 128]",
                        dit_geometry=f"B=1 S={opts['dit_seq']} H=24 D=128 q/k/v in + out back",
                        skipped=skipped, **extra)
-    if args.json:
-        common.write_json(args.json, meta, records)
-    if getattr(args, "markdown", None):
-        with open(args.markdown, "w") as f:
-            f.write(markdown_report(meta, records))
-    if args.plot:
-        series = {}
-        for r in records:
-            if r["geometry"] != "sweep":
-                continue
+    series: dict = {}
+    for r in records:
+        if r["geometry"] == "sweep":
             xs, ys = series.setdefault(f"{r['transport']} {r['mode']}", ([], []))
             xs.append(r["bytes_per_rank"])
             ys.append(r["busbw_gbps"])
-        common.plot_lines(args.plot, series, xlabel="bytes sent to peers per rank",
-                          ylabel="bus bandwidth (GB/s)", logx=True,
-                          title=f"Ulysses seq_to_head, W={args.world_size}, {meta.get('gpu') or 'cpu'}")
+    plot = dict(series=series, xlabel="bytes sent to peers per rank",
+                ylabel="bus bandwidth (GB/s)", logx=True,
+                title=f"Ulysses seq_to_head, W={args.world_size}, {meta.get('gpu') or 'cpu'}")
+    emit(args, Report(meta=meta, records=records, markdown=markdown_report(meta, records),
+                      plot=plot))
     bad = [r for r in records if r.get("bitwise_equal") is False]
     if bad:
         if any(r["geometry"] != "layer" for r in bad):

@@ -10,7 +10,7 @@ import torch
 import attncomm
 from attncomm.dp_attention import (BatchView, DpPaddingMode, ForwardMode, dp_gather,
                                    dp_reduce_scatter, dp_scatter, prepare_mlp_sync_batch)
-from attncomm.dp_attention.simulate import SimConfig, simulate_rank, summarize
+from attncomm.demo.dp_simulate import SimConfig, simulate_rank, summarize
 
 pytestmark = pytest.mark.gpu
 

@@ -29,9 +29,9 @@ import torch.distributed as dist
 from .. import config
 from .._dist import all_gather_tensor, cpu_group, wait
 from ..launch import launch
-from .gather import (DpPaddingMode, choose_padding_mode, dp_gather, dp_reduce_scatter, dp_scatter,
-                     select_cuda_graph_bs)
-from .sync import BatchView, ForwardMode, prepare_mlp_sync_batch
+from ..dp_attention.gather import (DpPaddingMode, choose_padding_mode, dp_gather,
+                                   dp_reduce_scatter, dp_scatter, select_cuda_graph_bs)
+from ..dp_attention.sync import BatchView, ForwardMode, prepare_mlp_sync_batch
 
 __all__ = ["SimConfig", "MlpWeights", "SimulationError", "simulate_rank",
            "run_dp_attention_demo", "summarize"]

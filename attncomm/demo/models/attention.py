@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import _dist, dcp
+from ... import _dist, dcp
 
 __all__ = ["partial_attention", "full_attention", "dcp_attention", "gather_heads"]
 
