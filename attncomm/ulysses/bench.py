@@ -30,8 +30,10 @@ from .._dist import cpu_group
 from ..bench import common
 from ..bench.report import NameList, Report, add_common_arguments, default_device, emit
 from ..launch import launch
-from . import timeline
+from . import bench_layer, timeline
 from .api import _cached, ce_reason
+from .bench_fill import fill_records
+from .bench_layer import markdown_rows
 from .layout import head_offsets, head_split, head_to_seq_plan, seq_to_head_plan
 
 __all__ = ["add_arguments", "main", "run_rank", "report", "markdown_report"]
@@ -244,8 +246,6 @@ def run_rank(rank: int, world: int, opts: dict) -> list[dict] | None:
 
 # ------------------------------------------------------------------------- layer benchmark
 def _layer(rank, world, opts, transports, dtype, device, cpu_g, bar) -> list[dict]:
-    from . import bench_layer
-
     def time_fn(fn):
         bar.update(1)
         return common.slowest_rank_median(_time(fn, "eager", device, opts["iters"], cpu_g),
@@ -295,7 +295,6 @@ def _defaults(args) -> dict:
 
 def _fill_main(args, opts) -> int:
     """``--fill``: one process on the current GPU (no ranks)."""
-    from .bench_fill import fill_records
     if opts["device"] != "cuda":
         print("bench ulysses --fill: needs CUDA (the kernel is checked on CPU by the tests, "
               "under TRITON_INTERPRET=1)", file=sys.stderr)
@@ -402,7 +401,6 @@ def report(records: list, skipped: dict, args, opts: dict) -> int:
 def markdown_report(meta: dict, records: list[dict]) -> str:
     """A Markdown page: the run's facts and one row per (geometry, size, mode) with each
     transport's time and bus bandwidth and ce's speedup over all_to_all."""
-    from .bench_layer import markdown_rows
     layer = markdown_rows(records)
     records = [r for r in records if r["geometry"] != "layer"]
     keyed = {(r["geometry"], r["bytes_per_rank"], r["mode"], r["transport"]): r for r in records}

@@ -22,7 +22,7 @@ import statistics
 import torch
 
 from ..bench import common
-from .fill import FillPart, fill_torch, fill_triton, send_layout
+from .fill import LAUNCH_OPTIONS, FillPart, default_block_s, fill_torch, fill_triton, send_layout
 from .layout import group_head_ranges
 
 __all__ = ["fill_records", "copy_bandwidth", "FILL_CONFIGS"]
@@ -105,5 +105,4 @@ def fill_records(seqs=(8192, 32768), heads: int = 56, head_dim: int = 128, world
 
 
 def _default_config(head_dim: int) -> tuple[int, int]:
-    from .fill import LAUNCH_OPTIONS, default_block_s
     return default_block_s(head_dim), LAUNCH_OPTIONS["num_warps"]

@@ -27,6 +27,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 from . import timeline
 from .api import dense
@@ -80,7 +81,6 @@ def _trace(fn, path, cpu_g, rank, iters=3) -> dict | None:
     rank returns its budget (None without CUDA)."""
     if not torch.cuda.is_available():
         return None
-    from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
     dist.barrier(group=cpu_g)
