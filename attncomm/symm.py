@@ -1,101 +1,355 @@
-"""Symmetric workspace: one torch SymmetricMemory slab per exchange object, the
-device epoch, the peer pointer table and the device error word.
+"""The symmetric-memory substrate: what every exchange over torch SymmetricMemory shares.
 
-The slab's layout belongs to its user (DCP's: ``attncomm.dcp.symm_layout``).
+- ``SymmWorkspace``: one symmetric slab (allocate, then rendezvous, each agreed across ranks by
+  the caller through ``capability.collective_try``), the peers' slab addresses, a small device
+  word array for epochs, and ``release()``. Its layout belongs to its user (DCP's merge:
+  ``attncomm.dcp.symm_layout``; the Ulysses ``ce`` transport: flags + two slots).
+- ``PeerErrors``: per-peer error words and the broken-after-timeout state of one exchange
+  object. The words live in mapped pinned host memory: a kernel (or a stream memory op) that
+  gave up waiting for peer ``p`` stores 1 at ``words[p]`` with a system-scope store, and the
+  host reads them with no CUDA call, so the hot path never synchronises. Once a wait timed out
+  the ranks are out of step, so the object is broken: every later ``check()`` (each call does
+  one) raises ``PeerTimeoutError`` naming the peers; build a new one on every rank.
+- The watchdog: one daemon thread per process (as NCCL's), started on first use, that polls
+  every live ``PeerErrors`` and every ``PendingWait`` (a wait the host enqueued without waiting
+  for it, e.g. ``cuStreamWaitValue32``, which has no device deadline). A pending wait past its
+  budget is released by its ``on_timeout`` (writes the awaited flag locally, so no stream stays
+  blocked) and marks its owner broken; the next call or ``check()`` raises. Budgets start when
+  the stream reaches the wait (its ``started`` event completed), not when the host enqueued it:
+  a host that runs far ahead is no timeout.
 
-The epoch and the error word are ordinary (local) device memory: ``state [4] int32`` holds
-``[epoch, done_counter, 0, 0]``; ``errors [W] int32`` is set to 1 at ``src`` when a wait for
-``src`` ran out of time. The kernels advance the epoch themselves (graph replays need no host
-step); the host only reads the error word (``check``).
+CPU processes (gloo tests, the Triton interpreter) get plain host memory for the words; the
+watchdog logic takes any objects with ``query()`` for events, so it is tested without a GPU.
 """
 from __future__ import annotations
 
+import dataclasses
+import threading
+import time
 import warnings
+import weakref
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .errors import PeerTimeoutError
 
-__all__ = ["SymmWorkspace"]
+__all__ = ["SymmWorkspace", "PeerErrors", "PendingWait", "Watchdog", "watchdog"]
+
+def ranks(peers: Sequence[int]) -> str:
+    """``"rank 3"`` or ``"ranks [0, 2]"`` for messages."""
+    return f"rank {peers[0]}" if len(peers) == 1 else f"ranks {list(peers)}"
+
+
+#: Seconds between two watchdog passes.
+WATCHDOG_INTERVAL_S = 0.005
+
+
+class PeerErrors:
+    """Error words ``[W] int32`` (mapped pinned host memory on CUDA) and the broken state.
+
+    Arguments:
+        world_size: peers (group ranks) that can be named.
+        device: the exchange's device (``cuda``: pinned host words; else plain host memory).
+        op: the exchange's name in messages. rank: this rank. timeout_s: the wait budget.
+
+    Attributes:
+        words: the ``[W] int32`` CPU tensor kernels write (pass it as a pointer argument: the
+            launcher maps it; a kernel stores 1 at ``words[p]`` with ``scope="sys"``).
+        broken: the error every later ``check()`` raises (None while usable).
+    """
+
+    def __init__(self, world_size: int, device: torch.device, *, op: str, rank: int = 0,
+                 timeout_s: float | None = None, watch: bool = True):
+        device = torch.device(device)
+        pin = device.type == "cuda" and torch.cuda.is_available()
+        self.words = torch.zeros(world_size, dtype=torch.int32, pin_memory=pin)
+        self._view = memoryview(self.words.numpy()).cast("B")
+        self._zero = bytes(len(self._view))
+        self.op, self.rank, self.timeout_s = op, rank, timeout_s
+        self.broken: PeerTimeoutError | None = None
+        self._lock = threading.Lock()
+        if watch:
+            watchdog().watch(self)
+
+    def peers(self) -> list[int]:
+        """Peers whose word is set (a host read, no CUDA call)."""
+        return [p for p, v in enumerate(self.words.tolist()) if v]
+
+    def poll(self) -> bool:
+        """Turn set error words into the broken state (no raise). True once broken."""
+        if self.broken is None and self._view.tobytes() != self._zero:
+            peers = self.peers()
+            self.mark_broken(peers, f"rank {self.rank} waited for {ranks(peers)} past the "
+                                    f"timeout" + self._budget() + "; the peer did not signal")
+        return self.broken is not None
+
+    def check(self) -> None:
+        """Raise ``PeerTimeoutError`` if a wait timed out, now or before (reads the words; no
+        CUDA call)."""
+        if self.broken is not None or self.poll():
+            self._raise()
+
+    def ensure_usable(self) -> None:
+        """Raise ``PeerTimeoutError`` if the broken state is set (does not read the words)."""
+        if self.broken is not None:
+            self._raise()
+
+    def mark_broken(self, peers: Sequence[int], what: str) -> None:
+        """Set the broken state (the first reason wins; later ones are dropped)."""
+        with self._lock:
+            if self.broken is None:
+                self.broken = PeerTimeoutError(
+                    f"{self.op}: {what}; unusable from now on: construct a new one on every "
+                    f"rank", peer_ranks=list(peers), timeout_s=self.timeout_s, op=self.op)
+
+    def _budget(self) -> str:
+        return f" of {self.timeout_s:g} s" if self.timeout_s else ""
+
+    def _raise(self):
+        b = self.broken
+        raise PeerTimeoutError(str(b), peer_ranks=b.peer_ranks, timeout_s=b.timeout_s, op=b.op)
+
+
+@dataclasses.dataclass(eq=False)
+class PendingWait:
+    """A wait the host enqueued and did not wait for.
+
+    Attributes:
+        owner: the ``PeerErrors`` a timeout marks broken.
+        started: an event (anything with ``query()``) recorded where the wait begins; the
+            budget runs from when the watchdog first sees it complete.
+        events: ``{peer: event recorded after the wait for that peer}``; the wait is over when
+            all are complete, and the incomplete ones name the peers on a timeout.
+        timeout_s: the budget.
+        on_timeout: called once with the blocked peers, on the watchdog thread: it must
+            release the waiting streams (e.g. write the awaited flags locally).
+        device: the CUDA device index the events belong to (None: none to select).
+    """
+
+    owner: PeerErrors
+    started: object
+    events: dict
+    timeout_s: float
+    on_timeout: Callable[[list], None] | None = None
+    device: int | None = None
+    t0: float | None = None
+
+
+class Watchdog:
+    """Polls error words and pending waits (see the module docstring). ``poll()`` is one pass;
+    the thread calls it every ``interval_s`` while anything is watched (tests call it
+    directly, with ``start=False``)."""
+
+    def __init__(self, interval_s: float = WATCHDOG_INTERVAL_S, *, start: bool = True,
+                 clock: Callable[[], float] = time.monotonic):
+        self.interval_s = interval_s
+        self.clock = clock
+        self._errors: weakref.WeakSet = weakref.WeakSet()
+        self._waits: list[PendingWait] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._start = start
+        self._thread: threading.Thread | None = None
+
+    def watch(self, errors: PeerErrors) -> None:
+        with self._lock:
+            self._errors.add(errors)
+        self._ensure_thread()
+
+    def add(self, wait: PendingWait) -> None:
+        """Watch ``wait`` until its events complete or its budget runs out."""
+        with self._lock:
+            self._waits.append(wait)
+        self._ensure_thread()
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._waits)
+
+    def poll(self) -> None:
+        with self._lock:
+            waits, errors = list(self._waits), list(self._errors)
+        done, now = [], self.clock()
+        for w in waits:
+            if self._step(w, now):
+                done.append(w)
+        if done:
+            with self._lock:
+                self._waits = [w for w in self._waits if w not in done]
+        for e in errors:
+            e.poll()
+
+    def _step(self, w: PendingWait, now: float) -> bool:
+        """One look at a pending wait; True when it is finished with (done or timed out)."""
+        with _on_device(w.device):
+            if w.owner.broken is not None and w.on_timeout is None:
+                return True
+            if all(ev.query() for ev in w.events.values()):
+                return True
+            if w.t0 is None:
+                if w.started.query():
+                    w.t0 = now
+                return False
+            if now - w.t0 <= w.timeout_s:
+                return False
+            blocked = sorted(p for p, ev in w.events.items() if not ev.query())
+        if not blocked:
+            return True
+        try:
+            if w.on_timeout is not None:
+                w.on_timeout(blocked)
+        finally:
+            w.owner.mark_broken(blocked, f"rank {w.owner.rank} got no answer from "
+                                         f"{ranks(blocked)} within {w.timeout_s:g} s")
+        return True
+
+    def _ensure_thread(self) -> None:
+        if not self._start or (self._thread is not None and self._thread.is_alive()):
+            return
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="attncomm-watchdog",
+                                                daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.poll()
+            except Exception as exc:  # noqa: BLE001 - a watchdog must not die; say why
+                warnings.warn(f"attncomm watchdog: {type(exc).__name__}: {exc}", stacklevel=1)
+            time.sleep(self.interval_s)
+
+
+class _on_device:
+    """``torch.cuda.device(index)`` when there is an index (the watchdog thread's current
+    device is its own)."""
+
+    def __init__(self, index):
+        self.ctx = torch.cuda.device(index) if index is not None else None
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+
+
+_WATCHDOG: Watchdog | None = None
+_WATCHDOG_LOCK = threading.Lock()
+
+
+def watchdog() -> Watchdog:
+    """The process's watchdog (started on first use)."""
+    global _WATCHDOG
+    if _WATCHDOG is None:
+        with _WATCHDOG_LOCK:
+            if _WATCHDOG is None:
+                _WATCHDOG = Watchdog()
+    return _WATCHDOG
+
 
 def _group_or_world(group):
     return group if group is not None else dist.group.WORLD
 
 
 class SymmWorkspace:
-    """A rendezvoused symmetric slab plus its epoch, pointer table and error word.
+    """A symmetric slab of one group: allocate (constructor), rendezvous, release.
 
-    Collective: every rank of ``group`` constructs it with the same layout (host-blocking; do it
-    before any CUDA graph capture). Two workspaces are fully independent.
+    Arguments:
+        group: the process group (None: default). Collective: every rank constructs it with
+            the same size; allocation and rendezvous may fail on one rank, so the caller runs
+            each through ``capability.collective_try`` (allocate with ``rendezvous=False``,
+            then ``rendezvous()`` only once every rank allocated).
+        size: bytes, or a layout with ``total_bytes`` and ``world_size`` (checked against the
+            group).
+        device: the CUDA device.
+        op: the exchange's name in messages. timeout_s: its wait budget.
+        errors: the ``PeerErrors`` to report into (None: a new one; several workspaces of one
+            exchange object share one).
 
     Attributes:
-        slab: the local ``[total_bytes] uint8`` symmetric tensor (zeroed at construction).
-        ptrs: ``[W] int64`` device tensor, the slab's address on every rank (group rank order).
-        state: ``[4] int32`` device tensor, ``[epoch, done_counter, 0, 0]``.
-        errors: ``[W] int32`` device tensor, 1 at ``src`` after a wait for ``src`` timed out.
+        slab: the local ``[size] uint8`` symmetric tensor (zeroed before the rendezvous).
+        peer_ptrs: after ``rendezvous()``, every rank's slab address (group rank order).
+        handle: the torch SymmetricMemory handle (after ``rendezvous()``).
+        state: ``[4] int32`` device words for the user's epochs (zeroed).
+        failures: the ``PeerErrors``; ``errors`` is its ``words`` tensor (kernel argument).
 
     Raises:
-        RuntimeError (or whatever torch raises) when allocation or rendezvous fails; the caller
-        agrees across ranks and falls back.
+        ValueError: a layout for another world size. Whatever torch raises when allocation
+        or rendezvous fails (the caller agrees across ranks and falls back).
     """
 
-    def __init__(self, group, layout: SlabLayout, device: torch.device, *, op: str = "symm",
-                 timeout_s: float | None = None, rendezvous: bool = True):
+    def __init__(self, group, size, device: torch.device, *, op: str = "symm",
+                 timeout_s: float | None = None, rendezvous: bool = True,
+                 errors: PeerErrors | None = None):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group = _group_or_world(group)
-        self.layout = layout
         self.device = torch.device(device)
-        self.op = op
-        self.timeout_s = timeout_s
+        self.op, self.timeout_s = op, timeout_s
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        if self.world_size != layout.world_size:
-            raise ValueError(f"{op}: layout for {layout.world_size} ranks, group has "
-                             f"{self.world_size}")
+        nbytes = getattr(size, "total_bytes", size)
+        want = getattr(size, "world_size", self.world_size)
+        if want != self.world_size:
+            raise ValueError(f"{op}: layout for {want} ranks, group has {self.world_size}")
+        self.layout = size if not isinstance(size, int) else None
+        self.nbytes = int(nbytes)
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                enable(self.group.group_name)
-        self.slab = symm_mem.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # deprecated (not needed) in newer torch
+                    enable(self.group.group_name)
+            except Exception:  # noqa: BLE001, S110 - already enabled
+                pass
+        self.slab = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self.slab.zero_()
         self.state = torch.zeros(4, dtype=torch.int32, device=self.device)
-        self.errors = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
+        self.failures = errors if errors is not None else PeerErrors(
+            self.world_size, self.device, op=op, rank=self.rank, timeout_s=timeout_s)
+        self.errors = self.failures.words
         self.handle = None
-        self.broken: str | None = None
+        self.peer_ptrs: list[int] = []
         if rendezvous:
             self.rendezvous()
 
     def rendezvous(self) -> None:
-        """Collective: exchange slab handles with every rank (host-blocking; before capture)."""
+        """Collective: exchange slab handles with every rank (host-blocking; before capture).
+        Whatever the user wrote into the slab before it (zeros, initial flags) lands before
+        any peer can write."""
         import torch.distributed._symmetric_memory as symm_mem
 
-        # The zeroing must land before any peer can write: finish it, then rendezvous (which
-        # returns only once every rank has arrived).
         torch.cuda.synchronize(self.device)
-        self.handle = symm_mem.rendezvous(self.slab, self.group)
+        self.handle = symm_mem.rendezvous(self.slab, self.group.group_name)
+        self.peer_ptrs = [int(p) for p in self.handle.buffer_ptrs]
+
+    @property
+    def broken(self) -> PeerTimeoutError | None:
+        return self.failures.broken
 
     def check(self) -> None:
-        """Raise ``PeerTimeoutError`` if a kernel recorded a timed-out wait since the last check.
-
-        Host-blocking (reads the error word). After a timeout the ranks' epochs no longer agree,
-        so the workspace is marked broken and later calls raise ``RuntimeError``."""
-        if self.broken is not None:
-            raise RuntimeError(self.broken)
-        flags = self.errors.cpu().tolist()
-        if any(flags):
-            peers = [i for i, f in enumerate(flags) if f]
-            self.errors.zero_()
-            self.broken = (f"{self.op}: unusable after a timeout waiting for rank(s) {peers}; "
-                           f"construct a new one on every rank")
-            raise PeerTimeoutError(
-                f"{self.op}: rank {self.rank} waited for source rank(s) {peers} past the "
-                f"timeout" + (f" of {self.timeout_s:g} s" if self.timeout_s else "")
-                + "; the peer did not signal", peer_ranks=peers, timeout_s=self.timeout_s,
-                op=self.op)
+        """Raise ``PeerTimeoutError`` if a wait of this exchange timed out (no CUDA call)."""
+        self.failures.check()
 
     def ensure_usable(self) -> None:
-        if self.broken is not None:
-            raise RuntimeError(self.broken)
+        """Raise ``PeerTimeoutError`` if the workspace is broken (no read of the words)."""
+        self.failures.ensure_usable()
+
+    def sync_check(self) -> None:
+        """Finish the device's work, then ``check()`` (construction and tests only)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.check()
+
+    def release(self) -> None:
+        """Drop the slab and its handle (call on every rank, after every rank is done with
+        it: synchronise and barrier first when peers may still write)."""
+        self.handle = None
+        self.slab = None
+        self.peer_ptrs = []

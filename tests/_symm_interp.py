@@ -219,21 +219,24 @@ CASES = [
 
 
 class _FakeWorkspace:
-    """A one-rank stand-in for SymmWorkspace on CPU (no SymmetricMemory there)."""
+    """A one-rank stand-in for SymmWorkspace on CPU (no SymmetricMemory there): the real
+    PeerErrors (plain host words) and the workspace's own check methods."""
 
     def __init__(self, group, layout, device, *, op="symm", timeout_s=None, rendezvous=True):
-        from attncomm.symm import SymmWorkspace
+        from attncomm.symm import PeerErrors, SymmWorkspace
         self.layout = layout
+        self.device = torch.device("cpu")
         self.slab = _aligned(layout.total_bytes)
         self.state = torch.zeros(4, dtype=torch.int32)
-        self.errors = torch.zeros(1, dtype=torch.int32)
-        self.broken = None
-        self.rank, self.op, self.timeout_s = 0, op, timeout_s
-        self.check = SymmWorkspace.check.__get__(self)
-        self.ensure_usable = SymmWorkspace.ensure_usable.__get__(self)
+        self.failures = PeerErrors(1, self.device, op=op, timeout_s=timeout_s)
+        self.errors = self.failures.words
+        self.peer_ptrs = []
+        for name in ("check", "ensure_usable", "sync_check"):
+            setattr(self, name, getattr(SymmWorkspace, name).__get__(self))
 
     def rendezvous(self):
-        self.handle = type("H", (), {"buffer_ptrs": [self.slab.data_ptr()]})()
+        self.peer_ptrs = [self.slab.data_ptr()]
+        self.handle = type("H", (), {"buffer_ptrs": self.peer_ptrs})()
 
 
 def run_backend_w1() -> None:
@@ -264,18 +267,19 @@ def run_backend_w1() -> None:
             assert torch.equal(got.float(), ref.float()), "W=1 merge is not the identity"
             assert torch.allclose(got_lse, ref_lse)
         assert int(b.ws.state[0]) == epoch0 + 3
-        b.ws.errors[0] = 1
+        from attncomm import PeerTimeoutError
+        b.ws.errors[0] = 1  # as a kernel's timed-out wait for peer 0 leaves it
         try:
             b.check()
             raise AssertionError("no PeerTimeoutError")
-        except Exception as exc:  # noqa: BLE001 - checked below
-            from attncomm import PeerTimeoutError
-            assert isinstance(exc, PeerTimeoutError) and exc.peer_ranks == [0], exc
-        try:
-            b(out, lse)
-            raise AssertionError("a broken workspace accepted a call")
-        except RuntimeError as exc:
-            assert "unusable" in str(exc), exc
+        except PeerTimeoutError as exc:
+            assert exc.peer_ranks == [0], exc
+        for _ in range(2):  # broken for good: every later call raises the same error
+            try:
+                b(out, lse)
+                raise AssertionError("a broken workspace accepted a call")
+            except PeerTimeoutError as exc:
+                assert "unusable" in str(exc) and exc.peer_ranks == [0], exc
     finally:
         dist.destroy_process_group()
 

@@ -426,7 +426,7 @@ class _FakeStaging:
 
     fail = (-1, -1)
 
-    def __init__(self, group, rank, world, cap, device):
+    def __init__(self, group, rank, world, cap, device, *, failures=None):
         _EVENTS.append("alloc")
         self.rank, self.pinned = rank, False
         if rank == self.fail[0]:
@@ -445,7 +445,7 @@ def _staging_steps(rank, world):
     t = object.__new__(ce.CopyEngineTransport)
     t.group, t.rank, t.world_size, t.timeout_s = None, rank, world, 10.0
     t.device, t.capacity, t.evictions = torch.device("cpu"), 8, 0
-    t.cache = collections.OrderedDict()
+    t.cache, t.failures = collections.OrderedDict(), None
     real = ce._Staging
     ce._Staging = _FakeStaging
     out = []

@@ -131,7 +131,7 @@ if triton is not None:
         while v != e:
             deadline, expired = _timed_out(deadline, timeout_ns)
             if expired:
-                tl.atomic_xchg(err_ptr, 1)
+                tl.atomic_xchg(err_ptr, 1, sem="relaxed", scope="sys")  # host-visible
                 bad = bad | 1
                 v = e
             else:

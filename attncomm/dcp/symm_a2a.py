@@ -291,7 +291,7 @@ class SymmA2ABackend(DcpBackend):
         if reason:
             raise RuntimeError(f"symm_a2a: rendezvous failed: {reason}")
         self.ws = ws
-        self.slab = MergeSlab.build(self.layout, ws.slab, dtype, ws.handle.buffer_ptrs,
+        self.slab = MergeSlab.build(self.layout, ws.slab, dtype, ws.peer_ptrs,
                                     self.rank, ws.state, ws.errors)
         self.n_programs_max = self._agree_grid_bound()
         self.res = torch.empty((max_tokens, self.hs, head_dim), dtype=dtype, device=device)
@@ -330,6 +330,7 @@ class SymmA2ABackend(DcpBackend):
                               device=self.device)
             lse = torch.zeros((t, self.num_heads), dtype=torch.float32, device=self.device)
             self(out, lse)
+        self.ws.sync_check()
 
     def __call__(self, out: torch.Tensor, lse: torch.Tensor):
         """``out [T, H, D]`` (``dtype``, contiguous, CUDA), ``lse [T, H]`` fp32 base e →
@@ -337,7 +338,7 @@ class SymmA2ABackend(DcpBackend):
 
         Raises ``PeerTimeoutError`` when an earlier call's wait timed out (the workspace is
         unusable from then on: its ranks' epochs no longer agree)."""
-        self.ws.ensure_usable()
+        self.ws.check()
         T = out.shape[0]
         if T > self.max_tokens:
             raise ValueError(f"symm_a2a: T={T} exceeds max_tokens={self.max_tokens}")
@@ -347,8 +348,6 @@ class SymmA2ABackend(DcpBackend):
                      rank=self.rank, world_size=self.world_size, num_heads=self.num_heads,
                      layout=self.layout, n_programs_max=self.n_programs_max,
                      timeout_ns=self.timeout_ns, pdl=self.pdl, config=self.config)
-        if not torch.cuda.is_current_stream_capturing():
-            self.ws.check()
         return self.res[:T], self.res_lse[:T]
 
     def check(self) -> None:

@@ -6,7 +6,7 @@ non-contiguous ``copy_`` would be an SM kernel), then raises a flag in ``p``'s m
 after the data on the same stream.
 
 Staging buffer (one per shape bucket, cached; every rank holds the same set and evicts in the
-same order because every rank makes the same calls)::
+same order because every rank makes the same calls), a ``SymmWorkspace`` of the substrate::
 
     flags  uint32 [4, W]   F[k][s] (set by source s: slot k holds its data),
                            A[k][p] (set by destination p: it is done reading slot k from me)
@@ -20,19 +20,21 @@ repeat the same values):
 - receiver ``r``: wait ``F[k][s] == 1`` for every peer, set it 0, read the slot, then
   ``release()`` writes ``A[k][r] = 1`` into every source's flags.
 
-Flag operations are stream memory ops (``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` from
-``cuda.bindings.driver``) where a trial call works, else one-block Triton kernels (release
-store / acquire spin). Waits are bounded: eagerly, the host polls an event with a deadline and,
-on timeout, writes the awaited flags locally to release its streams, marks the transport broken
-and raises ``PeerTimeoutError``; inside CUDA graph capture the wait is the Triton kernel, which
-gives up at a device-side deadline (``globaltimer``) and records the error word that
-``check()`` turns into ``PeerTimeoutError``.
+The host never waits for the GPU inside an exchange: every order lives on the device (stream
+memory ops or flag kernels, events between the copy streams and the caller's stream), so a
+forward can enqueue all its exchanges ahead of the GPU. Flag operations are stream memory ops
+(``cuStreamWriteValue32`` / ``cuStreamWaitValue32``) where a trial call works, else one-block
+Triton kernels (``ce_flags``). Waits are bounded: a kernel wait (always inside CUDA graph
+capture) gives up at a device-side deadline and sets the peer's error word; a memory-op wait is
+handed to the substrate's watchdog, which after ``timeout_s`` (counted from when the stream
+reaches the wait) writes the awaited flags locally so no stream stays blocked. Either way the
+transport is broken from then on and the next call, or ``check()``, raises
+``PeerTimeoutError`` naming the peers (``attncomm.symm``). Results of a timed-out exchange are
+garbage: call ``check()`` before trusting the last results of a run.
 """
 from __future__ import annotations
 
 import collections
-import time
-import warnings
 from typing import Sequence
 
 import torch
@@ -41,6 +43,8 @@ import torch.distributed as dist
 from .. import capability, config
 from .._dist import agree_reason, cpu_group, group_key
 from ..errors import PeerTimeoutError
+from ..symm import PeerErrors, PendingWait, SymmWorkspace, watchdog
+from .ce_flags import Flags, ok, runtime, triton_reason
 from .layout import ExchangePlan
 from .transport import Exchange, SendBuffer, Transport, send_views, source_view
 
@@ -50,7 +54,6 @@ __all__ = ["CopyEngineTransport", "local_unavailable_reason", "host_unavailable_
 #: Staging buffers kept per transport (least recently used evicted first).
 CACHE_ENTRIES = config.get("ATTNCOMM_ULYSSES_CE_CACHE")
 _ALIGN = 256
-_WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
 
 
 def _align(n: int) -> int:
@@ -66,10 +69,10 @@ def local_unavailable_reason(group, device: torch.device) -> str | None:
     why = capability.cuda_reason() or capability.symm_mem_reason()
     if why:
         return why
-    if _runtime() is None:
+    if runtime() is None:
         return "cuda.bindings (runtime) is not importable: needed for copy-engine copies"
-    if _triton_ok() is not None:
-        return f"Triton is not importable (flag kernels, waits inside graphs): {_triton_ok()}"
+    if triton_reason() is not None:
+        return f"Triton is not importable (flag kernels, waits inside graphs): {triton_reason()}"
     return None
 
 
@@ -106,138 +109,32 @@ def agreed_unavailable_reason(group, device: torch.device) -> str | None:
     return _AGREED[key]
 
 
-def _driver():
-    try:
-        from cuda.bindings import driver
-        return driver
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def _runtime():
-    try:
-        from cuda.bindings import runtime
-        return runtime
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def _triton_ok() -> str | None:
-    try:
-        import triton  # noqa: F401
-        return None
-    except Exception as exc:  # noqa: BLE001
-        return str(exc)
-
-
-def _ok(res) -> bool:
-    err = res[0] if isinstance(res, tuple) else res
-    return int(getattr(err, "value", err)) == 0
-
-
 def probe_stream_mem_ops(device: torch.device) -> str | None:
     """Trial call of ``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` (the V1 device
     attribute can read 0 while the calls work): None if they work, else why not."""
     return capability.stream_mem_ops_reason(torch.device(device).index)
 
 
-# ------------------------------------------------------------------------------ flag kernels
-_KERNELS = None
-
-
-def _kernels():
-    """The one-block Triton flag kernels (compiled lazily)."""
-    global _KERNELS
-    if _KERNELS is None:
-        import triton
-        import triton.language as tl
-        from triton.language.extra import cuda as tlcuda
-
-        @triton.jit
-        def signal_kernel(addr, value):
-            ptr = addr.to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(ptr, value, sem="release", scope="sys")
-
-        @triton.jit
-        def wait_kernel(addr, expect, reset, err_ptr, err_code, timeout_ns):
-            ptr = addr.to(tl.pointer_type(tl.int32))
-            t0 = tlcuda.globaltimer()
-            val = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-            while (val != expect) & ((tlcuda.globaltimer() - t0) < timeout_ns):
-                val = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-            if val == expect:
-                if reset != 0:
-                    tl.atomic_xchg(ptr, 0, sem="relaxed", scope="sys")
-            else:
-                tl.store(err_ptr, err_code)
-
-        _KERNELS = (signal_kernel, wait_kernel)
-    return _KERNELS
-
-
-class _Flags:
-    """Flag writes and waits on a stream: stream memory ops or Triton kernels."""
-
-    def __init__(self, mode: str, err: torch.Tensor, timeout_s: float):
-        self.mode = mode
-        self.err = err
-        self.timeout_ns = int(timeout_s * 1e9)
-        self.drv = _driver() if mode == "stream" else None
-
-    def write(self, stream: torch.cuda.Stream, addr: int, value: int,
-              kernel: bool = False) -> None:
-        """``*addr = value`` after the stream's earlier work (release order). ``kernel`` forces
-        the Triton kernel (inside graph capture every flag op is a kernel)."""
-        if self.drv is not None and not kernel:
-            if not _ok(self.drv.cuStreamWriteValue32(stream.cuda_stream, addr, value, 0)):
-                raise RuntimeError(f"cuStreamWriteValue32 at {addr:#x} failed")
-            return
-        with torch.cuda.stream(stream):
-            _kernels()[0][(1,)](addr, value)
-
-    def wait(self, stream: torch.cuda.Stream, addr: int, value: int, err_code: int,
-             bounded: bool) -> None:
-        """Stream waits until ``*addr == value``, then sets ``*addr = 0``. ``bounded`` asks for
-        the device-side deadline (the Triton kernel), used inside graph capture."""
-        if self.drv is not None and not bounded:
-            if not _ok(self.drv.cuStreamWaitValue32(stream.cuda_stream, addr, value, _WAIT_EQ)):
-                raise RuntimeError(f"cuStreamWaitValue32 at {addr:#x} failed")
-            self.write(stream, addr, 0)
-            return
-        with torch.cuda.stream(stream):
-            _kernels()[1][(1,)](addr, value, 1, self.err, err_code, self.timeout_ns)
-
-
 # ------------------------------------------------------------------------------ staging
 class _Staging:
-    """A symmetric buffer: flags + two slots of ``cap`` bytes.
+    """One staging entry: a ``SymmWorkspace`` of flags + two slots of ``cap`` bytes, and (for
+    ``send_buffer``) a local send staging per parity.
 
     Built in two collective steps, each agreed across ranks by the caller: the constructor
     allocates and initialises (local; may fail, e.g. OOM), ``rendezvous()`` exchanges handles
     (every rank must reach it, so it runs only once every rank has allocated)."""
 
-    def __init__(self, group, rank, world, cap: int, device):
-        import torch.distributed._symmetric_memory as symm_mem
+    def __init__(self, group, rank, world, cap: int, device, *, failures=None):
         self.world = world
         self.cap = cap
         self.device = device
         self.flags_bytes = _align(16 * world)
-        self.total = self.flags_bytes + 2 * cap
-        self.group_name = (group if group is not None else dist.group.WORLD).group_name
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # deprecated (not needed) in newer torch
-                    enable(self.group_name)
-            except Exception:  # noqa: BLE001 - already enabled
-                pass
-        self.buf = symm_mem.empty(self.total, dtype=torch.uint8, device=device)
-        self.buf.zero_()
+        self.ws = SymmWorkspace(group, self.flags_bytes + 2 * cap, device, op="ulysses ce",
+                                rendezvous=False, errors=failures)
+        self.buf = self.ws.slab
         flags = self.buf[:16 * world].view(torch.int32).view(4, world)
         flags[2:].fill_(1)          # A[k][p] = 1: every slot starts free
         flags[2:, rank].zero_()
-        self.handle = None
         self.ptrs: list = []
         self.parity = 0
         self.pinned = False
@@ -246,10 +143,12 @@ class _Staging:
 
     def rendezvous(self) -> None:
         """Collective: exchange buffer handles with every rank (host-blocking)."""
-        import torch.distributed._symmetric_memory as symm_mem
-        torch.cuda.synchronize(self.device)  # the flag init lands before any peer can write
-        self.handle = symm_mem.rendezvous(self.buf, self.group_name)
-        self.ptrs = [int(p) for p in self.handle.buffer_ptrs]
+        self.ws.rendezvous()
+        self.ptrs = self.ws.peer_ptrs
+
+    def release(self) -> None:
+        self.ws.release()
+        self.buf = None
 
     def f_addr(self, owner: int, k: int, src: int) -> int:
         return self.ptrs[owner] + 4 * (k * self.world + src)
@@ -283,6 +182,9 @@ class CopyEngineTransport(Transport):
             agreed across ranks), ``"stream"`` or ``"kernel"`` (env
             ``ATTNCOMM_ULYSSES_CE_FLAGS``).
         cache_entries: staging buffers kept (LRU).
+
+    Attributes:
+        failures: the substrate's ``PeerErrors`` (error words, broken state) of this transport.
     """
 
     name = "ce"
@@ -293,45 +195,40 @@ class CopyEngineTransport(Transport):
                  cache_entries: int | None = None):
         super().__init__(group, rank, world_size, timeout_s)
         self.device = torch.device(device)
-        mode = flag_mode or config.get("ATTNCOMM_ULYSSES_CE_FLAGS")
-        if mode not in ("auto", "stream", "kernel"):
-            raise ValueError(f"flag_mode must be 'auto', 'stream' or 'kernel', got {mode!r}")
-        if mode != "kernel":
-            why = probe_stream_mem_ops(self.device)
-            ok = torch.tensor([1 if why is None else 0], dtype=torch.int64)
-            if world_size > 1:
-                dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=cpu_group(group))
-            if int(ok.item()) == 1:
-                mode = "stream"
-            elif mode == "stream":
-                raise ValueError(f"ce flag_mode='stream': stream memory ops do not work on "
-                                 f"every rank ({why or 'a peer failed the probe'})")
-            else:
-                mode = "kernel"
-        self.flag_mode = mode
-        self.err = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self.flags = _Flags(mode, self.err, timeout_s)
+        self.flag_mode = self._agree_flag_mode(flag_mode)
+        self.failures = PeerErrors(world_size, self.device, op="ulysses ce", rank=rank,
+                                   timeout_s=timeout_s)
+        self.flags = Flags(self.flag_mode, self.failures.words, timeout_s)
         self.capacity = cache_entries if cache_entries is not None else CACHE_ENTRIES
         self.cache: collections.OrderedDict = collections.OrderedDict()
         self.evictions = 0
-        self.broken: str | None = None
-        self.rt = _runtime()
+        self.rt = runtime()
         n_streams = max(1, min(world_size - 1, 4))
         self.streams = [torch.cuda.Stream(device=self.device) for _ in range(n_streams)]
-        self.side = torch.cuda.Stream(device=self.device)
-        self.captured = False
-        if _triton_ok() is None:
-            self._warm_kernels()
+        self.side = torch.cuda.Stream(device=self.device)  # the watchdog's flag writes
+        if triton_reason() is None:
+            self.flags.warm(self.device)
 
-    def _warm_kernels(self) -> None:
-        """Compile the flag kernels now (never during graph capture)."""
-        t = torch.zeros(1, dtype=torch.int32, device=self.device)
-        flags = _Flags("kernel", self.err, 1.0)
-        s = torch.cuda.current_stream(self.device)
-        flags.write(s, t.data_ptr(), 1)
-        flags.wait(s, t.data_ptr(), 1, 1, bounded=True)
-        torch.cuda.synchronize(self.device)
-        self.err.zero_()
+    def _agree_flag_mode(self, flag_mode) -> str:
+        mode = flag_mode or config.get("ATTNCOMM_ULYSSES_CE_FLAGS")
+        if mode not in ("auto", "stream", "kernel"):
+            raise ValueError(f"flag_mode must be 'auto', 'stream' or 'kernel', got {mode!r}")
+        if mode == "kernel":
+            return mode
+        why = probe_stream_mem_ops(self.device)
+        flag = torch.tensor([1 if why is None else 0], dtype=torch.int64)
+        if self.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group(self.group))
+        if int(flag.item()) == 1:
+            return "stream"
+        if mode == "stream":
+            raise ValueError(f"ce flag_mode='stream': stream memory ops do not work on every "
+                             f"rank ({why or 'a peer failed the probe'})")
+        return "kernel"
+
+    @property
+    def broken(self) -> PeerTimeoutError | None:
+        return self.failures.broken
 
     # -------------------------------------------------------------------------- cache
     def _key(self, plan: ExchangePlan, dtype) -> tuple:
@@ -354,19 +251,19 @@ class CopyEngineTransport(Transport):
         # Entries used inside a CUDA graph are pinned (the graph holds their addresses); the
         # bound counts the others.
         victims = [k for k, st in self.cache.items() if not st.pinned]
-        if len(victims) >= self.capacity:
-            if victims:
-                # Every rank evicts the same entry at the same call; make sure nobody still
-                # reads or writes it.
-                torch.cuda.synchronize(self.device)
-                dist.barrier(group=g)
-                del self.cache[victims[0]]
-                self.evictions += 1
+        if len(victims) >= self.capacity and victims:
+            # Every rank evicts the same entry at the same call; make sure nobody still reads
+            # or writes it.
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=g)
+            self.cache.pop(victims[0]).release()
+            self.evictions += 1
         # Allocate (may fail on one rank, e.g. OOM) → agree → rendezvous only if every rank
         # allocated: a rank that failed never leaves its peers waiting in the rendezvous.
         st, why = capability.collective_try(
             self.group, lambda: _Staging(self.group, self.rank, self.world_size, key[1],
-                                         self.device), "ulysses ce staging allocation")
+                                         self.device, failures=self.failures),
+            "ulysses ce staging allocation")
         if why:
             return f"staging allocation failed: {why}"
         _, why = capability.collective_try(self.group, st.rendezvous,
@@ -377,26 +274,13 @@ class CopyEngineTransport(Transport):
         return None
 
     def check(self) -> None:
-        if self.broken is not None:
-            raise PeerTimeoutError(self.broken, op="ulysses ce")
-        if self.captured and not torch.cuda.is_current_stream_capturing():
-            self.check_error()
-
-    def check_error(self) -> None:
-        """Raise ``PeerTimeoutError`` if a flag-wait kernel gave up (host-blocking read)."""
-        code = int(self.err.item())
-        if code:
-            self.err.zero_()
-            peer = code - 1
-            self.broken = (f"ulysses ce: rank {self.rank} waited for rank {peer} past the "
-                           f"timeout of {self.timeout_s:g} s; the transport is unusable now")
-            raise PeerTimeoutError(self.broken, peer_ranks=[peer], timeout_s=self.timeout_s,
-                                   op="ulysses ce")
+        """Raise ``PeerTimeoutError`` if a wait of this transport timed out (the error words
+        and the watchdog's verdicts; no CUDA call)."""
+        self.failures.check()
 
     # -------------------------------------------------------------------------- exchange
     def _entry(self, plan: ExchangePlan, dtype) -> tuple:
-        if self.broken is not None:
-            raise PeerTimeoutError(self.broken, op="ulysses ce")
+        self.check()
         key = self._key(plan, dtype)
         if key not in self.cache:
             why = self.prepare(plan, dtype)
@@ -453,26 +337,29 @@ class CopyEngineTransport(Transport):
         capturing = torch.cuda.is_current_stream_capturing()
         if capturing:
             st.pinned = True
-            self.captured = True
         k = st.parity
         st.parity ^= 1
         item = torch.empty((), dtype=dtype).element_size()
         r, w = self.rank, self.world_size
         cur = torch.cuda.current_stream(self.device)
-        ready = torch.cuda.Event()
-        ready.record(cur)
+        ready = _record(cur)
         done, a_events = {}, {}
         for i in range(1, w):
             p = (r + i) % w
             cs = self.streams[(i - 1) % len(self.streams)]
             cs.wait_event(ready)
-            self.flags.wait(cs, st.a_addr(r, k, p), 1, p + 1, bounded=capturing)
+            self.flags.wait(cs, st.a_addr(r, k, p), 1, p, bounded=capturing)
             a_events[p] = _record(cs)
             self._copy_to(cs, st.slot_addr(p, k), plan, p, parts, send, item)
             self.flags.write(cs, st.f_addr(p, k, r), 1, kernel=capturing)
             done[p] = _record(cs)
         if send is not None:
             st.send_done[k] = list(done.values())
+        elif w > 1:
+            for x in parts:  # the copy streams read them: keep their memory until then
+                for cs in self.streams:
+                    x.record_stream(cs)
+        self._watch(ready, a_events, capturing, lambda p: [st.a_addr(r, k, p)])
         local = st.slot_view(k, plan.recv_numel[r], dtype)
         if send is None or not plan.tiled:
             srcs = (send_views(send, r) if send is not None else
@@ -481,7 +368,21 @@ class CopyEngineTransport(Transport):
                 dst = local.as_strided((x.rows, x.cols), (x.dst_pitch, 1),
                                        local.storage_offset() + x.dst_offset)
                 dst.copy_(src)
-        return _CEExchange(self, st, k, plan, local, out, done, a_events, capturing, parts)
+        return _CEExchange(self, st, k, plan, local, out, done, capturing)
+
+    def _watch(self, started, events: dict, capturing: bool, addrs) -> None:
+        """Hand the waits that have no device deadline to the watchdog: past ``timeout_s`` it
+        writes the awaited flags (``addrs(peer)``) locally on the side stream."""
+        if capturing or not events or not self.flags.unbounded:
+            return
+
+        def release(blocked):
+            for p in blocked:
+                for addr in addrs(p):
+                    self.flags.write(self.side, addr, 1)
+
+        watchdog().add(PendingWait(self.failures, started, events, self.timeout_s, release,
+                                   self.device.index))
 
     def _copy_to(self, cs, base: int, plan: ExchangePlan, p: int, parts, send, item) -> None:
         """Everything this rank sends to ``p`` into ``p``'s slot at ``base``: from the send
@@ -502,7 +403,7 @@ class CopyEngineTransport(Transport):
         rt = self.rt
         res = rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
                                  stream.cuda_stream)
-        if not _ok(res):
+        if not ok(res):
             raise RuntimeError(f"ulysses ce: copy of {nbytes} B failed: {res}")
 
     def _copy(self, stream, base: int, x, src: torch.Tensor, item: int) -> None:
@@ -522,24 +423,8 @@ class CopyEngineTransport(Transport):
         else:
             res = rt.cudaMemcpy2DAsync(dst, dpitch, src.data_ptr(), spitch, width, x.rows,
                                        kind, s)
-        if not _ok(res):
+        if not ok(res):
             raise RuntimeError(f"ulysses ce: copy of {x.rows}×{width} B failed: {res}")
-
-    def _timeout(self, st, k, pending: list, op: str) -> None:
-        """Release our blocked streams by writing the awaited flags locally, then raise.
-        ``pending``: ``(peer, event recorded after the wait for that peer)``."""
-        blocked = sorted({p for p, ev in pending if not ev.query()})
-        r = self.rank
-        for p in blocked:
-            self.flags.write(self.side, st.f_addr(r, k, p), 1)
-            self.flags.write(self.side, st.a_addr(r, k, p), 1)
-        self.broken = (f"ulysses ce: rank {r} got no answer from rank(s) {blocked} within "
-                       f"{self.timeout_s:g} s ({op}); the transport is unusable now")
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and not all(ev.query() for _, ev in pending):
-            time.sleep(1e-3)
-        raise PeerTimeoutError(self.broken, peer_ranks=blocked, timeout_s=self.timeout_s,
-                               op="ulysses ce")
 
 
 def _record(stream) -> torch.cuda.Event:
@@ -549,58 +434,52 @@ def _record(stream) -> torch.cuda.Event:
 
 
 class _CEExchange(Exchange):
-    def __init__(self, t, st, k, plan, local, out, done, a_events, capturing, parts):
+    """An exchange in flight. ``wait()`` orders the caller's stream after every source's flag
+    and this rank's own copies (device-side; the host does not wait) and returns the slot, or
+    copies it into ``out`` (then releases the slot)."""
+
+    def __init__(self, t, st, k, plan, local, out, done, capturing):
         self.t, self.st, self.k, self.plan = t, st, k, plan
-        self.local, self.out, self.done, self.a_events = local, out, done, a_events
+        self.local, self.out, self.done = local, out, done
         self.capturing = capturing
-        self.parts = parts  # keep the sources alive until the copies are done
         self._result = None
         self._released = False
-        self._release_capturing = capturing
 
     def wait(self) -> torch.Tensor:
         if self._result is not None:
             return self._result
         t, st, k, r = self.t, self.st, self.k, self.t.rank
         cur = torch.cuda.current_stream(t.device)
+        started = _record(cur)
         f_events = {}
         for i in range(1, t.world_size):
             s = (r - i) % t.world_size
-            t.flags.wait(cur, st.f_addr(r, k, s), 1, s + 1, bounded=self.capturing)
+            t.flags.wait(cur, st.f_addr(r, k, s), 1, s, bounded=self.capturing)
             f_events[s] = _record(cur)
         for ev in self.done.values():
             cur.wait_event(ev)
-        if not self.capturing:
-            pending = list(self.a_events.items()) + list(f_events.items())
-            end = _record(cur)
-            start = time.monotonic()
-            while not end.query():
-                now = time.monotonic()
-                if now - start > t.timeout_s:
-                    t._timeout(st, k, pending, "waiting for peers")
-                if now - start > 2e-3:  # spin for the first 2 ms (typical exchanges), then nap
-                    time.sleep(5e-5)
-            if t.flag_mode == "kernel":
-                t.check_error()  # the wait kernels gave up at their device deadline
-        self.parts = None
+        t._watch(started, f_events, self.capturing, lambda s: [st.f_addr(r, k, s)])
         result = self.local
         if self.out is not None:
-            plan = self.plan
-            if plan.covers(r):
-                self.out.copy_(self.local)
-            else:
-                for s in range(plan.world_size):
-                    for x in plan.pieces[s][r]:
-                        off = x.dst_offset
-                        src = self.local.as_strided((x.rows, x.cols), (x.dst_pitch, 1),
-                                                    self.local.storage_offset() + off)
-                        dst = self.out.as_strided((x.rows, x.cols), (x.dst_pitch, 1),
-                                                  self.out.storage_offset() + off)
-                        dst.copy_(src)
+            self._copy_out()
             result = self.out
             self.release()
         self._result = result
         return result
+
+    def _copy_out(self) -> None:
+        plan, r = self.plan, self.t.rank
+        if plan.covers(r):
+            self.out.copy_(self.local)
+            return
+        for s in range(plan.world_size):
+            for x in plan.pieces[s][r]:
+                off = x.dst_offset
+                src = self.local.as_strided((x.rows, x.cols), (x.dst_pitch, 1),
+                                            self.local.storage_offset() + off)
+                dst = self.out.as_strided((x.rows, x.cols), (x.dst_pitch, 1),
+                                          self.out.storage_offset() + off)
+                dst.copy_(src)
 
     def release(self) -> None:
         if self._released:
@@ -608,7 +487,7 @@ class _CEExchange(Exchange):
         self._released = True
         t, st, k, r = self.t, self.st, self.k, self.t.rank
         cur = torch.cuda.current_stream(t.device)
+        kernel = torch.cuda.is_current_stream_capturing()
         for i in range(1, t.world_size):
             s = (r - i) % t.world_size
-            t.flags.write(cur, st.a_addr(s, k, r), 1,
-                          kernel=torch.cuda.is_current_stream_capturing())
+            t.flags.write(cur, st.a_addr(s, k, r), 1, kernel=kernel)

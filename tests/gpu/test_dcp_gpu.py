@@ -243,7 +243,9 @@ def _timeout_path(rank, world_size):
     if rank == 0:
         t0 = time.monotonic()
         try:
-            m(out, lse)
+            m(out, lse)  # no host sync: the timeout is found by check() or the next call
+            torch.cuda.synchronize()  # the kernel gives up at its device-side deadline
+            m.check()
             result = "no error"
         except PeerTimeoutError as exc:
             waited = time.monotonic() - t0
@@ -253,8 +255,8 @@ def _timeout_path(rank, world_size):
         try:
             m(out, lse)
             result += "; reuse allowed"
-        except RuntimeError as exc:
-            assert "unusable" in str(exc)
+        except PeerTimeoutError as exc:  # broken for good, the same error type
+            assert "unusable" in str(exc) and exc.peer_ranks == [1], exc
     # rank 1 keeps its slab mapped until rank 0's kernel has finished with it
     dist.barrier(group=cpu_group())
     torch.cuda.synchronize()

@@ -171,14 +171,22 @@ def _timeout(rank, world, mode):
     t0 = time.monotonic()
     try:
         ex = ce.start(plan, [x], torch.float32, dev)
-        ex.wait()
+        ex.wait()  # the host does not wait: the stream does, bounded (device or watchdog)
+        ex.release()
+        torch.cuda.synchronize()  # returns once the wait gave up or was released
+        ce.check()
     except PeerTimeoutError as exc:
-        return ("timeout", exc.peer_ranks, time.monotonic() - t0)
+        try:
+            ce.start(plan, [x], torch.float32, dev)
+            again = None
+        except PeerTimeoutError as exc2:  # broken for good
+            again = exc2.peer_ranks
+        return ("timeout", exc.peer_ranks, time.monotonic() - t0, again)
     return "no error"
 
 
 @pytest.mark.parametrize("mode", ["auto", "kernel"])
 def test_ce_timeout_raises(gpu_pool, mode):
     res = gpu_pool.run(_timeout, mode, timeout_s=120)
-    kind, peers, elapsed = res[0]
-    assert kind == "timeout" and peers == [1] and 2.5 < elapsed < 15, res
+    kind, peers, elapsed, again = res[0]
+    assert kind == "timeout" and peers == [1] and again == [1] and 2.5 < elapsed < 15, res
