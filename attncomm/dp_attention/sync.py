@@ -20,21 +20,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
-from .. import config
-from .._dist import (agree, agree_reason, all_gather_tensor, cpu_group, group_device, guard_timeout,
-                     wait)
-from ..capability import same_host
-from ..errors import PeerTimeoutError
-from . import shm as _shm
+from .rows import (ROW as _ROW, SYNC_CHOICES, SyncPlan, close_shm_channels, exchange_rows,
+                   plan_for, resolve, resolve_sync, rows_for)
 
 __all__ = ["ForwardMode", "BatchView", "MLPSyncBatchInfo", "prepare_mlp_sync_batch",
            "resolve_sync", "count_tokens", "exchange_rows", "close_shm_channels",
            "SYNC_CHOICES", "NEUTRAL_ROW"]
 
-SYNC_CHOICES = ("auto", "shm", "cpu", "device")
-_ROW = 6
 _IDLE = 4
 _INVALID_MODE = -1  # row marker: this rank's input was invalid (every rank raises) ...
 # ... and this one: a layout row [dp, tp, cp, 0, 0, _LAYOUT_MODE], sent once per layout and group
@@ -45,9 +38,6 @@ _WHY = {_BAD_BATCH: "invalid batch or counts",
         _BAD_SIZES: "dp_size·tp_size·cp_size does not match the group size",
         _BAD_ACTIVE: "invalid active_ranks"}
 _I64_MAX = (1 << 63) - 1
-# Fills the receive buffer of the cpu/device paths before the exchange: no rank sends it (a sent
-# mode is a ForwardMode or -1), so a row still holding it after the wait never arrived.
-_UNSENT = -(1 << 63)
 
 
 class ForwardMode(enum.IntEnum):
@@ -144,157 +134,6 @@ def _local_can_run_tbo(batch: BatchView | None, num_tokens: int) -> bool:
     if batch is None or num_tokens == 0:
         return True
     return int(batch.batch_size) >= 2
-
-
-# -- choosing and running the exchange -------------------------------------------------------
-
-@dataclass
-class _Plan:
-    """What one group's sync needs, looked up once (the per-step path does no group queries)."""
-
-    group: object
-    world: int
-    cg: object
-    device: torch.device
-    auto: str | None = None
-    why: str | None = None
-    channel: object = None
-    paths: dict = field(default_factory=dict)    # sync argument → path it resolved to
-    per_dp: dict = field(default_factory=dict)   # valid (dp, tp, cp) → tp·cp
-
-
-_PLANS: dict[int, _Plan] = {}
-
-
-def _plan(group) -> _Plan:
-    g = dist.group.WORLD if group is None else group
-    p = _PLANS.get(id(g))
-    if p is None or p.group is not g:  # identity check: an id can be reused by a new group
-        p = _Plan(g, dist.get_world_size(g), cpu_group(group), group_device(group))
-        _PLANS[id(g)] = p
-    return p
-
-
-def _one_host(cg, timeout_s: float | None) -> tuple[bool, str | None]:
-    """Collective over ``cg``: do all ranks share this host (``capability.same_host``) and can
-    every rank run the shm protocol? The same answer on every rank."""
-    with guard_timeout(cg, "dp_attention sync (host check)", timeout_s):
-        if not same_host(cg):
-            return False, "the group's ranks are on more than one host"
-        why = agree_reason(cg, _shm.shm_supported()[1], "dp_attention shm sync")
-    return why is None, why
-
-
-def _resolve(p: _Plan, sync: str, timeout_s: float | None) -> str:
-    path = p.paths.get(sync) if isinstance(sync, str) else None
-    if path is None:  # decided once per plan and argument (an error is never cached)
-        _agree_sync(p, sync, timeout_s)
-        path = _decide(p, sync, timeout_s)
-        p.paths[sync] = path
-    return path
-
-
-def _agree_sync(p: _Plan, sync, timeout_s: float | None) -> None:
-    """On the first use of a ``sync`` value on a group: one small collective over the gloo twin
-    checks that every rank passed the same valid value (ranks on different paths would each wait
-    for the others until the timeout). Raises the same ValueError on every rank, naming each
-    rank's value. Later steps with that value skip it; a rank that changes its value alone runs
-    it while its peers exchange rows, and both sides time out (PeerTimeoutError)."""
-    ok = isinstance(sync, str) and sync in SYNC_CHOICES
-    code = SYNC_CHOICES.index(sync) if ok else -1
-    err = None if ok else f"sync must be one of {list(SYNC_CHOICES)}, got {sync!r}"
-    agree(p.group, "dp_attention sync", [code],
-          [f"sync (index into {list(SYNC_CHOICES)}; -1: invalid)"], local_error=err,
-          timeout_s=config.timeout_s(timeout_s))
-
-
-def _decide(p: _Plan, sync: str, timeout_s: float | None) -> str:
-    if sync == "cpu" or sync == "device":
-        return sync
-    if p.auto is None:
-        ok, p.why = _one_host(p.cg, timeout_s)
-        p.auto = "shm" if ok else "cpu"
-    if sync == "shm" and p.auto != "shm":
-        raise ValueError(f"sync='shm' cannot run on this group: {p.why}")
-    return p.auto
-
-
-def resolve_sync(sync: str, group=None, *, timeout_s: float | None = None) -> str:
-    """The sync path ``sync`` means on ``group``: "shm", "cpu" or "device".
-
-    "auto" → "shm" when every rank of the group is on this host (decided once per group, by one
-    collective over its gloo twin), else "cpu". An explicit "shm" that cannot run raises
-    ``ValueError`` on every rank, saying why (the decision is shared, so it is the same
-    everywhere). Collective on a value's first use on a group (every rank must call it then; a
-    value that is invalid or differs between ranks raises ``ValueError`` on every rank).
-    """
-    return _resolve(_plan(group), sync, timeout_s)
-
-
-def close_shm_channels() -> None:
-    """Unmap every cached shm segment (they are also released at exit) and forget the plans."""
-    for p in _PLANS.values():
-        if p.channel is not None:
-            p.channel.close()
-    _PLANS.clear()
-
-
-def _exchange(p: _Plan, path: str, row: Sequence[int], device, timeout_s: float | None,
-              mask: torch.Tensor | None = None) -> tuple[Sequence[int], list | None]:
-    """Every rank's row back to back (``W · 6`` ints, rank r's field f at ``6r + f``), and the
-    values of ``mask`` (a device-resident active mask, fetched in the same copy) or None.
-
-    The cpu/device receive buffer is filled with ``_UNSENT`` first: a row that still holds it
-    after the wait did not arrive (an aborted NCCL exchange can return with the buffer unwritten,
-    and a reused block would otherwise hand back an older step's rows) → ``PeerTimeoutError``
-    naming those ranks.
-    """
-    if path == "shm":
-        if p.channel is None:
-            p.channel = _shm.ShmRowExchange(p.cg, _ROW, timeout_s=timeout_s)
-        return p.channel.exchange_flat(row, timeout_s=timeout_s), None
-    if path == "cpu":
-        g, dev = p.cg, torch.device("cpu")
-    else:
-        g, dev = p.group, (torch.device(device) if device is not None else p.device)
-    world, op = p.world, f"dp_attention sync ({path})"
-    try:
-        local = torch.tensor(row, dtype=torch.int64, device=dev)
-    except (RuntimeError, OverflowError, TypeError, ValueError):  # the error path only
-        raise ValueError(_shm.bad_value_message(row)) from None
-    out = torch.full((world * _ROW,), _UNSENT, dtype=torch.int64, device=dev)
-    t = config.timeout_s(timeout_s)
-    wait(all_gather_tensor(out, local, g, async_op=True), g, op, t)
-    if mask is not None:
-        out = torch.cat([out, mask.to(device=dev, dtype=torch.int64).view(-1)])
-    flat = out.tolist()  # the one device→host copy on the device path
-    flat, mask_vals = (flat[:world * _ROW], flat[world * _ROW:]) if mask is not None else (flat,
-                                                                                          None)
-    if _UNSENT in flat[5::_ROW]:
-        missing = [r for r in range(world) if flat[r * _ROW + 5] == _UNSENT]
-        raise PeerTimeoutError(f"{op}: the exchange returned without the rows of rank(s) "
-                               f"{missing} (aborted or timed out)", peer_ranks=missing,
-                               timeout_s=t, op=op)
-    return flat, mask_vals
-
-
-def exchange_rows(row: Sequence[int], group=None, *, sync: str, device=None,
-                  timeout_s: float | None = None) -> list[list[int]]:
-    """Every group rank's row (``W`` lists of 6 ints, rank order) through path ``sync``
-    ("auto", "shm", "cpu" or "device"); at most one device→host copy.
-
-    A low-level helper, collective like every exchange (a ``sync`` value's first use on the
-    group adds a check that every rank passed the same one). A row that is not 6 ints in the
-    int64 range raises ``ValueError`` on this rank only (before the exchange); field 5 must not
-    be ``-2**63`` (on the cpu/device paths that value marks a row that did not arrive →
-    ``PeerTimeoutError``).
-    """
-    vals = [int(v) for v in row]
-    if len(vals) != _ROW:
-        raise ValueError(f"exchange_rows: a row is {_ROW} int64 values, got {len(vals)}")
-    p = _plan(group)
-    flat, _ = _exchange(p, _resolve(p, sync, timeout_s), vals, device, timeout_s)
-    return [list(flat[i:i + _ROW]) for i in range(0, len(flat), _ROW)]
 
 
 # -- the sync info ---------------------------------------------------------------------------
@@ -398,7 +237,7 @@ class MLPSyncBatchInfo:
         return (num, num_lp, 1 if self.can_cuda_graph else 0, 1 if self.is_extend_in_batch else 0,
                 1 if self.local_can_run_tbo else 0, mode)
 
-    def _per_dp(self, p: _Plan) -> tuple[int, tuple | None]:
+    def _per_dp(self, p: SyncPlan) -> tuple[int, tuple | None]:
         """``(tp·cp, key)`` after checking the sizes against the group. ``key`` is None when the
         layout is known on the plan (agreed by every rank before: the per-step path only looks
         it up), else the ``(dp, tp, cp)`` every rank must agree on first (``_agree_layout``)."""
@@ -434,8 +273,8 @@ class MLPSyncBatchInfo:
             what was wrong, and this rank's own problem in full.
             PeerTimeoutError when a rank's row does not arrive in time.
         """
-        p = _plan(group)
-        path = _resolve(p, sync, timeout_s)
+        p = plan_for(group)
+        path = resolve(p, sync, timeout_s)
         code, why = 0, None
         try:
             per_dp, new_layout = self._per_dp(p)
@@ -451,12 +290,9 @@ class MLPSyncBatchInfo:
                 if not code:
                     code, why = _BAD_ACTIVE, str(exc)
         row = self._local_row(code)
-        if path == "shm" and p.channel is not None:  # the steady state, without a call layer
-            flat = p.channel.exchange_flat(row, timeout_s=timeout_s)
-        else:
-            flat, mask_vals = _exchange(p, path, row, device, timeout_s, mask)
-            if mask_vals is not None:
-                active = [bool(v) for v in mask_vals]
+        flat, mask_vals = rows_for(p, path, device, timeout_s).exchange(row, timeout_s, mask)
+        if mask_vals is not None:
+            active = [bool(v) for v in mask_vals]
         if active is not None:
             flat = _mask_rows(flat, active)
         self._check_rows(flat, why)
@@ -514,7 +350,7 @@ class MLPSyncBatchInfo:
         self.can_run_tbo = bool(enable_tbo and agree and all(flat[4::stride]))
 
 
-def _agree_layout(info: MLPSyncBatchInfo, p: _Plan, path: str, layout: tuple, device,
+def _agree_layout(info: MLPSyncBatchInfo, p: SyncPlan, path: str, layout: tuple, device,
                   timeout_s) -> None:
     """The first use of a ``(dp, tp, cp)`` layout on a group: one exchange of layout rows on the
     sync path itself (the same buffer shape as a step, so a peer in a step exchange meanwhile
@@ -523,7 +359,8 @@ def _agree_layout(info: MLPSyncBatchInfo, p: _Plan, path: str, layout: tuple, de
     ``_check_rows``; a peer whose sizes are invalid sends its invalid row, reported as in a
     step); remembers the layout on the plan when every rank sent the same one."""
     dp, tp, cp = layout
-    flat, _ = _exchange(p, path, (dp, tp, cp, 0, 0, _LAYOUT_MODE), device, timeout_s)
+    flat, _ = rows_for(p, path, device, timeout_s).exchange((dp, tp, cp, 0, 0, _LAYOUT_MODE),
+                                                            timeout_s)
     rows = [tuple(flat[i:i + _ROW]) for i in range(0, len(flat), _ROW)]
     if all(r == rows[0] and r[5] == _LAYOUT_MODE for r in rows):
         if all(type(v) is int for v in (info.dp_size, info.tp_size, info.cp_size)):

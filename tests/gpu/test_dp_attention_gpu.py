@@ -66,7 +66,7 @@ class _Done:
 def _unsent_on_device(rank, world, dev):
     """The NCCL gather returns with the last rank's slot unwritten (as an aborted exchange can):
     every rank raises PeerTimeoutError naming it, never reads a stale row."""
-    from attncomm.dp_attention import sync as sync_mod
+    from attncomm.dp_attention import rows as sync_mod  # where the gather is called
 
     real = sync_mod.all_gather_tensor
 
