@@ -10,6 +10,10 @@
   host reads them with no CUDA call, so the hot path never synchronises. Once a wait timed out
   the ranks are out of step, so the object is broken: every later ``check()`` (each call does
   one) raises ``PeerTimeoutError`` naming the peers; build a new one on every rank.
+- Protocol helpers shared by the push kernels' hosts (``plan_blocks``, ``ll_rows_for``,
+  ``use_ll``, ``peer_deltas``, ``agreed_min``; constants ``DELTA_UNIT``, ``SCRUB_PERIOD``,
+  ``LL_MAX_BYTES``); their device half (epochs, scrub, bounded waits, LL words) is
+  ``attncomm.symm_device``.
 - The watchdog: one daemon thread per process (as NCCL's), started on first use, that polls
   every live ``PeerErrors`` and every ``PendingWait`` (a wait the host enqueued without waiting
   for it, e.g. ``cuStreamWaitValue32``, which has no device deadline). A pending wait past its
@@ -33,9 +37,72 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from . import capability
+from ._dist import cpu_group
 from .errors import PeerTimeoutError
 
-__all__ = ["SymmWorkspace", "PeerErrors", "PendingWait", "Watchdog", "watchdog"]
+__all__ = ["SymmWorkspace", "PeerErrors", "PendingWait", "Watchdog", "watchdog", "plan_blocks",
+           "ll_rows_for", "use_ll", "peer_deltas", "agreed_min", "DELTA_UNIT", "SCRUB_PERIOD",
+           "LL_MAX_BYTES"]
+
+#: Peer offsets are passed to kernels in units of this many elements (keeps stores vectorised).
+DELTA_UNIT = 16
+#: Epochs ``e`` with ``(e >> 1) % SCRUB_PERIOD == 0`` scrub the other parity slot first.
+SCRUB_PERIOD = 1 << 29
+#: Payload per peer up to which a push kernel takes the LL protocol by default.
+LL_MAX_BYTES = 256 * 1024
+
+
+def plan_blocks(n_rows: int, n_programs_max: int, max_block_rows: int = 64):
+    """Rows per block (a power of two ≤ ``max_block_rows``) and grid size for ``n_rows`` rows:
+    enough rows per block that the blocks roughly fill ``n_programs_max`` programs.
+
+    Returns ``(block_rows, n_blocks, grid)``; the same on every rank for the same inputs."""
+    if n_rows <= 0:
+        return 1, 0, 0
+    per = -(-n_rows // max(n_programs_max, 1))
+    br = 1
+    while br < per and br < max_block_rows:
+        br *= 2
+    n_blocks = -(-n_rows // br)
+    return br, n_blocks, min(n_blocks, n_programs_max)
+
+
+def ll_rows_for(max_rows: int, head_dim: int, itemsize: int,
+                ll_max_bytes: int = LL_MAX_BYTES) -> int:
+    """Rows per LL cell: the rows whose payload per peer fits ``ll_max_bytes`` (0 when a row of
+    ``head_dim · itemsize`` bytes cannot be cut into 32-bit words)."""
+    if (head_dim * itemsize) % 4:
+        return 0
+    return min(max_rows, ll_max_bytes // (head_dim * itemsize))
+
+
+def use_ll(n_rows: int, layout) -> bool:
+    """Whether a call of ``n_rows`` rows per peer takes the LL protocol (``layout.ll_rows``:
+    the rows an LL cell holds)."""
+    return 0 < n_rows <= layout.ll_rows
+
+
+def peer_deltas(peer_ptrs: Sequence[int], rank: int, itemsize: int, device, *, op: str):
+    """The kernels' peer offset tables: every rank's slab address minus this rank's, as
+    ``[W]`` int64 on ``device`` in ``DELTA_UNIT`` elements of ``itemsize`` bytes, of 4-byte
+    and of 8-byte words. RuntimeError (naming ``op``) when the slabs are not that aligned
+    relative to each other."""
+    units = (DELTA_UNIT * itemsize, DELTA_UNIT * 4, DELTA_UNIT * 8)
+    deltas = [int(p) - int(peer_ptrs[rank]) for p in peer_ptrs]
+    if any(dl % u for dl in deltas for u in units):
+        raise RuntimeError(f"{op}: peer slabs are not {max(units)}-byte aligned relative to "
+                           f"each other: {deltas}")
+    return tuple(torch.tensor([dl // u for dl in deltas], dtype=torch.int64, device=device)
+                 for u in units)
+
+
+def agreed_min(group, value: int) -> int:
+    """The smallest ``value`` over the group's ranks (one gloo all_reduce): a launch bound
+    every rank must plan with alike."""
+    n = torch.tensor([int(value)], dtype=torch.int64)
+    dist.all_reduce(n, op=dist.ReduceOp.MIN, group=cpu_group(group))
+    return int(n.item())
 
 def ranks(peers: Sequence[int]) -> str:
     """``"rank 3"`` or ``"ranks [0, 2]"`` for messages."""
@@ -318,6 +385,22 @@ class SymmWorkspace:
         self.peer_ptrs: list[int] = []
         if rendezvous:
             self.rendezvous()
+
+    @classmethod
+    def agreed(cls, group, size, device: torch.device, *, op: str,
+               timeout_s: float | None = None) -> "SymmWorkspace":
+        """Allocate, then rendezvous, each step agreed across ranks
+        (``capability.collective_try``): every rank gets a workspace, or every rank raises
+        ``RuntimeError`` naming ``op`` and the step that failed on some rank."""
+        ws, reason = capability.collective_try(
+            group, lambda: cls(group, size, device, op=op, timeout_s=timeout_s,
+                               rendezvous=False), f"{op} allocation")
+        if reason:
+            raise RuntimeError(f"{op}: allocation failed: {reason}")
+        _, reason = capability.collective_try(group, ws.rendezvous, f"{op} rendezvous")
+        if reason:
+            raise RuntimeError(f"{op}: rendezvous failed: {reason}")
+        return ws
 
     def rendezvous(self) -> None:
         """Collective: exchange slab handles with every rank (host-blocking; before capture).

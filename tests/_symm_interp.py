@@ -234,6 +234,12 @@ class _FakeWorkspace:
         for name in ("check", "ensure_usable", "sync_check"):
             setattr(self, name, getattr(SymmWorkspace, name).__get__(self))
 
+    @classmethod
+    def agreed(cls, group, size, device, *, op, timeout_s=None):
+        from attncomm.symm import SymmWorkspace
+        return SymmWorkspace.agreed.__func__(cls, group, size, device, op=op,
+                                             timeout_s=timeout_s)
+
     def rendezvous(self):
         self.peer_ptrs = [self.slab.data_ptr()]
         self.handle = type("H", (), {"buffer_ptrs": self.peer_ptrs})()

@@ -23,19 +23,15 @@ import dataclasses
 import functools
 
 import torch
-import torch.distributed as dist
 
 from .. import capability
-from .._dist import cpu_group
-from ..symm import SymmWorkspace
+from ..symm import SymmWorkspace, agreed_min, ll_rows_for, peer_deltas, use_ll
 from . import gather_symm_kernels as kern
 from .gather import QueryGatherBackend
 
-__all__ = ["GatherLayout", "SymmGatherBackend", "launch_gather", "use_ll"]
+__all__ = ["GatherLayout", "SymmGatherBackend", "launch_gather", "ll_rows_for", "use_ll"]
 
 _ALIGN = 128
-_LL_MAX_BYTES = 256 * 1024  # payload per peer up to which the LL protocol is used
-_DELTA_UNIT = 16  # peer offsets in units of 16 elements (keeps stores vectorised)
 _TL_DTYPE_SIZES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
 
 
@@ -106,19 +102,6 @@ class GatherLayout:
                 "ll_base": self.base("ll") // 8,
                 "ll_cell": _align(self.ll_rows * self.row_words * 8) // 8,
                 "ready_base": self.base("ready") // 4}
-
-
-def ll_rows_for(max_rows: int, head_dim: int, itemsize: int,
-                ll_max_bytes: int = _LL_MAX_BYTES) -> int:
-    """Rows per LL cell: the rows whose payload per peer fits ``ll_max_bytes``."""
-    if (head_dim * itemsize) % 4:
-        return 0
-    return min(max_rows, ll_max_bytes // (head_dim * itemsize))
-
-
-def use_ll(n_rows: int, layout: GatherLayout) -> bool:
-    """Whether a gather of ``n_rows`` rows per rank takes the LL protocol."""
-    return 0 < n_rows <= layout.ll_rows
 
 
 def _num_warps(nbytes: int) -> int:
@@ -196,18 +179,10 @@ class SymmGatherBackend(QueryGatherBackend):
                                f"the kernel's 32-bit offsets; lower max_tokens")
         self.ordered = bool(ordered_by_caller)
         self.timeout_ns = int(self.timeout_s * 1e9)
-        ws, reason = capability.collective_try(
-            group, lambda: SymmWorkspace(group, self.layout, self.device,
-                                         op="dcp.gather[symm]", timeout_s=self.timeout_s,
-                                         rendezvous=False), "symm gather allocation")
-        if reason:
-            raise RuntimeError(f"symm gather: allocation failed: {reason}")
-        _, reason = capability.collective_try(group, ws.rendezvous, "symm gather rendezvous")
-        if reason:
-            raise RuntimeError(f"symm gather: rendezvous failed: {reason}")
-        self.ws = ws
+        self.ws = SymmWorkspace.agreed(group, self.layout, self.device, op="dcp.gather[symm]",
+                                       timeout_s=self.timeout_s)
         self._setup_tables(itemsize)
-        self.out = ws.slab[:self.layout.region_bytes()["out"]].view(self.dtype)[
+        self.out = self.ws.slab[:self.layout.region_bytes()["out"]].view(self.dtype)[
             :self.max_tokens * self.num_heads * self.head_dim].view(
             self.max_tokens, self.num_heads, self.head_dim)
         self._warm_up()
@@ -220,20 +195,10 @@ class SymmGatherBackend(QueryGatherBackend):
         return reason
 
     def _setup_tables(self, itemsize: int) -> None:
-        ptrs = [int(p) for p in self.ws.handle.buffer_ptrs]
-        me = ptrs[self.rank]
-        units = (_DELTA_UNIT * itemsize, _DELTA_UNIT * 4, _DELTA_UNIT * 8)
-        deltas = [p - me for p in ptrs]
-        if any(dl % u for dl in deltas for u in units):
-            raise RuntimeError(f"symm gather: peer slabs are not {max(units)}-byte aligned "
-                               f"relative to each other: {deltas}")
-        self.delta_o, self.delta_w, self.delta_q = (
-            torch.tensor([dl // u for dl in deltas], dtype=torch.int64, device=self.device)
-            for u in units)
-        n = torch.tensor([_n_programs_max(self.device) if self.device.type == "cuda" else 3],
-                         dtype=torch.int64)
-        dist.all_reduce(n, op=dist.ReduceOp.MIN, group=cpu_group(self.group))
-        self.n_programs_max = int(n.item())
+        self.delta_o, self.delta_w, self.delta_q = peer_deltas(
+            self.ws.handle.buffer_ptrs, self.rank, itemsize, self.device, op="symm gather")
+        self.n_programs_max = agreed_min(
+            self.group, _n_programs_max(self.device) if self.device.type == "cuda" else 3)
 
     def _warm_up(self) -> None:
         # One gather per kernel variant (block size, protocol) up to max_tokens: compiles

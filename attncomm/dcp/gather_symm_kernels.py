@@ -16,12 +16,13 @@ dims (``x·cos + (−x2, x1)·sin`` in fp32, no fused multiply-add: the host lau
   is no fence and no flag; the receiver polls the words (bounded) and writes the payloads into
   its own ``OUT``.
 
-Epoch, parity and wrap as ``symm_a2a``: ``state[0:2]`` is one 64-bit word ``(count << 32) |
-epoch``; every program adds ``1 << 32`` (counts in, reads the epoch ``e = epoch + 1``, skipping
-0); the last to count in writes ``e`` back with count 0, so graph replays advance it on the
-device. ``slot = e & 1`` selects the parity cells of ``F`` and ``LL``; flags and LL tags hold
-the full epoch; at epochs ≡ 0, 1 (mod 2**30) the kernel first zeroes the other slot's flags and
-LL words from every peer, fences, and only then sends (no cell keeps a value for 2**32 calls).
+Epoch, parity and wrap as ``symm_a2a`` (the same helpers, ``attncomm.symm_device``):
+``state[0:2]`` is one 64-bit word ``(count << 32) | epoch``; every program adds ``1 << 32``
+(counts in, reads the epoch ``e = epoch + 1``, skipping 0); the last to count in writes ``e``
+back with count 0, so graph replays advance it on the device. ``slot = e & 1`` selects the
+parity cells of ``F`` and ``LL``; flags and LL tags hold the full epoch; at epochs ≡ 0, 1
+(mod 2**30) the kernel first zeroes the other slot's flags and LL words from every peer,
+fences, and only then sends (no cell keeps a value for 2**32 calls).
 
 Ordering (why a fast rank never overwrites what a slow rank still reads):
 
@@ -40,80 +41,55 @@ Ordering (why a fast rank never overwrites what a slow rank still reads):
 """
 from __future__ import annotations
 
+from ..symm import plan_blocks
+
 try:
     import triton
     import triton.language as tl
+
+    from ..symm_device import (
+        count_in,
+        epoch_of,
+        ll_ready,
+        ll_word,
+        pack16,
+        record_timeout,
+        scrub_due,
+        scrub_fence,
+        timed_out,
+        wait_word,
+        zero,
+    )
 except Exception:  # noqa: BLE001 - the backend reports itself unavailable
     triton = None
     tl = None
 
-__all__ = ["gather_flag_kernel", "gather_ll_kernel", "plan_blocks", "MAX_BLOCK_ROWS"]
+__all__ = ["MAX_BLOCK_ROWS", "gather_flag_kernel", "gather_ll_kernel", "plan_blocks"]
 
+#: Rows per block at most (``plan_blocks``'s default bound).
 MAX_BLOCK_ROWS = 64
-
-
-def plan_blocks(n_rows: int, n_programs_max: int, max_block_rows: int = MAX_BLOCK_ROWS):
-    """``(block_rows, n_blocks, grid)`` for ``n_rows`` rows: a power-of-two block (≤
-    ``max_block_rows``) large enough that the blocks roughly fill ``n_programs_max`` programs.
-    The same on every rank for the same inputs."""
-    if n_rows <= 0:
-        return 1, 0, 0
-    per = -(-n_rows // max(n_programs_max, 1))
-    br = 1
-    while br < per and br < max_block_rows:
-        br *= 2
-    n_blocks = -(-n_rows // br)
-    return br, n_blocks, min(n_blocks, n_programs_max)
 
 
 if triton is not None:
 
     @triton.jit
-    def _now_ns():
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                         is_pure=False, pack=1)
-
-    @triton.jit
-    def _timed_out(deadline, timeout_ns):
-        # (deadline, expired): the deadline is set on the first wait that has to spin.
-        now = _now_ns()
-        if deadline == 0:
-            deadline = now + timeout_ns.to(tl.int64)
-        return deadline, now > deadline
-
-    @triton.jit
     def _epoch(state64_ptr, grid_size):
         # Count in and read the epoch in one atomic; the last program writes it back.
-        old = tl.atomic_add(state64_ptr, 1 << 32, sem="relaxed", scope="gpu")
-        e = (old & 0xFFFFFFFF).to(tl.int32) + 1
-        e = tl.where(e == 0, 2, e)
-        if (old >> 32) == grid_size - 1:
-            tl.atomic_xchg(state64_ptr, e.to(tl.int64) & 0xFFFFFFFF, sem="relaxed", scope="gpu")
-        return e
+        return epoch_of(count_in(state64_ptr), state64_ptr, grid_size, False)
 
     @triton.jit
-    def _scrub(slab_w, err_ptr, e, pid, grid_size, f_base, f_cell, ll_base, ll_cell,
+    def _scrub(slab_w, state64_ptr, e, pid, grid_size, f_base, f_cell, ll_base, ll_cell,
                RANK: tl.constexpr, W: tl.constexpr):
         # Epochs ≡ 0, 1 (mod 2**30): zero the other slot's flags and LL words from every peer
-        # (slab_w: the slab as int32), then a barrier and a release before any store of this
-        # call can reach a peer.
-        if ((e >> 1) & 0x1FFFFFFF) == 0:
-            i = tl.arange(0, 1024)
+        # (slab_w: the slab as int32), then the fence (on the unused word state[2:4]) before
+        # any store of this call can reach a peer.
+        if scrub_due(e):
             for q in tl.static_range(W):
                 if q != RANK:
                     cell = (1 - (e & 1)) * W + q
-                    for region in tl.static_range(2):
-                        if region == 0:
-                            base, n = f_base + cell * f_cell, f_cell
-                        else:
-                            base, n = 2 * (ll_base + cell * ll_cell), 2 * ll_cell
-                        k = pid * 1024
-                        while k < n:
-                            tl.store(slab_w + base + k + i, 0, mask=k + i < n)
-                            k += grid_size * 1024
-            tl.debug_barrier()
-            tl.atomic_add(err_ptr + RANK, 0, sem="release", scope="sys")  # errors[RANK] stays 0
-            tl.debug_barrier()
+                    zero(slab_w + f_base + cell * f_cell, f_cell, pid, grid_size)
+                    zero(slab_w + 2 * (ll_base + cell * ll_cell), 2 * ll_cell, pid, grid_size)
+            scrub_fence(state64_ptr + 1)
 
     @triton.jit
     def _announce(slab_w, delta_w, e, pid, ready_base, RANK: tl.constexpr, W: tl.constexpr):
@@ -123,20 +99,6 @@ if triton is not None:
                 if q != RANK:
                     p = slab_w + tl.load(delta_w + q) * 16 + ready_base + RANK
                     tl.atomic_xchg(p, e, sem="relaxed", scope="sys")
-
-    @triton.jit
-    def _wait_word(ptr, e, deadline, timeout_ns, err_ptr, bad, SEM: tl.constexpr):
-        # Bounded wait until *ptr == e; past the deadline: errors[src] = 1, bad = 1.
-        v = tl.atomic_add(ptr, 0, sem=SEM, scope="sys")
-        while v != e:
-            deadline, expired = _timed_out(deadline, timeout_ns)
-            if expired:
-                tl.atomic_xchg(err_ptr, 1, sem="relaxed", scope="sys")  # host-visible
-                bad = bad | 1
-                v = e
-            else:
-                v = tl.atomic_add(ptr, 0, sem=SEM, scope="sys")
-        return deadline, bad
 
     @triton.jit
     def _round(v, DTYPE: tl.constexpr):
@@ -183,9 +145,7 @@ if triton is not None:
             lo = _load_rot(q_ptr, cos_ptr, sin_ptr, rows, rmask, 2 * w, wmask, HS, D, R, ROT)
             hi = _load_rot(q_ptr, cos_ptr, sin_ptr, rows, rmask, 2 * w + 1, wmask, HS, D, R,
                            ROT)
-            a = lo.to(tl.uint16, bitcast=True).to(tl.int32)
-            b = hi.to(tl.uint16, bitcast=True).to(tl.int32)
-            return a | (b << 16)
+            return pack16(lo, hi)
         else:
             x = _load_rot(q_ptr, cos_ptr, sin_ptr, rows, rmask, w, wmask, HS, D, R, ROT)
             return x.to(tl.int32, bitcast=True)
@@ -200,7 +160,7 @@ if triton is not None:
         rank (``slab_o``: the slab in q's dtype, OUT at offset 0; ``slab_w``: as int32)."""
         pid = tl.program_id(0)
         e = _epoch(state_ptr, grid_size)
-        _scrub(slab_w, err_ptr, e, pid, grid_size, f_base, f_cell, ll_base, ll_cell, RANK, W)
+        _scrub(slab_w, state_ptr, e, pid, grid_size, f_base, f_cell, ll_base, ll_cell, RANK, W)
         _announce(slab_w, delta_w, e, pid, ready_base, RANK, W)
         slot = e & 1
         deadline = timeout_ns.to(tl.int64) * 0
@@ -220,9 +180,9 @@ if triton is not None:
                 if q != RANK:
                     if not ORDERED:
                         if first == 1:
-                            deadline, bq = _wait_word(slab_w + ready_base + q, e, deadline,
-                                                      timeout_ns, err_ptr + q, (bad >> q) & 1,
-                                                      "relaxed")
+                            deadline, bq = wait_word(slab_w + ready_base + q, e, deadline,
+                                                     timeout_ns, err_ptr + q, (bad >> q) & 1,
+                                                     "relaxed")
                             bad = bad | (bq << q)
                     if ((bad >> q) & 1) == 0:
                         tl.store(slab_o + tl.load(delta_o + q) * 16 + dst, x, mask=m2)
@@ -239,9 +199,9 @@ if triton is not None:
         while b < n_blocks:
             for q in tl.static_range(W):
                 if q != RANK:
-                    deadline, bq = _wait_word(slab_w + f_base + (slot * W + q) * f_cell + b, e,
-                                              deadline, timeout_ns, err_ptr + q, (bad >> q) & 1,
-                                              "acquire")
+                    deadline, bq = wait_word(slab_w + f_base + (slot * W + q) * f_cell + b, e,
+                                             deadline, timeout_ns, err_ptr + q, (bad >> q) & 1,
+                                             "acquire")
                     bad = bad | (bq << q)
             b += grid_size
 
@@ -257,7 +217,7 @@ if triton is not None:
         int64)."""
         pid = tl.program_id(0)
         e = _epoch(state_ptr, grid_size)
-        _scrub(slab_w, err_ptr, e, pid, grid_size, f_base, f_cell, ll_base, ll_cell, RANK, W)
+        _scrub(slab_w, state_ptr, e, pid, grid_size, f_base, f_cell, ll_base, ll_cell, RANK, W)
         _announce(slab_w, delta_w, e, pid, ready_base, RANK, W)
         slot = e & 1
         tag = e.to(tl.int64) << 32
@@ -269,7 +229,7 @@ if triton is not None:
             rmask = rows < n_rows
             m2 = rmask[:, None] & wmask[None, :]
             x = _words(q_ptr, cos_ptr, sin_ptr, rows, rmask, w, wmask, HS, D, R, ROT, PACK)
-            tagged = tag | (x.to(tl.int64) & 0xFFFFFFFF)
+            tagged = ll_word(tag, x)
             for q in tl.static_range(W):
                 if q != RANK:
                     cell = ll_base + (slot * W + RANK) * ll_cell
@@ -289,17 +249,17 @@ if triton is not None:
                     p = slab_q + ll_base + (slot * W + q) * ll_cell + rows[:, None] * DW \
                         + w[None, :]
                     y = tl.load(p, mask=m2, other=tag, volatile=True)
-                    ready = tl.min(((y >> 32).to(tl.int32) == e).to(tl.int32))
+                    ready = ll_ready(y, e)
                     ok = tl.full([], 1, tl.int32)
                     while ready == 0:
-                        deadline, expired = _timed_out(deadline, timeout_ns)
+                        deadline, expired = timed_out(deadline, timeout_ns)
                         if expired:
-                            tl.atomic_xchg(err_ptr + q, 1)
+                            record_timeout(err_ptr + q)
                             ok = ok * 0
                             ready = ready | 1
                         else:
                             y = tl.load(p, mask=m2, other=tag, volatile=True)
-                            ready = tl.min(((y >> 32).to(tl.int32) == e).to(tl.int32))
+                            ready = ll_ready(y, e)
                     if ok == 1:
                         # Reload once ready: the check ran on one thread's copy of a value
                         # replicated over threads; the words cannot change before epoch e+2.

@@ -15,8 +15,15 @@ import torch.distributed as dist
 
 from .. import capability
 from .. import config as env
-from .._dist import cpu_group
-from ..symm import SymmWorkspace
+from ..symm import (
+    LL_MAX_BYTES,
+    SymmWorkspace,
+    agreed_min,
+    ll_rows_for,
+    peer_deltas,
+    plan_blocks,
+    use_ll,
+)
 from .backend import DcpBackend
 from .symm_layout import SlabLayout, SlabRegions
 
@@ -28,10 +35,17 @@ except Exception:  # noqa: BLE001 - the backend reports itself unavailable
     triton = None
     _k = None
 
-__all__ = ["SymmA2ABackend", "SymmConfig", "MergeSlab", "plan_blocks", "use_ll", "ll_rows_for",
-           "launch_merge", "SlabLayout"]
+__all__ = [
+    "MergeSlab",
+    "SlabLayout",
+    "SymmA2ABackend",
+    "SymmConfig",
+    "launch_merge",
+    "ll_rows_for",
+    "plan_blocks",
+    "use_ll",
+]
 
-DELTA_UNIT = 16  # as symm_kernels.DELTA_UNIT (importable without Triton)
 _WIDE_BYTES = 32 * 1024     # blocks from this size take SymmConfig.wide_warps
 _BYTES_PER_THREAD = 32 * 16  # about one 16-byte vector per thread and row chunk
 
@@ -68,7 +82,7 @@ class SymmConfig:
     max_warps: int = 16
     wide_warps: int = 32
     max_programs: int = 0
-    ll_max_bytes: int = 256 * 1024
+    ll_max_bytes: int = LL_MAX_BYTES
     stagger_min_bytes: int = 1 << 20
     stagger_split: int = 50
     enable_pdl: bool | None = None
@@ -100,35 +114,6 @@ class SymmConfig:
 
 
 _DEFAULT = SymmConfig()
-
-
-def plan_blocks(n_rows: int, n_programs_max: int,
-                max_block_rows: int = _DEFAULT.max_block_rows):
-    """Rows per block (a power of two ≤ ``max_block_rows``) and grid size for ``n_rows`` rows:
-    enough rows per block that the blocks roughly fill ``n_programs_max`` programs.
-
-    Returns ``(block_rows, n_blocks, grid)``; the same on every rank for the same inputs."""
-    if n_rows <= 0:
-        return 1, 0, 0
-    per = -(-n_rows // max(n_programs_max, 1))
-    br = 1
-    while br < per and br < max_block_rows:
-        br *= 2
-    n_blocks = -(-n_rows // br)
-    return br, n_blocks, min(n_blocks, n_programs_max)
-
-
-def use_ll(n_rows: int, layout: SlabLayout) -> bool:
-    """Whether a merge of ``n_rows`` rows per peer takes the LL protocol."""
-    return 0 < n_rows <= layout.ll_rows
-
-
-def ll_rows_for(max_rows: int, head_dim: int, itemsize: int,
-                ll_max_bytes: int = _DEFAULT.ll_max_bytes) -> int:
-    """Rows per cell of the LL regions: rows whose payload per peer fits ``ll_max_bytes``."""
-    if (head_dim * itemsize) % 4:
-        return 0
-    return min(max_rows, ll_max_bytes // (head_dim * itemsize))
 
 
 def num_warps(nbytes: int, config: SymmConfig = _DEFAULT) -> int:
@@ -166,14 +151,8 @@ class MergeSlab:
               peer_ptrs, rank: int, state: torch.Tensor, errors: torch.Tensor) -> "MergeSlab":
         """``peer_ptrs``: every rank's slab address (group rank order). Raises RuntimeError
         when the peers' slabs are not ``DELTA_UNIT · 8``-byte aligned relative to this one."""
-        itemsize = layout.itemsize
-        units = (DELTA_UNIT * itemsize, DELTA_UNIT * 4, DELTA_UNIT * 8)
-        deltas = [int(p) - int(peer_ptrs[rank]) for p in peer_ptrs]
-        if any(dl % u for dl in deltas for u in units):
-            raise RuntimeError(f"symm_a2a: peer slabs are not {max(units)}-byte aligned "
-                               f"relative to each other: {deltas}")
-        d_o, d_w, d_q = (torch.tensor([dl // u for dl in deltas], dtype=torch.int64,
-                                      device=slab.device) for u in units)
+        d_o, d_w, d_q = peer_deltas(peer_ptrs, rank, layout.itemsize, slab.device,
+                                    op="symm_a2a")
         return cls(layout.regions(slab, dtype), d_o, d_w, d_q, state, errors)
 
 
@@ -281,16 +260,8 @@ class SymmA2ABackend(DcpBackend):
         self.timeout_ns = int(timeout_s * 1e9)
         pdl = enable_pdl if enable_pdl is not None else self.config.enable_pdl
         self.pdl = pdl_supported(device) if pdl is None else bool(pdl and pdl_supported(device))
-        ws, reason = capability.collective_try(
-            group, lambda: SymmWorkspace(group, self.layout, device, op="dcp.merge[symm_a2a]",
-                                         timeout_s=timeout_s, rendezvous=False),
-            "symm_a2a allocation")
-        if reason:
-            raise RuntimeError(f"symm_a2a: allocation failed: {reason}")
-        _, reason = capability.collective_try(group, ws.rendezvous, "symm_a2a rendezvous")
-        if reason:
-            raise RuntimeError(f"symm_a2a: rendezvous failed: {reason}")
-        self.ws = ws
+        self.ws = ws = SymmWorkspace.agreed(group, self.layout, device,
+                                            op="dcp.merge[symm_a2a]", timeout_s=timeout_s)
         self.slab = MergeSlab.build(self.layout, ws.slab, dtype, ws.peer_ptrs,
                                     self.rank, ws.state, ws.errors)
         self.n_programs_max = self._agree_grid_bound()
@@ -307,9 +278,7 @@ class SymmA2ABackend(DcpBackend):
 
     def _agree_grid_bound(self) -> int:
         # Grid bound agreed across ranks: block plans must match everywhere.
-        n = torch.tensor([_n_programs_max(self.device, self.config)], dtype=torch.int64)
-        dist.all_reduce(n, op=dist.ReduceOp.MIN, group=cpu_group(self.group))
-        return int(n.item())
+        return agreed_min(self.group, _n_programs_max(self.device, self.config))
 
     def _warm_up(self) -> None:
         # One merge per kernel variant (block size, protocol, staggering) up to max_tokens:

@@ -17,7 +17,8 @@ own rows, which it reads in place (never copied). Two protocols, chosen per call
   before has issued its stores, so the first group's fences, flags and combines overlap the
   later group's transfer.
 
-Shared rules:
+Shared rules (the helpers that implement epochs, scrub, bounded waits and LL words are the
+substrate's, ``attncomm.symm_device``, shared with the query gather's kernels):
 
 - Epoch: ``state[0]`` on the device, ``state[1]`` the count of programs in this call; read
   together as one 64-bit word. Every program adds ``1 << 32`` to it atomically, which both counts
@@ -70,116 +71,41 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as tl_cuda
 
-__all__ = ["merge_flag_kernel", "merge_ll_kernel", "DELTA_UNIT", "SCRUB_PERIOD"]
+from ..symm_device import (
+    DELTA_UNIT,
+    SCRUB_PERIOD,
+    count_in,
+    epoch_of,
+    ll_ready,
+    ll_word,
+    pack16,
+    record_timeout,
+    scrub_due,
+    scrub_fence,
+    timed_out,
+    wait_word,
+    zero,
+)
 
-#: Peer offsets are passed in units of this many elements (keeps the stores vectorised).
-DELTA_UNIT = 16
-#: Epochs ``e`` with ``(e >> 1) % SCRUB_PERIOD == 0`` scrub the other slot first.
-SCRUB_PERIOD = 1 << 29
+__all__ = ["DELTA_UNIT", "SCRUB_PERIOD", "merge_flag_kernel", "merge_ll_kernel"]
 
 _DELTA_UNIT = tl.constexpr(DELTA_UNIT)
-_SCRUB_MASK = tl.constexpr(SCRUB_PERIOD - 1)
-_COUNT_ONE = tl.constexpr(1 << 32)   # one program's count-in, in the 64-bit epoch word
-_LOW32 = tl.constexpr(0xFFFFFFFF)
-_SCRUB_CHUNK = tl.constexpr(1024)    # words zeroed per program per step of a scrub
-_EPOCH_AFTER_ZERO = tl.constexpr(2)  # the epoch that replaces 0 (keeps the parity)
-
-
-@triton.jit
-def _now_ns():
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _count_in(state64_ptr):
-    # The first half of the epoch step: one atomic on the 64-bit word (count << 32) | epoch
-    # counts this program in and returns the previous word.
-    return tl.atomic_add(state64_ptr, _COUNT_ONE, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _epoch_of(old, state64_ptr, grid_size, PDL: tl.constexpr):
-    # The second half: this call's epoch from the word _count_in returned. No program can
-    # read after the write-back (every count-in precedes the last one); the last program to
-    # count in stores (0 << 32) | e for the next call. Epoch 0 is skipped (it would match
-    # never-written, zeroed cells).
-    # With PDL, then gdc_launch_dependents: the next merge counts in (before its gdc_wait)
-    # once every program here has called it. In the last program, thread 0 writes back,
-    # its fence waits until the write has reached L2 (where every count-in's atomic runs),
-    # and a block barrier (the branch is the same for the whole block) keeps the other
-    # warps from triggering before that: the first trigger of a block counts for the whole
-    # block. (A practical guarantee: PTX gives launch_dependents no memory ordering; only
-    # gdc_wait makes a grid's writes visible.)
-    e = (old & _LOW32).to(tl.int32) + 1
-    e = tl.where(e == 0, _EPOCH_AFTER_ZERO, e)
-    if (old >> 32) == grid_size - 1:
-        tl.atomic_xchg(state64_ptr, e.to(tl.int64) & _LOW32, sem="relaxed", scope="gpu")
-        if PDL:
-            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-            tl.debug_barrier()
-    if PDL:
-        tl_cuda.gdc_launch_dependents()
-    return e
-
-
-@triton.jit
-def _zero(ptr, n, pid, grid_size):
-    # ptr[0:n] = 0, split over the grid.
-    i = tl.arange(0, _SCRUB_CHUNK)
-    k = pid * _SCRUB_CHUNK
-    while k < n:
-        tl.store(ptr + k + i, 0, mask=k + i < n)
-        k += grid_size * _SCRUB_CHUNK
 
 
 @triton.jit
 def _scrub(slab_f, slab_llo, slab_lll, f_cell, llo_cell, lll_cell, state64_ptr, e, pid,
            grid_size, RANK: tl.constexpr, W: tl.constexpr):
     # Rare path (see the module docstring): zero the other slot's flag and LL cells from every
-    # peer, split over the grid; then a block barrier and a release at system scope (on the
-    # unused word state[2:4], which stays 0) so that the zeros are in place before any store
-    # of this call reaches a peer.
-    if ((e >> 1) & _SCRUB_MASK) == 0:
+    # peer, split over the grid; then the fence (on the unused word state[2:4], which stays 0)
+    # so that the zeros are in place before any store of this call reaches a peer.
+    if scrub_due(e):
         for q in tl.static_range(W):
             if q != RANK:
                 cell = (1 - (e & 1)) * W + q
-                _zero(slab_f + cell * f_cell, f_cell, pid, grid_size)
-                _zero(slab_llo + cell * llo_cell, llo_cell, pid, grid_size)
-                _zero(slab_lll + cell * lll_cell, lll_cell, pid, grid_size)
-        tl.debug_barrier()
-        tl.atomic_add(state64_ptr + 1, 0, sem="release", scope="sys")
-        tl.debug_barrier()
-
-
-@triton.jit
-def _timed_out(deadline, timeout_ns):
-    # (deadline, expired): the deadline is set on the first wait that has to spin.
-    now = _now_ns()
-    if deadline == 0:
-        deadline = now + timeout_ns.to(tl.int64)
-    return deadline, now > deadline
-
-
-@triton.jit
-def _record_timeout(err_ptr):
-    # errors[src] = 1, visible to the host (the word may be mapped host memory).
-    tl.atomic_xchg(err_ptr, 1, sem="relaxed", scope="sys")
-
-
-@triton.jit
-def _wait_flag(ptr, e, deadline, timeout_ns, err_ptr, bad):
-    v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-    while v != e:
-        deadline, expired = _timed_out(deadline, timeout_ns)
-        if expired:
-            _record_timeout(err_ptr)
-            bad = bad | 1
-            v = e
-        else:
-            v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-    return deadline, bad
+                zero(slab_f + cell * f_cell, f_cell, pid, grid_size)
+                zero(slab_llo + cell * llo_cell, llo_cell, pid, grid_size)
+                zero(slab_lll + cell * lll_cell, lll_cell, pid, grid_size)
+        scrub_fence(state64_ptr + 1)
 
 
 @triton.jit
@@ -188,7 +114,7 @@ def _wait_go(ptr, e, deadline, timeout_ns):
     # the program just goes on.
     v = tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu")
     while v != e:
-        deadline, expired = _timed_out(deadline, timeout_ns)
+        deadline, expired = timed_out(deadline, timeout_ns)
         if expired:
             v = e
         else:
@@ -327,8 +253,8 @@ def _receive_block(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slab_
     m, s, acc = _own_rows(out_ptr, lse_ptr, rows, rmask, H, HS, D, RANK, BR, BD)
     for q in tl.static_range(W):
         if q != RANK:
-            deadline, bad = _wait_flag(slab_f + (slot * W + q) * f_cell + b, e, deadline,
-                                       timeout_ns, err_ptr + q, bad)
+            deadline, bad = wait_word(slab_f + (slot * W + q) * f_cell + b, e, deadline,
+                                      timeout_ns, err_ptr + q, bad, "acquire")
     tl.debug_barrier()
     if bad == 0:
         _combine_rows(m, s, acc, res_ptr, res_lse_ptr, slab_o, slab_l, slot, rows, rmask, D,
@@ -355,10 +281,10 @@ def merge_flag_kernel(out_ptr, lse_ptr, res_ptr, res_lse_ptr,
     for its partner of the group before, so every chain of local waits starts at a program
     of the first group, which waits for nothing before it signals."""
     pid = tl.program_id(0)
-    old = _count_in(state_ptr)
+    old = count_in(state_ptr)
     if PDL:  # the previous kernel's writes are complete and visible from here on
         tl_cuda.gdc_wait()
-    e = _epoch_of(old, state_ptr, grid_size, PDL)
+    e = epoch_of(old, state_ptr, grid_size, PDL)
     _scrub(slab_f, slab_llo, slab_lll, f_cell, llo_cell, lll_cell, state_ptr, e, pid,
            grid_size, RANK, W)
     slot = e & 1
@@ -425,17 +351,14 @@ def _unpack(x, PACK: tl.constexpr, DTYPE: tl.constexpr):
 @triton.jit
 def _pack(lo, hi, PACK: tl.constexpr, DTYPE: tl.constexpr):
     if PACK == 2:
-        a = lo.to(DTYPE).to(tl.uint16, bitcast=True).to(tl.int32)
-        b = hi.to(DTYPE).to(tl.uint16, bitcast=True).to(tl.int32)
-        return a | (b << 16)
+        return pack16(lo.to(DTYPE), hi.to(DTYPE))
     else:
         return lo.to(tl.int32, bitcast=True)
 
 
 @triton.jit
 def _ll_ready(y, yl, e):
-    ok = tl.min(((y >> 32).to(tl.int32) == e).to(tl.int32))
-    return ok & tl.min(((yl >> 32).to(tl.int32) == e).to(tl.int32))
+    return ll_ready(y, e) & ll_ready(yl, e)
 
 
 @triton.jit
@@ -461,8 +384,8 @@ def _ll_store(x, xl, tag, slab_llo, slab_lll, delta_q, slot, b, q, n_rows, DW, l
     dq = tl.load(delta_q + q) * _DELTA_UNIT
     cell = slot * W + RANK
     tl.store(slab_llo + dq + cell * llo_cell + rows[:, None] * DW + c[None, :],
-             tag | (x.to(tl.int64) & _LOW32), mask=rmask[:, None] & (c < DW)[None, :])
-    tl.store(slab_lll + dq + cell * lll_cell + rows, tag | (xl.to(tl.int64) & _LOW32),
+             ll_word(tag, x), mask=rmask[:, None] & (c < DW)[None, :])
+    tl.store(slab_lll + dq + cell * lll_cell + rows, ll_word(tag, xl),
              mask=rmask)
 
 
@@ -507,13 +430,13 @@ def merge_ll_kernel(out_w, lse_ptr, lse_w, res_w, res_lse_ptr, slab_f, slab_llo,
     # loads overlap the epoch atomic's round trip.
     Q0: tl.constexpr = (RANK + 1) % W
     if PDL:  # count in while the previous merge runs; read the inputs only after gdc_wait
-        old = _count_in(state_ptr)
+        old = count_in(state_ptr)
         tl_cuda.gdc_wait()
         x0, xl0 = _ll_load(out_w, lse_w, pid, Q0, n_rows, H, HS, DW, BR, BW)
     else:
         x0, xl0 = _ll_load(out_w, lse_w, pid, Q0, n_rows, H, HS, DW, BR, BW)
-        old = _count_in(state_ptr)
-    e = _epoch_of(old, state_ptr, grid_size, PDL)
+        old = count_in(state_ptr)
+    e = epoch_of(old, state_ptr, grid_size, PDL)
     _scrub(slab_f, slab_llo, slab_lll, f_cell, llo_cell, lll_cell, state_ptr, e, pid,
            grid_size, RANK, W)
     slot = e & 1
@@ -546,9 +469,9 @@ def merge_ll_kernel(out_w, lse_ptr, lse_w, res_w, res_lse_ptr, slab_f, slab_llo,
                 yl = tl.load(pl, mask=rmask, other=tag, volatile=True)
                 ready = _ll_ready(y, yl, e)
                 while ready == 0:
-                    deadline, expired = _timed_out(deadline, timeout_ns)
+                    deadline, expired = timed_out(deadline, timeout_ns)
                     if expired:
-                        _record_timeout(err_ptr + q)
+                        record_timeout(err_ptr + q)
                         bad = bad | 1
                         ready = ready | 1
                     else:
