@@ -83,7 +83,11 @@ class Sim:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.n_programs = max(1, sms // W)
         self.timeout_ns = int(timeout_s * 1e9)
-        self.streams = [torch.cuda.Stream() for _ in range(W)]
+        # The rank streams come from the high-priority pool: torch hands out pooled streams
+        # round robin, so a default-priority one can be the very stream that captures a
+        # graph or times it; a rank kernel on that stream would be ordered after the
+        # others' forks and the spinning ranks would wait on one that cannot start.
+        self.streams = [torch.cuda.Stream(priority=-1) for _ in range(W)]
 
     def fresh(self):
         """New random queries and angles, in place (graph inputs keep their addresses)."""
@@ -113,6 +117,8 @@ class Sim:
 
     def step(self):
         main = torch.cuda.current_stream()
+        if any(s == main for s in self.streams):
+            raise RuntimeError("a rank stream is the launching stream: ranks would serialize")
         for r, s in enumerate(self.streams):
             s.wait_stream(main)
             with torch.cuda.stream(s):
