@@ -1,0 +1,311 @@
+"""A one-GPU rehearsal of UlyssesAttention's head-group schedule: W simulated ranks in one
+process, their exchanges on a copy engine, and the timeline that shows whether it overlaps.
+
+Every simulated rank has its own sequence shard of q, k, v ``[1, S/W, H, D]``. Per head group,
+each rank's fill kernel (norm + RoPE + pack, ``attncomm/ulysses/fill.py``) writes every
+destination's rows straight into that destination's receive buffer (on this GPU: the data the
+copy engines would have delivered over NVLink); then, as the exchange's stand-in, one copy per
+(source, peer) moves the same message into the peer's slot in pinned host memory on a copy
+stream, with its bytes scaled by ``host_bandwidth / nvlink_bandwidth`` so that it takes about
+as long as the real message over NVLink (a same-device copy would behave like a kernel, not a
+copy engine: ../shared/HARDWARE.md). Attention of group g waits for group g's copies (an event
+between streams); group g+1's fill and copies are enqueued before group g's attention; each
+group's output rows are written into their final place in every rank's ``out``, and the
+output exchange's stand-in copies follow on a second copy stream. The host never waits for
+the GPU inside a layer.
+
+Reports, for the pipelined schedule (``auto_groups``'s count) and the sequential one: output
+bitwise equal between the two, the per-layer budget (wall = compute + exposed exchange +
+idle), the GPU's idle gaps between compute kernels (target: none over 20 µs), how far the host
+ran ahead, and per group the share of group g+1's input copies that ran under group g's
+attention. These overlap figures come from one GPU whose copies go over PCIe to host memory,
+with scaled bytes, and W ranks' attention sharing its SMs: they are NOT NVLink figures.
+
+    python scripts/ulysses_one_gpu.py [--world-size 2] [--seq 8192 32768] [--heads 56]
+        [--groups -1] [--nvlink-gbps 393] [--json PATH] [--markdown PATH] [--trace-dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT]
+
+from attncomm.ulysses import timeline  # noqa: E402
+from attncomm.ulysses.attention import auto_groups, sdpa_attention  # noqa: E402
+from attncomm.ulysses.fill import FillPart, fill_triton  # noqa: E402
+from attncomm.ulysses.layout import group_head_ranges, head_offsets, head_split  # noqa: E402
+
+NOT_NVLINK = ("NOTE: one GPU, copies to pinned host memory over PCIe with bytes scaled to "
+              "NVLink time, W ranks sharing one GPU's SMs: these overlap figures are NOT "
+              "NVLink figures.")
+_ATTN = re.compile(r"flash|fmha|attention|sdpa|efficient", re.IGNORECASE)
+#: NVLink one-direction copy-engine bandwidth on 2x H200 (../shared/HARDWARE.md), GB/s.
+NVLINK_GBPS = 393.0
+
+
+def host_copy_gbps(device, nbytes=256 << 20) -> float:
+    """Device → pinned host copy bandwidth (GB/s), median of 5."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    times = []
+    for _ in range(6):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    times.sort()
+    return nbytes / times[len(times) // 2] / 1e9
+
+
+class Rehearsal:
+    """W simulated ranks of one Ulysses layer (H query = KV heads, D, bf16) on this GPU."""
+
+    def __init__(self, world, seq_total, heads, head_dim=128, norm=True, scale=1.0, seed=0):
+        self.W, self.S, self.H, self.D = world, seq_total, heads, head_dim
+        self.dev = torch.device("cuda")
+        self.seq = head_split(seq_total, world)
+        self.off = head_offsets(self.seq)
+        self.scale = scale
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        dt = torch.bfloat16
+        self.qkv = [[torch.randn((1, s, heads, head_dim), generator=g).to(dt).to(self.dev)
+                     for _ in range(3)] for s in self.seq]
+        self.eps = 1e-6
+        self.w = ((torch.randn(head_dim, generator=g).to(self.dev),
+                   torch.randn(head_dim, generator=g).to(self.dev)) if norm else (None, None))
+        pos = torch.arange(seq_total, dtype=torch.float64)[:, None]
+        ang = pos * 10000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        ang = torch.cat((ang, ang), dim=-1)
+        self.rope = norm
+        self.cos, self.sin = ang.cos().float().to(self.dev), ang.sin().float().to(self.dev)
+        most = max(self.seq) * heads * head_dim * 2 * 3
+        self.slots = [torch.empty(max(256, int(most * scale) + 256), dtype=torch.uint8,
+                                  pin_memory=True) for _ in range(world)]
+        self.copy_in = torch.cuda.Stream(self.dev)
+        self.copy_out = torch.cuda.Stream(self.dev)
+        self._bufs: dict = {}
+
+    def _stand_in(self, stream, src_flat, nbytes, p):
+        """The exchange's stand-in for one message of ``nbytes``: that × scale bytes of
+        ``src_flat`` (contiguous, device) into peer ``p``'s pinned slot, on ``stream`` (a copy
+        engine)."""
+        raw = src_flat.view(torch.uint8)
+        n = (int(nbytes * self.scale) + 255) // 256 * 256
+        n = min(n, raw.numel(), self.slots[p].numel())
+        if n:
+            with torch.cuda.stream(stream):
+                self.slots[p][:n].copy_(raw[:n], non_blocking=True)
+
+    def _recv(self, groups, g, n):
+        """Group g's receive buffers ``[S, 1, 3·n_p, D]`` per rank, kept across layers (the
+        fill's destination tables are cached per address, as a transport's staging is)."""
+        key = (groups, g)
+        if key not in self._bufs:
+            self._bufs[key] = [torch.empty(self.S, 1, 3 * n[p], self.D, dtype=torch.bfloat16,
+                                           device=self.dev) for p in range(self.W)]
+        return self._bufs[key]
+
+    def _fill_group(self, groups, g, ranges, cur):
+        """Every rank's fill of group g into every destination's receive buffer, then the
+        input exchange's stand-in copies; returns (buffers, event after the copies)."""
+        W = self.W
+        n = [hi - lo for lo, hi in ranges]
+        recv = self._recv(groups, g, n)
+        for s in range(W):
+            q, k, v = self.qkv[s]
+            o, ln = self.off[s], self.seq[s]
+            parts = [FillPart(q, tuple(ranges), self.w[0], self.rope),
+                     FillPart(k, tuple(ranges), self.w[1], self.rope),
+                     FillPart(v, tuple(ranges))]
+            regions = [recv[p][o:o + ln].view(-1) for p in range(W)]
+            fill_triton(parts, self.eps, self.cos[o:o + ln], self.sin[o:o + ln], out=regions)
+        ready = torch.cuda.Event()
+        ready.record(cur)
+        self.copy_in.wait_event(ready)
+        for s in range(W):
+            for p in range(W):
+                if p != s:
+                    o, ln = self.off[s], self.seq[s]
+                    region = recv[p][o:o + ln].view(-1)
+                    self._stand_in(self.copy_in, region, region.numel() * 2, p)
+        done = torch.cuda.Event()
+        done.record(self.copy_in)
+        return recv, done
+
+    def layer(self, groups: int):
+        """One forward of every simulated rank with ``groups`` head groups (1 = sequential);
+        returns each rank's output ``[1, S_r, H, D]``. Enqueues only."""
+        W = self.W
+        cur = torch.cuda.current_stream(self.dev)
+        qr = group_head_ranges(self.H, W, groups)
+        outs = [torch.empty(1, s, self.H, self.D, dtype=torch.bfloat16, device=self.dev)
+                for s in self.seq]
+        nxt = self._fill_group(groups, 0, qr[0], cur)
+        for g in range(groups):
+            recv, arrived = nxt
+            cur.wait_event(arrived)
+            if g + 1 < groups:
+                nxt = self._fill_group(groups, g + 1, qr[g + 1], cur)
+            for p in range(W):
+                lo, hi = qr[g][p]
+                if hi <= lo:
+                    continue
+                n = hi - lo
+                buf = recv[p].permute(1, 0, 2, 3)
+                og = sdpa_attention(buf[:, :, :n], buf[:, :, n:2 * n], buf[:, :, 2 * n:], False)
+                for s in range(W):  # rows land in place in every rank's out
+                    outs[s][:, :, lo:hi].copy_(og[:, self.off[s]:self.off[s] + self.seq[s]])
+            done = torch.cuda.Event()
+            done.record(cur)
+            self.copy_out.wait_event(done)
+            for p in range(W):
+                lo, hi = qr[g][p]
+                for s in range(W):
+                    if s != p and hi > lo:  # rank p's output rows for rank s
+                        nbytes = self.seq[s] * (hi - lo) * self.D * 2
+                        self._stand_in(self.copy_out, recv[p].view(-1), nbytes, s)
+        cur.wait_stream(self.copy_out)
+        return outs
+
+
+def _overlap(gpu, groups, world) -> list[float | None]:
+    """Per group g < G−1 (first profiled layer): the share of group g+1's input stand-in copies
+    that ran under group g's attention kernels."""
+    copies = [e for e in gpu if e.kind == "exchange"]
+    if not copies:
+        return []
+    in_stream = copies[0].stream
+    ins = [e for e in copies if e.stream == in_stream]
+    attn = [e for e in gpu if e.kind == "compute" and _ATTN.search(e.name)]
+    per_in, per_att = max(1, world * (world - 1)), world
+    out = []
+    for g in range(groups - 1):
+        cg = ins[(g + 1) * per_in:(g + 2) * per_in]
+        ag = timeline.union((e.start, e.end) for e in attn[g * per_att:(g + 1) * per_att])
+        total = sum(e.end - e.start for e in cg)
+        if not cg or not ag or total <= 0:
+            out.append(None)
+            continue
+        under = sum(min(e.end, b) - max(e.start, a) for e in cg for a, b in ag
+                    if min(e.end, b) > max(e.start, a))
+        out.append(under / total)
+    return out
+
+
+def profile(sim, groups, layers, path):
+    """Trace ``layers`` back-to-back layers; the timeline summary (see the module doc)."""
+    from torch.profiler import ProfilerActivity, profile as prof_ctx, record_function
+    sim.layer(groups)
+    torch.cuda.synchronize()
+    with prof_ctx(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(layers):
+            sim.layer(groups)
+        with record_function("window_end"):
+            pass
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    gpu, host = timeline.load_trace(path)
+    with open(path) as f:
+        raw = json.load(f)
+    ends = [e["ts"] for e in raw.get("traceEvents", []) if e.get("name") == "window_end"]
+    end = ends[0] if ends else float("inf")
+    syncs = [h for h in host if "Synchronize" in h["name"] and h["start"] < end]
+    gs = timeline.gaps(gpu)
+    return {"budget": timeline.budget(gpu, layers), "host": timeline.host_lead_us(gpu, host),
+            "max_gap_us": max((x for _, x in gs), default=0.0),
+            "gaps_over_20us": sum(1 for _, x in gs if x > 20.0),
+            "gaps_us_top": sorted((round(x, 1) for _, x in gs), reverse=True)[:8],
+            "host_syncs_in_window": len(syncs),
+            "overlap_next_copies_under_attention": _overlap(gpu, groups, sim.W)}
+
+
+def run(world, seq_total, heads, groups, nvlink_gbps, trace_dir, layers=3, norm=True):
+    """One geometry: bitwise check, then the traced pipelined and sequential schedules."""
+    dev = torch.device("cuda")
+    host_gbps = host_copy_gbps(dev)
+    scale = min(1.0, host_gbps / nvlink_gbps)
+    sim = Rehearsal(world, seq_total, heads, norm=norm, scale=scale, seed=seq_total)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    g = groups if groups > 0 else auto_groups(head_split(heads, world), 1, seq_total, sms)
+    seq_out = [o.clone() for o in sim.layer(1)]
+    pipe_out = sim.layer(max(g, 1))
+    torch.cuda.synchronize()
+    rec = {"world_size": world, "seq": seq_total, "heads": heads, "head_dim": 128,
+           "qk_norm": norm, "groups": g, "host_copy_gbps": host_gbps,
+           "nvlink_gbps": nvlink_gbps, "bytes_scale": scale,
+           "bitwise_equal_to_sequential": all(torch.equal(a, b)
+                                              for a, b in zip(seq_out, pipe_out))}
+    os.makedirs(trace_dir, exist_ok=True)
+    for name, gg in (("pipelined", max(g, 1)), ("sequential", 1)):
+        path = os.path.join(trace_dir, f"ulysses-rehearsal-{name}-S{seq_total}.json")
+        rec[name] = profile(sim, gg, layers, path)
+    rec["note"] = NOT_NVLINK
+    return rec
+
+
+def markdown(records, meta) -> str:
+    lines = [f"# Ulysses one-GPU rehearsal — {meta['date']}, {meta['gpu']}", "", NOT_NVLINK, "",
+             "| S | groups | schedule | wall ms | compute ms | exposed exch. ms | idle ms | "
+             "max gap µs | gaps > 20 µs | host lead ms | host syncs | bitwise |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        for name in ("pipelined", "sequential"):
+            x, b = r[name], r[name]["budget"]
+            lines.append(
+                f"| {r['seq']} | {r['groups'] if name == 'pipelined' else 1} | {name} | "
+                f"{b['wall_us'] / 1e3:.3f} | {b['compute_us'] / 1e3:.3f} | "
+                f"{b['exposed_exchange_us'] / 1e3:.3f} | {b['idle_us'] / 1e3:.3f} | "
+                f"{x['max_gap_us']:.1f} | {x['gaps_over_20us']} | "
+                f"{x['host']['lead_us'] / 1e3:.2f} | {x['host_syncs_in_window']} | "
+                f"{r['bitwise_equal_to_sequential']} |")
+    for r in records:
+        ov = r["pipelined"]["overlap_next_copies_under_attention"]
+        lines.append(f"\nS={r['seq']}: bytes scaled by {r['bytes_scale']:.3f} (host copy "
+                     f"{r['host_copy_gbps']:.1f} GB/s vs NVLink {r['nvlink_gbps']:.0f} GB/s); "
+                     "share of group g+1's input copies under group g's attention: "
+                     + ", ".join("-" if v is None else f"{v:.2f}" for v in ov))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--seq", type=int, nargs="+", default=[8192, 32768])
+    p.add_argument("--heads", type=int, default=56)
+    p.add_argument("--groups", type=int, default=-1, help="-1: auto_groups's count")
+    p.add_argument("--nvlink-gbps", type=float, default=NVLINK_GBPS)
+    p.add_argument("--layers", type=int, default=3, help="layers per traced window")
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+    p.add_argument("--trace-dir", default="rehearsal-traces")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("ulysses_one_gpu: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    records = [run(args.world_size, s, args.heads, args.groups, args.nvlink_gbps,
+                   args.trace_dir, args.layers) for s in args.seq]
+    from attncomm.bench import common
+    meta = common.meta("cuda", args.world_size, bench="ulysses-rehearsal", dtype="bf16",
+                       note=NOT_NVLINK)
+    md = markdown(records, meta)
+    print(md)
+    if args.json:
+        common.write_json(args.json, meta, records)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(md)
+    ok = all(r["bitwise_equal_to_sequential"] for r in records)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
