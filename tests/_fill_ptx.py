@@ -1,6 +1,7 @@
 """Print, as JSON ``{"fused": ptx, "launched": ptx}``, the sm_90 PTX of the Ulysses fill kernel
-(bf16, norm + RoPE, D=128) with FMA contraction on and with the options ``fill_triton`` launches
-it with. Needs no GPU, but a process without TRITON_INTERPRET (tests/test_ulysses_fill.py)."""
+(bf16, norm + RoPE, D=128) with FMA contraction on and with the options ``fill_triton``
+launches it with. Needs no GPU, but a process without TRITON_INTERPRET
+(tests/test_ulysses_fill.py)."""
 from __future__ import annotations
 
 import json
@@ -11,14 +12,14 @@ from triton.compiler import ASTSource
 
 from attncomm.ulysses.fill import LAUNCH_OPTIONS, _kernel
 
-_PTRS = {"x_ptr": "*bf16", "out_ptr": "*bf16", "tbl_ptr": "*i64", "w_ptr": "*fp32",
-         "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+_PTRS = {"x0": "*bf16", "x1": "*bf16", "x2": "*bf16", "out_ptr": "*bf16", "tbl_ptr": "*i64",
+         "w0": "*fp32", "w1": "*fp32", "w2": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
 
 
 def ptx(opts: dict) -> str:
     k = _kernel()
     names = k.arg_names
-    consts = dict(FANOUT=2, HALF=64, LEVELS=6, BLOCK_S=32, NORM=True, ROPE=True)
+    consts = dict(FANOUT=2, HALF=64, LEVELS=6, BLOCK_S=16, HB=4, ANY_NORM=True, ANY_ROPE=True)
     types = {n: "constexpr" if n in consts else _PTRS.get(n, "fp32" if n == "eps" else "i32")
              for n in names}
     src = ASTSource(fn=k, signature=types,

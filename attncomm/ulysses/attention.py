@@ -4,11 +4,12 @@ sequence-sharded output, with GQA/MQA, optional RMSNorm + RoPE and head-group pi
 Schedule of a forward with G head groups (one stream; the exchanges run on the transport's
 streams or copy engines)::
 
-    fill(0) send(0) | wait(0) fill(1) send(1) attend(0) out(0) | wait(1) fill(2) ... attend(1) ...
+    fill(0) send(0) | fill(1) send(1) wait(0) attend(0) out(0) | fill(2) send(2) wait(1) ...
 
 Group g+1's fill (norm + RoPE + pack, ``ulysses/fill.py``) and exchange are enqueued before
-group g's attention, so the exchange runs under that attention; the host only enqueues (no
-event polling, ``.item()`` or synchronize inside this module), so it runs ahead of the GPU.
+group g's wait and attention, so the fill runs while group g's data is in flight and the
+exchange under group g's attention; this module only enqueues (no event polling, ``.item()``
+or synchronize in it), so the host can run ahead of the GPU.
 """
 from __future__ import annotations
 
@@ -321,10 +322,12 @@ class UlyssesAttention(torch.nn.Module):
         pending_out = []
         ex_in = self._start_in(ctx, q, k, v, qranges[0])
         for g in range(n_groups):
+            # group g+1's fill and exchange first: the fill runs while group g's data is in
+            # flight, its exchange under group g's attention
+            nxt = self._start_in(ctx, q, k, v, qranges[g + 1]) if g + 1 < n_groups else None
             bufs = [(e, e.wait()) for e in ex_in[1]]
             qg, kg, vg = self._views(ctx, ex_in[0], bufs)
             q_lo, q_hi = qranges[g][rank]
-            nxt = self._start_in(ctx, q, k, v, qranges[g + 1]) if g + 1 < n_groups else None
             og = self._attend(qg, kg, vg, q_lo, q_hi, m, causal, s_total, dv)
             for e, _ in bufs:
                 e.release()

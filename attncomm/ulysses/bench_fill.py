@@ -5,8 +5,9 @@ Shapes: one rank's sequence shard at world size ``W`` (default 2) of q, k, v ``[
 (H query and KV heads, default 56, D = 128, bf16), for each ``S`` (default 8192 and 32768),
 with and without qk_norm + RoPE; the send buffer has W regions (``ulysses/fill.py``).
 
-- ``triton``: ``fill_triton`` (one launch per tensor), each launch configuration tried; the
-  record holds the best, ``configs`` all of them.
+- ``triton``: ``fill_triton`` (one launch for q, k, v), each launch shape of ``FILL_CONFIGS``
+  tried; ``time_us`` is the best one's (``config``), ``default_time_us`` the library default's,
+  ``configs`` all of them (the shape never changes the bits: every one is checked).
 - ``torch``: ``fill_torch``: ``rms_norm_rope`` of q and k in fp32 torch ops, then the copies
   into the regions (the unfused path's work).
 - ``floor_us``: bytes read + written ÷ the bandwidth of a device-to-device copy measured in the
@@ -22,13 +23,15 @@ import statistics
 import torch
 
 from ..bench import common
-from .fill import LAUNCH_OPTIONS, FillPart, default_block_s, fill_torch, fill_triton, send_layout
+from .fill import (HEADS_PER_PROGRAM, LAUNCH_OPTIONS, FillPart, default_block_s, fill_torch,
+                   fill_triton, send_layout)
 from .layout import group_head_ranges
 
 __all__ = ["fill_records", "copy_bandwidth", "FILL_CONFIGS"]
 
-#: Launch configurations the bench tries: (rows per program, warps).
-FILL_CONFIGS = ((16, 4), (32, 4), (64, 4), (32, 8), (64, 8))
+#: Launch shapes the bench tries: (rows per program, heads per program, warps).
+FILL_CONFIGS = ((16, 1, 4), (16, 4, 4), (16, 8, 4), (8, 8, 4), (32, 2, 4), (32, 4, 8),
+                (64, 2, 8), (16, 16, 4))
 
 
 def _median_us(fn, iters: int) -> float:
@@ -84,25 +87,33 @@ def fill_records(seqs=(8192, 32768), heads: int = 56, head_dim: int = 128, world
             t_torch = _median_us(lambda: fill_torch(parts, 1e-6, cos, sin, out=out_t),
                                  max(3, iters // 4))
             configs = []
-            for block_s, warps in FILL_CONFIGS:
+            for block_s, hb, warps in FILL_CONFIGS:
+                shape = dict(block_s=block_s, heads_per_program=hb, num_warps=warps)
                 out_k.fill_(float("nan"))
-                fill_triton(parts, 1e-6, cos, sin, out=out_k, block_s=block_s, num_warps=warps)
+                fill_triton(parts, 1e-6, cos, sin, out=out_k, **shape)
                 same = torch.equal(out_k, out_t)
-                t = _median_us(lambda: fill_triton(parts, 1e-6, cos, sin, out=out_k,
-                                                   block_s=block_s, num_warps=warps), iters)
-                configs.append({"block_s": block_s, "num_warps": warps, "time_us": t,
-                                "bitwise_equal": same})
-            default = dict(zip(("block_s", "num_warps"), _default_config(head_dim)))
+                t = _median_us(lambda: fill_triton(parts, 1e-6, cos, sin, out=out_k, **shape),
+                               iters)
+                configs.append(dict(shape, time_us=t, bitwise_equal=same))
+            out_k.fill_(float("nan"))
+            fill_triton(parts, 1e-6, cos, sin, out=out_k)
+            same_default = torch.equal(out_k, out_t)
             t_default = _median_us(lambda: fill_triton(parts, 1e-6, cos, sin, out=out_k), iters)
             best = min(configs, key=lambda c: c["time_us"])
-            records.append(dict(base, impl="triton", time_us=t_default,
-                                config=default, best_config=best, configs=configs,
-                                bitwise_equal=all(c["bitwise_equal"] for c in configs),
-                                vs_floor=t_default / floor, speedup_vs_torch=t_torch / t_default))
+            records.append(dict(base, impl="triton", time_us=best["time_us"],
+                                config={k: best[k] for k in
+                                        ("block_s", "heads_per_program", "num_warps")},
+                                default_config=_default_config(head_dim),
+                                default_time_us=t_default, configs=configs,
+                                bitwise_equal=same_default and all(c["bitwise_equal"]
+                                                                   for c in configs),
+                                vs_floor=best["time_us"] / floor,
+                                speedup_vs_torch=t_torch / best["time_us"]))
             records.append(dict(base, impl="torch", time_us=t_torch, vs_floor=t_torch / floor))
     return records, {"copy_bandwidth_gbps": bw / 1e9, "fill_geometry":
                      f"q, k, v [1, S/{world}, {heads}, {head_dim}] bf16, {world} regions"}
 
 
-def _default_config(head_dim: int) -> tuple[int, int]:
-    return default_block_s(head_dim), LAUNCH_OPTIONS["num_warps"]
+def _default_config(head_dim: int) -> dict:
+    return {"block_s": default_block_s(head_dim), "heads_per_program": HEADS_PER_PROGRAM,
+            "num_warps": LAUNCH_OPTIONS["num_warps"]}

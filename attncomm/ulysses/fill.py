@@ -207,54 +207,80 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def fill_kernel(x_ptr, out_ptr, tbl_ptr, w_ptr, cos_ptr, sin_ptr, S, eps,
-                    sxb, sxs, sxh, sxd, scs, scd, sss, ssd,
+    def fill_kernel(x0, x1, x2, out_ptr, tbl_ptr, w0, w1, w2, cos_ptr, sin_ptr, S, eps,
+                    n_rows,
+                    flags, s0b, s0s, s0h, s0d, s1b, s1s, s1h, s1d, s2b, s2s, s2h, s2d,
+                    scs, scd, sss, ssd,
                     FANOUT: tl.constexpr, HALF: tl.constexpr, LEVELS: tl.constexpr,
-                    BLOCK_S: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr):
+                    BLOCK_S: tl.constexpr, HB: tl.constexpr, ANY_NORM: tl.constexpr,
+                    ANY_ROPE: tl.constexpr):
         pid_s = tl.program_id(0)
-        h = tl.program_id(1)
+        pid_h = tl.program_id(1)
         b = tl.program_id(2).to(tl.int64)
         rows = (pid_s * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
         cols = tl.arange(0, HALF)
         mask = rows[:, None] < S
-        src = x_ptr + b * sxb + h.to(tl.int64) * sxh + rows[:, None] * sxs
-        x1 = tl.load(src + cols[None, :] * sxd, mask=mask)
-        x2 = tl.load(src + (cols[None, :] + HALF) * sxd, mask=mask)
-        if NORM or ROPE:
-            x1 = x1.to(tl.float32)
-            x2 = x2.to(tl.float32)
-            if NORM:
-                t = x1 * x1 + x2 * x2          # the tree's first level: halves added
-                for i in tl.static_range(LEVELS):
-                    a, c = tl.split(tl.permute(tl.reshape(t, (BLOCK_S, 2, HALF >> (i + 1))),
-                                               (0, 2, 1)))
-                    t = a + c
-                ms = tl.div_rn(tl.reshape(t, (BLOCK_S,)), tl.full((BLOCK_S,), 2 * HALF,
-                                                                  tl.float32))
-                inv = tl.div_rn(tl.full((BLOCK_S,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))
-                w1 = tl.load(w_ptr + cols).to(tl.float32)
-                w2 = tl.load(w_ptr + HALF + cols).to(tl.float32)
-                x1 = x1 * inv[:, None] * w1[None, :]
-                x2 = x2 * inv[:, None] * w2[None, :]
-            if ROPE:
-                cr = cos_ptr + rows[:, None] * scs
-                sr = sin_ptr + rows[:, None] * sss
-                c1 = tl.load(cr + cols[None, :] * scd, mask=mask).to(tl.float32)
-                c2 = tl.load(cr + (cols[None, :] + HALF) * scd, mask=mask).to(tl.float32)
-                s1 = tl.load(sr + cols[None, :] * ssd, mask=mask).to(tl.float32)
-                s2 = tl.load(sr + (cols[None, :] + HALF) * ssd, mask=mask).to(tl.float32)
-                y1 = x1 * c1 + (-x2) * s1
-                y2 = x2 * c2 + x1 * s2
-                x1, x2 = y1, y2
-            x1 = x1.to(out_ptr.dtype.element_ty)
-            x2 = x2.to(out_ptr.dtype.element_ty)
-        for f in tl.static_range(FANOUT):
-            ent = tbl_ptr + (h * FANOUT + f) * 3
-            base = tl.load(ent)
-            if base >= 0:
-                dst = out_ptr + base + b * tl.load(ent + 2) + rows[:, None] * tl.load(ent + 1)
-                tl.store(dst + cols[None, :], x1, mask=mask)
-                tl.store(dst + HALF + cols[None, :], x2, mask=mask)
+        c1 = tl.zeros((BLOCK_S, HALF), tl.float32)
+        c2 = c1
+        s1 = c1
+        s2 = c1
+        if ANY_ROPE:  # loaded once, used for every head of the program
+            cr = cos_ptr + rows[:, None] * scs
+            sr = sin_ptr + rows[:, None] * sss
+            c1 = tl.load(cr + cols[None, :] * scd, mask=mask).to(tl.float32)
+            c2 = tl.load(cr + (cols[None, :] + HALF) * scd, mask=mask).to(tl.float32)
+            s1 = tl.load(sr + cols[None, :] * ssd, mask=mask).to(tl.float32)
+            s2 = tl.load(sr + (cols[None, :] + HALF) * ssd, mask=mask).to(tl.float32)
+        for i in range(HB):
+            r = pid_h * HB + i
+            if r < n_rows:
+                ent = tbl_ptr + r * (2 + 3 * FANOUT)
+                part = tl.load(ent)
+                h = tl.load(ent + 1)
+                if part == 0:
+                    src = x0 + b * s0b + h * s0h + rows[:, None] * s0s
+                    sd = s0d
+                    wp = w0
+                elif part == 1:
+                    src = x1 + b * s1b + h * s1h + rows[:, None] * s1s
+                    sd = s1d
+                    wp = w1
+                else:
+                    src = x2 + b * s2b + h * s2h + rows[:, None] * s2s
+                    sd = s2d
+                    wp = w2
+                f1 = tl.load(src + cols[None, :] * sd, mask=mask).to(tl.float32)
+                f2 = tl.load(src + (cols[None, :] + HALF) * sd, mask=mask).to(tl.float32)
+                if ANY_NORM:  # rms_norm_rope's order: the pairwise tree, sqrt, reciprocal
+                    if (flags >> (2 * part)) & 1:
+                        t = f1 * f1 + f2 * f2          # the tree's first level: halves added
+                        for j in tl.static_range(LEVELS):
+                            ta, tb = tl.split(tl.permute(
+                                tl.reshape(t, (BLOCK_S, 2, HALF >> (j + 1))), (0, 2, 1)))
+                            t = ta + tb
+                        ms = tl.div_rn(tl.reshape(t, (BLOCK_S,)),
+                                       tl.full((BLOCK_S,), 2 * HALF, tl.float32))
+                        inv = tl.div_rn(tl.full((BLOCK_S,), 1.0, tl.float32),
+                                        tl.sqrt_rn(ms + eps))
+                        wa = tl.load(wp + cols).to(tl.float32)
+                        wb = tl.load(wp + HALF + cols).to(tl.float32)
+                        f1 = f1 * inv[:, None] * wa[None, :]
+                        f2 = f2 * inv[:, None] * wb[None, :]
+                if ANY_ROPE:
+                    if (flags >> (2 * part + 1)) & 1:
+                        g1 = f1 * c1 + (-f2) * s1
+                        g2 = f2 * c2 + f1 * s2
+                        f1 = g1
+                        f2 = g2
+                y1 = f1.to(out_ptr.dtype.element_ty)
+                y2 = f2.to(out_ptr.dtype.element_ty)
+                for f in tl.static_range(FANOUT):
+                    base = tl.load(ent + 2 + 3 * f)
+                    if base >= 0:
+                        dst = (out_ptr + base + b * tl.load(ent + 4 + 3 * f)
+                               + rows[:, None] * tl.load(ent + 3 + 3 * f))
+                        tl.store(dst + cols[None, :], y1, mask=mask)
+                        tl.store(dst + HALF + cols[None, :], y2, mask=mask)
 
     return fill_kernel
 
@@ -262,48 +288,60 @@ def _kernel():
 #: Launch options of the fill kernel: FMA contraction off (torch rounds ``a * b`` and ``+ c``
 #: separately); read by tests/_fill_ptx.py, which checks the PTX.
 LAUNCH_OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
+#: Rows and heads per program (``default_block_s``, ``HEADS_PER_PROGRAM``): chosen from the
+#: launch shapes ``bench ulysses --fill`` tries (benchmarks/results/ulysses-fill-*.md).
+HEADS_PER_PROGRAM = 1
 
-#: ``(device, layout key) → int64 table [H, FANOUT, 3]`` on the device: built once per shape,
-#: so a steady-state fill uploads nothing (no host↔device copy inside a forward).
+#: ``(device, layout key) → (int64 table [rows, 2 + 3·FANOUT], FANOUT)`` on the device, built
+#: once per layout, so a steady-state fill uploads nothing (no host↔device copy in a forward).
 _TABLES: collections.OrderedDict = collections.OrderedDict()
 
 
-def _table(device, part_index, ranges, cols0, htot, starts, batch, d):
-    """Per source head: up to FANOUT destinations ``(base element, row pitch, batch pitch)``,
-    base −1 for none; ``starts[p]``: region p's first element from the kernel's base pointer."""
-    key = (str(device), part_index, tuple(ranges), tuple(cols0), tuple(htot), tuple(starts),
-           batch, d)
+def _table(device, ranges, htot, starts, batch, d):
+    """One row per (part, source head) that some destination takes: ``part, head``, then up to
+    FANOUT destinations ``(base element, row pitch, batch pitch)``, base −1 for none;
+    ``starts[p]``: region p's first element from the kernel's base pointer."""
+    key = (str(device), tuple(ranges), tuple(htot), tuple(starts), batch, d)
     tbl = _TABLES.get(key)
     if tbl is not None:
         _TABLES.move_to_end(key)
-    if tbl is None:
-        heads = max([hi for _, hi in ranges] + [0])
+        return tbl
+    rows, cols = [], [0] * len(htot)
+    for i, rng in enumerate(ranges):
+        heads = max([hi for _, hi in rng] + [0])
         dests = [[] for _ in range(heads)]
-        for p, (lo, hi) in enumerate(ranges):
+        for p, (lo, hi) in enumerate(rng):
             for h in range(lo, hi):
-                dests[h].append((starts[p] + (cols0[p] + h - lo) * d, batch * htot[p] * d,
+                dests[h].append((starts[p] + (cols[p] + h - lo) * d, batch * htot[p] * d,
                                  htot[p] * d))
-        fan = max([len(x) for x in dests] + [1])
-        rows = [x + [(-1, 0, 0)] * (fan - len(x)) for x in dests]
-        tbl = (torch.tensor(rows, dtype=torch.int64).reshape(heads, fan, 3).to(device), fan)
-        _TABLES[key] = tbl
-        while len(_TABLES) > 256:
-            _TABLES.popitem(last=False)
+            cols[p] += max(0, hi - lo)
+        rows += [(i, h, x) for h, x in enumerate(dests) if x]
+    fan = max([len(x) for _, _, x in rows] + [1])
+    flat = [[i, h] + [v for e in x + [(-1, 0, 0)] * (fan - len(x)) for v in e]
+            for i, h, x in rows]
+    tbl = (torch.tensor(flat, dtype=torch.int64).reshape(len(flat), 2 + 3 * fan).to(device),
+           fan)
+    _TABLES[key] = tbl
+    while len(_TABLES) > 256:
+        _TABLES.popitem(last=False)
     return tbl
 
 
 def default_block_s(head_dim: int) -> int:
-    """Rows per program: about 4096 elements per program."""
-    return max(1, min(64, 4096 // head_dim))
+    """Rows per program: about 2048 elements per head and program."""
+    return max(1, min(64, 2048 // head_dim))
 
 
 def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | None = None,
                 sin: torch.Tensor | None = None, out=None, *, block_s: int | None = None,
+                heads_per_program: int | None = None,
                 num_warps: int | None = None) -> torch.Tensor:
-    """The fill as one Triton launch per part, bitwise equal to ``fill_torch`` (same arguments
-    and result; ``block_s`` rows per program, a power of two, and ``num_warps`` override the
-    launch shape, which never changes the bits). Raises ``ValueError`` when
-    ``triton_fill_reason`` names a reason."""
+    """The fill as one Triton launch (for up to three parts; more take more launches),
+    bitwise equal to ``fill_torch`` (same arguments and result). ``block_s`` (rows per
+    program, a power of two), ``heads_per_program`` and ``num_warps`` override the launch
+    shape, which never changes the bits. With ``out`` given as regions, the destination table
+    is cached per region address: pass stable buffers (a transport's staging is) or one flat
+    buffer. Raises ``ValueError`` when ``triton_fill_reason`` names a reason."""
     (b, s_r, d), htot, starts, regions = _check_parts(parts, out)
     x0 = parts[0].x
     why = triton_fill_reason(parts, x0.device)
@@ -311,35 +349,44 @@ def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor |
         raise ValueError(f"fill_triton: {why}")
     if out is None:
         out = torch.empty(starts[-1], dtype=x0.dtype, device=x0.device)
+    if len(parts) > 3:
+        # three parts per launch; later launches fill the columns after the earlier ones'
+        raise ValueError(f"fill_triton: at most 3 parts per exchange, got {len(parts)}")
     base, starts = out, list(starts[:-1])
     if regions is not None:  # one pointer for all regions: the lowest, others at offsets
         live = [r for r in regions if r.numel()] or [regions[0]]
         base = min(live, key=lambda r: r.data_ptr())
         item = x0.element_size()
         starts = [(r.data_ptr() - base.data_ptr()) // item for r in regions]
-    kernel = _kernel()
-    half = d // 2
+    if s_r == 0 or b == 0:
+        return out
+    tbl, fan = _table(x0.device, [p.ranges for p in parts], htot, starts, b, d)
+    n_rows = tbl.shape[0]
+    if n_rows == 0:
+        return out
+    rope = cos is not None
+    flags = sum(((p.weight is not None) << (2 * i)) | ((p.rope and rope) << (2 * i + 1))
+                for i, p in enumerate(parts))
+    xs = [p.x for p in parts] + [x0] * (3 - len(parts))
+    # fp32 weights (what the reference multiplies by; one pointer type for every part)
+    w32 = [p.weight.to(torch.float32) if p.weight is not None else None for p in parts]
+    dummy = next((w for w in w32 if w is not None), None)
+    if dummy is None:
+        dummy = torch.empty(1, dtype=torch.float32, device=x0.device)
+    ws = [w if w is not None else dummy for w in w32] + [dummy] * (3 - len(w32))
+    c, s = (cos, sin) if rope else (x0, x0)
     block_s = block_s or default_block_s(d)
+    hb = heads_per_program or HEADS_PER_PROGRAM
     opts = dict(LAUNCH_OPTIONS, num_warps=num_warps or LAUNCH_OPTIONS["num_warps"])
-    cols = [0] * len(htot)
-    for i, part in enumerate(parts):
-        x = part.x
-        heads = max([hi for _, hi in part.ranges] + [0])
-        if heads == 0 or s_r == 0 or b == 0:
-            continue
-        tbl, fan = _table(x.device, i, part.ranges, cols, htot, starts, b, d)
-        for p, (lo, hi) in enumerate(part.ranges):
-            cols[p] += max(0, hi - lo)
-        rope = part.rope and cos is not None
-        w = part.weight if part.weight is not None else x
-        c, s = (cos, sin) if rope else (x, x)
-        grid = (triton_cdiv(s_r, block_s), heads, b)
-        kernel[grid](x, base, tbl, w, c, s, s_r, float(eps),
-                     x.stride(0), x.stride(1), x.stride(2), x.stride(3),
-                     c.stride(0) if rope else 0, c.stride(1) if rope else 0,
-                     s.stride(0) if rope else 0, s.stride(1) if rope else 0,
-                     FANOUT=fan, HALF=half, LEVELS=half.bit_length() - 1, BLOCK_S=block_s,
-                     NORM=part.weight is not None, ROPE=rope, **opts)
+    half = d // 2
+    grid = (triton_cdiv(s_r, block_s), triton_cdiv(n_rows, hb), b)
+    _kernel()[grid](*xs, base, tbl, *ws, c, s, s_r, float(eps), n_rows, flags,
+                    *[st for x in xs for st in x.stride()],
+                    c.stride(0) if rope else 0, c.stride(1) if rope else 0,
+                    s.stride(0) if rope else 0, s.stride(1) if rope else 0,
+                    FANOUT=fan, HALF=half, LEVELS=half.bit_length() - 1, BLOCK_S=block_s,
+                    HB=hb, ANY_NORM=any(p.weight is not None for p in parts),
+                    ANY_ROPE=rope and any(p.rope for p in parts), **opts)
     return out
 
 
