@@ -9,9 +9,12 @@ import datetime
 import os
 import pickle
 import queue
+import signal
 import tempfile
+import threading
 import time
 import traceback
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 import torch
@@ -26,6 +29,9 @@ __all__ = ["launch", "RankPool", "init_distributed"]
 
 # How long the other ranks get to finish after one rank failed, before the pool is torn down.
 FAILURE_GRACE_S = 30.0
+# After a rank process died: how long the others get to report (their errors are notes on the
+# failure) before the pool is torn down.
+DEATH_GRACE_S = 3.0
 
 def _timedelta(timeout: float | None = None) -> datetime.timedelta:
     return datetime.timedelta(seconds=config.timeout_s(timeout))
@@ -57,10 +63,47 @@ def init_distributed(rank: int, world_size: int, device: str, init_method: str,
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
 
 
-def _worker(rank, world_size, device, init_method, timeout_s, tasks, results):
+def _dumps(obj) -> bytes:
+    # The pickler multiprocessing queues use (torch registers its tensor reductions with it);
+    # pickled here, where a failure can be reported, not in a queue's feeder thread.
+    return bytes(ForkingPickler.dumps(obj))
+
+
+def _unpicklable_part(fn, args: tuple, kwargs: dict) -> str | None:
+    """Which of ``fn``, ``args[i]``, ``kwargs[k]`` cannot be pickled, with the pickler's reason."""
+    parts = [("fn", fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)] + \
+        [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+    for label, obj in parts:
+        try:
+            ForkingPickler.dumps(obj)
+        except Exception as exc:
+            return f"{label} ({type(obj).__name__}): {type(exc).__name__}: {exc}"
+    return None
+
+
+def _watch_parent(store_path: str) -> None:
+    """Exit this rank when the process that launched it is gone (killed, even by SIGKILL): a
+    daemon thread compares the parent pid every 0.5 s; the rank removes the rendezvous file
+    (FileStore leaves it behind when no rank tears down) and exits with code 3."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        try:
+            os.unlink(store_path)
+        except OSError:
+            pass
+        os._exit(3)
+
+    threading.Thread(target=watch, name="attncomm-parent-watch", daemon=True).start()
+
+
+def _worker(rank, world_size, device, store_path, timeout_s, tasks, results):
+    _watch_parent(store_path)
     try:
-        init_distributed(rank, world_size, device, init_method, timeout_s)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        init_distributed(rank, world_size, device, f"file://{store_path}", timeout_s)
+    except BaseException as exc:
         results.put((-1, rank, False, _pack_exc(exc)))
         return
     try:
@@ -68,31 +111,52 @@ def _worker(rank, world_size, device, init_method, timeout_s, tasks, results):
             item = tasks.get()
             if item is None:
                 break
-            task_id, fn, args, kwargs = item
-            try:
-                value = fn(rank, world_size, *args, **kwargs)
-                results.put((task_id, rank, True, value))
-            except BaseException as exc:  # noqa: BLE001 - reported to the parent
-                results.put((task_id, rank, False, _pack_exc(exc)))
+            task_id, payload = item
+            results.put((task_id, rank, *_run_task(rank, world_size, payload)))
     finally:
         clear_cpu_groups()
         try:
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - teardown after a failure may find a broken group
+        except Exception:
             pass
 
 
-def _pack_exc(exc: BaseException):
+def _run_task(rank: int, world_size: int, payload: bytes) -> tuple[bool, bytes]:
+    """``(ok, pickled value)`` or ``(False, packed exception)``; never raises."""
+    try:
+        fn, args, kwargs = pickle.loads(payload)
+    except BaseException as exc:
+        return False, _pack_exc(RuntimeError(
+            f"the task could not be unpickled in the rank process ({type(exc).__name__}: "
+            f"{exc}); is fn importable there (a module-level function of an importable "
+            f"module)?"))
+    try:
+        value = fn(rank, world_size, *args, **kwargs)
+    except BaseException as exc:
+        return False, _pack_exc(exc)
+    try:
+        return True, _dumps(value)
+    except Exception as exc:
+        return False, _pack_exc(TypeError(
+            f"the return value of {getattr(fn, '__qualname__', fn)!r} "
+            f"({type(value).__name__}) could not be pickled: {type(exc).__name__}: {exc}"))
+
+
+def _pack_exc(exc: BaseException) -> bytes:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
-        pickle.loads(pickle.dumps(exc))
-        return (exc, tb)
-    except Exception:  # noqa: BLE001 - unpicklable exceptions travel as text
-        return (None, f"{type(exc).__name__}: {exc}\n{tb}")
+        data = _dumps((exc, tb))
+        pickle.loads(data)
+        return data
+    except Exception:
+        return _dumps((None, f"{type(exc).__name__}: {exc}\n{tb}"))
 
 
-def _rebuild(rank: int, packed) -> BaseException:
-    exc, tb = packed
+def _rebuild(rank: int, packed: bytes) -> BaseException:
+    try:
+        exc, tb = pickle.loads(packed)
+    except Exception as err:
+        exc, tb = None, f"an exception that could not be unpickled here ({err})"
     if exc is not None:
         msg = f"rank {rank}: {exc}"
         if isinstance(exc, PeerTimeoutError):
@@ -101,7 +165,7 @@ def _rebuild(rank: int, packed) -> BaseException:
         else:
             try:
                 new = type(exc)(msg)
-            except Exception:  # noqa: BLE001 - constructors with other signatures
+            except Exception:
                 new = RuntimeError(f"rank {rank}: {type(exc).__name__}: {exc}")
     else:
         new = RuntimeError(f"rank {rank}: {tb.splitlines()[0]}")
@@ -109,6 +173,39 @@ def _rebuild(rank: int, packed) -> BaseException:
     if hasattr(new, "add_note"):
         new.add_note(f"--- traceback on rank {rank} ---\n{tb}")
     return new
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"{code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return str(code)
+
+
+def _death_error(deaths: dict, failure: BaseException | None) -> RuntimeError:
+    """The failure for rank processes that died during a task: each rank and exit code, the
+    hint about disagreeing arguments, and the other ranks' errors as a note."""
+    try:
+        validation_off = not config.validate_enabled(None)
+    except ValueError:  # a malformed ATTNCOMM_VALIDATE: say both
+        validation_off = False
+    hint = ("validation is off (ATTNCOMM_VALIDATE=0), so the ranks' arguments may disagree: a "
+            "collective with mismatched sizes aborts the process inside gloo/NCCL"
+            if validation_off else
+            "if a call ran with validation off (validate=False), the ranks' arguments may "
+            "disagree: a collective with mismatched sizes aborts the process inside gloo/NCCL")
+    dead = "; ".join(f"rank {r}: process exited with code {_exit_text(c)}"
+                     for r, c in sorted(deaths.items()))
+    err = RuntimeError(f"{dead} while running the task; {hint}")
+    err.rank = min(deaths)
+    err.exitcode = deaths[err.rank]
+    if failure is not None:
+        err.__cause__ = failure
+        if hasattr(err, "add_note"):
+            err.add_note(f"other ranks: {failure}")
+    return err
 
 
 class RankPool:
@@ -148,8 +245,8 @@ class RankPool:
         for rank in range(world_size):
             p = self._ctx.Process(
                 target=_worker,
-                args=(rank, world_size, device, f"file://{path}", timeout_s,
-                      self._tasks[rank], self._results),
+                args=(rank, world_size, device, path, timeout_s, self._tasks[rank],
+                      self._results),
                 daemon=True, name=f"attncomm-rank{rank}")
             p.start()
             self._procs.append(p)
@@ -157,49 +254,77 @@ class RankPool:
         self.alive = True
 
     def run(self, fn: Callable, *args, timeout_s: float | None = None, **kwargs) -> list:
-        """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the values."""
+        """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the values.
+
+        Raises ``ValueError`` naming the part (``fn``, ``args[i]``, ``kwargs[k]``) that cannot
+        be pickled, before anything is sent (the pool stays usable). A rank process that dies
+        during the call is reported within seconds, with its rank and exit code, whatever
+        ``timeout_s`` is."""
         if not self.alive:
             raise RuntimeError("this RankPool was closed after a failure; create a new one")
+        try:
+            payloads = [_dumps((fn, args, kwargs)) for _ in self._tasks]
+        except Exception as exc:
+            bad = _unpicklable_part(fn, args, kwargs) or f"{type(exc).__name__}: {exc}"
+            raise ValueError(
+                f"launch: cannot send the task to the rank processes, {bad}; fn must be a "
+                f"module-level function (not a lambda or a local function) and args/kwargs "
+                f"picklable") from exc
         task_id = self._next_id
         self._next_id += 1
-        for q in self._tasks:
-            q.put((task_id, fn, args, kwargs))
+        for q, payload in zip(self._tasks, payloads):
+            q.put((task_id, payload))
+        return self._collect(task_id, timeout_s)
+
+    def _collect(self, task_id: int, timeout_s: float | None) -> list:
         values: dict[int, Any] = {}
         failure: BaseException | None = None
+        deaths: dict[int, int] = {}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         grace_deadline = None
-        while len(values) < self.world_size:
+        while len(set(values) | set(deaths)) < self.world_size:
             now = time.monotonic()
+            for r, p in enumerate(self._procs):
+                if r not in values and r not in deaths and p.exitcode is not None:
+                    deaths[r] = p.exitcode  # gone: checked on every pass, so never waited on
+                    grace_deadline = min(grace_deadline or now + DEATH_GRACE_S,
+                                         now + DEATH_GRACE_S)
             limits = [d for d in (deadline, grace_deadline) if d is not None]
             if limits and now >= min(limits):
-                missing = [r for r in range(self.world_size) if r not in values]
-                self.close(force=True)
-                if failure is not None:
-                    raise failure
-                raise PeerTimeoutError(
-                    f"launch: rank(s) {missing} did not return within {timeout_s} s",
-                    peer_ranks=missing, timeout_s=timeout_s, op="launch")
+                break
             try:
-                task, rank, ok, value = self._results.get(timeout=0.2)
+                task, rank, ok, payload = self._results.get(timeout=0.1)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs)
-                        if r not in values and p.exitcode is not None]
-                if dead:
-                    r = dead[0]
-                    if failure is None:
-                        failure = RuntimeError(
-                            f"rank {r}: process exited with code {self._procs[r].exitcode}")
-                        failure.rank = r
-                    for d in dead:
-                        values[d] = None
-                    grace_deadline = grace_deadline or time.monotonic() + FAILURE_GRACE_S
                 continue
             if task not in (task_id, -1):
                 continue  # a straggler from an earlier, abandoned task
-            values[rank] = value if ok else None
-            if not ok and failure is None:
-                failure = _rebuild(rank, value)
-                grace_deadline = time.monotonic() + FAILURE_GRACE_S
+            if ok:
+                try:
+                    values[rank] = pickle.loads(payload)
+                    continue
+                except Exception as exc:
+                    err = RuntimeError(f"rank {rank}: its return value could not be unpickled "
+                                       f"in the launching process: {type(exc).__name__}: {exc}")
+                    err.rank = rank
+            else:
+                err = _rebuild(rank, payload)
+            values[rank] = None
+            if failure is None:
+                failure = err
+                grace_deadline = grace_deadline or time.monotonic() + FAILURE_GRACE_S
+            elif hasattr(failure, "add_note"):
+                failure.add_note(f"also rank {rank}: {err}")
+        missing = [r for r in range(self.world_size) if r not in values and r not in deaths]
+        if deaths:
+            self.close(force=True)
+            raise _death_error(deaths, failure)
+        if missing:
+            self.close(force=True)
+            if failure is not None:
+                raise failure
+            raise PeerTimeoutError(
+                f"launch: rank(s) {missing} did not return within {timeout_s} s",
+                peer_ranks=missing, timeout_s=timeout_s, op="launch")
         if failure is not None:
             if any(p.exitcode is not None for p in self._procs):
                 self.close(force=True)
@@ -215,7 +340,7 @@ class RankPool:
             for q in self._tasks:
                 try:
                     q.put(None)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     pass
             for p in self._procs:
                 p.join(timeout=10)
@@ -241,7 +366,7 @@ class RankPool:
     def __del__(self):
         try:
             self.close(force=True)
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 
@@ -254,18 +379,41 @@ def launch(fn: Callable, world_size: int, *, device: str = "cpu", args: tuple = 
         world_size: number of ranks ≥ 1.
         device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one GPU per rank).
         args: extra positional arguments for ``fn``.
-        timeout_s: bound on the whole run in seconds (None: no bound).
+        timeout_s: bound on the whole run in seconds (None: no bound on a rank that runs; a
+            rank process that is gone is reported within seconds either way).
 
     Returns:
         The per-rank return values, in rank order.
 
     Raises:
+        ValueError naming what cannot be pickled (``fn``, ``args[i]``), before any rank starts;
+        a rank's return value that cannot be pickled fails that rank (``TypeError``).
         The first rank's exception (same type where it can be rebuilt, else ``RuntimeError``) with
         ``"rank r: "`` in front of its message; the other ranks are stopped within 30 s.
+        ``RuntimeError`` naming each rank process that died (exit code, signal; e.g. a C++ abort
+        in gloo on mismatched sizes) and saying that the ranks' arguments may disagree when
+        validation is off; the others are stopped within seconds.
         ``PeerTimeoutError`` when ``timeout_s`` passes first.
+
+    The ranks watch this process: when it is killed they exit too and remove the rendezvous
+    file.
     """
+    _check_picklable(fn, tuple(args))  # before spawning anything: fails in milliseconds
     pool = RankPool(world_size, device=device)
     try:
         return pool.run(fn, *args, timeout_s=timeout_s)
     finally:
         pool.close(force=not pool.alive)
+
+
+def _check_picklable(fn, args: tuple) -> None:
+    try:
+        pickle.dumps((fn, args))  # plain pickle: no shared-memory handles left registered
+        return
+    except Exception:
+        pass
+    bad = _unpicklable_part(fn, args, {})
+    if bad is not None:
+        raise ValueError(f"launch: cannot send the task to the rank processes, {bad}; fn must "
+                         f"be a module-level function (not a lambda or a local function) and "
+                         f"args picklable")

@@ -1,6 +1,11 @@
-"""launch / RankPool: return values, failures re-raised with the rank named, timeouts."""
+"""launch / RankPool: return values, failures re-raised with the rank named, timeouts; no hang
+anywhere (unpicklable tasks and return values, ranks that die, a launcher that is killed)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -8,8 +13,10 @@ import torch
 import torch.distributed as dist
 
 import attncomm
+import attncomm._dist
 from attncomm import PeerTimeoutError
 from attncomm._dist import guard_timeout
+from attncomm.launch import _death_error
 
 
 def _sum_ranks(rank, world_size, offset):
@@ -72,3 +79,121 @@ def test_launch_bad_arguments():
         attncomm.launch(_sum_ranks, 0)
     with pytest.raises(ValueError, match="device"):
         attncomm.launch(_sum_ranks, 1, device="tpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# no hang anywhere: unpicklable tasks and values, dead ranks, a killed launcher
+# ---------------------------------------------------------------------------------------------
+
+def _returns_a_lambda(rank, world_size):
+    return lambda: rank
+
+
+def _abort_on_rank1(rank, world_size):
+    if rank == 1:
+        os.abort()  # what a C++ check failing inside gloo does
+    time.sleep(120)  # rank 0 would wait far longer than the report takes
+    return rank
+
+
+def _mismatched_all_gather(rank, world_size):
+    # Validation off and sizes that differ: gloo's own size check aborts a process in C++.
+    out = torch.empty(world_size * (4 + rank))
+    attncomm._dist.all_gather_tensor(out, torch.ones(4 + rank))
+    return rank
+
+
+def _exit_quietly_on_rank1(rank, world_size):
+    if rank == 1:
+        os._exit(5)
+    dist.all_reduce(torch.ones(1))  # blocks on the gone peer (the group's 60 s timeout)
+    return rank
+
+
+def test_launch_unpicklable_fn_or_args_fails_at_once():
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"fn \(function\).*module-level"):
+        attncomm.launch(lambda rank, world_size: rank, 2)
+    with pytest.raises(ValueError, match=r"args\[1\] \(lock\)"):
+        attncomm.launch(_sum_ranks, 2, args=(1, threading.Lock()))
+    assert time.monotonic() - t0 < 2.0  # no rank was started
+
+
+def test_pool_unpicklable_task_leaves_the_pool_usable(pools):
+    with pytest.raises(ValueError, match=r"kwargs\['lock'\]"):
+        pools.run(2, _sum_ranks, 1, lock=threading.Lock())
+    assert pools.run(2, _sum_ranks, 1) == [3, 3]
+
+
+def test_unpicklable_return_value_is_reported(pools):
+    t0 = time.monotonic()
+    with pytest.raises(TypeError, match="rank 0: the return value .*could not be pickled"):
+        pools.run(2, _returns_a_lambda, timeout_s=None)
+    assert time.monotonic() - t0 < 10.0
+    assert pools.run(2, _sum_ranks, 0) == [1, 1]
+
+
+def test_rank_killed_by_abort_is_reported_with_rank_and_code(monkeypatch):
+    monkeypatch.setenv("ATTNCOMM_VALIDATE", "0")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1: process exited with code -6 \(SIGABRT\)") \
+            as info:
+        attncomm.launch(_abort_on_rank1, 2, timeout_s=None)
+    assert time.monotonic() - t0 < 30.0  # spawn + report, not rank 0's 120 s
+    assert info.value.rank == 1 and info.value.exitcode == -6
+    assert "validation is off" in str(info.value)
+    assert "arguments may disagree" in str(info.value)
+    monkeypatch.setenv("ATTNCOMM_VALIDATE", "1")  # on: the hint is conditional
+    msg = str(_death_error({1: -6}, None))
+    assert "if a call ran with validation off" in msg and "arguments may disagree" in msg
+
+
+def test_gloo_size_mismatch_abort_is_reported():
+    with pytest.raises(RuntimeError, match=r"process exited with code -6 \(SIGABRT\)"):
+        attncomm.launch(_mismatched_all_gather, 2, timeout_s=120)
+
+
+def test_gone_rank_with_no_timeout_never_waits_forever():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1: process exited with code 5"):
+        attncomm.launch(_exit_quietly_on_rank1, 2, timeout_s=None)
+    assert time.monotonic() - t0 < 30.0  # not rank 0's 60 s group timeout
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("State:"):
+                    return line.split()[1]
+    except FileNotFoundError:
+        return None
+    return None
+
+
+def test_killed_launcher_leaves_no_ranks_and_no_rendezvous_file(tmp_path):
+    work = tmp_path / "tmp"
+    work.mkdir()
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = ("import sys, attncomm, _launch_helpers; "
+            "attncomm.launch(_launch_helpers.record_pid_and_sleep, 2, args=(sys.argv[1],))")
+    env = dict(os.environ, TMPDIR=str(work),
+               PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        pids = []
+        while time.monotonic() < deadline and len(pids) < 2:
+            pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid") if p.read_text()]
+            time.sleep(0.2)
+        assert len(pids) == 2, "the ranks did not start"
+        assert list(work.glob("attncomm-rdzv-*")), "expected the rendezvous file while running"
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_state(p) not in (None, "Z") for p in pids):
+        time.sleep(0.1)
+    assert all(_state(p) in (None, "Z") for p in pids), "rank processes outlived the launcher"
+    time.sleep(0.2)
+    assert not list(work.glob("attncomm-rdzv-*")), "the rendezvous file was left behind"
