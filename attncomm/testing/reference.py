@@ -5,7 +5,7 @@ import math
 
 import torch
 
-__all__ = ["ref_merge"]
+__all__ = ["ref_attention", "ref_merge", "ref_norm_rope"]
 
 
 def ref_merge(outs: torch.Tensor, lses: torch.Tensor):
@@ -33,3 +33,31 @@ def ref_merge(outs: torch.Tensor, lses: torch.Tensor):
                       num / s.clamp_min(1e-300).unsqueeze(-1))
     lse = torch.where(empty, torch.full_like(m, -math.inf), torch.log(s) + m)
     return out, lse
+
+
+def ref_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                  cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+    """RMSNorm over D (``weight [D]`` or None: none), then rotate-half (NeoX) RoPE (``cos``,
+    ``sin`` ``[S, D]`` or None), in fp64: ``x [B, S, H, D]`` → fp64."""
+    x = x.double()
+    if weight is not None:
+        x = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * weight.double()
+    if cos is not None:
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        x = x * cos.double()[:, None, :] + rot * sin.double()[:, None, :]
+    return x
+
+
+def ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    """Softmax attention in fp64, scale ``1/√D``: ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]``
+    with query head h using KV head ``h // (Hq / Hkv)`` → ``[B, S, Hq, Dv]``."""
+    q, k, v = q.double(), k.double(), v.double()
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    s = torch.einsum("bshd,bthd->bhst", q, k) / math.sqrt(q.shape[-1])
+    if causal:
+        S = q.shape[1]
+        mask = torch.ones(S, S, dtype=torch.bool).triu(1)
+        s = s.masked_fill(mask, -math.inf)
+    return torch.einsum("bhst,bthd->bshd", torch.softmax(s, dim=-1), v)
