@@ -10,14 +10,18 @@ driver (``attncomm.testing.fuzz``) starts fresh ranks after one.
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import torch
 
+from attncomm import dcp, dp_attention, ulysses
+from attncomm.dp_attention import BatchView, ForwardMode
+
 from .reference import ref_attention, ref_norm_rope
 from .special import bitwise_equal, check_merge
 
-__all__ = ["KINDS", "spec", "run_case"]
+__all__ = ["KINDS", "run_case", "spec"]
 
 # kind → relative weight in the draw
 KINDS = {"dcp_merge": 4, "seq_to_head": 2, "head_to_seq": 2, "ulysses_attention": 2,
@@ -137,9 +141,6 @@ def _dcp_inputs(sp):
 
 
 def _run_dcp(rank, W, sp):
-    import os
-
-    from attncomm import dcp
     outs, lses = _dcp_inputs(sp)
     hs = sp["H"] // W
     base2 = sp["base"] == "2"
@@ -168,7 +169,6 @@ def _global_x(sp, shape):
 
 
 def _run_a2a(rank, W, sp):
-    from attncomm import ulysses
     lens, B, H, D = sp["seq_lens"], sp["B"], sp["H"], sp["D"]
     X = _global_x(sp, (B, sum(lens), H, D))
     off = sum(lens[:rank])
@@ -190,7 +190,6 @@ def _run_a2a(rank, W, sp):
 
 
 def _run_attention(rank, W, sp):
-    from attncomm.ulysses import UlyssesAttention
     lens, hq, hkv, D = sp["seq_lens"], sp["Hq"], sp["Hkv"], sp["D"]
     S, dt = sum(lens), _DTYPES[sp["dtype"]]
     g = _gen(sp["seed"], 2)
@@ -206,8 +205,8 @@ def _run_attention(rank, W, sp):
         rope = (ang.cos().float(), ang.sin().float())
     off = sum(lens[:rank])
     sl = slice(off, off + lens[rank])
-    attn = UlyssesAttention(backend="all_to_all", qk_norm=norm,
-                            pipeline_groups=sp["pipeline_groups"])
+    attn = ulysses.UlyssesAttention(backend="all_to_all", qk_norm=norm,
+                                    pipeline_groups=sp["pipeline_groups"])
     got = attn(q[:, sl], k[:, sl], v[:, sl], seq_lens=lens, causal=sp["causal"], rope=rope)
     qr, kr = q.double(), k.double()
     if norm is not None or rope is not None:
@@ -240,30 +239,28 @@ def _layout(n, mode):
 
 
 def _run_dp_gather(rank, W, sp):
-    from attncomm.dp_attention import dp_gather, dp_scatter
     n, tp, mode = sp["n"], sp["tp"], sp["mode"]
     d = rank // tp
     rows = [_dp_rows(sp, q) for q in range(len(n))]
     total, offs = _layout(n, mode)
-    got = dp_gather(rows[d].clone(), n, None, mode=mode, attn_tp_size=tp)
+    got = dp_attention.dp_gather(rows[d].clone(), n, None, mode=mode, attn_tp_size=tp)
     if tuple(got.shape) != (total, *sp["rest"]) and not (total == 0 and got.shape[0] == 0):
         return f"dp_gather: shape {tuple(got.shape)}, want {(total, *sp['rest'])}"
     for q in range(len(n)):
         if not bitwise_equal(got[offs[q]:offs[q] + n[q]], rows[q]):
             return f"dp_gather: DP rank {q}'s rows differ"
-    if total and not bitwise_equal(dp_scatter(got, n, d, mode=mode), rows[d]):
+    if total and not bitwise_equal(dp_attention.dp_scatter(got, n, d, mode=mode), rows[d]):
         return "dp_scatter: this DP rank's rows differ from what it sent"
     return None
 
 
 def _run_dp_reduce_scatter(rank, W, sp):
-    from attncomm.dp_attention import dp_reduce_scatter
     n, tp, mode = sp["n"], sp["tp"], sp["mode"]
     total, offs = _layout(n, mode)
     dt = _DTYPES[sp["dtype"]]
     parts = [torch.randint(-50, 50, (total, *sp["rest"]), generator=_gen(sp["seed"], 200 + r))
              .to(dt) for r in range(W)]
-    got = dp_reduce_scatter(parts[rank].clone(), n, None, mode=mode, attn_tp_size=tp)
+    got = dp_attention.dp_reduce_scatter(parts[rank].clone(), n, None, mode=mode, attn_tp_size=tp)
     d = rank // tp
     want = torch.stack(parts).sum(0)[offs[d]:offs[d] + n[d]]  # small integers: exact
     if not bitwise_equal(got, want.to(dt)):
@@ -272,7 +269,6 @@ def _run_dp_reduce_scatter(rank, W, sp):
 
 
 def _run_dp_sync(rank, W, sp):
-    from attncomm.dp_attention import BatchView, ForwardMode, prepare_mlp_sync_batch
     tp, batches = sp["tp"], sp["batches"]
 
     def view(b):
@@ -284,7 +280,7 @@ def _run_dp_sync(rank, W, sp):
                          extend_lens=list(b[2]))
 
     want = [0 if b is None else (b[1] if b[0] == "decode" else sum(b[2])) for b in batches]
-    batch, info = prepare_mlp_sync_batch(
+    batch, info = dp_attention.prepare_mlp_sync_batch(
         view(batches[rank // tp]), dp_size=W // tp, attn_tp_size=tp, group=None,
         sync=sp["sync"], get_idle_batch=lambda: BatchView(ForwardMode.IDLE))
     if info.global_num_tokens != want:

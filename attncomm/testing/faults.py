@@ -36,8 +36,15 @@ import torch
 import torch.distributed as dist
 
 from attncomm import dcp, ulysses
-from attncomm.dp_attention import (BatchView, DpPaddingMode, ForwardMode, dp_gather,
-                                   dp_reduce_scatter, prepare_mlp_sync_batch, shm)
+from attncomm.dp_attention import (
+    BatchView,
+    DpPaddingMode,
+    ForwardMode,
+    dp_gather,
+    dp_reduce_scatter,
+    prepare_mlp_sync_batch,
+    shm,
+)
 from attncomm.errors import PeerTimeoutError
 from attncomm.launch import init_distributed
 

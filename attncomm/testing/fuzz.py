@@ -23,7 +23,12 @@ import random
 import sys
 import time
 
-__all__ = ["case_seed", "run", "main"]
+import torch
+
+from ..launch import RankPool
+from .cases import run_case, spec
+
+__all__ = ["case_seed", "main", "run"]
 
 _BATCH = 24
 
@@ -40,8 +45,6 @@ def replay_command(seed: int) -> str:
 def _run_batch(rank, world, seeds, timeout_s):
     """On every rank: run the cases; ``[(seed, message or None, raised)]``, cut after the first
     case that raised (the group may be out of step after it)."""
-    from .cases import run_case, spec
-
     os.environ["ATTNCOMM_TIMEOUT_S"] = str(timeout_s)
     out = []
     try:
@@ -78,9 +81,6 @@ def run(cases: int, seed: int, *, worlds=range(1, 9), time_budget_s: float | Non
     the world sizes, so a time budget covers all of them. Default: one new pool per world size
     at a time, world by world, each closed when its cases are done. No batch starts after
     ``time_budget_s``. Returns the summary (see ``main``)."""
-    from ..launch import RankPool
-    from .cases import spec
-
     t0 = time.monotonic()
     queues: dict = collections.defaultdict(list)
     for i in range(cases):
@@ -128,8 +128,6 @@ def run(cases: int, seed: int, *, worlds=range(1, 9), time_budget_s: float | Non
 
 
 def _summary(results: dict, seed: int, cases: int, elapsed: float, log) -> dict:
-    from .cases import spec
-
     by_kind, by_world, failures = collections.Counter(), collections.Counter(), []
     for s, msgs in results.items():
         sp = spec(s)
@@ -147,16 +145,12 @@ def _summary(results: dict, seed: int, cases: int, elapsed: float, log) -> dict:
 
 
 def _machine() -> dict:
-    import torch
     return {"platform": platform.platform(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__}
 
 
 def replay(seed: int, log=print) -> int:
     """Run one case on fresh ranks and print its parameters and verdict."""
-    from .cases import spec
-    from ..launch import RankPool
-
     sp = spec(seed)
     log(f"case {seed}: {sp}")
     with RankPool(sp["W"], device="cpu") as pool:
@@ -168,12 +162,13 @@ def replay(seed: int, log=print) -> int:
 
 def markdown(summary: dict) -> str:
     m = summary["machine"]
-    lines = [f"# Fuzz run, {summary['date']}", "",
-             f"`python -m attncomm.testing.fuzz --cases {summary['cases_drawn']} --seed "
-             f"{summary['seed']}` on {m['platform']}, {m['cpus']} CPUs (shared), Python "
-             f"{m['python']}, torch {m['torch']}, gloo ranks.", "",
-             f"**{summary['cases_run']} cases run, {len(summary['failures'])} failed**, "
-             f"{summary['elapsed_s']:.0f} s.", "", "| kind | cases |", "|---|---|"]
+    command = (f"`python -m attncomm.testing.fuzz --cases {summary['cases_drawn']} --seed "
+               f"{summary['seed']}` on {m['platform']}, {m['cpus']} CPUs (shared), Python "
+               f"{m['python']}, torch {m['torch']}, gloo ranks.")
+    verdict = (f"**{summary['cases_run']} cases run, {len(summary['failures'])} failed**, "
+               f"{summary['elapsed_s']:.0f} s.")
+    lines = [f"# Fuzz run, {summary['date']}", "", command, "", verdict, "",
+             "| kind | cases |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in summary["by_kind"].items()]
     lines += ["", "| W | cases |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in summary["by_world"].items()]
@@ -195,6 +190,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the summary here")
     ap.add_argument("--md", help="write the summary as Markdown here")
     a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        # The Triton combine cases run under the interpreter on CPU (the ranks inherit this).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     if a.replay is not None:
         return replay(a.replay)
     summary = run(a.cases, a.seed, worlds=range(1, a.max_world + 1),
