@@ -81,14 +81,13 @@ def _unpicklable_part(fn, args: tuple, kwargs: dict) -> str | None:
     return None
 
 
-def _watch_parent(store_path: str) -> None:
-    """Exit this rank when the process that launched it is gone (killed, even by SIGKILL): a
-    daemon thread compares the parent pid every 0.5 s; the rank removes the rendezvous file
+def _watch_parent(launcher: int, store_path: str) -> None:
+    """Exit this rank when the process that launched it (pid ``launcher``) is gone (killed, even
+    by SIGKILL): a daemon thread compares the parent pid with it every 0.5 s (a launcher that
+    died before this rank got here is seen at once); the rank removes the rendezvous file
     (FileStore leaves it behind when no rank tears down) and exits with code 3."""
-    parent = os.getppid()
-
     def watch():
-        while os.getppid() == parent:
+        while os.getppid() == launcher:
             time.sleep(0.5)
         try:
             os.unlink(store_path)
@@ -99,8 +98,8 @@ def _watch_parent(store_path: str) -> None:
     threading.Thread(target=watch, name="attncomm-parent-watch", daemon=True).start()
 
 
-def _worker(rank, world_size, device, store_path, timeout_s, tasks, results):
-    _watch_parent(store_path)
+def _worker(rank, world_size, device, store_path, timeout_s, tasks, results, launcher):
+    _watch_parent(launcher, store_path)
     try:
         init_distributed(rank, world_size, device, f"file://{store_path}", timeout_s)
     except BaseException as exc:
@@ -246,7 +245,7 @@ class RankPool:
             p = self._ctx.Process(
                 target=_worker,
                 args=(rank, world_size, device, path, timeout_s, self._tasks[rank],
-                      self._results),
+                      self._results, os.getpid()),
                 daemon=True, name=f"attncomm-rank{rank}")
             p.start()
             self._procs.append(p)

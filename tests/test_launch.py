@@ -176,7 +176,26 @@ def _state(pid: int) -> str | None:
     return None
 
 
-def test_killed_launcher_leaves_no_ranks_and_no_rendezvous_file(tmp_path):
+def _spawned_children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if ppid == pid and b"spawn_main" in f.read():
+                    out.append(int(d))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+@pytest.mark.parametrize("when", ["running", "starting"])
+def test_killed_launcher_leaves_no_ranks_and_no_rendezvous_file(tmp_path, when):
+    # "running": killed while the ranks run fn; "starting": killed as soon as the rank
+    # processes exist (they are still importing torch: their watch starts after it died).
     work = tmp_path / "tmp"
     work.mkdir()
     here = os.path.dirname(os.path.abspath(__file__))
@@ -189,14 +208,18 @@ def test_killed_launcher_leaves_no_ranks_and_no_rendezvous_file(tmp_path):
         deadline = time.monotonic() + 120
         pids = []
         while time.monotonic() < deadline and len(pids) < 2:
-            pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid") if p.read_text()]
-            time.sleep(0.2)
+            if when == "running":
+                pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid") if p.read_text()]
+            else:
+                pids = _spawned_children(proc.pid)
+            time.sleep(0.05)
         assert len(pids) == 2, "the ranks did not start"
-        assert list(work.glob("attncomm-rdzv-*")), "expected the rendezvous file while running"
+        if when == "running":
+            assert list(work.glob("attncomm-rdzv-*")), "expected the rendezvous file"
     finally:
         proc.kill()
         proc.wait()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + (10 if when == "running" else 120)
     while time.monotonic() < deadline and any(_state(p) not in (None, "Z") for p in pids):
         time.sleep(0.1)
     assert all(_state(p) in (None, "Z") for p in pids), "rank processes outlived the launcher"
