@@ -166,12 +166,15 @@ def test_cli_json_and_exit_codes(tmp_path, capsys):
     assert rc == 0
     doc = json.loads(path.read_text())
     assert set(doc) == {"meta", "runs"}
-    assert set(doc["meta"]) == {"device", "world_size", "dtype", "torch", "date"}
+    assert set(doc["meta"]) == {"device", "world_size", "dtype", "torch", "date", "threshold",
+                                "verdict", "skipped"}
     assert doc["meta"]["device"] == "cpu" and doc["meta"]["dtype"] == "fp32"
+    assert doc["meta"]["threshold"] == 0.99999 and doc["meta"]["verdict"] == "pass"
     assert [r["backend"] for r in doc["runs"]] == dcp.available_backends("cpu")
     for r in doc["runs"]:
         assert set(r) == {"mode", "backend", "world_size", "min_cosine", "max_abs_err",
-                          "seconds"}
+                          "seconds", "verdict", "error"}
+        assert r["verdict"] == "pass" and r["error"] is None
         assert r["mode"] == "context_parallel" and r["min_cosine"] >= 1 - 1e-9
         assert r["world_size"] == 1 and r["max_abs_err"] < 2e-5 and r["seconds"] > 0
     out = capsys.readouterr().out
@@ -181,6 +184,29 @@ def test_cli_json_and_exit_codes(tmp_path, capsys):
     assert demo_main(_args(["--model-dir", str(tmp_path / "nothing")])) == 2
     err = capsys.readouterr().err
     assert "--sentences" in err and "--model-dir" in err and "--world-size" in err
+
+
+def test_cli_no_mode_applies_is_a_failure(tmp_path, capsys):
+    # 12 heads over 5 ranks: the DCP modes cannot run; asked for only those, nothing is checked.
+    path = tmp_path / "none.json"
+    rc = demo_main(_args(["--world-size", "5", "--sentences", "2", "--max-len", "8",
+                          "--mode", "context_parallel", "decode", "--json", str(path)]))
+    assert rc == 1
+    doc = json.loads(path.read_text())
+    assert doc["runs"] == [] and doc["meta"]["verdict"] == "fail"
+    assert {s["mode"] for s in doc["meta"]["skipped"]} == {"context_parallel", "decode"}
+    assert "no mode applies" in capsys.readouterr().err
+
+
+def test_row_verdicts():
+    from attncomm.demo import _verdict
+    cfg = DemoConfig(world_size=2)
+    good = DemoRow("ulysses", "all_to_all", 2, 0.999999, 1e-6, 0.1)
+    low = DemoRow("ulysses", "ce", 2, 0.9999, 1e-3, 0.1)
+    err = DemoRow("decode", "a2a", 2, None, None, None, error="ValueError: no")
+    assert _verdict([good], cfg) == "pass"
+    assert _verdict([good, low], cfg) == "fail" and _verdict([good, err], cfg) == "fail"
+    assert _verdict([], cfg) == "fail"
 
 
 def _args(argv):

@@ -4,8 +4,9 @@ The parent loads the model (transformers, offline) and tokenizes the shipped cor
 (``attncomm/data/corpus.txt``); one ``attncomm.launch`` of W ranks then runs every mode that
 applies, once per backend, and rank 0 compares each with the one-process reference. Printed: one
 row per (mode, backend) with the min cosine similarity, max abs error and seconds; ``--json``
-writes ``{"meta": {...}, "runs": [...]}``. Exit code 1 when a row is below the threshold
-(fp32: 0.99999, bf16: 0.999) or failed, 2 for bad options.
+writes ``{"meta": {..., "threshold", "verdict", "skipped"}, "runs": [{..., "verdict",
+"error"}]}``. Exit code 1 when a row is below the threshold (fp32: 0.99999, bf16: 0.999) or
+failed, or when no mode applies (nothing checked); 2 for bad options.
 
 Modes are modules registered in ``MODES`` (the interface: ``attncomm.demo.base``). A registered
 mode whose module is not there (yet) is skipped with the reason printed.
@@ -204,12 +205,16 @@ def _print_rows(rows: list[DemoRow], cfg: DemoConfig) -> None:
           else f"{failed} of {len(rows)} rows FAILED", flush=True)
 
 
-def _write_json(path: str, rows: list[DemoRow], cfg: DemoConfig) -> None:
+def _write_json(path: str, rows: list[DemoRow], cfg: DemoConfig,
+                skipped: list[tuple[str, str]]) -> None:
     doc = {"meta": {"device": cfg.device, "world_size": cfg.world_size, "dtype": cfg.dtype,
                     "torch": torch.__version__,
                     "date": datetime.datetime.now(datetime.timezone.utc)
-                    .isoformat(timespec="seconds")},
-           "runs": [r.record() for r in rows]}
+                    .isoformat(timespec="seconds"),
+                    "threshold": cfg.threshold, "verdict": _verdict(rows, cfg),
+                    "skipped": [{"mode": m, "reason": why} for m, why in skipped]},
+           "runs": [dict(r.record(), verdict="pass" if _passed(r, cfg) else "fail",
+                         error=r.error) for r in rows]}
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     with open(path, "w") as f:
@@ -237,19 +242,27 @@ def run_demo(cfg: DemoConfig, *, out=sys.stdout) -> tuple[list[DemoRow], list[tu
 
 
 def main(args) -> int:
-    """The ``attncomm demo`` command. 0: every row passed; 1: a row failed; 2: bad options."""
+    """The ``attncomm demo`` command. 0: every row passed; 1: a row failed or no mode applied;
+    2: bad options."""
     config.force_safe_env()
     try:
         cfg = _config(args)
     except ValueError as exc:
         print(f"attncomm demo: error: {exc}", file=sys.stderr)
         return 2
-    rows, _ = run_demo(cfg)
+    rows, skipped = run_demo(cfg)
     if not rows:
-        print("attncomm demo: no mode applies at these settings (see the reasons above)")
+        print("attncomm demo: no mode applies at these settings (see the reasons above); "
+              "nothing was checked", file=sys.stderr)
     else:
         _print_rows(rows, cfg)
     if args.json:
-        _write_json(args.json, rows, cfg)
+        _write_json(args.json, rows, cfg, skipped)
         print(f"wrote {args.json}")
-    return 0 if all(_passed(r, cfg) for r in rows) else 1
+    return 0 if _verdict(rows, cfg) == "pass" else 1
+
+
+def _verdict(rows: list[DemoRow], cfg: DemoConfig) -> str:
+    """"pass" when at least one row ran and every row passed; "fail" otherwise (nothing
+    checked is not a pass)."""
+    return "pass" if rows and all(_passed(r, cfg) for r in rows) else "fail"
