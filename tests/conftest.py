@@ -54,16 +54,34 @@ def pools():
     p.close()
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpus(n): the test needs n CUDA GPUs (default 1 for "
+                                       "a gpu-marked test); skipped on a machine with fewer")
+
+
+def gpu_skip_reason(need: int, count: int, cuda: bool) -> str | None:
+    """Why a test that needs ``need`` GPUs cannot run on a machine with ``count`` (None: it
+    can)."""
+    if not cuda:
+        return "needs CUDA GPUs (run scripts/gpu_check.sh on the device)"
+    if count < need:
+        return f"needs {need} CUDA GPUs, this machine has {count}"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    # GPU tests run through scripts/gpu_check.sh on the device machine, not in CI.
+    # GPU tests run through scripts/gpu_check.sh on the device machine, not in CI; each skips
+    # cleanly when the machine has fewer GPUs than its gpus(n) marker asks for.
     try:
         import torch
-        has_gpu = torch.cuda.is_available()
+        cuda = torch.cuda.is_available()
+        count = torch.cuda.device_count() if cuda else 0
     except Exception:  # noqa: BLE001
-        has_gpu = False
-    if has_gpu:
-        return
-    skip = pytest.mark.skip(reason="needs CUDA GPUs (run scripts/gpu_check.sh on the device)")
+        cuda, count = False, 0
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" not in item.keywords:
+            continue
+        marker = item.get_closest_marker("gpus")
+        why = gpu_skip_reason(int(marker.args[0]) if marker else 1, count, cuda)
+        if why:
+            item.add_marker(pytest.mark.skip(reason=why))

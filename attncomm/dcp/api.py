@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import DTYPE_CODES, agree, agree_reason, group_device, group_key
+from ..errors import PeerTimeoutError
 from . import auto
 from .backend import BACKENDS, DcpBackend, backend_class
 from .combine import combine
@@ -201,14 +202,28 @@ def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget) -> "DcpMerg
     key = (bucket, H, D, dtype, backend, lse_base, budget)
     merger = lru.get(key)
     if merger is None:
-        merger = DcpMerger(group, max_tokens=bucket, num_heads=H, head_dim=D, dtype=dtype,
-                           backend=backend, lse_base=lse_base, timeout_s=budget)
+        try:
+            merger = DcpMerger(group, max_tokens=bucket, num_heads=H, head_dim=D, dtype=dtype,
+                               backend=backend, lse_base=lse_base, timeout_s=budget)
+        except (PeerTimeoutError, ValueError) as exc:
+            raise _as_merge_error(exc) from exc
         lru[key] = merger
         while len(lru) > _CACHE_SIZE:
             lru.popitem(last=False)
     else:
         lru.move_to_end(key)
     return merger
+
+
+def _as_merge_error(exc):
+    # The caller called dcp.merge: its errors name dcp.merge, not the merger it builds inside.
+    msg = str(exc)
+    msg = ("dcp.merge" + msg[len("DcpMerger"):] if msg.startswith("DcpMerger")
+           else f"dcp.merge: {msg}")
+    if isinstance(exc, PeerTimeoutError):
+        return PeerTimeoutError(msg, peer_ranks=exc.peer_ranks, timeout_s=exc.timeout_s,
+                                op="dcp.merge")
+    return ValueError(msg)
 
 
 class DcpMerger:

@@ -74,7 +74,7 @@ def _merge(per_rank: list, seeds: list) -> tuple[dict, list, bool]:
 
 
 def run(cases: int, seed: int, *, worlds=range(1, 9), time_budget_s: float | None = None,
-        pool_for=None, timeout_s: float = 20.0, log=print) -> dict:
+        pool_for=None, timeout_s: float = 60.0, log=print) -> dict:
     """Run ``cases`` cases of seed ``seed`` whose world size is in ``worlds`` (others skipped).
 
     ``pool_for(W)`` gives a ``RankPool`` (e.g. the test session's pools): batches then go round
@@ -154,7 +154,7 @@ def replay(seed: int, log=print) -> int:
     sp = spec(seed)
     log(f"case {seed}: {sp}")
     with RankPool(sp["W"], device="cpu") as pool:
-        done, _, _ = _merge(pool.run(_run_batch, [seed], 20.0), [seed])
+        done, _, _ = _merge(pool.run(_run_batch, [seed], 60.0), [seed])
     msgs = done.get(seed, ["not run"])
     log("pass" if not msgs else "FAIL: " + " | ".join(msgs))
     return 1 if msgs else 0

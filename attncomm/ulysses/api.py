@@ -6,6 +6,7 @@ attention on whole sequences for a subset of heads, reached by one all-to-all ea
 """
 from __future__ import annotations
 
+import re
 import sys
 import zlib
 from dataclasses import dataclass
@@ -150,13 +151,38 @@ def dense(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def check_call(group, op, validate, signature, labels, error, timeout_s) -> None:
+#: seq_lens disagreements print every rank's list up to this many entries (else the hash).
+_PRINT_SEQ_LENS = 16
+
+
+def check_call(group, op, validate, signature, labels, error, timeout_s,
+               seq_lens=None) -> None:
     """Local error → ValueError; with validation on, agree across ranks first (every rank then
-    raises the same ValueError)."""
+    raises the same ValueError). When the ranks disagree on ``seq_lens`` (a hash in the
+    signature) and the lists are short, one more gather puts every rank's list in the
+    message (on the error path only)."""
     if config.validate_enabled(validate, default=True) and dist.get_world_size(group) > 1:
-        _dist.agree(group, op, signature, labels, local_error=error, timeout_s=timeout_s)
+        try:
+            _dist.agree(group, op, signature, labels, local_error=error, timeout_s=timeout_s)
+        except ValueError as exc:
+            msg = str(exc)
+            if seq_lens is None or "disagree" not in msg or "seq_lens (hash) =" not in msg:
+                raise
+            raise ValueError(_with_seq_lens(group, msg, list(seq_lens), timeout_s)) from None
     elif error:
         raise ValueError(f"{op}: invalid arguments — rank {dist.get_rank(group)}: {error}")
+
+
+def _with_seq_lens(group, msg: str, seq_lens: list, timeout_s) -> str:
+    # Every rank is here (agree raised the same "disagree" message everywhere).
+    g = _dist.cpu_group(group)
+    lists: list = [None] * dist.get_world_size(g)
+    with _dist.guard_timeout(g, "seq_lens check", timeout_s):
+        dist.all_gather_object(lists, seq_lens, group=g)
+    if max(len(x) for x in lists) > _PRINT_SEQ_LENS:
+        return msg
+    shown = "seq_lens = " + ", ".join(f"{x} (rank {r})" for r, x in enumerate(lists))
+    return re.sub(r"seq_lens \(hash\) = [^;]*", lambda _: shown, msg)
 
 
 def _seq_lens_error(seq_lens, world) -> str | None:
@@ -254,7 +280,7 @@ def seq_to_head(x: torch.Tensor, group=None, *, seq_lens=None, backend: str = "a
            sum(seq) if error is None else -1, seq_lens_hash(seq) if error is None else -1]
     labels = ["B", "H", "D", "dtype", "device is CUDA", "backend", "S_r (seq_lens=None)",
               "sum(seq_lens)", "seq_lens (hash)"]
-    check_call(group, "seq_to_head", validate, sig, labels, error, c.timeout)
+    check_call(group, "seq_to_head", validate, sig, labels, error, c.timeout, seq_lens=seq)
     b, _, h, d = shape
     heads = head_split(h, world)
     offs = head_offsets(heads)
@@ -311,7 +337,7 @@ def head_to_seq(x: torch.Tensor, group=None, *, num_heads: int | None = None, se
     sig = [b, s_total, d, c.dcode, c.dev, _BACKEND_CODES[c.backend], h if ok else -1,
            seq_lens_hash(seq) if ok else -1]
     labels = ["B", "S", "D", "dtype", "device is CUDA", "backend", "num_heads", "seq_lens (hash)"]
-    check_call(group, "head_to_seq", validate, sig, labels, error, c.timeout)
+    check_call(group, "head_to_seq", validate, sig, labels, error, c.timeout, seq_lens=seq)
     heads = head_split(h, world)
     plan = head_to_seq_plan(b, seq, d, tuple(heads), tuple(head_offsets(heads)), h)
     x = dense(x)

@@ -285,7 +285,8 @@ class UlyssesAttention(torch.nn.Module):
         capturing = (isinstance(q, torch.Tensor) and q.is_cuda
                      and torch.cuda.is_current_stream_capturing())
         validate = config.validate_enabled(self.validate, default=not capturing)
-        check_call(group, "UlyssesAttention", validate, sig, labels, error, timeout)
+        check_call(group, "UlyssesAttention", validate, sig, labels, error, timeout,
+                   seq_lens=seq)
         self.fallback_reason = None
         return self._run(q, k, v, seq, causal, rope, backend, timeout, groups,
                          (b, hq, hkv, d, dv))

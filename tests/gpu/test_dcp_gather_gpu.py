@@ -16,7 +16,7 @@ import torch.distributed as dist
 import attncomm
 from attncomm.dcp import DcpAttention, DcpQueryGather
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2)]
 
 W = 2
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,6 +50,7 @@ def _fresh(gen, q, cos, sin):
 
 # ------------------------------------------------------------------------------ one GPU
 
+@pytest.mark.gpus(1)
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_symm_kernel_simulated_ranks_one_gpu(ranks):
     _need_gpus(1)

@@ -13,7 +13,7 @@ from attncomm.dcp import DcpMerger, merge, merge_states
 from _reference import ref_merge
 from _symm_interp import _next_epoch, _scrubs, _signal_cells as signal_cells
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2)]
 
 W = 2
 NEG_INF = float("-inf")

@@ -12,7 +12,7 @@ from attncomm.dp_attention import (BatchView, DpPaddingMode, ForwardMode, dp_gat
                                    dp_reduce_scatter, dp_scatter, prepare_mlp_sync_batch)
 from attncomm.demo.dp_simulate import SimConfig, simulate_rank, summarize
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2)]
 
 
 def _nccl_checks(rank, world, seed):

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2)]
 
 W = 2
 
