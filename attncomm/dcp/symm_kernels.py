@@ -60,10 +60,11 @@ this rank's slab regions (``SlabLayout``), typed as the region; cell ``c`` of a 
 elements away (``delta_o`` in payload elements, ``delta_w`` in 4-byte words, ``delta_q`` in
 8-byte words).
 
-The merge rule is the one in ``attncomm.dcp.combine`` (NaN LSE → −inf, ``m := 0`` when all are
-−inf, guarded divide, fp32 accumulation, one rounding), folded source by source (online
-rescaling). A zero-weight source's payload is loaded but never used (a select, not a multiply),
-so a NaN behind a −inf LSE cannot leak.
+The merge rule is the one in ``attncomm.dcp.combine`` (a non-finite LSE — −inf, +inf, NaN — is
+an empty source, ``m := 0`` when all are −inf, guarded divide, fp32 accumulation, one rounding;
+docs/API.md "Special values"), folded source by source (online rescaling). A zero-weight
+source's payload is loaded but never used (a select, not a multiply), so whatever an empty
+source holds cannot leak; NaN/±inf in a contributing payload propagates.
 """
 from __future__ import annotations
 
@@ -124,9 +125,10 @@ def _wait_go(ptr, e, deadline, timeout_ns):
 
 @triton.jit
 def _online(m, s, l):
-    # Fold one source's LSE into the running max m and sum s (NaN counts as −inf, m := 0
-    # while every LSE so far is −inf). Returns (m, s, scale of the old accumulator, weight).
-    l = tl.where(l == l, l, float("-inf"))
+    # Fold one source's LSE into the running max m and sum s (a non-finite LSE — −inf, +inf,
+    # NaN — is an empty source: −inf; NaN < inf and inf < inf are False; m := 0 while every
+    # LSE so far is −inf). Returns (m, s, scale of the old accumulator, weight).
+    l = tl.where(l < float("inf"), l, float("-inf"))
     m_new = tl.maximum(m, l)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     scale = tl.exp(m - m_use)

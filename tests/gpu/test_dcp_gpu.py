@@ -37,7 +37,8 @@ def cuda_pool():
 # ------------------------------------------------------------------------------------------
 
 def _inputs(gen, T, H, D, dtype, *, empty_rank=None, rank=0, p_empty=0.15):
-    """Fresh partial output / LSE with some −inf rows whose payload is NaN (must never leak)."""
+    """Fresh partial output / LSE with some empty rows (LSE −inf or +inf) whose payload is NaN
+    (must never leak)."""
     dev = torch.device("cuda", torch.cuda.current_device())
     out = torch.randn((T, H, D), generator=gen, device=dev).to(dtype)
     lse = torch.randn((T, H), generator=gen, device=dev) * 3 + rank
@@ -45,6 +46,8 @@ def _inputs(gen, T, H, D, dtype, *, empty_rank=None, rank=0, p_empty=0.15):
     if empty_rank is not None and empty_rank == rank:
         empty[:] = True
     lse[empty] = NEG_INF
+    # +inf (FlashAttention's keyless row) marks an empty shard too
+    lse[empty & (torch.rand((T, H), generator=gen, device=dev) < 0.5)] = float("inf")
     out[empty] = float("nan")
     return out, lse
 
