@@ -262,14 +262,14 @@ class Watchdog:
             if now - w.t0 <= w.timeout_s:
                 return False
             blocked = sorted(p for p, ev in w.events.items() if not ev.query())
-        if not blocked:
-            return True
-        try:
-            if w.on_timeout is not None:
-                w.on_timeout(blocked)
-        finally:
-            w.owner.mark_broken(blocked, f"rank {w.owner.rank} got no answer from "
-                                         f"{ranks(blocked)} within {w.timeout_s:g} s")
+            if not blocked:
+                return True
+            try:
+                if w.on_timeout is not None:  # on the wait's device (its context current)
+                    w.on_timeout(blocked)
+            finally:
+                w.owner.mark_broken(blocked, f"rank {w.owner.rank} got no answer from "
+                                             f"{ranks(blocked)} within {w.timeout_s:g} s")
         return True
 
     def _ensure_thread(self) -> None:

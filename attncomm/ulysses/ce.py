@@ -381,8 +381,10 @@ class CopyEngineTransport(Transport):
                 for addr in addrs(p):
                     self.flags.write(self.side, addr, 1)
 
+        index = self.device.index if self.device.index is not None else \
+            torch.cuda.current_device()
         watchdog().add(PendingWait(self.failures, started, events, self.timeout_s, release,
-                                   self.device.index))
+                                   index))
 
     def _copy_to(self, cs, base: int, plan: ExchangePlan, p: int, parts, send, item) -> None:
         """Everything this rank sends to ``p`` into ``p``'s slot at ``base``: from the send
