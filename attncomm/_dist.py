@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

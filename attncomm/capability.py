@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ def hostname() -> str:
     return socket.gethostname()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def host_identity() -> str:
     """This machine's identity for "same host" checks: the hostname plus the kernel's boot id
     (two containers may share a hostname without sharing memory or GPUs)."""
@@ -59,7 +59,7 @@ def p2p_matrix() -> list[list[bool]]:
             for i in range(n)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def symm_mem_reason() -> str | None:
     """None when torch SymmetricMemory (CUDA backend) is importable here, else why not.
 
@@ -85,7 +85,7 @@ def symm_mem_reason() -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def stream_mem_ops_reason(device_index: int | None = None) -> str | None:
     """None when ``cuStreamWriteValue32`` and ``cuStreamWaitValue32`` work on this GPU, probed by
     a trial write + wait on a scratch word; else why not."""

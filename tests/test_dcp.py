@@ -286,7 +286,7 @@ def _bad_inputs(rank, W):
 def test_bad_inputs_raise_on_every_rank(pools, W):
     per_rank = pools.run(W, _bad_inputs)
     for rank, results in enumerate(per_rank):
-        for label, raised, msg in results:
+        for label, raised, _msg in results:
             assert raised, f"rank {rank}: {label} did not raise ValueError"
     msgs = {label: msg for label, _, msg in per_rank[0]}
     if W > 1:

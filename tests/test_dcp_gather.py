@@ -196,7 +196,7 @@ def _bad_gathers(rank, W):
 def test_bad_gathers_raise_on_every_rank(pools, W):
     per_rank = pools.run(W, _bad_gathers)
     for rank, results in enumerate(per_rank):
-        for label, raised, msg in results:
+        for label, raised, _msg in results:
             assert raised, f"rank {rank}: {label} did not raise ValueError"
     msgs = {label: msg for label, _, msg in per_rank[0]}
     assert "not supported yet" in msgs["gather fp8 out"]

@@ -206,7 +206,7 @@ def _sync_values(rank, world):
 
 
 def test_sync_argument_differing_across_ranks_raises_everywhere(pools):
-    for r, out in enumerate(pools.run(3, _sync_values)):
+    for out in pools.run(3, _sync_values):
         assert out["differ"].startswith("ValueError: dp_attention sync: ranks disagree"), out
         assert "= 1 (rank 0), 2 (rank 1), 1 (rank 2)" in out["differ"], out
         assert ("ValueError: dp_attention sync: invalid arguments — rank 2: sync must be one of"

@@ -37,7 +37,7 @@ def test_layout_regions_disjoint_aligned(W, rows, D, item, ll):
                 assert off % ALIGN == 0
                 spans.append((off, off + size))
     spans.sort()
-    for (a0, a1), (b0, _) in zip(spans, spans[1:]):
+    for (_a0, a1), (b0, _) in zip(spans, spans[1:]):
         assert a1 <= b0, "regions overlap"
     assert spans[-1][1] == L.total_bytes
     st = L.kernel_strides()

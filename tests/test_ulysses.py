@@ -462,7 +462,7 @@ def _staging_steps(rank, world):
 
 def test_ce_staging_agrees_before_rendezvous(pools):
     results = pools.run(2, _staging_steps)
-    for rank, (ok, alloc_fail, rdv_fail) in enumerate(results):
+    for ok, alloc_fail, rdv_fail in results:
         assert ok == (None, ["alloc", "rendezvous"], 1), ok
         why, events, cached = alloc_fail  # rank 1 ran out of memory: nobody rendezvoused
         assert events == ["alloc"] and cached == 1, alloc_fail

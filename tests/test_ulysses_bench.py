@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 from attncomm.ulysses import bench
 

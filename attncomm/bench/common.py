@@ -8,7 +8,7 @@ import json
 import os
 import platform
 import statistics
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -192,10 +192,10 @@ def _empty(out, hs, return_lse):
 
 # Per group: an LRU of mergers. Every rank of a group makes the same agreed calls on it, so
 # every rank evicts the same entry; calls on other groups never touch this group's LRU.
-_MERGERS: "dict[object, collections.OrderedDict[tuple, DcpMerger]]" = {}
+_MERGERS: dict[object, collections.OrderedDict[tuple, DcpMerger]] = {}
 
 
-def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget) -> "DcpMerger":
+def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget) -> DcpMerger:
     # One merger per shape, backend and power-of-two token bucket.
     bucket = max(16, 1 << (T - 1).bit_length())
     lru = _MERGERS.setdefault(group_key(group), collections.OrderedDict())

@@ -18,7 +18,7 @@ step e+1 can never overwrite a ``q_all`` this rank still reads: the gather is bu
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

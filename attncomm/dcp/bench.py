@@ -9,8 +9,8 @@ between merges in an engine; it times kernel + merge. Graph records carry ``gpu_
 median time the GPU sat between replays, per call (slowest rank); a figure whose idle time
 exceeds the run's smallest (the GPU's own launch gap) by ≥ 10 % of it is marked host-bound.
 Eager mode times each call after a group barrier. 10 warm-up + 100 timed iterations;
-``latency_us`` is the median over iterations of the slowest rank. The table gives each backend's speedup over the best NCCL (on CPU
-ranks: gloo) backend of the same run.
+``latency_us`` is the median over iterations of the slowest rank. The table gives each
+backend's speedup over the best NCCL (on CPU ranks: gloo) backend of the same run.
 """
 from __future__ import annotations
 

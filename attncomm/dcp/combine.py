@@ -48,7 +48,8 @@ def use_triton(t: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------------------------
 
 def _weights_torch(lses: torch.Tensor):
-    """``lses [N, ...]`` fp32 → (unnormalised weights ``[N, ...]``, sum ``[...]``, max ``[...]``)."""
+    """``lses [N, ...]`` fp32 → (unnormalised weights ``[N, ...]``, their sum ``[...]``, the
+    max ``[...]``)."""
     lses = lses.float()
     # NaN < inf and +inf < inf are both False: every non-finite LSE becomes −inf (empty).
     lses = torch.where(lses < float("inf"), lses, torch.full_like(lses, float("-inf")))

@@ -167,10 +167,10 @@ def gather_heads(q: torch.Tensor, group=None, *, backend: str = "auto", rope=Non
     return gatherer(q, rope=rope).clone()
 
 
-_GATHERERS: "dict[object, collections.OrderedDict[tuple, DcpQueryGather]]" = {}
+_GATHERERS: dict[object, collections.OrderedDict[tuple, DcpQueryGather]] = {}
 
 
-def _cached_gatherer(group, T, H, D, dtype, backend, R, budget) -> "DcpQueryGather":
+def _cached_gatherer(group, T, H, D, dtype, backend, R, budget) -> DcpQueryGather:
     # One gatherer per geometry and power-of-two token bucket; every rank makes the same agreed
     # calls, so every rank evicts the same entry.
     bucket = max(16, 1 << (T - 1).bit_length())

@@ -100,7 +100,7 @@ class SymmConfig:
                 raise ValueError(f"SymmConfig: {name} must be ≥ 0, got {getattr(self, name)}")
 
     @classmethod
-    def from_env(cls) -> "SymmConfig":
+    def from_env(cls) -> SymmConfig:
         """The defaults, overridden by the ``ATTNCOMM_SYMM_<FIELD>`` rows of
         ``attncomm.config.VARS`` that are set (``ATTNCOMM_SYMM_PDL`` for ``enable_pdl``;
         ``0`` turns PDL off). ``ValueError`` names a variable whose text is bad."""
@@ -148,7 +148,7 @@ class MergeSlab:
 
     @classmethod
     def build(cls, layout: SlabLayout, slab: torch.Tensor, dtype: torch.dtype,
-              peer_ptrs, rank: int, state: torch.Tensor, errors: torch.Tensor) -> "MergeSlab":
+              peer_ptrs, rank: int, state: torch.Tensor, errors: torch.Tensor) -> MergeSlab:
         """``peer_ptrs``: every rank's slab address (group rank order). Raises RuntimeError
         when the peers' slabs are not ``DELTA_UNIT · 8``-byte aligned relative to this one."""
         d_o, d_w, d_q = peer_deltas(peer_ptrs, rank, layout.itemsize, slab.device,

@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
-from typing import Mapping, NamedTuple
+from typing import NamedTuple
+from collections.abc import Mapping
 
 import torch
 
@@ -126,7 +127,7 @@ class SlabLayout:
     def total_bytes(self) -> int:
         return self.cells * sum(self.cell_bytes().values())
 
-    def regions(self, slab: torch.Tensor, dtype: torch.dtype) -> "SlabRegions":
+    def regions(self, slab: torch.Tensor, dtype: torch.dtype) -> SlabRegions:
         """The region views of ``slab`` (``[total_bytes] uint8``) for payload ``dtype``."""
         if slab.numel() < self.total_bytes or slab.dtype != torch.uint8:
             raise ValueError(f"SlabLayout: slab must be ≥ {self.total_bytes} uint8 bytes, got "
@@ -143,7 +144,7 @@ class SlabLayout:
             _region(slab, torch.int64, st["lll_base"], st["lll_cell"]),
             st["o_cell"], st["l_cell"], st["f_cell"], st["llo_cell"], st["lll_cell"])
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019 - a few frozen layouts per process
+    @functools.cache  # noqa: B019 - a few frozen layouts per process
     def kernel_strides(self) -> Mapping[str, int]:
         """Region bases and cell strides in elements of each region's type, as kernels index
         them: ``o`` in payload elements (base 0), ``l``/``f`` in 4-byte words, ``llo``/``lll``

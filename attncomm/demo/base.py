@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -134,7 +135,7 @@ class DemoMode(Protocol):
 
     def backends(self, cfg: DemoConfig) -> list[str]: ...
 
-    def run(self, ctx: "RankContext", backend: str) -> DemoRow | None: ...
+    def run(self, ctx: RankContext, backend: str) -> DemoRow | None: ...
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -181,7 +182,7 @@ class RankContext:
 
     @classmethod
     def create(cls, rank: int, world_size: int, cfg: DemoConfig, inputs: DemoInputs,
-               total_runs: int) -> "RankContext":
+               total_runs: int) -> RankContext:
         device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" \
             else torch.device("cpu")
         bar = None

@@ -21,7 +21,7 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -79,7 +79,7 @@ class MlpWeights:
     b2: torch.Tensor
 
     @classmethod
-    def random(cls, hidden: int, ffn: int, seed: int) -> "MlpWeights":
+    def random(cls, hidden: int, ffn: int, seed: int) -> MlpWeights:
         g = torch.Generator().manual_seed(seed)
         return cls(torch.randn(hidden, ffn, generator=g, dtype=torch.float64) / math.sqrt(hidden),
                    torch.randn(ffn, generator=g, dtype=torch.float64) * 0.1,

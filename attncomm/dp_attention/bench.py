@@ -59,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _config(args) -> dict:
     cpu = args.device == "cpu"
     cfg = dict(device=args.device, syncs=list(args.backends or _SYNCS), steps=args.steps,
-               block=args.block, hidden=args.hidden, dtype=args.dtype, ops=list(args.ops), warmup=args.warmup,
+               block=args.block, hidden=args.hidden, dtype=args.dtype, ops=list(args.ops),
+               warmup=args.warmup,
                tokens=list(args.tokens or ([1, 16, 128] if cpu else [1, 8, 32, 128, 512, 2048])),
                iters=args.iters or (10 if cpu else 50), progress=not args.no_progress)
     bad = [f"{k} must be ≥ 1, got {cfg[k]}" for k in ("steps", "block", "hidden", "iters")
@@ -104,7 +105,9 @@ def _time_sync(path: str, world: int, rank: int, cfg: dict, device, cg) -> dict:
 def _time_gathers(world: int, rank: int, cfg: dict, device, cg, bar) -> list[dict]:
     dtype = _DTYPES[cfg["dtype"]]
     cuda = device.type == "cuda"
-    barrier = (lambda: dist.barrier(group=cg))
+    def barrier():
+        dist.barrier(group=cg)
+
     out = []
     for tokens in cfg["tokens"]:
         gnt = [tokens] * world

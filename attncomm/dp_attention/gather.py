@@ -16,7 +16,7 @@ The modes and their choice follow SGLang's ``DpPaddingMode`` / ``dp_gather`` /
 from __future__ import annotations
 
 import enum
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

@@ -48,7 +48,7 @@ import tempfile
 import time
 import uuid
 import weakref
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

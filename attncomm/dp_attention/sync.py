@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -86,7 +86,7 @@ class BatchView:
     extend_lens: Sequence[int] | None = None
     extend_logprob_start_lens: Sequence[int] | None = None
     return_logprob: bool = False
-    inner_idle_batch: "BatchView | None" = None
+    inner_idle_batch: BatchView | None = None
 
 
 def count_tokens(batch: BatchView | None) -> tuple[int, int]:
@@ -252,7 +252,7 @@ class MLPSyncBatchInfo:
         return tp * cp, (dp, tp, cp)
 
     def all_gather(self, device=None, group=None, *, active_ranks=None, enable_tbo: bool = False,
-                   sync: str = "auto", timeout_s: float | None = None) -> "MLPSyncBatchInfo":
+                   sync: str = "auto", timeout_s: float | None = None) -> MLPSyncBatchInfo:
         """Exchange the rows of every group rank and fill the global fields (returns ``self``).
 
         Arguments:

@@ -5,7 +5,7 @@ own split size. Data travels as bytes (gloo lacks some dtypes, e.g. bf16, for th
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

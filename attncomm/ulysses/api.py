@@ -10,7 +10,7 @@ import re
 import sys
 import zlib
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

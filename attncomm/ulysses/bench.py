@@ -176,7 +176,9 @@ def _first_call(t, geometry, case, dtype, device):
 
 
 def _time(fn, mode, device, iters, cpu_g):
-    barrier = (lambda: dist.barrier(group=cpu_g))
+    def barrier():
+        dist.barrier(group=cpu_g)
+
     if mode == "graph":
         return common.time_graph(fn, per_graph=10, warmup=3, iters=iters, barrier=barrier)
     return common.time_eager(fn, warmup=3, iters=iters, device=device.type, barrier=barrier)
@@ -407,7 +409,8 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
     transports = list(dict.fromkeys(r["transport"] for r in records))
     head = ("| geometry | MB sent per rank | mode | "
             + " | ".join(f"{t} µs | {t} GB/s" for t in transports) + " | ce ÷ all_to_all |")
-    lines = [f"# Ulysses all-to-all — {meta.get('date')}, {meta.get('machine') or meta.get('host')}",
+    where = meta.get("machine") or meta.get("host")
+    lines = [f"# Ulysses all-to-all — {meta.get('date')}, {where}",
              "",
              f"W={meta.get('world_size')}, {meta.get('dtype')}, GPU {meta.get('gpu')}; torch "
              f"{meta.get('torch')}, Triton {meta.get('triton')}, CUDA {meta.get('cuda')}, NCCL "

@@ -33,7 +33,7 @@ import collections
 import dataclasses
 import functools
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -201,7 +201,7 @@ def triton_fill_reason(parts: Sequence[FillPart], device: torch.device) -> str |
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel():
     import triton
     import triton.language as tl

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["head_split", "head_offsets", "kv_head_range", "group_head_ranges", "Piece",
            "ExchangePlan", "seq_to_head_plan", "head_to_seq_plan", "uniform_group"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 __all__ = ["GpuEvent", "load_trace", "classify", "union", "subtract", "budget", "gaps",
            "host_lead_us", "format_budget"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
