@@ -32,7 +32,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist

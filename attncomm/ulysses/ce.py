@@ -35,7 +35,7 @@ garbage: call ``check()`` before trusting the last results of a run.
 from __future__ import annotations
 
 import collections
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
