@@ -1,7 +1,8 @@
 """The ``attncomm`` command: ``demo``, ``bench dcp|ulysses|dp-sync``, ``env``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``main(args) ->
-int``; this file only wires them up (imports are lazy so ``attncomm --help`` is fast).
+int``; this file only wires them up. The process it runs in is one attncomm starts: NVLink
+multicast is forced off (``config.force_safe_env``) before any subcommand runs.
 """
 from __future__ import annotations
 
@@ -15,10 +16,6 @@ _BENCHES = {"dcp": "attncomm.dcp.bench", "ulysses": "attncomm.ulysses.bench",
             "dp-sync": "attncomm.dp_attention.bench"}
 
 
-def _module(name: str):
-    return importlib.import_module(name)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attncomm",
@@ -27,19 +24,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run a real model's attention in parallel and check it "
                                        "against one process (the main job)")
-    _module("attncomm.demo").add_arguments(demo)
+    importlib.import_module("attncomm.demo").add_arguments(demo)
     demo.set_defaults(_main="attncomm.demo")
     bench = sub.add_parser("bench", help="benchmark an exchange (tables, JSON, plots)")
     bench_sub = bench.add_subparsers(dest="exchange", required=True)
     for name, mod in _BENCHES.items():
         p = bench_sub.add_parser(name, help=f"benchmark {name}")
-        try:
-            _module(mod).add_arguments(p)
-        except ImportError as exc:  # pragma: no cover - a bench that is not built yet
-            p.set_defaults(_missing=str(exc))
+        importlib.importimportlib.import_module(mod).add_arguments(p)
         p.set_defaults(_main=mod)
     env = sub.add_parser("env", help="what can run here, and why not")
-    _module("attncomm.envinfo").add_arguments(env)
+    importlib.import_module("attncomm.envinfo").add_arguments(env)
     env.set_defaults(_main="attncomm.envinfo")
     return parser
 
@@ -47,10 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     config.force_safe_env()
     args = build_parser().parse_args(argv)
-    if getattr(args, "_missing", None):
-        print(f"attncomm: this command is not available: {args._missing}", file=sys.stderr)
-        return 2
-    return int(_module(args._main).main(args) or 0)
+    return int(importlib.import_module(args._main).main(args) or 0)
 
 
 if __name__ == "__main__":

@@ -249,9 +249,10 @@ def main(args) -> int:
 
 def _report(args, cfg: dict, records: list[dict]) -> Report:
     """The JSON meta and records, the Markdown page and the latency-vs-tokens plot."""
+    symm = config.overrides("ATTNCOMM_SYMM_")  # the symm_a2a knobs set in the environment
     m = meta(cfg["device"], args.world_size, heads=cfg["heads"], head_dim=cfg["head_dim"],
              dtype=cfg["dtype"], warmup=cfg["warmup"], iters=cfg["iters"],
-             per_graph=cfg["per_graph"], symm_settings=_symm_settings())
+             per_graph=cfg["per_graph"], symm_settings=symm)
     if cfg["device"] == "cuda":
         m = _gpu_meta(m)
     page = (f"# DCP merge — {m['date']}, {m.get('machine') or m['host']}\n\n"
@@ -260,7 +261,7 @@ def _report(args, cfg: dict, records: list[dict]) -> Report:
             f"{m['cuda']}, NCCL {m['nccl']}. {cfg['warmup']} warm-up + {cfg['iters']} "
             f"timed iterations, slowest-rank median; graph mode: {cfg['per_graph']} "
             f"merges per graph, replay / {cfg['per_graph']}. symm_a2a settings "
-            f"(environment): {_symm_settings() or 'defaults'}.\n\n"
+            f"(environment): {symm or 'defaults'}.\n\n"
             + markdown_table(records) + "\n")
     series: dict = {}
     for r in records:
@@ -271,11 +272,6 @@ def _report(args, cfg: dict, records: list[dict]) -> Report:
                 title=f"DCP merge W={args.world_size}, H={cfg['heads']}, D={cfg['head_dim']}, "
                       f"{cfg['dtype']}", logx=True, logy=True)
     return Report(meta=m, records=records, markdown=page, plot=plot)
-
-
-def _symm_settings() -> dict:
-    """The symm_a2a tuning variables set in the environment (``ATTNCOMM_SYMM_*``)."""
-    return config.overrides("ATTNCOMM_SYMM_")
 
 
 def _gpu_meta(m: dict) -> dict:

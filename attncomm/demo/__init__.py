@@ -121,7 +121,8 @@ def prepare_inputs(cfg: DemoConfig, loaded, sentences: list[str] | None = None) 
 
 
 def _mode_module(name: str):
-    """The mode's module, or the reason it cannot be imported (a mode not built yet)."""
+    """The mode's module, or the reason it cannot be imported (an optional dependency it needs
+    is missing); the plan then lists the mode as skipped with that reason."""
     try:
         return importlib.import_module(MODES[name]), None
     except ImportError as exc:
