@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="exchange", required=True)
     for name, mod in _BENCHES.items():
         p = bench_sub.add_parser(name, help=f"benchmark {name}")
-        importlib.importimportlib.import_module(mod).add_arguments(p)
+        importlib.import_module(mod).add_arguments(p)
         p.set_defaults(_main=mod)
     env = sub.add_parser("env", help="what can run here, and why not")
     importlib.import_module("attncomm.envinfo").add_arguments(env)
