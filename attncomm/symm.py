@@ -388,7 +388,7 @@ class SymmWorkspace:
 
     @classmethod
     def agreed(cls, group, size, device: torch.device, *, op: str,
-               timeout_s: float | None = None) -> "SymmWorkspace":
+               timeout_s: float | None = None) -> SymmWorkspace:
         """Allocate, then rendezvous, each step agreed across ranks
         (``capability.collective_try``): every rank gets a workspace, or every rank raises
         ``RuntimeError`` naming ``op`` and the step that failed on some rank."""
