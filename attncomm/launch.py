@@ -15,7 +15,8 @@ import threading
 import time
 import traceback
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
