@@ -11,11 +11,12 @@ flag protocols, with and without the READY handshake), then graph replays with f
 in before each — then times CUDA graphs of 10 steps (replay / 10, median of 100) against two
 baselines of the same run: the torch version (``rotate_tail`` + one copy of every rank's slice
 into every rank's output, what an all_gather moves, on one stream) and a device copy of one
-rank's slice (a floor).
+rank's slice (a floor). ``--fp8``: FP8 output (e4m3fn bytes with per-head scales, checked bit
+for bit against ``quantize_e4m3`` of the fp32 rotation in torch on the same GPU).
 
     python scripts/dcp_gather_one_gpu.py [--world-size 2] [--tokens 1 2 4 8 16 32 64 128]
         [--heads 64] [--head-dim 576] [--rope-dim 64] [--kernel-module PATH] [--label NAME]
-        [--json PATH]
+        [--fp8] [--json PATH]
 
 ``--kernel-module`` loads ``launch_gather`` from another copy of ``gather_symm.py`` (an A/B of
 two versions in one device call). Compare versions, not absolute values: the W ranks share one
@@ -37,7 +38,7 @@ sys.path[:0] = [ROOT]
 
 from attncomm import config  # noqa: E402
 from attncomm.bench.common import time_graph  # noqa: E402
-from attncomm.dcp.gather import rotate_tail  # noqa: E402
+from attncomm.dcp.gather import quantize_e4m3, rotate_tail  # noqa: E402
 
 
 def _module(path: str | None):
@@ -53,12 +54,15 @@ def _module(path: str | None):
 class Sim:
     """W simulated ranks of one query-gather geometry on the current GPU."""
 
-    def __init__(self, mod, W, H, D, R, T, dtype, ordered, timeout_s=2.0):
+    def __init__(self, mod, W, H, D, R, T, dtype, ordered, timeout_s=2.0, fp8=False):
         self.mod, self.W, self.H, self.D, self.R, self.T = mod, W, H, D, R, T
-        self.dtype, self.ordered = dtype, ordered
+        self.dtype, self.ordered, self.fp8 = dtype, ordered, fp8
         dev = torch.device("cuda")
         self.hs = H // W
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        # FP8: per-head scales around 1/64, so the largest of randn·2 saturate at 448
+        self.scale = (torch.rand(H, device=dev) + 0.5) / 96 if fp8 else None
+        out_dtype = torch.uint8 if fp8 else dtype
+        itemsize = torch.empty((), dtype=out_dtype).element_size()
         self.layout = mod.GatherLayout(W, T, H, D, itemsize,
                                        mod.ll_rows_for(T * self.hs, D, itemsize))
         stride = (self.layout.total_bytes + 4095) // 4096 * 4096
@@ -79,7 +83,7 @@ class Sim:
         self.sin = torch.empty((T, R), device=dev)
         self.fresh()
         n = T * H * D
-        self.outs = [s.view(dtype)[:n].view(T, H, D) for s in self.slabs]
+        self.outs = [s.view(out_dtype)[:n].view(T, H, D) for s in self.slabs]
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.n_programs = max(1, sms // W)
         self.timeout_ns = int(timeout_s * 1e9)
@@ -103,7 +107,8 @@ class Sim:
         self.mod.launch_gather(
             self.q[r], cos, sin, slab=self.slabs[r], delta_o=d_o, delta_w=d_w, delta_q=d_q,
             state=self.state[r], errors=self.errors[r], rank=r, layout=self.layout,
-            n_programs_max=self.n_programs, timeout_ns=timeout_ns, ordered=self.ordered)
+            n_programs_max=self.n_programs, timeout_ns=timeout_ns, ordered=self.ordered,
+            q_scale=self.scale)
 
     def load_kernels(self):
         """Compile and load every rank's kernel alone (each times out at once): loading a module
@@ -126,9 +131,17 @@ class Sim:
         for s in self.streams:
             main.wait_stream(s)
 
+    def _slice(self, r):
+        if not self.fp8:
+            return rotate_tail(self.q[r], self.cos, self.sin) if self.R else self.q[r]
+        x = self.q[r].float()
+        if self.R:
+            rotate_tail(self.q[r], self.cos, self.sin, out=x)
+        hs = self.hs
+        return quantize_e4m3(x, self.scale[r * hs:(r + 1) * hs]).view(torch.uint8)
+
     def want(self):
-        rot = self.q if not self.R else torch.stack(
-            [rotate_tail(self.q[r], self.cos, self.sin) for r in range(self.W)])
+        rot = torch.stack([self._slice(r) for r in range(self.W)])
         return rot.permute(1, 0, 2, 3).reshape(self.T, self.H, self.D)
 
     def check(self, what):
@@ -145,12 +158,12 @@ class Sim:
 
     def poison(self):
         for o in self.outs:
-            o.fill_(float("nan"))
+            o.fill_(0xA5 if self.fp8 else float("nan"))
 
     def baseline(self):
         """The torch version on one stream: rotate every slice, copy it into every output."""
         for r in range(self.W):
-            src = rotate_tail(self.q[r], self.cos, self.sin) if self.R else self.q[r]
+            src = self._slice(r)
             for o in self.outs:
                 o[:, r * self.hs:(r + 1) * self.hs].copy_(src)
 
@@ -161,7 +174,8 @@ def graph_us(fn) -> float:
 
 def run_tokens(mod, a, T, ordered) -> dict:
     W, H, D, R = a.world_size, a.heads, a.head_dim, a.rope_dim
-    sim = Sim(mod, W, H, D, R, T, torch.bfloat16, ordered)
+    fp8 = getattr(a, "fp8", False)
+    sim = Sim(mod, W, H, D, R, T, torch.bfloat16, ordered, fp8=fp8)
     sim.load_kernels()
     for i in range(4):  # eager, fresh data: epochs 1..4, both parity slots
         sim.fresh()
@@ -184,7 +198,7 @@ def run_tokens(mod, a, T, ordered) -> dict:
     t_copy = graph_us(lambda: dst.copy_(src))
     ll = mod.use_ll(T * sim.hs, sim.layout)
     mib = src.numel() * src.element_size() / 2 ** 20
-    return {"label": a.label, "tokens": T, "world_size": W, "ordered": ordered,
+    return {"label": a.label, "tokens": T, "world_size": W, "ordered": ordered, "fp8": fp8,
             "protocol": "ll" if ll else "flag", "symm_us": t_symm, "torch_us": t_torch,
             "copy_us": t_copy, "mib_per_peer": mib}
 
@@ -200,6 +214,7 @@ def main() -> int:
     p.add_argument("--replays", type=int, default=100, help="checked graph replays per T")
     p.add_argument("--kernel-module", default=None)
     p.add_argument("--label", default="current")
+    p.add_argument("--fp8", action="store_true", help="FP8 (e4m3fn) output with per-head scales")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -208,7 +223,8 @@ def main() -> int:
     mod = _module(a.kernel_module)
     records = []
     print(f"{a.label}: W={a.world_size} simulated ranks on one {torch.cuda.get_device_name(0)}, "
-          f"H={a.heads}, D={a.head_dim}, R={a.rope_dim}, bf16, graph replay / 10 (µs); every "
+          f"H={a.heads}, D={a.head_dim}, R={a.rope_dim}, bf16{' → fp8' if a.fp8 else ''}, "
+          f"graph replay / 10 (µs); every "
           f"result checked bit for bit")
     print(f"{'tokens':>6} {'proto':>5} {'ordered':>7} {'symm':>8} {'torch':>8} {'copy':>8} "
           f"{'vs torch':>8} {'MiB/peer':>9}")

@@ -60,6 +60,8 @@ fi
 if want gather; then
   step gather-one-gpu 150 $PY scripts/dcp_gather_one_gpu.py \
     --json "$RES/gather-one-gpu-$DAY-$MACHINE.json"
+  step gather-one-gpu-fp8 150 $PY scripts/dcp_gather_one_gpu.py --fp8 --tokens 1 8 64 128 \
+    --replays 50 --json "$RES/gather-one-gpu-fp8-$DAY-$MACHINE.json"
   for op in gather layer; do
     step bench-$op 150 $AC bench dcp --op $op --device cuda --world-size "$WS" --no-progress \
       --json "$RES/$op-$DAY-$MACHINE.json" --plot "$RES/$op-$DAY-$MACHINE.png" \

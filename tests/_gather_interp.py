@@ -14,9 +14,9 @@ import sys
 
 import torch
 
-from attncomm.dcp.gather import rotate_tail
+from attncomm.dcp.gather import quantize_e4m3, rotate_tail
 from attncomm.dcp.gather_symm import GatherLayout, launch_gather, ll_rows_for, use_ll
-from attncomm.dcp.gather_symm_kernels import plan_blocks
+from attncomm.dcp.gather_symm_kernels import e4m3_kernel, plan_blocks
 
 
 def _aligned(nbytes: int) -> torch.Tensor:
@@ -93,11 +93,30 @@ def _make(gen, W, T, hs, D, R, dtype):
     return q, rope
 
 
+def _rotated(q, rope, fp8, scale):
+    """Every rank's output slice ``[W, T, hs, D]``: q's dtype (rotated, rounded once), or with
+    ``fp8`` the e4m3 bytes (uint8) of the fp32 rotation divided by the head's scale."""
+    W, hs = q.shape[0], q.shape[2]
+    if not fp8:
+        return q if rope is None else torch.stack([rotate_tail(q[r], *rope) for r in range(W)])
+    outs = []
+    for r in range(W):
+        x = torch.empty(q[r].shape, dtype=torch.float32)
+        if rope is None:
+            x.copy_(q[r])
+        else:
+            rotate_tail(q[r], *rope, out=x)
+        outs.append(quantize_e4m3(x, scale[r * hs:(r + 1) * hs]).view(torch.uint8))
+    return torch.stack(outs)
+
+
 def run_case(W, hs, D, T, max_tokens, dtype, R, ll, calls=2, seed=0, n_programs=3, epoch0=0,
-             ordered=False):
+             ordered=False, fp8=False):
     gen = torch.Generator().manual_seed(seed)
     H = W * hs
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    scale = (torch.rand(H, generator=gen) + 0.05) / 60 if fp8 else None
+    out_dtype = torch.uint8 if fp8 else dtype
+    itemsize = torch.empty((), dtype=out_dtype).element_size()
     max_rows = max_tokens * hs
     layout = GatherLayout(W, max_tokens, H, D, itemsize,
                           ll_rows_for(max_rows, D, itemsize) if ll else 0)
@@ -115,9 +134,11 @@ def run_case(W, hs, D, T, max_tokens, dtype, R, ll, calls=2, seed=0, n_programs=
     for _ in range(calls):
         call = _next_epoch(call)
         q, rope = _make(gen, W, T, hs, D, R, dtype)
-        rot = q if rope is None else torch.stack([rotate_tail(q[r], *rope) for r in range(W)])
+        if fp8:
+            q[:, :, :, 2:] *= 10  # values past 448 · scale: saturation
+        rot = _rotated(q, rope, fp8, scale)
         for s in slabs:  # poison every OUT
-            _out(s, layout, dtype).fill_(float("nan"))
+            _out(s, layout, out_dtype).fill_(0xA5 if fp8 else float("nan"))
         for src in range(1, W):
             _stage(slabs[0], layout, call, src, rot[src], n_blocks, ll)
         junk = _next_epoch(call)  # the other slot: stale cells that would match the next call
@@ -127,12 +148,13 @@ def run_case(W, hs, D, T, max_tokens, dtype, R, ll, calls=2, seed=0, n_programs=
         cos, sin = rope if rope is not None else (None, None)
         launch_gather(q[0].contiguous(), cos, sin, slab=slabs[0], delta_o=d_o, delta_w=d_w,
                       delta_q=d_q, state=state, errors=errors, rank=0, layout=layout,
-                      n_programs_max=n_programs, timeout_ns=10 ** 9, ordered=ordered)
-        what = f"W={W} hs={hs} D={D} T={T} {dtype} R={R} ll={ll} epoch={call}"
+                      n_programs_max=n_programs, timeout_ns=10 ** 9, ordered=ordered,
+                      q_scale=scale)
+        what = f"W={W} hs={hs} D={D} T={T} {dtype} R={R} ll={ll} fp8={fp8} epoch={call}"
         assert int(state[0]) == call and int(state[1]) == 0, (what, state)
         assert not bool(errors.any()), what
         want = rot.permute(1, 0, 2, 3).reshape(T, H, D)
-        got = _out(slabs[0], layout, dtype)[:T]
+        got = _out(slabs[0], layout, out_dtype)[:T]
         assert torch.equal(_bits(got), _bits(want)), f"{what}: gathered OUT not bit for bit"
         for src in range(1, W):  # the other slot: zeroed by a scrub call, untouched otherwise
             keep = 0 if _scrubs(call) else junk
@@ -146,9 +168,11 @@ def run_case(W, hs, D, T, max_tokens, dtype, R, ll, calls=2, seed=0, n_programs=
                 assert bool(((words >> 32) == call).all()), f"{what}: LL tags"
                 assert torch.equal(words & 0xFFFFFFFF, _words(mine).reshape(-1)), what
                 # LL sends no rows into the peer's OUT
-                assert bool(torch.isnan(_out(slabs[p], layout, dtype).float()).all()), what
+                peer_out = _out(slabs[p], layout, out_dtype)
+                assert bool((peer_out == 0xA5).all() if fp8 else
+                            torch.isnan(peer_out.float()).all()), what
             else:
-                rows = _out(slabs[p], layout, dtype)[:T, 0:hs]
+                rows = _out(slabs[p], layout, out_dtype)[:T, 0:hs]
                 assert torch.equal(_bits(rows), _bits(rot[0])), f"{what}: rows sent to {p}"
                 assert bool((_flags(slabs[p], layout, call & 1, 0)[:n_blocks] == call).all())
     return True
@@ -185,11 +209,11 @@ def run_backend_w1() -> None:
     import tempfile
 
     import torch.distributed as dist
+    from _symm_interp import _FakeWorkspace
 
     import attncomm.dcp.gather_symm as mod
     from attncomm import PeerTimeoutError, capability
     from attncomm.dcp import DcpQueryGather
-    from _symm_interp import _FakeWorkspace
 
     path = tempfile.mktemp(prefix="attncomm-interp-")
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
@@ -215,6 +239,17 @@ def run_backend_w1() -> None:
             raise AssertionError("no PeerTimeoutError")
         except PeerTimeoutError as exc:
             assert exc.peer_ranks == [0], exc
+        scale = torch.rand(3, generator=gen) / 50 + 0.01
+        g8 = DcpQueryGather(max_tokens=5, num_heads=3, head_dim=16, dtype=torch.bfloat16,
+                            backend="symm", rope_dim=4, out_dtype=torch.float8_e4m3fn,
+                            q_scale=scale)
+        assert g8.backend == "symm" and g8.out_dtype == torch.float8_e4m3fn
+        for T in (1, 5, 0):
+            q, (cos, sin) = _make(gen, 1, T, 3, 16, 4, torch.bfloat16)
+            got = g8(q[0], rope=(cos, sin))
+            want = _rotated(q, (cos, sin), True, scale)[0]
+            assert got.dtype == torch.float8_e4m3fn and got.shape == (T, 3, 16)
+            assert torch.equal(_bits(got), _bits(want)), f"FP8 backend T={T}"
         q, (cos, sin) = _make(gen, 1, 2, 3, 16, 4, torch.bfloat16)
         try:
             g(q[0], rope=(cos, sin))
@@ -226,12 +261,50 @@ def run_backend_w1() -> None:
         dist.destroy_process_group()
 
 
+FP8_CASES = [
+    # W, hs, D, T, max_tokens, q dtype, R, ll  (FP8 output: one byte per value)
+    (2, 2, 24, 3, 5, torch.bfloat16, 8, False),
+    (2, 2, 24, 3, 5, torch.bfloat16, 8, True),
+    (3, 2, 16, 4, 4, torch.float32, 16, True),
+    (3, 1, 72, 5, 6, torch.float16, 64, False),
+    (2, 4, 8, 30, 30, torch.bfloat16, 4, True),  # several blocks per program, 2 words per row
+    (2, 2, 6, 3, 3, torch.bfloat16, 6, False),  # D·1 not a multiple of 4: flag only
+    (2, 2, 8, 3, 3, torch.float16, 4, True, 3, 2, 3, -2),  # epoch wrap
+]
+
+
+def run_e4m3() -> None:
+    """The kernels' fp32 → e4m3fn conversion against torch's (``quantize_e4m3`` with scale 1:
+    saturate, then ``Tensor.to``; NaN → 0x7F): every pattern of the top 20 bits of an fp32
+    (sign, exponent, 11 mantissa bits: all signs, ranges, ±0, subnormals, ±inf, NaNs) with the
+    low 12 bits 0, 1, 0x7FF, 0x800, 0x801, 0xFFF (below e4m3's round bit they only act as
+    sticky bits), and every fp32 of [2**-7, 2**-6) and its negative (e4m3 subnormals rounding
+    up into the normals)."""
+    hi = torch.arange(1 << 20, dtype=torch.int64) << 12
+    low = torch.tensor([0, 1, 0x7FF, 0x800, 0x801, 0xFFF])
+    a = (hi[:, None] | low[None, :]).reshape(-1)
+    b = torch.arange(120 << 23, 121 << 23, dtype=torch.int64)
+    pats = torch.cat((a, b, b | (1 << 31)))
+    x = ((pats + 2 ** 31) % 2 ** 32 - 2 ** 31).to(torch.int32).view(torch.float32)
+    n = x.numel()
+    got = torch.empty(n, dtype=torch.uint8)
+    block = 1 << 20
+    e4m3_kernel[(-(-n // block),)](x, got, n, BLOCK=block)
+    want = quantize_e4m3(x.view(1, 1, n), torch.ones(1)).view(torch.uint8).view(n)
+    bad = (got != want).nonzero()[:, 0]
+    assert bad.numel() == 0, [(hex(int(pats[i]) & 0xFFFFFFFF), int(got[i]), int(want[i]))
+                              for i in bad[:8]]
+
+
 def main() -> int:
     for case in CASES:
         run_case(*case)
     run_case(2, 2, 24, 3, 5, torch.bfloat16, 8, False, ordered=True)
+    for case in FP8_CASES:
+        run_case(*case, fp8=True)
+    run_e4m3()
     run_backend_w1()
-    print(f"ok {len(CASES) + 1} cases + backend")
+    print(f"ok {len(CASES) + 1} cases + {len(FP8_CASES)} FP8 cases + e4m3 + backend")
     return 0
 
 

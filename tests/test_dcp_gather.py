@@ -199,7 +199,7 @@ def test_bad_gathers_raise_on_every_rank(pools, W):
         for label, raised, _msg in results:
             assert raised, f"rank {rank}: {label} did not raise ValueError"
     msgs = {label: msg for label, _, msg in per_rank[0]}
-    assert "not supported yet" in msgs["gather fp8 out"]
+    assert "needs q_scale" in msgs["gather fp8 out"]
     if W > 1:
         assert "T (tokens)" in msgs["T differs"]
         assert "H/W" in msgs["H/W differs"]

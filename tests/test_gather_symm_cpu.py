@@ -71,9 +71,14 @@ def test_symm_gather_compiles_for_sm90_without_fma():
     # published with a release and waited for with an acquire, at system scope
     assert "ld.global.sys.relaxed" in ptx["flag"]
     assert "ld.global.sys.relaxed" not in ptx["flag_ordered"]
-    for name in ("flag", "flag_ordered"):
+    for name in ("flag", "flag_ordered", "flag_fp8"):
         assert "atom.global.sys.release.exch" in ptx[name] and \
             "ld.global.sys.acquire" in ptx[name], name
+    # FP8: the scale division is IEEE (div.rn.f32, not the approximate div.full.f32), and the
+    # e4m3 conversion is the kernel's integer code (no cvt to e4m3, whose NaN differs)
+    for name in ("flag_fp8", "ll_fp8"):
+        assert "div.rn.f32" in ptx[name] and "div.full" not in ptx[name], name
+        assert "e4m3" not in ptx[name], name
 
 
 def _auto_on_cpu(rank, W):

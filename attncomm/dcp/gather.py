@@ -25,25 +25,40 @@ import collections
 import importlib
 import logging
 import math
+import zlib
 from abc import ABC, abstractmethod
 
 import torch
 import torch.distributed as dist
 
 from .. import config
-from .._dist import (DTYPE_CODES, agree, agree_reason, all_gather_tensor, as_bits, cpu_group,
-                     group_device, group_key, wait)
+from .._dist import (
+    DTYPE_CODES,
+    agree,
+    agree_reason,
+    all_gather_tensor,
+    as_bits,
+    cpu_group,
+    group_device,
+    group_key,
+    wait,
+)
 from .._timing import time_graph
 from .auto import token_buckets
 
-__all__ = ["gather_heads", "DcpQueryGather", "rotate_tail", "QueryGatherBackend",
-           "AllGatherBackend", "GATHER_BACKENDS"]
+__all__ = ["gather_heads", "DcpQueryGather", "rotate_tail", "quantize_e4m3", "QueryGatherBackend",
+           "AllGatherBackend", "GATHER_BACKENDS", "FP8_DTYPE", "FP8_MAX"]
 
 log = logging.getLogger("attncomm.dcp")
 
 GATHER_BACKENDS = ("all_gather", "symm", "auto")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CACHE_SIZE = 8
+#: The FP8 query output format (OCP e4m3, no infinities: FlashInfer/FlashMLA/FA3 FP8 inputs).
+FP8_DTYPE = torch.float8_e4m3fn
+#: Its largest finite value; quantization saturates to ±FP8_MAX.
+FP8_MAX = 448.0
+_FP8_NAN = 0x7F  # the one NaN byte every backend writes (positive; e4m3fn NaN is S.1111.111)
 
 
 def rotate_tail(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -75,6 +90,60 @@ def rotate_tail(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     out[..., D - R:].copy_(x * c + rot * s)
     return out
+
+
+def quantize_e4m3(x: torch.Tensor, scale: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """FP8 (e4m3fn) quantization with a per-head dequantization scale: the definition every
+    backend of ``DcpQueryGather(out_dtype=torch.float8_e4m3fn)`` computes bit for bit.
+
+    Arguments:
+        x: ``[T, h, D]`` fp32 (the query after RoPE, not rounded to the query dtype).
+        scale: ``[h]`` fp32, finite and > 0: head ``j``'s scale ``s_j``.
+        out: optional ``[T, h, D]`` ``float8_e4m3fn`` (or uint8) tensor to write into.
+
+    Returns:
+        ``[T, h, D]`` ``float8_e4m3fn``: ``e4m3fn(clamp(x / s_j, −448, 448))``: one IEEE fp32
+        division (round to nearest even), saturation to the largest finite e4m3 value (±inf
+        and finite overflow → ±448, e4m3fn having no infinity), then round to nearest even
+        into e4m3fn (subnormals included; what ``Tensor.to(torch.float8_e4m3fn)`` does in
+        range). NaN → the byte ``0x7F`` whatever its sign. So ``x ≈ float(q) · s_j``: the
+        scale is what the attention kernel multiplies back (a "descale").
+    """
+    v = x / scale.to(torch.float32)[None, :, None]
+    v.clamp_(-FP8_MAX, FP8_MAX)  # NaN stays NaN
+    if out is None:
+        out = torch.empty(v.shape, dtype=FP8_DTYPE, device=v.device)
+    b = out.view(torch.uint8)
+    b.view(FP8_DTYPE).copy_(v)
+    b.masked_fill_(torch.isnan(v), _FP8_NAN)
+    return out
+
+
+def _scale_error(q_scale, num_heads: int) -> str | None:
+    """Why ``q_scale`` is not a valid per-head scale (None if it is); host reads only."""
+    if q_scale is None:
+        return "out_dtype=torch.float8_e4m3fn needs q_scale ([H] fp32 or a float)"
+    if isinstance(q_scale, torch.Tensor):
+        if q_scale.dim() != 1 or q_scale.numel() != num_heads or \
+                not q_scale.is_floating_point():
+            return (f"q_scale must be a float or a [H={num_heads}] float tensor, got "
+                    f"{tuple(q_scale.shape)} {q_scale.dtype}")
+        vals = q_scale.detach().to("cpu", torch.float32)
+    elif isinstance(q_scale, (int, float)) and not isinstance(q_scale, bool):
+        vals = torch.full((num_heads,), float(q_scale), dtype=torch.float32)
+    else:
+        return f"q_scale must be a float or a [H] tensor, got {type(q_scale).__name__}"
+    bad = [i for i, v in enumerate(vals.tolist()) if not (math.isfinite(v) and v > 0)]
+    if bad:
+        return f"q_scale must be finite and > 0 (as fp32); heads {bad[:8]} are not"
+    return None
+
+
+def _scale_f32(q_scale, num_heads: int) -> torch.Tensor:
+    if isinstance(q_scale, torch.Tensor):
+        return q_scale.detach().to("cpu", torch.float32).clone()
+    return torch.full((num_heads,), float(q_scale), dtype=torch.float32)
 
 
 def _rope_error(rope, T: int, D: int, device) -> str | None:
@@ -194,14 +263,17 @@ class QueryGatherBackend(ABC):
     Constructed collectively (every rank of ``group``, same arguments). ``__call__(q, cos,
     sin)`` takes this rank's ``[T, H/W, D]`` slice (``dtype``, contiguous, ``T ≤ max_tokens``)
     and, when ``rope_dim > 0``, fp32 contiguous ``cos, sin [T, rope_dim]``; it returns
-    ``[T, H, D]`` in ``dtype``, a view of a persistent buffer (see each backend for how long it
-    stays valid). ``q`` is never modified.
+    ``[T, H, D]`` in ``out_dtype``, a view of a persistent buffer (see each backend for how long
+    it stays valid). ``q`` is never modified. With ``out_dtype == FP8_DTYPE``, ``q_scale`` is
+    the ``[H]`` fp32 device tensor of per-head scales and the result is ``quantize_e4m3`` of
+    the rotated fp32 query, bit for bit.
     """
 
     name: str = "?"
 
     def __init__(self, group, *, max_tokens: int, num_heads: int, head_dim: int,
-                 dtype: torch.dtype, rope_dim: int, device: torch.device, timeout_s: float):
+                 dtype: torch.dtype, rope_dim: int, device: torch.device, timeout_s: float,
+                 out_dtype: torch.dtype | None = None, q_scale: torch.Tensor | None = None):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -209,6 +281,11 @@ class QueryGatherBackend(ABC):
         self.hs = num_heads // self.world_size
         self.dtype, self.rope_dim = dtype, rope_dim
         self.device, self.timeout_s = device, timeout_s
+        self.out_dtype = out_dtype if out_dtype is not None else dtype
+        self.fp8 = self.out_dtype == FP8_DTYPE
+        if self.fp8 and q_scale is None:
+            raise ValueError(f"{type(self).__name__}: FP8 output needs q_scale [H] fp32")
+        self.q_scale = q_scale
 
     @classmethod
     def local_unavailable_reason(cls, group, device: torch.device) -> str | None:
@@ -230,7 +307,9 @@ class AllGatherBackend(QueryGatherBackend):
     (payload as bytes: every process-group backend moves uint8), permute into ``out``.
 
     The result is a view of ``out [max_tokens, H, D]``, local memory that only this rank's
-    stream writes: valid until this rank's next call. Graph-capturable on NCCL.
+    stream writes: valid until this rank's next call. Graph-capturable on NCCL. FP8: the slice
+    is rotated into an fp32 scratch and quantized (``quantize_e4m3``) into the send buffer, so
+    one byte per value crosses the wire.
     """
 
     name = "all_gather"
@@ -238,18 +317,32 @@ class AllGatherBackend(QueryGatherBackend):
     def __init__(self, group, **kw):
         super().__init__(group, **kw)
         W, n, h, D = self.world_size, self.max_tokens, self.hs, self.head_dim
-        self.send = torch.empty((n, h, D), dtype=self.dtype, device=self.device)
-        self.stage = torch.empty((W * n * h * D,), dtype=self.dtype, device=self.device)
-        self.out = torch.empty((n, W * h, D), dtype=self.dtype, device=self.device)
+        od = self.out_dtype
+        self.send = torch.empty((n, h, D), dtype=od, device=self.device)
+        self.stage = torch.empty((W * n * h * D,), dtype=od, device=self.device)
+        self.out = torch.empty((n, W * h, D), dtype=od, device=self.device)
+        self.f32 = (torch.empty((n, h, D), dtype=torch.float32, device=self.device)
+                    if self.fp8 else None)
+
+    def _fill_send(self, q, cos, sin, send):
+        if self.fp8:
+            x = self.f32[:q.shape[0]]
+            if cos is not None:
+                rotate_tail(q, cos, sin, out=x)
+            else:
+                x.copy_(q)
+            r = self.rank * self.hs
+            quantize_e4m3(x, self.q_scale[r:r + self.hs], out=send)
+        elif cos is not None:
+            rotate_tail(q, cos, sin, out=send)
+        else:
+            send.copy_(q)
 
     def __call__(self, q, cos, sin):
         T, h, D = q.shape
         W = self.world_size
         send = self.send[:T]
-        if cos is not None:
-            rotate_tail(q, cos, sin, out=send)
-        else:
-            send.copy_(q)
+        self._fill_send(q, cos, sin, send)
         out = self.out[:T]
         if W == 1:
             out.copy_(send)
@@ -319,12 +412,25 @@ class DcpQueryGather:
             ``symm`` when every rank can run it and it measures faster over token buckets up to
             ``max_tokens``; env ``ATTNCOMM_DCP_GATHER_BACKEND`` names a preference for "auto").
         rope_dim: R: every call rotates the last R dims (0: no rotation; else even, ≤ D).
-        out_dtype: None (the query's dtype). FP8 output is not supported yet (ValueError).
+        out_dtype: None or ``dtype`` (the query's dtype, bit for bit), or
+            ``torch.float8_e4m3fn``: FP8 output for FP8 attention kernels, with ``q_scale``.
+        q_scale: with FP8 output, the per-head dequantization scale: ``[H]`` (any float dtype,
+            converted to fp32; finite, > 0) or one float for every head; the same on every rank
+            (checked). Static, given by the caller (a calibrated scale, as vLLM's ``q_scale``
+            or FlashInfer's ``q_scale``), not computed per call: a per-call amax needs every
+            token of a head before the first byte is sent, a grid-wide pass the one-pass push
+            kernel avoids. Value ``(T, h, d)`` of the result is ``quantize_e4m3`` of the rotated
+            fp32 query divided by ``q_scale[h]`` (IEEE division, saturation to ±448, round to
+            nearest even, NaN → 0x7F): ``q ≈ float(q8) · q_scale[h]``. The attention kernel
+            multiplies head ``h``'s scores by ``q_scale[h]`` (fold it into head ``h``'s softmax
+            scale; a per-tensor scale is all ``H`` entries equal, FA3's ``descale_q [B, H_kv]``
+            the heads of a KV group equal). The quantization happens before the exchange, so a
+            value crosses the wire as one byte.
         timeout_s: wait budget (None → ``ATTNCOMM_TIMEOUT_S``).
 
-    ``gather(q [T, H/W, D], rope=None)`` → ``[T, H, D]``, a view of a persistent buffer;
-    ``rope=(cos, sin)`` each ``[T, rope_dim]`` is required iff ``rope_dim > 0``. Per-call checks
-    are local (no collective), so calls can be captured.
+    ``gather(q [T, H/W, D], rope=None)`` → ``[T, H, D]`` in ``out_dtype``, a view of a
+    persistent buffer; ``rope=(cos, sin)`` each ``[T, rope_dim]`` is required iff ``rope_dim >
+    0``. Per-call checks are local (no collective), so calls can be captured.
 
     Ordering rule (the view is valid until this rank's next call is enqueued): enqueue every
     reader of a result on the gather's stream before the next call. The ``symm`` backend keeps
@@ -336,6 +442,9 @@ class DcpQueryGather:
     Attributes:
         backend: the backend in use; fallback_reason: why "auto" did not take ``symm`` (None if
             it did or was not asked).
+        out_dtype: the result's dtype. q_scale: with FP8 output, the ``[H]`` fp32 device tensor
+            every call reads (pass it to the attention kernel; rewriting it in place between
+            calls, with the same values on every rank, changes the scale of later calls).
 
     Raises:
         ValueError (every rank): bad arguments, or a named backend that cannot run here.
@@ -344,25 +453,33 @@ class DcpQueryGather:
     def __init__(self, group=None, *, max_tokens: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, backend: str = "auto", rope_dim: int = 0,
                  out_dtype: torch.dtype | None = None, timeout_s: float | None = None,
-                 ordered_by_caller: bool = False):
+                 ordered_by_caller: bool = False, q_scale=None):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.timeout_s = config.timeout_s(timeout_s)
         err = self._check_args(max_tokens, num_heads, head_dim, dtype, backend, rope_dim,
                                out_dtype, self.world_size)
+        fp8 = out_dtype == FP8_DTYPE
+        if err is None and fp8:
+            err = _scale_error(q_scale, num_heads)
+        scale_crc = zlib.crc32(_scale_f32(q_scale, num_heads).numpy().tobytes()) \
+            if fp8 and err is None else -1
         ints = [v if isinstance(v, int) else -1 for v in (max_tokens, num_heads, head_dim,
                                                           rope_dim)]
         sig = ints + [DTYPE_CODES.get(dtype, 0),
                       GATHER_BACKENDS.index(backend) if backend in GATHER_BACKENDS else -1,
-                      int(bool(ordered_by_caller))]
+                      int(bool(ordered_by_caller)), int(fp8), scale_crc]
         agree(group, "DcpQueryGather", sig, ["max_tokens", "num_heads", "head_dim", "rope_dim",
-                                             "dtype", "backend", "ordered_by_caller"],
+                                             "dtype", "backend", "ordered_by_caller",
+                                             "FP8 output", "q_scale (crc32 of its fp32 bits)"],
               err, self.timeout_s)
         self.max_tokens, self.num_heads, self.head_dim = max_tokens, num_heads, head_dim
-        self.dtype, self.rope_dim, self.out_dtype = dtype, rope_dim, dtype
-        self.ordered_by_caller = bool(ordered_by_caller)
+        self.dtype, self.rope_dim = dtype, rope_dim
+        self.out_dtype = FP8_DTYPE if fp8 else dtype
         self.device = group_device(group)
+        self.q_scale = _scale_f32(q_scale, num_heads).to(self.device) if fp8 else None
+        self.ordered_by_caller = bool(ordered_by_caller)
         self.requested_backend = backend
         self.fallback_reason: str | None = None
         name = config.env_backend("ATTNCOMM_DCP_GATHER_BACKEND", backend, GATHER_BACKENDS[:-1])
@@ -398,17 +515,16 @@ class DcpQueryGather:
             return f"num_heads={num_heads} is not divisible by world size W={world_size}"
         if not isinstance(rope_dim, int) or rope_dim < 0 or rope_dim % 2 or rope_dim > head_dim:
             return f"rope_dim must be 0 or an even int ≤ head_dim={head_dim}, got {rope_dim!r}"
-        if out_dtype is not None and out_dtype != dtype:
-            if "float8" in str(out_dtype):
-                return (f"out_dtype={out_dtype}: FP8 query output (per-head scale) is not "
-                        f"supported yet; pass out_dtype=None")
-            return f"out_dtype must be None or the query dtype {dtype}, got {out_dtype}"
+        if out_dtype is not None and out_dtype not in (dtype, FP8_DTYPE):
+            return (f"out_dtype must be None, the query dtype {dtype} or torch.float8_e4m3fn, "
+                    f"got {out_dtype}")
         return None
 
     def _kwargs(self):
         return dict(max_tokens=self.max_tokens, num_heads=self.num_heads,
                     head_dim=self.head_dim, dtype=self.dtype, rope_dim=self.rope_dim,
-                    device=self.device, timeout_s=self.timeout_s)
+                    device=self.device, timeout_s=self.timeout_s, out_dtype=self.out_dtype,
+                    q_scale=self.q_scale)
 
     def _local_reason(self, name: str) -> str | None:
         try:
@@ -471,7 +587,7 @@ class DcpQueryGather:
         if err:
             raise ValueError(f"DcpQueryGather: {err}")
         if q.shape[0] == 0:
-            return torch.empty((0, self.num_heads, self.head_dim), dtype=q.dtype,
+            return torch.empty((0, self.num_heads, self.head_dim), dtype=self.out_dtype,
                                device=q.device)
         cos = sin = None
         if rope is not None:

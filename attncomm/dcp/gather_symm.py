@@ -9,7 +9,7 @@ this rank's slab: a fixed address, so a captured graph's readers keep pointing a
 
 Slab layout (bytes, every region 128-byte aligned)::
 
-    OUT    [max_tokens, H, D]          query dtype   the gathered query (the result)
+    OUT    [max_tokens, H, D]          out dtype     the gathered query (the result; FP8: bytes)
     F      [2, W, max_blocks]          int32         one flag per row block (holds the epoch)
     LL     [2, W, ll_rows, row_words]  int64         LL words: (epoch << 32) | payload
     READY  [W]                         int32         READY[q]: the last call q has started
@@ -32,7 +32,8 @@ from .gather import QueryGatherBackend
 __all__ = ["GatherLayout", "SymmGatherBackend", "launch_gather", "ll_rows_for", "use_ll"]
 
 _ALIGN = 128
-_TL_DTYPE_SIZES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
+_TL_DTYPE_SIZES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4,
+                   torch.float8_e4m3fn: 1}
 
 
 def _align(n: int) -> int:
@@ -45,8 +46,8 @@ class GatherLayout:
 
     Arguments:
         world_size: W ≥ 1. max_tokens: T bound ≥ 1. num_heads: H (divisible by W).
-        head_dim: D. itemsize: bytes per value (2 or 4). ll_rows: rows per LL cell (≤ the
-            rows per rank, ``max_tokens·H/W``); 0 disables LL.
+        head_dim: D. itemsize: bytes per output value (1: FP8, 2 or 4). ll_rows: rows per LL
+            cell (≤ the rows per rank, ``max_tokens·H/W``); 0 disables LL.
     """
 
     world_size: int
@@ -58,7 +59,7 @@ class GatherLayout:
 
     def __post_init__(self):
         if self.world_size < 1 or self.max_tokens < 1 or self.head_dim < 1 \
-                or self.num_heads % self.world_size or self.itemsize not in (2, 4):
+                or self.num_heads % self.world_size or self.itemsize not in (1, 2, 4):
             raise ValueError(f"GatherLayout: bad geometry {self}")
         if not 0 <= self.ll_rows <= self.max_rows:
             raise ValueError(f"GatherLayout: ll_rows must be in [0, {self.max_rows}], got "
@@ -110,12 +111,13 @@ def _num_warps(nbytes: int) -> int:
 
 def launch_gather(q, cos, sin, *, slab, delta_o, delta_w, delta_q, state, errors, rank: int,
                   layout: GatherLayout, n_programs_max: int, timeout_ns: int,
-                  ordered: bool = False) -> None:
+                  ordered: bool = False, q_scale=None) -> None:
     """Launch one gather (no host sync). ``q [T, H/W, D]`` contiguous; ``cos, sin [T, R]`` fp32
     contiguous or None; ``slab`` the local symmetric uint8 slab (``layout``); ``delta_*`` the
-    ``[W]`` int64 peer offsets in 16-element units of q's dtype, 4-byte and 8-byte words;
-    ``state`` the ``[4]`` int32 ``[epoch, count, 0, 0]``; ``errors`` the ``[W]`` int32 error
-    word."""
+    ``[W]`` int64 peer offsets in 16-element units of the output dtype, 4-byte and 8-byte
+    words; ``state`` the ``[4]`` int32 ``[epoch, count, 0, 0]``; ``errors`` the ``[W]`` int32
+    error word; ``q_scale`` the ``[H]`` fp32 scales for FP8 output (the layout's itemsize is
+    1), else None."""
     T, hs, D = q.shape
     W, H = layout.world_size, layout.num_heads
     n_rows = T * hs
@@ -125,20 +127,25 @@ def launch_gather(q, cos, sin, *, slab, delta_o, delta_w, delta_q, state, errors
     R = 0 if cos is None else cos.shape[-1]
     if cos is None:
         cos = sin = q  # never read (ROT is off)
+    fp8 = layout.itemsize == 1
+    if fp8 != (q_scale is not None):
+        raise ValueError("launch_gather: FP8 output (itemsize 1) needs q_scale, and only it")
+    scale = q_scale if fp8 else q  # never read without FP8
     st = layout.kernel_strides
-    common = dict(RANK=rank, W=W, BR=br, ROT=R > 0, enable_fp_fusion=False)
+    common = dict(RANK=rank, W=W, BR=br, ROT=R > 0, FP8=fp8, enable_fp_fusion=False)
     if use_ll(n_rows, layout):
         dw = layout.row_words
         bw = 1 << max(dw - 1, 0).bit_length()
         kern.gather_ll_kernel[(grid,)](
-            q, cos, sin, slab.view(torch.int32), slab.view(torch.int64), delta_w, delta_q,
+            q, cos, sin, scale, slab.view(torch.int32), slab.view(torch.int64), delta_w, delta_q,
             state.view(torch.int64), errors, n_rows, n_blocks, grid, timeout_ns, H, hs, D, R,
             dw, st["f_base"], st["f_cell"], st["ll_base"], st["ll_cell"], st["ready_base"],
-            BW=bw, PACK=4 // q.element_size(), num_warps=_num_warps(br * bw * 8), **common)
+            BW=bw, PACK=4 // layout.itemsize, num_warps=_num_warps(br * bw * 8), **common)
         return
     bd = 1 << max(D - 1, 0).bit_length()
     kern.gather_flag_kernel[(grid,)](
-        q, cos, sin, slab.view(q.dtype), slab.view(torch.int32), delta_o, delta_w,
+        q, cos, sin, scale, slab if fp8 else slab.view(q.dtype), slab.view(torch.int32),
+        delta_o, delta_w,
         state.view(torch.int64), errors, n_rows, n_blocks, grid, timeout_ns, H, hs, D, R,
         st["f_base"], st["f_cell"], st["ll_base"], st["ll_cell"], st["ready_base"],
         BD=bd, ORDERED=bool(ordered), num_warps=_num_warps(br * bd * q.element_size()),
@@ -169,7 +176,7 @@ class SymmGatherBackend(QueryGatherBackend):
         super().__init__(group, **kw)
         if kern.triton is None:
             raise RuntimeError("symm gather needs Triton")
-        itemsize = _TL_DTYPE_SIZES[self.dtype]
+        itemsize = _TL_DTYPE_SIZES[self.out_dtype]
         max_rows = self.max_tokens * self.hs
         self.layout = GatherLayout(self.world_size, self.max_tokens, self.num_heads,
                                    self.head_dim, itemsize,
@@ -182,7 +189,7 @@ class SymmGatherBackend(QueryGatherBackend):
         self.ws = SymmWorkspace.agreed(group, self.layout, self.device, op="dcp.gather[symm]",
                                        timeout_s=self.timeout_s)
         self._setup_tables(itemsize)
-        self.out = self.ws.slab[:self.layout.region_bytes()["out"]].view(self.dtype)[
+        self.out = self.ws.slab[:self.layout.region_bytes()["out"]].view(self.out_dtype)[
             :self.max_tokens * self.num_heads * self.head_dim].view(
             self.max_tokens, self.num_heads, self.head_dim)
         self._warm_up()
@@ -224,7 +231,7 @@ class SymmGatherBackend(QueryGatherBackend):
                       delta_w=self.delta_w, delta_q=self.delta_q, state=self.ws.state,
                       errors=self.ws.errors, rank=self.rank, layout=self.layout,
                       n_programs_max=self.n_programs_max, timeout_ns=self.timeout_ns,
-                      ordered=self.ordered)
+                      ordered=self.ordered, q_scale=self.q_scale if self.fp8 else None)
         if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.ws.check()
         return self.out[:T]

@@ -5,7 +5,9 @@ slice (``n_rows = T·H/W``, row ``t·H/W + j``); rows go in blocks of ``BR``, pr
 blocks ``p, p+G, …`` (``G`` ≤ one program per SM, so every program is resident and spinning
 programs never wait on one that cannot run). Each row is read once, rotated on its last ``R``
 dims (``x·cos + (−x2, x1)·sin`` in fp32, no fused multiply-add: the host launches with
-``enable_fp_fusion=False``, so the bits equal ``rotate_tail``'s), and stored:
+``enable_fp_fusion=False``, so the bits equal ``rotate_tail``'s), with FP8 output quantized
+(``FP8``: the fp32 value, not rounded to q's dtype, divided by its head's scale with IEEE
+division, then ``_e4m3``'s integer conversion: ``quantize_e4m3``'s bits), and stored:
 
 - flag protocol (``gather_flag_kernel``): straight into every rank's ``OUT [max_tokens, H, D]``
   at heads ``[RANK·H/W, …)``, then, after a block barrier, a release store of the epoch into
@@ -64,13 +66,19 @@ except Exception:  # noqa: BLE001 - the backend reports itself unavailable
     triton = None
     tl = None
 
-__all__ = ["MAX_BLOCK_ROWS", "gather_flag_kernel", "gather_ll_kernel", "plan_blocks"]
+__all__ = ["MAX_BLOCK_ROWS", "e4m3_kernel", "gather_flag_kernel", "gather_ll_kernel",
+           "plan_blocks"]
 
 #: Rows per block at most (``plan_blocks``'s default bound).
 MAX_BLOCK_ROWS = 64
 
 
 if triton is not None:
+    _E4M3_MAX_BITS = tl.constexpr(0x43E00000)         # 448.0, the largest finite e4m3fn
+    _F32_INF_BITS = tl.constexpr(0x7F800000)
+    _E4M3_MIN_NORMAL_BITS = tl.constexpr(121 << 23)   # 2**-6
+    _SUB_MAGIC_BITS = tl.constexpr(141 << 23)         # 2**14: its ulp is 2**-9
+    _REBIAS = tl.constexpr(120 << 23)                 # fp32 exponent bias 127 → e4m3's 7
 
     @triton.jit
     def _epoch(state64_ptr, grid_size):
@@ -114,50 +122,102 @@ if triton is not None:
             return v.to(DTYPE)
 
     @triton.jit
-    def _load_rot(q_ptr, cos_ptr, sin_ptr, rows, rmask, d, dmask, HS, D, R,
-                  ROT: tl.constexpr):
-        # This rank's query values at rows × element indices d ([BR, n], q's dtype); with ROT
-        # the last R dims rotated: x·cos + (−x2 | x1)·sin in fp32, rounded once.
-        m2 = rmask[:, None] & dmask[None, :]
-        x = tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=m2, other=0.0)
-        if ROT:
-            half = R // 2
-            tail = d >= D - R
-            first = d < D - half
-            partner = tl.where(first, d + half, d - half)
-            mt = m2 & tail[None, :]
-            xp = tl.load(q_ptr + rows[:, None] * D + partner[None, :], mask=mt, other=0.0)
-            t = rows // HS
-            k = d - (D - R)
-            c = tl.load(cos_ptr + t[:, None] * R + k[None, :], mask=mt, other=0.0)
-            s = tl.load(sin_ptr + t[:, None] * R + k[None, :], mask=mt, other=0.0)
-            xf = x.to(tl.float32)
-            pf = xp.to(tl.float32)
-            rot = xf * c + tl.where(first[None, :], -pf, pf) * s
-            x = tl.where(mt, _round(rot, x.dtype), x)
-        return x
+    def _e4m3(v):
+        # fp32 → e4m3fn bytes (uint8) by integer arithmetic, the same bits on the GPU and under
+        # the interpreter: saturate |v| > 448 (and ±inf) to ±448, round to nearest even
+        # (subnormals: one fp32 add of 2**14 puts the rounding point at 2**-9, as torch's own
+        # conversion does), NaN → 0x7F whatever its sign (quantize_e4m3 in gather.py).
+        u = v.to(tl.int32, bitcast=True)
+        a = u & 0x7FFFFFFF
+        sign = (u >> 24) & 0x80
+        a = tl.where((a > _E4M3_MAX_BITS) & (a <= _F32_INF_BITS), _E4M3_MAX_BITS, a)
+        sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) \
+            - _SUB_MAGIC_BITS
+        nrm = (a - _REBIAS + 0x7FFFF + ((a >> 20) & 1)) >> 20
+        r = tl.where(a < _E4M3_MIN_NORMAL_BITS, sub, nrm) | sign
+        r = tl.where(a > _F32_INF_BITS, 0x7F, r)
+        return r.to(tl.uint8)
 
     @triton.jit
-    def _words(q_ptr, cos_ptr, sin_ptr, rows, rmask, w, wmask, HS, D, R, ROT: tl.constexpr,
-               PACK: tl.constexpr):
-        # The rotated rows as int32 words ([BR, BW]); PACK 2: two 16-bit values per word.
-        if PACK == 2:
-            lo = _load_rot(q_ptr, cos_ptr, sin_ptr, rows, rmask, 2 * w, wmask, HS, D, R, ROT)
-            hi = _load_rot(q_ptr, cos_ptr, sin_ptr, rows, rmask, 2 * w + 1, wmask, HS, D, R,
-                           ROT)
+    def _rot_tail(x, q_ptr, cos_ptr, sin_ptr, rows, m2, d, HS, D, R):
+        # The rotated last R dims in fp32 (x·cos + (−x2 | x1)·sin, two products and a sum)
+        # and the mask of the elements they apply to.
+        half = R // 2
+        tail = d >= D - R
+        first = d < D - half
+        partner = tl.where(first, d + half, d - half)
+        mt = m2 & tail[None, :]
+        xp = tl.load(q_ptr + rows[:, None] * D + partner[None, :], mask=mt, other=0.0)
+        t = rows // HS
+        k = d - (D - R)
+        c = tl.load(cos_ptr + t[:, None] * R + k[None, :], mask=mt, other=0.0)
+        s = tl.load(sin_ptr + t[:, None] * R + k[None, :], mask=mt, other=0.0)
+        pf = xp.to(tl.float32)
+        return x.to(tl.float32) * c + tl.where(first[None, :], -pf, pf) * s, mt
+
+    @triton.jit
+    def _load_out(q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, d, dmask, HS, D, R,
+                  RANK: tl.constexpr, ROT: tl.constexpr, FP8: tl.constexpr):
+        # This rank's output values at rows × element indices d ([BR, n]). Not FP8: q's
+        # dtype, with ROT the last R dims rotated and rounded once. FP8: e4m3 bytes of the
+        # fp32 value (rotated with ROT, not rounded) divided (IEEE) by its head's scale.
+        m2 = rmask[:, None] & dmask[None, :]
+        x = tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=m2, other=0.0)
+        if FP8:
+            v = x.to(tl.float32)
+            if ROT:
+                rot, mt = _rot_tail(x, q_ptr, cos_ptr, sin_ptr, rows, m2, d, HS, D, R)
+                v = tl.where(mt, rot, v)
+            sc = tl.load(scale_ptr + RANK * HS + rows % HS, mask=rmask, other=1.0)
+            return _e4m3(tl.div_rn(v, sc[:, None]))
+        else:
+            if ROT:
+                rot, mt = _rot_tail(x, q_ptr, cos_ptr, sin_ptr, rows, m2, d, HS, D, R)
+                x = tl.where(mt, _round(rot, x.dtype), x)
+            return x
+
+    @triton.jit
+    def _words(q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, w, wmask, HS, D, R,
+               RANK: tl.constexpr, ROT: tl.constexpr, FP8: tl.constexpr, PACK: tl.constexpr):
+        # The output rows as int32 words ([BR, BW]); PACK 2: two 16-bit values per word,
+        # PACK 4: four bytes (FP8), the lowest address in the low byte.
+        if PACK == 4:
+            word = _load_out(q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, 4 * w, wmask, HS,
+                             D, R, RANK, ROT, FP8).to(tl.int32)
+            for k in tl.static_range(1, 4):
+                b = _load_out(q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, 4 * w + k,
+                              wmask, HS, D, R, RANK, ROT, FP8)
+                word = word | (b.to(tl.int32) << (8 * k))
+            return word
+        elif PACK == 2:
+            lo = _load_out(q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, 2 * w, wmask, HS,
+                           D, R, RANK, ROT, FP8)
+            hi = _load_out(q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, 2 * w + 1, wmask,
+                           HS, D, R, RANK, ROT, FP8)
             return pack16(lo, hi)
         else:
-            x = _load_rot(q_ptr, cos_ptr, sin_ptr, rows, rmask, w, wmask, HS, D, R, ROT)
+            x = _load_out(q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, w, wmask, HS, D, R,
+                          RANK, ROT, FP8)
             return x.to(tl.int32, bitcast=True)
 
+    @triton.jit
+    def e4m3_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        """``out[i] = _e4m3(x[i])`` (fp32 → e4m3fn bytes): the kernels' conversion alone, for
+        tests against torch's."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        tl.store(out_ptr + i, _e4m3(tl.load(x_ptr + i, mask=m, other=0.0)), mask=m)
+
     @triton.jit(do_not_specialize=["n_rows", "n_blocks", "grid_size", "timeout_ns"])
-    def gather_flag_kernel(q_ptr, cos_ptr, sin_ptr, slab_o, slab_w, delta_o, delta_w,
-                           state_ptr, err_ptr, n_rows, n_blocks, grid_size, timeout_ns,
-                           H, HS, D, R, f_base, f_cell, ll_base, ll_cell, ready_base,
-                           RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
-                           BD: tl.constexpr, ROT: tl.constexpr, ORDERED: tl.constexpr):
+    def gather_flag_kernel(q_ptr, cos_ptr, sin_ptr, scale_ptr, slab_o, slab_w, delta_o,
+                           delta_w, state_ptr, err_ptr, n_rows, n_blocks, grid_size,
+                           timeout_ns, H, HS, D, R, f_base, f_cell, ll_base, ll_cell,
+                           ready_base, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
+                           BD: tl.constexpr, ROT: tl.constexpr, ORDERED: tl.constexpr,
+                           FP8: tl.constexpr):
         """One gather, flag protocol. ``q [T, HS, D]`` → ``OUT[t, RANK·HS + j]`` of every
-        rank (``slab_o``: the slab in q's dtype, OUT at offset 0; ``slab_w``: as int32)."""
+        rank (``slab_o``: the slab in the output dtype, OUT at offset 0; ``slab_w``: as int32;
+        ``scale_ptr``: the ``[H]`` fp32 scales, read with FP8 only)."""
         pid = tl.program_id(0)
         e = _epoch(state_ptr, grid_size)
         _scrub(slab_w, state_ptr, e, pid, grid_size, f_base, f_cell, ll_base, ll_cell, RANK, W)
@@ -172,7 +232,8 @@ if triton is not None:
         while b < n_blocks:
             rows = b * BR + tl.arange(0, BR)
             rmask = rows < n_rows
-            x = _load_rot(q_ptr, cos_ptr, sin_ptr, rows, rmask, d, dmask, HS, D, R, ROT)
+            x = _load_out(q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, d, dmask, HS, D, R,
+                          RANK, ROT, FP8)
             dst = ((rows // HS) * H + RANK * HS + rows % HS)[:, None] * D + d[None, :]
             m2 = rmask[:, None] & dmask[None, :]
             tl.store(slab_o + dst, x, mask=m2)
@@ -206,11 +267,12 @@ if triton is not None:
             b += grid_size
 
     @triton.jit(do_not_specialize=["n_rows", "n_blocks", "grid_size", "timeout_ns"])
-    def gather_ll_kernel(q_ptr, cos_ptr, sin_ptr, slab_w, slab_q, delta_w, delta_q, state_ptr,
-                         err_ptr, n_rows, n_blocks, grid_size, timeout_ns, H, HS, D, R, DW,
-                         f_base, f_cell, ll_base, ll_cell, ready_base,
+    def gather_ll_kernel(q_ptr, cos_ptr, sin_ptr, scale_ptr, slab_w, slab_q, delta_w, delta_q,
+                         state_ptr, err_ptr, n_rows, n_blocks, grid_size, timeout_ns, H, HS, D,
+                         R, DW, f_base, f_cell, ll_base, ll_cell, ready_base,
                          RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
-                         BW: tl.constexpr, ROT: tl.constexpr, PACK: tl.constexpr):
+                         BW: tl.constexpr, ROT: tl.constexpr, PACK: tl.constexpr,
+                         FP8: tl.constexpr):
         """One gather, LL protocol: ``(epoch << 32) | word`` into every peer's
         ``LL[slot, RANK]``; the receiver polls its ``LL[slot, q]`` and writes ``OUT`` (``slab_w``:
         the slab as int32, OUT at offset 0 as ``[max_tokens, H, DW]`` words; ``slab_q``: as
@@ -228,7 +290,8 @@ if triton is not None:
             rows = b * BR + tl.arange(0, BR)
             rmask = rows < n_rows
             m2 = rmask[:, None] & wmask[None, :]
-            x = _words(q_ptr, cos_ptr, sin_ptr, rows, rmask, w, wmask, HS, D, R, ROT, PACK)
+            x = _words(q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, w, wmask, HS, D, R, RANK,
+                       ROT, FP8, PACK)
             tagged = ll_word(tag, x)
             for q in tl.static_range(W):
                 if q != RANK:

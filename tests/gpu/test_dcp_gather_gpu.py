@@ -51,8 +51,8 @@ def _fresh(gen, q, cos, sin):
 # ------------------------------------------------------------------------------ one GPU
 
 @pytest.mark.gpus(1)
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_symm_kernel_simulated_ranks_one_gpu(ranks):
+@pytest.mark.parametrize("ranks,fp8", [(2, False), (3, False), (2, True), (3, True)])
+def test_symm_kernel_simulated_ranks_one_gpu(ranks, fp8):
     _need_gpus(1)
     spec = importlib.util.spec_from_file_location(
         "dcp_gather_one_gpu", os.path.join(ROOT, "scripts", "dcp_gather_one_gpu.py"))
@@ -61,28 +61,31 @@ def test_symm_kernel_simulated_ranks_one_gpu(ranks):
     import attncomm.dcp.gather_symm as mod
     for T in (1, 3, 7, 8, 33, 128):
         a = types.SimpleNamespace(world_size=ranks, heads=16 * ranks, head_dim=576, rope_dim=64,
-                                  replays=20, label="test")
+                                  replays=20, label="test", fp8=fp8)
         for ordered in (False, True):
             script.run_tokens(mod, a, T, ordered)  # raises on any differing bit
 
 
 # ------------------------------------------------------------------------------ two GPUs
 
-def _replays(rank, world_size, T, H, D, R, n):
-    """Graph replays and eager calls interleaved, fresh data each: symm vs all_gather."""
+def _replays(rank, world_size, T, H, D, R, n, fp8=False):
+    """Graph replays and eager calls interleaved, fresh data each: symm vs all_gather (FP8:
+    the same e4m3 bytes, per-head scales around 1/64 so that the largest values saturate)."""
     dev = torch.device("cuda", torch.cuda.current_device())
     hs = H // world_size
+    kw = dict(out_dtype=torch.float8_e4m3fn,
+              q_scale=torch.linspace(1 / 96, 1 / 48, H)) if fp8 else {}
     symm = DcpQueryGather(max_tokens=T, num_heads=H, head_dim=D, dtype=torch.bfloat16,
-                          backend="symm", rope_dim=R)
+                          backend="symm", rope_dim=R, **kw)
     ref = DcpQueryGather(max_tokens=T, num_heads=H, head_dim=D, dtype=torch.bfloat16,
-                         backend="all_gather", rope_dim=R)
+                         backend="all_gather", rope_dim=R, **kw)
     gen = torch.Generator(device=dev).manual_seed(100 + rank)
     q = torch.empty((T, hs, D), device=dev, dtype=torch.bfloat16)
     cos = torch.empty((T, R), device=dev) if R else None
     sin = torch.empty((T, R), device=dev) if R else None
     rope = (cos, sin) if R else None
     _fresh(gen, q, cos, sin)
-    got = torch.empty((T, H, D), device=dev, dtype=torch.bfloat16)
+    got = torch.empty((T, H, D), device=dev, dtype=symm.out_dtype)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -93,7 +96,7 @@ def _replays(rank, world_size, T, H, D, R, n):
         got.copy_(symm(q, rope=rope))  # the reader enqueued before the next call
     for i in range(n):
         _fresh(gen, q, cos, sin)
-        got.fill_(float("nan"))
+        got.view(torch.uint8).fill_(0xA5)  # poison bytes
         if i % 3 == 2:
             got.copy_(symm(q, rope=rope))
         else:
@@ -108,6 +111,12 @@ def _replays(rank, world_size, T, H, D, R, n):
 @pytest.mark.parametrize("T", [1, 5, 8, 64, 128])
 def test_symm_bitwise_vs_all_gather_graph_replays(cuda_pool, T):
     epochs = cuda_pool.run(_replays, T, 64, 576, 64, 110)
+    assert epochs[0] == epochs[1] and epochs[0] > 110
+
+
+@pytest.mark.parametrize("T", [1, 8, 128])
+def test_symm_fp8_bitwise_vs_all_gather_graph_replays(cuda_pool, T):
+    epochs = cuda_pool.run(_replays, T, 64, 576, 64, 110, True)
     assert epochs[0] == epochs[1] and epochs[0] > 110
 
 
