@@ -123,7 +123,7 @@ def _bad_scales(rank, W):
 def test_bad_fp8_scales_raise_on_every_rank(pools, W):
     per_rank = pools.run(W, _bad_scales)
     for rank, results in enumerate(per_rank):
-        for label, raised, msg in results:
+        for label, raised, _msg in results:
             assert raised, f"rank {rank}: {label} did not raise ValueError"
     msgs = {label: msg for label, _, msg in per_rank[0]}
     assert "needs q_scale" in msgs["no scale"]
