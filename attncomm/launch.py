@@ -33,6 +33,7 @@ FAILURE_GRACE_S = 30.0
 # After a rank process died: how long the others get to report (their errors are notes on the
 # failure) before the pool is torn down.
 DEATH_GRACE_S = 3.0
+EXIT_REPORT_S = 1.0  # how long a cleanly exited rank's last report may take to arrive
 
 def _timedelta(timeout: float | None = None) -> datetime.timedelta:
     return datetime.timedelta(seconds=config.timeout_s(timeout))
@@ -280,13 +281,19 @@ class RankPool:
         values: dict[int, Any] = {}
         failure: BaseException | None = None
         deaths: dict[int, int] = {}
+        exited_at: dict[int, float] = {}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         grace_deadline = None
         while len(set(values) | set(deaths)) < self.world_size:
             now = time.monotonic()
             for r, p in enumerate(self._procs):
                 if r not in values and r not in deaths and p.exitcode is not None:
-                    deaths[r] = p.exitcode  # gone: checked on every pass, so never waited on
+                    # Gone: checked on every pass, so never waited on. A clean exit (a rank
+                    # whose start failed reports its error, then returns) counts as a death
+                    # only once its report had time to arrive.
+                    if p.exitcode == 0 and now - exited_at.setdefault(r, now) < EXIT_REPORT_S:
+                        continue
+                    deaths[r] = p.exitcode
                     grace_deadline = min(grace_deadline or now + DEATH_GRACE_S,
                                          now + DEATH_GRACE_S)
             limits = [d for d in (deadline, grace_deadline) if d is not None]

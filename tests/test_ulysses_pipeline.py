@@ -92,10 +92,6 @@ def test_auto_groups_rule():
     assert auto_groups([16, 16], 1, 32768, 132, max_groups=3) == 2
 
 
-def test_auto_is_sequential_while_not_shown_to_win():
-    assert attn_mod.AUTO_PIPELINE is False
-
-
 def _decline(rank, world, short_rank):
     x = torch.randn(1, 4, 4, 8)
     orig = attn_mod._free_bytes

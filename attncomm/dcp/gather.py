@@ -392,6 +392,8 @@ def _measured_choice(group, impls: dict, max_tokens: int, rope_dim: int):
     means = [math.exp(sum(math.log(max(v, 1e-3)) for v in row) / len(row))
              if all(math.isfinite(v) for v in row) else math.inf for row in scores.tolist()]
     best = min(range(len(names)), key=lambda i: means[i])
+    if math.isinf(means[best]):  # no candidate timed: the collective baseline, never symm
+        return "all_gather", "no backend could be timed on every rank"
     table = ", ".join(f"{n} {m:.1f} µs" for n, m in zip(names, means))
     if names[best] == "symm":
         return "symm", None

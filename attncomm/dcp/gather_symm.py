@@ -161,9 +161,10 @@ class SymmGatherBackend(QueryGatherBackend):
 
     Construction is collective and host-blocking (allocation, rendezvous, each agreed across
     ranks; then one warm-up gather per kernel variant, so JIT compilation and the first P2P
-    stores happen before any capture). Calls are graph-capturable; outside capture every call
-    reads the device error word (a host sync) and raises ``PeerTimeoutError`` at once; inside
-    graphs call ``check()`` after replays.
+    stores happen before any capture; a timeout there raises on construction). Calls are
+    graph-capturable and make no host sync: a call reads the pinned host error words its
+    kernels write (no CUDA call), so a wait that timed out raises ``PeerTimeoutError`` at the
+    next call or at ``check()``.
 
     Returns a view of ``OUT[:T]`` (``[T, H, D]``), valid until this rank's next call is
     enqueued. Constraints: CUDA, every rank on one host with P2P between every pair, torch
@@ -221,6 +222,7 @@ class SymmGatherBackend(QueryGatherBackend):
             q = torch.zeros((t, self.hs, self.head_dim), dtype=self.dtype, device=self.device)
             cs = torch.zeros((t, R), dtype=torch.float32, device=self.device) if R else None
             self(q, cs, cs)
+        self.ws.sync_check()
 
     def __call__(self, q, cos, sin):
         self.ws.ensure_usable()

@@ -159,10 +159,10 @@ class MergeSlab:
 def launch_merge(out, lse, res, res_lse, *, slab: MergeSlab, rank: int, world_size: int,
                  num_heads: int, layout: SlabLayout, n_programs_max: int, timeout_ns: int,
                  pdl: bool = False, config: SymmConfig = _DEFAULT) -> None:
-    """Launch one merge (no host sync). ``out [T, H, D]`` and ``lse [T, H]`` fp32 contiguous;
-    ``res``/``res_lse`` contiguous, at least ``[T, H/W, D]``/``[T, H/W]``; ``slab`` this
-    rank's ``MergeSlab``. ``pdl``: launch with programmatic dependent launch (capability ≥ 9.0
-    only)."""
+    """Launch one merge (no host sync). ``out [T, H, D]`` (the merger's dtype) and
+    ``lse [T, H]`` (fp32), contiguous; ``res``/``res_lse`` contiguous, at least
+    ``[T, H/W, D]``/``[T, H/W]``; ``slab`` this rank's ``MergeSlab``. ``pdl``: launch with
+    programmatic dependent launch (capability ≥ 9.0 only)."""
     T, H, D = out.shape
     hs = num_heads // world_size
     n_rows = T * hs
