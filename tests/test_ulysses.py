@@ -428,7 +428,7 @@ class _FakeStaging:
 
     def __init__(self, group, rank, world, cap, device, *, failures=None):
         _EVENTS.append("alloc")
-        self.rank, self.pinned = rank, False
+        self.rank, self.pinned, self.held = rank, False, [False, False]
         if rank == self.fail[0]:
             raise RuntimeError("CUDA out of memory (simulated)")
 

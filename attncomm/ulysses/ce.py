@@ -5,8 +5,11 @@ strided rows use pitched 2D copies, ``cudaMemcpy2DAsync`` through ``cuda.binding
 non-contiguous ``copy_`` would be an SM kernel), then raises a flag in ``p``'s memory ordered
 after the data on the same stream.
 
-Staging buffer (one per shape bucket, cached; every rank holds the same set and evicts in the
-same order because every rank makes the same calls), a ``SymmWorkspace`` of the substrate::
+Staging buffer (one per shape bucket and, when more than two exchanges of that bucket are in
+flight, one more per two: an exchange takes the first entry whose next slot is not held,
+because this rank's own region of a slot is written on the caller's stream, which the flags do
+not order; cached; every rank holds the same set and evicts in the same order because every
+rank makes the same calls), a ``SymmWorkspace`` of the substrate::
 
     flags  uint32 [4, W]   F[k][s] (set by source s: slot k holds its data),
                            A[k][p] (set by destination p: it is done reading slot k from me)
@@ -139,7 +142,32 @@ class _Staging:
         self.parity = 0
         self.pinned = False
         self.send_bufs = [None, None]  # local send staging per parity (send_buffer), lazily
-        self.send_done = [[], []]      # events after the copies that last read it
+        # Host bookkeeping of slot k: held from start() to release(); a held slot is never
+        # handed out again (the transport takes another entry), because this rank's own
+        # region is written on the caller's stream, which no flag orders.
+        self.held = [False, False]
+        # Events, all of one capture mode (``_mode``): after the copies that last read send
+        # staging k, and at the last release of slot k (its readers are done).
+        self.mode = None
+        self.send_done: list = [[], []]
+        self.released: list = [None, None]
+
+    def marks(self, mode) -> _Staging:
+        """The event lists for ``mode``, emptied when the mode changed: an event recorded
+        eagerly must not be waited inside a capture, nor one of a capture outside it or in
+        another; across a mode change the work is stream-ordered anyway (capture starts after
+        a synchronize, replays run on the caller's stream)."""
+        if mode != self.mode:
+            self.mode = mode
+            self.send_done = [[], []]
+            self.released = [None, None]
+        return self
+
+    def await_slot(self, stream, k: int, mode) -> None:
+        """Order ``stream`` after the last release of slot ``k`` (device-side)."""
+        ev = self.marks(mode).released[k]
+        if ev is not None:
+            stream.wait_event(ev)
 
     def rendezvous(self) -> None:
         """Collective: exchange buffer handles with every rank (host-blocking)."""
@@ -163,6 +191,21 @@ class _Staging:
         start = self.flags_bytes + k * self.cap
         item = torch.empty((), dtype=dtype).element_size()
         return self.buf[start:start + numel * item].view(dtype)
+
+
+def _mode(stream):
+    """None outside CUDA graph capture, else a tag of the capture ``stream`` belongs to
+    (its capture id where ``cudaStreamGetCaptureInfo`` answers)."""
+    if not torch.cuda.is_current_stream_capturing():
+        return None
+    rt = runtime()
+    try:
+        res = rt.cudaStreamGetCaptureInfo(stream.cuda_stream)
+        if ok(res) and len(res) > 2:
+            return ("capture", int(res[2]))
+    except Exception:  # noqa: BLE001 - the id only sharpens the tag
+        pass
+    return ("capture", None)
 
 
 def _bucket(nbytes: int) -> int:
@@ -232,8 +275,16 @@ class CopyEngineTransport(Transport):
 
     # -------------------------------------------------------------------------- cache
     def _key(self, plan: ExchangePlan, dtype) -> tuple:
+        """``(tiled, size bucket, n)``: the first entry of that shape whose next slot is not
+        held (every rank makes the same calls, so every rank picks the same entry). Two
+        exchanges in flight per shape fit one entry; more in flight (a pipeline's q/k and v
+        exchanges of the same bucket, two head groups ahead) take further entries."""
         item = torch.empty((), dtype=dtype).element_size()
-        return (plan.tiled, _bucket(max(plan.recv_numel) * item))
+        base = (plan.tiled, _bucket(max(plan.recv_numel) * item))
+        n = 0
+        while (st := self.cache.get(base + (n,))) is not None and st.held[st.parity]:
+            n += 1
+        return base + (n,)
 
     def prepare(self, plan: ExchangePlan, dtype) -> str | None:
         """None if ``start`` can run this plan now (allocating its staging buffer if needed,
@@ -250,7 +301,7 @@ class CopyEngineTransport(Transport):
         g = cpu_group(self.group)
         # Entries used inside a CUDA graph are pinned (the graph holds their addresses); the
         # bound counts the others.
-        victims = [k for k, st in self.cache.items() if not st.pinned]
+        victims = [k for k, st in self.cache.items() if not st.pinned and not any(st.held)]
         if len(victims) >= self.capacity and victims:
             # Every rank evicts the same entry at the same call; make sure nobody still reads
             # or writes it.
@@ -293,15 +344,17 @@ class CopyEngineTransport(Transport):
         """Views of this transport's staging for the next ``start(plan, ..., send=)``: for a
         tiled plan ``regions[rank]`` is this rank's own region of its receive slot (written in
         place, never copied), the peers' regions lie in a local send staging buffer that the
-        copy engine reads. The current stream first waits (on the device) until the copies
-        that last read that buffer are done."""
+        copy engine reads. The current stream first waits (on the device) until the last
+        release of that slot and the copies that last read that buffer are done."""
         key, st = self._entry(plan, dtype)
         k, r = st.parity, self.rank
         item = torch.empty((), dtype=dtype).element_size()
         own_in_slot = plan.tiled
         need = sum(n for p, n in enumerate(plan.numel[r]) if p != r or not own_in_slot) * item
         cur = torch.cuda.current_stream(self.device)
-        for ev in st.send_done[k]:
+        mode = _mode(cur)
+        st.await_slot(cur, k, mode)
+        for ev in st.marks(mode).send_done[k]:
             cur.wait_event(ev)
         buf = st.send_bufs[k]
         if buf is None or buf.numel() < need:
@@ -339,29 +392,31 @@ class CopyEngineTransport(Transport):
             st.pinned = True
         k = st.parity
         st.parity ^= 1
+        st.held[k] = True
         item = torch.empty((), dtype=dtype).element_size()
         r, w = self.rank, self.world_size
         cur = torch.cuda.current_stream(self.device)
+        mode = _mode(cur)
         ready = _record(cur)
-        done, a_events = {}, {}
+        done, a_waits = {}, []
         for i in range(1, w):
             p = (r + i) % w
             cs = self.streams[(i - 1) % len(self.streams)]
             cs.wait_event(ready)
-            self.flags.wait(cs, st.a_addr(r, k, p), 1, p, bounded=capturing)
-            a_events[p] = _record(cs)
+            a_waits.append(self._bounded_wait(cs, st.a_addr(r, k, p), p, capturing))
             self._copy_to(cs, st.slot_addr(p, k), plan, p, parts, send, item)
             self.flags.write(cs, st.f_addr(p, k, r), 1, kernel=capturing)
             done[p] = _record(cs)
         if send is not None:
-            st.send_done[k] = list(done.values())
+            st.marks(mode).send_done[k] = list(done.values())
         elif w > 1:
             for x in parts:  # the copy streams read them: keep their memory until then
                 for cs in self.streams:
                     x.record_stream(cs)
-        self._watch(ready, a_events, capturing, lambda p: [st.a_addr(r, k, p)])
+        self._watch(a_waits, capturing, lambda p: [st.a_addr(r, k, p)])
         local = st.slot_view(k, plan.recv_numel[r], dtype)
         if send is None or not plan.tiled:
+            st.await_slot(cur, k, mode)  # this rank's own pieces, written on its stream
             srcs = (send_views(send, r) if send is not None else
                     [(x, source_view(parts, x)) for x in plan.pieces[r][r]])
             for x, src in srcs:
@@ -370,10 +425,23 @@ class CopyEngineTransport(Transport):
                 dst.copy_(src)
         return _CEExchange(self, st, k, plan, local, out, done, capturing)
 
-    def _watch(self, started, events: dict, capturing: bool, addrs) -> None:
-        """Hand the waits that have no device deadline to the watchdog: past ``timeout_s`` it
-        writes the awaited flags (``addrs(peer)``) locally on the side stream."""
-        if capturing or not events or not self.flags.unbounded:
+    def _bounded_wait(self, stream, addr: int, peer: int, capturing: bool):
+        """Enqueue the wait for ``peer``'s flag at ``addr`` on ``stream``; returns ``(peer,
+        started, passed)``: events right before and right after that wait (None when the
+        watchdog will not watch it), so that on a shared stream the budget of a peer runs
+        from when the stream reaches that peer's own wait, and a timeout names the peer that
+        did not answer, not those queued behind it."""
+        watched = not capturing and self.flags.unbounded
+        started = _record(stream) if watched else None
+        self.flags.wait(stream, addr, 1, peer, bounded=capturing)
+        return peer, started, _record(stream) if watched else None
+
+    def _watch(self, waits: list, capturing: bool, addrs) -> None:
+        """Hand the waits that have no device deadline to the watchdog, one per peer
+        (``_bounded_wait``): past ``timeout_s`` from when the stream reached it, the watchdog
+        writes the awaited flags (``addrs(peer)``) locally on the side stream, and the
+        stream goes on to the next wait, which has a budget of its own."""
+        if capturing or not waits or not self.flags.unbounded:
             return
 
         def release(blocked):
@@ -383,8 +451,9 @@ class CopyEngineTransport(Transport):
 
         index = self.device.index if self.device.index is not None else \
             torch.cuda.current_device()
-        watchdog().add(PendingWait(self.failures, started, events, self.timeout_s, release,
-                                   index))
+        for p, started, passed in waits:
+            watchdog().add(PendingWait(self.failures, started, {p: passed}, self.timeout_s,
+                                       release, index))
 
     def _copy_to(self, cs, base: int, plan: ExchangePlan, p: int, parts, send, item) -> None:
         """Everything this rank sends to ``p`` into ``p``'s slot at ``base``: from the send
@@ -452,15 +521,12 @@ class _CEExchange(Exchange):
             return self._result
         t, st, k, r = self.t, self.st, self.k, self.t.rank
         cur = torch.cuda.current_stream(t.device)
-        started = _record(cur)
-        f_events = {}
-        for i in range(1, t.world_size):
-            s = (r - i) % t.world_size
-            t.flags.wait(cur, st.f_addr(r, k, s), 1, s, bounded=self.capturing)
-            f_events[s] = _record(cur)
+        f_waits = [t._bounded_wait(cur, st.f_addr(r, k, (r - i) % t.world_size),
+                                   (r - i) % t.world_size, self.capturing)
+                   for i in range(1, t.world_size)]
         for ev in self.done.values():
             cur.wait_event(ev)
-        t._watch(started, f_events, self.capturing, lambda s: [st.f_addr(r, k, s)])
+        t._watch(f_waits, self.capturing, lambda s: [st.f_addr(r, k, s)])
         result = self.local
         if self.out is not None:
             self._copy_out()
@@ -493,3 +559,7 @@ class _CEExchange(Exchange):
         for i in range(1, t.world_size):
             s = (r - i) % t.world_size
             t.flags.write(cur, st.a_addr(s, k, r), 1, kernel=kernel)
+        # The caller's reads of slot k are enqueued before this point: the next user of the
+        # slot writes its own region only after this event (``_Staging.await_slot``).
+        st.held[k] = False
+        st.marks(_mode(cur)).released[k] = _record(cur)

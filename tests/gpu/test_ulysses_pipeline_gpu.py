@@ -1,6 +1,7 @@
 """Two GPUs: UlyssesAttention pipelined vs sequential bitwise (head-independent attn_fn, G in
 {2, 4, 7, auto}, three consecutive calls, GQA, uneven heads, both transports, the memory
-decline), and a peer that stops mid-forward → PeerTimeoutError on the other rank."""
+decline), Dv != D (two input exchanges of one size bucket) over ce vs all_to_all, and a peer
+that stops mid-forward → PeerTimeoutError on the other rank."""
 from __future__ import annotations
 
 import random
@@ -103,3 +104,47 @@ def _peer_stops(rank, world):
 def test_peer_that_stops_raises_peer_timeout(gpu_pool):
     res = gpu_pool.run(_peer_stops)
     assert res[0] is not None and "1" in res[0], res
+
+
+def _dv_differs(rank, world, seed):
+    """Dv != D: q/k and v travel as two exchanges of one small size bucket (with the output
+    exchange, every staging entry has one shape), so a head group's fill would land in a slot
+    the previous group has not read yet if the transport handed it out again."""
+    from attncomm.ulysses import UlyssesAttention
+    from attncomm.ulysses.layout import head_offsets
+    dev = torch.device("cuda", rank)
+    bad = []
+    for hq, hkv, d, dv, lens in ((8, 4, 64, 32, (128, 96)), (12, 6, 32, 64, (64, 64))):
+        g = torch.Generator().manual_seed(seed + hq)
+        full = [torch.randn((1, sum(lens), h, e), generator=g).to(torch.bfloat16)
+                for h, e in ((hq, d), (hkv, d), (hkv, dv))]
+        o = head_offsets(lens)[rank]
+        q, k, v = (t[:, o:o + lens[rank]].to(dev) for t in full)
+        norm = (torch.randn(d, generator=g).to(dev), torch.randn(d, generator=g).to(dev), 1e-6)
+        rope = tuple(torch.randn((sum(lens), d), generator=g).to(dev) for _ in range(2))
+        for fuse in (True, False):
+            ref = UlyssesAttention(_head_independent, backend="all_to_all", qk_norm=norm,
+                                   pipeline_groups=1, fuse_qk_norm_rope=fuse)(
+                q, k, v, seq_lens=lens, rope=rope).clone()
+            for backend in ("all_to_all", "ce"):
+                for groups in (1, 2, 4):
+                    mod = UlyssesAttention(_head_independent, backend=backend, qk_norm=norm,
+                                           pipeline_groups=groups, fuse_qk_norm_rope=fuse)
+                    for call in range(3):
+                        out = mod(q, k, v, seq_lens=lens, rope=rope)
+                        if backend == "ce" and mod.last_backends != {"in": "ce", "out": "ce"}:
+                            bad.append((hq, fuse, "backends", mod.last_backends))
+                        if groups > 1 and mod.last_pipeline_groups < 2:
+                            bad.append((hq, fuse, "declined", groups))
+                        if mod.last_in_exchanges != 2:
+                            bad.append((hq, fuse, "exchanges", mod.last_in_exchanges))
+                        if not torch.equal(out, ref):
+                            bad.append((hq, fuse, backend, groups, call))
+    torch.cuda.synchronize()
+    return bad
+
+
+def test_pipelined_dv_differs_ce_bitwise(gpu_pool):
+    seed = random.randrange(1 << 30)
+    for bad in gpu_pool.run(_dv_differs, seed):
+        assert not bad, f"seed {seed}: {bad}"
