@@ -85,6 +85,10 @@ def _make(gen, W, T, hs, D, R, dtype):
         q[:, 0, 0, 0] = float("nan")
         q[:, -1, -1, 1] = float("-inf")
         q[0, 0, -1, 0] = -0.0
+    if R and T:  # a negative NaN with a payload in a rotated dim: stored canonical
+        view, odd = {torch.bfloat16: (torch.int16, -0x3F), torch.float16: (torch.int16, -0x1FF),
+                     torch.float32: (torch.int32, -0x3FFFFF)}[dtype]
+        q[:, 0, 0, D - 1:].view(view).fill_(odd)
     rope = None
     if R:
         ang = torch.rand(T, R // 2, generator=gen, dtype=torch.float64) * 30

@@ -17,6 +17,17 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+# Per dtype: the integer view, a negative NaN with a payload, the canonical quiet NaN.
+NAN_BITS = {torch.bfloat16: (torch.int16, -0x3F, 0x7FC0),          # 0xFFC1
+            torch.float16: (torch.int16, -0x1FF, 0x7E00),          # 0xFE01
+            torch.float32: (torch.int32, -0x3FFFFF, 0x7FC00000)}   # 0xFFC00001
+
+
+def put_nan(t: torch.Tensor) -> None:
+    view, odd, _ = NAN_BITS[t.dtype]
+    t.view(view).fill_(odd)
+
+
 def make_q(seed: int, W: int, T: int, H: int, D: int, dtype, R: int):
     """Every rank's slice ``[W, T, H/W, D]`` and (cos, sin) ``[T, R]`` (the same on every rank
     for the same seed), with special values in the payload (the gather moves bits)."""
@@ -26,6 +37,8 @@ def make_q(seed: int, W: int, T: int, H: int, D: int, dtype, R: int):
         q[0, 0, 0, 0] = float("nan")
         q[-1, -1, -1, 0] = float("inf")
         q[0, -1, 0, 1] = -0.0
+    if T and R:  # a negative NaN with a payload in a rotated dim: stored canonical
+        put_nan(q[0, 0, 0, D - 1:])
     rope = None
     if R:
         ang = torch.rand(T, R // 2, generator=g, dtype=torch.float64) * 40
@@ -43,7 +56,10 @@ def rope_ref(q: torch.Tensor, cos, sin) -> torch.Tensor:
     lo = x[..., :half] * c[..., :half] + (-x[..., half:]) * s[..., :half]
     hi = x[..., half:] * c[..., half:] + x[..., :half] * s[..., half:]
     out = q.clone()
-    out[..., D - R:] = torch.cat((lo, hi), dim=-1).to(q.dtype)
+    y = torch.cat((lo, hi), dim=-1)
+    out[..., D - R:] = y.to(q.dtype)
+    view, _, canonical = NAN_BITS[q.dtype]
+    out[..., D - R:].view(view)[torch.isnan(y)] = canonical
     return out
 
 

@@ -59,6 +59,9 @@ FP8_DTYPE = torch.float8_e4m3fn
 #: Its largest finite value; quantization saturates to ±FP8_MAX.
 FP8_MAX = 448.0
 _FP8_NAN = 0x7F  # the one NaN byte every backend writes (positive; e4m3fn NaN is S.1111.111)
+# The canonical quiet NaN of each query dtype, as the integer view that holds its bits.
+_CANONICAL_NAN = {torch.bfloat16: (torch.int16, 0x7FC0), torch.float16: (torch.int16, 0x7E00),
+                  torch.float32: (torch.int32, 0x7FC00000)}
 
 
 def rotate_tail(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -73,7 +76,10 @@ def rotate_tail(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     Returns:
         ``[T, h, D]`` in ``q.dtype``: dims ``[0, D−R)`` copied, and with ``x`` the last ``R``
         dims in fp32, ``x1, x2`` its halves: ``x·cos + (−x2, x1)·sin``, two products and one
-        sum per value, no fused multiply-add (the ``symm`` kernel computes the same bits).
+        sum per value, no fused multiply-add (the ``symm`` kernel computes the same bits). A
+        NaN there is stored as the dtype's canonical quiet NaN (bf16 ``0x7FC0``, fp16
+        ``0x7E00``, fp32 ``0x7FC00000``): the bits of a NaN from fp32 arithmetic and rounding
+        differ between CPU, GPU and kernels, the canonical one does not.
     """
     D = q.shape[-1]
     R = cos.shape[-1]
@@ -88,8 +94,13 @@ def rotate_tail(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     c = cos.to(torch.float32)[:, None, :]
     s = sin.to(torch.float32)[:, None, :]
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    out[..., D - R:].copy_(x * c + rot * s)
+    y = x * c + rot * s
+    tail = out[..., D - R:]
+    tail.copy_(y)
+    bits, nan = _CANONICAL_NAN[out.dtype]
+    tail.view(bits).masked_fill_(torch.isnan(y), nan)
     return out
+
 
 
 def quantize_e4m3(x: torch.Tensor, scale: torch.Tensor,

@@ -110,16 +110,22 @@ if triton is not None:
 
     @triton.jit
     def _round(v, DTYPE: tl.constexpr):
-        # fp32 → DTYPE, round to nearest even. bf16 by integer arithmetic, as torch defines it
-        # (NaN → 0x7FC0): the same bits on the GPU and under the interpreter, whose own bf16
-        # cast truncates.
+        # fp32 → DTYPE, round to nearest even; NaN → the dtype's canonical quiet NaN (as
+        # rotate_tail stores it). bf16 by integer arithmetic: the same bits on the GPU and
+        # under the interpreter, whose own bf16 cast truncates.
         if DTYPE == tl.bfloat16:
             u = v.to(tl.uint32, bitcast=True)
             r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
             r = tl.where(v != v, 0x7FC0, r)
             return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        elif DTYPE == tl.float16:
+            h = v.to(tl.float16).to(tl.uint16, bitcast=True)
+            h = tl.where(v != v, 0x7E00, h)
+            return h.to(tl.uint16).to(tl.float16, bitcast=True)
         else:
-            return v.to(DTYPE)
+            u = v.to(tl.uint32, bitcast=True)
+            u = tl.where(v != v, 0x7FC00000, u)
+            return u.to(tl.uint32).to(DTYPE, bitcast=True)
 
     @triton.jit
     def _e4m3(v):
