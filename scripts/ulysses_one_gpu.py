@@ -27,10 +27,11 @@ with scaled bytes, and W ranks' attention sharing its SMs: they are NOT NVLink f
 from __future__ import annotations
 
 import argparse
-import json
+import collections
 import os
 import re
 import sys
+import time
 
 import torch
 
@@ -92,89 +93,101 @@ class Rehearsal:
                                   pin_memory=True) for _ in range(world)]
         self.copy_in = torch.cuda.Stream(self.dev)
         self.copy_out = torch.cuda.Stream(self.dev)
+        self.out = torch.empty(1, seq_total, heads, head_dim, dtype=dt, device=self.dev)
         self._bufs: dict = {}
+        self.host = collections.Counter()  # host seconds per phase of layer()
 
-    def _stand_in(self, stream, src_flat, nbytes, p):
-        """The exchange's stand-in for one message of ``nbytes``: that × scale bytes of
-        ``src_flat`` (contiguous, device) into peer ``p``'s pinned slot, on ``stream`` (a copy
-        engine)."""
+    def _stand_in(self, src_flat, nbytes, p):
+        """The exchange's stand-in for one message of ``nbytes``: ``(peer p's pinned slot,
+        source)`` views of that × scale bytes of ``src_flat`` (contiguous, device), or None."""
         raw = src_flat.view(torch.uint8)
         n = (int(nbytes * self.scale) + 255) // 256 * 256
         n = min(n, raw.numel(), self.slots[p].numel())
-        if n:
-            with torch.cuda.stream(stream):
-                self.slots[p][:n].copy_(raw[:n], non_blocking=True)
+        return (self.slots[p][:n], raw[:n]) if n else None
 
-    def _recv(self, groups, g, n):
-        """Group g's receive buffers ``[S, 1, 3·n_p, D]`` per rank, kept across layers (the
-        fill's destination tables are cached per address, as a transport's staging is)."""
+    def _plan(self, groups, g):
+        """Everything group g enqueues, built once per (groups, g) and kept across layers (no
+        per-layer views, parts, events or allocations; the fill's destination tables are
+        cached per address, as a transport's staging is): fill calls per rank, input and output
+        stand-in copies, attention inputs and the output rows' places."""
         key = (groups, g)
-        if key not in self._bufs:
-            self._bufs[key] = [torch.empty(self.S, 1, 3 * n[p], self.D, dtype=torch.bfloat16,
-                                           device=self.dev) for p in range(self.W)]
-        return self._bufs[key]
-
-    def _fill_group(self, groups, g, ranges, cur):
-        """Every rank's fill of group g into every destination's receive buffer, then the
-        input exchange's stand-in copies; returns (buffers, event after the copies)."""
-        W = self.W
+        if key in self._bufs:
+            return self._bufs[key]
+        W, ranges = self.W, group_head_ranges(self.H, self.W, groups)[g]
         n = [hi - lo for lo, hi in ranges]
-        recv = self._recv(groups, g, n)
+        recv = [torch.empty(self.S, 1, 3 * n[p], self.D, dtype=torch.bfloat16, device=self.dev)
+                for p in range(W)]
+        fills = []
         for s in range(W):
             q, k, v = self.qkv[s]
             o, ln = self.off[s], self.seq[s]
             parts = [FillPart(q, tuple(ranges), self.w[0], self.rope),
                      FillPart(k, tuple(ranges), self.w[1], self.rope),
                      FillPart(v, tuple(ranges))]
-            regions = [recv[p][o:o + ln].view(-1) for p in range(W)]
-            fill_triton(parts, self.eps, self.cos[o:o + ln], self.sin[o:o + ln], out=regions)
-        ready = torch.cuda.Event()
+            fills.append((parts, self.cos[o:o + ln], self.sin[o:o + ln],
+                          [recv[p][o:o + ln].view(-1) for p in range(W)]))
+        ins = [self._stand_in(recv[p][self.off[s]:self.off[s] + self.seq[s]].view(-1),
+                              self.seq[s] * 3 * n[p] * self.D * 2, p)
+               for s in range(W) for p in range(W) if p != s]
+        attn, outs = [], []
+        for p, (lo, hi) in enumerate(ranges):
+            if hi > lo:
+                buf = recv[p].permute(1, 0, 2, 3)
+                m = hi - lo
+                attn.append((buf[:, :, :m], buf[:, :, m:2 * m], buf[:, :, 2 * m:],
+                             self.out[:, :, lo:hi]))
+                outs += [self._stand_in(recv[p].view(-1), self.seq[s] * m * self.D * 2, s)
+                         for s in range(W) if s != p]
+        plan = (fills, [x for x in ins if x], attn, [x for x in outs if x],
+                torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event())
+        self._bufs[key] = plan
+        return plan
+
+    def _fill_group(self, plan, cur):
+        """Every rank's fill of a group into every destination's receive buffer, then the
+        input exchange's stand-in copies; returns the event after the copies."""
+        fills, ins, _, _, ready, done, _ = plan
+        t0 = time.perf_counter()
+        for parts, cos, sin, regions in fills:
+            fill_triton(parts, self.eps, cos, sin, out=regions)
+        t1 = time.perf_counter()
         ready.record(cur)
         self.copy_in.wait_event(ready)
-        for s in range(W):
-            for p in range(W):
-                if p != s:
-                    o, ln = self.off[s], self.seq[s]
-                    region = recv[p][o:o + ln].view(-1)
-                    self._stand_in(self.copy_in, region, region.numel() * 2, p)
-        done = torch.cuda.Event()
+        with torch.cuda.stream(self.copy_in):
+            for dst, src in ins:
+                dst.copy_(src, non_blocking=True)
         done.record(self.copy_in)
-        return recv, done
+        self.host["fill"] += t1 - t0
+        self.host["input copies + events"] += time.perf_counter() - t1
+        return done
 
     def layer(self, groups: int):
         """One forward of every simulated rank with ``groups`` head groups (1 = sequential);
-        returns each rank's output ``[1, S_r, H, D]``. Enqueues only."""
-        W = self.W
+        returns each rank's output ``[1, S_r, H, D]`` (views of one ``[1, S, H, D]`` tensor,
+        so a group's output rows land in every rank's ``out`` with one copy). Enqueues only."""
         cur = torch.cuda.current_stream(self.dev)
-        qr = group_head_ranges(self.H, W, groups)
-        outs = [torch.empty(1, s, self.H, self.D, dtype=torch.bfloat16, device=self.dev)
-                for s in self.seq]
-        nxt = self._fill_group(groups, 0, qr[0], cur)
+        plans = [self._plan(groups, g) for g in range(groups)]
+        arrived = self._fill_group(plans[0], cur)
         for g in range(groups):
-            recv, arrived = nxt
+            nxt = None
             if g + 1 < groups:  # group g+1's fill runs while group g's copies are in flight
-                nxt = self._fill_group(groups, g + 1, qr[g + 1], cur)
+                nxt = self._fill_group(plans[g + 1], cur)
+            t0 = time.perf_counter()
             cur.wait_event(arrived)
-            for p in range(W):
-                lo, hi = qr[g][p]
-                if hi <= lo:
-                    continue
-                n = hi - lo
-                buf = recv[p].permute(1, 0, 2, 3)
-                og = sdpa_attention(buf[:, :, :n], buf[:, :, n:2 * n], buf[:, :, 2 * n:], False)
-                for s in range(W):  # rows land in place in every rank's out
-                    outs[s][:, :, lo:hi].copy_(og[:, self.off[s]:self.off[s] + self.seq[s]])
-            done = torch.cuda.Event()
-            done.record(cur)
-            self.copy_out.wait_event(done)
-            for p in range(W):
-                lo, hi = qr[g][p]
-                for s in range(W):
-                    if s != p and hi > lo:  # rank p's output rows for rank s
-                        nbytes = self.seq[s] * (hi - lo) * self.D * 2
-                        self._stand_in(self.copy_out, recv[p].view(-1), nbytes, s)
+            for q, k, v, dst in plans[g][2]:
+                dst.copy_(sdpa_attention(q, k, v, False))
+            t1 = time.perf_counter()
+            finished = plans[g][6]
+            finished.record(cur)
+            self.copy_out.wait_event(finished)
+            with torch.cuda.stream(self.copy_out):
+                for dst, src in plans[g][3]:
+                    dst.copy_(src, non_blocking=True)
+            self.host["attention + placement"] += t1 - t0
+            self.host["output copies + events"] += time.perf_counter() - t1
+            arrived = nxt
         cur.wait_stream(self.copy_out)
-        return outs
+        return [self.out[:, o:o + s] for o, s in zip(self.off, self.seq)]
 
 
 def _overlap(gpu, groups, world) -> list[float | None]:
@@ -201,24 +214,41 @@ def _overlap(gpu, groups, world) -> list[float | None]:
     return out
 
 
-def profile(sim, groups, layers, path):
-    """Trace ``layers`` back-to-back layers; the timeline summary (see the module doc)."""
-    from torch.profiler import ProfilerActivity, profile as prof_ctx, record_function
+def host_cost(sim, groups, layers=5) -> dict:
+    """The host's time to enqueue ``layers`` layers (no profiler), per layer and per group, and
+    per phase of ``layer()``; a sleep kernel keeps the GPU busy so the host never waits."""
     sim.layer(groups)
     torch.cuda.synchronize()
-    with prof_ctx(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    sim.host.clear()
+    torch.cuda._sleep(100_000_000)
+    t0 = time.perf_counter()
+    for _ in range(layers):
+        sim.layer(groups)
+    dt = (time.perf_counter() - t0) * 1e6
+    torch.cuda.synchronize()
+    per = layers * groups
+    return {"host_us_per_layer": dt / layers, "host_us_per_group": dt / per,
+            "host_us_per_group_by_phase": {k: v * 1e6 / per for k, v in sim.host.items()}}
+
+
+def profile(sim, groups, layers, path, cpu_ops=False):
+    """Trace ``layers`` back-to-back layers; the timeline summary (see the module doc).
+    ``cpu_ops``: also record every torch op on the host (the profiler's own host cost then
+    slows the enqueue); off, the trace holds the GPU's work and the host's CUDA runtime
+    calls, which is all the summary reads."""
+    from torch.profiler import ProfilerActivity, profile as prof_ctx
+    sim.layer(groups)
+    torch.cuda.synchronize()
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu_ops else [])
+    with prof_ctx(activities=acts) as prof:
         for _ in range(layers):
             sim.layer(groups)
-        with record_function("window_end"):
-            pass
         torch.cuda.synchronize()
     prof.export_chrome_trace(path)
     gpu, host = timeline.load_trace(path)
-    with open(path) as f:
-        raw = json.load(f)
-    ends = [e["ts"] for e in raw.get("traceEvents", []) if e.get("name") == "window_end"]
-    end = ends[0] if ends else float("inf")
-    syncs = [h for h in host if "Synchronize" in h["name"] and h["start"] < end]
+    # the window's closing synchronize (the last runtime call) is the trace's, not the layer's
+    inside = host[:-1] if host and "Synchronize" in host[-1]["name"] else host
+    syncs = [h for h in inside if "Synchronize" in h["name"]]
     gs = timeline.gaps(gpu)
     # between groups: inside a layer's span from its first attention kernel to its last
     attn = [e for e in gpu if e.kind == "compute" and _ATTN.search(e.name)]
@@ -236,7 +266,8 @@ def profile(sim, groups, layers, path):
             "overlap_next_copies_under_attention": _overlap(gpu, groups, sim.W)}
 
 
-def run(world, seq_total, heads, groups, nvlink_gbps, trace_dir, layers=3, norm=True):
+def run(world, seq_total, heads, groups, nvlink_gbps, trace_dir, layers=3, norm=True,
+        cpu_ops=False):
     """One geometry: bitwise check, then the traced pipelined and sequential schedules."""
     dev = torch.device("cuda")
     host_gbps = host_copy_gbps(dev)
@@ -255,7 +286,11 @@ def run(world, seq_total, heads, groups, nvlink_gbps, trace_dir, layers=3, norm=
     os.makedirs(trace_dir, exist_ok=True)
     for name, gg in (("pipelined", max(g, 1)), ("sequential", 1)):
         path = os.path.join(trace_dir, f"ulysses-rehearsal-{name}-S{seq_total}.json")
-        rec[name] = profile(sim, gg, layers, path)
+        rec[name] = profile(sim, gg, layers, path, cpu_ops)
+        rec[name].update(host_cost(sim, gg))
+    if cpu_ops is False:  # the pipelined trace again with every host op recorded, for scale
+        path = os.path.join(trace_dir, f"ulysses-rehearsal-pipelined-cpuops-S{seq_total}.json")
+        rec["pipelined_cpu_ops_traced"] = profile(sim, max(g, 1), layers, path, True)
     rec["note"] = NOT_NVLINK
     return rec
 
@@ -267,25 +302,31 @@ def markdown(records, meta) -> str:
              "edges (the first group's input and the last group's output exchange).", "",
              "| S | groups | schedule | wall ms | compute ms | exposed exch. ms | idle ms | "
              "max gap between groups µs | > 20 µs | max gap all µs | > 20 µs | host lead ms | "
-             "host syncs | bitwise |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "host syncs | host µs / group | bitwise |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        for name in ("pipelined", "sequential"):
+        for name in ("pipelined", "sequential", "pipelined_cpu_ops_traced"):
+            if name not in r:
+                continue
             x, b = r[name], r[name]["budget"]
+            hu = x.get("host_us_per_group")
             lines.append(
-                f"| {r['seq']} | {r['groups'] if name == 'pipelined' else 1} | {name} | "
+                f"| {r['seq']} | {1 if name == 'sequential' else r['groups']} | {name} | "
                 f"{b['wall_us'] / 1e3:.3f} | {b['compute_us'] / 1e3:.3f} | "
                 f"{b['exposed_exchange_us'] / 1e3:.3f} | {b['idle_us'] / 1e3:.3f} | "
                 f"{x['max_gap_between_groups_us']:.1f} | {x['gaps_between_groups_over_20us']} | "
                 f"{x['max_gap_us']:.1f} | {x['gaps_over_20us']} | "
                 f"{x['host']['lead_us'] / 1e3:.2f} | {x['host_syncs_in_window']} | "
-                f"{r['bitwise_equal_to_sequential']} |")
+                f"{'-' if hu is None else f'{hu:.0f}'} | {r['bitwise_equal_to_sequential']} |")
     for r in records:
         ov = r["pipelined"]["overlap_next_copies_under_attention"]
         lines.append(f"\nS={r['seq']}: bytes scaled by {r['bytes_scale']:.3f} (host copy "
                      f"{r['host_copy_gbps']:.1f} GB/s vs NVLink {r['nvlink_gbps']:.0f} GB/s); "
                      "share of group g+1's input copies under group g's attention: "
                      + ", ".join("-" if v is None else f"{v:.2f}" for v in ov))
+        by = r["pipelined"].get("host_us_per_group_by_phase", {})
+        lines.append("host µs per pipelined group by phase (no profiler): "
+                     + ", ".join(f"{k} {v:.0f}" for k, v in by.items()))
     return "\n".join(lines) + "\n"
 
 
@@ -297,6 +338,8 @@ def main(argv=None) -> int:
     p.add_argument("--groups", type=int, default=-1, help="-1: auto_groups's count")
     p.add_argument("--nvlink-gbps", type=float, default=NVLINK_GBPS)
     p.add_argument("--layers", type=int, default=3, help="layers per traced window")
+    p.add_argument("--cpu-ops", action="store_true",
+                   help="trace every host op too (the profiler's host cost slows the enqueue)")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     p.add_argument("--trace-dir", default="rehearsal-traces")
@@ -305,7 +348,7 @@ def main(argv=None) -> int:
         print("ulysses_one_gpu: needs a CUDA GPU", file=sys.stderr)
         return 2
     records = [run(args.world_size, s, args.heads, args.groups, args.nvlink_gbps,
-                   args.trace_dir, args.layers) for s in args.seq]
+                   args.trace_dir, args.layers, cpu_ops=args.cpu_ops) for s in args.seq]
     from attncomm.bench import common
     meta = common.meta("cuda", args.world_size, bench="ulysses-rehearsal", dtype="bf16",
                        note=NOT_NVLINK)

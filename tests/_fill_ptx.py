@@ -19,7 +19,8 @@ _PTRS = {"x0": "*bf16", "x1": "*bf16", "x2": "*bf16", "out_ptr": "*bf16", "tbl_p
 def ptx(opts: dict) -> str:
     k = _kernel()
     names = k.arg_names
-    consts = dict(FANOUT=2, HALF=64, LEVELS=6, BLOCK_S=16, HB=4, ANY_NORM=True, ANY_ROPE=True)
+    consts = dict(HALF=64, LEVELS=6, BLOCK_S=16, HB=4, ANY_NORM=True, ANY_ROPE=True,
+                  ALIGNED=True, ROPE_BCAST=True)
     types = {n: "constexpr" if n in consts else _PTRS.get(n, "fp32" if n == "eps" else "i32")
              for n in names}
     src = ASTSource(fn=k, signature=types,

@@ -13,12 +13,17 @@ with and without qk_norm + RoPE; the send buffer has W regions (``ulysses/fill.p
 - ``floor_us``: bytes read + written ÷ the bandwidth of a device-to-device copy measured in the
   same run (``copy_`` of a 1 GiB buffer: 2 GiB moved).
 
-Times: median of CUDA-event timed calls (eager; each call is tens of µs or more). Records
-``{"impl", "seq", "heads", "head_dim", "time_us", "floor_us", "qk_norm", ...}``.
+Times: the GPU's time per call: a sleep kernel first (so the host's launch work is not on
+the GPU's clock), then ``n`` calls back to back between two CUDA events, median of 5 such
+windows ÷ ``n``. ``eager_call_us`` (triton) is one call between two events with an idle GPU
+(what the 2026-12-01 first results reported: it adds the host's launch time). ``host_us``: the
+host's time per ``fill_triton`` call (Python + launch). Records ``{"impl", "seq", "heads",
+"head_dim", "time_us", "floor_us", "qk_norm", ...}``.
 """
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -30,12 +35,45 @@ from .layout import group_head_ranges
 __all__ = ["fill_records", "copy_bandwidth", "FILL_CONFIGS"]
 
 #: Launch shapes the bench tries: (rows per program, heads per program, warps).
-FILL_CONFIGS = ((16, 1, 4), (16, 4, 4), (16, 8, 4), (8, 8, 4), (32, 2, 4), (32, 4, 8),
-                (64, 2, 8), (16, 16, 4))
+FILL_CONFIGS = ((16, 4, 4), (16, 2, 4), (16, 8, 4), (8, 4, 4), (32, 4, 4), (32, 4, 8),
+                (16, 4, 8), (32, 8, 8), (64, 2, 8))
 
 
 def _median_us(fn, iters: int) -> float:
+    """One call between two events, idle GPU before it: includes the host's launch time."""
     return statistics.median(common.time_eager(fn, warmup=3, iters=iters, device="cuda"))
+
+
+def device_us(fn, n: int = 10, windows: int = 5) -> float:
+    """The GPU's time per call of ``fn``: a sleep kernel, then ``n`` calls back to back between
+    two events (the host enqueues ahead, so its launch work is off the clock); median of
+    ``windows`` windows ÷ ``n``."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(windows):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2_000_000)
+        a.record()
+        for _ in range(n):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / n)
+    return statistics.median(times)
+
+
+def host_us(fn, n: int = 50) -> float:
+    """The host's time per call of ``fn`` (Python + launch), the GPU kept busy meanwhile."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return dt
 
 
 def copy_bandwidth(device, nbytes: int = 1 << 30, iters: int = 10) -> float:
@@ -84,27 +122,29 @@ def fill_records(seqs=(8192, 32768), heads: int = 56, head_dim: int = 128, world
             fill_torch(parts, 1e-6, cos, sin, out=out_t)
             base = dict(seq=seq, heads=heads, head_dim=head_dim, world_size=world,
                         qk_norm=norm, floor_us=floor, bytes_moved=moved)
-            t_torch = _median_us(lambda: fill_torch(parts, 1e-6, cos, sin, out=out_t),
-                                 max(3, iters // 4))
+            t_torch = device_us(lambda: fill_torch(parts, 1e-6, cos, sin, out=out_t), 3, 3)
             configs = []
             for block_s, hb, warps in FILL_CONFIGS:
                 shape = dict(block_s=block_s, heads_per_program=hb, num_warps=warps)
                 out_k.fill_(float("nan"))
                 fill_triton(parts, 1e-6, cos, sin, out=out_k, **shape)
                 same = torch.equal(out_k, out_t)
-                t = _median_us(lambda: fill_triton(parts, 1e-6, cos, sin, out=out_k, **shape),
-                               iters)
+                t = device_us(lambda: fill_triton(parts, 1e-6, cos, sin, out=out_k, **shape))
                 configs.append(dict(shape, time_us=t, bitwise_equal=same))
             out_k.fill_(float("nan"))
             fill_triton(parts, 1e-6, cos, sin, out=out_k)
             same_default = torch.equal(out_k, out_t)
-            t_default = _median_us(lambda: fill_triton(parts, 1e-6, cos, sin, out=out_k), iters)
+            call = lambda: fill_triton(parts, 1e-6, cos, sin, out=out_k)  # noqa: E731
+            t_default = device_us(call)
+            t_eager = _median_us(call, iters)
+            t_host = host_us(call)
             best = min(configs, key=lambda c: c["time_us"])
             records.append(dict(base, impl="triton", time_us=best["time_us"],
                                 config={k: best[k] for k in
                                         ("block_s", "heads_per_program", "num_warps")},
                                 default_config=_default_config(head_dim),
-                                default_time_us=t_default, configs=configs,
+                                default_time_us=t_default, eager_call_us=t_eager,
+                                host_us=t_host, configs=configs,
                                 bitwise_equal=same_default and all(c["bitwise_equal"]
                                                                    for c in configs),
                                 vs_floor=best["time_us"] / floor,

@@ -16,16 +16,16 @@ order, in fp32, rounded once):
 - ``fill_torch`` (CPU tensors, any head_dim, and the reference): ``rms_norm_rope`` per part,
   then strided copies into the regions.
 - ``fill_triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``; head_dim a power of two): one
-  program per (block of rows, source head, batch) loads the rows once and stores them into every
-  destination region that takes that head (a KV head shared by several ranks under GQA is
-  stored to each of them), with FMA contraction off so that ``a * b + c`` rounds twice as in
-  torch.
+  program per (block of rows, run of consecutive heads of one part bound for one destination,
+  batch) loads ``[rows, heads, D]`` once, 16-byte vectors in and out, and stores it into that
+  destination's region (a KV head shared by several ranks under GQA is in one run per rank),
+  with FMA contraction off so that ``a * b + c`` rounds twice as in torch.
 
 RMSNorm (Zhang & Sennrich, 2019) over ``D``: ``x · (1 / sqrt(mean(x²) + eps)) · w`` with the
-mean a pairwise sum in a fixed order (halves added, recursively) and IEEE-rounded ``sqrt`` and
-division (not ``rsqrt``, whose approximation differs between CPU, CUDA and Triton; the torch
-path takes the fp32 square root through fp64, which rounds it correctly on the CPU too); RoPE
-rotate-half (NeoX, Su et al., 2021): ``x · cos + rotate_half(x) · sin`` over global positions.
+mean a pairwise sum in a fixed order (adjacent elements added, recursively) and IEEE-rounded
+``sqrt`` and division (not ``rsqrt``, whose approximation differs between CPU, CUDA and
+Triton; the torch path takes the fp32 square root through fp64, which rounds it correctly on
+the CPU too); RoPE rotate-half (NeoX, Su et al., 2021): ``x · cos + rotate_half(x) · sin`` over global positions.
 """
 from __future__ import annotations
 
@@ -61,13 +61,14 @@ class FillPart:
 
 # ------------------------------------------------------------------------------ torch path
 def _tree_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim in a fixed pairwise order (first half + second half, recursively;
-    an odd last element is carried): the same bits for any layout or device. ``[..., n] →
-    [..., 1]``."""
+    """Sum over the last dim in a fixed pairwise order (adjacent elements added: ``t[2i] +
+    t[2i+1]``, recursively; an odd last element is carried): the same bits for any layout or
+    device, and the order whose first levels stay inside a GPU thread's registers (a thread
+    holds adjacent elements). ``[..., n] → [..., 1]``."""
     n = t.shape[-1]
     while n > 1:
         half = n // 2
-        head = t[..., :half] + t[..., half:2 * half]
+        head = t[..., 0:2 * half:2] + t[..., 1:2 * half:2]
         t = torch.cat((head, t[..., 2 * half:]), dim=-1) if n % 2 else head
         n = half + n % 2
     return t
@@ -206,81 +207,107 @@ def _kernel():
     import triton
     import triton.language as tl
 
+    global _halves, _adjacent_sum  # module globals: the interpreter resolves calls there
+
     @triton.jit
-    def fill_kernel(x0, x1, x2, out_ptr, tbl_ptr, w0, w1, w2, cos_ptr, sin_ptr, S, eps,
-                    n_rows,
-                    flags, s0b, s0s, s0h, s0d, s1b, s1s, s1h, s1d, s2b, s2s, s2h, s2d,
+    def _halves(x, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF: tl.constexpr):
+        """Rows ``[BLOCK_S, HB, D]`` of heads ``h0 + hh`` as two fp32 halves (one load site
+        per part, so the strides' specialization, e.g. ``sd == 1``, vectorizes it)."""
+        src = (x + b * sb + rows[:, None, None] * ss + (h0 + hh)[None, :, None] * sh
+               + cols[None, None, :] * sd)
+        f1 = tl.load(src, mask=mask).to(tl.float32)
+        f2 = tl.load(src + HALF * sd, mask=mask).to(tl.float32)
+        return f1, f2
+
+    @triton.jit
+    def _adjacent_sum(t, BLOCK_S: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr,
+                      LEVELS: tl.constexpr):
+        """``_tree_sum``'s order over the last dim (adjacent pairs, recursively) →
+        ``[BLOCK_S, HB]``; the first levels are register-local (a thread holds adjacent
+        elements)."""
+        for j in tl.static_range(LEVELS):
+            ta, tb = tl.split(tl.reshape(t, (BLOCK_S, HB, HALF >> (j + 1), 2)))
+            t = ta + tb
+        return tl.reshape(t, (BLOCK_S, HB))
+
+    @triton.jit
+    def fill_kernel(x0, x1, x2, out_ptr, tbl_ptr, w0, w1, w2, cos_ptr, sin_ptr, S, eps, flags,
+                    s0b, s0s, s0h, s0d, s1b, s1s, s1h, s1d, s2b, s2s, s2h, s2d,
                     scs, scd, sss, ssd,
-                    FANOUT: tl.constexpr, HALF: tl.constexpr, LEVELS: tl.constexpr,
-                    BLOCK_S: tl.constexpr, HB: tl.constexpr, ANY_NORM: tl.constexpr,
-                    ANY_ROPE: tl.constexpr):
+                    HALF: tl.constexpr, LEVELS: tl.constexpr, BLOCK_S: tl.constexpr,
+                    HB: tl.constexpr, ANY_NORM: tl.constexpr, ANY_ROPE: tl.constexpr,
+                    ALIGNED: tl.constexpr, ROPE_BCAST: tl.constexpr):
         pid_s = tl.program_id(0)
-        pid_h = tl.program_id(1)
+        ent = tbl_ptr + tl.program_id(1) * 6
         b = tl.program_id(2).to(tl.int64)
+        part = tl.load(ent)
+        h0 = tl.load(ent + 1)
+        nh = tl.load(ent + 2)
+        base = tl.load(ent + 3)
+        pitch = tl.load(ent + 4)
+        bpitch = tl.load(ent + 5)
+        if ALIGNED:  # the host checked: every base and pitch a multiple of 16 elements
+            base = tl.multiple_of(base, 16)
+            pitch = tl.multiple_of(pitch, 16)
+            bpitch = tl.multiple_of(bpitch, 16)
         rows = (pid_s * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
+        hh = tl.arange(0, HB)
         cols = tl.arange(0, HALF)
-        mask = rows[:, None] < S
-        c1 = tl.zeros((BLOCK_S, HALF), tl.float32)
-        c2 = c1
-        s1 = c1
-        s2 = c1
-        if ANY_ROPE:  # loaded once, used for every head of the program
-            cr = cos_ptr + rows[:, None] * scs
-            sr = sin_ptr + rows[:, None] * sss
-            c1 = tl.load(cr + cols[None, :] * scd, mask=mask).to(tl.float32)
-            c2 = tl.load(cr + (cols[None, :] + HALF) * scd, mask=mask).to(tl.float32)
-            s1 = tl.load(sr + cols[None, :] * ssd, mask=mask).to(tl.float32)
-            s2 = tl.load(sr + (cols[None, :] + HALF) * ssd, mask=mask).to(tl.float32)
-        for i in range(HB):
-            r = pid_h * HB + i
-            if r < n_rows:
-                ent = tbl_ptr + r * (2 + 3 * FANOUT)
-                part = tl.load(ent)
-                h = tl.load(ent + 1)
-                if part == 0:
-                    src = x0 + b * s0b + h * s0h + rows[:, None] * s0s
-                    sd = s0d
-                    wp = w0
-                elif part == 1:
-                    src = x1 + b * s1b + h * s1h + rows[:, None] * s1s
-                    sd = s1d
+        mask = (rows[:, None, None] < S) & (hh[None, :, None] < nh)
+        if part == 0:
+            f1, f2 = _halves(x0, b, h0, rows, hh, cols, s0b, s0s, s0h, s0d, mask, HALF)
+        elif part == 1:
+            f1, f2 = _halves(x1, b, h0, rows, hh, cols, s1b, s1s, s1h, s1d, mask, HALF)
+        else:
+            f1, f2 = _halves(x2, b, h0, rows, hh, cols, s2b, s2s, s2h, s2d, mask, HALF)
+        if ANY_NORM:  # rms_norm_rope's order: the adjacent-pair tree, sqrt, reciprocal
+            if (flags >> (2 * part)) & 1:
+                wp = w0
+                if part == 1:
                     wp = w1
-                else:
-                    src = x2 + b * s2b + h * s2h + rows[:, None] * s2s
-                    sd = s2d
+                elif part == 2:
                     wp = w2
-                f1 = tl.load(src + cols[None, :] * sd, mask=mask).to(tl.float32)
-                f2 = tl.load(src + (cols[None, :] + HALF) * sd, mask=mask).to(tl.float32)
-                if ANY_NORM:  # rms_norm_rope's order: the pairwise tree, sqrt, reciprocal
-                    if (flags >> (2 * part)) & 1:
-                        t = f1 * f1 + f2 * f2          # the tree's first level: halves added
-                        for j in tl.static_range(LEVELS):
-                            ta, tb = tl.split(tl.permute(
-                                tl.reshape(t, (BLOCK_S, 2, HALF >> (j + 1))), (0, 2, 1)))
-                            t = ta + tb
-                        ms = tl.div_rn(tl.reshape(t, (BLOCK_S,)),
-                                       tl.full((BLOCK_S,), 2 * HALF, tl.float32))
-                        inv = tl.div_rn(tl.full((BLOCK_S,), 1.0, tl.float32),
-                                        tl.sqrt_rn(ms + eps))
-                        wa = tl.load(wp + cols).to(tl.float32)
-                        wb = tl.load(wp + HALF + cols).to(tl.float32)
-                        f1 = f1 * inv[:, None] * wa[None, :]
-                        f2 = f2 * inv[:, None] * wb[None, :]
-                if ANY_ROPE:
-                    if (flags >> (2 * part + 1)) & 1:
-                        g1 = f1 * c1 + (-f2) * s1
-                        g2 = f2 * c2 + f1 * s2
-                        f1 = g1
-                        f2 = g2
-                y1 = f1.to(out_ptr.dtype.element_ty)
-                y2 = f2.to(out_ptr.dtype.element_ty)
-                for f in tl.static_range(FANOUT):
-                    base = tl.load(ent + 2 + 3 * f)
-                    if base >= 0:
-                        dst = (out_ptr + base + b * tl.load(ent + 4 + 3 * f)
-                               + rows[:, None] * tl.load(ent + 3 + 3 * f))
-                        tl.store(dst + cols[None, :], y1, mask=mask)
-                        tl.store(dst + HALF + cols[None, :], y2, mask=mask)
+                t = (_adjacent_sum(f1 * f1, BLOCK_S, HB, HALF, LEVELS)
+                     + _adjacent_sum(f2 * f2, BLOCK_S, HB, HALF, LEVELS))
+                ms = tl.div_rn(t, tl.full((BLOCK_S, HB), 2 * HALF, tl.float32))
+                inv = tl.div_rn(tl.full((BLOCK_S, HB), 1.0, tl.float32), tl.sqrt_rn(ms + eps))
+                if ROPE_BCAST:  # as cos/sin below: loaded in the rows' layout
+                    wo = rows[:, None, None] * 0 + hh[None, :, None] * 0 + cols[None, None, :]
+                    wa = tl.load(wp + wo).to(tl.float32)
+                    wb = tl.load(wp + HALF + wo).to(tl.float32)
+                else:
+                    wa = tl.load(wp + cols).to(tl.float32)[None, None, :]
+                    wb = tl.load(wp + HALF + cols).to(tl.float32)[None, None, :]
+                f1 = f1 * inv[:, :, None] * wa
+                f2 = f2 * inv[:, :, None] * wb
+        if ANY_ROPE:  # cos/sin of the block's rows: loaded once for the program's HB heads
+            if (flags >> (2 * part + 1)) & 1:
+                if ROPE_BCAST:  # pointers broadcast over the heads: f1's layout, no shuffle
+                    rmask = (rows[:, None, None] < S) & (hh[None, :, None] >= 0)
+                    cr = (cos_ptr + rows[:, None, None] * scs + hh[None, :, None] * 0
+                          + cols[None, None, :] * scd)
+                    sr = (sin_ptr + rows[:, None, None] * sss + hh[None, :, None] * 0
+                          + cols[None, None, :] * ssd)
+                    c1 = tl.load(cr, mask=rmask).to(tl.float32)
+                    c2 = tl.load(cr + HALF * scd, mask=rmask).to(tl.float32)
+                    s1 = tl.load(sr, mask=rmask).to(tl.float32)
+                    s2 = tl.load(sr + HALF * ssd, mask=rmask).to(tl.float32)
+                else:
+                    rmask = rows[:, None] < S
+                    cr = cos_ptr + rows[:, None] * scs + cols[None, :] * scd
+                    sr = sin_ptr + rows[:, None] * sss + cols[None, :] * ssd
+                    c1 = tl.load(cr, mask=rmask).to(tl.float32)[:, None, :]
+                    c2 = tl.load(cr + HALF * scd, mask=rmask).to(tl.float32)[:, None, :]
+                    s1 = tl.load(sr, mask=rmask).to(tl.float32)[:, None, :]
+                    s2 = tl.load(sr + HALF * ssd, mask=rmask).to(tl.float32)[:, None, :]
+                g1 = f1 * c1 + (-f2) * s1
+                g2 = f2 * c2 + f1 * s2
+                f1 = g1
+                f2 = g2
+        dst = (out_ptr + base + b * bpitch + rows[:, None, None] * pitch
+               + hh[None, :, None] * (2 * HALF) + cols[None, None, :])
+        tl.store(dst, f1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, f2.to(out_ptr.dtype.element_ty), mask=mask)
 
     return fill_kernel
 
@@ -290,37 +317,38 @@ def _kernel():
 LAUNCH_OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
 #: Rows and heads per program (``default_block_s``, ``HEADS_PER_PROGRAM``): chosen from the
 #: launch shapes ``bench ulysses --fill`` tries (benchmarks/results/ulysses-fill-*.md).
-HEADS_PER_PROGRAM = 1
+HEADS_PER_PROGRAM = 4
+#: cos/sin loaded through pointers broadcast over the program's heads (in the layout of the
+#: rows they multiply) rather than loaded once as ``[rows, D]`` and broadcast in registers
+#: (a layout conversion through shared memory): see benchmarks/results/ulysses-fill-*.md.
+ROPE_BCAST = True
 
-#: ``(device, layout key) → (int64 table [rows, 2 + 3·FANOUT], FANOUT)`` on the device, built
-#: once per layout, so a steady-state fill uploads nothing (no host↔device copy in a forward).
+#: ``(device, layout key, heads per program) → (int64 table [entries, 6], aligned)`` on the
+#: device, built once per layout, so a steady-state fill uploads nothing (no host↔device copy
+#: in a forward).
 _TABLES: collections.OrderedDict = collections.OrderedDict()
 
 
-def _table(device, ranges, htot, starts, batch, d):
-    """One row per (part, source head) that some destination takes: ``part, head``, then up to
-    FANOUT destinations ``(base element, row pitch, batch pitch)``, base −1 for none;
-    ``starts[p]``: region p's first element from the kernel's base pointer."""
-    key = (str(device), tuple(ranges), tuple(htot), tuple(starts), batch, d)
+def _table(device, ranges, htot, starts, batch, d, hb):
+    """One entry per (part, destination, run of up to ``hb`` consecutive heads of the part that
+    the destination takes): ``part, first head, heads, base element, row pitch, batch pitch``
+    (``starts[p]``: region p's first element from the kernel's base pointer). A KV head that
+    several destinations take (GQA) is in one entry per destination: read once for each.
+    ``aligned``: every base and pitch a multiple of 16 elements."""
+    key = (str(device), tuple(ranges), tuple(htot), tuple(starts), batch, d, hb)
     tbl = _TABLES.get(key)
     if tbl is not None:
         _TABLES.move_to_end(key)
         return tbl
-    rows, cols = [], [0] * len(htot)
+    ents, cols = [], [0] * len(htot)
     for i, rng in enumerate(ranges):
-        heads = max([hi for _, hi in rng] + [0])
-        dests = [[] for _ in range(heads)]
         for p, (lo, hi) in enumerate(rng):
-            for h in range(lo, hi):
-                dests[h].append((starts[p] + (cols[p] + h - lo) * d, batch * htot[p] * d,
-                                 htot[p] * d))
+            for h in range(lo, hi, hb):
+                ents.append((i, h, min(hb, hi - h), starts[p] + (cols[p] + h - lo) * d,
+                             batch * htot[p] * d, htot[p] * d))
             cols[p] += max(0, hi - lo)
-        rows += [(i, h, x) for h, x in enumerate(dests) if x]
-    fan = max([len(x) for _, _, x in rows] + [1])
-    flat = [[i, h] + [v for e in x + [(-1, 0, 0)] * (fan - len(x)) for v in e]
-            for i, h, x in rows]
-    tbl = (torch.tensor(flat, dtype=torch.int64).reshape(len(flat), 2 + 3 * fan).to(device),
-           fan)
+    aligned = all(v % 16 == 0 for e in ents for v in e[3:])
+    tbl = (torch.tensor(ents, dtype=torch.int64).reshape(len(ents), 6).to(device), aligned)
     _TABLES[key] = tbl
     while len(_TABLES) > 256:
         _TABLES.popitem(last=False)
@@ -336,12 +364,14 @@ def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor |
                 sin: torch.Tensor | None = None, out=None, *, block_s: int | None = None,
                 heads_per_program: int | None = None,
                 num_warps: int | None = None) -> torch.Tensor:
-    """The fill as one Triton launch (for up to three parts; more take more launches),
-    bitwise equal to ``fill_torch`` (same arguments and result). ``block_s`` (rows per
-    program, a power of two), ``heads_per_program`` and ``num_warps`` override the launch
-    shape, which never changes the bits. With ``out`` given as regions, the destination table
-    is cached per region address: pass stable buffers (a transport's staging is) or one flat
-    buffer. Raises ``ValueError`` when ``triton_fill_reason`` names a reason."""
+    """The fill as one Triton launch (for up to three parts), bitwise equal to ``fill_torch``
+    (same arguments and result). A program covers ``block_s`` rows (a power of two) of up to
+    ``heads_per_program`` (a power of two) consecutive heads of one part bound for one
+    destination, ``[block_s, heads, D]`` loaded at once and cos/sin loaded once for them;
+    ``block_s``, ``heads_per_program`` and ``num_warps`` override the launch shape, which never
+    changes the bits. With ``out`` given as regions, the destination table is cached per
+    region address: pass stable buffers (a transport's staging is) or one flat buffer. Raises
+    ``ValueError`` when ``triton_fill_reason`` names a reason."""
     (b, s_r, d), htot, starts, regions = _check_parts(parts, out)
     x0 = parts[0].x
     why = triton_fill_reason(parts, x0.device)
@@ -350,7 +380,6 @@ def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor |
     if out is None:
         out = torch.empty(starts[-1], dtype=x0.dtype, device=x0.device)
     if len(parts) > 3:
-        # three parts per launch; later launches fill the columns after the earlier ones'
         raise ValueError(f"fill_triton: at most 3 parts per exchange, got {len(parts)}")
     base, starts = out, list(starts[:-1])
     if regions is not None:  # one pointer for all regions: the lowest, others at offsets
@@ -360,34 +389,41 @@ def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor |
         starts = [(r.data_ptr() - base.data_ptr()) // item for r in regions]
     if s_r == 0 or b == 0:
         return out
-    tbl, fan = _table(x0.device, [p.ranges for p in parts], htot, starts, b, d)
-    n_rows = tbl.shape[0]
-    if n_rows == 0:
+    hb = heads_per_program or HEADS_PER_PROGRAM
+    tbl, aligned = _table(x0.device, [p.ranges for p in parts], htot, starts, b, d, hb)
+    if tbl.shape[0] == 0:
         return out
     rope = cos is not None
     flags = sum(((p.weight is not None) << (2 * i)) | ((p.rope and rope) << (2 * i + 1))
                 for i, p in enumerate(parts))
     xs = [p.x for p in parts] + [x0] * (3 - len(parts))
     # fp32 weights (what the reference multiplies by; one pointer type for every part)
-    w32 = [p.weight.to(torch.float32) if p.weight is not None else None for p in parts]
+    w32 = [p.weight if p.weight is None or p.weight.dtype == torch.float32
+           else p.weight.to(torch.float32) for p in parts]
     dummy = next((w for w in w32 if w is not None), None)
     if dummy is None:
-        dummy = torch.empty(1, dtype=torch.float32, device=x0.device)
+        dummy = _dummy(x0.device)
     ws = [w if w is not None else dummy for w in w32] + [dummy] * (3 - len(w32))
     c, s = (cos, sin) if rope else (x0, x0)
     block_s = block_s or default_block_s(d)
-    hb = heads_per_program or HEADS_PER_PROGRAM
     opts = dict(LAUNCH_OPTIONS, num_warps=num_warps or LAUNCH_OPTIONS["num_warps"])
     half = d // 2
-    grid = (triton_cdiv(s_r, block_s), triton_cdiv(n_rows, hb), b)
-    _kernel()[grid](*xs, base, tbl, *ws, c, s, s_r, float(eps), n_rows, flags,
+    grid = (triton_cdiv(s_r, block_s), tbl.shape[0], b)
+    _kernel()[grid](*xs, base, tbl, *ws, c, s, s_r, float(eps), flags,
                     *[st for x in xs for st in x.stride()],
                     c.stride(0) if rope else 0, c.stride(1) if rope else 0,
                     s.stride(0) if rope else 0, s.stride(1) if rope else 0,
-                    FANOUT=fan, HALF=half, LEVELS=half.bit_length() - 1, BLOCK_S=block_s,
-                    HB=hb, ANY_NORM=any(p.weight is not None for p in parts),
-                    ANY_ROPE=rope and any(p.rope for p in parts), **opts)
+                    HALF=half, LEVELS=half.bit_length() - 1, BLOCK_S=block_s, HB=hb,
+                    ANY_NORM=any(p.weight is not None for p in parts),
+                    ANY_ROPE=rope and any(p.rope for p in parts),
+                    ALIGNED=aligned and base.data_ptr() % 16 == 0, ROPE_BCAST=ROPE_BCAST,
+                    **opts)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _dummy(device) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.float32, device=device)
 
 
 def triton_cdiv(a: int, b: int) -> int:

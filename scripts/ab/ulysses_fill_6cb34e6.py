@@ -1,0 +1,409 @@
+# The Ulysses fill as of commit 6cb34e6 (a program per (row block, source head), halves-order
+# norm tree, cos/sin loaded for every head), kept for the one-GPU A/B of bench ulysses --fill
+# (scripts/fill_ab.py). Verbatim; its torch reference sums in its own (halves) order.
+"""The Ulysses fill: this rank's sequence shard of q, k, v → the destination-major send buffer of
+the q/k/v exchange, with RMSNorm + RoPE of q and k applied on the way (one read, one write).
+
+Send buffer of one exchange (the parts that travel together: same dtype and head_dim), flat::
+
+    [ region of rank 0 | region of rank 1 | ... ]     region p: [S_r, B, htot_p, D]
+
+where region ``p`` holds, along its head axis, part 0's heads for ``p`` (``ranges[0][p]``), then
+part 1's, ... (``htot_p`` heads in all): exactly the rows rank ``p``'s receive buffer
+``[S, B, htot_p, D]`` holds from this rank, so a transport moves each region as one block
+(``layout.packed_seq_to_head_plan``) and ``all_to_all_single`` sends the buffer as it is.
+
+Two implementations, bitwise equal (the kernel runs the torch reference's arithmetic in the same
+order, in fp32, rounded once):
+
+- ``fill_torch`` (CPU tensors, any head_dim, and the reference): ``rms_norm_rope`` per part,
+  then strided copies into the regions.
+- ``fill_triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``; head_dim a power of two): one
+  program per (block of rows, source head, batch) loads the rows once and stores them into every
+  destination region that takes that head (a KV head shared by several ranks under GQA is
+  stored to each of them), with FMA contraction off so that ``a * b + c`` rounds twice as in
+  torch.
+
+RMSNorm (Zhang & Sennrich, 2019) over ``D``: ``x · (1 / sqrt(mean(x²) + eps)) · w`` with the
+mean a pairwise sum in a fixed order (halves added, recursively) and IEEE-rounded ``sqrt`` and
+division (not ``rsqrt``, whose approximation differs between CPU, CUDA and Triton; the torch
+path takes the fp32 square root through fp64, which rounds it correctly on the CPU too); RoPE
+rotate-half (NeoX, Su et al., 2021): ``x · cos + rotate_half(x) · sin`` over global positions.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import os
+from typing import Sequence
+
+import torch
+
+__all__ = ["FillPart", "rms_norm_rope", "send_layout", "fill_torch", "fill_triton", "fill",
+           "triton_fill_reason", "default_block_s", "LAUNCH_OPTIONS"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FillPart:
+    """One tensor of an exchange and what the fill does to it.
+
+    Attributes:
+        x: ``[B, S_r, H, D]`` this rank's sequence shard (any strides), fp16/bf16/fp32.
+        ranges: ``ranges[p] = (lo, hi)``: the heads destination rank ``p`` takes (ranges of
+            different ranks may overlap: shared KV heads).
+        weight: RMSNorm weight ``[D]`` or None (no norm).
+        rope: whether RoPE applies (``cos``/``sin`` given to the fill).
+    """
+
+    x: torch.Tensor
+    ranges: tuple
+    weight: torch.Tensor | None = None
+    rope: bool = False
+
+
+# ------------------------------------------------------------------------------ torch path
+def _tree_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim in a fixed pairwise order (first half + second half, recursively;
+    an odd last element is carried): the same bits for any layout or device. ``[..., n] →
+    [..., 1]``."""
+    n = t.shape[-1]
+    while n > 1:
+        half = n // 2
+        head = t[..., :half] + t[..., half:2 * half]
+        t = torch.cat((head, t[..., 2 * half:]), dim=-1) if n % 2 else head
+        n = half + n % 2
+    return t
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                  cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+    """RMSNorm over ``D`` then rotate-half (NeoX) RoPE, in fp32, rounded once to ``x.dtype``.
+
+    Arguments:
+        x: ``[B, S, H, D]`` (any strides), fp16/bf16/fp32.
+        weight: ``[D]`` RMSNorm weight or None (no norm); ``eps`` its epsilon (> 0).
+        cos, sin: ``[S, D]`` for the positions of ``x``'s sequence axis, or None (no RoPE).
+
+    Returns ``[B, S, H, D]`` contiguous, ``x.dtype``. Elementwise ops and a fixed-order sum
+    only, so the bits do not depend on the layout or the device, and ``fill_triton`` computes
+    the same bits.
+    """
+    xf = x.to(torch.float32).contiguous()
+    d = xf.shape[-1]
+    if weight is not None:
+        ms = _tree_sum(xf * xf) / d
+        # fp32 sqrt correctly rounded on every device: torch's CPU fp32 sqrt is not (its
+        # vector path differs in the last bit); an fp64 sqrt rounded once to fp32 is.
+        inv = torch.reciprocal(torch.sqrt((ms + eps).double()).float())
+        xf = xf * inv * weight.to(torch.float32)
+    if cos is not None:
+        c = cos.to(torch.float32)[:, None, :]
+        s = sin.to(torch.float32)[:, None, :]
+        half = d // 2
+        rot = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+        xf = xf * c + rot * s
+    return xf.to(x.dtype)
+
+
+def send_layout(batch: int, s_r: int, head_dim: int, ranges: Sequence[tuple]):
+    """``(htot, starts)`` of a send buffer: ``htot[p]`` heads in region ``p`` (the parts'
+    ranges for ``p`` summed), ``starts[p]`` its first element; ``starts[-1]`` extra entry =
+    total elements."""
+    world = len(ranges[0])
+    htot = [sum(r[p][1] - r[p][0] for r in ranges) for p in range(world)]
+    starts, acc = [], 0
+    for p in range(world):
+        starts.append(acc)
+        acc += s_r * batch * htot[p] * head_dim
+    return htot, starts + [acc]
+
+
+def _check_parts(parts: Sequence[FillPart], out):
+    """``((B, S_r, D), htot, starts, regions or None)``; ``out`` is None, a flat send buffer
+    or one flat tensor per destination region."""
+    x0 = parts[0].x
+    b, s_r, _, d = x0.shape
+    for p in parts:
+        if p.x.dim() != 4 or p.x.shape[0] != b or p.x.shape[1] != s_r or p.x.shape[3] != d:
+            raise ValueError(f"fill: parts disagree on [B, S_r, *, D]: {list(p.x.shape)} vs "
+                             f"{list(x0.shape)}")
+        if p.x.dtype != x0.dtype:
+            raise ValueError(f"fill: parts disagree on dtype: {p.x.dtype} vs {x0.dtype}")
+    htot, starts = send_layout(b, s_r, d, [p.ranges for p in parts])
+    if out is None:
+        return (b, s_r, d), htot, starts, None
+    if isinstance(out, torch.Tensor):
+        if out.dim() != 1 or out.numel() != starts[-1] or out.dtype != x0.dtype \
+                or not out.is_contiguous():
+            raise ValueError(f"fill: out must be a contiguous flat {x0.dtype} tensor of "
+                             f"{starts[-1]} elements, got {list(out.shape)} {out.dtype}")
+        return (b, s_r, d), htot, starts, None
+    sizes = [starts[p + 1] - starts[p] for p in range(len(htot))]
+    got = [(tuple(r.shape), r.dtype, r.is_contiguous()) for r in out]
+    if got != [((n,), x0.dtype, True) for n in sizes]:
+        raise ValueError(f"fill: regions must be contiguous flat {x0.dtype} tensors of "
+                         f"{sizes} elements, got {got}")
+    return (b, s_r, d), htot, starts, list(out)
+
+
+def _regions(out, starts, htot, b, s_r, d):
+    if not isinstance(out, torch.Tensor):
+        return [r.view(s_r, b, htot[p], d) for p, r in enumerate(out)]
+    return [out[starts[p]:starts[p + 1]].view(s_r, b, htot[p], d) for p in range(len(htot))]
+
+
+def fill_torch(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | None = None,
+               sin: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fill in torch ops (the reference; see the module docstring).
+
+    Arguments:
+        parts: the exchange's tensors (same ``B``, ``S_r``, ``D``, dtype).
+        eps: RMSNorm epsilon for the parts with a weight.
+        cos, sin: ``[S_r, D]`` rows of this shard's global positions (needed when a part has
+            ``rope``).
+        out: where to write: a flat destination-major send buffer (``send_layout(...)[1][-1]``
+            elements, the parts' dtype), or one flat tensor per destination region (e.g. a
+            transport's ``SendBuffer.regions``, which may lie in different allocations), or
+            None (a new flat buffer).
+
+    Returns ``out`` (the new flat buffer when None). Raises ``ValueError`` for inconsistent
+    parts or ``out``.
+    """
+    (b, s_r, d), htot, starts, _ = _check_parts(parts, out)
+    if out is None:
+        out = torch.empty(starts[-1], dtype=parts[0].x.dtype, device=parts[0].x.device)
+    regions = _regions(out, starts, htot, b, s_r, d)
+    cols = [0] * len(htot)
+    for part in parts:
+        y = part.x
+        if part.weight is not None or part.rope:
+            y = rms_norm_rope(y, part.weight, eps, cos if part.rope else None,
+                              sin if part.rope else None)
+        for p, (lo, hi) in enumerate(part.ranges):
+            if hi > lo:
+                regions[p][:, :, cols[p]:cols[p] + hi - lo].copy_(y[:, :, lo:hi].transpose(0, 1))
+                cols[p] += hi - lo
+    return out
+
+
+# ------------------------------------------------------------------------------ Triton path
+def triton_fill_reason(parts: Sequence[FillPart], device: torch.device) -> str | None:
+    """Why ``fill_triton`` cannot run these parts (None when it can)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"tensors are on {device.type} (the kernel needs CUDA or TRITON_INTERPRET=1)"
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return f"Triton is not importable: {exc}"
+    d = parts[0].x.shape[3]
+    if d < 2 or d & (d - 1):
+        return f"head_dim {d} is not a power of two ≥ 2"
+    if parts[0].x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {parts[0].x.dtype} is not fp16/bf16/fp32"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fill_kernel(x0, x1, x2, out_ptr, tbl_ptr, w0, w1, w2, cos_ptr, sin_ptr, S, eps,
+                    n_rows,
+                    flags, s0b, s0s, s0h, s0d, s1b, s1s, s1h, s1d, s2b, s2s, s2h, s2d,
+                    scs, scd, sss, ssd,
+                    FANOUT: tl.constexpr, HALF: tl.constexpr, LEVELS: tl.constexpr,
+                    BLOCK_S: tl.constexpr, HB: tl.constexpr, ANY_NORM: tl.constexpr,
+                    ANY_ROPE: tl.constexpr):
+        pid_s = tl.program_id(0)
+        pid_h = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        rows = (pid_s * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
+        cols = tl.arange(0, HALF)
+        mask = rows[:, None] < S
+        c1 = tl.zeros((BLOCK_S, HALF), tl.float32)
+        c2 = c1
+        s1 = c1
+        s2 = c1
+        if ANY_ROPE:  # loaded once, used for every head of the program
+            cr = cos_ptr + rows[:, None] * scs
+            sr = sin_ptr + rows[:, None] * sss
+            c1 = tl.load(cr + cols[None, :] * scd, mask=mask).to(tl.float32)
+            c2 = tl.load(cr + (cols[None, :] + HALF) * scd, mask=mask).to(tl.float32)
+            s1 = tl.load(sr + cols[None, :] * ssd, mask=mask).to(tl.float32)
+            s2 = tl.load(sr + (cols[None, :] + HALF) * ssd, mask=mask).to(tl.float32)
+        for i in range(HB):
+            r = pid_h * HB + i
+            if r < n_rows:
+                ent = tbl_ptr + r * (2 + 3 * FANOUT)
+                part = tl.load(ent)
+                h = tl.load(ent + 1)
+                if part == 0:
+                    src = x0 + b * s0b + h * s0h + rows[:, None] * s0s
+                    sd = s0d
+                    wp = w0
+                elif part == 1:
+                    src = x1 + b * s1b + h * s1h + rows[:, None] * s1s
+                    sd = s1d
+                    wp = w1
+                else:
+                    src = x2 + b * s2b + h * s2h + rows[:, None] * s2s
+                    sd = s2d
+                    wp = w2
+                f1 = tl.load(src + cols[None, :] * sd, mask=mask).to(tl.float32)
+                f2 = tl.load(src + (cols[None, :] + HALF) * sd, mask=mask).to(tl.float32)
+                if ANY_NORM:  # rms_norm_rope's order: the pairwise tree, sqrt, reciprocal
+                    if (flags >> (2 * part)) & 1:
+                        t = f1 * f1 + f2 * f2          # the tree's first level: halves added
+                        for j in tl.static_range(LEVELS):
+                            ta, tb = tl.split(tl.permute(
+                                tl.reshape(t, (BLOCK_S, 2, HALF >> (j + 1))), (0, 2, 1)))
+                            t = ta + tb
+                        ms = tl.div_rn(tl.reshape(t, (BLOCK_S,)),
+                                       tl.full((BLOCK_S,), 2 * HALF, tl.float32))
+                        inv = tl.div_rn(tl.full((BLOCK_S,), 1.0, tl.float32),
+                                        tl.sqrt_rn(ms + eps))
+                        wa = tl.load(wp + cols).to(tl.float32)
+                        wb = tl.load(wp + HALF + cols).to(tl.float32)
+                        f1 = f1 * inv[:, None] * wa[None, :]
+                        f2 = f2 * inv[:, None] * wb[None, :]
+                if ANY_ROPE:
+                    if (flags >> (2 * part + 1)) & 1:
+                        g1 = f1 * c1 + (-f2) * s1
+                        g2 = f2 * c2 + f1 * s2
+                        f1 = g1
+                        f2 = g2
+                y1 = f1.to(out_ptr.dtype.element_ty)
+                y2 = f2.to(out_ptr.dtype.element_ty)
+                for f in tl.static_range(FANOUT):
+                    base = tl.load(ent + 2 + 3 * f)
+                    if base >= 0:
+                        dst = (out_ptr + base + b * tl.load(ent + 4 + 3 * f)
+                               + rows[:, None] * tl.load(ent + 3 + 3 * f))
+                        tl.store(dst + cols[None, :], y1, mask=mask)
+                        tl.store(dst + HALF + cols[None, :], y2, mask=mask)
+
+    return fill_kernel
+
+
+#: Launch options of the fill kernel: FMA contraction off (torch rounds ``a * b`` and ``+ c``
+#: separately); read by tests/_fill_ptx.py, which checks the PTX.
+LAUNCH_OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
+#: Rows and heads per program (``default_block_s``, ``HEADS_PER_PROGRAM``): chosen from the
+#: launch shapes ``bench ulysses --fill`` tries (benchmarks/results/ulysses-fill-*.md).
+HEADS_PER_PROGRAM = 1
+
+#: ``(device, layout key) → (int64 table [rows, 2 + 3·FANOUT], FANOUT)`` on the device, built
+#: once per layout, so a steady-state fill uploads nothing (no host↔device copy in a forward).
+_TABLES: collections.OrderedDict = collections.OrderedDict()
+
+
+def _table(device, ranges, htot, starts, batch, d):
+    """One row per (part, source head) that some destination takes: ``part, head``, then up to
+    FANOUT destinations ``(base element, row pitch, batch pitch)``, base −1 for none;
+    ``starts[p]``: region p's first element from the kernel's base pointer."""
+    key = (str(device), tuple(ranges), tuple(htot), tuple(starts), batch, d)
+    tbl = _TABLES.get(key)
+    if tbl is not None:
+        _TABLES.move_to_end(key)
+        return tbl
+    rows, cols = [], [0] * len(htot)
+    for i, rng in enumerate(ranges):
+        heads = max([hi for _, hi in rng] + [0])
+        dests = [[] for _ in range(heads)]
+        for p, (lo, hi) in enumerate(rng):
+            for h in range(lo, hi):
+                dests[h].append((starts[p] + (cols[p] + h - lo) * d, batch * htot[p] * d,
+                                 htot[p] * d))
+            cols[p] += max(0, hi - lo)
+        rows += [(i, h, x) for h, x in enumerate(dests) if x]
+    fan = max([len(x) for _, _, x in rows] + [1])
+    flat = [[i, h] + [v for e in x + [(-1, 0, 0)] * (fan - len(x)) for v in e]
+            for i, h, x in rows]
+    tbl = (torch.tensor(flat, dtype=torch.int64).reshape(len(flat), 2 + 3 * fan).to(device),
+           fan)
+    _TABLES[key] = tbl
+    while len(_TABLES) > 256:
+        _TABLES.popitem(last=False)
+    return tbl
+
+
+def default_block_s(head_dim: int) -> int:
+    """Rows per program: about 2048 elements per head and program."""
+    return max(1, min(64, 2048 // head_dim))
+
+
+def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | None = None,
+                sin: torch.Tensor | None = None, out=None, *, block_s: int | None = None,
+                heads_per_program: int | None = None,
+                num_warps: int | None = None) -> torch.Tensor:
+    """The fill as one Triton launch (for up to three parts; more take more launches),
+    bitwise equal to ``fill_torch`` (same arguments and result). ``block_s`` (rows per
+    program, a power of two), ``heads_per_program`` and ``num_warps`` override the launch
+    shape, which never changes the bits. With ``out`` given as regions, the destination table
+    is cached per region address: pass stable buffers (a transport's staging is) or one flat
+    buffer. Raises ``ValueError`` when ``triton_fill_reason`` names a reason."""
+    (b, s_r, d), htot, starts, regions = _check_parts(parts, out)
+    x0 = parts[0].x
+    why = triton_fill_reason(parts, x0.device)
+    if why:
+        raise ValueError(f"fill_triton: {why}")
+    if out is None:
+        out = torch.empty(starts[-1], dtype=x0.dtype, device=x0.device)
+    if len(parts) > 3:
+        # three parts per launch; later launches fill the columns after the earlier ones'
+        raise ValueError(f"fill_triton: at most 3 parts per exchange, got {len(parts)}")
+    base, starts = out, list(starts[:-1])
+    if regions is not None:  # one pointer for all regions: the lowest, others at offsets
+        live = [r for r in regions if r.numel()] or [regions[0]]
+        base = min(live, key=lambda r: r.data_ptr())
+        item = x0.element_size()
+        starts = [(r.data_ptr() - base.data_ptr()) // item for r in regions]
+    if s_r == 0 or b == 0:
+        return out
+    tbl, fan = _table(x0.device, [p.ranges for p in parts], htot, starts, b, d)
+    n_rows = tbl.shape[0]
+    if n_rows == 0:
+        return out
+    rope = cos is not None
+    flags = sum(((p.weight is not None) << (2 * i)) | ((p.rope and rope) << (2 * i + 1))
+                for i, p in enumerate(parts))
+    xs = [p.x for p in parts] + [x0] * (3 - len(parts))
+    # fp32 weights (what the reference multiplies by; one pointer type for every part)
+    w32 = [p.weight.to(torch.float32) if p.weight is not None else None for p in parts]
+    dummy = next((w for w in w32 if w is not None), None)
+    if dummy is None:
+        dummy = torch.empty(1, dtype=torch.float32, device=x0.device)
+    ws = [w if w is not None else dummy for w in w32] + [dummy] * (3 - len(w32))
+    c, s = (cos, sin) if rope else (x0, x0)
+    block_s = block_s or default_block_s(d)
+    hb = heads_per_program or HEADS_PER_PROGRAM
+    opts = dict(LAUNCH_OPTIONS, num_warps=num_warps or LAUNCH_OPTIONS["num_warps"])
+    half = d // 2
+    grid = (triton_cdiv(s_r, block_s), triton_cdiv(n_rows, hb), b)
+    _kernel()[grid](*xs, base, tbl, *ws, c, s, s_r, float(eps), n_rows, flags,
+                    *[st for x in xs for st in x.stride()],
+                    c.stride(0) if rope else 0, c.stride(1) if rope else 0,
+                    s.stride(0) if rope else 0, s.stride(1) if rope else 0,
+                    FANOUT=fan, HALF=half, LEVELS=half.bit_length() - 1, BLOCK_S=block_s,
+                    HB=hb, ANY_NORM=any(p.weight is not None for p in parts),
+                    ANY_ROPE=rope and any(p.rope for p in parts), **opts)
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def fill(parts: Sequence[FillPart], eps: float = 0.0, cos=None, sin=None, out=None,
+         impl: str = "auto") -> torch.Tensor:
+    """``fill_triton`` when it can run (``impl="auto"`` or ``"triton"``), else ``fill_torch``
+    (``"auto"`` or ``"torch"``). The two give the same bits."""
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"fill: impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    if impl == "torch" or (impl == "auto"
+                           and triton_fill_reason(parts, parts[0].x.device) is not None):
+        return fill_torch(parts, eps, cos, sin, out)
+    return fill_triton(parts, eps, cos, sin, out)
