@@ -246,9 +246,11 @@ def profile(sim, groups, layers, path, cpu_ops=False):
         torch.cuda.synchronize()
     prof.export_chrome_trace(path)
     gpu, host = timeline.load_trace(path)
-    # the window's closing synchronize (the last runtime call) is the trace's, not the layer's
-    inside = host[:-1] if host and "Synchronize" in host[-1]["name"] else host
-    syncs = [h for h in inside if "Synchronize" in h["name"]]
+    # syncs among the layers' enqueue: before the last runtime call that enqueued GPU work
+    # (the window's closing synchronize comes after it and is the trace's, not the layers')
+    corr = {e.correlation for e in gpu if e.correlation >= 0}
+    last = max((h["start"] for h in host if h["correlation"] in corr), default=float("inf"))
+    syncs = [h for h in host if "Synchronize" in h["name"] and h["start"] < last]
     gs = timeline.gaps(gpu)
     # between groups: inside a layer's span from its first attention kernel to its last
     attn = [e for e in gpu if e.kind == "compute" and _ATTN.search(e.name)]

@@ -317,7 +317,7 @@ def _kernel():
 LAUNCH_OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
 #: Rows and heads per program (``default_block_s``, ``HEADS_PER_PROGRAM``): chosen from the
 #: launch shapes ``bench ulysses --fill`` tries (benchmarks/results/ulysses-fill-*.md).
-HEADS_PER_PROGRAM = 4
+HEADS_PER_PROGRAM = 2
 #: cos/sin loaded through pointers broadcast over the program's heads (in the layout of the
 #: rows they multiply) rather than loaded once as ``[rows, D]`` and broadcast in registers
 #: (a layout conversion through shared memory): see benchmarks/results/ulysses-fill-*.md.
