@@ -302,8 +302,9 @@ class UlyssesAttention(torch.nn.Module):
 
     def _run(self, q, k, v, seq, causal, rope, backend, timeout, groups, dims):
         """Group g+1's fill and exchange are enqueued before group g's attention; each group's
-        output goes straight into the final tensor. Pipelined and sequential runs give the
-        same bits. Nothing here waits for the GPU on the host."""
+        output reaches the final tensor through the transport (a copy out of its staging or
+        receive buffer, docs/DESIGN.md). Pipelined and sequential runs give the same bits.
+        Nothing here waits for the GPU on the host."""
         b, hq, hkv, d, dv = dims
         group = self.group
         world, rank = dist.get_world_size(group), dist.get_rank(group)
