@@ -1,4 +1,5 @@
 """Rank functions for tests/test_launch.py that a separate launching process imports."""
+
 from __future__ import annotations
 
 import os
