@@ -6,7 +6,6 @@ Three exchanges, engine-agnostic, on any number of ranks:
 - ``attncomm.ulysses``: the Ulysses sequence↔head all-to-all around attention,
 - ``attncomm.dp_attention``: the per-step agreement of DP-attention ranks before the MLP.
 """
-
 from __future__ import annotations
 
 import importlib
@@ -19,16 +18,8 @@ from .launch import RankPool, launch
 config.default_safe_env()
 
 __version__ = "0.1.0"
-__all__ = [
-    "launch",
-    "RankPool",
-    "cpu_group",
-    "PeerTimeoutError",
-    "dcp",
-    "ulysses",
-    "dp_attention",
-    "__version__",
-]
+__all__ = ["launch", "RankPool", "cpu_group", "PeerTimeoutError", "dcp", "ulysses",
+           "dp_attention", "__version__"]
 
 
 def __getattr__(name):

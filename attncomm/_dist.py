@@ -5,7 +5,6 @@
 - ``agree``: the cross-rank argument check that raises the same ``ValueError`` on every rank,
 - ``guard_timeout``: turns a process group's timeout into ``PeerTimeoutError``.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -20,39 +19,18 @@ from torch.distributed import distributed_c10d as c10d
 from . import config
 from .errors import PeerTimeoutError
 
-__all__ = [
-    "cpu_group",
-    "clear_cpu_groups",
-    "all_gather_tensor",
-    "reduce_scatter_tensor",
-    "group_key",
-    "group_device",
-    "agree",
-    "guard_timeout",
-    "wait",
-    "as_bits",
-    "agree_reason",
-    "DTYPE_CODES",
-]
+__all__ = ["cpu_group", "clear_cpu_groups", "all_gather_tensor", "reduce_scatter_tensor",
+           "group_key", "group_device", "agree", "guard_timeout", "wait", "as_bits",
+           "agree_reason", "DTYPE_CODES"]
 
-DTYPE_CODES = {
-    torch.float32: 1,
-    torch.float16: 2,
-    torch.bfloat16: 3,
-    torch.float64: 4,
-    torch.int64: 5,
-    torch.int32: 6,
-    torch.int16: 7,
-    torch.int8: 8,
-    torch.uint8: 9,
-    torch.bool: 10,
-}
+DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
+               torch.int64: 5, torch.int32: 6, torch.int16: 7, torch.int8: 8, torch.uint8: 9,
+               torch.bool: 10}
 _SIG_LEN = 32
 
 
-def all_gather_tensor(
-    output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False
-):
+def all_gather_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
+                      async_op: bool = False):
     """``output [W·n, ...]`` ← every rank's ``input [n, ...]`` in rank order (torch 2.13 calls
     it ``all_gather_single``, torch 2.11 ``all_gather_into_tensor``). Returns the work handle
     when ``async_op``."""
@@ -60,9 +38,8 @@ def all_gather_tensor(
     return fn(output, input, group=group, async_op=async_op)
 
 
-def reduce_scatter_tensor(
-    output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False
-):
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
+                          async_op: bool = False):
     """``output [n, ...]`` ← rank r's chunk of the sum over ranks of ``input [W·n, ...]``
     (``reduce_scatter_single`` / ``reduce_scatter_tensor``)."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -114,17 +91,12 @@ def cpu_group(group=None, *, world_collective: bool = False):
         if group is None:
             pg = dist.new_group(backend="gloo", timeout=_default_timeout())
         elif world_collective:
-            pg = dist.new_group(
-                ranks=dist.get_process_group_ranks(g), backend="gloo", timeout=_default_timeout()
-            )
+            pg = dist.new_group(ranks=dist.get_process_group_ranks(g), backend="gloo",
+                                timeout=_default_timeout())
         else:
             _check_local_naming(g)
-            pg = dist.new_group(
-                ranks=dist.get_process_group_ranks(g),
-                backend="gloo",
-                timeout=_default_timeout(),
-                use_local_synchronization=True,
-            )
+            pg = dist.new_group(ranks=dist.get_process_group_ranks(g), backend="gloo",
+                                timeout=_default_timeout(), use_local_synchronization=True)
         _CPU_GROUPS[key] = pg
     return pg
 
@@ -142,8 +114,7 @@ def _check_local_naming(g) -> None:
             f"attncomm.cpu_group: the members of group {dist.get_process_group_ranks(g)} belong "
             f"to different numbers of process groups ({counts}), so its gloo twin cannot be "
             f"created lazily; call attncomm.cpu_group(group, world_collective=True) on every "
-            f"rank right after creating the group"
-        )
+            f"rank right after creating the group")
 
 
 def clear_cpu_groups() -> None:
@@ -155,15 +126,8 @@ def _default_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=config.timeout_s())
 
 
-_PEER_FAILURE_WORDS = (
-    "timed out",
-    "timeout",
-    "deadline",
-    "connection closed",
-    "connection reset",
-    "broken pipe",
-    "closed by peer",
-)
+_PEER_FAILURE_WORDS = ("timed out", "timeout", "deadline", "connection closed",
+                       "connection reset", "broken pipe", "closed by peer")
 
 
 def _is_peer_failure(exc: BaseException) -> bool:
@@ -192,22 +156,12 @@ def guard_timeout(group, op: str, timeout_s: float | None = None):
         peers = [r for r in range(dist.get_world_size(group)) if r != me]
         raise PeerTimeoutError(
             f"{op}: no answer from peer rank(s) {peers} within the timeout"
-            + (f" of {timeout_s:g} s" if timeout_s else "")
-            + f" ({exc})",
-            peer_ranks=peers,
-            timeout_s=timeout_s,
-            op=op,
-        ) from exc
+            + (f" of {timeout_s:g} s" if timeout_s else "") + f" ({exc})",
+            peer_ranks=peers, timeout_s=timeout_s, op=op) from exc
 
 
-def agree(
-    group,
-    op: str,
-    signature: Sequence[int],
-    labels: Sequence[str],
-    local_error: str | None = None,
-    timeout_s: float | None = None,
-) -> None:
+def agree(group, op: str, signature: Sequence[int], labels: Sequence[str],
+          local_error: str | None = None, timeout_s: float | None = None) -> None:
     """Check that every rank called ``op`` with the same arguments, and share local errors.
 
     Arguments:
@@ -230,14 +184,13 @@ def agree(
     row[0] = 1 if local_error else 0
     row[1] = len(signature)
     try:
-        row[2 : 2 + len(signature)] = torch.tensor(list(signature), dtype=torch.int64)
+        row[2:2 + len(signature)] = torch.tensor(list(signature), dtype=torch.int64)
     except (OverflowError, RuntimeError, TypeError):  # still take part: peers are waiting
         local_error = local_error or f"arguments out of the int64 range: {list(signature)}"
         row[0] = 1
     rows = torch.empty(world * _SIG_LEN, dtype=torch.int64)
-    wait(
-        all_gather_tensor(rows, row, group=g, async_op=True), g, op + " (argument check)", timeout_s
-    )
+    wait(all_gather_tensor(rows, row, group=g, async_op=True), g, op + " (argument check)",
+         timeout_s)
     rows = rows.view(world, _SIG_LEN)
     if bool(rows[:, 0].any()):
         errors: list = [None] * world
@@ -252,15 +205,11 @@ def agree(
             col = rows[:, 2 + i]
             if not bool((col == col[0]).all()):
                 label = labels[i] if i < len(labels) else f"arg{i}"
-                diffs.append(
-                    f"{label} = "
-                    + ", ".join(f"{int(v)} (rank {r})" for r, v in enumerate(col.tolist()))
-                )
+                diffs.append(f"{label} = " + ", ".join(
+                    f"{int(v)} (rank {r})" for r, v in enumerate(col.tolist())))
         if not diffs:
-            diffs.append(
-                "argument count differs: "
-                + ", ".join(f"{int(v)} (rank {r})" for r, v in enumerate(rows[:, 1].tolist()))
-            )
+            diffs.append("argument count differs: " + ", ".join(
+                f"{int(v)} (rank {r})" for r, v in enumerate(rows[:, 1].tolist())))
         raise ValueError(f"{op}: ranks disagree on the call's arguments: " + "; ".join(diffs))
 
 

@@ -3,7 +3,6 @@
 The library itself times with them (``DcpMerger(backend="auto")`` measures its candidates); the
 benchmarks reach them through ``attncomm.bench.common``.
 """
-
 from __future__ import annotations
 
 import statistics
@@ -15,14 +14,8 @@ import torch
 __all__ = ["time_eager", "time_graph"]
 
 
-def time_eager(
-    fn: Callable[[], object],
-    *,
-    warmup: int = 10,
-    iters: int = 100,
-    device: str = "cuda",
-    barrier: Callable[[], None] | None = None,
-) -> list[float]:
+def time_eager(fn: Callable[[], object], *, warmup: int = 10, iters: int = 100,
+               device: str = "cuda", barrier: Callable[[], None] | None = None) -> list[float]:
     """Per-iteration times of ``fn()`` in µs. On CUDA each iteration is timed with events and
     preceded by ``barrier`` (e.g. a group barrier) so ranks start together."""
     for _ in range(warmup):
@@ -50,16 +43,9 @@ def time_eager(
     return times
 
 
-def time_graph(
-    fn: Callable[[], object],
-    *,
-    per_graph: int = 10,
-    warmup: int = 10,
-    iters: int = 100,
-    barrier: Callable[[], None] | None = None,
-    back_to_back: bool = False,
-    stats: dict | None = None,
-) -> list[float]:
+def time_graph(fn: Callable[[], object], *, per_graph: int = 10, warmup: int = 10,
+               iters: int = 100, barrier: Callable[[], None] | None = None,
+               back_to_back: bool = False, stats: dict | None = None) -> list[float]:
     """Capture ``per_graph`` consecutive calls of ``fn`` in one CUDA graph (as an engine's graph
     holds every layer) and return replay time / ``per_graph`` per iteration, in µs.
 
@@ -84,17 +70,16 @@ def time_graph(
             fn()
     torch.cuda.synchronize()
     if not back_to_back:
-        times = time_eager(graph.replay, warmup=warmup, iters=iters, device="cuda", barrier=barrier)
+        times = time_eager(graph.replay, warmup=warmup, iters=iters, device="cuda",
+                           barrier=barrier)
         return [t / per_graph for t in times]
     for _ in range(warmup):
         graph.replay()
     torch.cuda.synchronize()
     if barrier is not None:
         barrier()
-    events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(iters)
-    ]
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(iters)]
     for start, end in events:
         start.record()
         graph.replay()

@@ -10,7 +10,6 @@ group; ``agree_reason`` turns per-rank reasons into one verdict that every rank 
 (all_reduce(MIN) of an ok-flag); ``collective_try`` runs a step (allocation, rendezvous) on every
 rank, catches a failure and agrees on it, so every rank takes the same path.
 """
-
 from __future__ import annotations
 
 import functools
@@ -23,20 +22,9 @@ import torch.distributed as dist
 
 from ._dist import agree_reason, cpu_group
 
-__all__ = [
-    "agree_reason",
-    "hostname",
-    "host_identity",
-    "cuda_reason",
-    "p2p_matrix",
-    "symm_mem_reason",
-    "stream_mem_ops_reason",
-    "same_host",
-    "peer_access_reason",
-    "symm_unavailable_reason",
-    "collective_try",
-    "multicast_env",
-]
+__all__ = ["agree_reason", "hostname", "host_identity", "cuda_reason", "p2p_matrix",
+           "symm_mem_reason", "stream_mem_ops_reason", "same_host", "peer_access_reason",
+           "symm_unavailable_reason", "collective_try", "multicast_env"]
 
 
 def hostname() -> str:
@@ -67,10 +55,8 @@ def p2p_matrix() -> list[list[bool]]:
     if cuda_reason():
         return []
     n = torch.cuda.device_count()
-    return [
-        [i == j or bool(torch.cuda.can_device_access_peer(i, j)) for j in range(n)]
-        for i in range(n)
-    ]
+    return [[i == j or bool(torch.cuda.can_device_access_peer(i, j)) for j in range(n)]
+            for i in range(n)]
 
 
 @functools.cache
@@ -109,9 +95,8 @@ def stream_mem_ops_reason(device_index: int | None = None) -> str | None:
         from cuda.bindings import driver
     except Exception as exc:  # noqa: BLE001
         return f"cuda.bindings.driver is not importable: {exc}"
-    dev = torch.device(
-        "cuda", torch.cuda.current_device() if device_index is None else device_index
-    )
+    dev = torch.device("cuda", torch.cuda.current_device() if device_index is None
+                       else device_index)
     try:
         word = torch.zeros(1, dtype=torch.int32, device=dev)
         stream = driver.CUstream(torch.cuda.current_stream(dev).cuda_stream)
@@ -133,10 +118,8 @@ def stream_mem_ops_reason(device_index: int | None = None) -> str | None:
 
 def multicast_env() -> dict[str, str | None]:
     """The environment variables that keep NVLink multicast off (they must read 0/1/1)."""
-    return {
-        k: os.environ.get(k)
-        for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
-    }
+    return {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                          "NVSHMEM_DISABLE_NVLS")}
 
 
 def _gather(group, value) -> list:

@@ -4,7 +4,6 @@ Each subcommand lives in its own module exposing ``add_arguments(parser)`` and `
 int``; this file only wires them up. The process it runs in is one attncomm starts: NVLink
 multicast is forced off (``config.force_safe_env``) before any subcommand runs.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -13,25 +12,18 @@ import sys
 
 from . import config
 
-_BENCHES = {
-    "dcp": "attncomm.dcp.bench",
-    "ulysses": "attncomm.ulysses.bench",
-    "dp-sync": "attncomm.dp_attention.bench",
-}
+_BENCHES = {"dcp": "attncomm.dcp.bench", "ulysses": "attncomm.ulysses.bench",
+            "dp-sync": "attncomm.dp_attention.bench"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attncomm",
         description="Communication around parallel attention: DCP merge, Ulysses all-to-all, "
-        "DP-attention sync.",
-    )
+                    "DP-attention sync.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
-        "demo",
-        help="run a real model's attention in parallel and check it "
-        "against one process (the main job)",
-    )
+    demo = sub.add_parser("demo", help="run a real model's attention in parallel and check it "
+                                       "against one process (the main job)")
     importlib.import_module("attncomm.demo").add_arguments(demo)
     demo.set_defaults(_main="attncomm.demo")
     bench = sub.add_parser("bench", help="benchmark an exchange (tables, JSON, plots)")

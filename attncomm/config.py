@@ -6,26 +6,13 @@ helpers below. Each row says whether the variable is public (documented in READM
 across versions) and when it is read: ``"call"`` (on every use, so a change applies at once) or
 ``"once"`` (when its module is imported; the value holds for the process).
 """
-
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
-__all__ = [
-    "Var",
-    "VARS",
-    "get",
-    "raw",
-    "overrides",
-    "timeout_s",
-    "validate_enabled",
-    "env_backend",
-    "default_safe_env",
-    "force_safe_env",
-    "SAFE_ENV",
-    "DEFAULT_TIMEOUT_S",
-]
+__all__ = ["Var", "VARS", "get", "raw", "overrides", "timeout_s", "validate_enabled",
+           "env_backend", "default_safe_env", "force_safe_env", "SAFE_ENV", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -49,180 +36,60 @@ class Var:
 
 _TABLE = (
     # Public.
-    Var(
-        "ATTNCOMM_TIMEOUT_S",
-        float,
-        DEFAULT_TIMEOUT_S,
-        True,
-        "call",
+    Var("ATTNCOMM_TIMEOUT_S", float, DEFAULT_TIMEOUT_S, True, "call",
         "Seconds every wait on a peer may take before PeerTimeoutError (process groups, "
-        "device waits, argument checks); must be > 0.",
-    ),
-    Var(
-        "ATTNCOMM_VALIDATE",
-        bool,
-        True,
-        True,
-        "call",
-        "Cross-rank argument checks (0/false/off/no disable, 1/true/on/yes enable).",
-    ),
-    Var(
-        "ATTNCOMM_DCP_BACKEND",
-        str,
-        "",
-        True,
-        "call",
+        "device waits, argument checks); must be > 0."),
+    Var("ATTNCOMM_VALIDATE", bool, True, True, "call",
+        "Cross-rank argument checks (0/false/off/no disable, 1/true/on/yes enable)."),
+    Var("ATTNCOMM_DCP_BACKEND", str, "", True, "call",
         "Backend DcpMerger(backend='auto') takes instead of choosing (empty: choose): "
-        "reference, ag_rs, a2a or symm_a2a.",
-    ),
-    Var(
-        "ATTNCOMM_DCP_GATHER_BACKEND",
-        str,
-        "",
-        True,
-        "call",
+        "reference, ag_rs, a2a or symm_a2a."),
+    Var("ATTNCOMM_DCP_GATHER_BACKEND", str, "", True, "call",
         "Backend DcpQueryGather(backend='auto') takes instead of choosing (empty: choose): "
-        "all_gather or symm.",
-    ),
-    Var(
-        "ATTNCOMM_ULYSSES_BACKEND",
-        str,
-        "",
-        True,
-        "call",
+        "all_gather or symm."),
+    Var("ATTNCOMM_ULYSSES_BACKEND", str, "", True, "call",
         "Transport the Ulysses exchanges take for backend='auto' (empty: choose): all_to_all "
-        "or ce.",
-    ),
-    Var(
-        "ATTNCOMM_ULYSSES_PIPELINE_GROUPS",
-        int,
-        -1,
-        True,
-        "call",
+        "or ce."),
+    Var("ATTNCOMM_ULYSSES_PIPELINE_GROUPS", int, -1, True, "call",
         "Head groups of UlyssesAttention(pipeline_groups=-1): 0 sequential, N >= 2 forces N "
-        "(-1: automatic).",
-    ),
-    Var(
-        "ATTNCOMM_MACHINE",
-        str,
-        "",
-        True,
-        "call",
-        "The machine's name recorded in benchmark JSON (meta.machine).",
-    ),
+        "(-1: automatic)."),
+    Var("ATTNCOMM_MACHINE", str, "", True, "call",
+        "The machine's name recorded in benchmark JSON (meta.machine)."),
     # Private: tuning and test hooks, may change without notice.
-    Var(
-        "ATTNCOMM_COMBINE_IMPL",
-        str,
-        "",
-        False,
-        "call",
+    Var("ATTNCOMM_COMBINE_IMPL", str, "", False, "call",
         "Force the DCP combine's implementation ('torch' or 'triton'; empty: Triton on CUDA).",
-        choices=("torch", "triton"),
-    ),
-    Var(
-        "ATTNCOMM_ULYSSES_CE_FLAGS",
-        str,
-        "auto",
-        False,
-        "call",
+        choices=("torch", "triton")),
+    Var("ATTNCOMM_ULYSSES_CE_FLAGS", str, "auto", False, "call",
         "How the ce transport signals peers: 'stream' memory ops, Triton 'kernel's, or 'auto'.",
-        choices=("auto", "stream", "kernel"),
-    ),
-    Var(
-        "ATTNCOMM_ULYSSES_CE_CACHE",
-        int,
-        6,
-        False,
-        "once",
-        "Staging buffers a ce transport keeps (least recently used evicted first).",
-        minimum=1,
-    ),
+        choices=("auto", "stream", "kernel")),
+    Var("ATTNCOMM_ULYSSES_CE_CACHE", int, 6, False, "once",
+        "Staging buffers a ce transport keeps (least recently used evicted first).", minimum=1),
     # The symm_a2a rows are read each time a DcpMerger builds the backend (SymmConfig.from_env,
     # whose field defaults these mirror); SymmConfig checks the values.
-    Var(
-        "ATTNCOMM_SYMM_MAX_BLOCK_ROWS",
-        int,
-        64,
-        False,
-        "call",
-        "symm_a2a: most token rows per block (a power of two).",
-        minimum=1,
-    ),
-    Var(
-        "ATTNCOMM_SYMM_PROGRAMS_PER_SM",
-        int,
-        1,
-        False,
-        "call",
-        "symm_a2a: programs per SM in the grid bound.",
-        minimum=1,
-    ),
-    Var(
-        "ATTNCOMM_SYMM_MAX_WARPS",
-        int,
-        16,
-        False,
-        "call",
-        "symm_a2a: most warps per program (blocks below 32 KiB).",
-        minimum=1,
-    ),
-    Var(
-        "ATTNCOMM_SYMM_WIDE_WARPS",
-        int,
-        32,
-        False,
-        "call",
+    Var("ATTNCOMM_SYMM_MAX_BLOCK_ROWS", int, 64, False, "call",
+        "symm_a2a: most token rows per block (a power of two).", minimum=1),
+    Var("ATTNCOMM_SYMM_PROGRAMS_PER_SM", int, 1, False, "call",
+        "symm_a2a: programs per SM in the grid bound.", minimum=1),
+    Var("ATTNCOMM_SYMM_MAX_WARPS", int, 16, False, "call",
+        "symm_a2a: most warps per program (blocks below 32 KiB).", minimum=1),
+    Var("ATTNCOMM_SYMM_WIDE_WARPS", int, 32, False, "call",
         "symm_a2a: warps for blocks of 32 KiB or more, above MAX_WARPS (0: no exception).",
-        minimum=0,
-    ),
-    Var(
-        "ATTNCOMM_SYMM_MAX_PROGRAMS",
-        int,
-        0,
-        False,
-        "call",
+        minimum=0),
+    Var("ATTNCOMM_SYMM_MAX_PROGRAMS", int, 0, False, "call",
         "symm_a2a: cap on the grid (0: none); a capped program loops over several blocks.",
-        minimum=0,
-    ),
-    Var(
-        "ATTNCOMM_SYMM_LL_MAX_BYTES",
-        int,
-        256 * 1024,
-        False,
-        "call",
+        minimum=0),
+    Var("ATTNCOMM_SYMM_LL_MAX_BYTES", int, 256 * 1024, False, "call",
         "symm_a2a: payload per peer up to which the LL protocol (a flag in every 8-byte word) "
-        "is used.",
-        minimum=0,
-    ),
-    Var(
-        "ATTNCOMM_SYMM_STAGGER_MIN_BYTES",
-        int,
-        1 << 20,
-        False,
-        "call",
+        "is used.", minimum=0),
+    Var("ATTNCOMM_SYMM_STAGGER_MIN_BYTES", int, 1 << 20, False, "call",
         "symm_a2a: payload per peer from which the flag protocol staggers its sends (0: never).",
-        minimum=0,
-    ),
-    Var(
-        "ATTNCOMM_SYMM_STAGGER_SPLIT",
-        int,
-        50,
-        False,
-        "call",
+        minimum=0),
+    Var("ATTNCOMM_SYMM_STAGGER_SPLIT", int, 50, False, "call",
         "symm_a2a: percent of the grid in the first stagger group; below 50 the grid is cut "
-        "into chained groups of that size; 100 or more: off.",
-        minimum=0,
-    ),
-    Var(
-        "ATTNCOMM_SYMM_PDL",
-        bool,
-        True,
-        False,
-        "call",
+        "into chained groups of that size; 100 or more: off.", minimum=0),
+    Var("ATTNCOMM_SYMM_PDL", bool, True, False, "call",
         "symm_a2a: programmatic dependent launch (unset: on where supported, compute "
-        "capability >= 9.0; 0: off; 1: on).",
-    ),
+        "capability >= 9.0; 0: off; 1: on)."),
 )
 
 #: name → ``Var``, every ``ATTNCOMM_*`` variable attncomm reads.

@@ -1,7 +1,6 @@
 """``attncomm env``: what this machine offers and, for every backend of every exchange, whether
 it can run here and why not. Local facts only (no process group is formed); useful on CPU
 machines too. ``--json PATH`` writes the same facts as JSON."""
-
 from __future__ import annotations
 
 import argparse
@@ -23,16 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _versions() -> dict:
-    out = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": None,
-        "nccl": None,
-    }
+    out = {"python": platform.python_version(), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "triton": None, "nccl": None}
     try:
         import triton
-
         out["triton"] = triton.__version__
     except Exception:  # noqa: BLE001
         pass
@@ -50,15 +43,8 @@ def _gpus() -> list[dict]:
     gpus = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        gpus.append(
-            {
-                "index": i,
-                "name": p.name,
-                "memory_gib": round(p.total_memory / 2**30, 1),
-                "sms": p.multi_processor_count,
-                "capability": f"{p.major}.{p.minor}",
-            }
-        )
+        gpus.append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2 ** 30, 1),
+                     "sms": p.multi_processor_count, "capability": f"{p.major}.{p.minor}"})
     return gpus
 
 
@@ -108,11 +94,9 @@ def _symm_a2a_reason(p2p: list[list[bool]]) -> str | None:
 
 def _backends(p2p) -> dict:
     cuda = capability.cuda_reason()
-    dcp = [
-        {"backend": "reference", "available": True, "why_not": None},
-        {"backend": "ag_rs", "available": True, "why_not": None},
-        {"backend": "a2a", "available": True, "why_not": None},
-    ]
+    dcp = [{"backend": "reference", "available": True, "why_not": None},
+           {"backend": "ag_rs", "available": True, "why_not": None},
+           {"backend": "a2a", "available": True, "why_not": None}]
     why = _symm_a2a_reason(p2p)
     dcp.append({"backend": "symm_a2a", "available": why is None, "why_not": why})
     ulysses = []
@@ -120,14 +104,9 @@ def _backends(p2p) -> dict:
         avail = ulysses_api.backend_availability()
         ulysses = [{"backend": k, "available": v is None, "why_not": v} for k, v in avail.items()]
     except Exception as exc:  # noqa: BLE001 - a failing probe is reported, not raised
-        ulysses = [
-            {"backend": "all_to_all", "available": True, "why_not": None},
-            {
-                "backend": "ce",
-                "available": False,
-                "why_not": f"could not ask attncomm.ulysses: {exc}",
-            },
-        ]
+        ulysses = [{"backend": "all_to_all", "available": True, "why_not": None},
+                   {"backend": "ce", "available": False,
+                    "why_not": f"could not ask attncomm.ulysses: {exc}"}]
     dp = []
     try:
         ok, why_shm = shm_supported()
@@ -135,13 +114,8 @@ def _backends(p2p) -> dict:
         ok, why_shm = False, f"could not ask attncomm.dp_attention: {exc}"
     dp.append({"backend": "shm", "available": ok, "why_not": why_shm})
     dp.append({"backend": "cpu", "available": True, "why_not": None})
-    dp.append(
-        {
-            "backend": "device",
-            "available": True,
-            "why_not": None if not cuda else f"runs on the gloo group ({cuda})",
-        }
-    )
+    dp.append({"backend": "device", "available": True,
+               "why_not": None if not cuda else f"runs on the gloo group ({cuda})"})
     return {"dcp": dcp, "ulysses": ulysses, "dp_sync": dp}
 
 
@@ -168,16 +142,12 @@ def collect() -> dict:
 
 def _print(info: dict) -> None:
     v = info["versions"]
-    print(
-        f"host {info['host']}: python {v['python']}, torch {v['torch']}, triton {v['triton']}, "
-        f"CUDA {v['cuda']}, NCCL {v['nccl']}"
-    )
+    print(f"host {info['host']}: python {v['python']}, torch {v['torch']}, triton {v['triton']}, "
+          f"CUDA {v['cuda']}, NCCL {v['nccl']}")
     print(f"CUDA: {info['cuda']}")
     for g in info["gpus"]:
-        print(
-            f"  GPU {g['index']}: {g['name']}, {g['memory_gib']} GiB, {g['sms']} SMs, "
-            f"sm_{g['capability'].replace('.', '')}"
-        )
+        print(f"  GPU {g['index']}: {g['name']}, {g['memory_gib']} GiB, {g['sms']} SMs, "
+              f"sm_{g['capability'].replace('.', '')}")
     if info["p2p"]:
         print("P2P matrix (row → column):")
         n = len(info["p2p"])

@@ -1,5 +1,4 @@
 """Exceptions shared by every exchange."""
-
 from __future__ import annotations
 
 __all__ = ["PeerTimeoutError"]
@@ -13,14 +12,8 @@ class PeerTimeoutError(RuntimeError):
     exchange step that waited.
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        peer_ranks: list[int] | None = None,
-        timeout_s: float | None = None,
-        op: str | None = None,
-    ):
+    def __init__(self, message: str, *, peer_ranks: list[int] | None = None,
+                 timeout_s: float | None = None, op: str | None = None):
         super().__init__(message)
         self.peer_ranks = list(peer_ranks) if peer_ranks is not None else None
         self.timeout_s = timeout_s

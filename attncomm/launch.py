@@ -3,7 +3,6 @@
 ``launch`` is the one-shot form; ``RankPool`` keeps the ranks (and their process group) alive so
 that many functions can run on the same world (tests spawn each world size once per session).
 """
-
 from __future__ import annotations
 
 import datetime
@@ -36,14 +35,12 @@ FAILURE_GRACE_S = 30.0
 DEATH_GRACE_S = 3.0
 EXIT_REPORT_S = 1.0  # how long a cleanly exited rank's last report may take to arrive
 
-
 def _timedelta(timeout: float | None = None) -> datetime.timedelta:
     return datetime.timedelta(seconds=config.timeout_s(timeout))
 
 
-def init_distributed(
-    rank: int, world_size: int, device: str, init_method: str, timeout_s: float | None = None
-) -> None:
+def init_distributed(rank: int, world_size: int, device: str, init_method: str,
+                     timeout_s: float | None = None) -> None:
     """Initialise torch.distributed for one local rank (gloo on CPU, NCCL on CUDA).
 
     NCCL groups take their timeout from ``ATTNCOMM_TIMEOUT_S`` and abort the communicator on
@@ -54,26 +51,16 @@ def init_distributed(
     if device == "cuda":
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         torch.cuda.set_device(rank)
-        dist.init_process_group(
-            "nccl",
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=_timedelta(timeout_s),
-            device_id=torch.device("cuda", rank),
-        )
+        dist.init_process_group("nccl", init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=_timedelta(timeout_s),
+                                device_id=torch.device("cuda", rank))
         cpu_group(None)  # collective: create the gloo twin on every rank now
     elif device == "cpu":
         # W ranks share the host's cores: without a cap each rank's intra-op pool oversubscribes
         # them (measured: a DP-attention simulation ran ~26x slower on 2 cores at W=4).
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        dist.init_process_group(
-            "gloo",
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=_timedelta(timeout_s),
-        )
+        dist.init_process_group("gloo", init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=_timedelta(timeout_s))
     else:
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
 
@@ -86,11 +73,8 @@ def _dumps(obj) -> bytes:
 
 def _unpicklable_part(fn, args: tuple, kwargs: dict) -> str | None:
     """Which of ``fn``, ``args[i]``, ``kwargs[k]`` cannot be pickled, with the pickler's reason."""
-    parts = (
-        [("fn", fn)]
-        + [(f"args[{i}]", a) for i, a in enumerate(args)]
-        + [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
-    )
+    parts = [("fn", fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)] + \
+        [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
     for label, obj in parts:
         try:
             ForkingPickler.dumps(obj)
@@ -104,7 +88,6 @@ def _watch_parent(launcher: int, store_path: str) -> None:
     by SIGKILL): a daemon thread compares the parent pid with it every 0.5 s (a launcher that
     died before this rank got here is seen at once); the rank removes the rendezvous file
     (FileStore leaves it behind when no rank tears down) and exits with code 3."""
-
     def watch():
         while os.getppid() == launcher:
             time.sleep(0.5)
@@ -144,13 +127,10 @@ def _run_task(rank: int, world_size: int, payload: bytes) -> tuple[bool, bytes]:
     try:
         fn, args, kwargs = pickle.loads(payload)
     except BaseException as exc:
-        return False, _pack_exc(
-            RuntimeError(
-                f"the task could not be unpickled in the rank process ({type(exc).__name__}: "
-                f"{exc}); is fn importable there (a module-level function of an importable "
-                f"module)?"
-            )
-        )
+        return False, _pack_exc(RuntimeError(
+            f"the task could not be unpickled in the rank process ({type(exc).__name__}: "
+            f"{exc}); is fn importable there (a module-level function of an importable "
+            f"module)?"))
     try:
         value = fn(rank, world_size, *args, **kwargs)
     except BaseException as exc:
@@ -158,12 +138,9 @@ def _run_task(rank: int, world_size: int, payload: bytes) -> tuple[bool, bytes]:
     try:
         return True, _dumps(value)
     except Exception as exc:
-        return False, _pack_exc(
-            TypeError(
-                f"the return value of {getattr(fn, '__qualname__', fn)!r} "
-                f"({type(value).__name__}) could not be pickled: {type(exc).__name__}: {exc}"
-            )
-        )
+        return False, _pack_exc(TypeError(
+            f"the return value of {getattr(fn, '__qualname__', fn)!r} "
+            f"({type(value).__name__}) could not be pickled: {type(exc).__name__}: {exc}"))
 
 
 def _pack_exc(exc: BaseException) -> bytes:
@@ -184,9 +161,8 @@ def _rebuild(rank: int, packed: bytes) -> BaseException:
     if exc is not None:
         msg = f"rank {rank}: {exc}"
         if isinstance(exc, PeerTimeoutError):
-            new = PeerTimeoutError(
-                msg, peer_ranks=exc.peer_ranks, timeout_s=exc.timeout_s, op=exc.op
-            )
+            new = PeerTimeoutError(msg, peer_ranks=exc.peer_ranks, timeout_s=exc.timeout_s,
+                                   op=exc.op)
         else:
             try:
                 new = type(exc)(msg)
@@ -216,16 +192,13 @@ def _death_error(deaths: dict, failure: BaseException | None) -> RuntimeError:
         validation_off = not config.validate_enabled(None)
     except ValueError:  # a malformed ATTNCOMM_VALIDATE: say both
         validation_off = False
-    hint = (
-        "validation is off (ATTNCOMM_VALIDATE=0), so the ranks' arguments may disagree: a "
-        "collective with mismatched sizes aborts the process inside gloo/NCCL"
-        if validation_off
-        else "if a call ran with validation off (validate=False), the ranks' arguments may "
-        "disagree: a collective with mismatched sizes aborts the process inside gloo/NCCL"
-    )
-    dead = "; ".join(
-        f"rank {r}: process exited with code {_exit_text(c)}" for r, c in sorted(deaths.items())
-    )
+    hint = ("validation is off (ATTNCOMM_VALIDATE=0), so the ranks' arguments may disagree: a "
+            "collective with mismatched sizes aborts the process inside gloo/NCCL"
+            if validation_off else
+            "if a call ran with validation off (validate=False), the ranks' arguments may "
+            "disagree: a collective with mismatched sizes aborts the process inside gloo/NCCL")
+    dead = "; ".join(f"rank {r}: process exited with code {_exit_text(c)}"
+                     for r, c in sorted(deaths.items()))
     err = RuntimeError(f"{dead} while running the task; {hint}")
     err.rank = min(deaths)
     err.exitcode = deaths[err.rank]
@@ -258,10 +231,8 @@ class RankPool:
         if device == "cuda":
             n = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if n < world_size:
-                raise ValueError(
-                    f"device='cuda' with world_size={world_size} needs "
-                    f"{world_size} GPUs, this machine has {n}"
-                )
+                raise ValueError(f"device='cuda' with world_size={world_size} needs "
+                                 f"{world_size} GPUs, this machine has {n}")
         self.world_size = world_size
         self.device = device
         self._ctx = mp.get_context("spawn")
@@ -275,19 +246,9 @@ class RankPool:
         for rank in range(world_size):
             p = self._ctx.Process(
                 target=_worker,
-                args=(
-                    rank,
-                    world_size,
-                    device,
-                    path,
-                    timeout_s,
-                    self._tasks[rank],
-                    self._results,
-                    os.getpid(),
-                ),
-                daemon=True,
-                name=f"attncomm-rank{rank}",
-            )
+                args=(rank, world_size, device, path, timeout_s, self._tasks[rank],
+                      self._results, os.getpid()),
+                daemon=True, name=f"attncomm-rank{rank}")
             p.start()
             self._procs.append(p)
         self._next_id = 0
@@ -309,8 +270,7 @@ class RankPool:
             raise ValueError(
                 f"launch: cannot send the task to the rank processes, {bad}; fn must be a "
                 f"module-level function (not a lambda or a local function) and args/kwargs "
-                f"picklable"
-            ) from exc
+                f"picklable") from exc
         task_id = self._next_id
         self._next_id += 1
         for q, payload in zip(self._tasks, payloads):
@@ -334,7 +294,8 @@ class RankPool:
                     if p.exitcode == 0 and now - exited_at.setdefault(r, now) < EXIT_REPORT_S:
                         continue
                     deaths[r] = p.exitcode
-                    grace_deadline = min(grace_deadline or now + DEATH_GRACE_S, now + DEATH_GRACE_S)
+                    grace_deadline = min(grace_deadline or now + DEATH_GRACE_S,
+                                         now + DEATH_GRACE_S)
             limits = [d for d in (deadline, grace_deadline) if d is not None]
             if limits and now >= min(limits):
                 break
@@ -349,10 +310,8 @@ class RankPool:
                     values[rank] = pickle.loads(payload)
                     continue
                 except Exception as exc:
-                    err = RuntimeError(
-                        f"rank {rank}: its return value could not be unpickled "
-                        f"in the launching process: {type(exc).__name__}: {exc}"
-                    )
+                    err = RuntimeError(f"rank {rank}: its return value could not be unpickled "
+                                       f"in the launching process: {type(exc).__name__}: {exc}")
                     err.rank = rank
             else:
                 err = _rebuild(rank, payload)
@@ -372,10 +331,7 @@ class RankPool:
                 raise failure
             raise PeerTimeoutError(
                 f"launch: rank(s) {missing} did not return within {timeout_s} s",
-                peer_ranks=missing,
-                timeout_s=timeout_s,
-                op="launch",
-            )
+                peer_ranks=missing, timeout_s=timeout_s, op="launch")
         if failure is not None:
             if any(p.exitcode is not None for p in self._procs):
                 self.close(force=True)
@@ -421,14 +377,8 @@ class RankPool:
             pass
 
 
-def launch(
-    fn: Callable,
-    world_size: int,
-    *,
-    device: str = "cpu",
-    args: tuple = (),
-    timeout_s: float | None = None,
-) -> list:
+def launch(fn: Callable, world_size: int, *, device: str = "cpu", args: tuple = (),
+           timeout_s: float | None = None) -> list:
     """Spawn ``world_size`` local ranks, run ``fn(rank, world_size, *args)`` on each, tear down.
 
     Arguments:
@@ -471,8 +421,6 @@ def _check_picklable(fn, args: tuple) -> None:
         pass
     bad = _unpicklable_part(fn, args, {})
     if bad is not None:
-        raise ValueError(
-            f"launch: cannot send the task to the rank processes, {bad}; fn must "
-            f"be a module-level function (not a lambda or a local function) and "
-            f"args picklable"
-        )
+        raise ValueError(f"launch: cannot send the task to the rank processes, {bad}; fn must "
+                         f"be a module-level function (not a lambda or a local function) and "
+                         f"args picklable")

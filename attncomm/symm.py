@@ -25,7 +25,6 @@
 CPU processes (gloo tests, the Triton interpreter) get plain host memory for the words; the
 watchdog logic takes any objects with ``query()`` for events, so it is tested without a GPU.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -42,21 +41,9 @@ from . import capability
 from ._dist import cpu_group
 from .errors import PeerTimeoutError
 
-__all__ = [
-    "SymmWorkspace",
-    "PeerErrors",
-    "PendingWait",
-    "Watchdog",
-    "watchdog",
-    "plan_blocks",
-    "ll_rows_for",
-    "use_ll",
-    "peer_deltas",
-    "agreed_min",
-    "DELTA_UNIT",
-    "SCRUB_PERIOD",
-    "LL_MAX_BYTES",
-]
+__all__ = ["SymmWorkspace", "PeerErrors", "PendingWait", "Watchdog", "watchdog", "plan_blocks",
+           "ll_rows_for", "use_ll", "peer_deltas", "agreed_min", "DELTA_UNIT", "SCRUB_PERIOD",
+           "LL_MAX_BYTES"]
 
 #: Peer offsets are passed to kernels in units of this many elements (keeps stores vectorised).
 DELTA_UNIT = 16
@@ -81,9 +68,8 @@ def plan_blocks(n_rows: int, n_programs_max: int, max_block_rows: int = 64):
     return br, n_blocks, min(n_blocks, n_programs_max)
 
 
-def ll_rows_for(
-    max_rows: int, head_dim: int, itemsize: int, ll_max_bytes: int = LL_MAX_BYTES
-) -> int:
+def ll_rows_for(max_rows: int, head_dim: int, itemsize: int,
+                ll_max_bytes: int = LL_MAX_BYTES) -> int:
     """Rows per LL cell: the rows whose payload per peer fits ``ll_max_bytes`` (0 when a row of
     ``head_dim · itemsize`` bytes cannot be cut into 32-bit words)."""
     if (head_dim * itemsize) % 4:
@@ -105,12 +91,10 @@ def peer_deltas(peer_ptrs: Sequence[int], rank: int, itemsize: int, device, *, o
     units = (DELTA_UNIT * itemsize, DELTA_UNIT * 4, DELTA_UNIT * 8)
     deltas = [int(p) - int(peer_ptrs[rank]) for p in peer_ptrs]
     if any(dl % u for dl in deltas for u in units):
-        raise RuntimeError(
-            f"{op}: peer slabs are not {max(units)}-byte aligned relative to each other: {deltas}"
-        )
-    return tuple(
-        torch.tensor([dl // u for dl in deltas], dtype=torch.int64, device=device) for u in units
-    )
+        raise RuntimeError(f"{op}: peer slabs are not {max(units)}-byte aligned relative to "
+                           f"each other: {deltas}")
+    return tuple(torch.tensor([dl // u for dl in deltas], dtype=torch.int64, device=device)
+                 for u in units)
 
 
 def agreed_min(group, value: int) -> int:
@@ -119,7 +103,6 @@ def agreed_min(group, value: int) -> int:
     n = torch.tensor([int(value)], dtype=torch.int64)
     dist.all_reduce(n, op=dist.ReduceOp.MIN, group=cpu_group(group))
     return int(n.item())
-
 
 def ranks(peers: Sequence[int]) -> str:
     """``"rank 3"`` or ``"ranks [0, 2]"`` for messages."""
@@ -144,16 +127,8 @@ class PeerErrors:
         broken: the error every later ``check()`` raises (None while usable).
     """
 
-    def __init__(
-        self,
-        world_size: int,
-        device: torch.device,
-        *,
-        op: str,
-        rank: int = 0,
-        timeout_s: float | None = None,
-        watch: bool = True,
-    ):
+    def __init__(self, world_size: int, device: torch.device, *, op: str, rank: int = 0,
+                 timeout_s: float | None = None, watch: bool = True):
         device = torch.device(device)
         pin = device.type == "cuda" and torch.cuda.is_available()
         self.words = torch.zeros(world_size, dtype=torch.int32, pin_memory=pin)
@@ -173,11 +148,8 @@ class PeerErrors:
         """Turn set error words into the broken state (no raise). True once broken."""
         if self.broken is None and self._view.tobytes() != self._zero:
             peers = self.peers()
-            self.mark_broken(
-                peers,
-                f"rank {self.rank} waited for {ranks(peers)} past the "
-                f"timeout" + self._budget() + "; the peer did not signal",
-            )
+            self.mark_broken(peers, f"rank {self.rank} waited for {ranks(peers)} past the "
+                                    f"timeout" + self._budget() + "; the peer did not signal")
         return self.broken is not None
 
     def check(self) -> None:
@@ -196,11 +168,8 @@ class PeerErrors:
         with self._lock:
             if self.broken is None:
                 self.broken = PeerTimeoutError(
-                    f"{self.op}: {what}; unusable from now on: construct a new one on every rank",
-                    peer_ranks=list(peers),
-                    timeout_s=self.timeout_s,
-                    op=self.op,
-                )
+                    f"{self.op}: {what}; unusable from now on: construct a new one on every "
+                    f"rank", peer_ranks=list(peers), timeout_s=self.timeout_s, op=self.op)
 
     def _budget(self) -> str:
         return f" of {self.timeout_s:g} s" if self.timeout_s else ""
@@ -240,13 +209,8 @@ class Watchdog:
     the thread calls it every ``interval_s`` while anything is watched (tests call it
     directly, with ``start=False``)."""
 
-    def __init__(
-        self,
-        interval_s: float = WATCHDOG_INTERVAL_S,
-        *,
-        start: bool = True,
-        clock: Callable[[], float] = time.monotonic,
-    ):
+    def __init__(self, interval_s: float = WATCHDOG_INTERVAL_S, *, start: bool = True,
+                 clock: Callable[[], float] = time.monotonic):
         self.interval_s = interval_s
         self.clock = clock
         self._errors: weakref.WeakSet = weakref.WeakSet()
@@ -304,11 +268,8 @@ class Watchdog:
                 if w.on_timeout is not None:  # on the wait's device (its context current)
                     w.on_timeout(blocked)
             finally:
-                w.owner.mark_broken(
-                    blocked,
-                    f"rank {w.owner.rank} got no answer from "
-                    f"{ranks(blocked)} within {w.timeout_s:g} s",
-                )
+                w.owner.mark_broken(blocked, f"rank {w.owner.rank} got no answer from "
+                                             f"{ranks(blocked)} within {w.timeout_s:g} s")
         return True
 
     def _ensure_thread(self) -> None:
@@ -316,9 +277,8 @@ class Watchdog:
             return
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="attncomm-watchdog", daemon=True
-                )
+                self._thread = threading.Thread(target=self._run, name="attncomm-watchdog",
+                                                daemon=True)
                 self._thread.start()
 
     def _run(self) -> None:
@@ -391,17 +351,9 @@ class SymmWorkspace:
         or rendezvous fails (the caller agrees across ranks and falls back).
     """
 
-    def __init__(
-        self,
-        group,
-        size,
-        device: torch.device,
-        *,
-        op: str = "symm",
-        timeout_s: float | None = None,
-        rendezvous: bool = True,
-        errors: PeerErrors | None = None,
-    ):
+    def __init__(self, group, size, device: torch.device, *, op: str = "symm",
+                 timeout_s: float | None = None, rendezvous: bool = True,
+                 errors: PeerErrors | None = None):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group = _group_or_world(group)
@@ -426,13 +378,8 @@ class SymmWorkspace:
         self.slab = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self.slab.zero_()
         self.state = torch.zeros(4, dtype=torch.int32, device=self.device)
-        self.failures = (
-            errors
-            if errors is not None
-            else PeerErrors(
-                self.world_size, self.device, op=op, rank=self.rank, timeout_s=timeout_s
-            )
-        )
+        self.failures = errors if errors is not None else PeerErrors(
+            self.world_size, self.device, op=op, rank=self.rank, timeout_s=timeout_s)
         self.errors = self.failures.words
         self.handle = None
         self.peer_ptrs: list[int] = []
@@ -440,17 +387,14 @@ class SymmWorkspace:
             self.rendezvous()
 
     @classmethod
-    def agreed(
-        cls, group, size, device: torch.device, *, op: str, timeout_s: float | None = None
-    ) -> SymmWorkspace:
+    def agreed(cls, group, size, device: torch.device, *, op: str,
+               timeout_s: float | None = None) -> SymmWorkspace:
         """Allocate, then rendezvous, each step agreed across ranks
         (``capability.collective_try``): every rank gets a workspace, or every rank raises
         ``RuntimeError`` naming ``op`` and the step that failed on some rank."""
         ws, reason = capability.collective_try(
-            group,
-            lambda: cls(group, size, device, op=op, timeout_s=timeout_s, rendezvous=False),
-            f"{op} allocation",
-        )
+            group, lambda: cls(group, size, device, op=op, timeout_s=timeout_s,
+                               rendezvous=False), f"{op} allocation")
         if reason:
             raise RuntimeError(f"{op}: allocation failed: {reason}")
         _, reason = capability.collective_try(group, ws.rendezvous, f"{op} rendezvous")

@@ -22,7 +22,6 @@ The DCP merge (``attncomm.dcp.symm_kernels``) and the DCP query gather
 
 Importing this module needs Triton; its users guard the import.
 """
-
 from __future__ import annotations
 
 import triton
@@ -49,17 +48,16 @@ __all__ = [
 ]
 
 _SCRUB_MASK = tl.constexpr(SCRUB_PERIOD - 1)
-_COUNT_ONE = tl.constexpr(1 << 32)  # one program's count-in, in the 64-bit epoch word
+_COUNT_ONE = tl.constexpr(1 << 32)   # one program's count-in, in the 64-bit epoch word
 _LOW32 = tl.constexpr(0xFFFFFFFF)
-_SCRUB_CHUNK = tl.constexpr(1024)  # words zeroed per program per step of a scrub
+_SCRUB_CHUNK = tl.constexpr(1024)    # words zeroed per program per step of a scrub
 _EPOCH_AFTER_ZERO = tl.constexpr(2)  # the epoch that replaces 0 (keeps the parity)
 
 
 @triton.jit
 def now_ns():
-    return tl.inline_asm_elementwise(
-        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
-    )
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                     is_pure=False, pack=1)
 
 
 @triton.jit
@@ -96,9 +94,8 @@ def epoch_of(old, state64_ptr, grid_size, PDL: tl.constexpr):
     if (old >> 32) == grid_size - 1:
         tl.atomic_xchg(state64_ptr, e.to(tl.int64) & _LOW32, sem="relaxed", scope="gpu")
         if PDL:
-            tl.inline_asm_elementwise(
-                "fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-            )
+            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [],
+                                      dtype=tl.int32, is_pure=False, pack=1)
             tl.debug_barrier()
     if PDL:
         tl_cuda.gdc_launch_dependents()

@@ -22,7 +22,6 @@ for bit against ``quantize_e4m3`` of the fp32 rotation in torch on the same GPU)
 two versions in one device call). Compare versions, not absolute values: the W ranks share one
 GPU's SMs and memory, these are not NVLink figures.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -45,7 +44,6 @@ from attncomm.dcp.gather import quantize_e4m3, rotate_tail  # noqa: E402
 def _module(path: str | None):
     if path is None:
         import attncomm.dcp.gather_symm as mod
-
         return mod
     spec = importlib.util.spec_from_file_location("attncomm.dcp._gather_symm_ab", path)
     mod = importlib.util.module_from_spec(spec)
@@ -65,26 +63,19 @@ class Sim:
         self.scale = (torch.rand(H, device=dev) + 0.5) / 96 if fp8 else None
         out_dtype = torch.uint8 if fp8 else dtype
         itemsize = torch.empty((), dtype=out_dtype).element_size()
-        self.layout = mod.GatherLayout(
-            W, T, H, D, itemsize, mod.ll_rows_for(T * self.hs, D, itemsize)
-        )
+        self.layout = mod.GatherLayout(W, T, H, D, itemsize,
+                                       mod.ll_rows_for(T * self.hs, D, itemsize))
         stride = (self.layout.total_bytes + 4095) // 4096 * 4096
         self.raw = torch.zeros(W * stride + 4096, dtype=torch.uint8, device=dev)
         off = (-self.raw.data_ptr()) % 4096
-        self.slabs = [
-            self.raw[off + r * stride : off + r * stride + self.layout.total_bytes]
-            for r in range(W)
-        ]
+        self.slabs = [self.raw[off + r * stride: off + r * stride + self.layout.total_bytes]
+                      for r in range(W)]
         ptrs = [s.data_ptr() for s in self.slabs]
         self.deltas = []
         for r in range(W):
             d = [p - ptrs[r] for p in ptrs]
-            self.deltas.append(
-                tuple(
-                    torch.tensor([x // (16 * u) for x in d], dtype=torch.int64, device=dev)
-                    for u in (itemsize, 4, 8)
-                )
-            )
+            self.deltas.append(tuple(torch.tensor([x // (16 * u) for x in d], dtype=torch.int64,
+                                                  device=dev) for u in (itemsize, 4, 8)))
         self.state = [torch.zeros(4, dtype=torch.int32, device=dev) for _ in range(W)]
         self.errors = [torch.zeros(W, dtype=torch.int32, device=dev) for _ in range(W)]
         self.q = torch.empty((W, T, self.hs, D), device=dev, dtype=dtype)
@@ -114,22 +105,10 @@ class Sim:
         d_o, d_w, d_q = self.deltas[r]
         cos, sin = (self.cos, self.sin) if self.R else (None, None)
         self.mod.launch_gather(
-            self.q[r],
-            cos,
-            sin,
-            slab=self.slabs[r],
-            delta_o=d_o,
-            delta_w=d_w,
-            delta_q=d_q,
-            state=self.state[r],
-            errors=self.errors[r],
-            rank=r,
-            layout=self.layout,
-            n_programs_max=self.n_programs,
-            timeout_ns=timeout_ns,
-            ordered=self.ordered,
-            q_scale=self.scale,
-        )
+            self.q[r], cos, sin, slab=self.slabs[r], delta_o=d_o, delta_w=d_w, delta_q=d_q,
+            state=self.state[r], errors=self.errors[r], rank=r, layout=self.layout,
+            n_programs_max=self.n_programs, timeout_ns=timeout_ns, ordered=self.ordered,
+            q_scale=self.scale)
 
     def load_kernels(self):
         """Compile and load every rank's kernel alone (each times out at once): loading a module
@@ -159,7 +138,7 @@ class Sim:
         if self.R:
             rotate_tail(self.q[r], self.cos, self.sin, out=x)
         hs = self.hs
-        return quantize_e4m3(x, self.scale[r * hs : (r + 1) * hs]).view(torch.uint8)
+        return quantize_e4m3(x, self.scale[r * hs:(r + 1) * hs]).view(torch.uint8)
 
     def want(self):
         rot = torch.stack([self._slice(r) for r in range(self.W)])
@@ -186,7 +165,7 @@ class Sim:
         for r in range(self.W):
             src = self._slice(r)
             for o in self.outs:
-                o[:, r * self.hs : (r + 1) * self.hs].copy_(src)
+                o[:, r * self.hs:(r + 1) * self.hs].copy_(src)
 
 
 def graph_us(fn) -> float:
@@ -218,19 +197,10 @@ def run_tokens(mod, a, T, ordered) -> dict:
     dst = torch.empty_like(src)
     t_copy = graph_us(lambda: dst.copy_(src))
     ll = mod.use_ll(T * sim.hs, sim.layout)
-    mib = src.numel() * src.element_size() / 2**20
-    return {
-        "label": a.label,
-        "tokens": T,
-        "world_size": W,
-        "ordered": ordered,
-        "fp8": fp8,
-        "protocol": "ll" if ll else "flag",
-        "symm_us": t_symm,
-        "torch_us": t_torch,
-        "copy_us": t_copy,
-        "mib_per_peer": mib,
-    }
+    mib = src.numel() * src.element_size() / 2 ** 20
+    return {"label": a.label, "tokens": T, "world_size": W, "ordered": ordered, "fp8": fp8,
+            "protocol": "ll" if ll else "flag", "symm_us": t_symm, "torch_us": t_torch,
+            "copy_us": t_copy, "mib_per_peer": mib}
 
 
 def main() -> int:
@@ -252,36 +222,25 @@ def main() -> int:
         return 2
     mod = _module(a.kernel_module)
     records = []
-    print(
-        f"{a.label}: W={a.world_size} simulated ranks on one {torch.cuda.get_device_name(0)}, "
-        f"H={a.heads}, D={a.head_dim}, R={a.rope_dim}, bf16{' → fp8' if a.fp8 else ''}, "
-        f"graph replay / 10 (µs); every "
-        f"result checked bit for bit"
-    )
-    print(
-        f"{'tokens':>6} {'proto':>5} {'ordered':>7} {'symm':>8} {'torch':>8} {'copy':>8} "
-        f"{'vs torch':>8} {'MiB/peer':>9}"
-    )
+    print(f"{a.label}: W={a.world_size} simulated ranks on one {torch.cuda.get_device_name(0)}, "
+          f"H={a.heads}, D={a.head_dim}, R={a.rope_dim}, bf16{' → fp8' if a.fp8 else ''}, "
+          f"graph replay / 10 (µs); every "
+          f"result checked bit for bit")
+    print(f"{'tokens':>6} {'proto':>5} {'ordered':>7} {'symm':>8} {'torch':>8} {'copy':>8} "
+          f"{'vs torch':>8} {'MiB/peer':>9}")
     for T in a.tokens:
         for ordered in (False, True):
             rec = run_tokens(mod, a, T, ordered)
             records.append(rec)
-            print(
-                f"{T:>6} {rec['protocol']:>5} {str(ordered):>7} {rec['symm_us']:>8.2f} "
-                f"{rec['torch_us']:>8.2f} {rec['copy_us']:>8.2f} "
-                f"{rec['torch_us'] / rec['symm_us']:>7.2f}× {rec['mib_per_peer']:>9.3f}"
-            )
+            print(f"{T:>6} {rec['protocol']:>5} {str(ordered):>7} {rec['symm_us']:>8.2f} "
+                  f"{rec['torch_us']:>8.2f} {rec['copy_us']:>8.2f} "
+                  f"{rec['torch_us'] / rec['symm_us']:>7.2f}× {rec['mib_per_peer']:>9.3f}")
     if a.json:
-        meta = {
-            "gpu": torch.cuda.get_device_name(0),
-            "torch": torch.__version__,
-            "triton": __import__("triton").__version__,
-            "heads": a.heads,
-            "head_dim": a.head_dim,
-            "rope_dim": a.rope_dim,
-            "simulated_world_size": a.world_size,
-            "kernel_module": a.kernel_module or "attncomm",
-        }
+        meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                "triton": __import__("triton").__version__, "heads": a.heads,
+                "head_dim": a.head_dim, "rope_dim": a.rope_dim,
+                "simulated_world_size": a.world_size,
+                "kernel_module": a.kernel_module or "attncomm"}
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "records": records}, f, indent=1)
     print("ok: every gathered query bit for bit")

@@ -24,7 +24,6 @@ there, at 128 tokens), but the absolute figures mix in the W ranks sharing one G
 memory and the skew between the W streams' launches; they are not NVLink figures
 (``benchmarks/results/dcp-kernel-2026-11-30-nvidia-h200-x2.md``).
 """
-
 from __future__ import annotations
 
 import argparse
@@ -50,7 +49,6 @@ PRE_SPLIT = os.path.join(ROOT, "scripts", "ab", "symm_a2a_a91b3cd.py")
 def _kernel_module(path: str | None):
     if path is None:
         import attncomm.dcp.symm_a2a as mod
-
         return mod
     path = os.path.abspath(path)
     here = os.path.dirname(path)
@@ -75,39 +73,25 @@ class Sim:
         hs = H // W
         itemsize = torch.empty((), dtype=dtype).element_size()
         max_rows = T * hs
-        self.layout = mod.SlabLayout(
-            W, max_rows, D, itemsize, mod.ll_rows_for(max_rows, D, itemsize)
-        )
+        self.layout = mod.SlabLayout(W, max_rows, D, itemsize,
+                                     mod.ll_rows_for(max_rows, D, itemsize))
         stride = (self.layout.total_bytes + 4095) // 4096 * 4096
         self.raw = torch.zeros(W * stride + 4096, dtype=torch.uint8, device=dev)
         off = (-self.raw.data_ptr()) % 4096
-        self.slabs = [
-            self.raw[off + r * stride : off + r * stride + self.layout.total_bytes]
-            for r in range(W)
-        ]
+        self.slabs = [self.raw[off + r * stride: off + r * stride + self.layout.total_bytes]
+                      for r in range(W)]
         ptrs = [s.data_ptr() for s in self.slabs]
         self.deltas = []
         for r in range(W):
             d = [p - ptrs[r] for p in ptrs]
-            self.deltas.append(
-                tuple(
-                    torch.tensor([x // (16 * u) for x in d], dtype=torch.int64, device=dev)
-                    for u in (itemsize, 4, 8)
-                )
-            )
+            self.deltas.append(tuple(torch.tensor([x // (16 * u) for x in d], dtype=torch.int64,
+                                                  device=dev) for u in (itemsize, 4, 8)))
         self.state = [torch.zeros(4, dtype=torch.int32, device=dev) for _ in range(W)]
         self.errors = [torch.zeros(W, dtype=torch.int32, device=dev) for _ in range(W)]
         # split kernel files: the region pointers and peer tables, built once per rank
-        self.mslabs = (
-            [
-                mod.MergeSlab.build(
-                    self.layout, self.slabs[r], dtype, ptrs, r, self.state[r], self.errors[r]
-                )
-                for r in range(W)
-            ]
-            if hasattr(mod, "MergeSlab")
-            else None
-        )
+        self.mslabs = ([mod.MergeSlab.build(self.layout, self.slabs[r], dtype, ptrs, r,
+                                            self.state[r], self.errors[r]) for r in range(W)]
+                       if hasattr(mod, "MergeSlab") else None)
         gen = torch.Generator(device=dev).manual_seed(seed)
         self.outs = torch.randn((W, T, H, D), device=dev, generator=gen).to(dtype)
         self.lses = torch.randn((W, T, H), device=dev, generator=gen) * 3
@@ -123,27 +107,14 @@ class Sim:
         self.streams = [torch.cuda.Stream(priority=-1) for _ in range(W)]
 
     def _launch(self, r, timeout_ns):
-        kw = dict(
-            rank=r,
-            world_size=self.W,
-            num_heads=self.H,
-            layout=self.layout,
-            n_programs_max=self.n_programs,
-            timeout_ns=timeout_ns,
-            pdl=self.pdl,
-        )
+        kw = dict(rank=r, world_size=self.W, num_heads=self.H, layout=self.layout,
+                  n_programs_max=self.n_programs, timeout_ns=timeout_ns, pdl=self.pdl)
         if self.mslabs is not None:
             kw["slab"] = self.mslabs[r]
         else:
             d_o, d_w, d_q = self.deltas[r]
-            kw.update(
-                slab=self.slabs[r],
-                delta_o=d_o,
-                delta_w=d_w,
-                delta_q=d_q,
-                state=self.state[r],
-                errors=self.errors[r],
-            )
+            kw.update(slab=self.slabs[r], delta_o=d_o, delta_w=d_w, delta_q=d_q,
+                      state=self.state[r], errors=self.errors[r])
         self.mod.launch_merge(self.outs[r], self.lses[r], self.res[r], self.res_lse[r], **kw)
 
     def load_kernels(self):
@@ -172,16 +143,13 @@ class Sim:
         torch.cuda.synchronize()
         bad = [r for r in range(self.W) if bool(self.errors[r].any())]
         if bad:
-            raise RuntimeError(
-                f"ranks {bad} timed out: the simulated ranks were not resident together"
-            )
+            raise RuntimeError(f"ranks {bad} timed out: the simulated ranks were not resident "
+                               f"together")
         hs = self.H // self.W
         worst = 0.0
         for r in range(self.W):
-            ref, ref_lse = ref_merge(
-                self.outs[:, :, r * hs : (r + 1) * hs].cpu(),
-                self.lses[:, :, r * hs : (r + 1) * hs].cpu(),
-            )
+            ref, ref_lse = ref_merge(self.outs[:, :, r * hs:(r + 1) * hs].cpu(),
+                                     self.lses[:, :, r * hs:(r + 1) * hs].cpu())
             got = self.res[r].double().cpu()
             err = ((got - ref).abs() - 8e-3 * ref.abs()).max().item()
             lerr = (self.res_lse[r].double().cpu() - ref_lse).abs().max().item()
@@ -210,29 +178,17 @@ def _measure(mod, label, W, H, D, T, seed, pdl):
     payload = sim.outs[0, :, : H // W].contiguous()
     dst = torch.empty_like(payload)
     t_copy = graph_us(lambda: dst.copy_(payload))
-    mib = payload.numel() * payload.element_size() / 2**20
+    mib = payload.numel() * payload.element_size() / 2 ** 20
     results = [(x.clone(), y.clone()) for x, y in zip(sim.res, sim.res_lse)]
     del sim
-    return (
-        {
-            "label": label,
-            "tokens": T,
-            "world_size": W,
-            "merge_us": t_merge,
-            "copy_us": t_copy,
-            "mib_per_peer": mib,
-            "max_err": err,
-        },
-        results,
-    )
+    return ({"label": label, "tokens": T, "world_size": W, "merge_us": t_merge,
+             "copy_us": t_copy, "mib_per_peer": mib, "max_err": err}, results)
 
 
 def _same_bits(a, b) -> bool:
-    return all(
-        torch.equal(x.view(torch.int16), y.view(torch.int16))
-        and torch.equal(xl.view(torch.int32), yl.view(torch.int32))
-        for (x, xl), (y, yl) in zip(a, b)
-    )
+    return all(torch.equal(x.view(torch.int16), y.view(torch.int16))
+               and torch.equal(xl.view(torch.int32), yl.view(torch.int32))
+               for (x, xl), (y, yl) in zip(a, b))
 
 
 def main() -> int:
@@ -242,18 +198,11 @@ def main() -> int:
     p.add_argument("--heads", type=int, default=64)
     p.add_argument("--head-dim", type=int, default=512)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128])
-    p.add_argument(
-        "--kernel-module", default=None, help="kernel file to run (default: the package's)"
-    )
-    p.add_argument(
-        "--ab",
-        nargs="?",
-        const=PRE_SPLIT,
-        default=None,
-        metavar="PATH",
-        help="also run PATH (default: the pre-split kernel) on the same inputs; "
-        "results compared bitwise, timings alternated",
-    )
+    p.add_argument("--kernel-module", default=None, help="kernel file to run (default: the "
+                   "package's)")
+    p.add_argument("--ab", nargs="?", const=PRE_SPLIT, default=None, metavar="PATH",
+                   help="also run PATH (default: the pre-split kernel) on the same inputs; "
+                   "results compared bitwise, timings alternated")
     p.add_argument("--rounds", type=int, default=3, help="A/B rounds (alternating)")
     p.add_argument("--pdl", action="store_true", help="launch with PDL (capability ≥ 9.0)")
     p.add_argument("--label", default="current")
@@ -268,53 +217,37 @@ def main() -> int:
     W, H, D = a.world_size, a.heads, a.head_dim
     rounds = a.rounds if a.ab else 1
     records, same = [], True
-    print(
-        f"W={W} simulated ranks on one {torch.cuda.get_device_name(0)}, H={H}, D={D}, bf16, "
-        f"PDL {'on' if a.pdl else 'off'}, graph replay / 10 (µs); not NVLink figures"
-    )
-    print(
-        f"{'kernel':>24} {'round':>5} {'tokens':>6} {'merge':>8} {'copy':>8} {'MiB/peer':>9} "
-        f"{'err':>9}"
-    )
+    print(f"W={W} simulated ranks on one {torch.cuda.get_device_name(0)}, H={H}, D={D}, bf16, "
+          f"PDL {'on' if a.pdl else 'off'}, graph replay / 10 (µs); not NVLink figures")
+    print(f"{'kernel':>24} {'round':>5} {'tokens':>6} {'merge':>8} {'copy':>8} {'MiB/peer':>9} "
+          f"{'err':>9}")
     for T in a.tokens:
         for rnd in range(rounds):
             results = []
-            for label, mod in mods if rnd % 2 == 0 else mods[::-1]:
+            for label, mod in (mods if rnd % 2 == 0 else mods[::-1]):
                 rec, res = _measure(mod, label, W, H, D, T, seed=T, pdl=a.pdl)
                 rec["round"] = rnd
                 results.append(res)
                 records.append(rec)
-                print(
-                    f"{label:>24} {rnd:>5} {T:>6} {rec['merge_us']:>8.2f} "
-                    f"{rec['copy_us']:>8.2f} {rec['mib_per_peer']:>9.3f} "
-                    f"{rec['max_err']:>9.2e}"
-                )
+                print(f"{label:>24} {rnd:>5} {T:>6} {rec['merge_us']:>8.2f} "
+                      f"{rec['copy_us']:>8.2f} {rec['mib_per_peer']:>9.3f} "
+                      f"{rec['max_err']:>9.2e}")
             if len(results) == 2 and not _same_bits(*results):
                 same = False
                 print(f"  tokens {T}: results DIFFER between the two kernels")
     if a.ab:
-        print("A/B: bitwise equal results at every token count" if same else "A/B: results differ")
+        print("A/B: bitwise equal results at every token count" if same else
+              "A/B: results differ")
         for T in a.tokens:
-            meds = {
-                label: statistics.median(
-                    r["merge_us"] for r in records if r["label"] == label and r["tokens"] == T
-                )
-                for label, _ in mods
-            }
+            meds = {label: statistics.median(r["merge_us"] for r in records
+                                             if r["label"] == label and r["tokens"] == T)
+                    for label, _ in mods}
             print(f"  tokens {T:>4}: " + ", ".join(f"{k} {v:.2f} µs" for k, v in meds.items()))
     if a.json:
-        meta = {
-            "gpu": torch.cuda.get_device_name(0),
-            "torch": torch.__version__,
-            "triton": __import__("triton").__version__,
-            "heads": H,
-            "head_dim": D,
-            "simulated_world_size": W,
-            "kernel_module": a.kernel_module or "attncomm",
-            "ab": a.ab,
-            "pdl": a.pdl,
-            "bitwise_equal": same if a.ab else None,
-        }
+        meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                "triton": __import__("triton").__version__, "heads": H, "head_dim": D,
+                "simulated_world_size": W, "kernel_module": a.kernel_module or "attncomm",
+                "ab": a.ab, "pdl": a.pdl, "bitwise_equal": same if a.ab else None}
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "records": records}, f, indent=1)
     return 0 if same else 1

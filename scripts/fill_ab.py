@@ -7,7 +7,6 @@ Shapes as ``bench ulysses --fill``: q, k, v ``[1, S/2, 56, 128]`` bf16, 2 region
 
     python scripts/fill_ab.py [--seq 8192 32768] [--json PATH]
 """
-
 from __future__ import annotations
 
 import argparse
@@ -34,9 +33,8 @@ def _old():
 
 
 def case(mod, seq, norm, label, setup=None):
-    parts, cos, sin, numel = bench_fill._case(
-        seq, 56, 128, 2, norm, "cuda", torch.bfloat16, seq + norm
-    )
+    parts, cos, sin, numel = bench_fill._case(seq, 56, 128, 2, norm, "cuda", torch.bfloat16,
+                                              seq + norm)
     parts = [mod.FillPart(p.x, p.ranges, p.weight, p.rope) for p in parts]
     if setup:
         setup()
@@ -45,15 +43,9 @@ def case(mod, seq, norm, label, setup=None):
     call = lambda: mod.fill_triton(parts, 1e-6, cos, sin, out=out)  # noqa: E731
     call()
     same = torch.equal(out, want)
-    rec = dict(
-        variant=label,
-        seq=seq,
-        qk_norm=norm,
-        bitwise_equal=same,
-        time_us=bench_fill.device_us(call),
-        eager_call_us=bench_fill._median_us(call, 20),
-        host_us=bench_fill.host_us(call),
-    )
+    rec = dict(variant=label, seq=seq, qk_norm=norm, bitwise_equal=same,
+               time_us=bench_fill.device_us(call), eager_call_us=bench_fill._median_us(call, 20),
+               host_us=bench_fill.host_us(call))
     print(json.dumps(rec), flush=True)
     return rec
 
@@ -69,10 +61,8 @@ def main(argv=None) -> int:
         for norm in (True, False):
             recs.append(case(old, seq, norm, "6cb34e6"))
             for bc in (True, False):
-
                 def setup(bc=bc):
                     fill.ROPE_BCAST = bc
-
                 recs.append(case(fill, seq, norm, f"current rope_bcast={bc}", setup))
             fill.ROPE_BCAST = True
     if a.json:

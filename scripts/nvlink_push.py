@@ -16,7 +16,6 @@ Times are slowest-rank medians of graph replays / 10, µs; GB/s counts the bytes
 one peer. Compare ``push+flag`` at 4 MiB with ``attncomm bench dcp`` at 128 tokens (64 heads ×
 512 bf16 at W=2 moves 4 MiB per peer): the difference is what the combine and the epoch cost.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -34,22 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @triton.jit
-def _push_kernel(
-    src,
-    slab,
-    delta,
-    flags,
-    count_ptr,
-    err_ptr,
-    n_rows,
-    timeout_ns,
-    D,
-    RANK: tl.constexpr,
-    W: tl.constexpr,
-    FLAG: tl.constexpr,
-    BR: tl.constexpr,
-    BD: tl.constexpr,
-):
+def _push_kernel(src, slab, delta, flags, count_ptr, err_ptr, n_rows, timeout_ns, D,
+                 RANK: tl.constexpr, W: tl.constexpr, FLAG: tl.constexpr, BR: tl.constexpr,
+                 BD: tl.constexpr):
     # src [n_rows, D] bf16 → every peer's data rows [RANK*n_rows + r] (this source's cell);
     # peer addresses are local ones + delta[q] · 32 bytes.
     pid = tl.program_id(0)
@@ -77,13 +63,11 @@ def _push_kernel(
             if q != RANK:
                 pw = flags + q * G + pid
                 v = tl.atomic_add(pw, 0, sem="acquire", scope="sys")
-                t0 = tl.inline_asm_elementwise(
-                    "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
-                )
+                t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [],
+                                               dtype=tl.int64, is_pure=False, pack=1)
                 while v < c:  # counters only grow (a fast peer may be at c + 1 already)
-                    now = tl.inline_asm_elementwise(
-                        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
-                    )
+                    now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [],
+                                                    dtype=tl.int64, is_pure=False, pack=1)
                     if now - t0 > timeout_ns:
                         tl.atomic_xchg(err_ptr + q, 1)
                         v = c
@@ -101,7 +85,7 @@ def _rank(rank, world_size, cfg):
     dev = torch.device("cuda", torch.cuda.current_device())
     group = dist.group.WORLD
     D = 512
-    max_rows = int(max(cfg["mib"]) * 2**20) // (D * 2)
+    max_rows = int(max(cfg["mib"]) * 2 ** 20) // (D * 2)
     max_grid = max(cfg["grids"])
     data_bytes = world_size * max_rows * D * 2
     flag_bytes = world_size * max_grid * 4
@@ -123,8 +107,7 @@ def _rank(rank, world_size, cfg):
     g = cpu_group()
     records = []
     for mib in cfg["mib"]:
-        n_rows = int(mib * 2**20) // (D * 2)
-
+        n_rows = int(mib * 2 ** 20) // (D * 2)
         def make_src(r):
             gen = torch.Generator(device=dev).manual_seed(1000 * r + int(mib * 64))
             return torch.randn(n_rows, D, device=dev, generator=gen).to(torch.bfloat16)
@@ -136,76 +119,38 @@ def _rank(rank, world_size, cfg):
                 flags.zero_()
                 torch.cuda.synchronize()
                 dist.barrier(group=g)
-                br = (
-                    64
-                    if n_rows >= 64 * grid
-                    else max(1, triton.next_power_of_2(-(-n_rows // grid)))
-                )
+                br = 64 if n_rows >= 64 * grid else max(1, triton.next_power_of_2(
+                    -(-n_rows // grid)))
 
                 def fn():
-                    _push_kernel[(grid,)](
-                        src,
-                        data,
-                        delta,
-                        flags,
-                        count,
-                        err,
-                        n_rows,
-                        10**9 * 10,
-                        D,
-                        RANK=rank,
-                        W=world_size,
-                        FLAG=flag,
-                        BR=br,
-                        BD=D,
-                        num_warps=16 if br >= 32 else 8,
-                    )
+                    _push_kernel[(grid,)](src, data, delta, flags, count, err, n_rows,
+                                          10 ** 9 * 10, D, RANK=rank, W=world_size, FLAG=flag,
+                                          BR=br, BD=D, num_warps=16 if br >= 32 else 8)
 
                 data.view(-1)[: world_size * max_rows * D].fill_(float("nan"))
-                t = slowest_rank_median(
-                    time_graph(fn, barrier=lambda: dist.barrier(group=g), back_to_back=True)
-                )
+                t = slowest_rank_median(time_graph(fn, barrier=lambda: dist.barrier(group=g),
+                                                   back_to_back=True))
                 torch.cuda.synchronize()
                 if int(err.sum()):
                     raise RuntimeError(f"rank {rank}: flag wait timed out (grid {grid})")
                 for q in range(world_size):  # what arrived from every peer is exactly its src
                     if q != rank:
-                        got = data.view(-1)[q * n_rows * D : (q + 1) * n_rows * D]
-                        if not torch.equal(
-                            got.view(torch.int16), make_src(q).view(-1).view(torch.int16)
-                        ):
-                            raise AssertionError(
-                                f"rank {rank}: rows from {q} differ "
-                                f"({mib} MiB, grid {grid}, flag {flag})"
-                            )
-                records.append(
-                    {
-                        "what": "push+flag" if flag else "push",
-                        "mib": mib,
-                        "grid": grid,
-                        "us": round(t, 3),
-                        "gbps": round(mib * 2**20 / (t * 1e-6) / 1e9, 1),
-                    }
-                )
+                        got = data.view(-1)[q * n_rows * D:(q + 1) * n_rows * D]
+                        if not torch.equal(got.view(torch.int16),
+                                           make_src(q).view(-1).view(torch.int16)):
+                            raise AssertionError(f"rank {rank}: rows from {q} differ "
+                                                 f"({mib} MiB, grid {grid}, flag {flag})")
+                records.append({"what": "push+flag" if flag else "push", "mib": mib,
+                                "grid": grid, "us": round(t, 3),
+                                "gbps": round(mib * 2 ** 20 / (t * 1e-6) / 1e9, 1)})
         if world_size == 2:
             peer = 1 - rank
-            dst = handle.get_buffer(
-                peer, (n_rows, D), torch.bfloat16, storage_offset=rank * n_rows * D
-            )
-            t = slowest_rank_median(
-                time_graph(
-                    lambda: dst.copy_(src), barrier=lambda: dist.barrier(group=g), back_to_back=True
-                )
-            )
-            records.append(
-                {
-                    "what": "ce",
-                    "mib": mib,
-                    "grid": 0,
-                    "us": round(t, 3),
-                    "gbps": round(mib * 2**20 / (t * 1e-6) / 1e9, 1),
-                }
-            )
+            dst = handle.get_buffer(peer, (n_rows, D), torch.bfloat16,
+                                    storage_offset=rank * n_rows * D)
+            t = slowest_rank_median(time_graph(lambda: dst.copy_(src), barrier=lambda:
+                                               dist.barrier(group=g), back_to_back=True))
+            records.append({"what": "ce", "mib": mib, "grid": 0, "us": round(t, 3),
+                            "gbps": round(mib * 2 ** 20 / (t * 1e-6) / 1e9, 1)})
     return records if rank == 0 else None
 
 
@@ -217,11 +162,10 @@ def main() -> int:
     p.add_argument("--json", default=None)
     a = p.parse_args()
     from attncomm import config, launch
-
     config.force_safe_env()
     from attncomm.bench.common import meta
-
-    res = launch(_rank, a.world_size, device="cuda", args=({"mib": a.mib, "grids": a.grids},))
+    res = launch(_rank, a.world_size, device="cuda",
+                 args=({"mib": a.mib, "grids": a.grids},))
     recs = res[0]
     print(f"{'what':>10} {'MiB':>5} {'grid':>5} {'µs':>8} {'GB/s':>7}")
     for r in recs:

@@ -24,7 +24,6 @@ with scaled bytes, and W ranks' attention sharing its SMs: they are NOT NVLink f
     python scripts/ulysses_one_gpu.py [--world-size 2] [--seq 8192 32768] [--heads 56]
         [--groups -1] [--nvlink-gbps 393] [--json PATH] [--markdown PATH] [--trace-dir DIR]
 """
-
 from __future__ import annotations
 
 import argparse
@@ -44,11 +43,9 @@ from attncomm.ulysses.attention import auto_groups, sdpa_attention  # noqa: E402
 from attncomm.ulysses.fill import FillPart, fill_triton  # noqa: E402
 from attncomm.ulysses.layout import group_head_ranges, head_offsets, head_split  # noqa: E402
 
-NOT_NVLINK = (
-    "NOTE: one GPU, copies to pinned host memory over PCIe with bytes scaled to "
-    "NVLink time, W ranks sharing one GPU's SMs: these overlap figures are NOT "
-    "NVLink figures."
-)
+NOT_NVLINK = ("NOTE: one GPU, copies to pinned host memory over PCIe with bytes scaled to "
+              "NVLink time, W ranks sharing one GPU's SMs: these overlap figures are NOT "
+              "NVLink figures.")
 _ATTN = re.compile(r"flash|fmha|attention|sdpa|efficient", re.IGNORECASE)
 #: NVLink one-direction copy-engine bandwidth on 2x H200 (../shared/HARDWARE.md), GB/s.
 NVLINK_GBPS = 393.0
@@ -81,32 +78,19 @@ class Rehearsal:
         self.scale = scale
         g = torch.Generator(device="cpu").manual_seed(seed)
         dt = torch.bfloat16
-        self.qkv = [
-            [
-                torch.randn((1, s, heads, head_dim), generator=g).to(dt).to(self.dev)
-                for _ in range(3)
-            ]
-            for s in self.seq
-        ]
+        self.qkv = [[torch.randn((1, s, heads, head_dim), generator=g).to(dt).to(self.dev)
+                     for _ in range(3)] for s in self.seq]
         self.eps = 1e-6
-        self.w = (
-            (
-                torch.randn(head_dim, generator=g).to(self.dev),
-                torch.randn(head_dim, generator=g).to(self.dev),
-            )
-            if norm
-            else (None, None)
-        )
+        self.w = ((torch.randn(head_dim, generator=g).to(self.dev),
+                   torch.randn(head_dim, generator=g).to(self.dev)) if norm else (None, None))
         pos = torch.arange(seq_total, dtype=torch.float64)[:, None]
         ang = pos * 10000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         ang = torch.cat((ang, ang), dim=-1)
         self.rope = norm
         self.cos, self.sin = ang.cos().float().to(self.dev), ang.sin().float().to(self.dev)
         most = max(self.seq) * heads * head_dim * 2 * 3
-        self.slots = [
-            torch.empty(max(256, int(most * scale) + 256), dtype=torch.uint8, pin_memory=True)
-            for _ in range(world)
-        ]
+        self.slots = [torch.empty(max(256, int(most * scale) + 256), dtype=torch.uint8,
+                                  pin_memory=True) for _ in range(world)]
         self.copy_in = torch.cuda.Stream(self.dev)
         self.copy_out = torch.cuda.Stream(self.dev)
         self.out = torch.empty(1, seq_total, heads, head_dim, dtype=dt, device=self.dev)
@@ -131,59 +115,31 @@ class Rehearsal:
             return self._bufs[key]
         W, ranges = self.W, group_head_ranges(self.H, self.W, groups)[g]
         n = [hi - lo for lo, hi in ranges]
-        recv = [
-            torch.empty(self.S, 1, 3 * n[p], self.D, dtype=torch.bfloat16, device=self.dev)
-            for p in range(W)
-        ]
+        recv = [torch.empty(self.S, 1, 3 * n[p], self.D, dtype=torch.bfloat16, device=self.dev)
+                for p in range(W)]
         fills = []
         for s in range(W):
             q, k, v = self.qkv[s]
             o, ln = self.off[s], self.seq[s]
-            parts = [
-                FillPart(q, tuple(ranges), self.w[0], self.rope),
-                FillPart(k, tuple(ranges), self.w[1], self.rope),
-                FillPart(v, tuple(ranges)),
-            ]
-            fills.append(
-                (
-                    parts,
-                    self.cos[o : o + ln],
-                    self.sin[o : o + ln],
-                    [recv[p][o : o + ln].view(-1) for p in range(W)],
-                )
-            )
-        ins = [
-            self._stand_in(
-                recv[p][self.off[s] : self.off[s] + self.seq[s]].view(-1),
-                self.seq[s] * 3 * n[p] * self.D * 2,
-                p,
-            )
-            for s in range(W)
-            for p in range(W)
-            if p != s
-        ]
+            parts = [FillPart(q, tuple(ranges), self.w[0], self.rope),
+                     FillPart(k, tuple(ranges), self.w[1], self.rope),
+                     FillPart(v, tuple(ranges))]
+            fills.append((parts, self.cos[o:o + ln], self.sin[o:o + ln],
+                          [recv[p][o:o + ln].view(-1) for p in range(W)]))
+        ins = [self._stand_in(recv[p][self.off[s]:self.off[s] + self.seq[s]].view(-1),
+                              self.seq[s] * 3 * n[p] * self.D * 2, p)
+               for s in range(W) for p in range(W) if p != s]
         attn, outs = [], []
         for p, (lo, hi) in enumerate(ranges):
             if hi > lo:
                 buf = recv[p].permute(1, 0, 2, 3)
                 m = hi - lo
-                attn.append(
-                    (buf[:, :, :m], buf[:, :, m : 2 * m], buf[:, :, 2 * m :], self.out[:, :, lo:hi])
-                )
-                outs += [
-                    self._stand_in(recv[p].view(-1), self.seq[s] * m * self.D * 2, s)
-                    for s in range(W)
-                    if s != p
-                ]
-        plan = (
-            fills,
-            [x for x in ins if x],
-            attn,
-            [x for x in outs if x],
-            torch.cuda.Event(),
-            torch.cuda.Event(),
-            torch.cuda.Event(),
-        )
+                attn.append((buf[:, :, :m], buf[:, :, m:2 * m], buf[:, :, 2 * m:],
+                             self.out[:, :, lo:hi]))
+                outs += [self._stand_in(recv[p].view(-1), self.seq[s] * m * self.D * 2, s)
+                         for s in range(W) if s != p]
+        plan = (fills, [x for x in ins if x], attn, [x for x in outs if x],
+                torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event())
         self._bufs[key] = plan
         return plan
 
@@ -231,7 +187,7 @@ class Rehearsal:
             self.host["output copies + events"] += time.perf_counter() - t1
             arrived = nxt
         cur.wait_stream(self.copy_out)
-        return [self.out[:, o : o + s] for o, s in zip(self.off, self.seq)]
+        return [self.out[:, o:o + s] for o, s in zip(self.off, self.seq)]
 
 
 def _overlap(gpu, groups, world) -> list[float | None]:
@@ -246,18 +202,14 @@ def _overlap(gpu, groups, world) -> list[float | None]:
     per_in, per_att = max(1, world * (world - 1)), world
     out = []
     for g in range(groups - 1):
-        cg = ins[(g + 1) * per_in : (g + 2) * per_in]
-        ag = timeline.union((e.start, e.end) for e in attn[g * per_att : (g + 1) * per_att])
+        cg = ins[(g + 1) * per_in:(g + 2) * per_in]
+        ag = timeline.union((e.start, e.end) for e in attn[g * per_att:(g + 1) * per_att])
         total = sum(e.end - e.start for e in cg)
         if not cg or not ag or total <= 0:
             out.append(None)
             continue
-        under = sum(
-            min(e.end, b) - max(e.start, a)
-            for e in cg
-            for a, b in ag
-            if min(e.end, b) > max(e.start, a)
-        )
+        under = sum(min(e.end, b) - max(e.start, a) for e in cg for a, b in ag
+                    if min(e.end, b) > max(e.start, a))
         out.append(under / total)
     return out
 
@@ -275,11 +227,8 @@ def host_cost(sim, groups, layers=5) -> dict:
     dt = (time.perf_counter() - t0) * 1e6
     torch.cuda.synchronize()
     per = layers * groups
-    return {
-        "host_us_per_layer": dt / layers,
-        "host_us_per_group": dt / per,
-        "host_us_per_group_by_phase": {k: v * 1e6 / per for k, v in sim.host.items()},
-    }
+    return {"host_us_per_layer": dt / layers, "host_us_per_group": dt / per,
+            "host_us_per_group_by_phase": {k: v * 1e6 / per for k, v in sim.host.items()}}
 
 
 def profile(sim, groups, layers, path, cpu_ops=False):
@@ -288,7 +237,6 @@ def profile(sim, groups, layers, path, cpu_ops=False):
     slows the enqueue); off, the trace holds the GPU's work and the host's CUDA runtime
     calls, which is all the summary reads."""
     from torch.profiler import ProfilerActivity, profile as prof_ctx
-
     sim.layer(groups)
     torch.cuda.synchronize()
     acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu_ops else [])
@@ -307,27 +255,21 @@ def profile(sim, groups, layers, path, cpu_ops=False):
     # between groups: inside a layer's span from its first attention kernel to its last
     attn = [e for e in gpu if e.kind == "compute" and _ATTN.search(e.name)]
     per_layer = max(1, len(attn) // layers)
-    spans = [
-        (attn[i].start, attn[min(len(attn), i + per_layer) - 1].end)
-        for i in range(0, len(attn), per_layer)
-    ]
+    spans = [(attn[i].start, attn[min(len(attn), i + per_layer) - 1].end)
+             for i in range(0, len(attn), per_layer)]
     inner = [x for t, x in gs if any(a <= t < b for a, b in spans)]
-    return {
-        "budget": timeline.budget(gpu, layers),
-        "host": timeline.host_lead_us(gpu, host),
-        "max_gap_between_groups_us": max(inner, default=0.0),
-        "gaps_between_groups_over_20us": sum(1 for x in inner if x > 20.0),
-        "max_gap_us": max((x for _, x in gs), default=0.0),
-        "gaps_over_20us": sum(1 for _, x in gs if x > 20.0),
-        "gaps_us_top": sorted((round(x, 1) for _, x in gs), reverse=True)[:8],
-        "host_syncs_in_window": len(syncs),
-        "overlap_next_copies_under_attention": _overlap(gpu, groups, sim.W),
-    }
+    return {"budget": timeline.budget(gpu, layers), "host": timeline.host_lead_us(gpu, host),
+            "max_gap_between_groups_us": max(inner, default=0.0),
+            "gaps_between_groups_over_20us": sum(1 for x in inner if x > 20.0),
+            "max_gap_us": max((x for _, x in gs), default=0.0),
+            "gaps_over_20us": sum(1 for _, x in gs if x > 20.0),
+            "gaps_us_top": sorted((round(x, 1) for _, x in gs), reverse=True)[:8],
+            "host_syncs_in_window": len(syncs),
+            "overlap_next_copies_under_attention": _overlap(gpu, groups, sim.W)}
 
 
-def run(
-    world, seq_total, heads, groups, nvlink_gbps, trace_dir, layers=3, norm=True, cpu_ops=False
-):
+def run(world, seq_total, heads, groups, nvlink_gbps, trace_dir, layers=3, norm=True,
+        cpu_ops=False):
     """One geometry: bitwise check, then the traced pipelined and sequential schedules."""
     dev = torch.device("cuda")
     host_gbps = host_copy_gbps(dev)
@@ -338,18 +280,11 @@ def run(
     seq_out = [o.clone() for o in sim.layer(1)]
     pipe_out = sim.layer(max(g, 1))
     torch.cuda.synchronize()
-    rec = {
-        "world_size": world,
-        "seq": seq_total,
-        "heads": heads,
-        "head_dim": 128,
-        "qk_norm": norm,
-        "groups": g,
-        "host_copy_gbps": host_gbps,
-        "nvlink_gbps": nvlink_gbps,
-        "bytes_scale": scale,
-        "bitwise_equal_to_sequential": all(torch.equal(a, b) for a, b in zip(seq_out, pipe_out)),
-    }
+    rec = {"world_size": world, "seq": seq_total, "heads": heads, "head_dim": 128,
+           "qk_norm": norm, "groups": g, "host_copy_gbps": host_gbps,
+           "nvlink_gbps": nvlink_gbps, "bytes_scale": scale,
+           "bitwise_equal_to_sequential": all(torch.equal(a, b)
+                                              for a, b in zip(seq_out, pipe_out))}
     os.makedirs(trace_dir, exist_ok=True)
     for name, gg in (("pipelined", max(g, 1)), ("sequential", 1)):
         path = os.path.join(trace_dir, f"ulysses-rehearsal-{name}-S{seq_total}.json")
@@ -363,20 +298,14 @@ def run(
 
 
 def markdown(records, meta) -> str:
-    lines = [
-        f"# Ulysses one-GPU rehearsal — {meta['date']}, {meta['gpu']}",
-        "",
-        NOT_NVLINK,
-        "",
-        "Gaps: GPU idle between compute kernels; 'between groups' counts those inside a "
-        "layer's span from its first attention kernel to its last, 'all' adds the layer "
-        "edges (the first group's input and the last group's output exchange).",
-        "",
-        "| S | groups | schedule | wall ms | compute ms | exposed exch. ms | idle ms | "
-        "max gap between groups µs | > 20 µs | max gap all µs | > 20 µs | host lead ms | "
-        "host syncs | host µs / group | bitwise |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = [f"# Ulysses one-GPU rehearsal — {meta['date']}, {meta['gpu']}", "", NOT_NVLINK, "",
+             "Gaps: GPU idle between compute kernels; 'between groups' counts those inside a "
+             "layer's span from its first attention kernel to its last, 'all' adds the layer "
+             "edges (the first group's input and the last group's output exchange).", "",
+             "| S | groups | schedule | wall ms | compute ms | exposed exch. ms | idle ms | "
+             "max gap between groups µs | > 20 µs | max gap all µs | > 20 µs | host lead ms | "
+             "host syncs | host µs / group | bitwise |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         for name in ("pipelined", "sequential", "pipelined_cpu_ops_traced"):
             if name not in r:
@@ -390,21 +319,16 @@ def markdown(records, meta) -> str:
                 f"{x['max_gap_between_groups_us']:.1f} | {x['gaps_between_groups_over_20us']} | "
                 f"{x['max_gap_us']:.1f} | {x['gaps_over_20us']} | "
                 f"{x['host']['lead_us'] / 1e3:.2f} | {x['host_syncs_in_window']} | "
-                f"{'-' if hu is None else f'{hu:.0f}'} | {r['bitwise_equal_to_sequential']} |"
-            )
+                f"{'-' if hu is None else f'{hu:.0f}'} | {r['bitwise_equal_to_sequential']} |")
     for r in records:
         ov = r["pipelined"]["overlap_next_copies_under_attention"]
-        lines.append(
-            f"\nS={r['seq']}: bytes scaled by {r['bytes_scale']:.3f} (host copy "
-            f"{r['host_copy_gbps']:.1f} GB/s vs NVLink {r['nvlink_gbps']:.0f} GB/s); "
-            "share of group g+1's input copies under group g's attention: "
-            + ", ".join("-" if v is None else f"{v:.2f}" for v in ov)
-        )
+        lines.append(f"\nS={r['seq']}: bytes scaled by {r['bytes_scale']:.3f} (host copy "
+                     f"{r['host_copy_gbps']:.1f} GB/s vs NVLink {r['nvlink_gbps']:.0f} GB/s); "
+                     "share of group g+1's input copies under group g's attention: "
+                     + ", ".join("-" if v is None else f"{v:.2f}" for v in ov))
         by = r["pipelined"].get("host_us_per_group_by_phase", {})
-        lines.append(
-            "host µs per pipelined group by phase (no profiler): "
-            + ", ".join(f"{k} {v:.0f}" for k, v in by.items())
-        )
+        lines.append("host µs per pipelined group by phase (no profiler): "
+                     + ", ".join(f"{k} {v:.0f}" for k, v in by.items()))
     return "\n".join(lines) + "\n"
 
 
@@ -416,11 +340,8 @@ def main(argv=None) -> int:
     p.add_argument("--groups", type=int, default=-1, help="-1: auto_groups's count")
     p.add_argument("--nvlink-gbps", type=float, default=NVLINK_GBPS)
     p.add_argument("--layers", type=int, default=3, help="layers per traced window")
-    p.add_argument(
-        "--cpu-ops",
-        action="store_true",
-        help="trace every host op too (the profiler's host cost slows the enqueue)",
-    )
+    p.add_argument("--cpu-ops", action="store_true",
+                   help="trace every host op too (the profiler's host cost slows the enqueue)")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     p.add_argument("--trace-dir", default="rehearsal-traces")
@@ -428,24 +349,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("ulysses_one_gpu: needs a CUDA GPU", file=sys.stderr)
         return 2
-    records = [
-        run(
-            args.world_size,
-            s,
-            args.heads,
-            args.groups,
-            args.nvlink_gbps,
-            args.trace_dir,
-            args.layers,
-            cpu_ops=args.cpu_ops,
-        )
-        for s in args.seq
-    ]
+    records = [run(args.world_size, s, args.heads, args.groups, args.nvlink_gbps,
+                   args.trace_dir, args.layers, cpu_ops=args.cpu_ops) for s in args.seq]
     from attncomm.bench import common
-
-    meta = common.meta(
-        "cuda", args.world_size, bench="ulysses-rehearsal", dtype="bf16", note=NOT_NVLINK
-    )
+    meta = common.meta("cuda", args.world_size, bench="ulysses-rehearsal", dtype="bf16",
+                       note=NOT_NVLINK)
     md = markdown(records, meta)
     print(md)
     if args.json:

@@ -3,7 +3,6 @@
 Run with TRITON_INTERPRET=1 (tests/test_ulysses_fill.py does this in a subprocess); prints one
 line per failing case and exits 1 if any failed. Seed: argv[1].
 """
-
 from __future__ import annotations
 
 import random
@@ -17,14 +16,14 @@ from attncomm.ulysses.layout import group_head_ranges, kv_head_range
 
 # (W, Hq, Hkv, D, B, S_r, dtype, norm, rope, layout of the inputs)
 CASES = [
-    (3, 7, 7, 16, 1, 5, torch.bfloat16, True, True, "dense"),  # uneven heads
-    (3, 8, 2, 16, 2, 4, torch.bfloat16, True, True, "dense"),  # GQA, Hkv < W
-    (4, 6, 1, 8, 1, 3, torch.float16, True, False, "transposed"),  # MQA, non-contiguous
-    (2, 4, 2, 32, 1, 6, torch.float32, False, True, "sliced"),  # RoPE only
+    (3, 7, 7, 16, 1, 5, torch.bfloat16, True, True, "dense"),        # uneven heads
+    (3, 8, 2, 16, 2, 4, torch.bfloat16, True, True, "dense"),        # GQA, Hkv < W
+    (4, 6, 1, 8, 1, 3, torch.float16, True, False, "transposed"),    # MQA, non-contiguous
+    (2, 4, 2, 32, 1, 6, torch.float32, False, True, "sliced"),       # RoPE only
     (2, 4, 4, 16, 2, 3, torch.bfloat16, False, False, "transposed"),  # plain pack
     (5, 12, 3, 8, 1, 7, torch.bfloat16, True, True, "sliced"),
-    (2, 3, 3, 2, 1, 0, torch.bfloat16, True, True, "dense"),  # empty shard
-    (3, 8, 2, 8, 1, 9, torch.float32, True, True, "dense"),  # fp32 norm + RoPE
+    (2, 3, 3, 2, 1, 0, torch.bfloat16, True, True, "dense"),          # empty shard
+    (3, 8, 2, 8, 1, 9, torch.float32, True, True, "dense"),           # fp32 norm + RoPE
 ]
 
 
@@ -32,7 +31,7 @@ def _make(g, shape, dtype, layout):
     b, s, h, d = shape
     if layout == "transposed":  # [B, H, S, D] storage seen as [B, S, H, D]
         return torch.randn((b, h, s, d), generator=g).to(dtype).transpose(1, 2)
-    if layout == "sliced":  # every other head of a wider tensor, last dim strided too
+    if layout == "sliced":      # every other head of a wider tensor, last dim strided too
         return torch.randn((b, s, 2 * h, 2 * d), generator=g).to(dtype)[:, :, ::2, ::2]
     return torch.randn(shape, generator=g).to(dtype)
 

@@ -2,7 +2,6 @@
 (bf16, norm + RoPE, D=128) with FMA contraction on and with the options ``fill_triton``
 launches it with. Needs no GPU, but a process without TRITON_INTERPRET
 (tests/test_ulysses_fill.py)."""
-
 from __future__ import annotations
 
 import json
@@ -13,52 +12,23 @@ from triton.compiler import ASTSource
 
 from attncomm.ulysses.fill import LAUNCH_OPTIONS, _kernel
 
-_PTRS = {
-    "x0": "*bf16",
-    "x1": "*bf16",
-    "x2": "*bf16",
-    "out_ptr": "*bf16",
-    "tbl_ptr": "*i64",
-    "w0": "*fp32",
-    "w1": "*fp32",
-    "w2": "*fp32",
-    "cos_ptr": "*fp32",
-    "sin_ptr": "*fp32",
-}
+_PTRS = {"x0": "*bf16", "x1": "*bf16", "x2": "*bf16", "out_ptr": "*bf16", "tbl_ptr": "*i64",
+         "w0": "*fp32", "w1": "*fp32", "w2": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
 
 
 def ptx(opts: dict) -> str:
     k = _kernel()
     names = k.arg_names
-    consts = dict(
-        HALF=64,
-        LEVELS=6,
-        BLOCK_S=16,
-        HB=4,
-        ANY_NORM=True,
-        ANY_ROPE=True,
-        ALIGNED=True,
-        ROPE_BCAST=True,
-    )
-    types = {
-        n: "constexpr" if n in consts else _PTRS.get(n, "fp32" if n == "eps" else "i32")
-        for n in names
-    }
-    src = ASTSource(
-        fn=k,
-        signature=types,
-        constexprs={(names.index(a),): v for a, v in consts.items()},
-        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in _PTRS},
-    )
+    consts = dict(HALF=64, LEVELS=6, BLOCK_S=16, HB=4, ANY_NORM=True, ANY_ROPE=True,
+                  ALIGNED=True, ROPE_BCAST=True)
+    types = {n: "constexpr" if n in consts else _PTRS.get(n, "fp32" if n == "eps" else "i32")
+             for n in names}
+    src = ASTSource(fn=k, signature=types,
+                    constexprs={(names.index(a),): v for a, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in _PTRS})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
 
 
 if __name__ == "__main__":
-    print(
-        json.dumps(
-            {
-                "fused": ptx(dict(LAUNCH_OPTIONS, enable_fp_fusion=True)),
-                "launched": ptx(LAUNCH_OPTIONS),
-            }
-        )
-    )
+    print(json.dumps({"fused": ptx(dict(LAUNCH_OPTIONS, enable_fp_fusion=True)),
+                      "launched": ptx(LAUNCH_OPTIONS)}))

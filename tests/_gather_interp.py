@@ -8,7 +8,6 @@ Checks, bitwise: rank 0's gathered ``OUT`` against ``rotate_tail`` then the gath
 stored into each peer's slab (rows, flags, LL tags, READY), the device epoch, both parity slots
 over consecutive calls, stale cells of the other slot, and the scrub at wrapping epochs.
 """
-
 from __future__ import annotations
 
 import sys
@@ -23,16 +22,16 @@ from attncomm.dcp.gather_symm_kernels import e4m3_kernel, plan_blocks
 def _aligned(nbytes: int) -> torch.Tensor:
     raw = torch.zeros(nbytes + 256, dtype=torch.uint8)
     off = (-raw.data_ptr()) % 256
-    return raw[off : off + nbytes]
+    return raw[off:off + nbytes]
 
 
 def _next_epoch(e: int) -> int:
-    e = (e + 1 + 2**31) % 2**32 - 2**31
+    e = (e + 1 + 2 ** 31) % 2 ** 32 - 2 ** 31
     return 2 if e == 0 else e
 
 
 def _scrubs(e: int) -> bool:
-    return (e >> 1) & (2**29 - 1) == 0
+    return (e >> 1) & (2 ** 29 - 1) == 0
 
 
 def _bits(t):
@@ -47,25 +46,24 @@ def _out(slab, layout, dtype):
 def _flags(slab, layout, slot, src):
     st = layout.kernel_strides
     base = st["f_base"] + (slot * layout.world_size + src) * st["f_cell"]
-    return slab.view(torch.int32)[base : base + st["f_cell"]]
+    return slab.view(torch.int32)[base:base + st["f_cell"]]
 
 
 def _ll(slab, layout, slot, src):
     st = layout.kernel_strides
     base = st["ll_base"] + (slot * layout.world_size + src) * st["ll_cell"]
-    return slab.view(torch.int64)[base : base + st["ll_cell"]]
+    return slab.view(torch.int64)[base:base + st["ll_cell"]]
 
 
 def _ready(slab, layout):
     st = layout.kernel_strides
-    return slab.view(torch.int32)[st["ready_base"] : st["ready_base"] + layout.world_size]
+    return slab.view(torch.int32)[st["ready_base"]:st["ready_base"] + layout.world_size]
 
 
 def _words(rows: torch.Tensor) -> torch.Tensor:
     """``[n, D]`` rows as int64 holding their 32-bit payload words (no tag)."""
-    return (
-        rows.contiguous().view(torch.int32).reshape(rows.shape[0], -1).to(torch.int64) & 0xFFFFFFFF
-    )
+    return rows.contiguous().view(torch.int32).reshape(rows.shape[0], -1).to(torch.int64) \
+        & 0xFFFFFFFF
 
 
 def _stage(slab, layout, e, src, rows, n_blocks, ll):
@@ -74,9 +72,9 @@ def _stage(slab, layout, e, src, rows, n_blocks, ll):
     T, hs, D = rows.shape
     if ll:
         w = _words(rows.reshape(T * hs, D))
-        _ll(slab, layout, e & 1, src)[: w.numel()] = (w | (e << 32)).reshape(-1)
+        _ll(slab, layout, e & 1, src)[:w.numel()] = (w | (e << 32)).reshape(-1)
     else:
-        _out(slab, layout, rows.dtype)[:T, src * hs : (src + 1) * hs] = rows
+        _out(slab, layout, rows.dtype)[:T, src * hs:(src + 1) * hs] = rows
         _flags(slab, layout, e & 1, src)[:n_blocks] = e
     _ready(slab, layout)[src] = e
 
@@ -88,12 +86,9 @@ def _make(gen, W, T, hs, D, R, dtype):
         q[:, -1, -1, 1] = float("-inf")
         q[0, 0, -1, 0] = -0.0
     if R and T:  # a negative NaN with a payload in a rotated dim: stored canonical
-        view, odd = {
-            torch.bfloat16: (torch.int16, -0x3F),
-            torch.float16: (torch.int16, -0x1FF),
-            torch.float32: (torch.int32, -0x3FFFFF),
-        }[dtype]
-        q[:, 0, 0, D - 1 :].view(view).fill_(odd)
+        view, odd = {torch.bfloat16: (torch.int16, -0x3F), torch.float16: (torch.int16, -0x1FF),
+                     torch.float32: (torch.int32, -0x3FFFFF)}[dtype]
+        q[:, 0, 0, D - 1:].view(view).fill_(odd)
     rope = None
     if R:
         ang = torch.rand(T, R // 2, generator=gen, dtype=torch.float64) * 30
@@ -115,35 +110,20 @@ def _rotated(q, rope, fp8, scale):
             x.copy_(q[r])
         else:
             rotate_tail(q[r], *rope, out=x)
-        outs.append(quantize_e4m3(x, scale[r * hs : (r + 1) * hs]).view(torch.uint8))
+        outs.append(quantize_e4m3(x, scale[r * hs:(r + 1) * hs]).view(torch.uint8))
     return torch.stack(outs)
 
 
-def run_case(
-    W,
-    hs,
-    D,
-    T,
-    max_tokens,
-    dtype,
-    R,
-    ll,
-    calls=2,
-    seed=0,
-    n_programs=3,
-    epoch0=0,
-    ordered=False,
-    fp8=False,
-):
+def run_case(W, hs, D, T, max_tokens, dtype, R, ll, calls=2, seed=0, n_programs=3, epoch0=0,
+             ordered=False, fp8=False):
     gen = torch.Generator().manual_seed(seed)
     H = W * hs
     scale = (torch.rand(H, generator=gen) + 0.05) / 60 if fp8 else None
     out_dtype = torch.uint8 if fp8 else dtype
     itemsize = torch.empty((), dtype=out_dtype).element_size()
     max_rows = max_tokens * hs
-    layout = GatherLayout(
-        W, max_tokens, H, D, itemsize, ll_rows_for(max_rows, D, itemsize) if ll else 0
-    )
+    layout = GatherLayout(W, max_tokens, H, D, itemsize,
+                          ll_rows_for(max_rows, D, itemsize) if ll else 0)
     n = T * hs
     assert use_ll(n, layout) == ll, (n, layout.ll_rows)
     slabs = [_aligned(layout.total_bytes) for _ in range(W)]
@@ -170,23 +150,10 @@ def run_case(
             _flags(slabs[0], layout, 1 - (call & 1), src).fill_(junk)
             _ll(slabs[0], layout, 1 - (call & 1), src).fill_(junk << 32)
         cos, sin = rope if rope is not None else (None, None)
-        launch_gather(
-            q[0].contiguous(),
-            cos,
-            sin,
-            slab=slabs[0],
-            delta_o=d_o,
-            delta_w=d_w,
-            delta_q=d_q,
-            state=state,
-            errors=errors,
-            rank=0,
-            layout=layout,
-            n_programs_max=n_programs,
-            timeout_ns=10**9,
-            ordered=ordered,
-            q_scale=scale,
-        )
+        launch_gather(q[0].contiguous(), cos, sin, slab=slabs[0], delta_o=d_o, delta_w=d_w,
+                      delta_q=d_q, state=state, errors=errors, rank=0, layout=layout,
+                      n_programs_max=n_programs, timeout_ns=10 ** 9, ordered=ordered,
+                      q_scale=scale)
         what = f"W={W} hs={hs} D={D} T={T} {dtype} R={R} ll={ll} fp8={fp8} epoch={call}"
         assert int(state[0]) == call and int(state[1]) == 0, (what, state)
         assert not bool(errors.any()), what
@@ -201,14 +168,13 @@ def run_case(
         for p in range(1, W):  # what rank 0 stored into peer p's slab
             assert int(_ready(slabs[p], layout)[0]) == call, f"{what}: READY not announced"
             if ll:
-                words = _ll(slabs[p], layout, call & 1, 0)[: n * layout.row_words]
+                words = _ll(slabs[p], layout, call & 1, 0)[:n * layout.row_words]
                 assert bool(((words >> 32) == call).all()), f"{what}: LL tags"
                 assert torch.equal(words & 0xFFFFFFFF, _words(mine).reshape(-1)), what
                 # LL sends no rows into the peer's OUT
                 peer_out = _out(slabs[p], layout, out_dtype)
-                assert bool(
-                    (peer_out == 0xA5).all() if fp8 else torch.isnan(peer_out.float()).all()
-                ), what
+                assert bool((peer_out == 0xA5).all() if fp8 else
+                            torch.isnan(peer_out.float()).all()), what
             else:
                 rows = _out(slabs[p], layout, out_dtype)[:T, 0:hs]
                 assert torch.equal(_bits(rows), _bits(rot[0])), f"{what}: rows sent to {p}"
@@ -233,10 +199,10 @@ CASES = [
     (2, 2, 72, 4, 4, torch.bfloat16, 64, False),  # MLA-like tail: D = 8 + 64
     (2, 2, 6, 3, 3, torch.bfloat16, 6, True),  # odd words per row (D·2/4 = 3)
     # the int32 epoch wraps from 2**31 - 1 to -2**31 and skips 0; scrub epochs
-    (2, 2, 8, 3, 3, torch.bfloat16, 4, False, 3, 1, 3, 2**31 - 2),
+    (2, 2, 8, 3, 3, torch.bfloat16, 4, False, 3, 1, 3, 2 ** 31 - 2),
     (2, 2, 8, 3, 3, torch.float16, 4, True, 3, 2, 3, -2),
-    (3, 2, 16, 4, 4, torch.float16, 0, False, 3, 5, 3, 2**30 - 2),
-    (3, 2, 16, 4, 4, torch.float16, 8, True, 3, 6, 3, 2**30 - 2),
+    (3, 2, 16, 4, 4, torch.float16, 0, False, 3, 5, 3, 2 ** 30 - 2),
+    (3, 2, 16, 4, 4, torch.float16, 8, True, 3, 6, 3, 2 ** 30 - 2),
 ]
 
 
@@ -258,9 +224,8 @@ def run_backend_w1() -> None:
     try:
         mod.SymmWorkspace = _FakeWorkspace
         capability._override_probe(lambda group, device: None)
-        g = DcpQueryGather(
-            max_tokens=5, num_heads=3, head_dim=16, dtype=torch.bfloat16, backend="symm", rope_dim=4
-        )
+        g = DcpQueryGather(max_tokens=5, num_heads=3, head_dim=16, dtype=torch.bfloat16,
+                           backend="symm", rope_dim=4)
         assert g.backend == "symm", g.backend
         ws = g._impl.ws
         epoch0 = int(ws.state[0])
@@ -279,16 +244,9 @@ def run_backend_w1() -> None:
         except PeerTimeoutError as exc:
             assert exc.peer_ranks == [0], exc
         scale = torch.rand(3, generator=gen) / 50 + 0.01
-        g8 = DcpQueryGather(
-            max_tokens=5,
-            num_heads=3,
-            head_dim=16,
-            dtype=torch.bfloat16,
-            backend="symm",
-            rope_dim=4,
-            out_dtype=torch.float8_e4m3fn,
-            q_scale=scale,
-        )
+        g8 = DcpQueryGather(max_tokens=5, num_heads=3, head_dim=16, dtype=torch.bfloat16,
+                            backend="symm", rope_dim=4, out_dtype=torch.float8_e4m3fn,
+                            q_scale=scale)
         assert g8.backend == "symm" and g8.out_dtype == torch.float8_e4m3fn
         for T in (1, 5, 0):
             q, (cos, sin) = _make(gen, 1, T, 3, 16, 4, torch.bfloat16)
@@ -331,16 +289,15 @@ def run_e4m3() -> None:
     a = (hi[:, None] | low[None, :]).reshape(-1)
     b = torch.arange(120 << 23, 121 << 23, dtype=torch.int64)
     pats = torch.cat((a, b, b | (1 << 31)))
-    x = ((pats + 2**31) % 2**32 - 2**31).to(torch.int32).view(torch.float32)
+    x = ((pats + 2 ** 31) % 2 ** 32 - 2 ** 31).to(torch.int32).view(torch.float32)
     n = x.numel()
     got = torch.empty(n, dtype=torch.uint8)
     block = 1 << 20
     e4m3_kernel[(-(-n // block),)](x, got, n, BLOCK=block)
     want = quantize_e4m3(x.view(1, 1, n), torch.ones(1)).view(torch.uint8).view(n)
     bad = (got != want).nonzero()[:, 0]
-    assert bad.numel() == 0, [
-        (hex(int(pats[i]) & 0xFFFFFFFF), int(got[i]), int(want[i])) for i in bad[:8]
-    ]
+    assert bad.numel() == 0, [(hex(int(pats[i]) & 0xFFFFFFFF), int(got[i]), int(want[i]))
+                              for i in bad[:8]]
 
 
 def main() -> int:

@@ -3,7 +3,6 @@
 launcher compiles them
 (``enable_fp_fusion=False``). Needs no GPU (Triton's own ptxas), but a process without
 TRITON_INTERPRET (tests/test_gather_symm_cpu.py runs it)."""
-
 from __future__ import annotations
 
 import json
@@ -15,20 +14,10 @@ from triton.compiler import ASTSource
 
 import attncomm.dcp.gather_symm_kernels as kern
 
-_PTR_TYPES = {
-    "q_ptr": "*bf16",
-    "cos_ptr": "*fp32",
-    "sin_ptr": "*fp32",
-    "scale_ptr": "*fp32",
-    "slab_o": "*bf16",
-    "slab_w": "*i32",
-    "slab_q": "*i64",
-    "delta_o": "*i64",
-    "delta_w": "*i64",
-    "delta_q": "*i64",
-    "state_ptr": "*i64",
-    "err_ptr": "*i32",
-}
+_PTR_TYPES = {"q_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "scale_ptr": "*fp32",
+              "slab_o": "*bf16",
+              "slab_w": "*i32", "slab_q": "*i64", "delta_o": "*i64", "delta_w": "*i64",
+              "delta_q": "*i64", "state_ptr": "*i64", "err_ptr": "*i32"}
 _DIV16 = ("H", "D", "f_base", "f_cell", "ll_base", "ll_cell", "ready_base")
 
 
@@ -37,29 +26,23 @@ def sm90_ptx(kernel, consts: dict, num_warps: int) -> str:
     ptrs = dict(_PTR_TYPES, slab_o="*u8") if consts.get("FP8") else _PTR_TYPES
     types = {n: ("constexpr" if n in consts else ptrs.get(n, "i32")) for n in names}
     div16 = [n for n in names if n in ptrs or n in _DIV16]
-    src = ASTSource(
-        fn=kernel,
-        signature=types,
-        constexprs={(names.index(k),): v for k, v in consts.items()},
-        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div16},
-    )
-    return triton.compile(
-        src,
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps, "enable_fp_fusion": False},
-    ).asm["ptx"]
+    src = ASTSource(fn=kernel, signature=types,
+                    constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div16})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps,
+                                   "enable_fp_fusion": False}).asm["ptx"]
 
 
 def main() -> int:
     flag = dict(RANK=0, W=2, BR=32, BD=1024, ROT=True)
     ll = dict(RANK=1, W=3, BR=4, BW=512, ROT=True)
-    out = {
-        "flag": sm90_ptx(kern.gather_flag_kernel, dict(flag, ORDERED=False, FP8=False), 16),
-        "flag_ordered": sm90_ptx(kern.gather_flag_kernel, dict(flag, ORDERED=True, FP8=False), 16),
-        "ll": sm90_ptx(kern.gather_ll_kernel, dict(ll, PACK=2, FP8=False), 4),
-        "flag_fp8": sm90_ptx(kern.gather_flag_kernel, dict(flag, ORDERED=False, FP8=True), 16),
-        "ll_fp8": sm90_ptx(kern.gather_ll_kernel, dict(ll, BW=256, PACK=4, FP8=True), 4),
-    }
+    out = {"flag": sm90_ptx(kern.gather_flag_kernel, dict(flag, ORDERED=False, FP8=False), 16),
+           "flag_ordered": sm90_ptx(kern.gather_flag_kernel, dict(flag, ORDERED=True, FP8=False),
+                                    16),
+           "ll": sm90_ptx(kern.gather_ll_kernel, dict(ll, PACK=2, FP8=False), 4),
+           "flag_fp8": sm90_ptx(kern.gather_flag_kernel, dict(flag, ORDERED=False, FP8=True), 16),
+           "ll_fp8": sm90_ptx(kern.gather_ll_kernel, dict(ll, BW=256, PACK=4, FP8=True), 4)}
     print(json.dumps(out))
     return 0
 

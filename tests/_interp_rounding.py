@@ -4,7 +4,6 @@ Triton 3.6's interpreter truncates that cast (``cast_impl`` passes no rounding m
 RTNE branch rounds ties up), so a kernel that is bitwise equal to torch on the GPU would differ
 in the last bit under ``TRITON_INTERPRET=1``. Import this before launching kernels there.
 """
-
 from __future__ import annotations
 
 import numpy as np

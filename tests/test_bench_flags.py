@@ -1,6 +1,5 @@
 """The three ``attncomm bench`` commands share one scaffold: the same common options, with the
 same defaults, and a help text for every option."""
-
 from __future__ import annotations
 
 import argparse
@@ -15,15 +14,8 @@ from attncomm.dp_attention import bench as dp_bench
 from attncomm.ulysses import bench as ulysses_bench
 
 BENCHES = {"dcp": dcp_bench, "ulysses": ulysses_bench, "dp-sync": dp_bench}
-COMMON = (
-    "--world-size",
-    "--device",
-    "--backends",
-    "--json",
-    "--markdown",
-    "--plot",
-    "--no-progress",
-)
+COMMON = ("--world-size", "--device", "--backends", "--json", "--markdown", "--plot",
+          "--no-progress")
 
 
 def _parser(mod) -> argparse.ArgumentParser:
@@ -39,9 +31,8 @@ def _options(p):
 @pytest.mark.parametrize("name", list(BENCHES))
 def test_every_option_has_help(name):
     p = _parser(BENCHES[name])
-    missing = [
-        a.option_strings for a in p._actions if a.option_strings and not (a.help and a.help.strip())
-    ]
+    missing = [a.option_strings for a in p._actions
+               if a.option_strings and not (a.help and a.help.strip())]
     assert not missing, f"bench {name}: options without help: {missing}"
 
 
@@ -52,12 +43,8 @@ def test_common_options_agree():
         for n, p in parsers.items():
             a = _options(p).get(opt)
             assert a is not None, f"bench {n} has no {opt}"
-            seen[n] = (
-                a.default,
-                a.nargs,
-                type(a).__name__,
-                a.choices if opt != "--backends" else None,
-            )
+            seen[n] = (a.default, a.nargs, type(a).__name__, a.choices if opt != "--backends"
+                       else None)
         assert len(set(seen.values())) == 1, f"{opt} differs: {seen}"
     for n, p in parsers.items():
         args = p.parse_args([])
@@ -70,10 +57,8 @@ def test_backends_are_space_separated_and_checked(capsys):
     # the older spelling and commas keep working
     assert p.parse_args(["--transports", "all_to_all,ce"]).backends == ["all_to_all", "ce"]
     assert _parser(dp_bench).parse_args(["--syncs", "shm", "cpu"]).backends == ["shm", "cpu"]
-    assert _parser(dcp_bench).parse_args(["--backends", "a2a", "ag_rs"]).backends == [
-        "a2a",
-        "ag_rs",
-    ]
+    assert _parser(dcp_bench).parse_args(["--backends", "a2a", "ag_rs"]).backends == \
+        ["a2a", "ag_rs"]
     with pytest.raises(SystemExit) as info:
         p.parse_args(["--backends", "nccl"])
     assert info.value.code == 2 and "'nccl' is not one of all_to_all ce" in capsys.readouterr().err
@@ -82,33 +67,18 @@ def test_backends_are_space_separated_and_checked(capsys):
 def test_cli_wires_the_benches():
     parser = cli.build_parser()
     for name in BENCHES:
-        args = parser.parse_args(
-            [
-                "bench",
-                name,
-                "--device",
-                "cpu",
-                "--backends",
-                {"dcp": "a2a", "ulysses": "all_to_all", "dp-sync": "cpu"}[name],
-            ]
-        )
+        args = parser.parse_args(["bench", name, "--device", "cpu", "--backends",
+                                  {"dcp": "a2a", "ulysses": "all_to_all", "dp-sync": "cpu"}[name]])
         assert args._main == cli._BENCHES[name]
 
 
 def test_emit_writes_what_was_asked(tmp_path, capsys):
-    args = argparse.Namespace(
-        json=str(tmp_path / "a" / "r.json"), markdown=str(tmp_path / "b" / "r.md"), plot=None
-    )
-    rep = report.emit(
-        args,
-        report.Report(
-            meta={"device": "cpu"}, records=[{"x": 1}], markdown="# title", plot={"series": {}}
-        ),
-    )
+    args = argparse.Namespace(json=str(tmp_path / "a" / "r.json"),
+                              markdown=str(tmp_path / "b" / "r.md"), plot=None)
+    rep = report.emit(args, report.Report(meta={"device": "cpu"}, records=[{"x": 1}],
+                                          markdown="# title", plot={"series": {}}))
     assert json.loads((tmp_path / "a" / "r.json").read_text()) == {
-        "meta": {"device": "cpu"},
-        "records": [{"x": 1}],
-    }
+        "meta": {"device": "cpu"}, "records": [{"x": 1}]}
     assert (tmp_path / "b" / "r.md").read_text() == "# title\n"
     assert rep.written == [args.json, args.markdown]
     assert capsys.readouterr().out.count("wrote ") == 2

@@ -1,5 +1,4 @@
 """config.py's table is the one place ``ATTNCOMM_*`` variables are defined and read."""
-
 from __future__ import annotations
 
 import ast
@@ -24,15 +23,14 @@ def test_every_name_in_the_package_is_in_the_table():
     for path in _sources():
         for m in _NAME.finditer(path.read_text()):
             # a trailing "_" is a prefix (config.overrides("ATTNCOMM_SYMM_")), not a name
-            if m.group(0) not in config.VARS and path.read_text()[m.end() : m.end() + 1] != "_":
+            if m.group(0) not in config.VARS and path.read_text()[m.end():m.end() + 1] != "_":
                 missing.setdefault(m.group(0), str(path.relative_to(ROOT)))
     assert not missing, f"ATTNCOMM_* names missing from config.VARS: {missing}"
 
 
 def _is_environ(node) -> bool:
     return (isinstance(node, ast.Attribute) and node.attr == "environ") or (
-        isinstance(node, ast.Name) and node.id == "environ"
-    )
+        isinstance(node, ast.Name) and node.id == "environ")
 
 
 def _environ_reads(tree) -> list[ast.AST]:
@@ -42,26 +40,17 @@ def _environ_reads(tree) -> list[ast.AST]:
     are allowed."""
     out = []
     for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.Subscript)
-            and _is_environ(node.value)
-            and isinstance(node.ctx, ast.Load)
-        ):
+        if isinstance(node, ast.Subscript) and _is_environ(node.value) and isinstance(
+                node.ctx, ast.Load):
             out.append(node)
         elif isinstance(node, ast.Call):
             f = node.func
-            if (
-                isinstance(f, ast.Attribute)
-                and _is_environ(f.value)
-                and f.attr in ("get", "items", "keys", "values", "copy")
-            ):
+            if isinstance(f, ast.Attribute) and _is_environ(f.value) and f.attr in (
+                    "get", "items", "keys", "values", "copy"):
                 out.append(node)
             elif (isinstance(f, ast.Attribute) and f.attr == "getenv") or (
-                isinstance(f, ast.Name)
-                and f.id in ("getenv", "dict")
-                and node.args
-                and _is_environ(node.args[0])
-            ):
+                    isinstance(f, ast.Name) and f.id in ("getenv", "dict")
+                    and node.args and _is_environ(node.args[0])):
                 out.append(node)
         elif isinstance(node, ast.Compare) and any(_is_environ(c) for c in node.comparators):
             out.append(node)
@@ -69,21 +58,13 @@ def _environ_reads(tree) -> list[ast.AST]:
 
 
 def _mentions_attncomm(node) -> bool:
-    return any(
-        isinstance(s, ast.Constant) and isinstance(s.value, str) and "ATTNCOMM" in s.value
-        for s in ast.walk(node)
-    )
+    return any(isinstance(s, ast.Constant) and isinstance(s.value, str) and "ATTNCOMM" in s.value
+               for s in ast.walk(node))
 
 
 def _wholesale(node) -> bool:
-    return not (
-        isinstance(node, ast.Subscript)
-        or (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr in ("get", "getenv")
-        )
-    )
+    return not (isinstance(node, ast.Subscript) or (isinstance(node, ast.Call) and isinstance(
+        node.func, ast.Attribute) and node.func.attr in ("get", "getenv")))
 
 
 def test_only_config_reads_attncomm_variables():
@@ -99,22 +80,14 @@ def test_only_config_reads_attncomm_variables():
 
 
 def test_the_checker_sees_an_environ_read():
-    reads = (
-        'x = os.environ.get("ATTNCOMM_X", "1")',
-        'x = os.environ["ATTNCOMM_X"]',
-        'x = os.getenv("ATTNCOMM_X")',
-        'x = "ATTNCOMM_X" in os.environ',
-        "x = {k: v for k, v in os.environ.items()}",
-    )
+    reads = ('x = os.environ.get("ATTNCOMM_X", "1")', 'x = os.environ["ATTNCOMM_X"]',
+             'x = os.getenv("ATTNCOMM_X")', 'x = "ATTNCOMM_X" in os.environ',
+             'x = {k: v for k, v in os.environ.items()}')
     for src in reads:
         nodes = _environ_reads(ast.parse(src))
         assert nodes and (_mentions_attncomm(nodes[0]) or _wholesale(nodes[0])), src
-    for src in (
-        'os.environ["ATTNCOMM_X"] = "1"',
-        'os.environ.pop("ATTNCOMM_X", None)',
-        'x = config.get("ATTNCOMM_X")',
-        'x = os.environ.get("TRITON_INTERPRET")',
-    ):
+    for src in ('os.environ["ATTNCOMM_X"] = "1"', 'os.environ.pop("ATTNCOMM_X", None)',
+                'x = config.get("ATTNCOMM_X")', 'x = os.environ.get("TRITON_INTERPRET")'):
         nodes = _environ_reads(ast.parse(src))
         assert not any(_mentions_attncomm(n) or _wholesale(n) for n in nodes), src
 
@@ -133,9 +106,8 @@ def test_table_rows_are_well_formed():
 def test_public_variables_are_documented():
     docs = (ROOT / "README.md").read_text() + (ROOT / "docs" / "API.md").read_text()
     undocumented = [n for n, v in config.VARS.items() if v.public and n not in docs]
-    assert not undocumented, (
-        f"public ATTNCOMM_* variables missing from README/API.md: {undocumented}"
-    )
+    assert not undocumented, f"public ATTNCOMM_* variables missing from README/API.md: " \
+                             f"{undocumented}"
 
 
 def test_get_parses_each_type(monkeypatch):
@@ -156,17 +128,14 @@ def test_get_parses_each_type(monkeypatch):
     assert config.raw("ATTNCOMM_COMBINE_IMPL") == "torch"
 
 
-@pytest.mark.parametrize(
-    "name, text, words",
-    [
-        ("ATTNCOMM_SYMM_MAX_WARPS", "many", "is not an integer"),
-        ("ATTNCOMM_SYMM_MAX_WARPS", "0", "below its minimum"),
-        ("ATTNCOMM_TIMEOUT_S", "soon", "is not a number"),
-        ("ATTNCOMM_SYMM_PDL", "2", "expected one of"),
-        ("ATTNCOMM_COMBINE_IMPL", "cuda", "is not one of"),
-        ("ATTNCOMM_ULYSSES_CE_FLAGS", "fast", "is not one of"),
-    ],
-)
+@pytest.mark.parametrize("name, text, words", [
+    ("ATTNCOMM_SYMM_MAX_WARPS", "many", "is not an integer"),
+    ("ATTNCOMM_SYMM_MAX_WARPS", "0", "below its minimum"),
+    ("ATTNCOMM_TIMEOUT_S", "soon", "is not a number"),
+    ("ATTNCOMM_SYMM_PDL", "2", "expected one of"),
+    ("ATTNCOMM_COMBINE_IMPL", "cuda", "is not one of"),
+    ("ATTNCOMM_ULYSSES_CE_FLAGS", "fast", "is not one of"),
+])
 def test_get_rejects_bad_text_naming_it(monkeypatch, name, text, words):
     monkeypatch.setenv(name, text)
     with pytest.raises(ValueError) as info:

@@ -1,6 +1,5 @@
 """DCP merge: merge_states against an fp64 formula; merge/DcpMerger for every CPU backend on gloo
 ranks (W = 1..4); the Triton combine kernels under the interpreter; bad inputs on every rank."""
-
 from __future__ import annotations
 
 import math
@@ -67,7 +66,6 @@ def assert_close_to_ref(got_out, got_lse, ref_out, ref_lse, dtype, what):
 # ---------------------------------------------------------------------------------------------
 # single process
 # ---------------------------------------------------------------------------------------------
-
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("spread", [1.0, 1e4])
@@ -144,7 +142,6 @@ def test_triton_combine_kernels_match_torch_path(dtype, monkeypatch):
 # on gloo ranks
 # ---------------------------------------------------------------------------------------------
 
-
 def _merge_sweep(rank, W, seed, impl):
     """Every backend × dtype × T × H × D on this world; returns a list of failures (strings)."""
     if impl:
@@ -166,23 +163,16 @@ def _merge_sweep(rank, W, seed, impl):
             base2 = case % 3 == 0 and spread < 1e3
             lses_in = (lses / math.log(2)).double() * math.log(2) if base2 else lses
             ref_out, ref_lse = ref_merge(outs, lses_in)
-            ref_out, ref_lse = (
-                ref_out[:, rank * hs : (rank + 1) * hs],
-                ref_lse[:, rank * hs : (rank + 1) * hs],
-            )
+            ref_out, ref_lse = ref_out[:, rank * hs:(rank + 1) * hs], ref_lse[:, rank * hs:
+                                                                             (rank + 1) * hs]
             mine_out, mine_lse = outs[rank].clone(), lses[rank].clone()
             before = (bits(mine_out).clone(), bits(mine_lse).clone())
             results = {}
             for backend in BACKENDS:
                 lse_in = mine_lse / math.log(2) if base2 else mine_lse
                 try:
-                    o, l = dcp.merge(
-                        mine_out,
-                        lse_in,
-                        backend=backend,
-                        return_lse=True,
-                        lse_base="2" if base2 else "e",
-                    )
+                    o, l = dcp.merge(mine_out, lse_in, backend=backend, return_lse=True,
+                                     lse_base="2" if base2 else "e")
                     if base2:
                         l = l * math.log(2)
                     assert o.shape == (T, hs, D) and l.shape == (T, hs)
@@ -191,17 +181,12 @@ def _merge_sweep(rank, W, seed, impl):
                     assert torch.equal(bits(mine_lse), before[1]), "lse was modified"
                     results[backend] = o
                 except AssertionError as exc:
-                    failures.append(
-                        f"W={W} rank={rank} {backend} {dtype} T={T} H={H} D={D} "
-                        f"seed={seed + case}: {exc}"
-                    )
+                    failures.append(f"W={W} rank={rank} {backend} {dtype} T={T} H={H} D={D} "
+                                    f"seed={seed + case}: {exc}")
             vals = list(results.values())
             for other in vals[1:]:  # every backend agrees with every other
-                if (
-                    other.numel()
-                    and (other.double() - vals[0].double()).abs().max()
-                    > 4 * TOL[dtype] * max(1.0, float(ref_out.abs().amax())) * 2
-                ):
+                if other.numel() and (other.double() - vals[0].double()).abs().max() > \
+                        4 * TOL[dtype] * max(1.0, float(ref_out.abs().amax())) * 2:
                     failures.append(f"W={W} backends disagree at {dtype} T={T} H={H} D={D}")
     os.environ.pop("ATTNCOMM_COMBINE_IMPL", None)
     return failures
@@ -227,14 +212,8 @@ def _merger_calls(rank, W, seed):
     H, D = 2 * W, 16
     failures = []
     for backend in ("ag_rs", "a2a", "reference", "auto"):
-        merger = dcp.DcpMerger(
-            max_tokens=20,
-            num_heads=H,
-            head_dim=D,
-            dtype=torch.bfloat16,
-            backend=backend,
-            lse_base="2",
-        )
+        merger = dcp.DcpMerger(max_tokens=20, num_heads=H, head_dim=D, dtype=torch.bfloat16,
+                               backend=backend, lse_base="2")
         if merger.backend == "symm_a2a" or (backend != "auto" and merger.backend != backend):
             failures.append(f"{backend}: merger.backend={merger.backend}")
         if merger.fallback_reason is None and backend == "auto":
@@ -244,11 +223,8 @@ def _merger_calls(rank, W, seed):
             ref_out, _ = ref_merge(outs, lses)
             hs = H // W
             o = merger(outs[rank], lses[rank] / math.log(2))
-            err = (
-                (o.double() - ref_out[:, rank * hs : (rank + 1) * hs]).abs().max().item()
-                if T
-                else 0.0
-            )
+            err = (o.double() - ref_out[:, rank * hs:(rank + 1) * hs]).abs().max().item() \
+                if T else 0.0
             if o.shape != (T, hs, D) or err > 0.05:
                 failures.append(f"{backend} T={T}: shape {tuple(o.shape)} err {err}")
         try:
@@ -272,23 +248,20 @@ def _bad_inputs(rank, W):
     T, H, D = 4, 2 * W, 8
     good = (torch.randn(T, H, D), torch.randn(T, H))
     cases = {
-        "H not divisible": lambda: dcp.merge(
-            torch.randn(T, 2 * W + 1, D), torch.randn(T, 2 * W + 1)
-        ),
-        "lse shape on rank 0 only": lambda: dcp.merge(good[0], torch.randn(T + (rank == 0), H)),
+        "H not divisible": lambda: dcp.merge(torch.randn(T, 2 * W + 1, D),
+                                             torch.randn(T, 2 * W + 1)),
+        "lse shape on rank 0 only": lambda: dcp.merge(
+            good[0], torch.randn(T + (rank == 0), H)),
         "int dtype": lambda: dcp.merge(good[0].to(torch.int32), good[1]),
         "unknown backend": lambda: dcp.merge(*good, backend="nope"),
         "bad base": lambda: dcp.merge(*good, lse_base="10"),
-        "T differs across ranks": lambda: dcp.merge(
-            torch.randn(T + rank, H, D), torch.randn(T + rank, H)
-        ),
+        "T differs across ranks": lambda: dcp.merge(torch.randn(T + rank, H, D),
+                                                    torch.randn(T + rank, H)),
         "symm_a2a on CPU": lambda: dcp.merge(*good, backend="symm_a2a"),
-        "merger H not divisible": lambda: dcp.DcpMerger(
-            max_tokens=4, num_heads=2 * W + 1, head_dim=8, dtype=torch.float32
-        ),
-        "merger max_tokens=0": lambda: dcp.DcpMerger(
-            max_tokens=0, num_heads=H, head_dim=8, dtype=torch.float32
-        ),
+        "merger H not divisible": lambda: dcp.DcpMerger(max_tokens=4, num_heads=2 * W + 1,
+                                                        head_dim=8, dtype=torch.float32),
+        "merger max_tokens=0": lambda: dcp.DcpMerger(max_tokens=0, num_heads=H, head_dim=8,
+                                                     dtype=torch.float32),
     }
     if W == 1:  # these are errors only across several ranks
         for k in ("H not divisible", "T differs across ranks", "merger H not divisible"):

@@ -1,7 +1,6 @@
 """DcpAttention on gloo ranks (W = 1..4): head-sharded queries gathered (with RoPE on the last
 R dims), attention over an interleaved KV shard, merged — against attention over the whole KV
 cache in one process (fp64), empty shards included."""
-
 from __future__ import annotations
 
 import random
@@ -34,26 +33,15 @@ def _case(seed, W, T, hs, D, Dv, R, S, dtype):
 
 def _run(rank, W, seed):
     failures = []
-    for i, (T, hs, D, Dv, R, S, dtype) in enumerate(
-        [
-            (3, 2, 24, 16, 8, 13, torch.float32),
-            (1, 1, 72, 64, 64, 5, torch.float32),
-            (4, 3, 16, 16, 0, 2, torch.bfloat16),
-            (0, 2, 8, 8, 4, 3, torch.float32),
-        ]
-    ):
+    for i, (T, hs, D, Dv, R, S, dtype) in enumerate([
+            (3, 2, 24, 16, 8, 13, torch.float32), (1, 1, 72, 64, 64, 5, torch.float32),
+            (4, 3, 16, 16, 0, 2, torch.bfloat16), (0, 2, 8, 8, 4, 3, torch.float32)]):
         q, k, v, rope = _case(seed + i, W, T, hs, D, Dv, R or 2, S, dtype)
-        scale = D**-0.5
+        scale = D ** -0.5
         local = dcp.shard_kv_interleaved(S, W, rank)
-        layer = dcp.DcpAttention(
-            lambda qa, kl, vl: _partial(qa, kl, vl, scale),
-            max_tokens=max(T, 1),
-            num_heads=hs * W,
-            head_dim=D,
-            dtype=dtype,
-            v_head_dim=Dv,
-            rope_dim=R,
-        )
+        layer = dcp.DcpAttention(lambda qa, kl, vl: _partial(qa, kl, vl, scale),
+                                 max_tokens=max(T, 1), num_heads=hs * W, head_dim=D,
+                                 dtype=dtype, v_head_dim=Dv, rope_dim=R)
         sl = slice(rank * hs, (rank + 1) * hs)
         got = layer(q[:, sl].contiguous(), k[local], v[local], rope=rope if R else None)
         # one process, fp64: rotate (the documented fp32 rotation), attend over every key
@@ -68,13 +56,8 @@ def _run(rank, W, seed):
             failures.append(f"{what}: err {(got.double() - ref).abs().max().item()}")
         if layer.backends != ("all_gather", layer.merger.backend):
             failures.append(f"{what}: backends {layer.backends}")
-    bad = dcp.DcpAttention(
-        lambda qa: (qa[:, :1], qa[..., 0].float()),
-        max_tokens=2,
-        num_heads=2 * W,
-        head_dim=8,
-        dtype=torch.float32,
-    )
+    bad = dcp.DcpAttention(lambda qa: (qa[:, :1], qa[..., 0].float()), max_tokens=2,
+                           num_heads=2 * W, head_dim=8, dtype=torch.float32)
     try:
         bad(torch.randn(2, 2, 8))
         failures.append("attn_fn returning [T, 1, D] was accepted")

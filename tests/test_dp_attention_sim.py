@@ -1,6 +1,5 @@
 """The DP-attention scheduler simulation (200 steps), its checks failing loudly, the dp-sync
 bench on CPU ranks, and the demo mode's registration."""
-
 from __future__ import annotations
 
 import argparse
@@ -12,28 +11,15 @@ import pytest
 import torch
 
 from attncomm.dp_attention import DpPaddingMode
-from attncomm.demo.dp_simulate import (
-    SimConfig,
-    SimulationError,
-    _check_decisions,
-    _check_slots,
-    default_tokens,
-    simulate_rank,
-    summarize,
-)
+from attncomm.demo.dp_simulate import (SimConfig, SimulationError, _check_decisions,
+                                            _check_slots, default_tokens, simulate_rank,
+                                            summarize)
 
 
 @pytest.mark.parametrize("world,atp,sync", [(2, 1, "cpu"), (4, 2, "shm"), (3, 1, "device")])
 def test_simulation_200_steps(pools, world, atp, sync):
-    cfg = SimConfig(
-        steps=200,
-        attn_tp_size=atp,
-        sync=sync,
-        seed=random.randrange(1 << 20),
-        hidden=32,
-        ffn=64,
-        timeout_s=60,
-    )
+    cfg = SimConfig(steps=200, attn_tp_size=atp, sync=sync, seed=random.randrange(1 << 20),
+                    hidden=32, ffn=64, timeout_s=60)
     res = pools.run(world, simulate_rank, cfg)
     s = summarize(res)
     counts = s["counts"]
@@ -52,11 +38,11 @@ def test_checks_fail_loudly():
     good = [[0, 1, 0, 1, 1, 8, 3, 0, 3, 5], [0, 1, 0, 1, 1, 8, 5, 0, 3, 5]]
     _check_decisions(good, 7, 1)
     bad = [list(good[0]), list(good[1])]
-    bad[1][5] = 16  # a different graph size on rank 1
+    bad[1][5] = 16                                     # a different graph size on rank 1
     with pytest.raises(SimulationError, match="step 7: ranks decided differently"):
         _check_decisions(bad, 7, 1)
     bad = [list(good[0]), list(good[1])]
-    bad[1][6] = 4  # rank 1 really had 4 tokens
+    bad[1][6] = 4                                      # rank 1 really had 4 tokens
     with pytest.raises(SimulationError, match=r"counts \[3, 5\] != .* \[3, 4\]"):
         _check_decisions(bad, 7, 1)
     tokens = default_tokens(3, 8, torch.float32, "cpu")
@@ -74,34 +60,10 @@ def test_bench_dp_sync_smoke(tmp_path):
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
     out = tmp_path / "dp.json"
-    args = p.parse_args(
-        [
-            "--device",
-            "cpu",
-            "--world-size",
-            "2",
-            "--steps",
-            "60",
-            "--block",
-            "20",
-            "--hidden",
-            "64",
-            "--tokens",
-            "1",
-            "3",
-            "--iters",
-            "2",
-            "--warmup",
-            "1",
-            "--json",
-            str(out),
-            "--no-progress",
-            "--markdown",
-            str(tmp_path / "dp.md"),
-            "--plot",
-            str(tmp_path / "dp.png"),
-        ]
-    )
+    args = p.parse_args(["--device", "cpu", "--world-size", "2", "--steps", "60", "--block",
+                         "20", "--hidden", "64", "--tokens", "1", "3", "--iters", "2",
+                         "--warmup", "1", "--json", str(out), "--no-progress",
+                         "--markdown", str(tmp_path / "dp.md"), "--plot", str(tmp_path / "dp.png")])
     assert bench.main(args) == 0
     doc = json.loads(out.read_text())
     syncs = [r for r in doc["records"] if "sync" in r]
@@ -109,11 +71,8 @@ def test_bench_dp_sync_smoke(tmp_path):
     assert sorted(r["sync"] for r in syncs) == ["cpu", "device", "shm"]
     assert len(ops) == 2 * 2 * 3
     assert {(r["op"], r["mode"], r["tokens"]) for r in ops} == {
-        (o, m, t)
-        for o in ("dp_gather", "dp_scatter", "dp_reduce_scatter")
-        for m in ("MAX_LEN", "SUM_LEN")
-        for t in (1, 3)
-    }
+        (o, m, t) for o in ("dp_gather", "dp_scatter", "dp_reduce_scatter")
+        for m in ("MAX_LEN", "SUM_LEN") for t in (1, 3)}
     for r in syncs:
         assert r["world_size"] == 2 and math.isfinite(r["sync_us"]) and r["sync_us"] > 0
         assert math.isfinite(r["exchange_us"]) and r["exchange_us"] > 0

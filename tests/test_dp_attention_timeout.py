@@ -3,7 +3,6 @@ timeout (shm and cpu paths), and the shared-memory segment never outlives its se
 
 Fresh ranks (``attncomm.launch``) per test: a group that saw a timeout may be broken afterwards.
 """
-
 from __future__ import annotations
 
 import glob
@@ -22,15 +21,10 @@ def _segments(pid):
 
 
 def _step(rank, world, sync, timeout_s=None):
-    return prepare_mlp_sync_batch(
-        BatchView(ForwardMode.DECODE, batch_size=rank + 1),
-        dp_size=world,
-        attn_tp_size=1,
-        group=None,
-        get_idle_batch=lambda: BatchView(ForwardMode.IDLE),
-        sync=sync,
-        timeout_s=timeout_s,
-    )[1].global_num_tokens
+    return prepare_mlp_sync_batch(BatchView(ForwardMode.DECODE, batch_size=rank + 1),
+                                  dp_size=world, attn_tp_size=1, group=None,
+                                  get_idle_batch=lambda: BatchView(ForwardMode.IDLE),
+                                  sync=sync, timeout_s=timeout_s)[1].global_num_tokens
 
 
 def _timed(fn):
@@ -48,7 +42,7 @@ def _rank_goes_silent_mid_run(rank, world, timeout_s):
     out["left_after_setup"] = _segments(os.getpid())
     silent = world - 1
     for sync in ("shm", "cpu"):
-        if rank == silent:  # this rank "dies": it never takes the step
+        if rank == silent:                        # this rank "dies": it never takes the step
             time.sleep(timeout_s + 0.5)
             out[sync] = ("silent", None, 0.0)
         else:
@@ -62,7 +56,7 @@ def test_silent_rank_mid_run_raises_within_timeout():
     want = [[r + 1 for r in range(world)]] * 4
     for rank, out in enumerate(res):
         assert out["warm"] == want
-        assert out["left_after_setup"] == []  # the name is gone once every rank mapped it
+        assert out["left_after_setup"] == []       # the name is gone once every rank mapped it
         if rank == world - 1:
             continue
         kind, peers, took = out["shm"]
@@ -75,7 +69,7 @@ def test_silent_rank_mid_run_raises_within_timeout():
 
 
 def _rank_misses_setup(rank, world, timeout_s):
-    resolve_sync("shm")  # the host check passes on every rank
+    resolve_sync("shm")                            # the host check passes on every rank
     if rank == world - 1:
         time.sleep(timeout_s + 0.5)
         return ("silent", None, 0.0), []
@@ -88,4 +82,4 @@ def test_silent_rank_during_setup_leaves_no_segment():
     res = attncomm.launch(_rank_misses_setup, world, args=(TIMEOUT_S,), timeout_s=120)
     (kind, peers, took), left = res[0]
     assert kind == "timeout" and peers == [1] and took <= TIMEOUT_S + 2.0, res[0]
-    assert left == []  # the creator removed it on the failure
+    assert left == []                              # the creator removed it on the failure

@@ -1,6 +1,5 @@
 """What errors say (issue 14, item 6): a seq_lens disagreement prints the lists when they are
 short; a timeout inside dcp.merge names dcp.merge, not the DcpMerger it builds."""
-
 from __future__ import annotations
 
 import time
@@ -17,25 +16,13 @@ def _seq_lens_disagree(rank, world):
     lens_bad = [3, 3, 3] if rank != world - 1 else [4, 3, 2]
     out = {}
     for name, call in (
-        (
-            "seq_to_head",
-            lambda: ulysses.seq_to_head(
-                x if rank != world - 1 else torch.randn(1, 2, 4, 8), seq_lens=lens_bad
-            ),
-        ),
-        (
-            "head_to_seq",
-            lambda: ulysses.head_to_seq(
-                torch.randn(1, 3 * world, 2, 8), num_heads=2 * world, seq_lens=lens_bad
-            ),
-        ),
-        (
-            "UlyssesAttention",
-            lambda: ulysses.UlyssesAttention()(
-                *(torch.randn(1, lens_bad[rank], 4, 8) for _ in range(3)), seq_lens=lens_bad
-            ),
-        ),
-    ):
+            ("seq_to_head", lambda: ulysses.seq_to_head(
+                x if rank != world - 1 else torch.randn(1, 2, 4, 8), seq_lens=lens_bad)),
+            ("head_to_seq", lambda: ulysses.head_to_seq(
+                torch.randn(1, 3 * world, 2, 8), num_heads=2 * world, seq_lens=lens_bad)),
+            ("UlyssesAttention", lambda: ulysses.UlyssesAttention()(
+                *(torch.randn(1, lens_bad[rank], 4, 8) for _ in range(3)),
+                seq_lens=lens_bad))):
         try:
             call()
             out[name] = "no error"
@@ -47,11 +34,8 @@ def _seq_lens_disagree(rank, world):
 def test_seq_lens_disagreement_prints_the_lists(pools):
     for rank, out in enumerate(pools.run(3, _seq_lens_disagree)):
         for name, msg in out.items():
-            assert "seq_lens = [3, 3, 3] (rank 0), [3, 3, 3] (rank 1), [4, 3, 2] (rank 2)" in msg, (
-                rank,
-                name,
-                msg,
-            )
+            assert "seq_lens = [3, 3, 3] (rank 0), [3, 3, 3] (rank 1), [4, 3, 2] (rank 2)" \
+                in msg, (rank, name, msg)
             assert "hash" not in msg, msg
 
 
@@ -62,13 +46,8 @@ def _merge_peer_absent(rank, world, budget):
     t0 = time.monotonic()
     try:
         # validation off: the first wait is the merger's own set-up inside dcp.merge
-        dcp.merge(
-            torch.randn(3, 2 * world, 8),
-            torch.randn(3, 2 * world),
-            validate=False,
-            backend="a2a",
-            timeout_s=budget,
-        )
+        dcp.merge(torch.randn(3, 2 * world, 8), torch.randn(3, 2 * world), validate=False,
+                  backend="a2a", timeout_s=budget)
     except PeerTimeoutError as exc:
         return str(exc), exc.op, exc.peer_ranks, time.monotonic() - t0
     return "no error"
@@ -76,9 +55,8 @@ def _merge_peer_absent(rank, world, budget):
 
 def test_timeout_inside_merge_names_merge():
     budget = 2.0
-    msg, op, peers, waited = attncomm.launch(_merge_peer_absent, 2, args=(budget,), timeout_s=120)[
-        0
-    ]
+    msg, op, peers, waited = attncomm.launch(_merge_peer_absent, 2, args=(budget,),
+                                             timeout_s=120)[0]
     assert msg.startswith("dcp.merge") and "DcpMerger" not in msg, msg
     assert op == "dcp.merge" and peers == [1] and waited < budget + 5
 
@@ -87,7 +65,6 @@ def test_gpu_tests_skip_by_gpu_count():
     # tests/conftest.py: a gpu test with gpus(n) is skipped on a machine with fewer GPUs (the
     # Ulysses GPU tests raised ValueError on one GPU, building a 2-rank pool).
     from conftest import gpu_skip_reason
-
     assert gpu_skip_reason(2, 1, True) == "needs 2 CUDA GPUs, this machine has 1"
     assert gpu_skip_reason(1, 1, True) is None and gpu_skip_reason(2, 8, True) is None
     assert "needs CUDA" in gpu_skip_reason(1, 0, False)

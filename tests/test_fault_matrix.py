@@ -5,7 +5,6 @@ PeerTimeoutError naming the peer or ValueError naming the values, and nothing ha
 
 ``dp_scatter`` is local (no communication), so it has no peer to lose. The GPU transports
 (symm_a2a, ce, DP ``device``) get the same matrix on a multi-GPU device."""
-
 from __future__ import annotations
 
 import pytest
@@ -18,9 +17,8 @@ TIMEOUT_S = 2.0
 @pytest.fixture(scope="module")
 def matrix():
     # One run of all 60 cells, 8 worlds at a time (the cells mostly wait on their budgets).
-    return {
-        (c.exchange, c.fault, c.validate): c for c in faults.run_matrix(timeout_s=TIMEOUT_S, jobs=8)
-    }
+    return {(c.exchange, c.fault, c.validate): c
+            for c in faults.run_matrix(timeout_s=TIMEOUT_S, jobs=8)}
 
 
 @pytest.mark.parametrize("exchange", list(faults.EXCHANGES))
@@ -36,25 +34,15 @@ def test_fault_matrix(matrix, exchange):
 def test_matrix_judge_catches_a_silent_fault():
     # The judge itself: a cell where the survivor returned normally from a skipped call, or
     # raised too late, or named the wrong peer, fails.
-    cell = faults.Cell(
-        "dcp.merge[ag_rs]",
-        "skip",
-        True,
-        ranks={
-            0: {"kind": "returned", "elapsed_s": 0.1, "message": "", "peers": None},
-            1: {"kind": "skipped"},
-        },
-        exit_codes={0: 0, 1: 0},
-    )
+    cell = faults.Cell("dcp.merge[ag_rs]", "skip", True,
+                       ranks={0: {"kind": "returned", "elapsed_s": 0.1, "message": "",
+                                  "peers": None}, 1: {"kind": "skipped"}},
+                       exit_codes={0: 0, 1: 0})
     faults._judge(cell, TIMEOUT_S, 2)
     assert any("unnoticed" in m for m in cell.failures)
-    cell = faults.Cell(
-        "dcp.merge[ag_rs]",
-        "kill",
-        False,
-        ranks={0: {"kind": "PeerTimeoutError", "elapsed_s": 9.0, "message": "", "peers": [0]}},
-        exit_codes={0: 0, 1: 17},
-    )
+    cell = faults.Cell("dcp.merge[ag_rs]", "kill", False,
+                       ranks={0: {"kind": "PeerTimeoutError", "elapsed_s": 9.0, "message": "",
+                                  "peers": [0]}}, exit_codes={0: 0, 1: 17})
     faults._judge(cell, TIMEOUT_S, 2)
     assert any("timeout + 5" in m for m in cell.failures)
     assert any("names [0]" in m for m in cell.failures)

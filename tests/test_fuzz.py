@@ -2,7 +2,6 @@
 (W = 1..4): a fresh seed each run, every failure printed with the command that replays it. The
 full run (≥ 2000 cases, W = 1..8) is `python -m attncomm.testing.fuzz --cases 2400 --seed 1`;
 its summary is in benchmarks/results/."""
-
 from __future__ import annotations
 
 import random
@@ -14,14 +13,11 @@ BUDGET_S = 100.0  # the subset's wall time in CI (it stops starting batches afte
 
 def test_fuzz_subset(pools):
     seed = random.randrange(1 << 30)
-    summary = fuzz.run(
-        600, seed, worlds=range(1, 5), time_budget_s=BUDGET_S, pool_for=pools.get, log=print
-    )
+    summary = fuzz.run(600, seed, worlds=range(1, 5), time_budget_s=BUDGET_S,
+                       pool_for=pools.get, log=print)
     assert summary["cases_run"] >= 40, summary
-    lines = [
-        f"case {f['seed']} ({f['kind']}, W={f['W']}): {f['messages'][0]}\n  replay: {f['replay']}"
-        for f in summary["failures"]
-    ]
+    lines = [f"case {f['seed']} ({f['kind']}, W={f['W']}): {f['messages'][0]}\n"
+             f"  replay: {f['replay']}" for f in summary["failures"]]
     assert not lines, f"fuzz seed {seed}:\n" + "\n".join(lines)
 
 
@@ -36,10 +32,8 @@ def test_cases_replay_from_their_seed():
 
 
 def test_merge_counts_cases_up_to_the_first_that_raised():
-    per_rank = [
-        [(1, None, False), (2, "rank 0: boom", True)],
-        [(1, None, False), (2, None, False), (3, None, False)],
-    ]
+    per_rank = [[(1, None, False), (2, "rank 0: boom", True)],
+                [(1, None, False), (2, None, False), (3, None, False)]]
     done, rerun, raised = fuzz._merge(per_rank, [1, 2, 3])
     assert done == {1: [], 2: ["rank 0: boom"]} and rerun == [3] and raised
 
@@ -50,7 +44,6 @@ def _broken_runs(rank, world):
 
     from attncomm.dcp import combine as comb
     from attncomm.ulysses import attention as uatt
-
     caught = {}
     seeds = [fuzz.case_seed(11, i) for i in range(3000)]
     by_kind = {}
@@ -59,32 +52,23 @@ def _broken_runs(rank, world):
         if sp["W"] == world and len(by_kind.setdefault(sp["kind"], [])) < 6:
             by_kind[sp["kind"]].append(sp)
     real_combine, real_sdpa = comb.combine_torch, uatt.sdpa_attention
-    comb.combine_torch = lambda o, l, dt: (
-        real_combine(o, l, dt)[0] * 1.1,
-        real_combine(o, l, dt)[1],
-    )
+    comb.combine_torch = lambda o, l, dt: (real_combine(o, l, dt)[0] * 1.1,
+                                           real_combine(o, l, dt)[1])
     uatt.sdpa_attention = lambda q, k, v, c: real_sdpa(q, k, v, c) * 1.1
     try:
         for kind in ("dcp_merge", "ulysses_attention"):
-            caught[kind] = sum(
-                cases.run_case(rank, world, sp) is not None
-                for sp in by_kind[kind]
-                if sp.get("backend") != "ag_rs"
-                and sp.get("T", 1) > 0
-                and sp.get("impl") != "triton"
-            )
+            caught[kind] = sum(cases.run_case(rank, world, sp) is not None
+                               for sp in by_kind[kind] if sp.get("backend") != "ag_rs"
+                               and sp.get("T", 1) > 0 and sp.get("impl") != "triton")
     finally:
         comb.combine_torch, uatt.sdpa_attention = real_combine, real_sdpa
     import attncomm.dp_attention as dpa
-
     real_gather = dpa.dp_gather
     dpa.dp_gather = lambda *a, **k: real_gather(*a, **k) + 1
     try:
         caught["dp_gather_scatter"] = sum(
-            cases.run_case(rank, world, sp) is not None
-            for sp in by_kind["dp_gather_scatter"]
-            if sum(sp["n"]) > 0
-        )
+            cases.run_case(rank, world, sp) is not None for sp in by_kind["dp_gather_scatter"]
+            if sum(sp["n"]) > 0)
     finally:
         dpa.dp_gather = real_gather
     return caught, torch.__version__

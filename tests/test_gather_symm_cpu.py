@@ -2,7 +2,6 @@
 LL words, epochs and RoPE bits under the Triton interpreter with staged peers
 (tests/_gather_interp.py), the backend's host code on one rank, the sm_90 compile (no fused
 multiply-add in the rotation), and ``auto`` falling back on CPU ranks."""
-
 from __future__ import annotations
 
 import json
@@ -18,10 +17,8 @@ from attncomm.dcp.gather_symm import GatherLayout, ll_rows_for, use_ll
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.parametrize(
-    "W,T,H,D,item,ll",
-    [(2, 128, 64, 576, 2, 227), (3, 7, 6, 24, 4, 14), (8, 1, 8, 1, 2, 0), (1, 4, 2, 16, 2, 8)],
-)
+@pytest.mark.parametrize("W,T,H,D,item,ll", [(2, 128, 64, 576, 2, 227), (3, 7, 6, 24, 4, 14),
+                                              (8, 1, 8, 1, 2, 0), (1, 4, 2, 16, 2, 8)])
 def test_gather_layout_regions(W, T, H, D, item, ll):
     L = GatherLayout(W, T, H, D, item, ll)
     sizes = L.region_bytes()
@@ -49,16 +46,10 @@ def test_ll_threshold():
 
 
 def test_symm_gather_kernels_under_interpreter():
-    env = dict(
-        os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE])
-    )
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "_gather_interp.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_gather_interp.py")], env=env,
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "ok" in proc.stdout
 
@@ -69,13 +60,8 @@ def test_symm_gather_compiles_for_sm90_without_fma():
     fma.rn.f32 for it)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.dirname(HERE)
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "_gather_ptx.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_gather_ptx.py")], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ptx = json.loads(proc.stdout)
     for name, text in ptx.items():
@@ -86,9 +72,8 @@ def test_symm_gather_compiles_for_sm90_without_fma():
     assert "ld.global.sys.relaxed" in ptx["flag"]
     assert "ld.global.sys.relaxed" not in ptx["flag_ordered"]
     for name in ("flag", "flag_ordered", "flag_fp8"):
-        assert (
-            "atom.global.sys.release.exch" in ptx[name] and "ld.global.sys.acquire" in ptx[name]
-        ), name
+        assert "atom.global.sys.release.exch" in ptx[name] and \
+            "ld.global.sys.acquire" in ptx[name], name
     # FP8: the scale division is IEEE (div.rn.f32, not the approximate div.full.f32), and the
     # e4m3 conversion is the kernel's integer code (no cvt to e4m3, whose NaN differs)
     for name in ("flag_fp8", "ll_fp8"):
@@ -98,10 +83,8 @@ def test_symm_gather_compiles_for_sm90_without_fma():
 
 def _auto_on_cpu(rank, W):
     from attncomm import dcp
-
-    g = dcp.DcpQueryGather(
-        max_tokens=4, num_heads=2 * W, head_dim=8, dtype=torch.float16, backend="auto"
-    )
+    g = dcp.DcpQueryGather(max_tokens=4, num_heads=2 * W, head_dim=8, dtype=torch.float16,
+                           backend="auto")
     return g.backend, g.fallback_reason
 
 

@@ -1,6 +1,5 @@
 """launch / RankPool: return values, failures re-raised with the rank named, timeouts; no hang
 anywhere (unpicklable tasks and return values, ranks that die, a launcher that is killed)."""
-
 from __future__ import annotations
 
 import os
@@ -34,7 +33,6 @@ def _fail_on_rank1(rank, world_size):
 
 def _rank1_skips_collective(rank, world_size, timeout_s):
     from datetime import timedelta
-
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     if rank == 1:
         time.sleep(timeout_s * 3)
@@ -86,7 +84,6 @@ def test_launch_bad_arguments():
 # ---------------------------------------------------------------------------------------------
 # no hang anywhere: unpicklable tasks and values, dead ranks, a killed launcher
 # ---------------------------------------------------------------------------------------------
-
 
 def _returns_a_lambda(rank, world_size):
     return lambda: rank
@@ -141,9 +138,8 @@ def test_rank_killed_by_abort_is_reported_with_rank_and_code(monkeypatch):
     with attncomm.RankPool(2) as pool:
         pool.run(_sum_ranks, 0)  # started: what follows is timed without the spawn
         t0 = time.monotonic()
-        with pytest.raises(
-            RuntimeError, match=r"rank 1: process exited with code -6 \(SIGABRT\)"
-        ) as info:
+        with pytest.raises(RuntimeError,
+                           match=r"rank 1: process exited with code -6 \(SIGABRT\)") as info:
             pool.run(_abort_on_rank1, timeout_s=None)
         assert time.monotonic() - t0 < 15.0  # not rank 0's 120 s
         assert not pool.alive
@@ -203,15 +199,10 @@ def test_killed_launcher_leaves_no_ranks_and_no_rendezvous_file(tmp_path, when):
     work = tmp_path / "tmp"
     work.mkdir()
     here = os.path.dirname(os.path.abspath(__file__))
-    code = (
-        "import sys, attncomm, _launch_helpers; "
-        "attncomm.launch(_launch_helpers.record_pid_and_sleep, 2, args=(sys.argv[1],))"
-    )
-    env = dict(
-        os.environ,
-        TMPDIR=str(work),
-        PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]),
-    )
+    code = ("import sys, attncomm, _launch_helpers; "
+            "attncomm.launch(_launch_helpers.record_pid_and_sleep, 2, args=(sys.argv[1],))")
+    env = dict(os.environ, TMPDIR=str(work),
+               PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env)
     try:
         deadline = time.monotonic() + 120

@@ -2,7 +2,6 @@
 Triton combine, and the reference / ag_rs / a2a backends on gloo ranks) for a table of LSEs
 −inf / +inf / NaN / ±1e30 and payloads NaN / ±inf (attncomm.testing.special), against the fp64
 reference under the rule of docs/API.md; bitwise where the arithmetic is the same."""
-
 from __future__ import annotations
 
 import math
@@ -27,13 +26,8 @@ def test_merge_states_special_table(N, dtype):
     out, lse = dcp.merge_states(outs, lses, return_lse=True)
     bad = check_merge(out, lse, outs, lses, what=f"merge_states N={N} seed={seed}")
     out2, lse2 = dcp.merge_states(outs, lses / math.log(2), lse_base="2", return_lse=True)
-    bad += check_merge(
-        out2,
-        lse2 * math.log(2),
-        outs,
-        (lses / math.log(2)).double() * math.log(2),
-        what=f"merge_states base 2 N={N} seed={seed}",
-    )
+    bad += check_merge(out2, lse2 * math.log(2), outs, (lses / math.log(2)).double()
+                       * math.log(2), what=f"merge_states base 2 N={N} seed={seed}")
     assert not bad, "\n".join(bad[:10])
 
 
@@ -55,9 +49,8 @@ def test_plus_inf_lse_is_an_empty_shard():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_merge_states_no_sources(dtype):
-    out, lse = dcp.merge_states(
-        torch.empty(0, 3, 4, 5, dtype=dtype), torch.empty(0, 3, 4), return_lse=True
-    )
+    out, lse = dcp.merge_states(torch.empty(0, 3, 4, 5, dtype=dtype), torch.empty(0, 3, 4),
+                                return_lse=True)
     assert out.dtype == dtype and out.shape == (3, 4, 5) and bool((out == 0).all())
     assert lse.shape == (3, 4) and bool(torch.isneginf(lse).all())
     empty = dcp.merge_states(torch.empty(0, 0, 4, 5, dtype=dtype), torch.empty(0, 0, 4))
@@ -86,16 +79,15 @@ def test_triton_kernels_special_table(dtype, monkeypatch):
         lse_k = combine_mod.scale_own(outs[r], lses, r, dest_k)
         monkeypatch.setenv("ATTNCOMM_COMBINE_IMPL", "torch")
         lse_t = combine_mod.scale_own(outs[r], lses, r, dest_t)
-        for name, fn in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        for name, fn in (("NaN", torch.isnan), ("+inf", torch.isposinf),
+                         ("-inf", torch.isneginf)):
             if not torch.equal(fn(dest_k), fn(dest_t)):
                 bad.append(f"scale_own rank {r}: {name} placement differs (seed={seed})")
         fin = torch.isfinite(dest_t)
         if (dest_k[fin] - dest_t[fin]).abs().max() > 1e-6:
             bad.append(f"scale_own rank {r}: values differ (seed={seed})")
-        if (
-            not torch.equal(torch.isneginf(lse_k), torch.isneginf(lse_t))
-            or torch.isnan(lse_k).any()
-        ):
+        if not torch.equal(torch.isneginf(lse_k), torch.isneginf(lse_t)) \
+                or torch.isnan(lse_k).any():
             bad.append(f"scale_own rank {r}: merged LSE differs (seed={seed})")
     assert not bad, "\n".join(bad[:10])
 
@@ -115,9 +107,8 @@ def _special_on_ranks(rank, W, seed, impl, max_rows, dtypes=DTYPES, bases=("e", 
                 lses_ref = lses if base == "e" else (lses / math.log(2)).double() * math.log(2)
                 got = {}
                 for backend in ("reference", "ag_rs", "a2a"):
-                    o, l = dcp.merge(
-                        outs[rank], lse_in, backend=backend, lse_base=base, return_lse=True
-                    )
+                    o, l = dcp.merge(outs[rank], lse_in, backend=backend, lse_base=base,
+                                     return_lse=True)
                     l = l if base == "e" else l * math.log(2)
                     what = f"W={W} rank={rank} {backend} {dtype} base {base} {impl} seed={seed}"
                     bad += check_merge(o, l, outs, lses_ref, heads, what)
@@ -128,10 +119,8 @@ def _special_on_ranks(rank, W, seed, impl, max_rows, dtypes=DTYPES, bases=("e", 
                     local = dcp.merge_states(outs, lses)[:, heads]
                     for backend in ("reference", "a2a"):
                         if not bitwise_equal(got[backend], local):
-                            bad.append(
-                                f"W={W} rank={rank} {backend} {dtype}: not bitwise "
-                                f"equal to merge_states (seed={seed})"
-                            )
+                            bad.append(f"W={W} rank={rank} {backend} {dtype}: not bitwise "
+                                       f"equal to merge_states (seed={seed})")
     finally:
         os.environ.pop("ATTNCOMM_COMBINE_IMPL", None)
     return bad
@@ -140,7 +129,8 @@ def _special_on_ranks(rank, W, seed, impl, max_rows, dtypes=DTYPES, bases=("e", 
 @pytest.mark.parametrize("W", [2, 3])
 def test_every_backend_special_table(pools, W):
     seed = random.randrange(1 << 30)
-    bad = [m for per_rank in pools.run(W, _special_on_ranks, seed, "torch", 1400) for m in per_rank]
+    bad = [m for per_rank in pools.run(W, _special_on_ranks, seed, "torch", 1400)
+           for m in per_rank]
     assert not bad, "\n".join(bad[:20])
 
 
@@ -150,8 +140,7 @@ def test_every_backend_special_table_triton(pools):
     seed = random.randrange(1 << 30)
     # The interpreter runs each (token, head) program in Python: a sampled table, base e (the
     # base conversion happens before the kernels).
-    per_rank = pools.run(
-        2, _special_on_ranks, seed, "triton", 40, [torch.float32, torch.bfloat16], ("e",)
-    )
+    per_rank = pools.run(2, _special_on_ranks, seed, "triton", 40,
+                         [torch.float32, torch.bfloat16], ("e",))
     bad = [m for msgs in per_rank for m in msgs]
     assert not bad, "\n".join(bad[:20])

@@ -1,6 +1,5 @@
 """The symmetric-memory substrate without a GPU: error words in plain host memory, the broken
 state, and the watchdog's logic (fake events and a fake clock, and the real thread)."""
-
 from __future__ import annotations
 
 import time
@@ -29,9 +28,8 @@ class Clock:
 
 
 def _errors(world=4, **kw):
-    return PeerErrors(
-        world, torch.device("cpu"), op="test op", rank=1, timeout_s=2.0, watch=False, **kw
-    )
+    return PeerErrors(world, torch.device("cpu"), op="test op", rank=1, timeout_s=2.0,
+                      watch=False, **kw)
 
 
 def test_error_words_raise_naming_the_peer_and_stay_broken():
@@ -78,7 +76,8 @@ def test_watchdog_budget_starts_when_the_stream_reaches_the_wait():
     assert released == [[2]] and dog.pending() == 0  # only the still blocked peer
     with pytest.raises(PeerTimeoutError) as info:
         owner.check()
-    assert info.value.peer_ranks == [2] and "rank 1 got no answer from rank 2" in str(info.value)
+    assert info.value.peer_ranks == [2] and "rank 1 got no answer from rank 2" in str(
+        info.value)
     dog.poll()
     assert released == [[2]], "released twice"
 

@@ -1,7 +1,6 @@
 """symm_a2a without a GPU: slab layout arithmetic, block plans, eligibility agreement across
 gloo ranks (one ineligible rank → every rank falls back under auto / raises under symm_a2a),
 the kernels' exchange + combine math under the Triton interpreter, auto, env and bench on CPU."""
-
 from __future__ import annotations
 
 import os
@@ -21,17 +20,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ------------------------------------------------------------------------------ layout / plans
 
-
-@pytest.mark.parametrize(
-    "W,rows,D,item,ll",
-    [
-        (2, 4096, 512, 2, 512),
-        (3, 7, 24, 4, 7),
-        (8, 1, 1, 2, 0),
-        (1, 0, 16, 2, 0),
-        (5, 33, 100, 2, 10),
-    ],
-)
+@pytest.mark.parametrize("W,rows,D,item,ll", [(2, 4096, 512, 2, 512), (3, 7, 24, 4, 7),
+                                              (8, 1, 1, 2, 0), (1, 0, 16, 2, 0),
+                                              (5, 33, 100, 2, 10)])
 def test_layout_regions_disjoint_aligned(W, rows, D, item, ll):
     L = SlabLayout(W, rows, D, item, ll)
     cells = L.cell_bytes()
@@ -58,12 +49,10 @@ def test_layout_regions_disjoint_aligned(W, rows, D, item, ll):
 
 
 def test_layout_rejects_bad_arguments():
-    for kwargs in (
-        dict(world_size=0, max_rows=1, head_dim=1, itemsize=2),
-        dict(world_size=2, max_rows=-1, head_dim=1, itemsize=2),
-        dict(world_size=2, max_rows=4, head_dim=8, itemsize=2, ll_rows=5),
-        dict(world_size=2, max_rows=4, head_dim=3, itemsize=2, ll_rows=2),
-    ):
+    for kwargs in (dict(world_size=0, max_rows=1, head_dim=1, itemsize=2),
+                   dict(world_size=2, max_rows=-1, head_dim=1, itemsize=2),
+                   dict(world_size=2, max_rows=4, head_dim=8, itemsize=2, ll_rows=5),
+                   dict(world_size=2, max_rows=4, head_dim=3, itemsize=2, ll_rows=2)):
         with pytest.raises(ValueError):
             SlabLayout(**kwargs)
     L = SlabLayout(2, 4, 8, 2)
@@ -94,7 +83,6 @@ def test_ll_rows_and_choice():
 
 def test_symm_config_env_defaults_and_validation(monkeypatch):
     from attncomm.dcp.symm_a2a import num_warps, stagger
-
     for k in [k for k in os.environ if k.startswith("ATTNCOMM_SYMM_")]:
         monkeypatch.delenv(k)
     assert SymmConfig.from_env() == SymmConfig()
@@ -118,7 +106,6 @@ def test_symm_config_env_defaults_and_validation(monkeypatch):
 
 # ------------------------------------------------------------------------------ interpreter
 
-
 @pytest.mark.parametrize("stagger", [None, "50", "25"])
 def test_kernels_under_interpreter(stagger):
     """The real kernels on one CPU process: rank 0 runs, peers' stores are staged (see
@@ -128,19 +115,13 @@ def test_kernels_under_interpreter(stagger):
     program, chained)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.dirname(HERE))
     args = ["1", stagger] if stagger else []  # a SymmConfig built from them in the process
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "_symm_interp.py"), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_symm_interp.py"), *args],
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ok" in proc.stdout
 
 
 # ------------------------------------------------------------------------------ agreement
-
 
 def _eligibility(rank, world_size, bad_ranks):
     from attncomm import capability
@@ -148,23 +129,18 @@ def _eligibility(rank, world_size, bad_ranks):
     from attncomm.dcp.symm_a2a import SymmA2ABackend
 
     capability._override_probe(
-        lambda group, device: "fake: no P2P here" if rank in bad_ranks else None
-    )
+        lambda group, device: "fake: no P2P here" if rank in bad_ranks else None)
     try:
         local = SymmA2ABackend.local_unavailable_reason(None, torch.device("cuda"))
         agreed = capability.agree_reason(None, local, "symm_a2a")
         explicit = None
         try:
-            DcpMerger(
-                max_tokens=4,
-                num_heads=2 * world_size,
-                head_dim=8,
-                dtype=torch.float32,
-                backend="symm_a2a",
-            )
+            DcpMerger(max_tokens=4, num_heads=2 * world_size, head_dim=8, dtype=torch.float32,
+                      backend="symm_a2a")
         except ValueError as exc:
             explicit = str(exc)
-        auto = DcpMerger(max_tokens=4, num_heads=2 * world_size, head_dim=8, dtype=torch.float32)
+        auto = DcpMerger(max_tokens=4, num_heads=2 * world_size, head_dim=8,
+                         dtype=torch.float32)
         return local, agreed, explicit, auto.backend, auto.fallback_reason
     finally:
         capability._override_probe(None)
@@ -208,15 +184,8 @@ def test_collective_try_agrees(pools):
 
 def _auto_cpu(rank, world_size):
     from attncomm.dcp.auto import choose_backend
-
-    kw = dict(
-        max_tokens=4,
-        num_heads=4,
-        head_dim=8,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        timeout_s=10.0,
-    )
+    kw = dict(max_tokens=4, num_heads=4, head_dim=8, dtype=torch.float32,
+              device=torch.device("cpu"), timeout_s=10.0)
     return (choose_backend(None, ["ag_rs", "a2a"], **kw), choose_backend(None, ["ag_rs"], **kw))
 
 
@@ -227,10 +196,8 @@ def test_auto_rule_of_thumb_on_cpu(pools):
 
 # ------------------------------------------------------------------------------ env / bench
 
-
 def test_env_runs_on_cpu(capsys):
     from attncomm.envinfo import collect, main
-
     info = collect()
     dcp = {b["backend"]: b for b in info["backends"]["dcp"]}
     assert dcp["ag_rs"]["available"] and not dcp["symm_a2a"]["available"]
@@ -242,26 +209,14 @@ def test_env_runs_on_cpu(capsys):
 
 def test_bench_dcp_on_cpu_ranks(pools, tmp_path):
     from attncomm.dcp.bench import add_speedups, markdown_table, run_rank
-
-    cfg = dict(
-        device="cpu",
-        backends=["ag_rs", "a2a", "symm_a2a"],
-        modes=["eager"],
-        heads=4,
-        head_dim=8,
-        dtype="fp32",
-        tokens=[1, 3],
-        warmup=1,
-        iters=3,
-        per_graph=2,
-        progress=False,
-    )
+    cfg = dict(device="cpu", backends=["ag_rs", "a2a", "symm_a2a"], modes=["eager"], heads=4,
+               head_dim=8, dtype="fp32", tokens=[1, 3], warmup=1, iters=3, per_graph=2,
+               progress=False)
     res = pools.run(2, run_rank, cfg)
     records = res[0]
     assert res[1] is None
     assert {(r["backend"], r["tokens"]) for r in records} == {
-        (b, t) for b in ("ag_rs", "a2a") for t in (1, 3)
-    }  # symm_a2a skipped on CPU
+        (b, t) for b in ("ag_rs", "a2a") for t in (1, 3)}  # symm_a2a skipped on CPU
     assert all(r["latency_us"] > 0 and r["world_size"] == 2 for r in records)
     rows = add_speedups(records)
     assert all(r["speedup"] is not None and r["speedup"] <= 1.0 + 1e-9 for r in rows)
@@ -270,15 +225,8 @@ def test_bench_dcp_on_cpu_ranks(pools, tmp_path):
 
 def test_bench_dcp_marks_host_bound_figures():
     from attncomm.dcp.bench import host_bound, markdown_table
-
-    gpu = {
-        "backend": "symm_a2a",
-        "mode": "graph",
-        "tokens": 8,
-        "world_size": 2,
-        "latency_us": 4.5,
-        "gpu_idle_us": 0.30,
-    }  # the launch gap only
+    gpu = {"backend": "symm_a2a", "mode": "graph", "tokens": 8, "world_size": 2,
+           "latency_us": 4.5, "gpu_idle_us": 0.30}  # the launch gap only
     nccl = dict(gpu, backend="a2a", latency_us=22.0, gpu_idle_us=0.28)
     host = dict(gpu, tokens=1, latency_us=7.4, gpu_idle_us=4.4)  # the GPU waited for a host
     eager = dict(gpu, mode="eager", latency_us=200.0)
@@ -296,7 +244,6 @@ def test_bench_dcp_graph_modes_need_cuda(modes, capsys):
     import argparse
 
     from attncomm.dcp.bench import add_arguments, main
-
     p = argparse.ArgumentParser()
     add_arguments(p)
     assert main(p.parse_args(["--device", "cpu", "--modes", *modes])) == 2
@@ -306,7 +253,6 @@ def test_bench_dcp_graph_modes_need_cuda(modes, capsys):
 
 # ------------------------------------------------------------------------------ PDL prologue
 
-
 @pytest.mark.parametrize("kind", ["flag", "ll"])
 def test_pdl_prologue_order_in_ptx(kind):
     """The kernels compiled for sm_90 (no GPU needed; tests/_symm_ptx.py, in a process without
@@ -315,32 +261,21 @@ def test_pdl_prologue_order_in_ptx(kind):
     barrier before launch_dependents (the first trigger of a block counts for all its warps);
     without PDL, none of it."""
     import json
-
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.dirname(HERE)
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "_symm_ptx.py"), kind],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_symm_ptx.py"), kind], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ptx = json.loads(proc.stdout)
     lines = [ln.strip() for ln in ptx["pdl"].splitlines()]
     wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
-    before = [
-        ln
-        for ln in lines[:wait]
-        if ".global" in ln and ("ld." in ln or "st." in ln or "atom." in ln)
-    ]
+    before = [ln for ln in lines[:wait]
+              if ".global" in ln and ("ld." in ln or "st." in ln or "atom." in ln)]
     assert len(before) == 1 and "atom.global.gpu.relaxed.add.u64" in before[0], before
-    trigger = next(
-        i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.launch_dependents")
-    )
-    exch = max(
-        i for i, ln in enumerate(lines[:trigger]) if "atom.global.gpu.relaxed.exch.b64" in ln
-    )
+    trigger = next(i for i, ln in enumerate(lines)
+                   if ln.startswith("griddepcontrol.launch_dependents"))
+    exch = max(i for i, ln in enumerate(lines[:trigger])
+               if "atom.global.gpu.relaxed.exch.b64" in ln)
     between = lines[exch:trigger]
     fence = next(i for i, ln in enumerate(between) if ln.startswith("fence.acq_rel.gpu"))
     assert any(ln.startswith("bar.sync") for ln in between[fence:]), between

@@ -1,6 +1,5 @@
 """Waits bounded by the per-call ``timeout_s`` (not the process group's), a dead peer reported as
 ``PeerTimeoutError``, per-group merger caches with subgroups, and env overrides under "auto"."""
-
 from __future__ import annotations
 
 import os
@@ -21,9 +20,8 @@ def _rank1_absent_from_merge(rank, world_size, budget):
         return None
     t0 = time.monotonic()
     try:
-        dcp.merge(
-            torch.randn(3, 2 * world_size, 8), torch.randn(3, 2 * world_size), timeout_s=budget
-        )
+        dcp.merge(torch.randn(3, 2 * world_size, 8), torch.randn(3, 2 * world_size),
+                  timeout_s=budget)
     except PeerTimeoutError as exc:
         return ("PeerTimeoutError", exc.peer_ranks, time.monotonic() - t0)
     except Exception as exc:  # noqa: BLE001 - reported to the test
@@ -33,9 +31,8 @@ def _rank1_absent_from_merge(rank, world_size, budget):
 
 def test_call_timeout_bounds_the_argument_check():
     budget = 2.0
-    kind, peers, waited = attncomm.launch(
-        _rank1_absent_from_merge, 2, args=(budget,), timeout_s=120
-    )[0]
+    kind, peers, waited = attncomm.launch(_rank1_absent_from_merge, 2, args=(budget,),
+                                          timeout_s=120)[0]
     assert kind == "PeerTimeoutError", (kind, peers)
     assert peers == [1]
     assert waited < budget + 3, f"waited {waited:.1f} s for a {budget} s budget"
@@ -48,13 +45,8 @@ def _rank1_dies(rank, world_size):
         return None
     time.sleep(0.5)
     try:
-        dcp.merge(
-            torch.randn(3, 2 * world_size, 8),
-            torch.randn(3, 2 * world_size),
-            validate=False,
-            backend="ag_rs",
-            timeout_s=20,
-        )
+        dcp.merge(torch.randn(3, 2 * world_size, 8), torch.randn(3, 2 * world_size),
+                  validate=False, backend="ag_rs", timeout_s=20)
     except PeerTimeoutError as exc:
         return ("PeerTimeoutError", exc.peer_ranks)
     except Exception as exc:  # noqa: BLE001 - reported to the test
@@ -85,7 +77,7 @@ def _subgroup_merges(rank, world_size, seed):
     outs = torch.randn(world_size, 5, H, D, generator=torch.Generator().manual_seed(seed))
     lses = torch.randn(world_size, 5, H, generator=torch.Generator().manual_seed(seed + 1))
     got = dcp.merge(outs[rank], lses[rank], backend="auto")
-    ref = dcp.merge_states(outs, lses)[:, rank * (H // world_size) : (rank + 1) * (H // world_size)]
+    ref = dcp.merge_states(outs, lses)[:, rank * (H // world_size):(rank + 1) * (H // world_size)]
     return float((got - ref).abs().max())
 
 
@@ -97,25 +89,18 @@ def test_merger_cache_is_per_group(pools):
 def _env_override_under_auto(rank, world_size):
     os.environ["ATTNCOMM_DCP_BACKEND"] = "symm_a2a"
     try:
-        merger = dcp.DcpMerger(
-            max_tokens=4, num_heads=2 * world_size, head_dim=8, dtype=torch.float32, backend="auto"
-        )
+        merger = dcp.DcpMerger(max_tokens=4, num_heads=2 * world_size, head_dim=8,
+                               dtype=torch.float32, backend="auto")
         chosen, reason = merger.backend, merger.fallback_reason
         try:
-            dcp.DcpMerger(
-                max_tokens=4,
-                num_heads=2 * world_size,
-                head_dim=8,
-                dtype=torch.float32,
-                backend="symm_a2a",
-            )
+            dcp.DcpMerger(max_tokens=4, num_heads=2 * world_size, head_dim=8,
+                          dtype=torch.float32, backend="symm_a2a")
             explicit = "no error"
         except ValueError as exc:
             explicit = str(exc)
         os.environ["ATTNCOMM_DCP_BACKEND"] = "ag_rs"
-        forced = dcp.DcpMerger(
-            max_tokens=4, num_heads=2 * world_size, head_dim=8, dtype=torch.float32, backend="auto"
-        ).backend
+        forced = dcp.DcpMerger(max_tokens=4, num_heads=2 * world_size, head_dim=8,
+                               dtype=torch.float32, backend="auto").backend
     finally:
         os.environ.pop("ATTNCOMM_DCP_BACKEND", None)
     return chosen, reason, explicit, forced
@@ -131,7 +116,6 @@ def test_env_override_under_auto_never_fails(pools):
 
 def test_agree_signature_length_is_checked():
     from attncomm._dist import agree
-
     with pytest.raises(ValueError, match="signature too long"):
         agree(None, "op", list(range(31)), [])
 

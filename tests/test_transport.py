@@ -1,7 +1,6 @@
 """The Ulysses ``Transport`` interface on gloo CPU ranks: a producer that writes its outgoing
 data into ``send_buffer`` gives the same bits as ``start(parts)``; the regions have the layout
 the interface documents; prepare / result_aliases_staging need no branch on a name."""
-
 from __future__ import annotations
 
 import random
@@ -23,16 +22,9 @@ def _plans(world, seed):
     qo, ko = head_offsets(qh), head_offsets(kvh)
     q_ranges = tuple((qo[p], qo[p] + qh[p]) for p in range(world))
     kv_ranges = tuple((ko[p], ko[p] + kvh[p]) for p in range(world))
-    return (
-        b,
-        seq,
-        d,
-        hq,
-        hkv,
-        qh,
-        seq_to_head_plan(b, seq, d, (q_ranges, kv_ranges)),
-        head_to_seq_plan(b, seq, d, tuple(qh), tuple(qo), hq),
-    )
+    return (b, seq, d, hq, hkv, qh,
+            seq_to_head_plan(b, seq, d, (q_ranges, kv_ranges)),
+            head_to_seq_plan(b, seq, d, tuple(qh), tuple(qo), hq))
 
 
 def _send_buffer_cases(rank, world, seed):
@@ -63,20 +55,15 @@ def _send_buffer_cases(rank, world, seed):
         if plan is plan_in:
             for p in range(world):
                 n = qh[p] + head_split(hkv, world)[p]
-                want = torch.cat(
-                    [
-                        q[:, :, head_offsets(qh)[p] :][:, :, : qh[p]],
-                        kv[:, :, head_offsets(head_split(hkv, world))[p] :][
-                            :, :, : head_split(hkv, world)[p]
-                        ],
-                    ],
-                    dim=2,
-                )
+                want = torch.cat([q[:, :, head_offsets(qh)[p]:][:, :, :qh[p]],
+                                  kv[:, :, head_offsets(head_split(hkv, world))[p]:]
+                                  [:, :, :head_split(hkv, world)[p]]], dim=2)
                 view = sb.regions[p].view(seq[rank], b, n, d).permute(1, 0, 2, 3)
                 results.append(torch.equal(view, want))
         x = plan.pieces[rank][(rank + 1) % world]
         if x:
-            v = region_view(plan, rank, (rank + 1) % world, x[0], sb.regions[(rank + 1) % world], 0)
+            v = region_view(plan, rank, (rank + 1) % world, x[0], sb.regions[(rank + 1) % world],
+                            0)
             results.append(v.shape == (x[0].rows, x[0].cols))
     try:
         t.start(plan_out, [], torch.float32, dev, send=t.send_buffer(plan_in, torch.float32, dev))

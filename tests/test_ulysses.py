@@ -1,5 +1,4 @@
 """Ulysses on gloo CPU ranks: bitwise round trips, attention against fp64, bad inputs."""
-
 from __future__ import annotations
 
 import math
@@ -12,7 +11,8 @@ import torch.distributed as dist
 
 from attncomm import ulysses
 from attncomm.ulysses import UlyssesAttention, head_split, head_to_seq, seq_to_head
-from attncomm.ulysses.layout import group_head_ranges, head_offsets, kv_head_range, uniform_group
+from attncomm.ulysses.layout import (group_head_ranges, head_offsets, kv_head_range,
+                                     uniform_group)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -79,37 +79,28 @@ def test_head_split_and_ranges():
 # ------------------------------------------------------------------------------ round trips
 def _roundtrips(rank, world, seed):
     cases = []
-    for i, (h, pattern, b, d, dtype) in enumerate(
-        [
-            (7, "uneven", 1, 4, torch.float32),
-            (world * 2, "even", 2, 3, torch.bfloat16),
-            (3, "uneven", 2, 8, torch.float16),
-            (1, "uneven", 1, 2, torch.float64),
-            (13, "even", 1, 5, torch.int32),
-        ]
-    ):
+    for i, (h, pattern, b, d, dtype) in enumerate([
+            (7, "uneven", 1, 4, torch.float32), (world * 2, "even", 2, 3, torch.bfloat16),
+            (3, "uneven", 2, 8, torch.float16), (1, "uneven", 1, 2, torch.float64),
+            (13, "even", 1, 5, torch.int32)]):
         lens = _seq_lens(world, pattern, seed + i)
         g = _gen(seed + 100 * i)
-        full = (
-            torch.randint(-1000, 1000, (b, sum(lens), h, d), generator=g, dtype=torch.int32)
-            if dtype == torch.int32
-            else _rand(g, (b, sum(lens), h, d), dtype)
-        )
+        full = (torch.randint(-1000, 1000, (b, sum(lens), h, d), generator=g, dtype=torch.int32)
+                if dtype == torch.int32 else _rand(g, (b, sum(lens), h, d), dtype))
         off = head_offsets(lens)
-        x = full[:, off[rank] : off[rank] + lens[rank]].clone()
+        x = full[:, off[rank]:off[rank] + lens[rank]].clone()
         heads = head_split(h, world)
         ho = head_offsets(heads)
         y = seq_to_head(x, seq_lens=lens)
-        want = full[:, :, ho[rank] : ho[rank] + heads[rank]]
+        want = full[:, :, ho[rank]:ho[rank] + heads[rank]]
         ok1 = y.shape == want.shape and torch.equal(y, want)
         back = head_to_seq(y, num_heads=h, seq_lens=lens)
         ok2 = back.shape == x.shape and torch.equal(back, x)
         # head_to_seq on fresh head-sharded data
         full2 = _rand(_gen(seed + 7 + i), (b, sum(lens), h, d), torch.float32)
-        z = head_to_seq(
-            full2[:, :, ho[rank] : ho[rank] + heads[rank]].clone(), num_heads=h, seq_lens=lens
-        )
-        ok3 = torch.equal(z, full2[:, off[rank] : off[rank] + lens[rank]])
+        z = head_to_seq(full2[:, :, ho[rank]:ho[rank] + heads[rank]].clone(), num_heads=h,
+                        seq_lens=lens)
+        ok3 = torch.equal(z, full2[:, off[rank]:off[rank] + lens[rank]])
         cases.append((h, tuple(lens), ok1, ok2, ok3))
     cases.append(_non_contiguous(rank, world, seed))
     return cases
@@ -123,11 +114,11 @@ def _non_contiguous(rank, world, seed):
     # every rank's shard, built on every rank: a slice along heads of a [2, S_r, H + 3, D]
     # tensor (rows strided, each row dense: read in place, no copy)
     bigs = [_rand(_gen(seed + 55 + p), (2, s_r, h + 3, d)) for p in range(world)]
-    xs = [big[:, :, 1 : 1 + h] for big in bigs]
+    xs = [big[:, :, 1:1 + h] for big in bigs]
     x_nc, x_c = xs[rank], xs[rank].contiguous()
     full = torch.cat([x.contiguous() for x in xs], dim=1)
     heads, ho = head_split(h, world), head_offsets(head_split(h, world))
-    want = full[:, :, ho[rank] : ho[rank] + heads[rank]]
+    want = full[:, :, ho[rank]:ho[rank] + heads[rank]]
     y = seq_to_head(x_nc)
     y_c = seq_to_head(x_c)
     # head_to_seq from a transposed view ([B, H_r, S, D] storage seen as [B, S, H_r, D])
@@ -135,13 +126,9 @@ def _non_contiguous(rank, world, seed):
     back = head_to_seq(y_t, num_heads=h)
     back_c = head_to_seq(y_c, num_heads=h)
     noncontig = not x_nc.is_contiguous() and not y_t.is_contiguous()
-    return (
-        "non-contiguous",
-        world,
-        noncontig,
-        torch.equal(y, y_c) and torch.equal(y, want),
-        torch.equal(back, back_c) and torch.equal(back, x_c),
-    )
+    return ("non-contiguous", world, noncontig,
+            torch.equal(y, y_c) and torch.equal(y, want),
+            torch.equal(back, back_c) and torch.equal(back, x_c))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
@@ -155,10 +142,10 @@ def test_roundtrip_bitwise(pools, world):
 # ------------------------------------------------------------------------------ attention
 _ATTN_CASES = [
     # (Hq, Hkv, D, causal, seq pattern, B)
-    (4, 4, 8, False, "even", 1),  # MHA
-    (8, 2, 8, True, "uneven", 2),  # GQA 8/2
-    (6, 1, 4, True, "uneven", 1),  # MQA
-    (7, 7, 4, False, "uneven", 1),  # uneven heads
+    (4, 4, 8, False, "even", 1),     # MHA
+    (8, 2, 8, True, "uneven", 2),    # GQA 8/2
+    (6, 1, 4, True, "uneven", 1),    # MQA
+    (7, 7, 4, False, "uneven", 1),   # uneven heads
     (12, 3, 4, True, "even", 1),
 ]
 
@@ -195,26 +182,16 @@ def _attention_cases(rank, world, seed):
     lens[-1] += 2
     s = sum(lens)
     g = _gen(seed + 78)
-    q, k, v = (
-        _rand(g, (1, s, 6, 8), torch.float64),
-        _rand(g, (1, s, 3, 8), torch.float64),
-        _rand(g, (1, s, 3, 4), torch.float64),
-    )
+    q, k, v = _rand(g, (1, s, 6, 8), torch.float64), _rand(g, (1, s, 3, 8), torch.float64), \
+        _rand(g, (1, s, 3, 4), torch.float64)
     off = head_offsets(lens)
     sl = slice(off[rank], off[rank] + lens[rank])
     mod = UlyssesAttention(_checked_attn, pipeline_groups=2)
     out = mod(q[:, sl].float(), k[:, sl].float(), v[:, sl].float(), seq_lens=lens, causal=True)
     ref = _ref_attention(q, k, v, True)[:, sl]
     err = (out.double() - ref).abs().max().item() if lens[rank] else 0.0
-    results.append(
-        (
-            6,
-            3,
-            tuple(lens),
-            err,
-            mod.last_in_exchanges == 2 and tuple(out.shape) == (1, lens[rank], 6, 4),
-        )
-    )
+    results.append((6, 3, tuple(lens), err, mod.last_in_exchanges == 2 and
+                    tuple(out.shape) == (1, lens[rank], 6, 4)))
     return results
 
 
@@ -236,14 +213,10 @@ def _gqa_w3_w4(rank, world, seed):
     q, k, v = (_rand(g, (1, s, h, 16), torch.float64) for h in (8, 2, 2))
     off = head_offsets(lens)
     sl = slice(off[rank], off[rank] + lens[rank])
-    out = UlyssesAttention(_checked_attn)(
-        *(t[:, sl].float() for t in (q, k, v)), seq_lens=lens, causal=True
-    )
-    return (
-        (out.double() - _ref_attention(q, k, v, True)[:, sl]).abs().max().item()
-        if lens[rank]
-        else 0.0
-    )
+    out = UlyssesAttention(_checked_attn)(*(t[:, sl].float() for t in (q, k, v)),
+                                          seq_lens=lens, causal=True)
+    return (out.double() - _ref_attention(q, k, v, True)[:, sl]).abs().max().item() \
+        if lens[rank] else 0.0
 
 
 @pytest.mark.parametrize("world", [3, 4, 5])
@@ -264,20 +237,16 @@ def _norm_rope_case(rank, world, seed):
     inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
     ang = torch.cat((pos * inv, pos * inv), dim=-1)
     cos, sin = ang.cos(), ang.sin()
-    ref = _ref_attention(
-        _ref_norm_rope(q, qw, eps, cos, sin), _ref_norm_rope(k, kw, eps, cos, sin), v, True
-    )
+    ref = _ref_attention(_ref_norm_rope(q, qw, eps, cos, sin),
+                         _ref_norm_rope(k, kw, eps, cos, sin), v, True)
     off = head_offsets(lens)
     sl = slice(off[rank], off[rank] + lens[rank])
     local = [t[:, sl].float() for t in (q, k, v)]
     norm = (qw.float(), kw.float(), eps)
     rope = (cos.float(), sin.float())
-    outs = [
-        UlyssesAttention(qk_norm=norm, fuse_qk_norm_rope=f, pipeline_groups=pg)(
-            *local, seq_lens=lens, causal=True, rope=rope
-        )
-        for f, pg in ((True, 0), (False, 0), (True, 2))
-    ]
+    outs = [UlyssesAttention(qk_norm=norm, fuse_qk_norm_rope=f, pipeline_groups=pg)(
+        *local, seq_lens=lens, causal=True, rope=rope) for f, pg in
+        ((True, 0), (False, 0), (True, 2))]
     err = (outs[0].double() - ref[:, sl]).abs().max().item() if lens[rank] else 0.0
     return err, torch.equal(outs[0], outs[1]), torch.equal(outs[0], outs[2])
 
@@ -311,109 +280,59 @@ def _bad_inputs(rank, world):
     def case(name, fn, fragment, same=True):
         out[name] = (_expect_value_error(fn), fragment, same)
 
-    case(
-        "seq_lens length",
-        lambda: seq_to_head(x, seq_lens=[3] * (world + 1)),
-        f"seq_lens has {world + 1} entries, the group has {world} ranks",
-    )
-    case(
-        "seq_lens not a sequence",
-        lambda: seq_to_head(x, seq_lens=5),
-        "seq_lens must be a sequence of ints, got 5",
-    )
+    case("seq_lens length", lambda: seq_to_head(x, seq_lens=[3] * (world + 1)),
+         f"seq_lens has {world + 1} entries, the group has {world} ranks")
+    case("seq_lens not a sequence", lambda: seq_to_head(x, seq_lens=5),
+         "seq_lens must be a sequence of ints, got 5")
     lens = [3] * world
     if rank == 1:
         lens[1] = 4  # disagrees with the tensor on rank 1 only
-    case(
-        "seq_lens vs tensor",
-        lambda: seq_to_head(x, seq_lens=lens),
-        "rank 1: seq_lens[1] = 4 but x has S_r = 3",
-    )
+    case("seq_lens vs tensor", lambda: seq_to_head(x, seq_lens=lens),
+         "rank 1: seq_lens[1] = 4 but x has S_r = 3")
     xd = torch.randn(1, 3, 4, 2 + (rank == world - 1))
-    case(
-        "shape across ranks",
-        lambda: seq_to_head(xd),
-        "ranks disagree on the call's arguments: D = 2 (rank 0)",
-    )
-    case(
-        "zero heads",
-        lambda: seq_to_head(torch.randn(1, 3, 0, 2)),
-        "x has 0 heads; at least one is needed",
-    )
-    case(
-        "not 4-D",
-        lambda: seq_to_head(torch.randn(3, 4, 2)),
-        "x must be a 4-D tensor [B, S_r, H, D], got shape [3, 4, 2]",
-    )
-    case(
-        "local check, validate off",
-        lambda: seq_to_head(torch.randn(1, 3, 0, 2), validate=False),
-        f"invalid arguments — rank {rank}: x has 0 heads",
-        same=False,
-    )
-    case(
-        "ce on CPU",
-        lambda: seq_to_head(x, backend="ce"),
-        ("backend='ce' cannot run here: rank 0: ", "not CUDA"),
-    )
-    case(
-        "unknown backend",
-        lambda: seq_to_head(x, backend="nccl"),
-        "backend must be one of ['all_to_all', 'ce', 'auto'], got 'nccl'",
-    )
-    case(
-        "h2s S not divisible",
-        lambda: head_to_seq(torch.randn(1, world * 3 + 1, 2, 2)),
-        f"S = {world * 3 + 1} is not divisible by W = {world}: pass seq_lens",
-    )
-    case(
-        "h2s num_heads",
-        lambda: head_to_seq(torch.randn(1, world * 3, 2, 2), num_heads=2 * world + 1),
-        f"rank 0: x has H_r = 2 heads but head_split({2 * world + 1}, {world})[0] = 3",
-    )
+    case("shape across ranks", lambda: seq_to_head(xd),
+         "ranks disagree on the call's arguments: D = 2 (rank 0)")
+    case("zero heads", lambda: seq_to_head(torch.randn(1, 3, 0, 2)),
+         "x has 0 heads; at least one is needed")
+    case("not 4-D", lambda: seq_to_head(torch.randn(3, 4, 2)),
+         "x must be a 4-D tensor [B, S_r, H, D], got shape [3, 4, 2]")
+    case("local check, validate off",
+         lambda: seq_to_head(torch.randn(1, 3, 0, 2), validate=False),
+         f"invalid arguments — rank {rank}: x has 0 heads", same=False)
+    case("ce on CPU", lambda: seq_to_head(x, backend="ce"),
+         ("backend='ce' cannot run here: rank 0: ", "not CUDA"))
+    case("unknown backend", lambda: seq_to_head(x, backend="nccl"),
+         "backend must be one of ['all_to_all', 'ce', 'auto'], got 'nccl'")
+    case("h2s S not divisible", lambda: head_to_seq(torch.randn(1, world * 3 + 1, 2, 2)),
+         f"S = {world * 3 + 1} is not divisible by W = {world}: pass seq_lens")
+    case("h2s num_heads",
+         lambda: head_to_seq(torch.randn(1, world * 3, 2, 2), num_heads=2 * world + 1),
+         f"rank 0: x has H_r = 2 heads but head_split({2 * world + 1}, {world})[0] = 3")
     q, kv = torch.randn(1, 3, 6, 4), torch.randn(1, 3, 4, 4)
     case("Hq % Hkv", lambda: UlyssesAttention()(q, kv, kv), "Hq % Hkv != 0: Hq = 6, Hkv = 4")
     k2 = torch.randn(1, 3, 2, 4 + (rank == 0))
-    case(
-        "attn D across",
-        lambda: UlyssesAttention()(q, k2, k2),
-        "rank 0: q has D = 4 but k has D = 5",
-    )
+    case("attn D across", lambda: UlyssesAttention()(q, k2, k2),
+         "rank 0: q has D = 4 but k has D = 5")
     cos = torch.randn(3 * world + 1, 4)
-    case(
-        "rope shape",
-        lambda: UlyssesAttention()(q, q, q, rope=(cos, cos)),
-        f"rope cos/sin must be [S, D] = [{3 * world}, 4], got [{3 * world + 1}, 4]",
-    )
+    case("rope shape", lambda: UlyssesAttention()(q, q, q, rope=(cos, cos)),
+         f"rope cos/sin must be [S, D] = [{3 * world}, 4], got [{3 * world + 1}, 4]")
     # q not 4-D on rank 0 only: every rank raises the same ValueError naming the shapes
     q3 = q[0] if rank == 0 else q
     k = torch.randn(1, 3, 2, 4)
-    case(
-        "attn not 4-D on rank 0",
-        lambda: UlyssesAttention()(q3, k, k),
-        "rank 0: q, k, v must be 4-D tensors [B, S_r, H, D], got q [3, 6, 4], k [1, 3, 2, 4], "
-        "v [1, 3, 2, 4]",
-    )
-    case(
-        "attn v not a tensor",
-        lambda: UlyssesAttention()(q, k, None),
-        "got q [1, 3, 6, 4], k [1, 3, 2, 4], v NoneType",
-    )
-    case(
-        "pipeline_groups=1",
-        lambda: UlyssesAttention(pipeline_groups=1),
-        "pipeline_groups must be -1 (auto), 0 (sequential) or N ≥ 2 (head groups), got 1",
-    )
+    case("attn not 4-D on rank 0", lambda: UlyssesAttention()(q3, k, k),
+         "rank 0: q, k, v must be 4-D tensors [B, S_r, H, D], got q [3, 6, 4], k [1, 3, 2, 4], "
+         "v [1, 3, 2, 4]")
+    case("attn v not a tensor", lambda: UlyssesAttention()(q, k, None),
+         "got q [1, 3, 6, 4], k [1, 3, 2, 4], v NoneType")
+    case("pipeline_groups=1", lambda: UlyssesAttention(pipeline_groups=1),
+         "pipeline_groups must be -1 (auto), 0 (sequential) or N ≥ 2 (head groups), got 1")
     case("pipeline_groups=-2", lambda: UlyssesAttention(pipeline_groups=-2), "got -2")
     for raw in ("1", "-3", "two"):
         if rank == 0:  # a bad env value on one rank: still the same error everywhere
             os.environ["ATTNCOMM_ULYSSES_PIPELINE_GROUPS"] = raw
         try:
-            case(
-                f"env pipeline groups {raw}",
-                lambda: UlyssesAttention()(q, k, k),
-                f"rank 0: ATTNCOMM_ULYSSES_PIPELINE_GROUPS={raw!r}",
-            )
+            case(f"env pipeline groups {raw}", lambda: UlyssesAttention()(q, k, k),
+                 f"rank 0: ATTNCOMM_ULYSSES_PIPELINE_GROUPS={raw!r}")
         finally:
             os.environ.pop("ATTNCOMM_ULYSSES_PIPELINE_GROUPS", None)
     # the group still works afterwards
@@ -442,7 +361,6 @@ def test_bad_inputs_raise_on_every_rank(pools, world):
 
 def _auto_fallback(rank, world):
     from attncomm.ulysses import api
-
     x = torch.randn(1, 2, world, 2)
     ulysses.fallback_reason = "poison"
     y = seq_to_head(x, backend="auto")
@@ -462,14 +380,8 @@ def _auto_fallback(rank, world):
         explicit = _expect_value_error(lambda: seq_to_head(x, backend="ce"))
     finally:
         api._tracing = real
-    return (
-        reason,
-        ulysses.backend_availability(),
-        traced_reason,
-        explicit,
-        torch.equal(y, y2),
-        mods,
-    )
+    return (reason, ulysses.backend_availability(), traced_reason, explicit,
+            torch.equal(y, y2), mods)
 
 
 def test_auto_falls_back_with_reason(pools):
@@ -486,7 +398,6 @@ def _cache_keys(rank, world):
     """A new group's cache entries are keyed by the group object (an ``id`` can be reused by a
     later group); ``reset_transports`` forgets exactly them."""
     from attncomm.ulysses import api, ce
-
     g = dist.new_group(list(range(world)), backend="gloo")
     y = seq_to_head(torch.full((1, 2, world, 1), float(rank)), g, backend="auto")
     ok_data = y.flatten().tolist() == [float(s) for s in range(world) for _ in range(2)]
@@ -531,7 +442,6 @@ def _staging_steps(rank, world):
     """Allocation → agreement → rendezvous only if every rank allocated."""
     import collections
     from attncomm.ulysses import ce
-
     t = object.__new__(ce.CopyEngineTransport)
     t.group, t.rank, t.world_size, t.timeout_s = None, rank, world, 10.0
     t.device, t.capacity, t.evictions = torch.device("cpu"), 8, 0
@@ -556,14 +466,10 @@ def test_ce_staging_agrees_before_rendezvous(pools):
         assert ok == (None, ["alloc", "rendezvous"], 1), ok
         why, events, cached = alloc_fail  # rank 1 ran out of memory: nobody rendezvoused
         assert events == ["alloc"] and cached == 1, alloc_fail
-        assert (
-            "staging allocation failed" in why
-            and "rank 1: RuntimeError: CUDA out of memory" in why
-            and "rank 0" not in why
-        ), why
+        assert "staging allocation failed" in why and "rank 1: RuntimeError: CUDA out of memory" \
+            in why and "rank 0" not in why, why
         why, events, cached = rdv_fail
         assert events == ["alloc", "rendezvous"] and cached == 1, rdv_fail
-        assert (
-            "staging rendezvous failed" in why and "rank 0: RuntimeError: rendezvous broke" in why
-        ), why
+        assert "staging rendezvous failed" in why and "rank 0: RuntimeError: rendezvous broke" \
+            in why, why
     assert results[0][1][0] == results[1][1][0] and results[0][2][0] == results[1][2][0]

@@ -1,5 +1,4 @@
 """``attncomm bench ulysses`` on CPU ranks with tiny sizes (a smoke test of the plumbing)."""
-
 from __future__ import annotations
 
 import argparse
@@ -11,25 +10,9 @@ from attncomm.ulysses import bench
 def _args(tmp_path, **over):
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
-    argv = [
-        "--device",
-        "cpu",
-        "--min-bytes",
-        "4096",
-        "--max-bytes",
-        "16384",
-        "--dit-seq",
-        "16",
-        "--iters",
-        "2",
-        "--no-progress",
-        "--json",
-        str(tmp_path / "u.json"),
-        "--plot",
-        str(tmp_path / "u.png"),
-        "--markdown",
-        str(tmp_path / "u.md"),
-    ]
+    argv = ["--device", "cpu", "--min-bytes", "4096", "--max-bytes", "16384", "--dit-seq", "16",
+            "--iters", "2", "--no-progress", "--json", str(tmp_path / "u.json"),
+            "--plot", str(tmp_path / "u.png"), "--markdown", str(tmp_path / "u.md")]
     return p.parse_args(argv)
 
 
@@ -49,15 +32,8 @@ def test_bench_ulysses_cpu_smoke(pools, tmp_path, capsys):
     sweep = [r for r in recs if r["geometry"] == "sweep"]
     assert [r["bytes_per_rank"] for r in sweep] == sorted(r["bytes_per_rank"] for r in sweep)
     for r in recs:
-        assert set(r) >= {
-            "transport",
-            "mode",
-            "world_size",
-            "geometry",
-            "bytes_per_rank",
-            "time_us",
-            "busbw_gbps",
-        }
+        assert set(r) >= {"transport", "mode", "world_size", "geometry", "bytes_per_rank",
+                          "time_us", "busbw_gbps"}
         assert r["time_us"] > 0 and r["bytes_per_rank"] > 0 and r["world_size"] == 2
         assert abs(r["busbw_gbps"] - r["bytes_per_rank"] / r["time_us"] / 1e3) < 1e-9
     assert "ce" in data["meta"]["skipped"]
@@ -73,26 +49,10 @@ def test_bench_ulysses_layer_cpu_smoke(pools, tmp_path, capsys):
     (seq, qk_norm) with every output bitwise equal; table and Markdown section."""
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
-    args = p.parse_args(
-        [
-            "--device",
-            "cpu",
-            "--layer-only",
-            "--layer-seq",
-            "24",
-            "--layer-heads",
-            "6",
-            "--layer-kv-heads",
-            "2",
-            "--iters",
-            "2",
-            "--no-progress",
-            "--json",
-            str(tmp_path / "l.json"),
-            "--markdown",
-            str(tmp_path / "l.md"),
-        ]
-    )
+    args = p.parse_args(["--device", "cpu", "--layer-only", "--layer-seq", "24",
+                         "--layer-heads", "6", "--layer-kv-heads", "2", "--iters", "2",
+                         "--no-progress", "--json", str(tmp_path / "l.json"),
+                         "--markdown", str(tmp_path / "l.md")])
     opts = bench._defaults(args)
     assert opts["layer_only"] and opts["layer_seqs"] == [24] and opts["layer_heads"] == 6
     result = pools.run(2, _run_rank, opts)[0]
@@ -101,27 +61,20 @@ def test_bench_ulysses_layer_cpu_smoke(pools, tmp_path, capsys):
     recs = data["records"]
     assert {r["geometry"] for r in recs} == {"layer"} and "ce" in data["meta"]["skipped"]
     timed = [r for r in recs if r["variant"] != "summary"]
-    want = [
-        "attention_only",
-        "sequential_all_to_all",
-        "pipelined_auto",
-        "pipelined_g2",
-        "pipelined_g4",
-        "pipelined_g7",
-        "pipelined_g8",
-        "pipelined_fused",
-    ]
+    want = ["attention_only", "sequential_all_to_all", "pipelined_auto", "pipelined_g2",
+            "pipelined_g4", "pipelined_g7", "pipelined_g8", "pipelined_fused"]
     assert [r["variant"] for r in timed] == want * 2
     for r in timed:
-        assert set(r) >= {"variant", "transport", "seq", "heads", "groups", "qk_norm", "time_us"}
+        assert set(r) >= {"variant", "transport", "seq", "heads", "groups", "qk_norm",
+                          "time_us"}
         assert r["time_us"] > 0 and r["seq"] == 24 and r["heads"] == 6
     by = {(r["variant"], r["qk_norm"]): r for r in timed}
     for norm in (True, False):
         assert by[("attention_only", norm)]["transport"] == "none"
         assert by[("sequential_all_to_all", norm)]["groups"] == 1
-        assert by[("pipelined_auto", norm)]["groups"] == 1  # -1 is sequential
+        assert by[("pipelined_auto", norm)]["groups"] == 1       # -1 is sequential
         assert by[("pipelined_g2", norm)]["groups"] == 2
-        assert by[("pipelined_g8", norm)]["groups"] == 8  # more groups than heads
+        assert by[("pipelined_g8", norm)]["groups"] == 8         # more groups than heads
         assert by[("pipelined_fused", norm)]["fused_fill"] is True
     summaries = [r for r in recs if r["variant"] == "summary"]
     assert len(summaries) == 2 and all(s["bitwise_equal"] for s in summaries)
@@ -130,3 +83,5 @@ def test_bench_ulysses_layer_cpu_smoke(pools, tmp_path, capsys):
     md = (tmp_path / "l.md").read_text()
     assert "## Attention layer" in md and md.count("| pipelined_g2 |") == 2
     assert "Ulysses attention layer" in capsys.readouterr().out
+
+

@@ -1,7 +1,6 @@
 """ce transport host bookkeeping without CUDA: which staging entry an exchange takes (a held
 slot is never handed out again), the event lists per capture mode, and whose name a copy-stream
 timeout carries when several peers share a stream."""
-
 from __future__ import annotations
 
 import collections
@@ -52,11 +51,8 @@ def test_held_slot_is_never_handed_out_again(recv):
     assert len({(n, k) for n, k in taken}) == 4  # four exchanges in flight, four slots
     e0.held[0] = False  # group g's q/k exchange released: its slot is free again
     assert t._key(plan, torch.bfloat16) == base + (0,)
-    assert t._key(types.SimpleNamespace(tiled=False, recv_numel=(recv,)), torch.bfloat16) == (
-        False,
-        base[1],
-        0,
-    )
+    assert t._key(types.SimpleNamespace(tiled=False, recv_numel=(recv,)), torch.bfloat16) \
+        == (False, base[1], 0)
 
 
 def test_events_kept_per_capture_mode():

@@ -1,5 +1,4 @@
 """``attncomm demo --mode ulysses`` on gloo ranks: W=2 and W=5 (12 heads → 3, 3, 2, 2, 2)."""
-
 from __future__ import annotations
 
 import pytest
@@ -45,7 +44,7 @@ def _gather(rank, world, seed):
     g = torch.Generator().manual_seed(seed)
     full = torch.randn(2, sum(lens), 4, generator=g)
     off = sum(lens[:rank])
-    got = gather_sequence(full[:, off : off + lens[rank]].clone(), lens)
+    got = gather_sequence(full[:, off:off + lens[rank]].clone(), lens)
     return torch.equal(got, full)
 
 

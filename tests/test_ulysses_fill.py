@@ -1,6 +1,5 @@
 """The Ulysses fill (ulysses/fill.py): torch path against fp64 and a naive layout, the Triton
 kernel under the interpreter bitwise against the torch path, its sm_90 PTX free of FMA."""
-
 from __future__ import annotations
 
 import json
@@ -56,10 +55,9 @@ def test_fill_torch_layout_is_destination_major():
     htot, starts = send_layout(b, s, d, [qr, kr, kr])
     assert htot == [4, 6, 4] and starts[-1] == out.numel()
     for p in range(3):
-        want = torch.cat(
-            [t[:, :, lo:hi] for t, (lo, hi) in ((q, qr[p]), (k, kr[p]), (v, kr[p]))], dim=2
-        ).transpose(0, 1)
-        assert torch.equal(out[starts[p] : starts[p + 1]].view(s, b, htot[p], d), want)
+        want = torch.cat([t[:, :, lo:hi] for t, (lo, hi) in
+                          ((q, qr[p]), (k, kr[p]), (v, kr[p]))], dim=2).transpose(0, 1)
+        assert torch.equal(out[starts[p]:starts[p + 1]].view(s, b, htot[p], d), want)
 
 
 def test_fill_rejects_bad_parts():
@@ -76,16 +74,10 @@ def test_fill_kernel_under_interpreter():
     """Uneven heads, GQA with Hkv < W, MQA, non-contiguous q/k/v, with and without norm and
     RoPE, fp32/fp16/bf16, one and two head groups: bitwise equal to the torch path."""
     seed = random.randrange(1 << 30)
-    env = dict(
-        os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE])
-    )
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "_fill_interp.py"), str(seed)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_fill_interp.py"), str(seed)],
+                          env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"seed {seed}\n{proc.stdout}\n{proc.stderr[-3000:]}"
     assert "0 failed" in proc.stdout
 
@@ -96,13 +88,8 @@ def test_fill_kernel_ptx_has_no_fma():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.dirname(HERE)
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "_fill_ptx.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_fill_ptx.py")], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ptx = json.loads(proc.stdout)
     assert re.search(r"\bfma\.", ptx["fused"]), "the check cannot fail: FMA never appears"

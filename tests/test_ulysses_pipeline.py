@@ -2,7 +2,6 @@
 sequential run (the fill packing q/k/v with norm + RoPE, uneven heads and sequences, GQA with
 Hkv < W, non-contiguous inputs, three consecutive calls), the group-count rule and the memory
 decline (agreed: one rank short of memory makes every rank sequential)."""
-
 from __future__ import annotations
 
 import random
@@ -53,21 +52,15 @@ def _grouped_vs_sequential(rank, world, seed):
         g = torch.Generator().manual_seed(seed + 1000 * i + rank)
         q, k, v = (_local(g, 1, lens[rank], h, d, layout) for h in (hq, hkv, hkv))
         gw = torch.Generator().manual_seed(seed + i)  # the same weights and tables everywhere
-        qk_norm = (
-            (torch.randn(d, generator=gw), torch.randn(d, generator=gw), 1e-5) if norm else None
-        )
-        cs = (
-            (torch.randn((s, d), generator=gw), torch.randn((s, d), generator=gw)) if rope else None
-        )
+        qk_norm = (torch.randn(d, generator=gw), torch.randn(d, generator=gw), 1e-5) \
+            if norm else None
+        cs = (torch.randn((s, d), generator=gw), torch.randn((s, d), generator=gw)) \
+            if rope else None
         ref = None
         for groups in (0, 2, 7):
             for fused in (True, False):
-                mod = UlyssesAttention(
-                    _head_independent,
-                    pipeline_groups=groups,
-                    qk_norm=qk_norm,
-                    fuse_qk_norm_rope=fused,
-                )
+                mod = UlyssesAttention(_head_independent, pipeline_groups=groups,
+                                       qk_norm=qk_norm, fuse_qk_norm_rope=fused)
                 for call in range(2):
                     out = mod(q, k, v, seq_lens=lens, causal=causal, rope=cs)
                     if ref is None:
@@ -90,12 +83,12 @@ def test_auto_groups_rule():
     # 56 heads at W = 2, 4, 8, S = 32768, 132 SMs: 7 (SGLang's choice for MiniMax-H3)
     for w in (2, 4, 8):
         assert auto_groups(head_split(56, w), 1, 32768, 132) == 7
-    assert auto_groups(head_split(56, 8), 1, 8192, 132) == 1  # 1 head: half a wave
-    assert auto_groups(head_split(56, 2), 1, 8192, 132) == 7  # 4 heads × 64 blocks
-    assert auto_groups(head_split(7, 4), 1, 32768, 132) == 1  # 2,2,2,1: no even split
-    assert auto_groups(head_split(24, 2), 1, 32768, 132) == 6  # ≤ 8, divides 12
-    assert auto_groups(head_split(2, 3), 1, 32768, 132) == 1  # 1,1,0
-    assert auto_groups([16, 16], 1, 128, 132) == 1  # one block per head
+    assert auto_groups(head_split(56, 8), 1, 8192, 132) == 1      # 1 head: half a wave
+    assert auto_groups(head_split(56, 2), 1, 8192, 132) == 7      # 4 heads × 64 blocks
+    assert auto_groups(head_split(7, 4), 1, 32768, 132) == 1      # 2,2,2,1: no even split
+    assert auto_groups(head_split(24, 2), 1, 32768, 132) == 6     # ≤ 8, divides 12
+    assert auto_groups(head_split(2, 3), 1, 32768, 132) == 1      # 1,1,0
+    assert auto_groups([16, 16], 1, 128, 132) == 1                # one block per head
     assert auto_groups([16, 16], 1, 32768, 132, max_groups=3) == 2
 
 

@@ -1,5 +1,4 @@
 """The layer budget from a trace (ulysses/timeline.py) on synthetic GPU timelines."""
-
 from __future__ import annotations
 
 import json
@@ -14,20 +13,11 @@ def _ev(name, a, b, kind, corr=-1, stream=7):
 
 def test_budget_adds_up():
     # compute [0, 10) and [12, 20); exchange [5, 14) (hidden but for [10, 12)) and [21, 23)
-    evs = [
-        _ev("flash", 0, 10, "compute"),
-        _ev("Memcpy PtoP", 5, 14, "exchange"),
-        _ev("flash", 12, 20, "compute"),
-        _ev("ncclKernel", 21, 23, "exchange"),
-    ]
+    evs = [_ev("flash", 0, 10, "compute"), _ev("Memcpy PtoP", 5, 14, "exchange"),
+           _ev("flash", 12, 20, "compute"), _ev("ncclKernel", 21, 23, "exchange")]
     b = timeline.budget(evs)
-    assert b == {
-        "wall_us": 23,
-        "compute_us": 18,
-        "exposed_exchange_us": 4,
-        "idle_us": 1,
-        "exchange_us": 11,
-    }
+    assert b == {"wall_us": 23, "compute_us": 18, "exposed_exchange_us": 4, "idle_us": 1,
+                 "exchange_us": 11}
     assert timeline.budget(evs, layers=2)["wall_us"] == 11.5
     assert timeline.gaps(evs) == [(10, 2)]
     assert "23.00" not in timeline.format_budget(b) and "0.02 = 0.02" in timeline.format_budget(b)
@@ -44,43 +34,16 @@ def test_classify_and_load(tmp_path):
     assert timeline.classify("wait_kernel", "kernel") == "exchange"
     assert timeline.classify("Memcpy DtoH (Device -> Pinned)", "gpu_memcpy") == "exchange"
     assert timeline.classify("flash_fwd_kernel", "kernel") == "compute"
-    trace = {
-        "traceEvents": [
-            {
-                "ph": "X",
-                "cat": "kernel",
-                "name": "fill_kernel",
-                "ts": 100,
-                "dur": 5,
-                "args": {"stream": 7, "correlation": 1},
-            },
-            {
-                "ph": "X",
-                "cat": "gpu_memcpy",
-                "name": "Memcpy DtoH",
-                "ts": 103,
-                "dur": 10,
-                "args": {"stream": 9, "correlation": 2},
-            },
-            {
-                "ph": "X",
-                "cat": "cuda_runtime",
-                "name": "cudaLaunchKernel",
-                "ts": 50,
-                "dur": 4,
-                "args": {"correlation": 1},
-            },
-            {
-                "ph": "X",
-                "cat": "cuda_runtime",
-                "name": "cudaMemcpyAsync",
-                "ts": 60,
-                "dur": 2,
-                "args": {"correlation": 2},
-            },
-            {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 1, "dur": 2},
-        ]
-    }
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "fill_kernel", "ts": 100, "dur": 5,
+         "args": {"stream": 7, "correlation": 1}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 103, "dur": 10,
+         "args": {"stream": 9, "correlation": 2}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 50, "dur": 4,
+         "args": {"correlation": 1}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 60, "dur": 2,
+         "args": {"correlation": 2}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 1, "dur": 2}]}
     path = tmp_path / "t.json"
     path.write_text(json.dumps(trace))
     gpu, host = timeline.load_trace(str(path))

@@ -1,6 +1,5 @@
 """All three exchanges at W=8 on gloo CPU ranks (the largest world the GPU machines lend is 2;
 this is where W=8 logic is exercised). One pool of 8 ranks, one call, many cases."""
-
 from __future__ import annotations
 
 import math
@@ -24,7 +23,7 @@ def _world8(rank, world_size, seed):
         lses[empty], outs[empty] = -math.inf, float("nan")
         ref, _ = ref_merge(outs, lses)
         hs = H // world_size
-        ref = ref[:, rank * hs : (rank + 1) * hs]
+        ref = ref[:, rank * hs:(rank + 1) * hs]
         for backend in ("reference", "ag_rs", "a2a", "auto"):
             got = dcp.merge(outs[rank], lses[rank], backend=backend)
             err = float((got.double() - ref).abs().max())
@@ -35,11 +34,11 @@ def _world8(rank, world_size, seed):
     g = torch.Generator().manual_seed(seed)
     full = torch.randn(2, sum(lens), 13, 8, generator=g)
     start = sum(lens[:rank])
-    x = full[:, start : start + lens[rank]].contiguous()
+    x = full[:, start:start + lens[rank]].contiguous()
     y = ulysses.seq_to_head(x, seq_lens=lens)
     counts = ulysses.head_split(13, world_size)
     h0 = sum(counts[:rank])
-    if not torch.equal(y, full[:, :, h0 : h0 + counts[rank]]):
+    if not torch.equal(y, full[:, :, h0:h0 + counts[rank]]):
         failures.append("ulysses seq_to_head differs from the head slice of the full tensor")
     back = ulysses.head_to_seq(y, num_heads=13, seq_lens=lens)
     if not torch.equal(back, x):

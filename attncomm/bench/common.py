@@ -1,7 +1,6 @@
 """Shared benchmark plumbing: slowest-rank medians, tables, JSON, plots, and the run's metadata.
 Each exchange's bench module builds on these. The timers (eager and CUDA graph) live in
 ``attncomm._timing`` (``DcpMerger``'s ``auto`` times with them too) and are re-exported here."""
-
 from __future__ import annotations
 
 import datetime
@@ -18,17 +17,8 @@ from .. import config
 from .._dist import cpu_group
 from .._timing import time_eager, time_graph
 
-__all__ = [
-    "meta",
-    "time_eager",
-    "time_graph",
-    "max_over_ranks",
-    "slowest_rank_median",
-    "print_table",
-    "write_json",
-    "plot_lines",
-    "progress",
-]
+__all__ = ["meta", "time_eager", "time_graph", "max_over_ranks", "slowest_rank_median",
+           "print_table", "write_json", "plot_lines", "progress"]
 
 
 def meta(device: str, world_size: int, **extra) -> dict:
@@ -38,7 +28,6 @@ def meta(device: str, world_size: int, **extra) -> dict:
         gpu = torch.cuda.get_device_name(0)
     try:
         import triton
-
         triton_version = triton.__version__
     except Exception:  # noqa: BLE001 - triton is optional on CPU
         triton_version = None
@@ -71,9 +60,8 @@ def slowest_rank_median(times_us: Sequence[float], group=None) -> float:
     return float(statistics.median(max_over_ranks(times_us, group)))
 
 
-def print_table(
-    rows: Sequence[dict], columns: Sequence[str], title: str | None = None, fmt: dict | None = None
-) -> str:
+def print_table(rows: Sequence[dict], columns: Sequence[str], title: str | None = None,
+                fmt: dict | None = None) -> str:
     """Print (and return) a plain-text table of ``rows`` (dicts) over ``columns``."""
     fmt = fmt or {}
 
@@ -110,19 +98,11 @@ def write_json(path: str, meta_block: dict, records: Sequence[dict], key: str = 
         f.write("\n")
 
 
-def plot_lines(
-    path: str,
-    series: dict[str, tuple[Sequence[float], Sequence[float]]],
-    *,
-    xlabel: str,
-    ylabel: str,
-    title: str,
-    logx: bool = False,
-    logy: bool = False,
-) -> None:
+def plot_lines(path: str, series: dict[str, tuple[Sequence[float], Sequence[float]]], *,
+               xlabel: str, ylabel: str, title: str, logx: bool = False,
+               logy: bool = False) -> None:
     """One line per series name ``{name: (xs, ys)}``, saved as a PNG at ``path``."""
     import matplotlib
-
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -147,5 +127,4 @@ def plot_lines(
 def progress(total: int, desc: str, enabled: bool = True):
     """A tqdm progress bar on stderr (a no-op object when ``enabled`` is False)."""
     from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, disable=not enabled, leave=False, dynamic_ncols=True)

@@ -5,7 +5,6 @@ Each bench module's ``add_arguments`` starts with ``add_common_arguments`` (the 
 defaults and help texts in every bench), prints its own tables, and ends with ``emit``, which
 writes ``--json``, ``--markdown`` and ``--plot`` the same way for all of them.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -40,7 +39,8 @@ class NameList(argparse.Action):
         for v in values:
             for name in filter(None, (x.strip() for x in v.split(","))):
                 if name not in self.names:
-                    parser.error(f"{option_string}: {name!r} is not one of {' '.join(self.names)}")
+                    parser.error(f"{option_string}: {name!r} is not one of "
+                                 f"{' '.join(self.names)}")
                 if name not in out:
                     out.append(name)
         if not out:
@@ -48,40 +48,23 @@ class NameList(argparse.Action):
         setattr(namespace, self.dest, out)
 
 
-def add_common_arguments(
-    p: argparse.ArgumentParser,
-    *,
-    backends: Sequence[str],
-    default_backends: str,
-    aliases: Sequence[str] = (),
-) -> None:
+def add_common_arguments(p: argparse.ArgumentParser, *, backends: Sequence[str],
+                         default_backends: str, aliases: Sequence[str] = ()) -> None:
     """Add the options every bench has. ``backends``: the names ``--backends`` accepts;
     ``default_backends``: what runs without it (for the help text); ``aliases``: older
     spellings of ``--backends`` that keep working."""
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
-    p.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default=default_device(),
-        help="cuda: NCCL ranks, one GPU each; cpu: gloo ranks (default: cuda when "
-        f"this machine has a GPU, here {default_device()})",
-    )
-    p.add_argument(
-        "--backends",
-        *aliases,
-        dest="backends",
-        action=NameList,
-        names=backends,
-        default=None,
-        metavar="NAME",
-        help=f"space separated, from: {' '.join(backends)} (default: {default_backends})",
-    )
-    p.add_argument(
-        "--json", metavar="PATH", default=None, help="write the run's metadata and records as JSON"
-    )
-    p.add_argument(
-        "--markdown", metavar="PATH", default=None, help="write the results as a Markdown page"
-    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default=default_device(),
+                   help="cuda: NCCL ranks, one GPU each; cpu: gloo ranks (default: cuda when "
+                        f"this machine has a GPU, here {default_device()})")
+    p.add_argument("--backends", *aliases, dest="backends", action=NameList, names=backends,
+                   default=None, metavar="NAME",
+                   help=f"space separated, from: {' '.join(backends)} "
+                        f"(default: {default_backends})")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="write the run's metadata and records as JSON")
+    p.add_argument("--markdown", metavar="PATH", default=None,
+                   help="write the results as a Markdown page")
     p.add_argument("--plot", metavar="PATH", default=None, help="write a PNG plot")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -107,7 +90,8 @@ def emit(args, report: Report) -> Report:
     if getattr(args, "markdown", None) and report.markdown is not None:
         os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
         with open(args.markdown, "w") as f:
-            f.write(report.markdown if report.markdown.endswith("\n") else report.markdown + "\n")
+            f.write(report.markdown if report.markdown.endswith("\n")
+                    else report.markdown + "\n")
         report.written.append(args.markdown)
     if getattr(args, "plot", None) and report.plot and report.plot.get("series"):
         plot_lines(args.plot, **report.plot)

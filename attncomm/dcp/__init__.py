@@ -6,34 +6,14 @@ symmetric memory, CUDA only), ``auto``. Before attention, the query-head all-gat
 ``gather_heads`` / ``DcpQueryGather`` (backends ``all_gather``, ``symm``, ``auto``), with RoPE on
 the last R dims fused into the producer.
 """
-
 from __future__ import annotations
 
-from .api import BACKENDS, DcpMerger, available_backends, merge, merge_states, shard_kv_interleaved
+from .api import (BACKENDS, DcpMerger, available_backends, merge, merge_states,
+                  shard_kv_interleaved)
 from .attention import DcpAttention
-from .gather import (
-    FP8_DTYPE,
-    FP8_MAX,
-    GATHER_BACKENDS,
-    DcpQueryGather,
-    gather_heads,
-    quantize_e4m3,
-    rotate_tail,
-)
+from .gather import (FP8_DTYPE, FP8_MAX, GATHER_BACKENDS, DcpQueryGather, gather_heads,
+                     quantize_e4m3, rotate_tail)
 
-__all__ = [
-    "merge_states",
-    "merge",
-    "DcpMerger",
-    "shard_kv_interleaved",
-    "available_backends",
-    "BACKENDS",
-    "gather_heads",
-    "DcpQueryGather",
-    "rotate_tail",
-    "GATHER_BACKENDS",
-    "DcpAttention",
-    "quantize_e4m3",
-    "FP8_DTYPE",
-    "FP8_MAX",
-]
+__all__ = ["merge_states", "merge", "DcpMerger", "shard_kv_interleaved", "available_backends",
+           "BACKENDS", "gather_heads", "DcpQueryGather", "rotate_tail", "GATHER_BACKENDS",
+           "DcpAttention", "quantize_e4m3", "FP8_DTYPE", "FP8_MAX"]

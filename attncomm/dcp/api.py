@@ -5,7 +5,6 @@ p % W, as in SGLang's and vLLM's DCP); every rank attends all heads of the query
 and the partial outputs are merged by their log-sum-exp, each rank keeping its head slice for the
 head-sharded o_proj.
 """
-
 from __future__ import annotations
 
 import collections
@@ -22,14 +21,8 @@ from . import auto
 from .backend import BACKENDS, DcpBackend, backend_class
 from .combine import combine
 
-__all__ = [
-    "merge_states",
-    "merge",
-    "DcpMerger",
-    "shard_kv_interleaved",
-    "available_backends",
-    "BACKENDS",
-]
+__all__ = ["merge_states", "merge", "DcpMerger", "shard_kv_interleaved", "available_backends",
+           "BACKENDS"]
 
 log = logging.getLogger("attncomm.dcp")
 
@@ -56,11 +49,9 @@ def shard_kv_interleaved(seq_len: int, world_size: int, rank: int) -> torch.Tens
     Raises ``ValueError`` for ``seq_len < 0``, ``world_size < 1`` or ``rank ∉ [0, W)``.
     """
     if seq_len < 0 or world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(
-            f"shard_kv_interleaved: need seq_len ≥ 0, world_size ≥ 1, "
-            f"0 ≤ rank < world_size; got seq_len={seq_len}, "
-            f"world_size={world_size}, rank={rank}"
-        )
+        raise ValueError(f"shard_kv_interleaved: need seq_len ≥ 0, world_size ≥ 1, "
+                         f"0 ≤ rank < world_size; got seq_len={seq_len}, "
+                         f"world_size={world_size}, rank={rank}")
     return torch.arange(rank, max(rank, seq_len), world_size, dtype=torch.int64)
 
 
@@ -75,9 +66,8 @@ def _lse_from_e(lse: torch.Tensor, lse_base: str) -> torch.Tensor:
     return lse / _LN2 if lse_base == "2" else lse
 
 
-def merge_states(
-    outs: torch.Tensor, lses: torch.Tensor, *, lse_base: str = "e", return_lse: bool = False
-):
+def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, lse_base: str = "e",
+                 return_lse: bool = False):
     """Merge ``N`` partial attention results of the same queries over disjoint key sets.
 
     Arguments:
@@ -100,10 +90,8 @@ def merge_states(
     if lse_base not in ("e", "2"):
         err = f"lse_base must be 'e' or '2', got {lse_base!r}"
     elif outs.dim() != 4 or lses.dim() != 3 or tuple(lses.shape) != tuple(outs.shape[:3]):
-        err = (
-            f"expected outs [N, T, H, D] and lses [N, T, H]; got outs {tuple(outs.shape)}, "
-            f"lses {tuple(lses.shape)}"
-        )
+        err = (f"expected outs [N, T, H, D] and lses [N, T, H]; got outs {tuple(outs.shape)}, "
+               f"lses {tuple(lses.shape)}")
     elif outs.dtype not in _OUT_DTYPES:
         err = f"outs dtype must be fp16/bf16/fp32, got {outs.dtype}"
     elif not lses.is_floating_point():
@@ -140,17 +128,9 @@ def _check_local(out, lse, world_size: int, lse_base: str, backend: str) -> str 
     return None
 
 
-def merge(
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    group=None,
-    *,
-    backend: str = "auto",
-    lse_base: str = "e",
-    return_lse: bool = False,
-    validate: bool | None = None,
-    timeout_s: float | None = None,
-):
+def merge(out: torch.Tensor, lse: torch.Tensor, group=None, *, backend: str = "auto",
+          lse_base: str = "e", return_lse: bool = False, validate: bool | None = None,
+          timeout_s: float | None = None):
     """Merge this rank's partial attention with every other rank's; keep this rank's head slice.
 
     Arguments:
@@ -196,23 +176,11 @@ def merge(
 
 def _signature(out, lse, backend, lse_base, return_lse):
     shape = list(out.shape) if out.dim() == 3 else [-1, -1, -1]
-    sig = shape + [
-        DTYPE_CODES.get(out.dtype, 0),
-        DTYPE_CODES.get(lse.dtype, 0),
-        BACKENDS.index(backend) if backend in BACKENDS else -1,
-        1 if lse_base == "2" else 0,
-        int(bool(return_lse)),
-    ]
-    labels = [
-        "T (tokens)",
-        "H (heads)",
-        "D (head_dim)",
-        "out dtype",
-        "lse dtype",
-        "backend",
-        "lse_base",
-        "return_lse",
-    ]
+    sig = shape + [DTYPE_CODES.get(out.dtype, 0), DTYPE_CODES.get(lse.dtype, 0),
+                   BACKENDS.index(backend) if backend in BACKENDS else -1,
+                   1 if lse_base == "2" else 0, int(bool(return_lse))]
+    labels = ["T (tokens)", "H (heads)", "D (head_dim)", "out dtype", "lse dtype", "backend",
+              "lse_base", "return_lse"]
     return sig, labels
 
 
@@ -235,16 +203,8 @@ def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget) -> DcpMerge
     merger = lru.get(key)
     if merger is None:
         try:
-            merger = DcpMerger(
-                group,
-                max_tokens=bucket,
-                num_heads=H,
-                head_dim=D,
-                dtype=dtype,
-                backend=backend,
-                lse_base=lse_base,
-                timeout_s=budget,
-            )
+            merger = DcpMerger(group, max_tokens=bucket, num_heads=H, head_dim=D, dtype=dtype,
+                               backend=backend, lse_base=lse_base, timeout_s=budget)
         except (PeerTimeoutError, ValueError) as exc:
             raise _as_merge_error(exc) from exc
         lru[key] = merger
@@ -258,15 +218,11 @@ def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget) -> DcpMerge
 def _as_merge_error(exc):
     # The caller called dcp.merge: its errors name dcp.merge, not the merger it builds inside.
     msg = str(exc)
-    msg = (
-        "dcp.merge" + msg[len("DcpMerger") :]
-        if msg.startswith("DcpMerger")
-        else f"dcp.merge: {msg}"
-    )
+    msg = ("dcp.merge" + msg[len("DcpMerger"):] if msg.startswith("DcpMerger")
+           else f"dcp.merge: {msg}")
     if isinstance(exc, PeerTimeoutError):
-        return PeerTimeoutError(
-            msg, peer_ranks=exc.peer_ranks, timeout_s=exc.timeout_s, op="dcp.merge"
-        )
+        return PeerTimeoutError(msg, peer_ranks=exc.peer_ranks, timeout_s=exc.timeout_s,
+                                op="dcp.merge")
     return ValueError(msg)
 
 
@@ -294,41 +250,22 @@ class DcpMerger:
         ValueError (every rank): bad arguments, or a named backend that cannot run here.
     """
 
-    def __init__(
-        self,
-        group=None,
-        *,
-        max_tokens: int,
-        num_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        backend: str = "auto",
-        lse_base: str = "e",
-        timeout_s: float | None = None,
-    ):
+    def __init__(self, group=None, *, max_tokens: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype, backend: str = "auto", lse_base: str = "e",
+                 timeout_s: float | None = None):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.timeout_s = config.timeout_s(timeout_s)
-        err = self._check_args(
-            max_tokens, num_heads, head_dim, dtype, backend, lse_base, self.world_size
-        )
-        sig = [
-            int(max_tokens) if isinstance(max_tokens, int) else -1,
-            int(num_heads) if isinstance(num_heads, int) else -1,
-            int(head_dim) if isinstance(head_dim, int) else -1,
-            DTYPE_CODES.get(dtype, 0),
-            BACKENDS.index(backend) if backend in BACKENDS else -1,
-            1 if lse_base == "2" else 0,
-        ]
-        agree(
-            group,
-            "DcpMerger",
-            sig,
-            ["max_tokens", "num_heads", "head_dim", "dtype", "backend", "lse_base"],
-            err,
-            self.timeout_s,
-        )
+        err = self._check_args(max_tokens, num_heads, head_dim, dtype, backend, lse_base,
+                               self.world_size)
+        sig = [int(max_tokens) if isinstance(max_tokens, int) else -1,
+               int(num_heads) if isinstance(num_heads, int) else -1,
+               int(head_dim) if isinstance(head_dim, int) else -1,
+               DTYPE_CODES.get(dtype, 0), BACKENDS.index(backend) if backend in BACKENDS else -1,
+               1 if lse_base == "2" else 0]
+        agree(group, "DcpMerger", sig, ["max_tokens", "num_heads", "head_dim", "dtype",
+                                        "backend", "lse_base"], err, self.timeout_s)
         self.max_tokens, self.num_heads, self.head_dim = max_tokens, num_heads, head_dim
         self.dtype, self.lse_base = dtype, lse_base
         self.device = group_device(group)
@@ -339,12 +276,8 @@ class DcpMerger:
             # An env override under "auto" is a preference: if it cannot run, auto never fails.
             why = agree_reason(group, self._local_reason(name), f"dcp backend {name}")
             if why:
-                log.warning(
-                    "DcpMerger: ATTNCOMM_DCP_BACKEND=%s cannot run here (%s); "
-                    "choosing automatically",
-                    name,
-                    why,
-                )
+                log.warning("DcpMerger: ATTNCOMM_DCP_BACKEND=%s cannot run here (%s); "
+                            "choosing automatically", name, why)
                 name = "auto"
         if name == "auto":
             name = self._choose_auto()
@@ -360,11 +293,8 @@ class DcpMerger:
             return f"backend={backend!r} is not one of {list(BACKENDS)}"
         if lse_base not in ("e", "2"):
             return f"lse_base must be 'e' or '2', got {lse_base!r}"
-        for label, v in (
-            ("max_tokens", max_tokens),
-            ("num_heads", num_heads),
-            ("head_dim", head_dim),
-        ):
+        for label, v in (("max_tokens", max_tokens), ("num_heads", num_heads),
+                         ("head_dim", head_dim)):
             if not isinstance(v, int) or v < 1:
                 return f"{label} must be an int ≥ 1, got {v!r}"
         if dtype not in _OUT_DTYPES:
@@ -374,14 +304,9 @@ class DcpMerger:
         return None
 
     def _kwargs(self):
-        return dict(
-            max_tokens=self.max_tokens,
-            num_heads=self.num_heads,
-            head_dim=self.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-            timeout_s=self.timeout_s,
-        )
+        return dict(max_tokens=self.max_tokens, num_heads=self.num_heads,
+                    head_dim=self.head_dim, dtype=self.dtype, device=self.device,
+                    timeout_s=self.timeout_s)
 
     def _local_reason(self, name: str) -> str | None:
         if name == "symm_a2a" and self.device.type != "cuda":
@@ -408,7 +333,8 @@ class DcpMerger:
         if name != "symm_a2a" and why:
             self.fallback_reason = why
         if self.fallback_reason and name != "symm_a2a":
-            log.info("DcpMerger: auto chose %s; symm_a2a not taken: %s", name, self.fallback_reason)
+            log.info("DcpMerger: auto chose %s; symm_a2a not taken: %s", name,
+                     self.fallback_reason)
         return name
 
     def _build(self, name: str) -> DcpBackend:
@@ -442,16 +368,10 @@ class DcpMerger:
         err = _check_local(out, lse, self.world_size, self.lse_base, "auto")
         if err is None:
             T, H, D = out.shape
-            if (
-                T > self.max_tokens
-                or H != self.num_heads
-                or D != self.head_dim
-                or out.dtype != self.dtype
-            ):
-                err = (
-                    f"got out {tuple(out.shape)} {out.dtype}; this merger takes T ≤ "
-                    f"{self.max_tokens}, H={self.num_heads}, D={self.head_dim}, {self.dtype}"
-                )
+            if T > self.max_tokens or H != self.num_heads or D != self.head_dim \
+                    or out.dtype != self.dtype:
+                err = (f"got out {tuple(out.shape)} {out.dtype}; this merger takes T ≤ "
+                       f"{self.max_tokens}, H={self.num_heads}, D={self.head_dim}, {self.dtype}")
         if err:
             raise ValueError(f"DcpMerger: {err}")
         if out.shape[0] == 0:

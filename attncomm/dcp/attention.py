@@ -16,7 +16,6 @@ attention of step e, the reader of ``q_all``, has produced its output), so a pee
 step e+1 can never overwrite a ``q_all`` this rank still reads: the gather is built with
 ``ordered_by_caller=True`` and skips its own handshake.
 """
-
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -55,23 +54,11 @@ class DcpAttention(torch.nn.Module):
         PeerTimeoutError: a peer did not answer within ``timeout_s``.
     """
 
-    def __init__(
-        self,
-        attn_fn: Callable,
-        group=None,
-        *,
-        max_tokens: int,
-        num_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        v_head_dim: int | None = None,
-        out_dtype: torch.dtype | None = None,
-        rope_dim: int = 0,
-        lse_base: str = "e",
-        gather_backend: str = "auto",
-        merge_backend: str = "auto",
-        timeout_s: float | None = None,
-    ):
+    def __init__(self, attn_fn: Callable, group=None, *, max_tokens: int, num_heads: int,
+                 head_dim: int, dtype: torch.dtype, v_head_dim: int | None = None,
+                 out_dtype: torch.dtype | None = None, rope_dim: int = 0, lse_base: str = "e",
+                 gather_backend: str = "auto", merge_backend: str = "auto",
+                 timeout_s: float | None = None):
         super().__init__()
         self.attn_fn = attn_fn
         self.group = group
@@ -79,27 +66,13 @@ class DcpAttention(torch.nn.Module):
         self.num_heads = num_heads
         self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
         self.out_dtype = dtype if out_dtype is None else out_dtype
-        self.gather = DcpQueryGather(
-            group,
-            max_tokens=max_tokens,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            dtype=dtype,
-            backend=gather_backend,
-            rope_dim=rope_dim,
-            timeout_s=timeout_s,
-            ordered_by_caller=True,
-        )
-        self.merger = DcpMerger(
-            group,
-            max_tokens=max_tokens,
-            num_heads=num_heads,
-            head_dim=self.v_head_dim,
-            dtype=self.out_dtype,
-            backend=merge_backend,
-            lse_base=lse_base,
-            timeout_s=timeout_s,
-        )
+        self.gather = DcpQueryGather(group, max_tokens=max_tokens, num_heads=num_heads,
+                                     head_dim=head_dim, dtype=dtype, backend=gather_backend,
+                                     rope_dim=rope_dim, timeout_s=timeout_s,
+                                     ordered_by_caller=True)
+        self.merger = DcpMerger(group, max_tokens=max_tokens, num_heads=num_heads,
+                                head_dim=self.v_head_dim, dtype=self.out_dtype,
+                                backend=merge_backend, lse_base=lse_base, timeout_s=timeout_s)
 
     @property
     def backends(self) -> tuple[str, str]:
@@ -115,15 +88,9 @@ class DcpAttention(torch.nn.Module):
         q_all = self.gather(q, rope=rope)
         T, H = q_all.shape[0], self.num_heads
         out, lse = self.attn_fn(q_all, *args, **kwargs)
-        if (
-            not isinstance(out, torch.Tensor)
-            or not isinstance(lse, torch.Tensor)
-            or tuple(out.shape) != (T, H, self.v_head_dim)
-            or tuple(lse.shape) != (T, H)
-        ):
-            raise ValueError(
-                f"DcpAttention: attn_fn must return out [T={T}, H={H}, "
-                f"Dv={self.v_head_dim}] and lse [T, H]; got "
-                f"{getattr(out, 'shape', out)}, {getattr(lse, 'shape', lse)}"
-            )
+        if not isinstance(out, torch.Tensor) or not isinstance(lse, torch.Tensor) \
+                or tuple(out.shape) != (T, H, self.v_head_dim) or tuple(lse.shape) != (T, H):
+            raise ValueError(f"DcpAttention: attn_fn must return out [T={T}, H={H}, "
+                             f"Dv={self.v_head_dim}] and lse [T, H]; got "
+                             f"{getattr(out, 'shape', out)}, {getattr(lse, 'shape', lse)}")
         return self.merger(out, lse)

@@ -13,7 +13,6 @@ applied ``ATTNCOMM_DCP_BACKEND``. Here:
 
 Runs eagerly at construction, before any capture the caller makes.
 """
-
 from __future__ import annotations
 
 import logging
@@ -49,9 +48,8 @@ def _rule_of_thumb(candidates: list[str]) -> str:
 
 def _time_graph(impl, out, lse) -> float:
     """µs per merge: ``_PER_GRAPH`` merges captured in one graph, median of ``_REPLAYS``."""
-    times = time_graph(
-        lambda: impl(out, lse), per_graph=_PER_GRAPH, warmup=1, iters=_REPLAYS, back_to_back=True
-    )
+    times = time_graph(lambda: impl(out, lse), per_graph=_PER_GRAPH, warmup=1, iters=_REPLAYS,
+                       back_to_back=True)
     impl.check()
     return sorted(times)[len(times) // 2]
 
@@ -62,26 +60,17 @@ def _measure(name, group, buckets, kw) -> list[float]:
     gen = torch.Generator(device=kw["device"]).manual_seed(rank)
     times = []
     for T in buckets:
-        out = torch.randn(
-            (T, kw["num_heads"], kw["head_dim"]), generator=gen, device=kw["device"]
-        ).to(kw["dtype"])
+        out = torch.randn((T, kw["num_heads"], kw["head_dim"]), generator=gen,
+                          device=kw["device"]).to(kw["dtype"])
         lse = torch.randn((T, kw["num_heads"]), generator=gen, device=kw["device"])
         times.append(_time_graph(impl, out, lse))
     del impl
     return times
 
 
-def choose_backend(
-    group,
-    candidates: list[str],
-    *,
-    max_tokens: int,
-    num_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    timeout_s: float,
-) -> tuple[str, str | None]:
+def choose_backend(group, candidates: list[str], *, max_tokens: int, num_heads: int,
+                   head_dim: int, dtype: torch.dtype, device: torch.device,
+                   timeout_s: float) -> tuple[str, str | None]:
     """Pick the backend for a ``DcpMerger`` (collective over ``group``).
 
     Arguments:
@@ -99,14 +88,8 @@ def choose_backend(
         raise ValueError("choose_backend: no DCP backend can run here")
     if torch.device(device).type != "cuda" or len(candidates) == 1:
         return _rule_of_thumb(candidates), None
-    kw = dict(
-        max_tokens=max_tokens,
-        num_heads=num_heads,
-        head_dim=head_dim,
-        dtype=dtype,
-        device=device,
-        timeout_s=timeout_s,
-    )
+    kw = dict(max_tokens=max_tokens, num_heads=num_heads, head_dim=head_dim, dtype=dtype,
+              device=device, timeout_s=timeout_s)
     buckets = token_buckets(max_tokens)
     scores = torch.full((len(candidates), len(buckets)), float("inf"), dtype=torch.float64)
     errors = {}
@@ -117,17 +100,12 @@ def choose_backend(
             errors[name] = f"{type(exc).__name__}: {exc}"
     # inf (failed anywhere) survives MAX, so every rank drops the same candidates.
     dist.all_reduce(scores, op=dist.ReduceOp.MAX, group=cpu_group(group))
-    means = [
-        math.exp(sum(math.log(max(v, 1e-3)) for v in row) / len(row))
-        if all(math.isfinite(v) for v in row)
-        else math.inf
-        for row in scores.tolist()
-    ]
+    means = [math.exp(sum(math.log(max(v, 1e-3)) for v in row) / len(row))
+             if all(math.isfinite(v) for v in row) else math.inf for row in scores.tolist()]
     if all(math.isinf(m) for m in means):
         name = _rule_of_thumb([c for c in candidates if c != "symm_a2a"] or candidates)
         return name, "every candidate failed while timing: " + "; ".join(
-            f"{k}: {v}" for k, v in errors.items()
-        )
+            f"{k}: {v}" for k, v in errors.items())
     best = min(range(len(candidates)), key=lambda i: means[i])
     name = candidates[best]
     table = ", ".join(f"{c} {m:.1f} µs" for c, m in zip(candidates, means))
@@ -135,9 +113,6 @@ def choose_backend(
     why = None
     if "symm_a2a" in candidates and name != "symm_a2a":
         i = candidates.index("symm_a2a")
-        why = (
-            "symm_a2a failed while timing on some rank"
-            if math.isinf(means[i])
-            else f"measured slower ({table})"
-        )
+        why = ("symm_a2a failed while timing on some rank" if math.isinf(means[i])
+               else f"measured slower ({table})")
     return name, why

@@ -4,7 +4,6 @@ The registry names each backend's module and class; ``backend_class`` imports th
 first use, so the Triton-only ``symm_a2a`` stays optional and this module imports no backend
 (the backends import ``DcpBackend`` from here).
 """
-
 from __future__ import annotations
 
 import importlib
@@ -40,17 +39,8 @@ class DcpBackend(ABC):
     #: copies to keep them).
     returns_views: bool = False
 
-    def __init__(
-        self,
-        group,
-        *,
-        max_tokens: int,
-        num_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        timeout_s: float,
-    ):
+    def __init__(self, group, *, max_tokens: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, timeout_s: float):
         self.group = group
         self.max_tokens = max_tokens
         self.num_heads = num_heads
@@ -67,9 +57,8 @@ class DcpBackend(ABC):
         return None
 
     @abstractmethod
-    def __call__(
-        self, out: torch.Tensor, lse: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def __call__(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
 
     def backend_for(self, num_tokens: int) -> str:
         """The backend a call of ``num_tokens`` tokens runs (default: this one)."""

@@ -12,7 +12,6 @@ Eager mode times each call after a group barrier. 10 warm-up + 100 timed iterati
 ``latency_us`` is the median over iterations of the slowest rank. The table gives each
 backend's speedup over the best NCCL (on CPU ranks: gloo) backend of the same run.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -24,15 +23,8 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import cpu_group
-from ..bench.common import (
-    max_over_ranks,
-    meta,
-    print_table,
-    progress,
-    slowest_rank_median,
-    time_eager,
-    time_graph,
-)
+from ..bench.common import (max_over_ranks, meta, print_table, progress, slowest_rank_median,
+                            time_eager, time_graph)
 from ..bench.report import Report, add_common_arguments, emit, usage_error
 from ..launch import launch
 from . import bench_gather
@@ -46,112 +38,63 @@ _COLLECTIVE = ("ag_rs", "a2a")  # the "NCCL backends" the speedup compares again
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_common_arguments(
-        p, backends=BACKENDS, default_backends="reference ag_rs a2a, + symm_a2a on CUDA"
-    )
+    add_common_arguments(p, backends=BACKENDS,
+                         default_backends="reference ag_rs a2a, + symm_a2a on CUDA")
     p.add_argument("--heads", type=int, default=64, help="total heads H (default 64)")
-    p.add_argument(
-        "--op",
-        choices=("merge", "gather", "layer"),
-        default="merge",
-        help="merge (default): the LSE merge; gather: the query-head all-gather "
-        "(attncomm.dcp.bench_gather); layer: gather + merge per decode step",
-    )
-    p.add_argument(
-        "--head-dim",
-        type=int,
-        default=None,
-        help="head_dim D (default 512; --op gather/layer: 576, Kimi-K2.5's q)",
-    )
-    p.add_argument(
-        "--rope-dim",
-        type=int,
-        default=64,
-        help="--op gather/layer: RoPE dims R at the end of each head (default 64)",
-    )
-    p.add_argument(
-        "--v-head-dim",
-        type=int,
-        default=512,
-        help="--op layer: head_dim Dv of the merged attention output (default 512)",
-    )
-    p.add_argument(
-        "--gather-backends",
-        nargs="+",
-        default=None,
-        choices=["all_gather", "symm", "auto"],
-        help="--op gather: default all_gather (+ symm on CUDA)",
-    )
+    p.add_argument("--op", choices=("merge", "gather", "layer"), default="merge",
+                   help="merge (default): the LSE merge; gather: the query-head all-gather "
+                        "(attncomm.dcp.bench_gather); layer: gather + merge per decode step")
+    p.add_argument("--head-dim", type=int, default=None,
+                   help="head_dim D (default 512; --op gather/layer: 576, Kimi-K2.5's q)")
+    p.add_argument("--rope-dim", type=int, default=64,
+                   help="--op gather/layer: RoPE dims R at the end of each head (default 64)")
+    p.add_argument("--v-head-dim", type=int, default=512,
+                   help="--op layer: head_dim Dv of the merged attention output (default 512)")
+    p.add_argument("--gather-backends", nargs="+", default=None,
+                   choices=["all_gather", "symm", "auto"],
+                   help="--op gather: default all_gather (+ symm on CUDA)")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16", help="default bf16")
-    p.add_argument(
-        "--tokens",
-        type=int,
-        nargs="+",
-        default=[1, 8, 16, 32, 64, 128],
-        help="token counts T ≥ 1 (default 1 8 16 32 64 128)",
-    )
-    p.add_argument(
-        "--modes",
-        nargs="+",
-        choices=("eager", "graph", "graph-interleaved"),
-        default=None,
-        help="default: eager graph on CUDA, eager on CPU; graph-interleaved: a small "
-        "kernel that rewrites the input (out *= 1) before every merge in the "
-        "graph, as attention sits between merges in an engine (times kernel + "
-        "merge)",
-    )
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128],
+                   help="token counts T ≥ 1 (default 1 8 16 32 64 128)")
+    p.add_argument("--modes", nargs="+", choices=("eager", "graph", "graph-interleaved"),
+                   default=None,
+                   help="default: eager graph on CUDA, eager on CPU; graph-interleaved: a small "
+                        "kernel that rewrites the input (out *= 1) before every merge in the "
+                        "graph, as attention sits between merges in an engine (times kernel + "
+                        "merge)")
     p.add_argument("--warmup", type=int, default=10, help="untimed iterations (default 10)")
-    p.add_argument(
-        "--iters", type=int, default=100, help="timed iterations; the median counts (default 100)"
-    )
-    p.add_argument(
-        "--per-graph", type=int, default=10, help="merges captured per graph (default 10)"
-    )
+    p.add_argument("--iters", type=int, default=100,
+                   help="timed iterations; the median counts (default 100)")
+    p.add_argument("--per-graph", type=int, default=10,
+                   help="merges captured per graph (default 10)")
 
 
 def _config(args) -> dict:
     device = args.device
-    backends = args.backends or (
-        ["reference", "ag_rs", "a2a"] + (["symm_a2a"] if device == "cuda" else [])
-    )
+    backends = args.backends or (["reference", "ag_rs", "a2a"]
+                                 + (["symm_a2a"] if device == "cuda" else []))
     modes = args.modes or (["eager", "graph"] if device == "cuda" else ["eager"])
     if device == "cpu" and any(m.startswith("graph") for m in modes):
         raise ValueError(f"--modes {' '.join(modes)}: graph modes need --device cuda")
     if args.heads % args.world_size:
-        raise ValueError(f"--heads {args.heads} is not divisible by --world-size {args.world_size}")
-    return dict(
-        device=device,
-        backends=list(backends),
-        modes=list(modes),
-        heads=args.heads,
-        head_dim=args.head_dim,
-        dtype=args.dtype,
-        tokens=sorted(set(args.tokens)),
-        warmup=args.warmup,
-        iters=args.iters,
-        per_graph=args.per_graph,
-        progress=not args.no_progress,
-    )
+        raise ValueError(f"--heads {args.heads} is not divisible by --world-size "
+                         f"{args.world_size}")
+    return dict(device=device, backends=list(backends), modes=list(modes), heads=args.heads,
+                head_dim=args.head_dim, dtype=args.dtype, tokens=sorted(set(args.tokens)),
+                warmup=args.warmup, iters=args.iters, per_graph=args.per_graph,
+                progress=not args.no_progress)
 
 
 def _graph_times(fn, cfg, barrier, stats) -> list[float]:
     """``per_graph`` merges captured in one graph; back-to-back event-timed replays (µs/call);
     ``stats["gpu_idle_us"]``: the GPU's median wait between replays, per call."""
-    return time_graph(
-        fn,
-        per_graph=cfg["per_graph"],
-        warmup=cfg["warmup"],
-        iters=cfg["iters"],
-        barrier=barrier,
-        back_to_back=True,
-        stats=stats,
-    )
+    return time_graph(fn, per_graph=cfg["per_graph"], warmup=cfg["warmup"], iters=cfg["iters"],
+                      barrier=barrier, back_to_back=True, stats=stats)
 
 
 def _eager_times(fn, cfg, barrier) -> list[float]:
-    return time_eager(
-        fn, warmup=cfg["warmup"], iters=cfg["iters"], device=cfg["device"], barrier=barrier
-    )
+    return time_eager(fn, warmup=cfg["warmup"], iters=cfg["iters"], device=cfg["device"],
+                      barrier=barrier)
 
 
 def host_bound(record: dict, records: list[dict]) -> bool:
@@ -176,11 +119,8 @@ def _inputs(T, H, D, dtype, device, rank):
 def run_rank(rank: int, world_size: int, cfg: dict) -> list[dict] | None:
     """Every rank: build each backend's merger, time every (tokens, mode); rank 0 returns the
     records (slowest-rank medians), the others None."""
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if cfg["device"] == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg["device"] == "cuda" \
         else torch.device("cpu")
-    )
     dtype = _DTYPES[cfg["dtype"]]
     H, D = cfg["heads"], cfg["head_dim"]
     g = cpu_group()
@@ -193,9 +133,8 @@ def run_rank(rank: int, world_size: int, cfg: dict) -> list[dict] | None:
     records = []
     for backend in cfg["backends"]:
         try:
-            merger = DcpMerger(
-                max_tokens=max(cfg["tokens"]), num_heads=H, head_dim=D, dtype=dtype, backend=backend
-            )
+            merger = DcpMerger(max_tokens=max(cfg["tokens"]), num_heads=H, head_dim=D,
+                               dtype=dtype, backend=backend)
         except ValueError as exc:  # same on every rank: skip the backend everywhere
             if rank == 0:
                 print(f"bench dcp: skipping {backend}: {exc}", flush=True)
@@ -205,29 +144,20 @@ def run_rank(rank: int, world_size: int, cfg: dict) -> list[dict] | None:
             out, lse = _inputs(T, H, D, dtype, device, rank)
             for mode in cfg["modes"]:
                 if mode == "graph-interleaved":
-
                     def fn(out=out, lse=lse, merger=merger):  # the producer, then the merge
                         out.mul_(1.0)
                         return merger(out, lse)
                 else:
-                    fn = lambda: merger(out, lse)  # noqa: E731 - the timed call
+                    fn = (lambda: merger(out, lse))  # noqa: E731 - the timed call
                 stats: dict = {}
                 graph = mode.startswith("graph")
-                times = (
-                    _graph_times(fn, cfg, barrier, stats)
-                    if graph
-                    else _eager_times(fn, cfg, barrier)
-                )
+                times = (_graph_times(fn, cfg, barrier, stats) if graph
+                         else _eager_times(fn, cfg, barrier))
                 if graph:
                     merger.check()
                 lat = slowest_rank_median(times)
-                rec = {
-                    "backend": backend,
-                    "mode": mode,
-                    "tokens": T,
-                    "world_size": world_size,
-                    "latency_us": round(lat, 3),
-                }
+                rec = {"backend": backend, "mode": mode, "tokens": T, "world_size": world_size,
+                       "latency_us": round(lat, 3)}
                 if "gpu_idle_us" in stats:
                     rec["gpu_idle_us"] = round(max_over_ranks([stats["gpu_idle_us"]])[0], 3)
                 records.append(rec)
@@ -248,9 +178,8 @@ def add_speedups(records: list[dict]) -> list[dict]:
     out = []
     for r in records:
         b = best.get((r["mode"], r["tokens"]))
-        out.append(
-            dict(r, speedup=round(b / r["latency_us"], 2) if b and r["latency_us"] > 0 else None)
-        )
+        out.append(dict(r, speedup=round(b / r["latency_us"], 2) if b and r["latency_us"] > 0
+                        else None))
     return out
 
 
@@ -260,31 +189,23 @@ def markdown_table(records: list[dict]) -> str:
     with ``ʰ`` and a note under the table."""
     backends = list(dict.fromkeys(r["backend"] for r in records))
     keyed = {(r["mode"], r["tokens"], r["backend"]): r for r in add_speedups(records)}
-    head = (
-        "| mode | tokens | "
-        + " | ".join(f"{b} (µs)" for b in backends)
-        + " | symm_a2a speedup vs best NCCL |"
-    )
+    head = "| mode | tokens | " + " | ".join(f"{b} (µs)" for b in backends) + \
+        " | symm_a2a speedup vs best NCCL |"
     lines = [head, "|" + "---|" * (len(backends) + 3)]
     for mode in dict.fromkeys(r["mode"] for r in records):
         for T in sorted({r["tokens"] for r in records if r["mode"] == mode}):
             cells = []
             for b in backends:
                 r = keyed.get((mode, T, b))
-                cells.append(
-                    (f"{r['latency_us']:.1f}" + ("ʰ" if host_bound(r, records) else ""))
-                    if r
-                    else "-"
-                )
+                cells.append((f"{r['latency_us']:.1f}" + ("ʰ" if host_bound(r, records) else ""))
+                             if r else "-")
             s = keyed.get((mode, T, "symm_a2a"))
             sp = f"{s['speedup']:.2f}×" if s and s["speedup"] else "-"
             lines.append(f"| {mode} | {T} | " + " | ".join(cells) + f" | {sp} |")
     if any(host_bound(r, records) for r in records):
-        lines.append(
-            "\nʰ host-bound: between graph replays a rank's GPU sat idle longer than "
-            "the run's smallest gap by ≥ 10 % of this time (`gpu_idle_us` in the JSON), "
-            "waiting for its host; the merge itself is faster than shown."
-        )
+        lines.append("\nʰ host-bound: between graph replays a rank's GPU sat idle longer than "
+                     "the run's smallest gap by ≥ 10 % of this time (`gpu_idle_us` in the JSON), "
+                     "waiting for its host; the merge itself is faster than shown.")
     return "\n".join(lines)
 
 
@@ -307,26 +228,21 @@ def main(args) -> int:
     results = launch(run_rank, args.world_size, device=cfg["device"], args=(cfg,))
     records = results[0] or []
     rows = add_speedups(records)
-    print_table(
-        rows,
-        ["backend", "mode", "tokens", "world_size", "latency_us", "speedup", "gpu_idle_us"],
-        title=f"DCP merge, W={args.world_size}, H={cfg['heads']}, D={cfg['head_dim']}, "
-        f"{cfg['dtype']} (speedup: best of {'/'.join(_COLLECTIVE)} ÷ this; "
-        f"gpu_idle_us: GPU wait between graph replays, per call)",
-    )
-    slow = [f"{r['backend']} {r['mode']} {r['tokens']}" for r in records if host_bound(r, records)]
+    print_table(rows, ["backend", "mode", "tokens", "world_size", "latency_us", "speedup",
+                       "gpu_idle_us"],
+                title=f"DCP merge, W={args.world_size}, H={cfg['heads']}, D={cfg['head_dim']}, "
+                      f"{cfg['dtype']} (speedup: best of {'/'.join(_COLLECTIVE)} ÷ this; "
+                      f"gpu_idle_us: GPU wait between graph replays, per call)")
+    slow = [f"{r['backend']} {r['mode']} {r['tokens']}" for r in records
+            if host_bound(r, records)]
     if slow:
-        print(
-            f"warning: host-bound graph figures (the GPU waited for a host): {', '.join(slow)}",
-            file=sys.stderr,
-        )
+        print(f"warning: host-bound graph figures (the GPU waited for a host): "
+              f"{', '.join(slow)}", file=sys.stderr)
     print(f"({time.monotonic() - t0:.1f} s)")
     emit(args, _report(args, cfg, records))
     if not records:
-        print(
-            "attncomm bench dcp: no backend could run here (see the messages above)",
-            file=sys.stderr,
-        )
+        print("attncomm bench dcp: no backend could run here (see the messages above)",
+              file=sys.stderr)
         return 1
     return 0
 
@@ -334,42 +250,27 @@ def main(args) -> int:
 def _report(args, cfg: dict, records: list[dict]) -> Report:
     """The JSON meta and records, the Markdown page and the latency-vs-tokens plot."""
     symm = config.overrides("ATTNCOMM_SYMM_")  # the symm_a2a knobs set in the environment
-    m = meta(
-        cfg["device"],
-        args.world_size,
-        heads=cfg["heads"],
-        head_dim=cfg["head_dim"],
-        dtype=cfg["dtype"],
-        warmup=cfg["warmup"],
-        iters=cfg["iters"],
-        per_graph=cfg["per_graph"],
-        symm_settings=symm,
-    )
+    m = meta(cfg["device"], args.world_size, heads=cfg["heads"], head_dim=cfg["head_dim"],
+             dtype=cfg["dtype"], warmup=cfg["warmup"], iters=cfg["iters"],
+             per_graph=cfg["per_graph"], symm_settings=symm)
     if cfg["device"] == "cuda":
         m = _gpu_meta(m)
-    page = (
-        f"# DCP merge — {m['date']}, {m.get('machine') or m['host']}\n\n"
-        f"W={args.world_size}, H={cfg['heads']}, D={cfg['head_dim']}, {cfg['dtype']}; "
-        f"GPU {m['gpu']}; torch {m['torch']}, Triton {m['triton']}, CUDA "
-        f"{m['cuda']}, NCCL {m['nccl']}. {cfg['warmup']} warm-up + {cfg['iters']} "
-        f"timed iterations, slowest-rank median; graph mode: {cfg['per_graph']} "
-        f"merges per graph, replay / {cfg['per_graph']}. symm_a2a settings "
-        f"(environment): {symm or 'defaults'}.\n\n" + markdown_table(records) + "\n"
-    )
+    page = (f"# DCP merge — {m['date']}, {m.get('machine') or m['host']}\n\n"
+            f"W={args.world_size}, H={cfg['heads']}, D={cfg['head_dim']}, {cfg['dtype']}; "
+            f"GPU {m['gpu']}; torch {m['torch']}, Triton {m['triton']}, CUDA "
+            f"{m['cuda']}, NCCL {m['nccl']}. {cfg['warmup']} warm-up + {cfg['iters']} "
+            f"timed iterations, slowest-rank median; graph mode: {cfg['per_graph']} "
+            f"merges per graph, replay / {cfg['per_graph']}. symm_a2a settings "
+            f"(environment): {symm or 'defaults'}.\n\n"
+            + markdown_table(records) + "\n")
     series: dict = {}
     for r in records:
         xs, ys = series.setdefault(f"{r['backend']} ({r['mode']})", ([], []))
         xs.append(r["tokens"])
         ys.append(r["latency_us"])
-    plot = dict(
-        series=series,
-        xlabel="tokens",
-        ylabel="latency (µs, slowest rank)",
-        title=f"DCP merge W={args.world_size}, H={cfg['heads']}, D={cfg['head_dim']}, "
-        f"{cfg['dtype']}",
-        logx=True,
-        logy=True,
-    )
+    plot = dict(series=series, xlabel="tokens", ylabel="latency (µs, slowest rank)",
+                title=f"DCP merge W={args.world_size}, H={cfg['heads']}, D={cfg['head_dim']}, "
+                      f"{cfg['dtype']}", logx=True, logy=True)
     return Report(meta=m, records=records, markdown=page, plot=plot)
 
 

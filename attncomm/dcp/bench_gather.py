@@ -11,7 +11,6 @@ attention output (``[T, H, Dv]`` + LSE, Dv = 512): ``all_gather`` with each NCCL
 slowest rank; the speedup is the best NCCL (on CPU ranks: gloo) figure of the same run, mode and
 tokens ÷ this one.
 """
-
 from __future__ import annotations
 
 import sys
@@ -22,17 +21,8 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import cpu_group
-from ..bench.common import (
-    max_over_ranks,
-    meta,
-    plot_lines,
-    print_table,
-    progress,
-    slowest_rank_median,
-    time_eager,
-    time_graph,
-    write_json,
-)
+from ..bench.common import (max_over_ranks, meta, plot_lines, print_table, progress,
+                            slowest_rank_median, time_eager, time_graph, write_json)
 from ..launch import launch
 from .api import DcpMerger
 from .gather import DcpQueryGather
@@ -55,54 +45,32 @@ def _config(args) -> dict:
     if not cuda and any(m.startswith("graph") for m in modes):
         raise ValueError(f"--modes {' '.join(modes)}: graph modes need --device cuda")
     if args.heads % args.world_size:
-        raise ValueError(f"--heads {args.heads} is not divisible by --world-size {args.world_size}")
+        raise ValueError(f"--heads {args.heads} is not divisible by --world-size "
+                         f"{args.world_size}")
     if args.rope_dim % 2 or args.rope_dim > args.head_dim:
         raise ValueError(f"--rope-dim {args.rope_dim} must be even and ≤ --head-dim")
-    return dict(
-        op=args.op,
-        device=device,
-        backends=backends,
-        modes=modes,
-        heads=args.heads,
-        head_dim=args.head_dim,
-        v_head_dim=args.v_head_dim,
-        rope_dim=args.rope_dim,
-        dtype=args.dtype,
-        tokens=sorted(set(args.tokens)),
-        warmup=args.warmup,
-        iters=args.iters,
-        per_graph=args.per_graph,
-        progress=not args.no_progress,
-    )
+    return dict(op=args.op, device=device, backends=backends, modes=modes, heads=args.heads,
+                head_dim=args.head_dim, v_head_dim=args.v_head_dim, rope_dim=args.rope_dim,
+                dtype=args.dtype, tokens=sorted(set(args.tokens)), warmup=args.warmup,
+                iters=args.iters, per_graph=args.per_graph, progress=not args.no_progress)
 
 
 def _build(cfg, name):
     """The callable timed for one backend name: ``fn(q, rope, out, lse)``."""
     dtype = _DTYPES[cfg["dtype"]]
-    kw = dict(
-        max_tokens=max(cfg["tokens"]),
-        num_heads=cfg["heads"],
-        head_dim=cfg["head_dim"],
-        dtype=dtype,
-        rope_dim=cfg["rope_dim"],
-    )
+    kw = dict(max_tokens=max(cfg["tokens"]), num_heads=cfg["heads"], head_dim=cfg["head_dim"],
+              dtype=dtype, rope_dim=cfg["rope_dim"])
     if cfg["op"] == "gather":
         g = DcpQueryGather(backend=name, **kw)
         return (lambda q, rope, out, lse: g(q, rope=rope)), [g]
     gather_name, merge_name = name.split("+")
     g = DcpQueryGather(backend=gather_name, ordered_by_caller=True, **kw)
-    m = DcpMerger(
-        max_tokens=kw["max_tokens"],
-        num_heads=cfg["heads"],
-        head_dim=cfg["v_head_dim"],
-        dtype=dtype,
-        backend=merge_name,
-    )
+    m = DcpMerger(max_tokens=kw["max_tokens"], num_heads=cfg["heads"],
+                  head_dim=cfg["v_head_dim"], dtype=dtype, backend=merge_name)
 
     def step(q, rope, out, lse):
         g(q, rope=rope)
         return m(out, lse)
-
     return step, [g, m]
 
 
@@ -122,11 +90,8 @@ def _inputs(cfg, T, device, rank):
 
 def run_rank(rank: int, world_size: int, cfg: dict) -> list[dict] | None:
     """Every rank: build each backend, time every (tokens, mode); rank 0 returns the records."""
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if cfg["device"] == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg["device"] == "cuda" \
         else torch.device("cpu")
-    )
     g = cpu_group()
     total = len(cfg["backends"]) * len(cfg["tokens"]) * len(cfg["modes"])
     bar = progress(total, f"bench dcp --op {cfg['op']}", enabled=cfg["progress"] and rank == 0)
@@ -144,33 +109,19 @@ def run_rank(rank: int, world_size: int, cfg: dict) -> list[dict] | None:
             for mode in cfg["modes"]:
                 stats: dict = {}
                 if mode == "graph":
-                    times = time_graph(
-                        lambda: fn(*args),
-                        per_graph=cfg["per_graph"],
-                        warmup=cfg["warmup"],
-                        iters=cfg["iters"],
-                        barrier=lambda: dist.barrier(group=g),
-                        back_to_back=True,
-                        stats=stats,
-                    )
+                    times = time_graph(lambda: fn(*args), per_graph=cfg["per_graph"],
+                                       warmup=cfg["warmup"], iters=cfg["iters"],
+                                       barrier=lambda: dist.barrier(group=g), back_to_back=True,
+                                       stats=stats)
                     for o in objs:
                         o.check()
                 else:
-                    times = time_eager(
-                        lambda: fn(*args),
-                        warmup=cfg["warmup"],
-                        iters=cfg["iters"],
-                        device=cfg["device"],
-                        barrier=lambda: dist.barrier(group=g),
-                    )
-                rec = {
-                    "op": cfg["op"],
-                    "backend": name,
-                    "mode": mode,
-                    "tokens": T,
-                    "world_size": world_size,
-                    "latency_us": round(slowest_rank_median(times), 3),
-                }
+                    times = time_eager(lambda: fn(*args), warmup=cfg["warmup"],
+                                       iters=cfg["iters"], device=cfg["device"],
+                                       barrier=lambda: dist.barrier(group=g))
+                rec = {"op": cfg["op"], "backend": name, "mode": mode, "tokens": T,
+                       "world_size": world_size,
+                       "latency_us": round(slowest_rank_median(times), 3)}
                 if "gpu_idle_us" in stats:
                     rec["gpu_idle_us"] = round(max_over_ranks([stats["gpu_idle_us"]])[0], 3)
                 records.append(rec)
@@ -188,17 +139,9 @@ def add_speedups(records: list[dict]) -> list[dict]:
         if r["backend"] in _BASELINES[r["op"]]:
             k = (r["op"], r["mode"], r["tokens"])
             best[k] = min(best.get(k, float("inf")), r["latency_us"])
-    return [
-        dict(
-            r,
-            speedup=(
-                round(best[k] / r["latency_us"], 2)
-                if (k := (r["op"], r["mode"], r["tokens"])) in best and r["latency_us"] > 0
-                else None
-            ),
-        )
-        for r in records
-    ]
+    return [dict(r, speedup=(round(best[k] / r["latency_us"], 2)
+                             if (k := (r["op"], r["mode"], r["tokens"])) in best
+                             and r["latency_us"] > 0 else None)) for r in records]
 
 
 def markdown_table(records: list[dict]) -> str:
@@ -206,18 +149,12 @@ def markdown_table(records: list[dict]) -> str:
     op = records[0]["op"]
     backends = list(dict.fromkeys(r["backend"] for r in records))
     keyed = {(r["mode"], r["tokens"], r["backend"]): r for r in add_speedups(records)}
-    lines = [
-        "| mode | tokens | "
-        + " | ".join(f"{b} (µs)" for b in backends)
-        + f" | {_FAST[op]} speedup vs best NCCL |",
-        "|" + "---|" * (len(backends) + 3),
-    ]
+    lines = ["| mode | tokens | " + " | ".join(f"{b} (µs)" for b in backends)
+             + f" | {_FAST[op]} speedup vs best NCCL |", "|" + "---|" * (len(backends) + 3)]
     for mode in dict.fromkeys(r["mode"] for r in records):
         for T in sorted({r["tokens"] for r in records if r["mode"] == mode}):
-            cells = [
-                f"{keyed[(mode, T, b)]['latency_us']:.1f}" if (mode, T, b) in keyed else "-"
-                for b in backends
-            ]
+            cells = [f"{keyed[(mode, T, b)]['latency_us']:.1f}" if (mode, T, b) in keyed
+                     else "-" for b in backends]
             s = keyed.get((mode, T, _FAST[op]))
             sp = f"{s['speedup']:.2f}×" if s and s["speedup"] else "-"
             lines.append(f"| {mode} | {T} | " + " | ".join(cells) + f" | {sp} |")
@@ -235,59 +172,36 @@ def main(args) -> int:
     t0 = time.monotonic()
     records = launch(run_rank, args.world_size, device=cfg["device"], args=(cfg,))[0] or []
     what = "query gather" if cfg["op"] == "gather" else "gather + merge per decode layer"
-    geo = (
-        f"W={args.world_size}, H={cfg['heads']}, D={cfg['head_dim']}, R={cfg['rope_dim']}"
-        + (f", Dv={cfg['v_head_dim']}" if cfg["op"] == "layer" else "")
-        + f", {cfg['dtype']}"
-    )
-    print_table(
-        add_speedups(records),
-        ["backend", "mode", "tokens", "world_size", "latency_us", "speedup", "gpu_idle_us"],
-        title=f"DCP {what}, {geo} (speedup: best of {'/'.join(_BASELINES[cfg['op']])} ÷ this)",
-    )
+    geo = (f"W={args.world_size}, H={cfg['heads']}, D={cfg['head_dim']}, R={cfg['rope_dim']}"
+           + (f", Dv={cfg['v_head_dim']}" if cfg["op"] == "layer" else "") + f", {cfg['dtype']}")
+    print_table(add_speedups(records), ["backend", "mode", "tokens", "world_size",
+                                        "latency_us", "speedup", "gpu_idle_us"],
+                title=f"DCP {what}, {geo} (speedup: best of "
+                      f"{'/'.join(_BASELINES[cfg['op']])} ÷ this)")
     print(f"({time.monotonic() - t0:.1f} s)")
-    m = meta(
-        cfg["device"],
-        args.world_size,
-        op=cfg["op"],
-        heads=cfg["heads"],
-        head_dim=cfg["head_dim"],
-        v_head_dim=cfg["v_head_dim"],
-        rope_dim=cfg["rope_dim"],
-        dtype=cfg["dtype"],
-        warmup=cfg["warmup"],
-        iters=cfg["iters"],
-        per_graph=cfg["per_graph"],
-    )
+    m = meta(cfg["device"], args.world_size, op=cfg["op"], heads=cfg["heads"],
+             head_dim=cfg["head_dim"], v_head_dim=cfg["v_head_dim"], rope_dim=cfg["rope_dim"],
+             dtype=cfg["dtype"], warmup=cfg["warmup"], iters=cfg["iters"],
+             per_graph=cfg["per_graph"])
     if cfg["device"] == "cuda" and m.get("gpu") is None and torch.cuda.is_available():
         m["gpu"] = torch.cuda.get_device_name(0)
     if args.json:
         write_json(args.json, m, records)
     if getattr(args, "markdown", None) and records:
         with open(args.markdown, "w") as f:
-            f.write(
-                f"# DCP {what} — {m['date']}, {m.get('machine') or m['host']}\n\n{geo}; "
-                f"GPU {m.get('gpu')}; torch {m.get('torch')}, Triton {m.get('triton')}. "
-                f"{cfg['warmup']} warm-up + {cfg['iters']} timed iterations, slowest-rank "
-                f"median; graph mode: {cfg['per_graph']} calls per graph.\n\n"
-                + markdown_table(records)
-                + "\n"
-            )
+            f.write(f"# DCP {what} — {m['date']}, {m.get('machine') or m['host']}\n\n{geo}; "
+                    f"GPU {m.get('gpu')}; torch {m.get('torch')}, Triton {m.get('triton')}. "
+                    f"{cfg['warmup']} warm-up + {cfg['iters']} timed iterations, slowest-rank "
+                    f"median; graph mode: {cfg['per_graph']} calls per graph.\n\n"
+                    + markdown_table(records) + "\n")
     if args.plot and records:
         series: dict = {}
         for r in records:
             xs, ys = series.setdefault(f"{r['backend']} ({r['mode']})", ([], []))
             xs.append(r["tokens"])
             ys.append(r["latency_us"])
-        plot_lines(
-            args.plot,
-            series,
-            xlabel="tokens",
-            ylabel="latency (µs, slowest rank)",
-            title=f"DCP {what}, {geo}",
-            logx=True,
-            logy=True,
-        )
+        plot_lines(args.plot, series, xlabel="tokens", ylabel="latency (µs, slowest rank)",
+                   title=f"DCP {what}, {geo}", logx=True, logy=True)
     if not records:
         print("attncomm bench dcp: no backend could run here", file=sys.stderr)
         return 1

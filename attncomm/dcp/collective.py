@@ -4,7 +4,6 @@ Each backend allocates per call (so it is graph-capturable through torch's graph
 and moves fp16/bf16/fp32 payloads as same-width integers, which every process-group backend
 (gloo included) supports.
 """
-
 from __future__ import annotations
 
 import torch
@@ -31,18 +30,10 @@ class ReferenceBackend(DcpBackend):
         hs = H // W
         outs = torch.empty((W * T, H, D), dtype=out.dtype, device=out.device)
         lses = torch.empty((W * T, H), dtype=torch.float32, device=out.device)
-        wait(
-            all_gather_tensor(as_bits(outs), as_bits(out), self.group, async_op=True),
-            self.group,
-            "dcp.merge[reference] all_gather outputs",
-            self.timeout_s,
-        )
-        wait(
-            all_gather_tensor(lses, lse, self.group, async_op=True),
-            self.group,
-            "dcp.merge[reference] all_gather LSE",
-            self.timeout_s,
-        )
+        wait(all_gather_tensor(as_bits(outs), as_bits(out), self.group, async_op=True), self.group,
+             "dcp.merge[reference] all_gather outputs", self.timeout_s)
+        wait(all_gather_tensor(lses, lse, self.group, async_op=True), self.group,
+             "dcp.merge[reference] all_gather LSE", self.timeout_s)
         sl = slice(r * hs, (r + 1) * hs)
         return combine(outs.view(W, T, H, D)[:, :, sl], lses.view(W, T, H)[:, :, sl], out.dtype)
 
@@ -65,7 +56,7 @@ class AgRsBackend(DcpBackend):
         merged = torch.empty((T, hs, D), dtype=torch.float32, device=out.device)
         work = reduce_scatter_tensor(merged, dest.view(W * T, hs, D), self.group, async_op=True)
         wait(work, self.group, "dcp.merge[ag_rs] reduce_scatter", self.timeout_s)
-        return merged.to(out.dtype), lse_all[:, r * hs : (r + 1) * hs]
+        return merged.to(out.dtype), lse_all[:, r * hs:(r + 1) * hs]
 
 
 class A2ABackend(DcpBackend):
@@ -81,11 +72,12 @@ class A2ABackend(DcpBackend):
         k = 4 // out.element_size()  # elements of out.dtype holding one fp32 LSE
         send = torch.empty((W, T, hs, D + k), dtype=out.dtype, device=out.device)
         send[..., :D].copy_(out.view(T, W, hs, D).permute(1, 0, 2, 3))
-        send[..., D:].copy_(
-            lse.reshape(T, W, hs, 1).contiguous().view(out.dtype).permute(1, 0, 2, 3)
-        )
+        send[..., D:].copy_(lse.reshape(T, W, hs, 1).contiguous().view(out.dtype)
+                            .permute(1, 0, 2, 3))
         recv = torch.empty_like(send)
-        work = dist.all_to_all_single(as_bits(recv), as_bits(send), group=self.group, async_op=True)
+        work = dist.all_to_all_single(as_bits(recv), as_bits(send), group=self.group,
+                                      async_op=True)
         wait(work, self.group, "dcp.merge[a2a] all_to_all", self.timeout_s)
         lses = recv[..., D:].contiguous().view(torch.float32).squeeze(-1)
         return combine(recv[..., :D], lses, out.dtype)
+

@@ -17,7 +17,6 @@ propagates to the merged row. Accumulation is fp32; the output is rounded once.
 The Triton kernels also run on CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests them);
 ``ATTNCOMM_COMBINE_IMPL=triton|torch`` forces a path.
 """
-
 from __future__ import annotations
 
 import torch
@@ -48,7 +47,6 @@ def use_triton(t: torch.Tensor) -> bool:
 # torch path
 # --------------------------------------------------------------------------------------------
 
-
 def _weights_torch(lses: torch.Tensor):
     """``lses [N, ...]`` fp32 → (unnormalised weights ``[N, ...]``, their sum ``[...]``, the
     max ``[...]``)."""
@@ -62,11 +60,8 @@ def _weights_torch(lses: torch.Tensor):
 
 
 def _merged_lse(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    return torch.where(
-        s > 0,
-        torch.log(torch.where(s > 0, s, torch.ones_like(s))) + m,
-        torch.full_like(s, float("-inf")),
-    )
+    return torch.where(s > 0, torch.log(torch.where(s > 0, s, torch.ones_like(s))) + m,
+                       torch.full_like(s, float("-inf")))
 
 
 def combine_torch(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype):
@@ -89,9 +84,8 @@ def scale_own_torch(out: torch.Tensor, lses: torch.Tensor, rank: int, dest: torc
     w, s, m = _weights_torch(lses)
     s_safe = torch.where(s > 0, s, torch.ones_like(s))
     wr = (w[rank] / s_safe).unsqueeze(-1)
-    scaled = torch.where(
-        wr > 0, out.float() * wr, torch.zeros((), dtype=torch.float32, device=out.device)
-    )
+    scaled = torch.where(wr > 0, out.float() * wr, torch.zeros((), dtype=torch.float32,
+                                                               device=out.device))
     W = dest.shape[0]
     T, H, D = out.shape
     dest.copy_(scaled.view(T, W, H // W, D).permute(1, 0, 2, 3))
@@ -101,10 +95,8 @@ def scale_own_torch(out: torch.Tensor, lses: torch.Tensor, rank: int, dest: torc
 def _no_sources(outs: torch.Tensor, out_dtype: torch.dtype):
     # Zero sources: every row is empty everywhere.
     T, H, D = outs.shape[1:]
-    return (
-        torch.zeros((T, H, D), dtype=out_dtype, device=outs.device),
-        torch.full((T, H), float("-inf"), dtype=torch.float32, device=outs.device),
-    )
+    return (torch.zeros((T, H, D), dtype=out_dtype, device=outs.device),
+            torch.full((T, H), float("-inf"), dtype=torch.float32, device=outs.device))
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,24 +127,9 @@ if triton is not None:
         return m, s
 
     @triton.jit
-    def _combine_kernel(
-        o_ptr,
-        lse_ptr,
-        out_ptr,
-        lse_out_ptr,
-        N: tl.constexpr,
-        H,
-        D,
-        s_on,
-        s_ot,
-        s_oh,
-        s_ln,
-        s_lt,
-        s_lh,
-        s_dt,
-        s_dh,
-        BLOCK_D: tl.constexpr,
-    ):
+    def _combine_kernel(o_ptr, lse_ptr, out_ptr, lse_out_ptr, N: tl.constexpr, H, D,
+                        s_on, s_ot, s_oh, s_ln, s_lt, s_lh, s_dt, s_dh,
+                        BLOCK_D: tl.constexpr):
         row = tl.program_id(0)  # one (token, head) row
         t = row // H
         h = row % H
@@ -169,32 +146,16 @@ if triton is not None:
             acc += w * o.to(tl.float32)
         s_safe = tl.where(s > 0, s, 1.0)
         res = acc / s_safe
-        tl.store(out_ptr + t * s_dt + h * s_dh + offs, res.to(out_ptr.dtype.element_ty), mask=dmask)
+        tl.store(out_ptr + t * s_dt + h * s_dh + offs, res.to(out_ptr.dtype.element_ty),
+                 mask=dmask)
         if tl.program_id(1) == 0:
             lse = tl.where(s > 0, tl.log(s_safe) + m, float("-inf"))
             tl.store(lse_out_ptr + row, lse)
 
     @triton.jit
-    def _scale_own_kernel(
-        o_ptr,
-        lse_ptr,
-        dest_ptr,
-        lse_out_ptr,
-        rank,
-        N: tl.constexpr,
-        H,
-        HS,
-        D,
-        s_ot,
-        s_oh,
-        s_ln,
-        s_lt,
-        s_lh,
-        s_dw,
-        s_dt,
-        s_dh,
-        BLOCK_D: tl.constexpr,
-    ):
+    def _scale_own_kernel(o_ptr, lse_ptr, dest_ptr, lse_out_ptr, rank, N: tl.constexpr, H, HS, D,
+                          s_ot, s_oh, s_ln, s_lt, s_lh, s_dw, s_dt, s_dh,
+                          BLOCK_D: tl.constexpr):
         row = tl.program_id(0)
         t = row // H
         h = row % H
@@ -240,24 +201,10 @@ def combine(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype):
         outs = outs.contiguous()
     bd = _block_d(D)
     grid = (T * H, triton.cdiv(D, bd))
-    _combine_kernel[grid](
-        outs,
-        lses,
-        out,
-        lse_out,
-        N,
-        H,
-        D,
-        outs.stride(0),
-        outs.stride(1),
-        outs.stride(2),
-        lses.stride(0),
-        lses.stride(1),
-        lses.stride(2),
-        out.stride(0),
-        out.stride(1),
-        BLOCK_D=bd,
-    )
+    _combine_kernel[grid](outs, lses, out, lse_out, N, H, D,
+                          outs.stride(0), outs.stride(1), outs.stride(2),
+                          lses.stride(0), lses.stride(1), lses.stride(2),
+                          out.stride(0), out.stride(1), BLOCK_D=bd)
     return out, lse_out
 
 
@@ -285,24 +232,8 @@ def scale_own(out: torch.Tensor, lses: torch.Tensor, rank: int, dest: torch.Tens
         out = out.contiguous()
     bd = _block_d(D)
     grid = (T * H, triton.cdiv(D, bd))
-    _scale_own_kernel[grid](
-        out,
-        lses,
-        dest,
-        lse_out,
-        rank,
-        W,
-        H,
-        H // W,
-        D,
-        out.stride(0),
-        out.stride(1),
-        lses.stride(0),
-        lses.stride(1),
-        lses.stride(2),
-        dest.stride(0),
-        dest.stride(1),
-        dest.stride(2),
-        BLOCK_D=bd,
-    )
+    _scale_own_kernel[grid](out, lses, dest, lse_out, rank, W, H, H // W, D,
+                            out.stride(0), out.stride(1),
+                            lses.stride(0), lses.stride(1), lses.stride(2),
+                            dest.stride(0), dest.stride(1), dest.stride(2), BLOCK_D=bd)
     return lse_out

@@ -19,7 +19,6 @@ Every backend returns exactly the bits the ranks passed (after the rotation, whi
 elementwise and fixed in its operation order, so rotating before or after the exchange, in torch
 or in a kernel, gives the same bits).
 """
-
 from __future__ import annotations
 
 import collections
@@ -46,145 +45,25 @@ from .._dist import (
 )
 from .._timing import time_graph
 from .auto import token_buckets
+from .query_math import (FP8_DTYPE, FP8_MAX, _scale_error, _scale_f32, quantize_e4m3,
+                         rotate_tail)
 
-__all__ = [
-    "gather_heads",
-    "DcpQueryGather",
-    "rotate_tail",
-    "quantize_e4m3",
-    "QueryGatherBackend",
-    "AllGatherBackend",
-    "GATHER_BACKENDS",
-    "FP8_DTYPE",
-    "FP8_MAX",
-]
+__all__ = ["gather_heads", "DcpQueryGather", "rotate_tail", "quantize_e4m3", "QueryGatherBackend",
+           "AllGatherBackend", "GATHER_BACKENDS", "FP8_DTYPE", "FP8_MAX"]
 
 log = logging.getLogger("attncomm.dcp")
 
 GATHER_BACKENDS = ("all_gather", "symm", "auto")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CACHE_SIZE = 8
-#: The FP8 query output format (OCP e4m3, no infinities: FlashInfer/FlashMLA/FA3 FP8 inputs).
-FP8_DTYPE = torch.float8_e4m3fn
-#: Its largest finite value; quantization saturates to ±FP8_MAX.
-FP8_MAX = 448.0
-_FP8_NAN = 0x7F  # the one NaN byte every backend writes (positive; e4m3fn NaN is S.1111.111)
-# The canonical quiet NaN of each query dtype, as the integer view that holds its bits.
-_CANONICAL_NAN = {
-    torch.bfloat16: (torch.int16, 0x7FC0),
-    torch.float16: (torch.int16, 0x7E00),
-    torch.float32: (torch.int32, 0x7FC00000),
-}
-
-
-def rotate_tail(
-    q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Rotate-half (NeoX) RoPE on the last ``R`` dims of every head, in fp32, rounded once.
-
-    Arguments:
-        q: ``[T, h, D]`` fp16/bf16/fp32.
-        cos, sin: ``[T, R]`` (any float dtype, converted to fp32 exactly), ``R`` even, ``R ≤ D``.
-        out: optional ``[T, h, D]`` tensor of ``q``'s dtype to write into (may be ``q``).
-
-    Returns:
-        ``[T, h, D]`` in ``q.dtype``: dims ``[0, D−R)`` copied, and with ``x`` the last ``R``
-        dims in fp32, ``x1, x2`` its halves: ``x·cos + (−x2, x1)·sin``, two products and one
-        sum per value, no fused multiply-add (the ``symm`` kernel computes the same bits). A
-        NaN there is stored as the dtype's canonical quiet NaN (bf16 ``0x7FC0``, fp16
-        ``0x7E00``, fp32 ``0x7FC00000``): the bits of a NaN from fp32 arithmetic and rounding
-        differ between CPU, GPU and kernels, the canonical one does not.
-    """
-    D = q.shape[-1]
-    R = cos.shape[-1]
-    half = R // 2
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if out.data_ptr() != q.data_ptr():
-        out[..., : D - R].copy_(q[..., : D - R])
-    if R == 0:
-        return out
-    x = q[..., D - R :].to(torch.float32)
-    c = cos.to(torch.float32)[:, None, :]
-    s = sin.to(torch.float32)[:, None, :]
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    y = x * c + rot * s
-    tail = out[..., D - R :]
-    tail.copy_(y)
-    bits, nan = _CANONICAL_NAN[out.dtype]
-    tail.view(bits).masked_fill_(torch.isnan(y), nan)
-    return out
-
-
-def quantize_e4m3(
-    x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """FP8 (e4m3fn) quantization with a per-head dequantization scale: the definition every
-    backend of ``DcpQueryGather(out_dtype=torch.float8_e4m3fn)`` computes bit for bit.
-
-    Arguments:
-        x: ``[T, h, D]`` fp32 (the query after RoPE, not rounded to the query dtype).
-        scale: ``[h]`` fp32, finite and > 0: head ``j``'s scale ``s_j``.
-        out: optional ``[T, h, D]`` ``float8_e4m3fn`` (or uint8) tensor to write into.
-
-    Returns:
-        ``[T, h, D]`` ``float8_e4m3fn``: ``e4m3fn(clamp(x / s_j, −448, 448))``: one IEEE fp32
-        division (round to nearest even), saturation to the largest finite e4m3 value (±inf
-        and finite overflow → ±448, e4m3fn having no infinity), then round to nearest even
-        into e4m3fn (subnormals included; what ``Tensor.to(torch.float8_e4m3fn)`` does in
-        range). NaN → the byte ``0x7F`` whatever its sign. So ``x ≈ float(q) · s_j``: the
-        scale is what the attention kernel multiplies back (a "descale").
-    """
-    v = x / scale.to(torch.float32)[None, :, None]
-    v.clamp_(-FP8_MAX, FP8_MAX)  # NaN stays NaN
-    if out is None:
-        out = torch.empty(v.shape, dtype=FP8_DTYPE, device=v.device)
-    b = out.view(torch.uint8)
-    b.view(FP8_DTYPE).copy_(v)
-    b.masked_fill_(torch.isnan(v), _FP8_NAN)
-    return out
-
-
-def _scale_error(q_scale, num_heads: int) -> str | None:
-    """Why ``q_scale`` is not a valid per-head scale (None if it is); host reads only."""
-    if q_scale is None:
-        return "out_dtype=torch.float8_e4m3fn needs q_scale ([H] fp32 or a float)"
-    if isinstance(q_scale, torch.Tensor):
-        if q_scale.dim() != 1 or q_scale.numel() != num_heads or not q_scale.is_floating_point():
-            return (
-                f"q_scale must be a float or a [H={num_heads}] float tensor, got "
-                f"{tuple(q_scale.shape)} {q_scale.dtype}"
-            )
-        vals = q_scale.detach().to("cpu", torch.float32)
-    elif isinstance(q_scale, (int, float)) and not isinstance(q_scale, bool):
-        vals = torch.full((num_heads,), float(q_scale), dtype=torch.float32)
-    else:
-        return f"q_scale must be a float or a [H] tensor, got {type(q_scale).__name__}"
-    bad = [i for i, v in enumerate(vals.tolist()) if not (math.isfinite(v) and v > 0)]
-    if bad:
-        return f"q_scale must be finite and > 0 (as fp32); heads {bad[:8]} are not"
-    return None
-
-
-def _scale_f32(q_scale, num_heads: int) -> torch.Tensor:
-    if isinstance(q_scale, torch.Tensor):
-        return q_scale.detach().to("cpu", torch.float32).clone()
-    return torch.full((num_heads,), float(q_scale), dtype=torch.float32)
-
-
 def _rope_error(rope, T: int, D: int, device) -> str | None:
-    if not (
-        isinstance(rope, (tuple, list))
-        and len(rope) == 2
-        and all(isinstance(t, torch.Tensor) for t in rope)
-    ):
+    if not (isinstance(rope, (tuple, list)) and len(rope) == 2
+            and all(isinstance(t, torch.Tensor) for t in rope)):
         return "rope must be a (cos, sin) pair of tensors"
     cos, sin = rope
     if cos.dim() != 2 or tuple(sin.shape) != tuple(cos.shape) or cos.shape[0] != T:
-        return (
-            f"rope cos and sin must both be [T={T}, R]; got cos {tuple(cos.shape)}, "
-            f"sin {tuple(sin.shape)}"
-        )
+        return (f"rope cos and sin must both be [T={T}, R]; got cos {tuple(cos.shape)}, "
+                f"sin {tuple(sin.shape)}")
     R = cos.shape[1]
     if R < 2 or R % 2 or R > D:
         return f"rope dim R={R} must be even, ≥ 2 and ≤ head_dim D={D}"
@@ -218,32 +97,15 @@ def _signature(q, rope, backend):
             r = int(rope[0].shape[-1])
         except Exception:  # noqa: BLE001 - a bad rope is a local error already
             r = -2
-    sig = shape + [
-        DTYPE_CODES.get(getattr(q, "dtype", None), 0),
-        0 if rope is None else 1,
-        r if rope is not None else 0,
-        GATHER_BACKENDS.index(backend) if backend in GATHER_BACKENDS else -1,
-    ]
-    return sig, [
-        "T (tokens)",
-        "H/W (heads per rank)",
-        "D (head_dim)",
-        "dtype",
-        "rope",
-        "rope dim R",
-        "backend",
-    ]
+    sig = shape + [DTYPE_CODES.get(getattr(q, "dtype", None), 0),
+                   0 if rope is None else 1, r if rope is not None else 0,
+                   GATHER_BACKENDS.index(backend) if backend in GATHER_BACKENDS else -1]
+    return sig, ["T (tokens)", "H/W (heads per rank)", "D (head_dim)", "dtype", "rope",
+                 "rope dim R", "backend"]
 
 
-def gather_heads(
-    q: torch.Tensor,
-    group=None,
-    *,
-    backend: str = "auto",
-    rope=None,
-    validate: bool | None = None,
-    timeout_s: float | None = None,
-) -> torch.Tensor:
+def gather_heads(q: torch.Tensor, group=None, *, backend: str = "auto", rope=None,
+                 validate: bool | None = None, timeout_s: float | None = None) -> torch.Tensor:
     """All-gather this rank's query heads with every other rank's (DCP's query gather).
 
     Arguments:
@@ -295,16 +157,8 @@ def _cached_gatherer(group, T, H, D, dtype, backend, R, budget) -> DcpQueryGathe
     key = (bucket, H, D, dtype, backend, R, budget)
     g = lru.get(key)
     if g is None:
-        g = DcpQueryGather(
-            group,
-            max_tokens=bucket,
-            num_heads=H,
-            head_dim=D,
-            dtype=dtype,
-            backend=backend,
-            rope_dim=R,
-            timeout_s=budget,
-        )
+        g = DcpQueryGather(group, max_tokens=bucket, num_heads=H, head_dim=D, dtype=dtype,
+                           backend=backend, rope_dim=R, timeout_s=budget)
         lru[key] = g
         while len(lru) > _CACHE_SIZE:
             lru.popitem(last=False)
@@ -327,20 +181,9 @@ class QueryGatherBackend(ABC):
 
     name: str = "?"
 
-    def __init__(
-        self,
-        group,
-        *,
-        max_tokens: int,
-        num_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        rope_dim: int,
-        device: torch.device,
-        timeout_s: float,
-        out_dtype: torch.dtype | None = None,
-        q_scale: torch.Tensor | None = None,
-    ):
+    def __init__(self, group, *, max_tokens: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype, rope_dim: int, device: torch.device, timeout_s: float,
+                 out_dtype: torch.dtype | None = None, q_scale: torch.Tensor | None = None):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -361,9 +204,9 @@ class QueryGatherBackend(ABC):
         return None
 
     @abstractmethod
-    def __call__(
-        self, q: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
-    ) -> torch.Tensor: ...
+    def __call__(self, q: torch.Tensor, cos: torch.Tensor | None,
+                 sin: torch.Tensor | None) -> torch.Tensor:
+        ...
 
     def check(self) -> None:
         """Raise any timeout recorded on the device since the last check (default: none)."""
@@ -388,19 +231,18 @@ class AllGatherBackend(QueryGatherBackend):
         self.send = torch.empty((n, h, D), dtype=od, device=self.device)
         self.stage = torch.empty((W * n * h * D,), dtype=od, device=self.device)
         self.out = torch.empty((n, W * h, D), dtype=od, device=self.device)
-        self.f32 = (
-            torch.empty((n, h, D), dtype=torch.float32, device=self.device) if self.fp8 else None
-        )
+        self.f32 = (torch.empty((n, h, D), dtype=torch.float32, device=self.device)
+                    if self.fp8 else None)
 
     def _fill_send(self, q, cos, sin, send):
         if self.fp8:
-            x = self.f32[: q.shape[0]]
+            x = self.f32[:q.shape[0]]
             if cos is not None:
                 rotate_tail(q, cos, sin, out=x)
             else:
                 x.copy_(q)
             r = self.rank * self.hs
-            quantize_e4m3(x, self.q_scale[r : r + self.hs], out=send)
+            quantize_e4m3(x, self.q_scale[r:r + self.hs], out=send)
         elif cos is not None:
             rotate_tail(q, cos, sin, out=send)
         else:
@@ -415,8 +257,9 @@ class AllGatherBackend(QueryGatherBackend):
         if W == 1:
             out.copy_(send)
             return out
-        stage = self.stage[: W * T * h * D]
-        work = all_gather_tensor(as_bits(stage), as_bits(send.view(-1)), self.group, async_op=True)
+        stage = self.stage[:W * T * h * D]
+        work = all_gather_tensor(as_bits(stage), as_bits(send.view(-1)), self.group,
+                                 async_op=True)
         wait(work, self.group, "dcp.gather[all_gather]", self.timeout_s)
         out.view(T, W, h, D).copy_(stage.view(W, T, h, D).transpose(0, 1))
         return out
@@ -427,7 +270,8 @@ def _backend_class(name: str) -> type[QueryGatherBackend]:
         return AllGatherBackend
     if name == "symm":
         return importlib.import_module("attncomm.dcp.gather_symm").SymmGatherBackend
-    raise ValueError(f"unknown gather backend {name!r}; expected one of {list(GATHER_BACKENDS)}")
+    raise ValueError(f"unknown gather backend {name!r}; expected one of "
+                     f"{list(GATHER_BACKENDS)}")
 
 
 def _measured_choice(group, impls: dict, max_tokens: int, rope_dim: int):
@@ -443,40 +287,28 @@ def _measured_choice(group, impls: dict, max_tokens: int, rope_dim: int):
         impl = impls[name]
         try:
             for j, T in enumerate(buckets):
-                q = torch.randn((T, impl.hs, impl.head_dim), generator=gen, device=impl.device).to(
-                    impl.dtype
-                )
-                cs = (
-                    torch.randn((T, rope_dim), generator=gen, device=impl.device)
-                    if rope_dim
-                    else None
-                )
-                times = time_graph(
-                    lambda: impl(q, cs, cs), per_graph=4, warmup=1, iters=5, back_to_back=True
-                )
+                q = torch.randn((T, impl.hs, impl.head_dim), generator=gen,
+                                device=impl.device).to(impl.dtype)
+                cs = (torch.randn((T, rope_dim), generator=gen, device=impl.device)
+                      if rope_dim else None)
+                times = time_graph(lambda: impl(q, cs, cs), per_graph=4, warmup=1, iters=5,
+                                   back_to_back=True)
                 impl.check()
                 scores[i, j] = sorted(times)[len(times) // 2]
         except Exception as exc:  # noqa: BLE001 - agreed below: the candidate is dropped
             log.warning("DcpQueryGather: timing %s failed: %s", name, exc)
             scores[i] = math.inf
     dist.all_reduce(scores, op=dist.ReduceOp.MAX, group=cpu_group(group))
-    means = [
-        math.exp(sum(math.log(max(v, 1e-3)) for v in row) / len(row))
-        if all(math.isfinite(v) for v in row)
-        else math.inf
-        for row in scores.tolist()
-    ]
+    means = [math.exp(sum(math.log(max(v, 1e-3)) for v in row) / len(row))
+             if all(math.isfinite(v) for v in row) else math.inf for row in scores.tolist()]
     best = min(range(len(names)), key=lambda i: means[i])
     if math.isinf(means[best]):  # no candidate timed: the collective baseline, never symm
         return "all_gather", "no backend could be timed on every rank"
     table = ", ".join(f"{n} {m:.1f} µs" for n, m in zip(names, means))
     if names[best] == "symm":
         return "symm", None
-    why = (
-        "symm failed while timing on some rank"
-        if math.isinf(means[names.index("symm")])
+    why = "symm failed while timing on some rank" if math.isinf(means[names.index("symm")]) \
         else f"measured slower over tokens {buckets} ({table})"
-    )
     return names[best], why
 
 
@@ -530,64 +362,30 @@ class DcpQueryGather:
         ValueError (every rank): bad arguments, or a named backend that cannot run here.
     """
 
-    def __init__(
-        self,
-        group=None,
-        *,
-        max_tokens: int,
-        num_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        backend: str = "auto",
-        rope_dim: int = 0,
-        out_dtype: torch.dtype | None = None,
-        timeout_s: float | None = None,
-        ordered_by_caller: bool = False,
-        q_scale=None,
-    ):
+    def __init__(self, group=None, *, max_tokens: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype, backend: str = "auto", rope_dim: int = 0,
+                 out_dtype: torch.dtype | None = None, timeout_s: float | None = None,
+                 ordered_by_caller: bool = False, q_scale=None):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.timeout_s = config.timeout_s(timeout_s)
-        err = self._check_args(
-            max_tokens, num_heads, head_dim, dtype, backend, rope_dim, out_dtype, self.world_size
-        )
+        err = self._check_args(max_tokens, num_heads, head_dim, dtype, backend, rope_dim,
+                               out_dtype, self.world_size)
         fp8 = out_dtype == FP8_DTYPE
         if err is None and fp8:
             err = _scale_error(q_scale, num_heads)
-        scale_crc = (
-            zlib.crc32(_scale_f32(q_scale, num_heads).numpy().tobytes())
-            if fp8 and err is None
-            else -1
-        )
-        ints = [
-            v if isinstance(v, int) else -1 for v in (max_tokens, num_heads, head_dim, rope_dim)
-        ]
-        sig = ints + [
-            DTYPE_CODES.get(dtype, 0),
-            GATHER_BACKENDS.index(backend) if backend in GATHER_BACKENDS else -1,
-            int(bool(ordered_by_caller)),
-            int(fp8),
-            scale_crc,
-        ]
-        agree(
-            group,
-            "DcpQueryGather",
-            sig,
-            [
-                "max_tokens",
-                "num_heads",
-                "head_dim",
-                "rope_dim",
-                "dtype",
-                "backend",
-                "ordered_by_caller",
-                "FP8 output",
-                "q_scale (crc32 of its fp32 bits)",
-            ],
-            err,
-            self.timeout_s,
-        )
+        scale_crc = zlib.crc32(_scale_f32(q_scale, num_heads).numpy().tobytes()) \
+            if fp8 and err is None else -1
+        ints = [v if isinstance(v, int) else -1 for v in (max_tokens, num_heads, head_dim,
+                                                          rope_dim)]
+        sig = ints + [DTYPE_CODES.get(dtype, 0),
+                      GATHER_BACKENDS.index(backend) if backend in GATHER_BACKENDS else -1,
+                      int(bool(ordered_by_caller)), int(fp8), scale_crc]
+        agree(group, "DcpQueryGather", sig, ["max_tokens", "num_heads", "head_dim", "rope_dim",
+                                             "dtype", "backend", "ordered_by_caller",
+                                             "FP8 output", "q_scale (crc32 of its fp32 bits)"],
+              err, self.timeout_s)
         self.max_tokens, self.num_heads, self.head_dim = max_tokens, num_heads, head_dim
         self.dtype, self.rope_dim = dtype, rope_dim
         self.out_dtype = FP8_DTYPE if fp8 else dtype
@@ -600,12 +398,8 @@ class DcpQueryGather:
         if backend == "auto" and name != "auto":
             why = agree_reason(group, self._local_reason(name), f"gather backend {name}")
             if why:
-                log.warning(
-                    "DcpQueryGather: ATTNCOMM_DCP_GATHER_BACKEND=%s cannot run here "
-                    "(%s); choosing automatically",
-                    name,
-                    why,
-                )
+                log.warning("DcpQueryGather: ATTNCOMM_DCP_GATHER_BACKEND=%s cannot run here "
+                            "(%s); choosing automatically", name, why)
                 name = "auto"
         if name == "auto":
             self._impl = self._choose_auto()
@@ -613,21 +407,18 @@ class DcpQueryGather:
             if backend != "auto":
                 reason = agree_reason(group, self._local_reason(name), f"gather backend {name}")
                 if reason:
-                    raise ValueError(f"DcpQueryGather: backend {name!r} cannot run here: {reason}")
+                    raise ValueError(f"DcpQueryGather: backend {name!r} cannot run here: "
+                                     f"{reason}")
             self._impl = self._build(name)
         self.backend = self._impl.name
 
     @staticmethod
-    def _check_args(
-        max_tokens, num_heads, head_dim, dtype, backend, rope_dim, out_dtype, world_size
-    ):
+    def _check_args(max_tokens, num_heads, head_dim, dtype, backend, rope_dim, out_dtype,
+                    world_size):
         if backend not in GATHER_BACKENDS:
             return f"backend={backend!r} is not one of {list(GATHER_BACKENDS)}"
-        for label, v in (
-            ("max_tokens", max_tokens),
-            ("num_heads", num_heads),
-            ("head_dim", head_dim),
-        ):
+        for label, v in (("max_tokens", max_tokens), ("num_heads", num_heads),
+                         ("head_dim", head_dim)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 return f"{label} must be an int ≥ 1, got {v!r}"
         if dtype not in _DTYPES:
@@ -637,24 +428,15 @@ class DcpQueryGather:
         if not isinstance(rope_dim, int) or rope_dim < 0 or rope_dim % 2 or rope_dim > head_dim:
             return f"rope_dim must be 0 or an even int ≤ head_dim={head_dim}, got {rope_dim!r}"
         if out_dtype is not None and out_dtype not in (dtype, FP8_DTYPE):
-            return (
-                f"out_dtype must be None, the query dtype {dtype} or torch.float8_e4m3fn, "
-                f"got {out_dtype}"
-            )
+            return (f"out_dtype must be None, the query dtype {dtype} or torch.float8_e4m3fn, "
+                    f"got {out_dtype}")
         return None
 
     def _kwargs(self):
-        return dict(
-            max_tokens=self.max_tokens,
-            num_heads=self.num_heads,
-            head_dim=self.head_dim,
-            dtype=self.dtype,
-            rope_dim=self.rope_dim,
-            device=self.device,
-            timeout_s=self.timeout_s,
-            out_dtype=self.out_dtype,
-            q_scale=self.q_scale,
-        )
+        return dict(max_tokens=self.max_tokens, num_heads=self.num_heads,
+                    head_dim=self.head_dim, dtype=self.dtype, rope_dim=self.rope_dim,
+                    device=self.device, timeout_s=self.timeout_s, out_dtype=self.out_dtype,
+                    q_scale=self.q_scale)
 
     def _local_reason(self, name: str) -> str | None:
         try:
@@ -690,9 +472,8 @@ class DcpQueryGather:
         if symm.name != "symm":
             return symm
         base = AllGatherBackend(self.group, **self._kwargs())
-        pick, why = _measured_choice(
-            self.group, {"symm": symm, "all_gather": base}, self.max_tokens, self.rope_dim
-        )
+        pick, why = _measured_choice(self.group, {"symm": symm, "all_gather": base},
+                                     self.max_tokens, self.rope_dim)
         self.fallback_reason = why
         log.info("DcpQueryGather: auto chose %s (%s)", pick, why or "measured faster")
         return symm if pick == "symm" else base
@@ -705,30 +486,21 @@ class DcpQueryGather:
         err = _check_q(q, self.world_size, rope, "auto")
         if err is None:
             T, h, D = q.shape
-            if (
-                T > self.max_tokens
-                or h * self.world_size != self.num_heads
-                or D != self.head_dim
-                or q.dtype != self.dtype
-            ):
-                err = (
-                    f"got q {tuple(q.shape)} {q.dtype}; this gather takes T ≤ "
-                    f"{self.max_tokens}, H/W={self.num_heads // self.world_size}, "
-                    f"D={self.head_dim}, {self.dtype}"
-                )
+            if T > self.max_tokens or h * self.world_size != self.num_heads \
+                    or D != self.head_dim or q.dtype != self.dtype:
+                err = (f"got q {tuple(q.shape)} {q.dtype}; this gather takes T ≤ "
+                       f"{self.max_tokens}, H/W={self.num_heads // self.world_size}, "
+                       f"D={self.head_dim}, {self.dtype}")
             elif (rope is None) != (self.rope_dim == 0) or (
-                rope is not None and rope[0].shape[-1] != self.rope_dim
-            ):
+                    rope is not None and rope[0].shape[-1] != self.rope_dim):
                 got = "none" if rope is None else f"R={rope[0].shape[-1]}"
-                err = (
-                    f"rope_dim={self.rope_dim} needs (cos, sin) of [T, {self.rope_dim}]; got {got}"
-                )
+                err = f"rope_dim={self.rope_dim} needs (cos, sin) of [T, {self.rope_dim}]; " \
+                      f"got {got}"
         if err:
             raise ValueError(f"DcpQueryGather: {err}")
         if q.shape[0] == 0:
-            return torch.empty(
-                (0, self.num_heads, self.head_dim), dtype=self.out_dtype, device=q.device
-            )
+            return torch.empty((0, self.num_heads, self.head_dim), dtype=self.out_dtype,
+                               device=q.device)
         cos = sin = None
         if rope is not None:
             cos = rope[0].to(torch.float32).contiguous()

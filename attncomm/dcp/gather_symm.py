@@ -17,7 +17,6 @@ Slab layout (bytes, every region 128-byte aligned)::
 Cells ``(slot, src)`` of F and LL, and ``READY[src]``, are written only by rank ``src``; OUT's
 heads ``[src·H/W, (src+1)·H/W)`` only by rank ``src``.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -33,7 +32,8 @@ from .gather import QueryGatherBackend
 __all__ = ["GatherLayout", "SymmGatherBackend", "launch_gather", "ll_rows_for", "use_ll"]
 
 _ALIGN = 128
-_TL_DTYPE_SIZES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4, torch.float8_e4m3fn: 1}
+_TL_DTYPE_SIZES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4,
+                   torch.float8_e4m3fn: 1}
 
 
 def _align(n: int) -> int:
@@ -58,18 +58,12 @@ class GatherLayout:
     ll_rows: int = 0
 
     def __post_init__(self):
-        if (
-            self.world_size < 1
-            or self.max_tokens < 1
-            or self.head_dim < 1
-            or self.num_heads % self.world_size
-            or self.itemsize not in (1, 2, 4)
-        ):
+        if self.world_size < 1 or self.max_tokens < 1 or self.head_dim < 1 \
+                or self.num_heads % self.world_size or self.itemsize not in (1, 2, 4):
             raise ValueError(f"GatherLayout: bad geometry {self}")
         if not 0 <= self.ll_rows <= self.max_rows:
-            raise ValueError(
-                f"GatherLayout: ll_rows must be in [0, {self.max_rows}], got {self.ll_rows}"
-            )
+            raise ValueError(f"GatherLayout: ll_rows must be in [0, {self.max_rows}], got "
+                             f"{self.ll_rows}")
         if self.ll_rows and (self.head_dim * self.itemsize) % 4:
             raise ValueError("GatherLayout: LL rows need head_dim·itemsize divisible by 4")
 
@@ -84,12 +78,10 @@ class GatherLayout:
 
     def region_bytes(self) -> dict[str, int]:
         W = self.world_size
-        return {
-            "out": _align(self.max_tokens * self.num_heads * self.head_dim * self.itemsize),
-            "f": 2 * W * _align(self.max_rows * 4),
-            "ll": 2 * W * _align(self.ll_rows * self.row_words * 8),
-            "ready": _align(W * 4),
-        }
+        return {"out": _align(self.max_tokens * self.num_heads * self.head_dim * self.itemsize),
+                "f": 2 * W * _align(self.max_rows * 4),
+                "ll": 2 * W * _align(self.ll_rows * self.row_words * 8),
+                "ready": _align(W * 4)}
 
     @property
     def total_bytes(self) -> int:
@@ -107,37 +99,19 @@ class GatherLayout:
     def kernel_strides(self) -> dict[str, int]:
         """Bases and cell strides as the kernels index them: F and READY in int32 words, LL in
         int64 words (OUT is at offset 0)."""
-        return {
-            "f_base": self.base("f") // 4,
-            "f_cell": _align(self.max_rows * 4) // 4,
-            "ll_base": self.base("ll") // 8,
-            "ll_cell": _align(self.ll_rows * self.row_words * 8) // 8,
-            "ready_base": self.base("ready") // 4,
-        }
+        return {"f_base": self.base("f") // 4, "f_cell": _align(self.max_rows * 4) // 4,
+                "ll_base": self.base("ll") // 8,
+                "ll_cell": _align(self.ll_rows * self.row_words * 8) // 8,
+                "ready_base": self.base("ready") // 4}
 
 
 def _num_warps(nbytes: int) -> int:
     return max(1, min(16, nbytes // (32 * 16)))
 
 
-def launch_gather(
-    q,
-    cos,
-    sin,
-    *,
-    slab,
-    delta_o,
-    delta_w,
-    delta_q,
-    state,
-    errors,
-    rank: int,
-    layout: GatherLayout,
-    n_programs_max: int,
-    timeout_ns: int,
-    ordered: bool = False,
-    q_scale=None,
-) -> None:
+def launch_gather(q, cos, sin, *, slab, delta_o, delta_w, delta_q, state, errors, rank: int,
+                  layout: GatherLayout, n_programs_max: int, timeout_ns: int,
+                  ordered: bool = False, q_scale=None) -> None:
     """Launch one gather (no host sync). ``q [T, H/W, D]`` contiguous; ``cos, sin [T, R]`` fp32
     contiguous or None; ``slab`` the local symmetric uint8 slab (``layout``); ``delta_*`` the
     ``[W]`` int64 peer offsets in 16-element units of the output dtype, 4-byte and 8-byte
@@ -163,66 +137,19 @@ def launch_gather(
         dw = layout.row_words
         bw = 1 << max(dw - 1, 0).bit_length()
         kern.gather_ll_kernel[(grid,)](
-            q,
-            cos,
-            sin,
-            scale,
-            slab.view(torch.int32),
-            slab.view(torch.int64),
-            delta_w,
-            delta_q,
-            state.view(torch.int64),
-            errors,
-            n_rows,
-            n_blocks,
-            grid,
-            timeout_ns,
-            H,
-            hs,
-            D,
-            R,
-            dw,
-            st["f_base"],
-            st["f_cell"],
-            st["ll_base"],
-            st["ll_cell"],
-            st["ready_base"],
-            BW=bw,
-            PACK=4 // layout.itemsize,
-            num_warps=_num_warps(br * bw * 8),
-            **common,
-        )
+            q, cos, sin, scale, slab.view(torch.int32), slab.view(torch.int64), delta_w, delta_q,
+            state.view(torch.int64), errors, n_rows, n_blocks, grid, timeout_ns, H, hs, D, R,
+            dw, st["f_base"], st["f_cell"], st["ll_base"], st["ll_cell"], st["ready_base"],
+            BW=bw, PACK=4 // layout.itemsize, num_warps=_num_warps(br * bw * 8), **common)
         return
     bd = 1 << max(D - 1, 0).bit_length()
     kern.gather_flag_kernel[(grid,)](
-        q,
-        cos,
-        sin,
-        scale,
-        slab if fp8 else slab.view(q.dtype),
-        slab.view(torch.int32),
-        delta_o,
-        delta_w,
-        state.view(torch.int64),
-        errors,
-        n_rows,
-        n_blocks,
-        grid,
-        timeout_ns,
-        H,
-        hs,
-        D,
-        R,
-        st["f_base"],
-        st["f_cell"],
-        st["ll_base"],
-        st["ll_cell"],
-        st["ready_base"],
-        BD=bd,
-        ORDERED=bool(ordered),
-        num_warps=_num_warps(br * bd * q.element_size()),
-        **common,
-    )
+        q, cos, sin, scale, slab if fp8 else slab.view(q.dtype), slab.view(torch.int32),
+        delta_o, delta_w,
+        state.view(torch.int64), errors, n_rows, n_blocks, grid, timeout_ns, H, hs, D, R,
+        st["f_base"], st["f_cell"], st["ll_base"], st["ll_cell"], st["ready_base"],
+        BD=bd, ORDERED=bool(ordered), num_warps=_num_warps(br * bd * q.element_size()),
+        **common)
 
 
 def _n_programs_max(device: torch.device) -> int:
@@ -252,30 +179,20 @@ class SymmGatherBackend(QueryGatherBackend):
             raise RuntimeError("symm gather needs Triton")
         itemsize = _TL_DTYPE_SIZES[self.out_dtype]
         max_rows = self.max_tokens * self.hs
-        self.layout = GatherLayout(
-            self.world_size,
-            self.max_tokens,
-            self.num_heads,
-            self.head_dim,
-            itemsize,
-            ll_rows_for(max_rows, self.head_dim, itemsize),
-        )
-        if self.layout.total_bytes >= 2**31:
-            raise RuntimeError(
-                f"symm gather: slab of {self.layout.total_bytes} bytes exceeds "
-                f"the kernel's 32-bit offsets; lower max_tokens"
-            )
+        self.layout = GatherLayout(self.world_size, self.max_tokens, self.num_heads,
+                                   self.head_dim, itemsize,
+                                   ll_rows_for(max_rows, self.head_dim, itemsize))
+        if self.layout.total_bytes >= 2 ** 31:
+            raise RuntimeError(f"symm gather: slab of {self.layout.total_bytes} bytes exceeds "
+                               f"the kernel's 32-bit offsets; lower max_tokens")
         self.ordered = bool(ordered_by_caller)
         self.timeout_ns = int(self.timeout_s * 1e9)
-        self.ws = SymmWorkspace.agreed(
-            group, self.layout, self.device, op="dcp.gather[symm]", timeout_s=self.timeout_s
-        )
+        self.ws = SymmWorkspace.agreed(group, self.layout, self.device, op="dcp.gather[symm]",
+                                       timeout_s=self.timeout_s)
         self._setup_tables(itemsize)
-        self.out = (
-            self.ws.slab[: self.layout.region_bytes()["out"]]
-            .view(self.out_dtype)[: self.max_tokens * self.num_heads * self.head_dim]
-            .view(self.max_tokens, self.num_heads, self.head_dim)
-        )
+        self.out = self.ws.slab[:self.layout.region_bytes()["out"]].view(self.out_dtype)[
+            :self.max_tokens * self.num_heads * self.head_dim].view(
+            self.max_tokens, self.num_heads, self.head_dim)
         self._warm_up()
 
     @classmethod
@@ -287,11 +204,9 @@ class SymmGatherBackend(QueryGatherBackend):
 
     def _setup_tables(self, itemsize: int) -> None:
         self.delta_o, self.delta_w, self.delta_q = peer_deltas(
-            self.ws.handle.buffer_ptrs, self.rank, itemsize, self.device, op="symm gather"
-        )
+            self.ws.handle.buffer_ptrs, self.rank, itemsize, self.device, op="symm gather")
         self.n_programs_max = agreed_min(
-            self.group, _n_programs_max(self.device) if self.device.type == "cuda" else 3
-        )
+            self.group, _n_programs_max(self.device) if self.device.type == "cuda" else 3)
 
     def _warm_up(self) -> None:
         # One gather per kernel variant (block size, protocol) up to max_tokens: compiles
@@ -314,23 +229,11 @@ class SymmGatherBackend(QueryGatherBackend):
         T = q.shape[0]
         if T > self.max_tokens:
             raise ValueError(f"symm gather: T={T} exceeds max_tokens={self.max_tokens}")
-        launch_gather(
-            q,
-            cos,
-            sin,
-            slab=self.ws.slab,
-            delta_o=self.delta_o,
-            delta_w=self.delta_w,
-            delta_q=self.delta_q,
-            state=self.ws.state,
-            errors=self.ws.errors,
-            rank=self.rank,
-            layout=self.layout,
-            n_programs_max=self.n_programs_max,
-            timeout_ns=self.timeout_ns,
-            ordered=self.ordered,
-            q_scale=self.q_scale if self.fp8 else None,
-        )
+        launch_gather(q, cos, sin, slab=self.ws.slab, delta_o=self.delta_o,
+                      delta_w=self.delta_w, delta_q=self.delta_q, state=self.ws.state,
+                      errors=self.ws.errors, rank=self.rank, layout=self.layout,
+                      n_programs_max=self.n_programs_max, timeout_ns=self.timeout_ns,
+                      ordered=self.ordered, q_scale=self.q_scale if self.fp8 else None)
         if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.ws.check()
         return self.out[:T]

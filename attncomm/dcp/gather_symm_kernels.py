@@ -41,7 +41,6 @@ Ordering (why a fast rank never overwrites what a slow rank still reads):
 - Timeouts: a wait past ``timeout_ns`` (``%globaltimer``) sets ``errors[q] = 1`` and the program
   skips what depended on it; the host turns that into ``PeerTimeoutError``.
 """
-
 from __future__ import annotations
 
 from ..symm import plan_blocks
@@ -67,18 +66,19 @@ except Exception:  # noqa: BLE001 - the backend reports itself unavailable
     triton = None
     tl = None
 
-__all__ = ["MAX_BLOCK_ROWS", "e4m3_kernel", "gather_flag_kernel", "gather_ll_kernel", "plan_blocks"]
+__all__ = ["MAX_BLOCK_ROWS", "e4m3_kernel", "gather_flag_kernel", "gather_ll_kernel",
+           "plan_blocks"]
 
 #: Rows per block at most (``plan_blocks``'s default bound).
 MAX_BLOCK_ROWS = 64
 
 
 if triton is not None:
-    _E4M3_MAX_BITS = tl.constexpr(0x43E00000)  # 448.0, the largest finite e4m3fn
+    _E4M3_MAX_BITS = tl.constexpr(0x43E00000)         # 448.0, the largest finite e4m3fn
     _F32_INF_BITS = tl.constexpr(0x7F800000)
-    _E4M3_MIN_NORMAL_BITS = tl.constexpr(121 << 23)  # 2**-6
-    _SUB_MAGIC_BITS = tl.constexpr(141 << 23)  # 2**14: its ulp is 2**-9
-    _REBIAS = tl.constexpr(120 << 23)  # fp32 exponent bias 127 → e4m3's 7
+    _E4M3_MIN_NORMAL_BITS = tl.constexpr(121 << 23)   # 2**-6
+    _SUB_MAGIC_BITS = tl.constexpr(141 << 23)         # 2**14: its ulp is 2**-9
+    _REBIAS = tl.constexpr(120 << 23)                 # fp32 exponent bias 127 → e4m3's 7
 
     @triton.jit
     def _epoch(state64_ptr, grid_size):
@@ -86,19 +86,8 @@ if triton is not None:
         return epoch_of(count_in(state64_ptr), state64_ptr, grid_size, False)
 
     @triton.jit
-    def _scrub(
-        slab_w,
-        state64_ptr,
-        e,
-        pid,
-        grid_size,
-        f_base,
-        f_cell,
-        ll_base,
-        ll_cell,
-        RANK: tl.constexpr,
-        W: tl.constexpr,
-    ):
+    def _scrub(slab_w, state64_ptr, e, pid, grid_size, f_base, f_cell, ll_base, ll_cell,
+               RANK: tl.constexpr, W: tl.constexpr):
         # Epochs ≡ 0, 1 (mod 2**30): zero the other slot's flags and LL words from every peer
         # (slab_w: the slab as int32), then the fence (on the unused word state[2:4]) before
         # any store of this call can reach a peer.
@@ -148,9 +137,8 @@ if triton is not None:
         a = u & 0x7FFFFFFF
         sign = (u >> 24) & 0x80
         a = tl.where((a > _E4M3_MAX_BITS) & (a <= _F32_INF_BITS), _E4M3_MAX_BITS, a)
-        sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(
-            tl.int32, bitcast=True
-        ) - _SUB_MAGIC_BITS
+        sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) \
+            - _SUB_MAGIC_BITS
         nrm = (a - _REBIAS + 0x7FFFF + ((a >> 20) & 1)) >> 20
         r = tl.where(a < _E4M3_MIN_NORMAL_BITS, sub, nrm) | sign
         r = tl.where(a > _F32_INF_BITS, 0x7F, r)
@@ -174,22 +162,8 @@ if triton is not None:
         return x.to(tl.float32) * c + tl.where(first[None, :], -pf, pf) * s, mt
 
     @triton.jit
-    def _load_out(
-        q_ptr,
-        cos_ptr,
-        sin_ptr,
-        scale_ptr,
-        rows,
-        rmask,
-        d,
-        dmask,
-        HS,
-        D,
-        R,
-        RANK: tl.constexpr,
-        ROT: tl.constexpr,
-        FP8: tl.constexpr,
-    ):
+    def _load_out(q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, d, dmask, HS, D, R,
+                  RANK: tl.constexpr, ROT: tl.constexpr, FP8: tl.constexpr):
         # This rank's output values at rows × element indices d ([BR, n]). Not FP8: q's
         # dtype, with ROT the last R dims rotated and rounded once. FP8: e4m3 bytes of the
         # fp32 value (rotated with ROT, not rounded) divided (IEEE) by its head's scale.
@@ -209,99 +183,27 @@ if triton is not None:
             return x
 
     @triton.jit
-    def _words(
-        q_ptr,
-        cos_ptr,
-        sin_ptr,
-        scale_ptr,
-        rows,
-        rmask,
-        w,
-        wmask,
-        HS,
-        D,
-        R,
-        RANK: tl.constexpr,
-        ROT: tl.constexpr,
-        FP8: tl.constexpr,
-        PACK: tl.constexpr,
-    ):
+    def _words(q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, w, wmask, HS, D, R,
+               RANK: tl.constexpr, ROT: tl.constexpr, FP8: tl.constexpr, PACK: tl.constexpr):
         # The output rows as int32 words ([BR, BW]); PACK 2: two 16-bit values per word,
         # PACK 4: four bytes (FP8), the lowest address in the low byte.
         if PACK == 4:
-            word = _load_out(
-                q_ptr,
-                cos_ptr,
-                sin_ptr,
-                scale_ptr,
-                rows,
-                rmask,
-                4 * w,
-                wmask,
-                HS,
-                D,
-                R,
-                RANK,
-                ROT,
-                FP8,
-            ).to(tl.int32)
+            word = _load_out(q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, 4 * w, wmask, HS,
+                             D, R, RANK, ROT, FP8).to(tl.int32)
             for k in tl.static_range(1, 4):
-                b = _load_out(
-                    q_ptr,
-                    cos_ptr,
-                    sin_ptr,
-                    scale_ptr,
-                    rows,
-                    rmask,
-                    4 * w + k,
-                    wmask,
-                    HS,
-                    D,
-                    R,
-                    RANK,
-                    ROT,
-                    FP8,
-                )
+                b = _load_out(q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, 4 * w + k,
+                              wmask, HS, D, R, RANK, ROT, FP8)
                 word = word | (b.to(tl.int32) << (8 * k))
             return word
         elif PACK == 2:
-            lo = _load_out(
-                q_ptr,
-                cos_ptr,
-                sin_ptr,
-                scale_ptr,
-                rows,
-                rmask,
-                2 * w,
-                wmask,
-                HS,
-                D,
-                R,
-                RANK,
-                ROT,
-                FP8,
-            )
-            hi = _load_out(
-                q_ptr,
-                cos_ptr,
-                sin_ptr,
-                scale_ptr,
-                rows,
-                rmask,
-                2 * w + 1,
-                wmask,
-                HS,
-                D,
-                R,
-                RANK,
-                ROT,
-                FP8,
-            )
+            lo = _load_out(q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, 2 * w, wmask, HS,
+                           D, R, RANK, ROT, FP8)
+            hi = _load_out(q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, 2 * w + 1, wmask,
+                           HS, D, R, RANK, ROT, FP8)
             return pack16(lo, hi)
         else:
-            x = _load_out(
-                q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, w, wmask, HS, D, R, RANK, ROT, FP8
-            )
+            x = _load_out(q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, w, wmask, HS, D, R,
+                          RANK, ROT, FP8)
             return x.to(tl.int32, bitcast=True)
 
     @triton.jit
@@ -313,38 +215,12 @@ if triton is not None:
         tl.store(out_ptr + i, _e4m3(tl.load(x_ptr + i, mask=m, other=0.0)), mask=m)
 
     @triton.jit(do_not_specialize=["n_rows", "n_blocks", "grid_size", "timeout_ns"])
-    def gather_flag_kernel(
-        q_ptr,
-        cos_ptr,
-        sin_ptr,
-        scale_ptr,
-        slab_o,
-        slab_w,
-        delta_o,
-        delta_w,
-        state_ptr,
-        err_ptr,
-        n_rows,
-        n_blocks,
-        grid_size,
-        timeout_ns,
-        H,
-        HS,
-        D,
-        R,
-        f_base,
-        f_cell,
-        ll_base,
-        ll_cell,
-        ready_base,
-        RANK: tl.constexpr,
-        W: tl.constexpr,
-        BR: tl.constexpr,
-        BD: tl.constexpr,
-        ROT: tl.constexpr,
-        ORDERED: tl.constexpr,
-        FP8: tl.constexpr,
-    ):
+    def gather_flag_kernel(q_ptr, cos_ptr, sin_ptr, scale_ptr, slab_o, slab_w, delta_o,
+                           delta_w, state_ptr, err_ptr, n_rows, n_blocks, grid_size,
+                           timeout_ns, H, HS, D, R, f_base, f_cell, ll_base, ll_cell,
+                           ready_base, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
+                           BD: tl.constexpr, ROT: tl.constexpr, ORDERED: tl.constexpr,
+                           FP8: tl.constexpr):
         """One gather, flag protocol. ``q [T, HS, D]`` → ``OUT[t, RANK·HS + j]`` of every
         rank (``slab_o``: the slab in the output dtype, OUT at offset 0; ``slab_w``: as int32;
         ``scale_ptr``: the ``[H]`` fp32 scales, read with FP8 only)."""
@@ -362,9 +238,8 @@ if triton is not None:
         while b < n_blocks:
             rows = b * BR + tl.arange(0, BR)
             rmask = rows < n_rows
-            x = _load_out(
-                q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, d, dmask, HS, D, R, RANK, ROT, FP8
-            )
+            x = _load_out(q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, d, dmask, HS, D, R,
+                          RANK, ROT, FP8)
             dst = ((rows // HS) * H + RANK * HS + rows % HS)[:, None] * D + d[None, :]
             m2 = rmask[:, None] & dmask[None, :]
             tl.store(slab_o + dst, x, mask=m2)
@@ -372,15 +247,9 @@ if triton is not None:
                 if q != RANK:
                     if not ORDERED:
                         if first == 1:
-                            deadline, bq = wait_word(
-                                slab_w + ready_base + q,
-                                e,
-                                deadline,
-                                timeout_ns,
-                                err_ptr + q,
-                                (bad >> q) & 1,
-                                "relaxed",
-                            )
+                            deadline, bq = wait_word(slab_w + ready_base + q, e, deadline,
+                                                     timeout_ns, err_ptr + q, (bad >> q) & 1,
+                                                     "relaxed")
                             bad = bad | (bq << q)
                     if ((bad >> q) & 1) == 0:
                         tl.store(slab_o + tl.load(delta_o + q) * 16 + dst, x, mask=m2)
@@ -389,65 +258,27 @@ if triton is not None:
             for q in tl.static_range(W):
                 if q != RANK:
                     if ((bad >> q) & 1) == 0:  # never a flag without its rows
-                        pf = (
-                            slab_w
-                            + tl.load(delta_w + q) * 16
-                            + f_base
-                            + (slot * W + RANK) * f_cell
-                            + b
-                        )
+                        pf = (slab_w + tl.load(delta_w + q) * 16 + f_base
+                              + (slot * W + RANK) * f_cell + b)
                         tl.atomic_xchg(pf, e, sem="release", scope="sys")
             b += grid_size
         b = pid
         while b < n_blocks:
             for q in tl.static_range(W):
                 if q != RANK:
-                    deadline, bq = wait_word(
-                        slab_w + f_base + (slot * W + q) * f_cell + b,
-                        e,
-                        deadline,
-                        timeout_ns,
-                        err_ptr + q,
-                        (bad >> q) & 1,
-                        "acquire",
-                    )
+                    deadline, bq = wait_word(slab_w + f_base + (slot * W + q) * f_cell + b, e,
+                                             deadline, timeout_ns, err_ptr + q, (bad >> q) & 1,
+                                             "acquire")
                     bad = bad | (bq << q)
             b += grid_size
 
     @triton.jit(do_not_specialize=["n_rows", "n_blocks", "grid_size", "timeout_ns"])
-    def gather_ll_kernel(
-        q_ptr,
-        cos_ptr,
-        sin_ptr,
-        scale_ptr,
-        slab_w,
-        slab_q,
-        delta_w,
-        delta_q,
-        state_ptr,
-        err_ptr,
-        n_rows,
-        n_blocks,
-        grid_size,
-        timeout_ns,
-        H,
-        HS,
-        D,
-        R,
-        DW,
-        f_base,
-        f_cell,
-        ll_base,
-        ll_cell,
-        ready_base,
-        RANK: tl.constexpr,
-        W: tl.constexpr,
-        BR: tl.constexpr,
-        BW: tl.constexpr,
-        ROT: tl.constexpr,
-        PACK: tl.constexpr,
-        FP8: tl.constexpr,
-    ):
+    def gather_ll_kernel(q_ptr, cos_ptr, sin_ptr, scale_ptr, slab_w, slab_q, delta_w, delta_q,
+                         state_ptr, err_ptr, n_rows, n_blocks, grid_size, timeout_ns, H, HS, D,
+                         R, DW, f_base, f_cell, ll_base, ll_cell, ready_base,
+                         RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
+                         BW: tl.constexpr, ROT: tl.constexpr, PACK: tl.constexpr,
+                         FP8: tl.constexpr):
         """One gather, LL protocol: ``(epoch << 32) | word`` into every peer's
         ``LL[slot, RANK]``; the receiver polls its ``LL[slot, q]`` and writes ``OUT`` (``slab_w``:
         the slab as int32, OUT at offset 0 as ``[max_tokens, H, DW]`` words; ``slab_q``: as
@@ -465,32 +296,14 @@ if triton is not None:
             rows = b * BR + tl.arange(0, BR)
             rmask = rows < n_rows
             m2 = rmask[:, None] & wmask[None, :]
-            x = _words(
-                q_ptr,
-                cos_ptr,
-                sin_ptr,
-                scale_ptr,
-                rows,
-                rmask,
-                w,
-                wmask,
-                HS,
-                D,
-                R,
-                RANK,
-                ROT,
-                FP8,
-                PACK,
-            )
+            x = _words(q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, w, wmask, HS, D, R, RANK,
+                       ROT, FP8, PACK)
             tagged = ll_word(tag, x)
             for q in tl.static_range(W):
                 if q != RANK:
                     cell = ll_base + (slot * W + RANK) * ll_cell
-                    tl.store(
-                        slab_q + tl.load(delta_q + q) * 16 + cell + rows[:, None] * DW + w[None, :],
-                        tagged,
-                        mask=m2,
-                    )
+                    tl.store(slab_q + tl.load(delta_q + q) * 16 + cell + rows[:, None] * DW
+                             + w[None, :], tagged, mask=m2)
             dst = ((rows // HS) * H + RANK * HS + rows % HS)[:, None] * DW + w[None, :]
             tl.store(slab_w + dst, x, mask=m2)
             b += grid_size
@@ -502,13 +315,8 @@ if triton is not None:
             m2 = rmask[:, None] & wmask[None, :]
             for q in tl.static_range(W):
                 if q != RANK:
-                    p = (
-                        slab_q
-                        + ll_base
-                        + (slot * W + q) * ll_cell
-                        + rows[:, None] * DW
+                    p = slab_q + ll_base + (slot * W + q) * ll_cell + rows[:, None] * DW \
                         + w[None, :]
-                    )
                     y = tl.load(p, mask=m2, other=tag, volatile=True)
                     ready = ll_ready(y, e)
                     ok = tl.full([], 1, tl.int32)

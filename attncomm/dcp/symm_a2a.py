@@ -6,7 +6,6 @@ slab layout in ``attncomm.dcp.symm_layout``, allocation, rendezvous and error wo
 substrate ``attncomm.symm``. Tuning history and figures: ``benchmarks/results/
 symm-a2a-tuning.md`` and ``dcp-kernel-2026-11-30-*.md``.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -47,7 +46,7 @@ __all__ = [
     "use_ll",
 ]
 
-_WIDE_BYTES = 32 * 1024  # blocks from this size take SymmConfig.wide_warps
+_WIDE_BYTES = 32 * 1024     # blocks from this size take SymmConfig.wide_warps
 _BYTES_PER_THREAD = 32 * 16  # about one 16-byte vector per thread and row chunk
 
 
@@ -95,13 +94,8 @@ class SymmConfig:
         for name in ("programs_per_sm", "max_warps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SymmConfig: {name} must be ≥ 1, got {getattr(self, name)}")
-        for name in (
-            "wide_warps",
-            "max_programs",
-            "ll_max_bytes",
-            "stagger_min_bytes",
-            "stagger_split",
-        ):
+        for name in ("wide_warps", "max_programs", "ll_max_bytes", "stagger_min_bytes",
+                     "stagger_split"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SymmConfig: {name} must be ≥ 0, got {getattr(self, name)}")
 
@@ -129,14 +123,8 @@ def num_warps(nbytes: int, config: SymmConfig = _DEFAULT) -> int:
     return max(1, min(config.max_warps, nbytes // _BYTES_PER_THREAD))
 
 
-def stagger(
-    n_rows: int,
-    n_blocks: int,
-    grid: int,
-    head_dim: int,
-    itemsize: int,
-    config: SymmConfig = _DEFAULT,
-) -> int:
+def stagger(n_rows: int, n_blocks: int, grid: int, head_dim: int, itemsize: int,
+            config: SymmConfig = _DEFAULT) -> int:
     """The flag kernel's STAGGER: the percent of the grid in the first group, or 0 (off).
     Only with one block per program (``n_blocks == grid ≥ 2``)."""
     payload = n_rows * head_dim * itemsize
@@ -159,38 +147,18 @@ class MergeSlab:
     errors: torch.Tensor
 
     @classmethod
-    def build(
-        cls,
-        layout: SlabLayout,
-        slab: torch.Tensor,
-        dtype: torch.dtype,
-        peer_ptrs,
-        rank: int,
-        state: torch.Tensor,
-        errors: torch.Tensor,
-    ) -> MergeSlab:
+    def build(cls, layout: SlabLayout, slab: torch.Tensor, dtype: torch.dtype,
+              peer_ptrs, rank: int, state: torch.Tensor, errors: torch.Tensor) -> MergeSlab:
         """``peer_ptrs``: every rank's slab address (group rank order). Raises RuntimeError
         when the peers' slabs are not ``DELTA_UNIT · 8``-byte aligned relative to this one."""
-        d_o, d_w, d_q = peer_deltas(peer_ptrs, rank, layout.itemsize, slab.device, op="symm_a2a")
+        d_o, d_w, d_q = peer_deltas(peer_ptrs, rank, layout.itemsize, slab.device,
+                                    op="symm_a2a")
         return cls(layout.regions(slab, dtype), d_o, d_w, d_q, state, errors)
 
 
-def launch_merge(
-    out,
-    lse,
-    res,
-    res_lse,
-    *,
-    slab: MergeSlab,
-    rank: int,
-    world_size: int,
-    num_heads: int,
-    layout: SlabLayout,
-    n_programs_max: int,
-    timeout_ns: int,
-    pdl: bool = False,
-    config: SymmConfig = _DEFAULT,
-) -> None:
+def launch_merge(out, lse, res, res_lse, *, slab: MergeSlab, rank: int, world_size: int,
+                 num_heads: int, layout: SlabLayout, n_programs_max: int, timeout_ns: int,
+                 pdl: bool = False, config: SymmConfig = _DEFAULT) -> None:
     """Launch one merge (no host sync). ``out [T, H, D]`` (the merger's dtype) and
     ``lse [T, H]`` (fp32), contiguous; ``res``/``res_lse`` contiguous, at least
     ``[T, H/W, D]``/``[T, H/W]``; ``slab`` this rank's ``MergeSlab``. ``pdl``: launch with
@@ -202,70 +170,34 @@ def launch_merge(
     if grid == 0:
         return
     g = slab.regions
-    common = dict(
-        state_ptr=slab.state.view(torch.int64),
-        err_ptr=slab.errors,
-        n_rows=n_rows,
-        n_blocks=n_blocks,
-        grid_size=grid,
-        timeout_ns=timeout_ns,
-        H=H,
-        HS=hs,
-        slab_f=g.f,
-        slab_llo=g.llo,
-        slab_lll=g.lll,
-        f_cell=g.f_cell,
-        llo_cell=g.llo_cell,
-        lll_cell=g.lll_cell,
-        RANK=rank,
-        W=world_size,
-        BR=br,
-        PDL=pdl,
-        launch_pdl=pdl,
-    )
+    common = dict(state_ptr=slab.state.view(torch.int64), err_ptr=slab.errors,
+                  n_rows=n_rows, n_blocks=n_blocks, grid_size=grid, timeout_ns=timeout_ns,
+                  H=H, HS=hs, slab_f=g.f, slab_llo=g.llo, slab_lll=g.lll, f_cell=g.f_cell,
+                  llo_cell=g.llo_cell, lll_cell=g.lll_cell, RANK=rank, W=world_size, BR=br,
+                  PDL=pdl, launch_pdl=pdl)
     if use_ll(n_rows, layout):
         dw = layout.row_words
         bw = triton.next_power_of_2(dw)
         _k.merge_ll_kernel[(grid,)](
-            out_w=out.view(torch.int32),
-            lse_ptr=lse,
-            lse_w=lse.view(torch.int32),
-            res_w=res.view(torch.int32),
-            res_lse_ptr=res_lse,
-            delta_q=slab.delta_q,
-            DW=dw,
-            BW=bw,
-            PACK=4 // out.element_size(),
-            DTYPE=_TL_DTYPES[out.dtype],
-            num_warps=num_warps(br * bw * 8, config),
-            **common,
-        )
+            out_w=out.view(torch.int32), lse_ptr=lse, lse_w=lse.view(torch.int32),
+            res_w=res.view(torch.int32), res_lse_ptr=res_lse, delta_q=slab.delta_q, DW=dw,
+            BW=bw, PACK=4 // out.element_size(), DTYPE=_TL_DTYPES[out.dtype],
+            num_warps=num_warps(br * bw * 8, config), **common)
         return
     bd = triton.next_power_of_2(D)
     _k.merge_flag_kernel[(grid,)](
-        out_ptr=out,
-        lse_ptr=lse,
-        res_ptr=res,
-        res_lse_ptr=res_lse,
-        slab_o=g.o,
-        slab_l=g.l,
-        delta_o=slab.delta_o,
-        delta_w=slab.delta_w,
-        D=D,
-        o_cell=g.o_cell,
-        l_cell=g.l_cell,
-        BD=bd,
-        STAGGER=stagger(n_rows, n_blocks, grid, D, out.element_size(), config),
-        num_warps=num_warps(br * bd * out.element_size(), config),
-        **common,
-    )
+        out_ptr=out, lse_ptr=lse, res_ptr=res, res_lse_ptr=res_lse, slab_o=g.o, slab_l=g.l,
+        delta_o=slab.delta_o, delta_w=slab.delta_w, D=D, o_cell=g.o_cell, l_cell=g.l_cell,
+        BD=bd, STAGGER=stagger(n_rows, n_blocks, grid, D, out.element_size(), config),
+        num_warps=num_warps(br * bd * out.element_size(), config), **common)
 
 
 _TL_DTYPES = {}
 if triton is not None:
     import triton.language as tl
 
-    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+                  torch.float32: tl.float32}
 
 
 def _n_programs_max(device: torch.device, config: SymmConfig = _DEFAULT) -> int:
@@ -306,28 +238,11 @@ class SymmA2ABackend(DcpBackend):
     name = "symm_a2a"
     returns_views = True
 
-    def __init__(
-        self,
-        group,
-        *,
-        max_tokens: int,
-        num_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        timeout_s: float,
-        config: SymmConfig | None = None,
-        enable_pdl: bool | None = None,
-    ):
-        super().__init__(
-            group,
-            max_tokens=max_tokens,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            dtype=dtype,
-            device=device,
-            timeout_s=timeout_s,
-        )
+    def __init__(self, group, *, max_tokens: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, timeout_s: float,
+                 config: SymmConfig | None = None, enable_pdl: bool | None = None):
+        super().__init__(group, max_tokens=max_tokens, num_heads=num_heads, head_dim=head_dim,
+                         dtype=dtype, device=device, timeout_s=timeout_s)
         if triton is None:
             raise RuntimeError("symm_a2a needs Triton")
         self.config = config if config is not None else SymmConfig.from_env()
@@ -336,27 +251,19 @@ class SymmA2ABackend(DcpBackend):
         self.hs = num_heads // self.world_size
         itemsize = torch.empty((), dtype=dtype).element_size()
         max_rows = max_tokens * self.hs
-        self.layout = SlabLayout(
-            self.world_size,
-            max_rows,
-            head_dim,
-            itemsize,
-            ll_rows_for(max_rows, head_dim, itemsize, self.config.ll_max_bytes),
-        )
-        if self.layout.total_bytes >= 2**31:
-            raise RuntimeError(
-                f"symm_a2a: slab of {self.layout.total_bytes} bytes exceeds the "
-                f"kernel's 32-bit offsets; lower max_tokens"
-            )
+        self.layout = SlabLayout(self.world_size, max_rows, head_dim, itemsize,
+                                 ll_rows_for(max_rows, head_dim, itemsize,
+                                             self.config.ll_max_bytes))
+        if self.layout.total_bytes >= 2 ** 31:
+            raise RuntimeError(f"symm_a2a: slab of {self.layout.total_bytes} bytes exceeds the "
+                               f"kernel's 32-bit offsets; lower max_tokens")
         self.timeout_ns = int(timeout_s * 1e9)
         pdl = enable_pdl if enable_pdl is not None else self.config.enable_pdl
         self.pdl = pdl_supported(device) if pdl is None else bool(pdl and pdl_supported(device))
-        self.ws = ws = SymmWorkspace.agreed(
-            group, self.layout, device, op="dcp.merge[symm_a2a]", timeout_s=timeout_s
-        )
-        self.slab = MergeSlab.build(
-            self.layout, ws.slab, dtype, ws.peer_ptrs, self.rank, ws.state, ws.errors
-        )
+        self.ws = ws = SymmWorkspace.agreed(group, self.layout, device,
+                                            op="dcp.merge[symm_a2a]", timeout_s=timeout_s)
+        self.slab = MergeSlab.build(self.layout, ws.slab, dtype, ws.peer_ptrs,
+                                    self.rank, ws.state, ws.errors)
         self.n_programs_max = self._agree_grid_bound()
         self.res = torch.empty((max_tokens, self.hs, head_dim), dtype=dtype, device=device)
         self.res_lse = torch.empty((max_tokens, self.hs), dtype=torch.float32, device=device)
@@ -383,17 +290,13 @@ class SymmA2ABackend(DcpBackend):
             n = t * self.hs
             br, n_blocks, grid = plan_blocks(n, self.n_programs_max, self.config.max_block_rows)
             ll = use_ll(n, self.layout)
-            key = (
-                br,
-                ll,
-                0 if ll else stagger(n, n_blocks, grid, self.head_dim, itemsize, self.config),
-            )
+            key = (br, ll, 0 if ll else stagger(n, n_blocks, grid, self.head_dim, itemsize,
+                                                self.config))
             if key in seen:
                 continue
             seen.add(key)
-            out = torch.zeros(
-                (t, self.num_heads, self.head_dim), dtype=self.dtype, device=self.device
-            )
+            out = torch.zeros((t, self.num_heads, self.head_dim), dtype=self.dtype,
+                              device=self.device)
             lse = torch.zeros((t, self.num_heads), dtype=torch.float32, device=self.device)
             self(out, lse)
         self.ws.sync_check()
@@ -410,21 +313,10 @@ class SymmA2ABackend(DcpBackend):
             raise ValueError(f"symm_a2a: T={T} exceeds max_tokens={self.max_tokens}")
         if lse.dtype != torch.float32 or not lse.is_contiguous():
             lse = lse.float().contiguous()
-        launch_merge(
-            out.contiguous(),
-            lse,
-            self.res,
-            self.res_lse,
-            slab=self.slab,
-            rank=self.rank,
-            world_size=self.world_size,
-            num_heads=self.num_heads,
-            layout=self.layout,
-            n_programs_max=self.n_programs_max,
-            timeout_ns=self.timeout_ns,
-            pdl=self.pdl,
-            config=self.config,
-        )
+        launch_merge(out.contiguous(), lse, self.res, self.res_lse, slab=self.slab,
+                     rank=self.rank, world_size=self.world_size, num_heads=self.num_heads,
+                     layout=self.layout, n_programs_max=self.n_programs_max,
+                     timeout_ns=self.timeout_ns, pdl=self.pdl, config=self.config)
         return self.res[:T], self.res_lse[:T]
 
     def check(self) -> None:

@@ -66,7 +66,6 @@ docs/API.md "Special values"), folded source by source (online rescaling). A zer
 source's payload is loaded but never used (a select, not a multiply), so whatever an empty
 source holds cannot leak; NaN/±inf in a contributing payload propagates.
 """
-
 from __future__ import annotations
 
 import triton
@@ -95,20 +94,8 @@ _DELTA_UNIT = tl.constexpr(DELTA_UNIT)
 
 
 @triton.jit
-def _scrub(
-    slab_f,
-    slab_llo,
-    slab_lll,
-    f_cell,
-    llo_cell,
-    lll_cell,
-    state64_ptr,
-    e,
-    pid,
-    grid_size,
-    RANK: tl.constexpr,
-    W: tl.constexpr,
-):
+def _scrub(slab_f, slab_llo, slab_lll, f_cell, llo_cell, lll_cell, state64_ptr, e, pid,
+           grid_size, RANK: tl.constexpr, W: tl.constexpr):
     # Rare path (see the module docstring): zero the other slot's flag and LL cells from every
     # peer, split over the grid; then the fence (on the unused word state[2:4], which stays 0)
     # so that the zeros are in place before any store of this call reaches a peer.
@@ -152,23 +139,23 @@ def _online(m, s, l):
 @triton.jit
 def _fold(acc, scale, w, o):
     # A zero-weight source's payload is never used (it may be NaN behind a −inf LSE).
-    return acc * scale[:, None] + tl.where((w > 0)[:, None], w[:, None] * o.to(tl.float32), 0.0)
+    return acc * scale[:, None] + tl.where((w > 0)[:, None], w[:, None] * o.to(tl.float32),
+                                           0.0)
 
 
 @triton.jit
 def _final(s, m):
     s_safe = tl.where(s > 0, s, 1.0)
-    lse = tl.where(s > 0, tl.log(s_safe) + tl.where(m == float("-inf"), 0.0, m), float("-inf"))
+    lse = tl.where(s > 0, tl.log(s_safe) + tl.where(m == float("-inf"), 0.0, m),
+                   float("-inf"))
     return s_safe, lse
 
 
 # -------------------------------------------------------------------- flag protocol (large T)
 
-
 @triton.jit
-def _own_rows(
-    out_ptr, lse_ptr, rows, rmask, H, HS, D, RANK: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr
-):
+def _own_rows(out_ptr, lse_ptr, rows, rmask, H, HS, D, RANK: tl.constexpr,
+              BR: tl.constexpr, BD: tl.constexpr):
     # Start the fold with this rank's own rows (read in place): needs nothing from a peer,
     # so it runs before the wait and overlaps the transfer.
     d = tl.arange(0, BD)
@@ -176,55 +163,30 @@ def _own_rows(
     own = (rows // HS) * H + RANK * HS + rows % HS
     l = tl.load(lse_ptr + own, mask=rmask, other=float("-inf"))
     o = tl.load(out_ptr + own[:, None] * D + d[None, :], mask=m2, other=0.0)
-    m, s, scale, w = _online(
-        tl.full([BR], float("-inf"), tl.float32), tl.zeros([BR], tl.float32), l
-    )
+    m, s, scale, w = _online(tl.full([BR], float("-inf"), tl.float32),
+                             tl.zeros([BR], tl.float32), l)
     return m, s, _fold(tl.zeros([BR, BD], tl.float32), scale, w, o)
 
 
 @triton.jit
-def _combine_rows(
-    m,
-    s,
-    acc,
-    res_ptr,
-    res_lse_ptr,
-    slab_o,
-    slab_l,
-    slot,
-    rows,
-    rmask,
-    D,
-    o_cell,
-    l_cell,
-    RANK: tl.constexpr,
-    W: tl.constexpr,
-    BR: tl.constexpr,
-    BD: tl.constexpr,
-):
+def _combine_rows(m, s, acc, res_ptr, res_lse_ptr, slab_o, slab_l, slot, rows, rmask, D,
+                  o_cell, l_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
+                  BD: tl.constexpr):
     # Fold every peer's received rows into (m, s, acc) from _own_rows; store the result.
     d = tl.arange(0, BD)
     m2 = rmask[:, None] & (d < D)[None, :]
     for q in tl.static_range(W):
         if q != RANK:
             cell = slot * W + q
-            l = tl.load(
-                slab_l + cell * l_cell + rows, mask=rmask, other=float("-inf"), cache_modifier=".cg"
-            )
-            o = tl.load(
-                slab_o + cell * o_cell + rows[:, None] * D + d[None, :],
-                mask=m2,
-                other=0.0,
-                cache_modifier=".cg",
-            )
+            l = tl.load(slab_l + cell * l_cell + rows, mask=rmask, other=float("-inf"),
+                        cache_modifier=".cg")
+            o = tl.load(slab_o + cell * o_cell + rows[:, None] * D + d[None, :], mask=m2,
+                        other=0.0, cache_modifier=".cg")
             m, s, scale, w = _online(m, s, l)
             acc = _fold(acc, scale, w, o)
     s_safe, lse = _final(s, m)
-    tl.store(
-        res_ptr + rows[:, None] * D + d[None, :],
-        (acc / s_safe[:, None]).to(res_ptr.dtype.element_ty),
-        mask=m2,
-    )
+    tl.store(res_ptr + rows[:, None] * D + d[None, :],
+             (acc / s_safe[:, None]).to(res_ptr.dtype.element_ty), mask=m2)
     tl.store(res_lse_ptr + rows, lse, mask=rmask)
 
 
@@ -235,29 +197,15 @@ def _load_rows(out_ptr, lse_ptr, b, q, n_rows, H, HS, D, BR: tl.constexpr, BD: t
     rmask = rows < n_rows
     d = tl.arange(0, BD)
     src = (rows // HS) * H + rows % HS + q * HS
-    vals = tl.load(out_ptr + src[:, None] * D + d[None, :], mask=rmask[:, None] & (d < D)[None, :])
+    vals = tl.load(out_ptr + src[:, None] * D + d[None, :],
+                   mask=rmask[:, None] & (d < D)[None, :])
     return vals, tl.load(lse_ptr + src, mask=rmask)
 
 
 @triton.jit
-def _store_rows(
-    vals,
-    lv,
-    slab_o,
-    slab_l,
-    delta_oq,
-    delta_wq,
-    slot,
-    b,
-    n_rows,
-    D,
-    o_cell,
-    l_cell,
-    RANK: tl.constexpr,
-    W: tl.constexpr,
-    BR: tl.constexpr,
-    BD: tl.constexpr,
-):
+def _store_rows(vals, lv, slab_o, slab_l, delta_oq, delta_wq, slot, b, n_rows, D, o_cell,
+                l_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
+                BD: tl.constexpr):
     # ... stored into cell (slot, RANK) of peer q's slab (delta_oq, delta_wq: q's offsets).
     rows = b * BR + tl.arange(0, BR)
     rmask = rows < n_rows
@@ -270,50 +218,16 @@ def _store_rows(
 
 
 @triton.jit
-def _send_block(
-    out_ptr,
-    lse_ptr,
-    slab_o,
-    slab_l,
-    delta_o,
-    delta_w,
-    slot,
-    b,
-    n_rows,
-    H,
-    HS,
-    D,
-    o_cell,
-    l_cell,
-    RANK: tl.constexpr,
-    W: tl.constexpr,
-    BR: tl.constexpr,
-    BD: tl.constexpr,
-    SKIP: tl.constexpr,
-):
+def _send_block(out_ptr, lse_ptr, slab_o, slab_l, delta_o, delta_w, slot, b, n_rows, H, HS,
+                D, o_cell, l_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
+                BD: tl.constexpr, SKIP: tl.constexpr):
     # Store block b of this rank's rows for every peer's head slice (but SKIP) into that
     # peer's slab.
     for q in tl.static_range(W):
         if q != RANK and q != SKIP:
             vals, lv = _load_rows(out_ptr, lse_ptr, b, q, n_rows, H, HS, D, BR, BD)
-            _store_rows(
-                vals,
-                lv,
-                slab_o,
-                slab_l,
-                tl.load(delta_o + q),
-                tl.load(delta_w + q),
-                slot,
-                b,
-                n_rows,
-                D,
-                o_cell,
-                l_cell,
-                RANK,
-                W,
-                BR,
-                BD,
-            )
+            _store_rows(vals, lv, slab_o, slab_l, tl.load(delta_o + q), tl.load(delta_w + q),
+                        slot, b, n_rows, D, o_cell, l_cell, RANK, W, BR, BD)
 
 
 @triton.jit
@@ -330,33 +244,10 @@ def _publish(slab_f, delta_w, e, slot, b, f_cell, RANK: tl.constexpr, W: tl.cons
 
 
 @triton.jit
-def _receive_block(
-    out_ptr,
-    lse_ptr,
-    res_ptr,
-    res_lse_ptr,
-    slab_o,
-    slab_l,
-    slab_f,
-    err_ptr,
-    e,
-    slot,
-    b,
-    deadline,
-    timeout_ns,
-    bad,
-    n_rows,
-    H,
-    HS,
-    D,
-    o_cell,
-    l_cell,
-    f_cell,
-    RANK: tl.constexpr,
-    W: tl.constexpr,
-    BR: tl.constexpr,
-    BD: tl.constexpr,
-):
+def _receive_block(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slab_f, err_ptr,
+                   e, slot, b, deadline, timeout_ns, bad, n_rows, H, HS, D, o_cell, l_cell,
+                   f_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
+                   BD: tl.constexpr):
     # Fold this rank's own rows of block b, wait (acquire, bounded) for every source's flag
     # of block b, then fold the received rows and store.
     rows = b * BR + tl.arange(0, BR)
@@ -364,73 +255,22 @@ def _receive_block(
     m, s, acc = _own_rows(out_ptr, lse_ptr, rows, rmask, H, HS, D, RANK, BR, BD)
     for q in tl.static_range(W):
         if q != RANK:
-            deadline, bad = wait_word(
-                slab_f + (slot * W + q) * f_cell + b,
-                e,
-                deadline,
-                timeout_ns,
-                err_ptr + q,
-                bad,
-                "acquire",
-            )
+            deadline, bad = wait_word(slab_f + (slot * W + q) * f_cell + b, e, deadline,
+                                      timeout_ns, err_ptr + q, bad, "acquire")
     tl.debug_barrier()
     if bad == 0:
-        _combine_rows(
-            m,
-            s,
-            acc,
-            res_ptr,
-            res_lse_ptr,
-            slab_o,
-            slab_l,
-            slot,
-            rows,
-            rmask,
-            D,
-            o_cell,
-            l_cell,
-            RANK,
-            W,
-            BR,
-            BD,
-        )
+        _combine_rows(m, s, acc, res_ptr, res_lse_ptr, slab_o, slab_l, slot, rows, rmask, D,
+                      o_cell, l_cell, RANK, W, BR, BD)
     return deadline, bad
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_blocks", "grid_size", "timeout_ns"])
-def merge_flag_kernel(
-    out_ptr,
-    lse_ptr,
-    res_ptr,
-    res_lse_ptr,
-    slab_o,
-    slab_l,
-    slab_f,
-    slab_llo,
-    slab_lll,
-    delta_o,
-    delta_w,
-    state_ptr,
-    err_ptr,
-    n_rows,
-    n_blocks,
-    grid_size,
-    timeout_ns,
-    H,
-    HS,
-    D,
-    o_cell,
-    l_cell,
-    f_cell,
-    llo_cell,
-    lll_cell,
-    RANK: tl.constexpr,
-    W: tl.constexpr,
-    BR: tl.constexpr,
-    BD: tl.constexpr,
-    STAGGER: tl.constexpr,
-    PDL: tl.constexpr,
-):
+def merge_flag_kernel(out_ptr, lse_ptr, res_ptr, res_lse_ptr,
+                      slab_o, slab_l, slab_f, slab_llo, slab_lll, delta_o, delta_w,
+                      state_ptr, err_ptr, n_rows, n_blocks, grid_size, timeout_ns, H, HS, D,
+                      o_cell, l_cell, f_cell, llo_cell, lll_cell,
+                      RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+                      STAGGER: tl.constexpr, PDL: tl.constexpr):
     """One merge, flag protocol. ``out [T, H, D]``, ``lse [T, H]`` fp32 → ``res [T, HS, D]``,
     ``res_lse [T, HS]`` fp32; a row is a ``(t, h_local)`` pair, ``n_rows = T·HS``.
 
@@ -447,20 +287,8 @@ def merge_flag_kernel(
     if PDL:  # the previous kernel's writes are complete and visible from here on
         tl_cuda.gdc_wait()
     e = epoch_of(old, state_ptr, grid_size, PDL)
-    _scrub(
-        slab_f,
-        slab_llo,
-        slab_lll,
-        f_cell,
-        llo_cell,
-        lll_cell,
-        state_ptr,
-        e,
-        pid,
-        grid_size,
-        RANK,
-        W,
-    )
+    _scrub(slab_f, slab_llo, slab_lll, f_cell, llo_cell, lll_cell, state_ptr, e, pid,
+           grid_size, RANK, W)
     slot = e & 1
     deadline = timeout_ns.to(tl.int64) * 0
     bad = tl.full([], 0, tl.int32)
@@ -481,45 +309,10 @@ def merge_flag_kernel(
         if pid >= first:  # its own deadline: a slow partner is no peer's timeout
             _wait_go(go + pid - first, e, deadline, timeout_ns)
     if Q0 != RANK:
-        _store_rows(
-            vals,
-            lv,
-            slab_o,
-            slab_l,
-            delta_o0,
-            delta_w0,
-            slot,
-            pid,
-            n_rows,
-            D,
-            o_cell,
-            l_cell,
-            RANK,
-            W,
-            BR,
-            BD,
-        )
-    _send_block(
-        out_ptr,
-        lse_ptr,
-        slab_o,
-        slab_l,
-        delta_o,
-        delta_w,
-        slot,
-        pid,
-        n_rows,
-        H,
-        HS,
-        D,
-        o_cell,
-        l_cell,
-        RANK,
-        W,
-        BR,
-        BD,
-        Q0,
-    )
+        _store_rows(vals, lv, slab_o, slab_l, delta_o0, delta_w0, slot, pid, n_rows, D,
+                    o_cell, l_cell, RANK, W, BR, BD)
+    _send_block(out_ptr, lse_ptr, slab_o, slab_l, delta_o, delta_w, slot, pid, n_rows, H, HS,
+                D, o_cell, l_cell, RANK, W, BR, BD, Q0)
     tl.debug_barrier()
     if STAGGER > 0:
         if pid < grid_size - first:
@@ -528,89 +321,22 @@ def merge_flag_kernel(
     prev = pid
     b = pid + grid_size  # a while loop: the interpreter cannot range() over a program id
     while b < n_blocks:
-        _send_block(
-            out_ptr,
-            lse_ptr,
-            slab_o,
-            slab_l,
-            delta_o,
-            delta_w,
-            slot,
-            b,
-            n_rows,
-            H,
-            HS,
-            D,
-            o_cell,
-            l_cell,
-            RANK,
-            W,
-            BR,
-            BD,
-            RANK,
-        )
+        _send_block(out_ptr, lse_ptr, slab_o, slab_l, delta_o, delta_w, slot, b, n_rows, H,
+                    HS, D, o_cell, l_cell, RANK, W, BR, BD, RANK)
         deadline, bad = _receive_block(
-            out_ptr,
-            lse_ptr,
-            res_ptr,
-            res_lse_ptr,
-            slab_o,
-            slab_l,
-            slab_f,
-            err_ptr,
-            e,
-            slot,
-            prev,
-            deadline,
-            timeout_ns,
-            bad,
-            n_rows,
-            H,
-            HS,
-            D,
-            o_cell,
-            l_cell,
-            f_cell,
-            RANK,
-            W,
-            BR,
-            BD,
-        )
+            out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slab_f, err_ptr, e, slot,
+            prev, deadline, timeout_ns, bad, n_rows, H, HS, D, o_cell, l_cell, f_cell, RANK, W,
+            BR, BD)
         tl.debug_barrier()
         _publish(slab_f, delta_w, e, slot, b, f_cell, RANK, W)
         prev = b
         b += grid_size
-    _receive_block(
-        out_ptr,
-        lse_ptr,
-        res_ptr,
-        res_lse_ptr,
-        slab_o,
-        slab_l,
-        slab_f,
-        err_ptr,
-        e,
-        slot,
-        prev,
-        deadline,
-        timeout_ns,
-        bad,
-        n_rows,
-        H,
-        HS,
-        D,
-        o_cell,
-        l_cell,
-        f_cell,
-        RANK,
-        W,
-        BR,
-        BD,
-    )
+    _receive_block(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slab_f, err_ptr, e,
+                   slot, prev, deadline, timeout_ns, bad, n_rows, H, HS, D, o_cell, l_cell,
+                   f_cell, RANK, W, BR, BD)
 
 
 # -------------------------------------------------------------------- LL protocol (small T)
-
 
 @triton.jit
 def _unpack(x, PACK: tl.constexpr, DTYPE: tl.constexpr):
@@ -644,174 +370,58 @@ def _ll_load(out_w, lse_w, b, q, n_rows, H, HS, DW, BR: tl.constexpr, BW: tl.con
     rmask = rows < n_rows
     c = tl.arange(0, BW)
     src = (rows // HS) * H + rows % HS + q * HS
-    x = tl.load(
-        out_w + src[:, None] * DW + c[None, :], mask=rmask[:, None] & (c < DW)[None, :], other=0
-    )
+    x = tl.load(out_w + src[:, None] * DW + c[None, :],
+                mask=rmask[:, None] & (c < DW)[None, :], other=0)
     return x, tl.load(lse_w + src, mask=rmask, other=0)
 
 
 @triton.jit
-def _ll_store(
-    x,
-    xl,
-    tag,
-    slab_llo,
-    slab_lll,
-    delta_q,
-    slot,
-    b,
-    q,
-    n_rows,
-    DW,
-    llo_cell,
-    lll_cell,
-    RANK: tl.constexpr,
-    W: tl.constexpr,
-    BR: tl.constexpr,
-    BW: tl.constexpr,
-):
+def _ll_store(x, xl, tag, slab_llo, slab_lll, delta_q, slot, b, q, n_rows, DW, llo_cell,
+              lll_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
+              BW: tl.constexpr):
     # ... stored as (epoch << 32) | word into cell (slot, RANK) of peer q's LL regions.
     rows = b * BR + tl.arange(0, BR)
     rmask = rows < n_rows
     c = tl.arange(0, BW)
     dq = tl.load(delta_q + q) * _DELTA_UNIT
     cell = slot * W + RANK
-    tl.store(
-        slab_llo + dq + cell * llo_cell + rows[:, None] * DW + c[None, :],
-        ll_word(tag, x),
-        mask=rmask[:, None] & (c < DW)[None, :],
-    )
-    tl.store(slab_lll + dq + cell * lll_cell + rows, ll_word(tag, xl), mask=rmask)
+    tl.store(slab_llo + dq + cell * llo_cell + rows[:, None] * DW + c[None, :],
+             ll_word(tag, x), mask=rmask[:, None] & (c < DW)[None, :])
+    tl.store(slab_lll + dq + cell * lll_cell + rows, ll_word(tag, xl),
+             mask=rmask)
 
 
 @triton.jit
-def _ll_send(
-    x0,
-    xl0,
-    out_w,
-    lse_w,
-    tag,
-    slab_llo,
-    slab_lll,
-    delta_q,
-    slot,
-    pid,
-    grid_size,
-    n_rows,
-    n_blocks,
-    H,
-    HS,
-    DW,
-    llo_cell,
-    lll_cell,
-    RANK: tl.constexpr,
-    W: tl.constexpr,
-    BR: tl.constexpr,
-    BW: tl.constexpr,
-):
+def _ll_send(x0, xl0, out_w, lse_w, tag, slab_llo, slab_lll, delta_q, slot, pid, grid_size,
+             n_rows, n_blocks, H, HS, DW, llo_cell, lll_cell, RANK: tl.constexpr,
+             W: tl.constexpr, BR: tl.constexpr, BW: tl.constexpr):
     # Every block of this program for every peer: the first block for (RANK + 1) % W from
     # the words loaded ahead (x0, xl0), then the others.
     Q0: tl.constexpr = (RANK + 1) % W
     if Q0 != RANK:
-        _ll_store(
-            x0,
-            xl0,
-            tag,
-            slab_llo,
-            slab_lll,
-            delta_q,
-            slot,
-            pid,
-            Q0,
-            n_rows,
-            DW,
-            llo_cell,
-            lll_cell,
-            RANK,
-            W,
-            BR,
-            BW,
-        )
+        _ll_store(x0, xl0, tag, slab_llo, slab_lll, delta_q, slot, pid, Q0, n_rows, DW,
+                  llo_cell, lll_cell, RANK, W, BR, BW)
     for q in tl.static_range(W):
         if q != RANK and q != Q0:
             x, xl = _ll_load(out_w, lse_w, pid, q, n_rows, H, HS, DW, BR, BW)
-            _ll_store(
-                x,
-                xl,
-                tag,
-                slab_llo,
-                slab_lll,
-                delta_q,
-                slot,
-                pid,
-                q,
-                n_rows,
-                DW,
-                llo_cell,
-                lll_cell,
-                RANK,
-                W,
-                BR,
-                BW,
-            )
+            _ll_store(x, xl, tag, slab_llo, slab_lll, delta_q, slot, pid, q, n_rows, DW,
+                      llo_cell, lll_cell, RANK, W, BR, BW)
     b = pid + grid_size
     while b < n_blocks:
         for q in tl.static_range(W):
             if q != RANK:
                 x, xl = _ll_load(out_w, lse_w, b, q, n_rows, H, HS, DW, BR, BW)
-                _ll_store(
-                    x,
-                    xl,
-                    tag,
-                    slab_llo,
-                    slab_lll,
-                    delta_q,
-                    slot,
-                    b,
-                    q,
-                    n_rows,
-                    DW,
-                    llo_cell,
-                    lll_cell,
-                    RANK,
-                    W,
-                    BR,
-                    BW,
-                )
+                _ll_store(x, xl, tag, slab_llo, slab_lll, delta_q, slot, b, q, n_rows, DW,
+                          llo_cell, lll_cell, RANK, W, BR, BW)
         b += grid_size
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_blocks", "grid_size", "timeout_ns"])
-def merge_ll_kernel(
-    out_w,
-    lse_ptr,
-    lse_w,
-    res_w,
-    res_lse_ptr,
-    slab_f,
-    slab_llo,
-    slab_lll,
-    delta_q,
-    state_ptr,
-    err_ptr,
-    n_rows,
-    n_blocks,
-    grid_size,
-    timeout_ns,
-    H,
-    HS,
-    DW,
-    f_cell,
-    llo_cell,
-    lll_cell,
-    RANK: tl.constexpr,
-    W: tl.constexpr,
-    BR: tl.constexpr,
-    BW: tl.constexpr,
-    PACK: tl.constexpr,
-    DTYPE: tl.constexpr,
-    PDL: tl.constexpr,
-):
+def merge_ll_kernel(out_w, lse_ptr, lse_w, res_w, res_lse_ptr, slab_f, slab_llo, slab_lll,
+                    delta_q, state_ptr, err_ptr, n_rows, n_blocks, grid_size, timeout_ns, H, HS,
+                    DW, f_cell, llo_cell, lll_cell, RANK: tl.constexpr, W: tl.constexpr,
+                    BR: tl.constexpr, BW: tl.constexpr, PACK: tl.constexpr,
+                    DTYPE: tl.constexpr, PDL: tl.constexpr):
     """One merge, LL protocol: every 8-byte word sent is ``(epoch << 32) | 32 payload bits``,
     so no fence and no separate flag; the receiver polls the words themselves.
     ``out_w [T, H, DW]`` / ``res_w [T, HS, DW]`` are the payloads viewed as int32."""
@@ -829,47 +439,13 @@ def merge_ll_kernel(
         x0, xl0 = _ll_load(out_w, lse_w, pid, Q0, n_rows, H, HS, DW, BR, BW)
         old = count_in(state_ptr)
     e = epoch_of(old, state_ptr, grid_size, PDL)
-    _scrub(
-        slab_f,
-        slab_llo,
-        slab_lll,
-        f_cell,
-        llo_cell,
-        lll_cell,
-        state_ptr,
-        e,
-        pid,
-        grid_size,
-        RANK,
-        W,
-    )
+    _scrub(slab_f, slab_llo, slab_lll, f_cell, llo_cell, lll_cell, state_ptr, e, pid,
+           grid_size, RANK, W)
     slot = e & 1
     tag = e.to(tl.int64) << 32
     cmask = c < DW
-    _ll_send(
-        x0,
-        xl0,
-        out_w,
-        lse_w,
-        tag,
-        slab_llo,
-        slab_lll,
-        delta_q,
-        slot,
-        pid,
-        grid_size,
-        n_rows,
-        n_blocks,
-        H,
-        HS,
-        DW,
-        llo_cell,
-        lll_cell,
-        RANK,
-        W,
-        BR,
-        BW,
-    )
+    _ll_send(x0, xl0, out_w, lse_w, tag, slab_llo, slab_lll, delta_q, slot, pid, grid_size,
+             n_rows, n_blocks, H, HS, DW, llo_cell, lll_cell, RANK, W, BR, BW)
     deadline = timeout_ns.to(tl.int64) * 0
     bad = tl.full([], 0, tl.int32)
     b = pid
@@ -881,9 +457,8 @@ def merge_ll_kernel(
         m = tl.full([BR], float("-inf"), tl.float32)
         s = tl.zeros([BR], tl.float32)
         l = tl.load(lse_ptr + own, mask=rmask, other=float("-inf"))
-        lo, hi = _unpack(
-            tl.load(out_w + own[:, None] * DW + c[None, :], mask=m2, other=0), PACK, DTYPE
-        )
+        lo, hi = _unpack(tl.load(out_w + own[:, None] * DW + c[None, :], mask=m2, other=0),
+                         PACK, DTYPE)
         m, s, scale, w = _online(m, s, l)
         acc_lo = _fold(tl.zeros([BR, BW], tl.float32), scale, w, lo)
         acc_hi = _fold(tl.zeros([BR, BW], tl.float32), scale, w, hi)

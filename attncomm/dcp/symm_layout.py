@@ -14,7 +14,6 @@ A "row" is one ``(token, head)`` pair of ``head_dim`` values, so a DCP merge of 
 ``H/W`` heads per rank moves ``T·H/W`` rows to each peer. Flags are sized for one-row blocks (the
 finest blocking), so any block size works.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -65,14 +64,11 @@ class SlabLayout:
         if self.max_rows < 0:
             raise ValueError(f"SlabLayout: max_rows must be ≥ 0, got {self.max_rows}")
         if not 0 <= self.ll_rows <= self.max_rows:
-            raise ValueError(
-                f"SlabLayout: ll_rows must be in [0, max_rows={self.max_rows}], got {self.ll_rows}"
-            )
+            raise ValueError(f"SlabLayout: ll_rows must be in [0, max_rows={self.max_rows}], "
+                             f"got {self.ll_rows}")
         if self.ll_rows and (self.head_dim * self.itemsize) % 4:
-            raise ValueError(
-                f"SlabLayout: LL rows need head_dim·itemsize divisible by 4, got "
-                f"{self.head_dim}·{self.itemsize}"
-            )
+            raise ValueError(f"SlabLayout: LL rows need head_dim·itemsize divisible by 4, got "
+                             f"{self.head_dim}·{self.itemsize}")
 
     @property
     def max_blocks(self) -> int:
@@ -90,19 +86,16 @@ class SlabLayout:
 
     def cell_bytes(self) -> dict[str, int]:
         """Bytes of one (slot, source) cell of each region (128-byte aligned)."""
-        return {
-            "o": _align(self.max_rows * self.head_dim * self.itemsize),
-            "l": _align(self.max_rows * 4),
-            "f": _align(self.max_blocks * 4),
-            "llo": _align(self.ll_rows * self.row_words * 8),
-            "lll": _align(self.ll_rows * 8),
-        }
+        return {"o": _align(self.max_rows * self.head_dim * self.itemsize),
+                "l": _align(self.max_rows * 4),
+                "f": _align(self.max_blocks * 4),
+                "llo": _align(self.ll_rows * self.row_words * 8),
+                "lll": _align(self.ll_rows * 8)}
 
     def _cell(self, slot: int, src: int) -> int:
         if slot not in (0, 1) or not 0 <= src < self.world_size:
-            raise ValueError(
-                f"SlabLayout: no cell (slot={slot}, src={src}) with world_size={self.world_size}"
-            )
+            raise ValueError(f"SlabLayout: no cell (slot={slot}, src={src}) with "
+                             f"world_size={self.world_size}")
         return slot * self.world_size + src
 
     def region_base(self, region: str) -> int:
@@ -137,26 +130,19 @@ class SlabLayout:
     def regions(self, slab: torch.Tensor, dtype: torch.dtype) -> SlabRegions:
         """The region views of ``slab`` (``[total_bytes] uint8``) for payload ``dtype``."""
         if slab.numel() < self.total_bytes or slab.dtype != torch.uint8:
-            raise ValueError(
-                f"SlabLayout: slab must be ≥ {self.total_bytes} uint8 bytes, got "
-                f"{slab.numel()} {slab.dtype}"
-            )
+            raise ValueError(f"SlabLayout: slab must be ≥ {self.total_bytes} uint8 bytes, got "
+                             f"{slab.numel()} {slab.dtype}")
         if torch.empty((), dtype=dtype).element_size() != self.itemsize:
             raise ValueError(f"SlabLayout: dtype {dtype} is not {self.itemsize} bytes")
         st = self.kernel_strides()
-        slab = slab[: self.total_bytes]
+        slab = slab[:self.total_bytes]
         return SlabRegions(
             _region(slab, dtype, 0, st["o_cell"]),
             _region(slab, torch.float32, st["l_base"], st["l_cell"]),
             _region(slab, torch.int32, st["f_base"], st["f_cell"]),
             _region(slab, torch.int64, st["llo_base"], st["llo_cell"]),
             _region(slab, torch.int64, st["lll_base"], st["lll_cell"]),
-            st["o_cell"],
-            st["l_cell"],
-            st["f_cell"],
-            st["llo_cell"],
-            st["lll_cell"],
-        )
+            st["o_cell"], st["l_cell"], st["f_cell"], st["llo_cell"], st["lll_cell"])
 
     @functools.cache  # noqa: B019 - a few frozen layouts per process
     def kernel_strides(self) -> Mapping[str, int]:
@@ -165,30 +151,24 @@ class SlabLayout:
         in 8-byte words. Every region is 128-byte aligned, so each base is a whole number of
         its elements."""
         cb = self.cell_bytes()
-        return types.MappingProxyType(
-            {
-                "o_cell": cb["o"] // self.itemsize,
-                "l_base": self.region_base("l") // 4,
-                "l_cell": cb["l"] // 4,
-                "f_base": self.region_base("f") // 4,
-                "f_cell": cb["f"] // 4,
-                "llo_base": self.region_base("llo") // 8,
-                "llo_cell": cb["llo"] // 8,
-                "lll_base": self.region_base("lll") // 8,
-                "lll_cell": cb["lll"] // 8,
-            }
-        )
+        return types.MappingProxyType({
+            "o_cell": cb["o"] // self.itemsize,
+            "l_base": self.region_base("l") // 4, "l_cell": cb["l"] // 4,
+            "f_base": self.region_base("f") // 4, "f_cell": cb["f"] // 4,
+            "llo_base": self.region_base("llo") // 8, "llo_cell": cb["llo"] // 8,
+            "lll_base": self.region_base("lll") // 8, "lll_cell": cb["lll"] // 8,
+        })
 
 
 class SlabRegions(NamedTuple):
     """Typed views of one slab at each region's base, and each region's cell stride in
     elements of its type (what the kernels take: base pointers, computed once)."""
 
-    o: torch.Tensor  # payload dtype
-    l: torch.Tensor  # fp32
-    f: torch.Tensor  # int32
-    llo: torch.Tensor  # int64
-    lll: torch.Tensor  # int64
+    o: torch.Tensor     # payload dtype
+    l: torch.Tensor     # fp32
+    f: torch.Tensor     # int32
+    llo: torch.Tensor   # int64
+    lll: torch.Tensor   # int64
     o_cell: int
     l_cell: int
     f_cell: int

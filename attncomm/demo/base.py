@@ -35,7 +35,6 @@ mode::
         seconds = ctx.timed(work)
         return ctx.row(NAME, backend, torch.cat(embs), ref, seconds)
 """
-
 from __future__ import annotations
 
 import time
@@ -49,17 +48,8 @@ import torch.distributed as dist
 from .._dist import cpu_group
 from .models import MiniLM, MiniLMInfo, full_attention, mean_pool
 
-__all__ = [
-    "DemoConfig",
-    "DemoRow",
-    "DemoInputs",
-    "RankContext",
-    "DemoMode",
-    "compare",
-    "sentence_reference",
-    "DTYPES",
-    "THRESHOLDS",
-]
+__all__ = ["DemoConfig", "DemoRow", "DemoInputs", "RankContext", "DemoMode", "compare",
+           "sentence_reference", "DTYPES", "THRESHOLDS"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: Minimum cosine similarity to the one-process reference for a row to pass, per dtype.
@@ -191,39 +181,21 @@ class RankContext:
     memos: dict = field(default_factory=dict)
 
     @classmethod
-    def create(
-        cls, rank: int, world_size: int, cfg: DemoConfig, inputs: DemoInputs, total_runs: int
-    ) -> RankContext:
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if cfg.device == "cuda"
+    def create(cls, rank: int, world_size: int, cfg: DemoConfig, inputs: DemoInputs,
+               total_runs: int) -> RankContext:
+        device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" \
             else torch.device("cpu")
-        )
         bar = None
         if rank == 0:
             from tqdm import tqdm
-
-            bar = tqdm(
-                total=total_runs,
-                desc="demo",
-                unit="run",
-                dynamic_ncols=True,
-                mininterval=0.5,
-                bar_format="{desc:<28} {percentage:3.0f}%|{bar}| {elapsed}<{remaining}",
-            )
-        return cls(
-            rank=rank,
-            world_size=world_size,
-            cfg=cfg,
-            info=inputs.info,
-            device=device,
-            model=MiniLM(inputs.state, inputs.info, device=device, dtype=cfg.torch_dtype),
-            input_ids=inputs.input_ids.to(device),
-            attention_mask=inputs.attention_mask.to(device),
-            decode_ids=inputs.decode_ids.to(device),
-            cpu_group=cpu_group(),
-            bar=bar,
-        )
+            bar = tqdm(total=total_runs, desc="demo", unit="run", dynamic_ncols=True,
+                       mininterval=0.5,
+                       bar_format="{desc:<28} {percentage:3.0f}%|{bar}| {elapsed}<{remaining}")
+        return cls(rank=rank, world_size=world_size, cfg=cfg, info=inputs.info, device=device,
+                   model=MiniLM(inputs.state, inputs.info, device=device, dtype=cfg.torch_dtype),
+                   input_ids=inputs.input_ids.to(device),
+                   attention_mask=inputs.attention_mask.to(device),
+                   decode_ids=inputs.decode_ids.to(device), cpu_group=cpu_group(), bar=bar)
 
     # -- data -------------------------------------------------------------------------------
     @property
@@ -234,8 +206,8 @@ class RankContext:
         """Yield ``(ids [b, s], mask [b, s])`` per chunk of ``cfg.batch_size`` sentences, cut to
         the chunk's longest sequence (right padding: the cut drops only padding columns)."""
         for start in range(0, self.input_ids.shape[0], self.cfg.batch_size):
-            ids = self.input_ids[start : start + self.cfg.batch_size]
-            mask = self.attention_mask[start : start + self.cfg.batch_size]
+            ids = self.input_ids[start:start + self.cfg.batch_size]
+            mask = self.attention_mask[start:start + self.cfg.batch_size]
             s = int(mask.sum(dim=1).max())
             yield ids[:, :s], mask[:, :s]
 
@@ -268,9 +240,8 @@ class RankContext:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group)
         return float(t)
 
-    def row(
-        self, mode: str, backend: str, out: torch.Tensor, ref: torch.Tensor | None, seconds: float
-    ) -> DemoRow | None:
+    def row(self, mode: str, backend: str, out: torch.Tensor, ref: torch.Tensor | None,
+            seconds: float) -> DemoRow | None:
         """Rank 0: the row comparing ``out`` with ``ref`` (``[..., E]``); other ranks: None."""
         if self.rank != 0:
             return None
@@ -310,7 +281,7 @@ def sentence_reference(ctx: RankContext) -> torch.Tensor | None:
                 return full_attention(q, k, v, valid, scale)
 
             hidden = ctx.model.forward(ids, attend)
-            buf[c * bs : c * bs + ids.shape[0]] = mean_pool(hidden, mask).cpu()
+            buf[c * bs:c * bs + ids.shape[0]] = mean_pool(hidden, mask).cpu()
         # Every row has exactly one non-zero contributor, so the sum is exact.
         dist.all_reduce(buf, group=ctx.cpu_group)
         return buf if ctx.rank == 0 else None

@@ -8,7 +8,6 @@ the shards into this rank's head slice, and an all_gather of the head slices giv
 full attention output to continue with. Compared: the sentence embeddings (mean pooling + L2
 normalisation) against the one-process model.
 """
-
 from __future__ import annotations
 
 import torch
@@ -25,10 +24,8 @@ NAME = "context_parallel"
 def dcp_skip_reason(cfg: DemoConfig, info: MiniLMInfo) -> str | None:
     """DCP merges return a head slice per rank, so the heads must divide evenly."""
     if info.num_heads % cfg.world_size:
-        return (
-            f"DCP needs num_heads % world_size == 0; the model has {info.num_heads} heads "
-            f"and world_size is {cfg.world_size}"
-        )
+        return (f"DCP needs num_heads % world_size == 0; the model has {info.num_heads} heads "
+                f"and world_size is {cfg.world_size}")
     return None
 
 

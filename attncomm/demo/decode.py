@@ -11,7 +11,6 @@ rank's head slice; ``dcp.gather_heads`` of the slices continues replicated. Comp
 hidden states of every position against the same causal computation in one process (one pass
 with a causal mask).
 """
-
 from __future__ import annotations
 
 import torch
@@ -53,10 +52,8 @@ class _ShardedCache:
         info, W, r = ctx.info, ctx.world_size, ctx.rank
         cap = len(dcp.shard_kv_interleaved(total_len, W, r))
         shape = (batch, cap, info.num_heads, info.head_dim)
-        self.k = [
-            torch.empty(shape, dtype=ctx.model.dtype, device=ctx.device)
-            for _ in range(info.num_layers)
-        ]
+        self.k = [torch.empty(shape, dtype=ctx.model.dtype, device=ctx.device)
+                  for _ in range(info.num_layers)]
         self.v = [torch.empty_like(t) for t in self.k]
         self.length = 0  # rows filled (the same in every layer between steps)
 
@@ -73,7 +70,8 @@ def _prefill(ctx: RankContext, cache: _ShardedCache, ids: torch.Tensor, backend:
     def attend(i, q, k, v):
         cache.k[i][:, :n] = k[:, local]
         cache.v[i][:, :n] = v[:, local]
-        return dcp_attention(q, cache.k[i][:, :n], cache.v[i][:, :n], valid, scale, backend=backend)
+        return dcp_attention(q, cache.k[i][:, :n], cache.v[i][:, :n], valid, scale,
+                             backend=backend)
 
     hidden = ctx.model.forward(ids, attend)
     cache.length = n
@@ -103,19 +101,13 @@ def _decode_layer(ctx: RankContext, batch: int, backend: str) -> dcp.DcpAttentio
         return out[:, 0], lse[:, 0]
 
     info = ctx.info
-    return dcp.DcpAttention(
-        attn_fn,
-        max_tokens=batch,
-        num_heads=info.num_heads,
-        head_dim=info.head_dim,
-        dtype=ctx.model.dtype,
-        merge_backend=backend,
-    )
+    return dcp.DcpAttention(attn_fn, max_tokens=batch, num_heads=info.num_heads,
+                            head_dim=info.head_dim, dtype=ctx.model.dtype,
+                            merge_backend=backend)
 
 
-def _step(
-    ctx: RankContext, cache: _ShardedCache, token: torch.Tensor, pos: int, layer: dcp.DcpAttention
-):
+def _step(ctx: RankContext, cache: _ShardedCache, token: torch.Tensor, pos: int,
+          layer: dcp.DcpAttention):
     """One decode step: ``token [B, 1]`` at position ``pos`` → its last hidden state
     ``[B, 1, E]``. Only the owner rank (pos % W) stores the new K/V row."""
     model = ctx.model
@@ -136,7 +128,8 @@ def _step(
 
 def run(ctx: RankContext, backend: str) -> DemoRow | None:
     """Decode with a sharded KV cache; rank 0 returns the row."""
-    ref = ctx.memo("decode_reference", lambda: _reference(ctx), label="one-process reference")
+    ref = ctx.memo("decode_reference", lambda: _reference(ctx),
+                   label="one-process reference")
     ids = ctx.decode_ids
     B, L = ids.shape
     P = ctx.cfg.decode_prefix
@@ -148,7 +141,7 @@ def run(ctx: RankContext, backend: str) -> DemoRow | None:
         outs.append(_prefill(ctx, cache, ids[:, :P], backend))
         ctx.advance(1.0 / (L - P + 1))
         for pos in range(P, L):
-            outs.append(_step(ctx, cache, ids[:, pos : pos + 1], pos, layer))
+            outs.append(_step(ctx, cache, ids[:, pos:pos + 1], pos, layer))
             ctx.advance(1.0 / (L - P + 1))
 
     seconds = ctx.timed(work)

@@ -9,7 +9,6 @@ the MLP input is every rank's tokens (``attncomm.dp_attention.simulate``). Compa
 MLP output rows against one process running the FFN over all tokens in fp64. Backend "auto": the
 padding mode chosen per step by ``choose_padding_mode`` and the sync path by ``sync="auto"``.
 """
-
 from __future__ import annotations
 
 import torch
@@ -52,33 +51,19 @@ def run(ctx: RankContext, backend: str) -> DemoRow | None:
     """Run the simulation on every rank; rank 0 returns the row (min/max over every rank)."""
     layer = ctx.model.layers[0]
     weights = MlpWeights(layer.up_w.t(), layer.up_b, layer.down_w.t(), layer.down_b)
-    cfg = SimConfig(
-        steps=STEPS, sync="auto", dtype=ctx.model.dtype, device=ctx.device.type, seed=1234
-    )
+    cfg = SimConfig(steps=STEPS, sync="auto", dtype=ctx.model.dtype, device=ctx.device.type,
+                    seed=1234)
     results: list = []
 
     def work():
-        results.append(
-            simulate_rank(
-                ctx.rank,
-                ctx.world_size,
-                cfg,
-                weights=weights,
-                tokens=_token_source(ctx),
-                progress=lambda f: ctx.advance(f),
-            )
-        )
+        results.append(simulate_rank(ctx.rank, ctx.world_size, cfg, weights=weights,
+                                     tokens=_token_source(ctx),
+                                     progress=lambda f: ctx.advance(f)))
 
     seconds = ctx.timed(work)
     stats = [None] * ctx.world_size
     dist.all_gather_object(stats, results[0]["stats"], group=ctx.cpu_group)
     if ctx.rank != 0:
         return None
-    return DemoRow(
-        NAME,
-        backend,
-        ctx.world_size,
-        min(s["min_cosine"] for s in stats),
-        max(s["max_abs_err"] for s in stats),
-        seconds,
-    )
+    return DemoRow(NAME, backend, ctx.world_size, min(s["min_cosine"] for s in stats),
+                   max(s["max_abs_err"] for s in stats), seconds)

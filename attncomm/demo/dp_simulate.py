@@ -14,7 +14,6 @@ Every wait has a timeout, so a disagreement fails loudly (``SimulationError``,
 ``simulate_rank`` runs on the ranks (``attncomm.launch`` or a ``RankPool``);
 ``run_dp_attention_demo`` launches it and summarises the demo row.
 """
-
 from __future__ import annotations
 
 import math
@@ -30,24 +29,12 @@ import torch.distributed as dist
 from .. import config
 from .._dist import all_gather_tensor, cpu_group, wait
 from ..launch import launch
-from ..dp_attention.gather import (
-    DpPaddingMode,
-    choose_padding_mode,
-    dp_gather,
-    dp_reduce_scatter,
-    dp_scatter,
-    select_cuda_graph_bs,
-)
+from ..dp_attention.gather import (DpPaddingMode, choose_padding_mode, dp_gather,
+                                   dp_reduce_scatter, dp_scatter, select_cuda_graph_bs)
 from ..dp_attention.sync import BatchView, ForwardMode, prepare_mlp_sync_batch
 
-__all__ = [
-    "SimConfig",
-    "MlpWeights",
-    "SimulationError",
-    "simulate_rank",
-    "run_dp_attention_demo",
-    "summarize",
-]
+__all__ = ["SimConfig", "MlpWeights", "SimulationError", "simulate_rank",
+           "run_dp_attention_demo", "summarize"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -94,12 +81,10 @@ class MlpWeights:
     @classmethod
     def random(cls, hidden: int, ffn: int, seed: int) -> MlpWeights:
         g = torch.Generator().manual_seed(seed)
-        return cls(
-            torch.randn(hidden, ffn, generator=g, dtype=torch.float64) / math.sqrt(hidden),
-            torch.randn(ffn, generator=g, dtype=torch.float64) * 0.1,
-            torch.randn(ffn, hidden, generator=g, dtype=torch.float64) / math.sqrt(ffn),
-            torch.randn(hidden, generator=g, dtype=torch.float64) * 0.1,
-        )
+        return cls(torch.randn(hidden, ffn, generator=g, dtype=torch.float64) / math.sqrt(hidden),
+                   torch.randn(ffn, generator=g, dtype=torch.float64) * 0.1,
+                   torch.randn(ffn, hidden, generator=g, dtype=torch.float64) / math.sqrt(ffn),
+                   torch.randn(hidden, generator=g, dtype=torch.float64) * 0.1)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The whole MLP in fp64 (one process), on ``x``'s device."""
@@ -153,18 +138,12 @@ class _Scheduler:
             self.stretch = self.rng.randint(10, 80) if self.busy else self.rng.randint(5, 60)
         self.stretch -= 1
         if self.busy and self.rng.random() < 0.05:  # prefilled elsewhere (disaggregation)
-            self.prebuilt += [
-                _Request(0, self.rng.randint(1, self.cfg.max_output))
-                for _ in range(self.rng.randint(1, 3))
-            ]
+            self.prebuilt += [_Request(0, self.rng.randint(1, self.cfg.max_output))
+                              for _ in range(self.rng.randint(1, 3))]
         if self.busy and self.rng.random() < 0.25:
             for _ in range(self.rng.randint(1, 3)):
-                self.waiting.append(
-                    _Request(
-                        self.rng.randint(1, self.cfg.max_prompt),
-                        self.rng.randint(1, self.cfg.max_output),
-                    )
-                )
+                self.waiting.append(_Request(self.rng.randint(1, self.cfg.max_prompt),
+                                             self.rng.randint(1, self.cfg.max_output)))
 
     def next_batch(self, step: int) -> tuple[BatchView | None, list]:
         """This step's batch and the requests it carries (for ``commit``)."""
@@ -175,9 +154,8 @@ class _Scheduler:
             return BatchView(ForwardMode.PREBUILT, batch_size=len(take)), take
         if self.waiting and (not self.running or rng.random() < 0.4):
             take, total = [], 0
-            while self.waiting and (
-                not take or total + self.waiting[0].prompt <= self.cfg.max_prefill_tokens
-            ):
+            while self.waiting and (not take or total + self.waiting[0].prompt
+                                    <= self.cfg.max_prefill_tokens):
                 req = self.waiting.pop(0)
                 take.append(req)
                 total += req.prompt
@@ -188,17 +166,9 @@ class _Scheduler:
             logprob = rng.random() < 0.3
             starts = [rng.randint(0, e) for e in lens] if logprob else None
             mode = ForwardMode.MIXED if mixed else ForwardMode.EXTEND
-            return (
-                BatchView(
-                    mode,
-                    batch_size=len(lens),
-                    extend_num_tokens=sum(lens),
-                    extend_lens=lens,
-                    extend_logprob_start_lens=starts,
-                    return_logprob=logprob,
-                ),
-                take,
-            )
+            return (BatchView(mode, batch_size=len(lens), extend_num_tokens=sum(lens),
+                              extend_lens=lens, extend_logprob_start_lens=starts,
+                              return_logprob=logprob), take)
         if self.running:
             return BatchView(ForwardMode.DECODE, batch_size=len(self.running)), []
         return (BatchView(ForwardMode.IDLE) if rng.random() < 0.3 else None), []
@@ -263,39 +233,26 @@ class _Stats:
 def _decision_row(got, info, mode, graph_bs, batch) -> list[int]:
     true_n = _Scheduler.true_tokens(batch)
     true_ext = int(batch is not None and batch.forward_mode.is_extend())
-    return [
-        int(got is None),
-        int(info.can_cuda_graph),
-        int(info.is_extend_in_batch),
-        int(info.can_run_tbo),
-        int(mode or 0),
-        -1 if graph_bs is None else graph_bs,
-        true_n,
-        true_ext,
-        *info.global_num_tokens,
-    ]
+    return [int(got is None), int(info.can_cuda_graph), int(info.is_extend_in_batch),
+            int(info.can_run_tbo), int(mode or 0), -1 if graph_bs is None else graph_bs,
+            true_n, true_ext, *info.global_num_tokens]
 
 
 def _check_decisions(rows: list[list[int]], step: int, atp: int) -> None:
     """Every rank's decisions equal, and equal to what the ranks' own counts imply."""
     shared = [r[:6] + r[8:] for r in rows]
     if any(s != shared[0] for s in shared):
-        raise SimulationError(
-            f"step {step}: ranks decided differently: "
-            + "; ".join(f"rank {i}: {s}" for i, s in enumerate(shared))
-        )
+        raise SimulationError(f"step {step}: ranks decided differently: "
+                              + "; ".join(f"rank {i}: {s}" for i, s in enumerate(shared)))
     tp0 = rows[::atp]
     gnt = rows[0][8:]
     truth = [r[6] for r in tp0]
     if gnt != truth:
-        raise SimulationError(
-            f"step {step}: synced token counts {gnt} != the DP ranks' own counts {truth}"
-        )
+        raise SimulationError(f"step {step}: synced token counts {gnt} != the DP ranks' own "
+                              f"counts {truth}")
     if rows[0][2] != int(any(r[7] for r in tp0)):
-        raise SimulationError(
-            f"step {step}: is_extend_in_batch={rows[0][2]} but the DP ranks' "
-            f"extend flags are {[r[7] for r in tp0]}"
-        )
+        raise SimulationError(f"step {step}: is_extend_in_batch={rows[0][2]} but the DP ranks' "
+                              f"extend flags are {[r[7] for r in tp0]}")
     if rows[0][0] != int(max(truth) == 0):
         raise SimulationError(f"step {step}: batch-is-None={rows[0][0]} with counts {truth}")
 
@@ -304,12 +261,8 @@ def _gather_decisions(row: list[int], cg, timeout_s) -> list[list[int]]:
     world = dist.get_world_size(cg)
     local = torch.tensor(row, dtype=torch.int64)
     out = torch.empty(world * len(row), dtype=torch.int64)
-    wait(
-        all_gather_tensor(out, local, cg, async_op=True),
-        cg,
-        "simulation decision check",
-        config.timeout_s(timeout_s),
-    )
+    wait(all_gather_tensor(out, local, cg, async_op=True), cg, "simulation decision check",
+         config.timeout_s(timeout_s))
     return out.view(world, len(row)).tolist()
 
 
@@ -320,11 +273,9 @@ def _check_slots(buf, gnt, mode, tokens, step) -> list[torch.Tensor]:
     off = 0
     for q, x in enumerate(xs):
         start = off if mode is DpPaddingMode.SUM_LEN else q * m
-        if not torch.equal(buf[start : start + x.shape[0]], x):
-            raise SimulationError(
-                f"step {step}: MLP input slot of DP rank {q} ({mode.name}, "
-                f"counts {gnt}) is not that rank's tokens"
-            )
+        if not torch.equal(buf[start:start + x.shape[0]], x):
+            raise SimulationError(f"step {step}: MLP input slot of DP rank {q} ({mode.name}, "
+                                  f"counts {gnt}) is not that rank's tokens")
         off += x.shape[0]
     if mode is DpPaddingMode.SUM_LEN and not torch.equal(buf, torch.cat(xs)):
         raise SimulationError(f"step {step}: SUM_LEN buffer is not the concatenation")
@@ -335,39 +286,29 @@ def _mlp_step(step, rank, world, cfg, gnt, mode, tokens, mlp, weights, stats, ti
     atp = cfg.attn_tp_size
     d = rank // atp
     x = tokens(step, d, gnt[d])
-    buf = dp_gather(x, gnt, None, mode=mode, attn_tp_size=atp, validate=False, timeout_s=timeout_s)
+    buf = dp_gather(x, gnt, None, mode=mode, attn_tp_size=atp, validate=False,
+                    timeout_s=timeout_s)
     xs = _check_slots(buf, gnt, mode, tokens, step)
     partial = mlp(buf)
     full = partial.clone()
-    wait(
-        dist.all_reduce(full, async_op=True),
-        None,
-        "simulation all_reduce",
-        config.timeout_s(timeout_s),
-    )
+    wait(dist.all_reduce(full, async_op=True), None, "simulation all_reduce",
+         config.timeout_s(timeout_s))
     out_a = dp_scatter(full, gnt, d, mode=mode)
-    out_b = dp_reduce_scatter(
-        partial, gnt, None, mode=mode, attn_tp_size=atp, validate=False, timeout_s=timeout_s
-    )
+    out_b = dp_reduce_scatter(partial, gnt, None, mode=mode, attn_tp_size=atp, validate=False,
+                              timeout_s=timeout_s)
     # The MLP is row-wise, so the one-process MLP over all tokens, restricted to this DP rank's
     # rows, is the MLP of those rows (regenerated from the source, not read from the buffer).
     ref = weights.reference(xs[d])
     stats.compare(out_a, ref)
     stats.compare(out_b, ref)
     if out_a.numel():
-        stats.max_rs_vs_scatter = max(
-            stats.max_rs_vs_scatter, float((out_a.double() - out_b.double()).abs().max())
-        )
+        stats.max_rs_vs_scatter = max(stats.max_rs_vs_scatter,
+                                      float((out_a.double() - out_b.double()).abs().max()))
 
 
-def simulate_rank(
-    rank: int,
-    world_size: int,
-    cfg: SimConfig,
-    weights: MlpWeights | None = None,
-    tokens: Callable | None = None,
-    progress: Callable[[float], None] | None = None,
-) -> dict:
+def simulate_rank(rank: int, world_size: int, cfg: SimConfig, weights: MlpWeights | None = None,
+                  tokens: Callable | None = None,
+                  progress: Callable[[float], None] | None = None) -> dict:
     """Run the simulation on this rank (collective over the default group).
 
     Arguments:
@@ -399,11 +340,8 @@ def _simulate(rank, world_size, cfg, weights, tokens, progress) -> dict:
         raise ValueError(f"world_size={world_size} is not divisible by attn_tp_size={atp}")
     dp, d = world_size // atp, rank // atp
     dtype = _DTYPES[cfg.dtype] if isinstance(cfg.dtype, str) else cfg.dtype
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if cfg.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" \
         else torch.device("cpu")
-    )
     weights = weights or MlpWeights.random(cfg.hidden, cfg.ffn, cfg.seed)
     tokens = tokens or default_tokens(cfg.seed, weights.w1.shape[0], dtype, device)
     mlp = weights.shard(rank, world_size, dtype, device)
@@ -415,43 +353,26 @@ def _simulate(rank, world_size, cfg, weights, tokens, progress) -> dict:
     for step in range(cfg.steps):
         batch, new = sched.next_batch(step)
         got, info = prepare_mlp_sync_batch(
-            batch,
-            dp_size=dp,
-            attn_tp_size=atp,
-            group=None,
-            get_idle_batch=lambda: idle,
-            enable_tbo=cfg.enable_tbo,
-            sync=cfg.sync,
-            device=device,
-            timeout_s=timeout_s,
-        )
+            batch, dp_size=dp, attn_tp_size=atp, group=None, get_idle_batch=lambda: idle,
+            enable_tbo=cfg.enable_tbo, sync=cfg.sync, device=device, timeout_s=timeout_s)
         path = info.sync
         sched.commit(batch, new)
         gnt = info.global_num_tokens
         mode = None if got is None else choose_padding_mode(gnt, info.is_extend_in_batch)
-        graph_bs = (
-            select_cuda_graph_bs(gnt, cfg.capture_bs)
-            if got is not None and info.can_cuda_graph
-            else None
-        )
+        graph_bs = (select_cuda_graph_bs(gnt, cfg.capture_bs)
+                    if got is not None and info.can_cuda_graph else None)
         rows = _gather_decisions(_decision_row(got, info, mode, graph_bs, batch), cg, timeout_s)
         _check_decisions(rows, step, atp)
         _count(stats, got, info, mode, graph_bs, batch, idle)
         if got is not None:
-            _mlp_step(
-                step, rank, world_size, cfg, gnt, mode, tokens, mlp, weights, stats, timeout_s
-            )
+            _mlp_step(step, rank, world_size, cfg, gnt, mode, tokens, mlp, weights, stats,
+                      timeout_s)
         if progress is not None:
             progress(1.0 / cfg.steps)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return {
-        "rank": rank,
-        "dp_rank": d,
-        "sync": path,
-        "seconds": time.perf_counter() - t0,
-        "stats": dict(vars(stats)),
-    }
+    return {"rank": rank, "dp_rank": d, "sync": path, "seconds": time.perf_counter() - t0,
+            "stats": dict(vars(stats))}
 
 
 def _count(stats: _Stats, got, info, mode, graph_bs, batch, idle) -> None:
@@ -471,41 +392,25 @@ def _count(stats: _Stats, got, info, mode, graph_bs, batch, idle) -> None:
 def summarize(results: list[dict]) -> dict:
     """Across ranks: min cosine, max abs error, slowest seconds, and rank 0's step counts."""
     s = [r["stats"] for r in results]
-    return {
-        "min_cosine": min(x["min_cosine"] for x in s),
-        "max_abs_err": max(x["max_abs_err"] for x in s),
-        "max_rs_vs_scatter": max(x["max_rs_vs_scatter"] for x in s),
-        "seconds": max(r["seconds"] for r in results),
-        "sync": results[0]["sync"],
-        "counts": {k: v for k, v in s[0].items() if isinstance(v, int)},
-    }
+    return {"min_cosine": min(x["min_cosine"] for x in s),
+            "max_abs_err": max(x["max_abs_err"] for x in s),
+            "max_rs_vs_scatter": max(x["max_rs_vs_scatter"] for x in s),
+            "seconds": max(r["seconds"] for r in results),
+            "sync": results[0]["sync"], "counts": {k: v for k, v in s[0].items()
+                                                    if isinstance(v, int)}}
 
 
-def run_dp_attention_demo(
-    world_size: int = 2,
-    *,
-    device: str = "cpu",
-    dtype: str = "fp32",
-    steps: int = 1000,
-    attn_tp_size: int = 1,
-    sync: str = "auto",
-    seed: int = 0,
-    timeout_s: float | None = None,
-) -> dict:
+def run_dp_attention_demo(world_size: int = 2, *, device: str = "cpu", dtype: str = "fp32",
+                          steps: int = 1000, attn_tp_size: int = 1, sync: str = "auto",
+                          seed: int = 0, timeout_s: float | None = None) -> dict:
     """Launch ``world_size`` ranks, run the simulation, and return the demo row:
     ``{"mode": "dp_attention", "backend": "auto", "world_size", "min_cosine", "max_abs_err",
     "seconds", ...}`` plus the per-rank results under ``"ranks"``."""
-    cfg = SimConfig(
-        steps=steps,
-        attn_tp_size=attn_tp_size,
-        sync=sync,
-        dtype=dtype,
-        seed=seed,
-        timeout_s=timeout_s,
-        device=device,
-    )
+    cfg = SimConfig(steps=steps, attn_tp_size=attn_tp_size, sync=sync, dtype=dtype, seed=seed,
+                    timeout_s=timeout_s, device=device)
     results = launch(simulate_rank, world_size, device=device, args=(cfg,))
     row = {"mode": "dp_attention", "backend": "auto", "world_size": world_size}
     row.update(summarize(results))
     row["ranks"] = results
     return row
+

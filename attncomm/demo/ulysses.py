@@ -10,7 +10,6 @@ hidden states are gathered and mean-pooled. Compared: the sentence embeddings ag
 one-process model. Backends (the ``backend`` column): ``all_to_all``, and ``ce`` on CUDA when
 every pair of GPUs has P2P access.
 """
-
 from __future__ import annotations
 
 import torch
@@ -33,12 +32,8 @@ def skip_reason(cfg: DemoConfig, info: MiniLMInfo) -> str | None:
 def _all_pairs_p2p(world_size: int) -> bool:
     if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
         return False
-    return all(
-        torch.cuda.can_device_access_peer(a, b)
-        for a in range(world_size)
-        for b in range(world_size)
-        if a != b
-    )
+    return all(torch.cuda.can_device_access_peer(a, b)
+               for a in range(world_size) for b in range(world_size) if a != b)
 
 
 def backends(cfg: DemoConfig) -> list[str]:
@@ -57,14 +52,15 @@ def gather_sequence(x: torch.Tensor, seq_lens: list[int], group=None) -> torch.T
     b, _, e = x.shape
     m = max(seq_lens)
     pad = x.new_zeros(b, m, e)
-    pad[:, : x.shape[1]] = x
+    pad[:, :x.shape[1]] = x
     out = x.new_empty(w * b * m * e)
     _dist.all_gather_tensor(out, pad.reshape(-1), group=group)
     out = out.view(w, b, m, e)
-    return torch.cat([out[r, :, : seq_lens[r]] for r in range(w)], dim=1)
+    return torch.cat([out[r, :, :seq_lens[r]] for r in range(w)], dim=1)
 
 
-def _attention(ctx: RankContext, module: UlyssesAttention, mask: torch.Tensor, seq_lens: list[int]):
+def _attention(ctx: RankContext, module: UlyssesAttention, mask: torch.Tensor,
+               seq_lens: list[int]):
     valid = mask.bool()[:, None, :]  # [b, 1, S]: padding keys never attend
     scale = ctx.model.scale
 
@@ -90,9 +86,8 @@ def run(ctx: RankContext, backend: str) -> DemoRow | None:
             lo = head_offsets(lens)[ctx.rank]
             hi = lo + lens[ctx.rank]
             pos = torch.arange(lo, hi, device=ids.device)
-            hidden = ctx.model.forward(
-                ids[:, lo:hi], _attention(ctx, module, mask, lens), positions=pos
-            )
+            hidden = ctx.model.forward(ids[:, lo:hi], _attention(ctx, module, mask, lens),
+                                       positions=pos)
             full = gather_sequence(hidden, lens, ctx.group)
             embs.append(mean_pool(full, mask))
             ctx.advance(1.0 / ctx.num_chunks)

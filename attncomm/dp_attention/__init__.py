@@ -7,43 +7,15 @@ DP attention and the MLP that spans every rank.
   ``dp_reduce_scatter``, ``select_cuda_graph_bs``.
 - ``compute_dp_attention_world_info``: where a rank sits in the DP / CP / TP layout.
 """
-
 from __future__ import annotations
 
-from .gather import (
-    DpPaddingMode,
-    choose_padding_mode,
-    dp_gather,
-    dp_reduce_scatter,
-    dp_scatter,
-    global_layout,
-    select_cuda_graph_bs,
-)
+from .gather import (DpPaddingMode, choose_padding_mode, dp_gather, dp_reduce_scatter,
+                     dp_scatter, global_layout, select_cuda_graph_bs)
 from .ranks import compute_dp_attention_world_info
-from .sync import (
-    BatchView,
-    ForwardMode,
-    MLPSyncBatchInfo,
-    close_shm_channels,
-    count_tokens,
-    prepare_mlp_sync_batch,
-    resolve_sync,
-)
+from .sync import (BatchView, ForwardMode, MLPSyncBatchInfo, close_shm_channels, count_tokens,
+                   prepare_mlp_sync_batch, resolve_sync)
 
-__all__ = [
-    "ForwardMode",
-    "BatchView",
-    "MLPSyncBatchInfo",
-    "prepare_mlp_sync_batch",
-    "count_tokens",
-    "resolve_sync",
-    "close_shm_channels",
-    "DpPaddingMode",
-    "choose_padding_mode",
-    "dp_gather",
-    "dp_scatter",
-    "dp_reduce_scatter",
-    "select_cuda_graph_bs",
-    "global_layout",
-    "compute_dp_attention_world_info",
-]
+__all__ = ["ForwardMode", "BatchView", "MLPSyncBatchInfo", "prepare_mlp_sync_batch",
+           "count_tokens", "resolve_sync", "close_shm_channels", "DpPaddingMode",
+           "choose_padding_mode", "dp_gather", "dp_scatter", "dp_reduce_scatter",
+           "select_cuda_graph_bs", "global_layout", "compute_dp_attention_world_info"]

@@ -11,7 +11,6 @@ MAX_LEN has no padding), median over iterations of the slowest rank (CUDA events
 JSON: ``{"meta": {...}, "records": [{"sync", "world_size", "sync_us"}, {"op", "mode", "tokens",
 "world_size", "time_us"}, ...]}``.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -37,60 +36,35 @@ _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     # --backends: the sync paths (--syncs, its older name, still works)
-    add_common_arguments(
-        p, backends=_SYNCS, default_backends=" ".join(_SYNCS), aliases=("--syncs",)
-    )
-    p.add_argument(
-        "--steps", type=int, default=2000, help="sync steps timed per path (default 2000)"
-    )
-    p.add_argument("--block", type=int, default=50, help="sync steps per timed block (default 50)")
+    add_common_arguments(p, backends=_SYNCS, default_backends=" ".join(_SYNCS),
+                         aliases=("--syncs",))
+    p.add_argument("--steps", type=int, default=2000,
+                   help="sync steps timed per path (default 2000)")
+    p.add_argument("--block", type=int, default=50,
+                   help="sync steps per timed block (default 50)")
     p.add_argument("--hidden", type=int, default=7168, help="hidden size (default 7168)")
-    p.add_argument(
-        "--dtype",
-        choices=tuple(_DTYPES),
-        default="bf16",
-        help="gather payload dtype (default bf16)",
-    )
-    p.add_argument(
-        "--tokens",
-        type=int,
-        nargs="+",
-        default=None,
-        help="tokens per DP rank (default 1 8 32 128 512 2048; CPU: 1 16 128)",
-    )
-    p.add_argument(
-        "--ops",
-        nargs="+",
-        choices=("dp_gather", "dp_scatter", "dp_reduce_scatter"),
-        default=["dp_gather", "dp_scatter", "dp_reduce_scatter"],
-        help="gather ops to time, space separated (default: all three)",
-    )
-    p.add_argument("--warmup", type=int, default=5, help="untimed gather iterations (default 5)")
-    p.add_argument(
-        "--iters", type=int, default=None, help="timed gather iterations (default 50; CPU 10)"
-    )
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16",
+                   help="gather payload dtype (default bf16)")
+    p.add_argument("--tokens", type=int, nargs="+", default=None,
+                   help="tokens per DP rank (default 1 8 32 128 512 2048; CPU: 1 16 128)")
+    p.add_argument("--ops", nargs="+", choices=("dp_gather", "dp_scatter", "dp_reduce_scatter"),
+                   default=["dp_gather", "dp_scatter", "dp_reduce_scatter"],
+                   help="gather ops to time, space separated (default: all three)")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed gather iterations (default 5)")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed gather iterations (default 50; CPU 10)")
 
 
 def _config(args) -> dict:
     cpu = args.device == "cpu"
-    cfg = dict(
-        device=args.device,
-        syncs=list(args.backends or _SYNCS),
-        steps=args.steps,
-        block=args.block,
-        hidden=args.hidden,
-        dtype=args.dtype,
-        ops=list(args.ops),
-        warmup=args.warmup,
-        tokens=list(args.tokens or ([1, 16, 128] if cpu else [1, 8, 32, 128, 512, 2048])),
-        iters=args.iters or (10 if cpu else 50),
-        progress=not args.no_progress,
-    )
-    bad = [
-        f"{k} must be ≥ 1, got {cfg[k]}"
-        for k in ("steps", "block", "hidden", "iters")
-        if cfg[k] < 1
-    ]
+    cfg = dict(device=args.device, syncs=list(args.backends or _SYNCS), steps=args.steps,
+               block=args.block, hidden=args.hidden, dtype=args.dtype, ops=list(args.ops),
+               warmup=args.warmup,
+               tokens=list(args.tokens or ([1, 16, 128] if cpu else [1, 8, 32, 128, 512, 2048])),
+               iters=args.iters or (10 if cpu else 50), progress=not args.no_progress)
+    bad = [f"{k} must be ≥ 1, got {cfg[k]}" for k in ("steps", "block", "hidden", "iters")
+           if cfg[k] < 1]
     bad += [f"--tokens must be ≥ 1, got {t}" for t in cfg["tokens"] if t < 1]
     if args.world_size < 1:
         bad.append(f"--world-size must be ≥ 1, got {args.world_size}")
@@ -121,23 +95,16 @@ def _time_sync(path: str, world: int, rank: int, cfg: dict, device, cg) -> dict:
 
     def step():
         MLPSyncBatchInfo(world, 1, 1, rank + 1, rank + 1, True, False, True, 2).all_gather(
-            device, None, sync=path
-        )
+            device, None, sync=path)
 
-    return {
-        "sync": path,
-        "world_size": world,
-        "sync_us": _per_step(step, cfg, cg),
-        "exchange_us": _per_step(
-            lambda: exchange_rows(row, None, sync=path, device=device), cfg, cg
-        ),
-    }
+    return {"sync": path, "world_size": world, "sync_us": _per_step(step, cfg, cg),
+            "exchange_us": _per_step(lambda: exchange_rows(row, None, sync=path,
+                                                           device=device), cfg, cg)}
 
 
 def _time_gathers(world: int, rank: int, cfg: dict, device, cg, bar) -> list[dict]:
     dtype = _DTYPES[cfg["dtype"]]
     cuda = device.type == "cuda"
-
     def barrier():
         dist.barrier(group=cg)
 
@@ -149,41 +116,23 @@ def _time_gathers(world: int, rank: int, cfg: dict, device, cg, bar) -> list[dic
             total, _ = global_layout(gnt, mode)
             buf = torch.randn(total, cfg["hidden"], device=device).to(dtype)
             dst = torch.empty_like(x)
-            fns = {
-                "dp_gather": lambda: dp_gather(x, gnt, None, mode=mode, validate=False),
-                "dp_scatter": lambda: dp_scatter(buf, gnt, rank, mode=mode, out=dst),
-                "dp_reduce_scatter": lambda: dp_reduce_scatter(
-                    buf, gnt, None, mode=mode, validate=False
-                ),
-            }
+            fns = {"dp_gather": lambda: dp_gather(x, gnt, None, mode=mode, validate=False),
+                   "dp_scatter": lambda: dp_scatter(buf, gnt, rank, mode=mode, out=dst),
+                   "dp_reduce_scatter": lambda: dp_reduce_scatter(buf, gnt, None, mode=mode,
+                                                                  validate=False)}
             for op in cfg["ops"]:
-                times = time_eager(
-                    fns[op],
-                    warmup=cfg["warmup"],
-                    iters=cfg["iters"],
-                    device="cuda" if cuda else "cpu",
-                    barrier=barrier,
-                )
-                out.append(
-                    {
-                        "op": op,
-                        "mode": mode.name,
-                        "tokens": tokens,
-                        "world_size": world,
-                        "time_us": slowest_rank_median(times, None),
-                    }
-                )
+                times = time_eager(fns[op], warmup=cfg["warmup"], iters=cfg["iters"],
+                                   device="cuda" if cuda else "cpu", barrier=barrier)
+                out.append({"op": op, "mode": mode.name, "tokens": tokens, "world_size": world,
+                            "time_us": slowest_rank_median(times, None)})
                 bar.update(1)
     return out
 
 
 def run_rank(rank: int, world: int, cfg: dict) -> list[dict] | None:
     """Every rank: time each sync path, then each gather op; rank 0 returns the records."""
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if cfg["device"] == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg["device"] == "cuda" \
         else torch.device("cpu")
-    )
     threads = torch.get_num_threads()
     if device.type == "cpu":  # ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -205,38 +154,26 @@ def run_rank(rank: int, world: int, cfg: dict) -> list[dict] | None:
 def with_speedups(syncs: list[dict]) -> list[dict]:
     """Sync records plus ``speedup_vs_device`` (device time ÷ this path's time)."""
     dev = next((r["sync_us"] for r in syncs if r["sync"] == "device"), None)
-    return [
-        dict(
-            r, speedup_vs_device=round(dev / r["sync_us"], 2) if dev and r["sync_us"] > 0 else None
-        )
-        for r in syncs
-    ]
+    return [dict(r, speedup_vs_device=round(dev / r["sync_us"], 2) if dev and r["sync_us"] > 0
+                 else None) for r in syncs]
 
 
 def markdown_tables(records: list[dict], cfg: dict, world: int) -> str:
     """The sync table (µs per step, speedup over ``device``) and, per op, one row per token
     count with one column per padding mode (µs)."""
     syncs = with_speedups([r for r in records if "sync" in r])
-    lines = [
-        f"DP-attention sync per step, W={world}, {cfg['device']}",
-        "",
-        "| sync | µs / step (all_gather) | µs / step (transport only) | speedup vs device |",
-        "|---|---|---|---|",
-    ]
+    lines = [f"DP-attention sync per step, W={world}, {cfg['device']}", "",
+             "| sync | µs / step (all_gather) | µs / step (transport only) | speedup vs device |",
+             "|---|---|---|---|"]
     for r in syncs:
         sp = f"{r['speedup_vs_device']:.1f}×" if r["speedup_vs_device"] else "-"
         lines.append(f"| {r['sync']} | {r['sync_us']:.1f} | {r['exchange_us']:.1f} | {sp} |")
     ops = [r for r in records if "op" in r]
     keyed = {(r["op"], r["mode"], r["tokens"]): r["time_us"] for r in ops}
     modes = list(dict.fromkeys(r["mode"] for r in ops))
-    lines += [
-        "",
-        f"gather / scatter / reduce_scatter, hidden {cfg['hidden']} {cfg['dtype']}, "
-        f"tokens per DP rank, W={world} (µs)",
-        "",
-        "| op | tokens | " + " | ".join(modes) + " |",
-        "|---|---|" + "---|" * len(modes),
-    ]
+    lines += ["", f"gather / scatter / reduce_scatter, hidden {cfg['hidden']} {cfg['dtype']}, "
+              f"tokens per DP rank, W={world} (µs)", "",
+              "| op | tokens | " + " | ".join(modes) + " |", "|---|---|" + "---|" * len(modes)]
     for op in dict.fromkeys(r["op"] for r in ops):
         for t in sorted({r["tokens"] for r in ops if r["op"] == op}):
             cells = [f"{keyed[(op, m, t)]:.1f}" if (op, m, t) in keyed else "-" for m in modes]
@@ -253,61 +190,31 @@ def main(args) -> int:
     except ValueError as exc:
         return usage_error("dp-sync", str(exc))
     if cfg["device"] == "cuda" and torch.cuda.device_count() < args.world_size:
-        return usage_error(
-            "dp-sync",
-            f"--device cuda with --world-size {args.world_size} "
-            f"needs {args.world_size} GPUs, found "
-            f"{torch.cuda.device_count()}",
-        )
+        return usage_error("dp-sync", f"--device cuda with --world-size {args.world_size} "
+                                      f"needs {args.world_size} GPUs, found "
+                                      f"{torch.cuda.device_count()}")
     records = launch(run_rank, args.world_size, device=cfg["device"], args=(cfg,))[0]
     syncs = [r for r in records if "sync" in r]
     ops = [r for r in records if "op" in r]
-    print_table(
-        with_speedups(syncs),
-        ["sync", "world_size", "sync_us", "exchange_us", "speedup_vs_device"],
-        title=f"\nDP-attention sync per step (µs), {cfg['device']}, W={args.world_size}",
-        fmt={"sync_us": "{:.1f}"},
-    )
-    print_table(
-        ops,
-        ["op", "mode", "tokens", "world_size", "time_us"],
-        title=f"\ngather / scatter / reduce_scatter (µs), hidden {cfg['hidden']} "
-        f"{cfg['dtype']}, tokens per DP rank",
-        fmt={"time_us": "{:.1f}"},
-    )
-    m = meta(
-        cfg["device"],
-        args.world_size,
-        bench="dp-sync",
-        hidden=cfg["hidden"],
-        dtype=cfg["dtype"],
-        steps=cfg["steps"],
-        block=cfg["block"],
-        iters=cfg["iters"],
-        tokens_are="per DP rank (balanced)",
-        sync_measures="MLPSyncBatchInfo.all_gather per step, back to back",
-    )
+    print_table(with_speedups(syncs), ["sync", "world_size", "sync_us", "exchange_us",
+                                       "speedup_vs_device"],
+                title=f"\nDP-attention sync per step (µs), {cfg['device']}, W={args.world_size}",
+                fmt={"sync_us": "{:.1f}"})
+    print_table(ops, ["op", "mode", "tokens", "world_size", "time_us"],
+                title=f"\ngather / scatter / reduce_scatter (µs), hidden {cfg['hidden']} "
+                      f"{cfg['dtype']}, tokens per DP rank", fmt={"time_us": "{:.1f}"})
+    m = meta(cfg["device"], args.world_size, bench="dp-sync", hidden=cfg["hidden"],
+             dtype=cfg["dtype"], steps=cfg["steps"], block=cfg["block"],
+             iters=cfg["iters"], tokens_are="per DP rank (balanced)",
+             sync_measures="MLPSyncBatchInfo.all_gather per step, back to back")
     series: dict = {}
     for r in ops:
         xs, ys = series.setdefault(f"{r['op']} ({r['mode']})", ([], []))
         xs.append(r["tokens"])
         ys.append(r["time_us"])
-    plot = dict(
-        series=series,
-        xlabel="tokens per DP rank",
-        ylabel="time (µs, slowest rank)",
-        title=f"dp_gather / scatter / reduce_scatter, W={args.world_size}, "
-        f"hidden {cfg['hidden']} {cfg['dtype']}",
-        logx=True,
-        logy=True,
-    )
-    emit(
-        args,
-        Report(
-            meta=m,
-            records=records,
-            markdown=markdown_tables(records, cfg, args.world_size),
-            plot=plot,
-        ),
-    )
+    plot = dict(series=series, xlabel="tokens per DP rank", ylabel="time (µs, slowest rank)",
+                title=f"dp_gather / scatter / reduce_scatter, W={args.world_size}, "
+                      f"hidden {cfg['hidden']} {cfg['dtype']}", logx=True, logy=True)
+    emit(args, Report(meta=m, records=records,
+                      markdown=markdown_tables(records, cfg, args.world_size), plot=plot))
     return 0

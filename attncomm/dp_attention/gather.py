@@ -13,7 +13,6 @@ rows are replicated over its ``a`` attention-TP ranks: only attention-TP rank 0'
 The modes and their choice follow SGLang's ``DpPaddingMode`` / ``dp_gather`` /
 ``dp_scatter`` / ``dp_reduce_scatter_tensor`` (``python/sglang/srt/layers/dp_attention.py``).
 """
-
 from __future__ import annotations
 
 import enum
@@ -26,15 +25,8 @@ from .. import config
 from .._dist import DTYPE_CODES, agree, all_gather_tensor, reduce_scatter_tensor
 from .._dist import wait as _dist_wait
 
-__all__ = [
-    "DpPaddingMode",
-    "choose_padding_mode",
-    "dp_gather",
-    "dp_scatter",
-    "dp_reduce_scatter",
-    "select_cuda_graph_bs",
-    "global_layout",
-]
+__all__ = ["DpPaddingMode", "choose_padding_mode", "dp_gather", "dp_scatter",
+           "dp_reduce_scatter", "select_cuda_graph_bs", "global_layout"]
 
 
 class DpPaddingMode(enum.IntEnum):
@@ -51,11 +43,8 @@ class DpPaddingMode(enum.IntEnum):
 
 
 def _counts(global_num_tokens, name: str = "global_num_tokens") -> list[int]:
-    vals = (
-        global_num_tokens.tolist()
-        if isinstance(global_num_tokens, torch.Tensor)
-        else list(global_num_tokens)
-    )
+    vals = (global_num_tokens.tolist() if isinstance(global_num_tokens, torch.Tensor)
+            else list(global_num_tokens))
     if not vals:
         raise ValueError(f"{name} is empty")
     if any(int(v) != v or v < 0 for v in vals):
@@ -71,9 +60,8 @@ def _mode(mode) -> DpPaddingMode:
     raise ValueError(f"mode must be a DpPaddingMode (MAX_LEN or SUM_LEN), got {mode!r}")
 
 
-def choose_padding_mode(
-    global_num_tokens: Sequence[int], is_extend_in_batch: bool
-) -> DpPaddingMode:
+def choose_padding_mode(global_num_tokens: Sequence[int],
+                        is_extend_in_batch: bool) -> DpPaddingMode:
     """SUM_LEN if any rank extends, else MAX_LEN iff ``2·Σn ≥ max(n)·dp`` (padding costs at
     most as much traffic as the all_reduce that SUM_LEN needs), else SUM_LEN."""
     n = _counts(global_num_tokens)
@@ -95,7 +83,8 @@ def global_layout(global_num_tokens: Sequence[int], mode) -> tuple[int, list[int
     return m * len(n), [r * m for r in range(len(n))]
 
 
-def select_cuda_graph_bs(global_num_tokens: Sequence[int], capture_bs: Sequence[int]) -> int | None:
+def select_cuda_graph_bs(global_num_tokens: Sequence[int],
+                         capture_bs: Sequence[int]) -> int | None:
     """The captured batch size every rank replays: the smallest in ``capture_bs`` that is ≥
     ``max(global_num_tokens)`` (the max, never the sum: each rank's graph holds its own rows);
     None when none fits."""
@@ -112,10 +101,8 @@ def _where(global_num_tokens, group, mode, attn_tp_size):
         if int(attn_tp_size) != attn_tp_size or attn_tp_size < 1:
             raise ValueError(f"attn_tp_size must be an int ≥ 1, got {attn_tp_size!r}")
         if len(n) * attn_tp_size != world:
-            raise ValueError(
-                f"len(global_num_tokens)·attn_tp_size = {len(n)}·{attn_tp_size} "
-                f"must equal the group size {world}"
-            )
+            raise ValueError(f"len(global_num_tokens)·attn_tp_size = {len(n)}·{attn_tp_size} "
+                             f"must equal the group size {world}")
     except ValueError as exc:
         return None, None, 0, 0, str(exc)
     return n, mode, rank // attn_tp_size, rank % attn_tp_size, None
@@ -123,31 +110,12 @@ def _where(global_num_tokens, group, mode, attn_tp_size):
 
 def _signature(x: torch.Tensor, n, mode, attn_tp_size) -> tuple[list[int], list[str]]:
     dims = list(x.shape[1:])[:4]
-    sig = [
-        int(mode or 0),
-        int(attn_tp_size),
-        len(n or []),
-        DTYPE_CODES.get(x.dtype, 0),
-        x.dim(),
-        *(dims + [0] * (4 - len(dims))),
-        sum(n or []),
-        max(n or [0]),
-        sum((i + 1) * v for i, v in enumerate(n or [])) % (1 << 40),
-    ]
-    labels = [
-        "mode",
-        "attn_tp_size",
-        "len(global_num_tokens)",
-        "dtype",
-        "ndim",
-        "shape[1]",
-        "shape[2]",
-        "shape[3]",
-        "shape[4]",
-        "sum(global_num_tokens)",
-        "max(global_num_tokens)",
-        "global_num_tokens checksum",
-    ]
+    sig = [int(mode or 0), int(attn_tp_size), len(n or []), DTYPE_CODES.get(x.dtype, 0), x.dim(),
+           *(dims + [0] * (4 - len(dims))), sum(n or []), max(n or [0]),
+           sum((i + 1) * v for i, v in enumerate(n or [])) % (1 << 40)]
+    labels = ["mode", "attn_tp_size", "len(global_num_tokens)", "dtype", "ndim", "shape[1]",
+              "shape[2]", "shape[3]", "shape[4]", "sum(global_num_tokens)",
+              "max(global_num_tokens)", "global_num_tokens checksum"]
     return sig, labels
 
 
@@ -159,16 +127,9 @@ def _check(op, group, x, n, mode, attn_tp_size, err, validate, timeout_s) -> Non
         raise ValueError(f"{op}: {err}")
 
 
-def dp_gather(
-    local: torch.Tensor,
-    global_num_tokens: Sequence[int],
-    group=None,
-    *,
-    mode,
-    attn_tp_size: int = 1,
-    validate: bool | None = None,
-    timeout_s: float | None = None,
-) -> torch.Tensor:
+def dp_gather(local: torch.Tensor, global_num_tokens: Sequence[int], group=None, *, mode,
+              attn_tp_size: int = 1, validate: bool | None = None,
+              timeout_s: float | None = None) -> torch.Tensor:
     """Gather every DP rank's rows into the global buffer the MLP runs on.
 
     Arguments:
@@ -187,23 +148,18 @@ def dp_gather(
     """
     n, mode, dp_rank, tp_rank, err = _where(global_num_tokens, group, mode, attn_tp_size)
     if err is None and (local.dim() < 1 or local.shape[0] != n[dp_rank]):
-        err = (
-            f"local has shape {tuple(local.shape)} but global_num_tokens[{dp_rank}] = {n[dp_rank]}"
-        )
+        err = (f"local has shape {tuple(local.shape)} but global_num_tokens[{dp_rank}] = "
+               f"{n[dp_rank]}")
     _check("dp_gather", group, local, n, mode, attn_tp_size, err, validate, timeout_s)
     rest, mine = tuple(local.shape[1:]), n[dp_rank]
     total, offsets = global_layout(n, mode)
     if mode is DpPaddingMode.SUM_LEN:
         out = local.new_zeros((total, *rest))
         if tp_rank == 0 and mine:
-            out[offsets[dp_rank] : offsets[dp_rank] + mine].copy_(local)
+            out[offsets[dp_rank]:offsets[dp_rank] + mine].copy_(local)
         if out.numel():
-            _dist_wait(
-                dist.all_reduce(out, group=group, async_op=True),
-                group,
-                "dp_gather",
-                config.timeout_s(timeout_s),
-            )
+            _dist_wait(dist.all_reduce(out, group=group, async_op=True), group, "dp_gather",
+                       config.timeout_s(timeout_s))
         return out
     m = max(n)
     if m == 0:
@@ -216,25 +172,15 @@ def dp_gather(
         block[mine:].zero_()
     world = dist.get_world_size(group)
     full = local.new_empty((world * m, *rest))
-    _dist_wait(
-        all_gather_tensor(full, block, group, async_op=True),
-        group,
-        "dp_gather",
-        config.timeout_s(timeout_s),
-    )
+    _dist_wait(all_gather_tensor(full, block, group, async_op=True), group, "dp_gather",
+               config.timeout_s(timeout_s))
     if attn_tp_size == 1:
         return full
     return full.view(len(n), attn_tp_size, m, *rest)[:, 0].reshape(len(n) * m, *rest)
 
 
-def dp_scatter(
-    global_buf: torch.Tensor,
-    global_num_tokens: Sequence[int],
-    dp_rank: int,
-    *,
-    mode,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def dp_scatter(global_buf: torch.Tensor, global_num_tokens: Sequence[int], dp_rank: int, *,
+               mode, out: torch.Tensor | None = None) -> torch.Tensor:
     """DP rank ``dp_rank``'s rows of a global buffer (local; no communication).
 
     Arguments:
@@ -256,30 +202,20 @@ def dp_scatter(
         raise ValueError(f"dp_rank={dp_rank} is outside [0, {len(n)})")
     total, offsets = global_layout(n, mode)
     if global_buf.dim() < 1 or global_buf.shape[0] != total:
-        raise ValueError(
-            f"dp_scatter: global_buf has shape {tuple(global_buf.shape)}, the "
-            f"{mode.name} layout of {n} needs {total} rows"
-        )
-    rows = global_buf[offsets[dp_rank] : offsets[dp_rank] + n[dp_rank]]
+        raise ValueError(f"dp_scatter: global_buf has shape {tuple(global_buf.shape)}, the "
+                         f"{mode.name} layout of {n} needs {total} rows")
+    rows = global_buf[offsets[dp_rank]:offsets[dp_rank] + n[dp_rank]]
     if out is None:
         return rows
     if tuple(out.shape) != tuple(rows.shape):
-        raise ValueError(
-            f"dp_scatter: out has shape {tuple(out.shape)}, expected {tuple(rows.shape)}"
-        )
+        raise ValueError(f"dp_scatter: out has shape {tuple(out.shape)}, expected "
+                         f"{tuple(rows.shape)}")
     return out.copy_(rows)
 
 
-def dp_reduce_scatter(
-    global_partial: torch.Tensor,
-    global_num_tokens: Sequence[int],
-    group=None,
-    *,
-    mode,
-    attn_tp_size: int = 1,
-    validate: bool | None = None,
-    timeout_s: float | None = None,
-) -> torch.Tensor:
+def dp_reduce_scatter(global_partial: torch.Tensor, global_num_tokens: Sequence[int],
+                      group=None, *, mode, attn_tp_size: int = 1, validate: bool | None = None,
+                      timeout_s: float | None = None) -> torch.Tensor:
     """This DP rank's rows of the sum over the group of ``global_partial`` (the MLP's partial
     sums), in place of an all_reduce followed by ``dp_scatter``.
 
@@ -302,13 +238,10 @@ def dp_reduce_scatter(
     if err is None:
         total, _ = global_layout(n, mode)
         if global_partial.dim() < 1 or global_partial.shape[0] != total:
-            err = (
-                f"global_partial has shape {tuple(global_partial.shape)}, the {mode.name} "
-                f"layout of {n} needs {total} rows"
-            )
-    _check(
-        "dp_reduce_scatter", group, global_partial, n, mode, attn_tp_size, err, validate, timeout_s
-    )
+            err = (f"global_partial has shape {tuple(global_partial.shape)}, the {mode.name} "
+                   f"layout of {n} needs {total} rows")
+    _check("dp_reduce_scatter", group, global_partial, n, mode, attn_tp_size, err, validate,
+           timeout_s)
     rest, mine = tuple(global_partial.shape[1:]), n[dp_rank]
     total, offsets = global_layout(n, mode)
     if total == 0:
@@ -319,10 +252,6 @@ def dp_reduce_scatter(
         _dist_wait(work, group, "dp_reduce_scatter", config.timeout_s(timeout_s))
         return out[:mine]
     buf = global_partial.clone(memory_format=torch.contiguous_format)
-    _dist_wait(
-        dist.all_reduce(buf, group=group, async_op=True),
-        group,
-        "dp_reduce_scatter",
-        config.timeout_s(timeout_s),
-    )
-    return buf[offsets[dp_rank] : offsets[dp_rank] + mine].clone()
+    _dist_wait(dist.all_reduce(buf, group=group, async_op=True), group, "dp_reduce_scatter",
+               config.timeout_s(timeout_s))
+    return buf[offsets[dp_rank]:offsets[dp_rank] + mine].clone()

@@ -1,13 +1,11 @@
 """Where a rank sits in the DP-attention layout."""
-
 from __future__ import annotations
 
 __all__ = ["compute_dp_attention_world_info"]
 
 
-def compute_dp_attention_world_info(
-    tp_rank: int, tp_size: int, dp_size: int, cp_size: int = 1
-) -> tuple[int, int, int]:
+def compute_dp_attention_world_info(tp_rank: int, tp_size: int, dp_size: int,
+                                    cp_size: int = 1) -> tuple[int, int, int]:
     """``(attn_tp_rank, attn_tp_size, attn_dp_rank)`` of global TP rank ``tp_rank``.
 
     ``tp_size`` is the full TP group (every rank of the MLP); the layout is DP major, then
@@ -24,9 +22,8 @@ def compute_dp_attention_world_info(
         if int(v) != v or v < 1:
             raise ValueError(f"{name} must be an int ≥ 1, got {v!r}")
     if tp_size % (dp_size * cp_size) != 0:
-        raise ValueError(
-            f"tp_size={tp_size} is not divisible by dp_size·cp_size = {dp_size}·{cp_size}"
-        )
+        raise ValueError(f"tp_size={tp_size} is not divisible by dp_size·cp_size = "
+                         f"{dp_size}·{cp_size}")
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank={tp_rank} is outside [0, tp_size={tp_size})")
     attn_tp_size = tp_size // dp_size // cp_size

@@ -12,7 +12,6 @@ back (rank r's field f at ``ROW·r + f``):
 value, agreed across ranks); ``rows_for(plan, path, device)`` is the exchange object the caller
 uses, the same way for every path.
 """
-
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -23,32 +22,14 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from .._dist import (
-    agree,
-    agree_reason,
-    all_gather_tensor,
-    cpu_group,
-    group_device,
-    guard_timeout,
-    wait,
-)
+from .._dist import (agree, agree_reason, all_gather_tensor, cpu_group, group_device, guard_timeout,
+                     wait)
 from ..capability import same_host
 from ..errors import PeerTimeoutError
 from . import shm as _shm
 
-__all__ = [
-    "RowExchange",
-    "ShmRows",
-    "GatherRows",
-    "resolve_sync",
-    "exchange_rows",
-    "close_shm_channels",
-    "rows_for",
-    "plan_for",
-    "SYNC_CHOICES",
-    "ROW",
-    "UNSENT",
-]
+__all__ = ["RowExchange", "ShmRows", "GatherRows", "resolve_sync", "exchange_rows",
+           "close_shm_channels", "rows_for", "plan_for", "SYNC_CHOICES", "ROW", "UNSENT"]
 
 SYNC_CHOICES = ("auto", "shm", "cpu", "device")
 ROW = 6
@@ -69,9 +50,9 @@ class RowExchange(ABC):
     path: str = "?"
 
     @abstractmethod
-    def exchange(
-        self, row: Sequence[int], timeout_s: float | None, mask: torch.Tensor | None = None
-    ) -> tuple[Sequence[int], list | None]: ...
+    def exchange(self, row: Sequence[int], timeout_s: float | None,
+                 mask: torch.Tensor | None = None) -> tuple[Sequence[int], list | None]:
+        ...
 
     def close(self) -> None:
         return None
@@ -117,18 +98,13 @@ class GatherRows(RowExchange):
         if mask is not None:
             out = torch.cat([out, mask.to(device=dev, dtype=torch.int64).view(-1)])
         flat = out.tolist()  # the one device→host copy on the device path
-        flat, mask_vals = (
-            (flat[: world * ROW], flat[world * ROW :]) if mask is not None else (flat, None)
-        )
+        flat, mask_vals = ((flat[:world * ROW], flat[world * ROW:]) if mask is not None
+                           else (flat, None))
         if UNSENT in flat[5::ROW]:
             missing = [r for r in range(world) if flat[r * ROW + 5] == UNSENT]
-            raise PeerTimeoutError(
-                f"{op}: the exchange returned without the rows of rank(s) "
-                f"{missing} (aborted or timed out)",
-                peer_ranks=missing,
-                timeout_s=t,
-                op=op,
-            )
+            raise PeerTimeoutError(f"{op}: the exchange returned without the rows of rank(s) "
+                                   f"{missing} (aborted or timed out)", peer_ranks=missing,
+                                   timeout_s=t, op=op)
         return flat, mask_vals
 
 
@@ -142,9 +118,9 @@ class SyncPlan:
     device: torch.device
     auto: str | None = None
     why: str | None = None
-    rows: dict = field(default_factory=dict)  # (path, device) → RowExchange
-    paths: dict = field(default_factory=dict)  # sync argument → path it resolved to
-    per_dp: dict = field(default_factory=dict)  # valid (dp, tp, cp) → tp·cp
+    rows: dict = field(default_factory=dict)     # (path, device) → RowExchange
+    paths: dict = field(default_factory=dict)    # sync argument → path it resolved to
+    per_dp: dict = field(default_factory=dict)   # valid (dp, tp, cp) → tp·cp
 
 
 _PLANS: dict[int, SyncPlan] = {}
@@ -188,14 +164,9 @@ def _agree_sync(p: SyncPlan, sync, timeout_s: float | None) -> None:
     ok = isinstance(sync, str) and sync in SYNC_CHOICES
     code = SYNC_CHOICES.index(sync) if ok else -1
     err = None if ok else f"sync must be one of {list(SYNC_CHOICES)}, got {sync!r}"
-    agree(
-        p.group,
-        "dp_attention sync",
-        [code],
-        [f"sync (index into {list(SYNC_CHOICES)}; -1: invalid)"],
-        local_error=err,
-        timeout_s=config.timeout_s(timeout_s),
-    )
+    agree(p.group, "dp_attention sync", [code],
+          [f"sync (index into {list(SYNC_CHOICES)}; -1: invalid)"], local_error=err,
+          timeout_s=config.timeout_s(timeout_s))
 
 
 def _decide(p: SyncPlan, sync: str, timeout_s: float | None) -> str:
@@ -233,7 +204,8 @@ def rows_for(p: SyncPlan, path: str, device=None, timeout_s: float | None = None
     """The exchange object of ``path`` ("shm", "cpu" or "device") on plan ``p`` (built on first
     use: the shm path maps its segment then, collectively; ``device`` only for "device", None
     → the group's device)."""
-    dev = None if path != "device" else (torch.device(device) if device is not None else p.device)
+    dev = None if path != "device" else (torch.device(device) if device is not None
+                                         else p.device)
     ex = p.rows.get((path, dev))
     if ex is None:
         if path == "shm":
@@ -246,9 +218,8 @@ def rows_for(p: SyncPlan, path: str, device=None, timeout_s: float | None = None
     return ex
 
 
-def exchange_rows(
-    row: Sequence[int], group=None, *, sync: str, device=None, timeout_s: float | None = None
-) -> list[list[int]]:
+def exchange_rows(row: Sequence[int], group=None, *, sync: str, device=None,
+                  timeout_s: float | None = None) -> list[list[int]]:
     """Every group rank's row (``W`` lists of 6 ints, rank order) through path ``sync``
     ("auto", "shm", "cpu" or "device"); at most one device→host copy.
 
@@ -262,5 +233,8 @@ def exchange_rows(
     if len(vals) != ROW:
         raise ValueError(f"exchange_rows: a row is {ROW} int64 values, got {len(vals)}")
     p = plan_for(group)
-    flat, _ = rows_for(p, resolve(p, sync, timeout_s), device, timeout_s).exchange(vals, timeout_s)
-    return [list(flat[i : i + ROW]) for i in range(0, len(flat), ROW)]
+    flat, _ = rows_for(p, resolve(p, sync, timeout_s), device, timeout_s).exchange(vals,
+                                                                                  timeout_s)
+    return [list(flat[i:i + ROW]) for i in range(0, len(flat), ROW)]
+
+

@@ -37,7 +37,6 @@ fewer than W cores do not starve the rank they wait for. A rank whose row does n
 ``timeout_s`` is named in ``PeerTimeoutError``. After a timeout the channel is out of step with
 the silent rank; ``close_shm_channels()`` on every rank starts a fresh one.
 """
-
 from __future__ import annotations
 
 import mmap
@@ -73,10 +72,8 @@ def shm_supported() -> tuple[bool, str | None]:
     """Whether this machine can run the shm protocol: ``(ok, reason_if_not)``."""
     arch = platform.machine().lower()
     if arch not in ("x86_64", "amd64"):
-        return False, (
-            f"the shm sync relies on x86-64 store ordering (TSO); this machine is "
-            f"{platform.machine()!r}"
-        )
+        return False, (f"the shm sync relies on x86-64 store ordering (TSO); this machine is "
+                       f"{platform.machine()!r}")
     return True, None
 
 
@@ -92,10 +89,8 @@ def bad_value_message(row: Sequence[int]) -> str:
         except TypeError:
             ok = False
         if not ok:
-            return (
-                f"dp_attention sync: row field {i} = {v!r} is not an int in the int64 range "
-                f"[{_I64[0]}, {_I64[1]}]"
-            )
+            return (f"dp_attention sync: row field {i} = {v!r} is not an int in the int64 range "
+                    f"[{_I64[0]}, {_I64[1]}]")
     return f"dp_attention sync: row {list(row)!r} cannot be packed as int64"
 
 
@@ -174,12 +169,8 @@ class ShmRowExchange:
                 err = f"could not map {path}: {exc}"
         flags = torch.zeros(self.world_size, dtype=torch.int64)
         flags[self.rank] = 1 if err else 0
-        wait(
-            dist.all_reduce(flags, group=self.group, async_op=True),
-            self.group,
-            "shm sync setup",
-            timeout_s,
-        )
+        wait(dist.all_reduce(flags, group=self.group, async_op=True), self.group,
+             "shm sync setup", timeout_s)
         if self._finalizer is not None:
             self._finalizer.detach()
             os.unlink(path)  # every rank has mapped it or given up: the name is not needed
@@ -196,10 +187,9 @@ class ShmRowExchange:
         buf = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
         if path is not None:
             raw = path.encode()
-            buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-        work = dist.broadcast(
-            buf, src=dist.get_global_rank(self.group, 0), group=self.group, async_op=True
-        )
+            buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        work = dist.broadcast(buf, src=dist.get_global_rank(self.group, 0), group=self.group,
+                              async_op=True)
         wait(work, self.group, "shm sync setup", timeout_s)
         raw = bytes(buf.tolist()).rstrip(b"\0")
         return raw.decode() if raw else None
@@ -233,10 +223,8 @@ class ShmRowExchange:
         head.release()
         if found != (_MAGIC, self.world_size, self.row_len):
             mm.close()
-            raise ValueError(
-                f"segment header {found} does not match (magic, world size "
-                f"{self.world_size}, row length {self.row_len})"
-            )
+            raise ValueError(f"segment header {found} does not match (magic, world size "
+                             f"{self.world_size}, row length {self.row_len})")
         return mm
 
     def _slot(self, parity: int, rank: int) -> int:
@@ -280,11 +268,10 @@ class ShmRowExchange:
             PeerTimeoutError naming the ranks whose row of this step did not arrive in time.
         """
         flat, n = self.exchange_flat(row, timeout_s=timeout_s), self.row_len
-        return [list(flat[i : i + n]) for i in range(0, len(flat), n)]
+        return [list(flat[i:i + n]) for i in range(0, len(flat), n)]
 
-    def exchange_flat(
-        self, row: Sequence[int], *, timeout_s: float | None = None
-    ) -> tuple[int, ...]:
+    def exchange_flat(self, row: Sequence[int], *,
+                      timeout_s: float | None = None) -> tuple[int, ...]:
         """``exchange`` without the per-rank lists: every rank's row back to back, a tuple of
         ``W · row_len`` ints in group rank order (rank r's field f at ``r · row_len + f``)."""
         if len(row) != self.row_len:
@@ -305,11 +292,9 @@ class ShmRowExchange:
         # impossible by the parity argument (no row is rewritten before every rank read it);
         # one more cheap read of the seqs so that a broken caller fails loudly, not silently
         if self._seq_fmt.unpack_from(mm, base).count(step) != w:
-            raise RuntimeError(
-                f"shm sync: a step-{step} row changed while read (seqs now "
-                f"{list(self._seq_fmt.unpack_from(mm, base))}); are the ranks' "
-                f"calls out of step?"
-            )
+            raise RuntimeError(f"shm sync: a step-{step} row changed while read (seqs now "
+                               f"{list(self._seq_fmt.unpack_from(mm, base))}); are the ranks' "
+                               f"calls out of step?")
         return rows
 
     def _wait(self, base: int, step: int, timeout_s: float | None) -> None:
@@ -334,11 +319,7 @@ class ShmRowExchange:
                     return
                 raise PeerTimeoutError(
                     f"dp_attention sync (shm): no step-{step} row from rank(s) {missing} within "
-                    f"{t:g} s",
-                    peer_ranks=missing,
-                    timeout_s=t,
-                    op="dp_attention sync (shm)",
-                )
+                    f"{t:g} s", peer_ranks=missing, timeout_s=t, op="dp_attention sync (shm)")
             if waited < _YIELD_S:
                 os.sched_yield()
             else:
@@ -350,3 +331,4 @@ class ShmRowExchange:
         if getattr(self, "_finalizer", None) is not None:
             self._finalizer()
             self._finalizer = None
+

@@ -13,7 +13,6 @@ Row layout: ``[num_tokens, num_tokens_for_logprob, can_cuda_graph, is_extend_in_
 local_can_run_tbo, local_forward_mode]``; the group holds ``dp · tp · cp`` ranks, DP major, so the
 gathered rows view as ``(dp, tp·cp, 6)`` and DP rank d's row is that of its attention-TP rank 0.
 """
-
 from __future__ import annotations
 
 import enum
@@ -22,30 +21,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .rows import (
-    ROW as _ROW,
-    SYNC_CHOICES,
-    SyncPlan,
-    close_shm_channels,
-    exchange_rows,
-    plan_for,
-    resolve,
-    resolve_sync,
-    rows_for,
-)
+from .rows import (ROW as _ROW, SYNC_CHOICES, SyncPlan, close_shm_channels, exchange_rows,
+                   plan_for, resolve, resolve_sync, rows_for)
 
-__all__ = [
-    "ForwardMode",
-    "BatchView",
-    "MLPSyncBatchInfo",
-    "prepare_mlp_sync_batch",
-    "resolve_sync",
-    "count_tokens",
-    "exchange_rows",
-    "close_shm_channels",
-    "SYNC_CHOICES",
-    "NEUTRAL_ROW",
-]
+__all__ = ["ForwardMode", "BatchView", "MLPSyncBatchInfo", "prepare_mlp_sync_batch",
+           "resolve_sync", "count_tokens", "exchange_rows", "close_shm_channels",
+           "SYNC_CHOICES", "NEUTRAL_ROW"]
 
 _IDLE = 4
 _INVALID_MODE = -1  # row marker: this rank's input was invalid (every rank raises) ...
@@ -53,11 +34,9 @@ _INVALID_MODE = -1  # row marker: this rank's input was invalid (every rank rais
 # (the first time it is used) so that every rank checks every other rank's layout.
 _LAYOUT_MODE = -3
 _BAD_BATCH, _BAD_SIZES, _BAD_ACTIVE = 1, 2, 3  # ... and field 0 says what was wrong
-_WHY = {
-    _BAD_BATCH: "invalid batch or counts",
-    _BAD_SIZES: "dp_size·tp_size·cp_size does not match the group size",
-    _BAD_ACTIVE: "invalid active_ranks",
-}
+_WHY = {_BAD_BATCH: "invalid batch or counts",
+        _BAD_SIZES: "dp_size·tp_size·cp_size does not match the group size",
+        _BAD_ACTIVE: "invalid active_ranks"}
 _I64_MAX = (1 << 63) - 1
 
 
@@ -142,14 +121,11 @@ def count_tokens(batch: BatchView | None) -> tuple[int, int]:
         return n, bs
     lens, starts = batch.extend_lens, batch.extend_logprob_start_lens
     if lens is None or starts is None:
-        raise ValueError(
-            f"a {mode.name} batch with return_logprob needs extend_lens and "
-            f"extend_logprob_start_lens, got {lens!r} and {starts!r}"
-        )
+        raise ValueError(f"a {mode.name} batch with return_logprob needs extend_lens and "
+                         f"extend_logprob_start_lens, got {lens!r} and {starts!r}")
     if len(lens) != len(starts):
-        raise ValueError(
-            f"extend_lens has {len(lens)} entries but extend_logprob_start_lens has {len(starts)}"
-        )
+        raise ValueError(f"extend_lens has {len(lens)} entries but extend_logprob_start_lens "
+                         f"has {len(starts)}")
     return n, sum(max(int(e) - int(s), 1) for e, s in zip(lens, starts))
 
 
@@ -162,19 +138,14 @@ def _local_can_run_tbo(batch: BatchView | None, num_tokens: int) -> bool:
 
 # -- the sync info ---------------------------------------------------------------------------
 
-
 def _active_mask(active_ranks, world: int, path: str):
     """``(host list, device tensor)`` of ``active_ranks``, one of them None: a device tensor on
     the device path is fetched with the rows (one copy). Raises ValueError / TypeError."""
-    if (
-        path == "device"
-        and isinstance(active_ranks, torch.Tensor)
-        and active_ranks.device.type != "cpu"
-    ):
+    if (path == "device" and isinstance(active_ranks, torch.Tensor)
+            and active_ranks.device.type != "cpu"):
         if active_ranks.numel() != world:
-            raise ValueError(
-                f"active_ranks has {active_ranks.numel()} entries, the group has {world} ranks"
-            )
+            raise ValueError(f"active_ranks has {active_ranks.numel()} entries, the group has "
+                             f"{world} ranks")
         return None, active_ranks
     vals = active_ranks.tolist() if isinstance(active_ranks, torch.Tensor) else list(active_ranks)
     if len(vals) != world:
@@ -191,7 +162,7 @@ def _mask_rows(flat: Sequence[int], active: list) -> Sequence[int]:
     for r, a in enumerate(active):
         i = r * _ROW
         if not a and not (flat[i + 5] == _INVALID_MODE and flat[i] in (_BAD_SIZES, _BAD_ACTIVE)):
-            flat[i : i + _ROW] = NEUTRAL_ROW
+            flat[i:i + _ROW] = NEUTRAL_ROW
     return flat
 
 
@@ -238,9 +209,8 @@ class MLPSyncBatchInfo:
         if self._tp0_rows is None:
             return None
         flat, stride = self._tp0_rows
-        return torch.tensor(
-            [flat[i : i + _ROW] for i in range(0, len(flat), stride)], dtype=torch.int64
-        )
+        return torch.tensor([flat[i:i + _ROW] for i in range(0, len(flat), stride)],
+                            dtype=torch.int64)
 
     def _local_row(self, code: int = 0) -> tuple[int, ...]:
         """This rank's row; an invalid one (``code`` or a bad value) is sent as the invalid-row
@@ -256,24 +226,16 @@ class MLPSyncBatchInfo:
                 if mode not in _MODE_VALUES:
                     err = f"unknown local_forward_mode {self.local_forward_mode!r}"
                 elif not (0 <= num <= _I64_MAX and 0 <= num_lp <= _I64_MAX):
-                    err = (
-                        f"token counts must be in [0, 2**63 - 1], got num_tokens="
-                        f"{self.num_tokens}, num_tokens_for_logprob="
-                        f"{self.num_tokens_for_logprob}"
-                    )
+                    err = (f"token counts must be in [0, 2**63 - 1], got num_tokens="
+                           f"{self.num_tokens}, num_tokens_for_logprob="
+                           f"{self.num_tokens_for_logprob}")
             self._local_error = err
         if code:
             return (code, 0, 1, 0, 1, _INVALID_MODE)
         if err is not None:
             return (_BAD_BATCH, 0, 1, 0, 1, _INVALID_MODE)
-        return (
-            num,
-            num_lp,
-            1 if self.can_cuda_graph else 0,
-            1 if self.is_extend_in_batch else 0,
-            1 if self.local_can_run_tbo else 0,
-            mode,
-        )
+        return (num, num_lp, 1 if self.can_cuda_graph else 0, 1 if self.is_extend_in_batch else 0,
+                1 if self.local_can_run_tbo else 0, mode)
 
     def _per_dp(self, p: SyncPlan) -> tuple[int, tuple | None]:
         """``(tp·cp, key)`` after checking the sizes against the group. ``key`` is None when the
@@ -285,22 +247,12 @@ class MLPSyncBatchInfo:
             return per_dp, None
         dp, tp, cp = (int(v) for v in key)
         if min(dp, tp, cp) < 1 or dp * tp * cp != p.world:
-            raise ValueError(
-                f"dp_size·tp_size·cp_size = {self.dp_size}·{self.tp_size}·"
-                f"{self.cp_size} must equal the group size {p.world}"
-            )
+            raise ValueError(f"dp_size·tp_size·cp_size = {self.dp_size}·{self.tp_size}·"
+                             f"{self.cp_size} must equal the group size {p.world}")
         return tp * cp, (dp, tp, cp)
 
-    def all_gather(
-        self,
-        device=None,
-        group=None,
-        *,
-        active_ranks=None,
-        enable_tbo: bool = False,
-        sync: str = "auto",
-        timeout_s: float | None = None,
-    ) -> MLPSyncBatchInfo:
+    def all_gather(self, device=None, group=None, *, active_ranks=None, enable_tbo: bool = False,
+                   sync: str = "auto", timeout_s: float | None = None) -> MLPSyncBatchInfo:
         """Exchange the rows of every group rank and fill the global fields (returns ``self``).
 
         Arguments:
@@ -355,22 +307,19 @@ class MLPSyncBatchInfo:
         parts = []
         mine = why or self._local_error
         for r in range(len(flat) // _ROW):
-            row = flat[r * _ROW : (r + 1) * _ROW]
+            row = flat[r * _ROW:(r + 1) * _ROW]
             if row[5] in _MODE_VALUES and row[0] >= 0 and row[1] >= 0:
                 continue
             if row[5] == _LAYOUT_MODE and mine:  # this rank's own invalid input is the report
                 continue
             what = _WHY.get(row[0]) if row[5] == _INVALID_MODE else None
             if row[5] == _LAYOUT_MODE:
-                what = (
-                    f"first use of dp_size·tp_size·cp_size = {row[0]}·{row[1]}·{row[2]} on "
-                    f"this group, where this rank's layout was agreed before "
-                    f"({self.dp_size}·{self.tp_size}·{self.cp_size})"
-                )
+                what = (f"first use of dp_size·tp_size·cp_size = {row[0]}·{row[1]}·{row[2]} on "
+                        f"this group, where this rank's layout was agreed before "
+                        f"({self.dp_size}·{self.tp_size}·{self.cp_size})")
             parts.append((r, what or f"invalid row {list(row)}"))
-        msg = f"dp_attention sync: invalid input on rank(s) {[r for r, _ in parts]} — " + "; ".join(
-            f"rank {r}: {w}" for r, w in parts
-        )
+        msg = (f"dp_attention sync: invalid input on rank(s) {[r for r, _ in parts]} — "
+               + "; ".join(f"rank {r}: {w}" for r, w in parts))
         if mine:
             msg += f" (this rank: {mine})"
         raise ValueError(msg)
@@ -401,9 +350,8 @@ class MLPSyncBatchInfo:
         self.can_run_tbo = bool(enable_tbo and agree and all(flat[4::stride]))
 
 
-def _agree_layout(
-    info: MLPSyncBatchInfo, p: SyncPlan, path: str, layout: tuple, device, timeout_s
-) -> None:
+def _agree_layout(info: MLPSyncBatchInfo, p: SyncPlan, path: str, layout: tuple, device,
+                  timeout_s) -> None:
     """The first use of a ``(dp, tp, cp)`` layout on a group: one exchange of layout rows on the
     sync path itself (the same buffer shape as a step, so a peer in a step exchange meanwhile
     gets a row it refuses, never a size mismatch). Raises ``ValueError`` on every rank naming
@@ -411,28 +359,20 @@ def _agree_layout(
     ``_check_rows``; a peer whose sizes are invalid sends its invalid row, reported as in a
     step); remembers the layout on the plan when every rank sent the same one."""
     dp, tp, cp = layout
-    flat, _ = rows_for(p, path, device, timeout_s).exchange(
-        (dp, tp, cp, 0, 0, _LAYOUT_MODE), timeout_s
-    )
-    rows = [tuple(flat[i : i + _ROW]) for i in range(0, len(flat), _ROW)]
+    flat, _ = rows_for(p, path, device, timeout_s).exchange((dp, tp, cp, 0, 0, _LAYOUT_MODE),
+                                                            timeout_s)
+    rows = [tuple(flat[i:i + _ROW]) for i in range(0, len(flat), _ROW)]
     if all(r == rows[0] and r[5] == _LAYOUT_MODE for r in rows):
         if all(type(v) is int for v in (info.dp_size, info.tp_size, info.cp_size)):
             p.per_dp[layout] = tp * cp  # plain ints only: the cache must not grow
         return
     if any(r[5] == _INVALID_MODE for r in rows):  # as a step would report it
         info._check_rows(sum((NEUTRAL_ROW if r[5] == _LAYOUT_MODE else r for r in rows), ()))
-    parts = [
-        f"rank {r}: "
-        + (
-            f"{row[0]}·{row[1]}·{row[2]}"
-            if row[5] == _LAYOUT_MODE
-            else "a layout agreed before (it sent a step row)"
-        )
-        for r, row in enumerate(rows)
-    ]
-    raise ValueError(
-        "dp_attention sync: the ranks disagree on dp_size·tp_size·cp_size — " + "; ".join(parts)
-    )
+    parts = [f"rank {r}: " + (f"{row[0]}·{row[1]}·{row[2]}" if row[5] == _LAYOUT_MODE else
+                              "a layout agreed before (it sent a step row)")
+             for r, row in enumerate(rows)]
+    raise ValueError("dp_attention sync: the ranks disagree on dp_size·tp_size·cp_size — "
+                     + "; ".join(parts))
 
 
 def _idle_batch(get_idle_batch: Callable[[], BatchView]) -> BatchView:
@@ -454,22 +394,13 @@ def _idle_batch(get_idle_batch: Callable[[], BatchView]) -> BatchView:
     return batch
 
 
-def prepare_mlp_sync_batch(
-    local_batch: BatchView | None,
-    *,
-    dp_size: int,
-    attn_tp_size: int,
-    attn_cp_size: int = 1,
-    group=None,
-    get_idle_batch: Callable[[], BatchView],
-    disable_cuda_graph: bool = False,
-    enable_tbo: bool = False,
-    require_mlp_tp_gather: bool = True,
-    sync: str = "auto",
-    device=None,
-    active_ranks=None,
-    timeout_s: float | None = None,
-) -> tuple[BatchView | None, MLPSyncBatchInfo]:
+def prepare_mlp_sync_batch(local_batch: BatchView | None, *, dp_size: int, attn_tp_size: int,
+                           attn_cp_size: int = 1, group=None,
+                           get_idle_batch: Callable[[], BatchView],
+                           disable_cuda_graph: bool = False, enable_tbo: bool = False,
+                           require_mlp_tp_gather: bool = True, sync: str = "auto", device=None,
+                           active_ranks=None, timeout_s: float | None = None,
+                           ) -> tuple[BatchView | None, MLPSyncBatchInfo]:
     """Count this rank's tokens, agree with every rank, and hand back the batch to run.
 
     Local values: see ``count_tokens``; ``can_cuda_graph`` = (no batch, or a DECODE / IDLE /
@@ -491,34 +422,18 @@ def prepare_mlp_sync_batch(
     err = None
     try:
         num_tokens, num_lp = count_tokens(local_batch)
-        mode = (
-            ForwardMode.IDLE if local_batch is None else ForwardMode(int(local_batch.forward_mode))
-        )
+        mode = ForwardMode.IDLE if local_batch is None else ForwardMode(int(
+            local_batch.forward_mode))
     except (ValueError, TypeError, AttributeError) as exc:  # sent as an invalid row
         err, num_tokens, num_lp, mode = str(exc) or type(exc).__name__, 0, 0, ForwardMode.IDLE
-    can_graph = (
-        local_batch is None or mode.is_decode_or_idle() or mode.is_prebuilt()
-    ) and not disable_cuda_graph
-    info = MLPSyncBatchInfo(
-        dp_size,
-        attn_tp_size,
-        attn_cp_size,
-        num_tokens,
-        num_lp,
-        can_graph,
-        local_batch is not None and mode.is_extend(),
-        _local_can_run_tbo(local_batch, num_tokens),
-        int(mode),
-        _local_error=err,
-    )
-    info.all_gather(
-        device,
-        group,
-        active_ranks=active_ranks,
-        enable_tbo=enable_tbo,
-        sync=sync,
-        timeout_s=timeout_s,
-    )
+    can_graph = (local_batch is None or mode.is_decode_or_idle() or mode.is_prebuilt()) \
+        and not disable_cuda_graph
+    info = MLPSyncBatchInfo(dp_size, attn_tp_size, attn_cp_size, num_tokens, num_lp, can_graph,
+                            local_batch is not None and mode.is_extend(),
+                            _local_can_run_tbo(local_batch, num_tokens), int(mode),
+                            _local_error=err)
+    info.all_gather(device, group, active_ranks=active_ranks, enable_tbo=enable_tbo, sync=sync,
+                    timeout_s=timeout_s)
     anyone_busy = max(info.global_num_tokens) > 0
     if not require_mlp_tp_gather:
         info.global_num_tokens = [num_tokens]

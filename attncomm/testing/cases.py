@@ -7,7 +7,6 @@ takes its own part, runs the exchange and compares its own part of the result. `
 returns None or a failure message; an exception leaves the group possibly out of step, so the
 driver (``attncomm.testing.fuzz``) starts fresh ranks after one.
 """
-
 from __future__ import annotations
 
 import math
@@ -25,23 +24,10 @@ from .special import bitwise_equal, check_merge
 __all__ = ["KINDS", "run_case", "spec"]
 
 # kind → relative weight in the draw
-KINDS = {
-    "dcp_merge": 4,
-    "seq_to_head": 2,
-    "head_to_seq": 2,
-    "ulysses_attention": 2,
-    "dp_gather_scatter": 2,
-    "dp_reduce_scatter": 1,
-    "dp_sync": 1,
-}
-_DTYPES = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-}
+KINDS = {"dcp_merge": 4, "seq_to_head": 2, "head_to_seq": 2, "ulysses_attention": 2,
+         "dp_gather_scatter": 2, "dp_reduce_scatter": 1, "dp_sync": 1}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+           "fp64": torch.float64, "int64": torch.int64, "int32": torch.int32}
 
 
 def _gen(seed: int, salt: int = 0) -> torch.Generator:
@@ -67,30 +53,19 @@ def _draw_dcp(rng, W):
     spread = rng.choice([0.5, 4.0, 4.0, 30.0, 1e4])
     # Triton combine under the interpreter: each (token, head) program runs in Python.
     impl = "triton" if T * H // W <= 12 and rng.random() < 0.1 else "torch"
-    return {
-        "backend": rng.choice(["reference", "ag_rs", "a2a"]),
-        "T": T,
-        "H": H,
-        "D": D,
-        "dtype": rng.choice(["fp32", "bf16", "fp16"]),
-        "spread": spread,
-        "base": "2" if spread <= 30 and rng.random() < 0.3 else "e",
-        "p_empty": rng.choice([0.0, 0.1, 0.3, 0.7]),
-        "p_all_empty": rng.choice([0.0, 0.05, 0.3]),
-        # NaN/inf payloads under finite LSEs (the propagate rule), at ordinary spreads only
-        "bad_payloads": spread <= 4.0 and rng.random() < 0.15,
-        "impl": impl,
-    }
+    return {"backend": rng.choice(["reference", "ag_rs", "a2a"]), "T": T, "H": H, "D": D,
+            "dtype": rng.choice(["fp32", "bf16", "fp16"]), "spread": spread,
+            "base": "2" if spread <= 30 and rng.random() < 0.3 else "e",
+            "p_empty": rng.choice([0.0, 0.1, 0.3, 0.7]),
+            "p_all_empty": rng.choice([0.0, 0.05, 0.3]),
+            # NaN/inf payloads under finite LSEs (the propagate rule), at ordinary spreads only
+            "bad_payloads": spread <= 4.0 and rng.random() < 0.15, "impl": impl}
 
 
 def _draw_a2a(rng, W):
-    return {
-        "B": rng.choice([1, 1, 2]),
-        "seq_lens": _split(rng, W, 5),
-        "H": rng.randint(1, 13),
-        "D": rng.choice([1, 2, 3, 8, 16]),
-        "dtype": rng.choice(["fp32", "fp32", "bf16", "fp16", "int64", "int32"]),
-    }
+    return {"B": rng.choice([1, 1, 2]), "seq_lens": _split(rng, W, 5),
+            "H": rng.randint(1, 13), "D": rng.choice([1, 2, 3, 8, 16]),
+            "dtype": rng.choice(["fp32", "fp32", "bf16", "fp16", "int64", "int32"])}
 
 
 def _draw_attention(rng, W):
@@ -99,29 +74,18 @@ def _draw_attention(rng, W):
         lens[rng.randrange(W)] = rng.randint(1, 6)
     hkv = rng.choice([1, 1, 2, 3, 4, 6])
     rope = rng.random() < 0.5
-    return {
-        "seq_lens": lens,
-        "Hkv": hkv,
-        "Hq": hkv * rng.choice([1, 2, 3, 4]),
-        "D": rng.choice([2, 4, 8, 16]) if rope else rng.choice([1, 3, 4, 8]),
-        "rope": rope,
-        "qk_norm": rng.random() < 0.5,
-        "causal": rng.random() < 0.5,
-        "dtype": "bf16" if rng.random() < 0.2 else "fp32",
-        "pipeline_groups": rng.choice([-1, 0]),
-    }
+    return {"seq_lens": lens, "Hkv": hkv, "Hq": hkv * rng.choice([1, 2, 3, 4]),
+            "D": rng.choice([2, 4, 8, 16]) if rope else rng.choice([1, 3, 4, 8]),
+            "rope": rope, "qk_norm": rng.random() < 0.5, "causal": rng.random() < 0.5,
+            "dtype": "bf16" if rng.random() < 0.2 else "fp32",
+            "pipeline_groups": rng.choice([-1, 0])}
 
 
 def _draw_dp(rng, W):
     tp = rng.choice([d for d in range(1, W + 1) if W % d == 0])
     dims = [rng.randint(1, 5) for _ in range(rng.choice([1, 1, 2]))]
-    return {
-        "tp": tp,
-        "n": _split(rng, W // tp, 6),
-        "mode": rng.choice(["sum_len", "max_len"]),
-        "rest": dims,
-        "dtype": rng.choice(["fp32", "fp64", "int64"]),
-    }
+    return {"tp": tp, "n": _split(rng, W // tp, 6), "mode": rng.choice(["sum_len", "max_len"]),
+            "rest": dims, "dtype": rng.choice(["fp32", "fp64", "int64"])}
 
 
 def _draw_sync(rng, W):
@@ -139,19 +103,12 @@ def _draw_sync(rng, W):
     return {"tp": tp, "batches": batches, "sync": rng.choice(["shm", "cpu"])}
 
 
-_DRAW = {
-    "dcp_merge": _draw_dcp,
-    "seq_to_head": _draw_a2a,
-    "head_to_seq": _draw_a2a,
-    "ulysses_attention": _draw_attention,
-    "dp_gather_scatter": _draw_dp,
-    "dp_reduce_scatter": _draw_dp,
-    "dp_sync": _draw_sync,
-}
+_DRAW = {"dcp_merge": _draw_dcp, "seq_to_head": _draw_a2a, "head_to_seq": _draw_a2a,
+         "ulysses_attention": _draw_attention, "dp_gather_scatter": _draw_dp,
+         "dp_reduce_scatter": _draw_dp, "dp_sync": _draw_sync}
 
 
 # ------------------------------------------------------------------------------------- runners
-
 
 def run_case(rank: int, world: int, sp: dict) -> str | None:
     """Run case ``sp`` (from ``spec``) on this rank of the default group; a failure message or
@@ -178,8 +135,7 @@ def _dcp_inputs(sp):
         if sp["bad_payloads"]:
             bad = torch.rand(W, T, H, D, generator=g) < 0.05
             vals = torch.tensor([math.nan, math.inf, -math.inf])[
-                torch.randint(0, 3, (W, T, H, D), generator=g)
-            ]
+                torch.randint(0, 3, (W, T, H, D), generator=g)]
             outs = torch.where(bad, vals, outs)
     return outs.to(_DTYPES[sp["dtype"]]), lses
 
@@ -193,21 +149,14 @@ def _run_dcp(rank, W, sp):
     mine_out, mine_lse = outs[rank].clone(), lse_in.clone()
     os.environ["ATTNCOMM_COMBINE_IMPL"] = sp["impl"]
     try:
-        o, l = dcp.merge(
-            mine_out, mine_lse, backend=sp["backend"], lse_base=sp["base"], return_lse=True
-        )
+        o, l = dcp.merge(mine_out, mine_lse, backend=sp["backend"], lse_base=sp["base"],
+                         return_lse=True)
     finally:
         os.environ.pop("ATTNCOMM_COMBINE_IMPL", None)
     if not (bitwise_equal(mine_out, outs[rank]) and bitwise_equal(mine_lse, lse_in)):
         return "dcp.merge modified its inputs"
-    bad = check_merge(
-        o,
-        l * math.log(2) if base2 else l,
-        outs,
-        lses_ref,
-        slice(rank * hs, (rank + 1) * hs),
-        "dcp.merge",
-    )
+    bad = check_merge(o, l * math.log(2) if base2 else l, outs, lses_ref,
+                      slice(rank * hs, (rank + 1) * hs), "dcp.merge")
     return "; ".join(bad[:3]) or None
 
 
@@ -225,21 +174,18 @@ def _run_a2a(rank, W, sp):
     off = sum(lens[:rank])
     heads = ulysses.head_split(H, W)
     h0 = sum(heads[:rank])
-    mine_seq = X[:, off : off + lens[rank]]
-    mine_heads = X[:, :, h0 : h0 + heads[rank]]
+    mine_seq = X[:, off:off + lens[rank]]
+    mine_heads = X[:, :, h0:h0 + heads[rank]]
     if sp["kind"] == "seq_to_head":
         got = ulysses.seq_to_head(mine_seq.clone(), seq_lens=lens, backend="all_to_all")
         want = mine_heads
     else:
-        got = ulysses.head_to_seq(
-            mine_heads.clone(), num_heads=H, seq_lens=lens, backend="all_to_all"
-        )
+        got = ulysses.head_to_seq(mine_heads.clone(), num_heads=H, seq_lens=lens,
+                                  backend="all_to_all")
         want = mine_seq
     if not bitwise_equal(got, want.contiguous()):
-        return (
-            f"{sp['kind']}: result differs from the slice of the global tensor "
-            f"(shape {tuple(got.shape)} vs {tuple(want.shape)})"
-        )
+        return f"{sp['kind']}: result differs from the slice of the global tensor " \
+               f"(shape {tuple(got.shape)} vs {tuple(want.shape)})"
     return None
 
 
@@ -250,7 +196,8 @@ def _run_attention(rank, W, sp):
     q, k, v = (torch.randn(1, S, h, D, generator=g).to(dt) for h in (hq, hkv, hkv))
     norm = rope = None
     if sp["qk_norm"]:
-        norm = (1 + 0.1 * torch.randn(D, generator=g), 1 + 0.1 * torch.randn(D, generator=g), 1e-6)
+        norm = (1 + 0.1 * torch.randn(D, generator=g), 1 + 0.1 * torch.randn(D, generator=g),
+                1e-6)
     if sp["rope"]:
         inv = 1.0 / (10000 ** (torch.arange(0, D, 2).double() / D))
         ang = torch.arange(S).double()[:, None] * inv[None, :]
@@ -258,9 +205,8 @@ def _run_attention(rank, W, sp):
         rope = (ang.cos().float(), ang.sin().float())
     off = sum(lens[:rank])
     sl = slice(off, off + lens[rank])
-    attn = ulysses.UlyssesAttention(
-        backend="all_to_all", qk_norm=norm, pipeline_groups=sp["pipeline_groups"]
-    )
+    attn = ulysses.UlyssesAttention(backend="all_to_all", qk_norm=norm,
+                                    pipeline_groups=sp["pipeline_groups"])
     got = attn(q[:, sl], k[:, sl], v[:, sl], seq_lens=lens, causal=sp["causal"], rope=rope)
     qr, kr = q.double(), k.double()
     if norm is not None or rope is not None:
@@ -270,9 +216,8 @@ def _run_attention(rank, W, sp):
     want = ref_attention(qr, kr, v.double(), sp["causal"])[:, sl]
     tol = 2e-5 if dt == torch.float32 else 6e-2
     if got.shape != want.shape or got.dtype != dt:
-        return (
-            f"UlyssesAttention: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {dt}"
-        )
+        return f"UlyssesAttention: got {tuple(got.shape)} {got.dtype}, want " \
+               f"{tuple(want.shape)} {dt}"
     err = (got.double() - want).abs().max().item() if got.numel() else 0.0
     if not err <= tol * max(1.0, want.abs().max().item() if want.numel() else 1.0):
         return f"UlyssesAttention: max abs error {err:.3g} against the fp64 reference"
@@ -302,7 +247,7 @@ def _run_dp_gather(rank, W, sp):
     if tuple(got.shape) != (total, *sp["rest"]) and not (total == 0 and got.shape[0] == 0):
         return f"dp_gather: shape {tuple(got.shape)}, want {(total, *sp['rest'])}"
     for q in range(len(n)):
-        if not bitwise_equal(got[offs[q] : offs[q] + n[q]], rows[q]):
+        if not bitwise_equal(got[offs[q]:offs[q] + n[q]], rows[q]):
             return f"dp_gather: DP rank {q}'s rows differ"
     if total and not bitwise_equal(dp_attention.dp_scatter(got, n, d, mode=mode), rows[d]):
         return "dp_scatter: this DP rank's rows differ from what it sent"
@@ -313,13 +258,11 @@ def _run_dp_reduce_scatter(rank, W, sp):
     n, tp, mode = sp["n"], sp["tp"], sp["mode"]
     total, offs = _layout(n, mode)
     dt = _DTYPES[sp["dtype"]]
-    parts = [
-        torch.randint(-50, 50, (total, *sp["rest"]), generator=_gen(sp["seed"], 200 + r)).to(dt)
-        for r in range(W)
-    ]
+    parts = [torch.randint(-50, 50, (total, *sp["rest"]), generator=_gen(sp["seed"], 200 + r))
+             .to(dt) for r in range(W)]
     got = dp_attention.dp_reduce_scatter(parts[rank].clone(), n, None, mode=mode, attn_tp_size=tp)
     d = rank // tp
-    want = torch.stack(parts).sum(0)[offs[d] : offs[d] + n[d]]  # small integers: exact
+    want = torch.stack(parts).sum(0)[offs[d]:offs[d] + n[d]]  # small integers: exact
     if not bitwise_equal(got, want.to(dt)):
         return f"dp_reduce_scatter: DP rank {d}'s sum differs"
     return None
@@ -333,19 +276,13 @@ def _run_dp_sync(rank, W, sp):
             return None
         if b[0] == "decode":
             return BatchView(ForwardMode.DECODE, batch_size=b[1])
-        return BatchView(
-            ForwardMode.EXTEND, batch_size=b[1], extend_num_tokens=sum(b[2]), extend_lens=list(b[2])
-        )
+        return BatchView(ForwardMode.EXTEND, batch_size=b[1], extend_num_tokens=sum(b[2]),
+                         extend_lens=list(b[2]))
 
     want = [0 if b is None else (b[1] if b[0] == "decode" else sum(b[2])) for b in batches]
     batch, info = dp_attention.prepare_mlp_sync_batch(
-        view(batches[rank // tp]),
-        dp_size=W // tp,
-        attn_tp_size=tp,
-        group=None,
-        sync=sp["sync"],
-        get_idle_batch=lambda: BatchView(ForwardMode.IDLE),
-    )
+        view(batches[rank // tp]), dp_size=W // tp, attn_tp_size=tp, group=None,
+        sync=sp["sync"], get_idle_batch=lambda: BatchView(ForwardMode.IDLE))
     if info.global_num_tokens != want:
         return f"dp sync: global_num_tokens {info.global_num_tokens}, want {want}"
     if info.is_extend_in_batch != any(b is not None and b[0] == "extend" for b in batches):
@@ -353,21 +290,12 @@ def _run_dp_sync(rank, W, sp):
     idle_everywhere = all(b is None for b in batches)
     if (batch is None) != idle_everywhere:
         return f"dp sync: returned batch {batch!r} with every rank idle = {idle_everywhere}"
-    if (
-        batch is not None
-        and batches[rank // tp] is None
-        and ForwardMode(int(batch.forward_mode)) != ForwardMode.IDLE
-    ):
+    if batch is not None and batches[rank // tp] is None and \
+            ForwardMode(int(batch.forward_mode)) != ForwardMode.IDLE:
         return "dp sync: an idle rank did not get the idle batch"
     return None
 
 
-_RUN = {
-    "dcp_merge": _run_dcp,
-    "seq_to_head": _run_a2a,
-    "head_to_seq": _run_a2a,
-    "ulysses_attention": _run_attention,
-    "dp_gather_scatter": _run_dp_gather,
-    "dp_reduce_scatter": _run_dp_reduce_scatter,
-    "dp_sync": _run_dp_sync,
-}
+_RUN = {"dcp_merge": _run_dcp, "seq_to_head": _run_a2a, "head_to_seq": _run_a2a,
+        "ulysses_attention": _run_attention, "dp_gather_scatter": _run_dp_gather,
+        "dp_reduce_scatter": _run_dp_reduce_scatter, "dp_sync": _run_dp_sync}

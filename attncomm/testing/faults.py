@@ -20,7 +20,6 @@ Worlds come from a fork server that has torch and attncomm imported (``multiproc
 ``python -m attncomm.testing.faults [--timeout 2] [--jobs 4] [--exchange NAME ...]`` prints the
 matrix and exits non-zero on any failure.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -54,78 +53,42 @@ __all__ = ["EXCHANGES", "FAULTS", "Cell", "main", "run_cell", "run_matrix"]
 FAULTS = ("kill", "skip", "shape")
 KILL_EXIT_CODE = 17
 # The collectives a call can go through (patched on the peer to count and to kill).
-_COLLECTIVES = (
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "all_to_all_single",
-    "all_reduce",
-    "reduce_scatter_tensor",
-    "reduce_scatter_single",
-    "all_gather_object",
-    "broadcast",
-    "barrier",
-    "all_gather",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-    "broadcast_object_list",
-)
-_PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "attncomm",
-    "attncomm.dcp",
-    "attncomm.ulysses",
-    "attncomm.dp_attention",
-    "attncomm.launch",
-]
+_COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "all_to_all_single",
+                "all_reduce", "reduce_scatter_tensor", "reduce_scatter_single",
+                "all_gather_object", "broadcast", "barrier", "all_gather", "send", "recv",
+                "isend", "irecv", "broadcast_object_list")
+_PRELOAD = ["torch", "torch.distributed", "attncomm", "attncomm.dcp", "attncomm.ulysses",
+            "attncomm.dp_attention", "attncomm.launch"]
 
 
 # ------------------------------------------------------------------------------ exchanges
 # Each takes (rank, world, bad, validate, timeout_s) and makes one call; ``bad`` → the other
 # shape. ``words`` are what a ValueError for the bad call must name.
 
-
 def _dcp(backend):
     def call(rank, world, bad, validate, timeout_s):
         T = 6 if bad else 5
-        dcp.merge(
-            torch.randn(T, 2 * world, 8),
-            torch.randn(T, 2 * world),
-            backend=backend,
-            validate=validate,
-            timeout_s=timeout_s,
-        )
-
+        dcp.merge(torch.randn(T, 2 * world, 8), torch.randn(T, 2 * world), backend=backend,
+                  validate=validate, timeout_s=timeout_s)
     return call
 
 
 def _seq_to_head(rank, world, bad, validate, timeout_s):
-    ulysses.seq_to_head(
-        torch.randn(1, 3, 4, 16 if bad else 8),
-        seq_lens=[3] * world,
-        backend="all_to_all",
-        validate=validate,
-        timeout_s=timeout_s,
-    )
+    ulysses.seq_to_head(torch.randn(1, 3, 4, 16 if bad else 8), seq_lens=[3] * world,
+                        backend="all_to_all", validate=validate, timeout_s=timeout_s)
 
 
 def _head_to_seq(rank, world, bad, validate, timeout_s):
-    ulysses.head_to_seq(
-        torch.randn(1, 3 * world, 2, 16 if bad else 8),
-        num_heads=2 * world,
-        seq_lens=[3] * world,
-        backend="all_to_all",
-        validate=validate,
-        timeout_s=timeout_s,
-    )
+    ulysses.head_to_seq(torch.randn(1, 3 * world, 2, 16 if bad else 8), num_heads=2 * world,
+                        seq_lens=[3] * world, backend="all_to_all", validate=validate,
+                        timeout_s=timeout_s)
 
 
 def _ulysses_attention(rank, world, bad, validate, timeout_s):
     d = 16 if bad else 8
     q, k, v = torch.randn(1, 3, 4, d), torch.randn(1, 3, 2, d), torch.randn(1, 3, 2, d)
-    attn = ulysses.UlyssesAttention(backend="all_to_all", timeout_s=timeout_s, validate=validate)
+    attn = ulysses.UlyssesAttention(backend="all_to_all", timeout_s=timeout_s,
+                                    validate=validate)
     attn(q, k, v, seq_lens=[3] * world)
 
 
@@ -133,41 +96,22 @@ def _dp_sync(sync):
     def call(rank, world, bad, validate, timeout_s):
         # bad: the peer believes in another DP × attention-TP layout of the same group.
         dp, tp = (1, world) if bad else (world, 1)
-        prepare_mlp_sync_batch(
-            BatchView(ForwardMode.DECODE, batch_size=rank + 1),
-            dp_size=dp,
-            attn_tp_size=tp,
-            group=None,
-            sync=sync,
-            timeout_s=timeout_s,
-            get_idle_batch=lambda: BatchView(ForwardMode.IDLE),
-        )
-
+        prepare_mlp_sync_batch(BatchView(ForwardMode.DECODE, batch_size=rank + 1), dp_size=dp,
+                               attn_tp_size=tp, group=None, sync=sync, timeout_s=timeout_s,
+                               get_idle_batch=lambda: BatchView(ForwardMode.IDLE))
     return call
 
 
 def _dp_gather(rank, world, bad, validate, timeout_s):
     n = [2 + r for r in range(world)]
-    dp_gather(
-        torch.randn(n[rank], 8 if bad else 4),
-        n,
-        None,
-        mode=DpPaddingMode.SUM_LEN,
-        validate=validate,
-        timeout_s=timeout_s,
-    )
+    dp_gather(torch.randn(n[rank], 8 if bad else 4), n, None, mode=DpPaddingMode.SUM_LEN,
+              validate=validate, timeout_s=timeout_s)
 
 
 def _dp_reduce_scatter(rank, world, bad, validate, timeout_s):
     n = [2 + r for r in range(world)]
-    dp_reduce_scatter(
-        torch.randn(max(n) * world, 8 if bad else 4),
-        n,
-        None,
-        mode=DpPaddingMode.MAX_LEN,
-        validate=validate,
-        timeout_s=timeout_s,
-    )
+    dp_reduce_scatter(torch.randn(max(n) * world, 8 if bad else 4), n, None,
+                      mode=DpPaddingMode.MAX_LEN, validate=validate, timeout_s=timeout_s)
 
 
 @dataclass(frozen=True)
@@ -192,9 +136,9 @@ EXCHANGES = {
 
 # ------------------------------------------------------------------------------ one rank
 
-
 def _patch_collectives(kill_at: int | None) -> list:
     """Count (and with ``kill_at``, die at) the peer's collectives; returns the counter."""
+
 
     count = [0]
 
@@ -204,7 +148,6 @@ def _patch_collectives(kill_at: int | None) -> list:
             if kill_at is not None and count[0] >= kill_at:
                 os._exit(KILL_EXIT_CODE)
             return fn(*args, **kwargs)
-
         counted.__wrapped__ = fn
         return counted
 
@@ -220,9 +163,8 @@ def _patch_collectives(kill_at: int | None) -> list:
 def _outcome(exc: BaseException | None, t0: float) -> dict:
     out = {"elapsed_s": time.monotonic() - t0, "kind": "returned", "message": "", "peers": None}
     if exc is not None:
-        out["kind"] = (
-            "PeerTimeoutError" if isinstance(exc, PeerTimeoutError) else type(exc).__name__
-        )
+        out["kind"] = ("PeerTimeoutError" if isinstance(exc, PeerTimeoutError) else
+                       type(exc).__name__)
         out["message"] = str(exc)[:2000]
         out["peers"] = getattr(exc, "peer_ranks", None)
     return out
@@ -259,13 +201,12 @@ def _rank_main(rank, world, path, exchange, fault, validate, timeout_s, results)
 
 # ------------------------------------------------------------------------------ the parent
 
-
 @dataclass
 class Cell:
     exchange: str
     fault: str
     validate: bool
-    ranks: dict = field(default_factory=dict)  # rank → outcome dict
+    ranks: dict = field(default_factory=dict)   # rank → outcome dict
     exit_codes: dict = field(default_factory=dict)
     failures: list = field(default_factory=list)
 
@@ -285,23 +226,17 @@ def _context():
     return _CTX
 
 
-def run_cell(
-    exchange: str, fault: str, validate: bool, timeout_s: float = 2.0, world: int = 2
-) -> Cell:
+def run_cell(exchange: str, fault: str, validate: bool, timeout_s: float = 2.0,
+             world: int = 2) -> Cell:
     """Run one cell on a fresh ``world``-rank gloo world and judge it (``Cell.failures``)."""
     ctx = _context()
     fd, path = tempfile.mkstemp(prefix="attncomm-faults-")
     os.close(fd)
     os.unlink(path)
     results = ctx.SimpleQueue()
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(r, world, path, exchange, fault, validate, timeout_s, results),
-            daemon=True,
-        )
-        for r in range(world)
-    ]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, path, exchange, fault, validate,
+                                                  timeout_s, results), daemon=True)
+             for r in range(world)]
     cell = Cell(exchange, fault, validate)
     for p in procs:
         p.start()
@@ -315,7 +250,8 @@ def run_cell(
             break
         time.sleep(0.02)
     for r, p in enumerate(procs):
-        p.join(timeout=max(0.0, hang_deadline - time.monotonic()) if r not in cell.ranks else 10)
+        p.join(timeout=max(0.0, hang_deadline - time.monotonic()) if r not in cell.ranks
+               else 10)
         if p.is_alive():
             p.kill()
             p.join(5)
@@ -353,9 +289,8 @@ def _judge(cell: Cell, timeout_s: float, world: int) -> None:
             # went unnoticed.
             aborted = [q for q, c in cell.exit_codes.items() if c not in (0, None)]
             if not (cell.fault == "shape" and not cell.validate and aborted):
-                f.append(
-                    f"rank {r} returned normally ({o['elapsed_s']:.1f} s): a fault went unnoticed"
-                )
+                f.append(f"rank {r} returned normally ({o['elapsed_s']:.1f} s): a fault went "
+                         f"unnoticed")
             continue
         if o["elapsed_s"] > bound:
             f.append(f"rank {r} raised after {o['elapsed_s']:.1f} s > timeout + 5 = {bound:g} s")
@@ -364,39 +299,29 @@ def _judge(cell: Cell, timeout_s: float, world: int) -> None:
             # mismatch) whichever rank died.
             want = [q for q in range(world) if q != r] if cell.fault == "shape" else [peer]
             if o["peers"] != want:
-                f.append(
-                    f"rank {r}: PeerTimeoutError names {o['peers']}, not {want}: "
-                    f"{o['message'][:200]}"
-                )
+                f.append(f"rank {r}: PeerTimeoutError names {o['peers']}, not {want}: "
+                         f"{o['message'][:200]}")
         elif o["kind"] == "ValueError":
             if cell.fault != "shape":
                 f.append(f"rank {r}: ValueError for a {cell.fault} fault: {o['message'][:200]}")
-            elif cell.validate and not all(
-                w in o["message"] for w in EXCHANGES[cell.exchange].words
-            ):
-                f.append(
-                    f"rank {r}: the ValueError does not name "
-                    f"{list(EXCHANGES[cell.exchange].words)}: {o['message'][:300]}"
-                )
+            elif cell.validate and not all(w in o["message"] for w in EXCHANGES[
+                    cell.exchange].words):
+                f.append(f"rank {r}: the ValueError does not name "
+                         f"{list(EXCHANGES[cell.exchange].words)}: {o['message'][:300]}")
         else:
             f.append(f"rank {r} raised {o['kind']}: {o['message'][:300]}")
     if cell.fault == "kill" and cell.exit_codes.get(peer) != KILL_EXIT_CODE:
         f.append(f"the peer was meant to die mid-call; exit code {cell.exit_codes.get(peer)}")
     # Rank 0 must survive every fault, except a shape mismatch without validation, where
     # gloo's own size check may abort any rank (C++ ``terminate``; ``launch`` reports it).
-    if (
-        0 not in cell.ranks
-        and not (cell.fault == "shape" and not cell.validate)
-        and not any("never reported" in m for m in f)
-    ):
+    if 0 not in cell.ranks and not (cell.fault == "shape" and not cell.validate) \
+            and not any("never reported" in m for m in f):
         f.append(f"rank 0 did not survive (exit code {cell.exit_codes.get(0)})")
     if cell.fault == "shape" and cell.validate:
         for r in range(world):
             if cell.ranks.get(r, {}).get("kind") != "ValueError":
-                f.append(
-                    f"validation on: rank {r} must raise ValueError, got "
-                    f"{cell.ranks.get(r, {}).get('kind')}"
-                )
+                f.append(f"validation on: rank {r} must raise ValueError, got "
+                         f"{cell.ranks.get(r, {}).get('kind')}")
 
 
 def run_matrix(exchanges=None, *, timeout_s: float = 2.0, jobs: int = 4) -> list[Cell]:
@@ -422,9 +347,8 @@ def _describe(cell: Cell) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m attncomm.testing.faults", description=__doc__.split("\n\n")[0]
-    )
+    ap = argparse.ArgumentParser(prog="python -m attncomm.testing.faults",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--timeout", type=float, default=2.0, help="each call's timeout_s")
     ap.add_argument("--jobs", type=int, default=4, help="worlds run at once")
     ap.add_argument("--exchange", action="append", choices=list(EXCHANGES))
@@ -435,15 +359,11 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for c in cells:
         verdict = "pass" if not c.failures else "FAIL: " + "; ".join(c.failures)
-        print(
-            f"| {c.exchange} | {c.fault} | {'on' if c.validate else 'off'} | "
-            f"{_describe(c)} | {verdict} |"
-        )
+        print(f"| {c.exchange} | {c.fault} | {'on' if c.validate else 'off'} | "
+              f"{_describe(c)} | {verdict} |")
     bad = sum(1 for c in cells if c.failures)
-    print(
-        f"\n{len(cells)} cells, {bad} failed, {time.monotonic() - t0:.0f} s "
-        f"(timeout_s={a.timeout:g}, {datetime.date.today()})"
-    )
+    print(f"\n{len(cells)} cells, {bad} failed, {time.monotonic() - t0:.0f} s "
+          f"(timeout_s={a.timeout:g}, {datetime.date.today()})")
     return 1 if bad else 0
 
 

@@ -11,7 +11,6 @@ prints ``python -m attncomm.testing.fuzz --replay SEED``.
 Ranks are reused: one pool per world size, many cases per call. A case that raises may leave the
 group out of step, so its batch stops there and the driver starts fresh ranks for the rest.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -74,16 +73,8 @@ def _merge(per_rank: list, seeds: list) -> tuple[dict, list, bool]:
     return done, seeds[n:], bool(stops)
 
 
-def run(
-    cases: int,
-    seed: int,
-    *,
-    worlds=range(1, 9),
-    time_budget_s: float | None = None,
-    pool_for=None,
-    timeout_s: float = 60.0,
-    log=print,
-) -> dict:
+def run(cases: int, seed: int, *, worlds=range(1, 9), time_budget_s: float | None = None,
+        pool_for=None, timeout_s: float = 60.0, log=print) -> dict:
     """Run ``cases`` cases of seed ``seed`` whose world size is in ``worlds`` (others skipped).
 
     ``pool_for(W)`` gives a ``RankPool`` (e.g. the test session's pools): batches then go round
@@ -143,39 +134,19 @@ def _summary(results: dict, seed: int, cases: int, elapsed: float, log) -> dict:
         by_kind[sp["kind"]] += 1
         by_world[sp["W"]] += 1
         if msgs:
-            failures.append(
-                {
-                    "seed": s,
-                    "kind": sp["kind"],
-                    "W": sp["W"],
-                    "messages": msgs[:4],
-                    "replay": replay_command(s),
-                }
-            )
-            log(
-                f"FAIL case {s} ({sp['kind']}, W={sp['W']}): {msgs[0]}\n"
-                f"  replay: {replay_command(s)}"
-            )
-    return {
-        "seed": seed,
-        "cases_drawn": cases,
-        "cases_run": len(results),
-        "failures": failures,
-        "by_kind": dict(sorted(by_kind.items())),
-        "by_world": dict(sorted(by_world.items())),
-        "elapsed_s": round(elapsed, 1),
-        "date": datetime.date.today().isoformat(),
-        "machine": _machine(),
-    }
+            failures.append({"seed": s, "kind": sp["kind"], "W": sp["W"],
+                             "messages": msgs[:4], "replay": replay_command(s)})
+            log(f"FAIL case {s} ({sp['kind']}, W={sp['W']}): {msgs[0]}\n"
+                f"  replay: {replay_command(s)}")
+    return {"seed": seed, "cases_drawn": cases, "cases_run": len(results),
+            "failures": failures, "by_kind": dict(sorted(by_kind.items())),
+            "by_world": dict(sorted(by_world.items())), "elapsed_s": round(elapsed, 1),
+            "date": datetime.date.today().isoformat(), "machine": _machine()}
 
 
 def _machine() -> dict:
-    return {
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
+    return {"platform": platform.platform(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__}
 
 
 def replay(seed: int, log=print) -> int:
@@ -191,41 +162,26 @@ def replay(seed: int, log=print) -> int:
 
 def markdown(summary: dict) -> str:
     m = summary["machine"]
-    command = (
-        f"`python -m attncomm.testing.fuzz --cases {summary['cases_drawn']} --seed "
-        f"{summary['seed']}` on {m['platform']}, {m['cpus']} CPUs (shared), Python "
-        f"{m['python']}, torch {m['torch']}, gloo ranks."
-    )
-    verdict = (
-        f"**{summary['cases_run']} cases run, {len(summary['failures'])} failed**, "
-        f"{summary['elapsed_s']:.0f} s."
-    )
-    lines = [
-        f"# Fuzz run, {summary['date']}",
-        "",
-        command,
-        "",
-        verdict,
-        "",
-        "| kind | cases |",
-        "|---|---|",
-    ]
+    command = (f"`python -m attncomm.testing.fuzz --cases {summary['cases_drawn']} --seed "
+               f"{summary['seed']}` on {m['platform']}, {m['cpus']} CPUs (shared), Python "
+               f"{m['python']}, torch {m['torch']}, gloo ranks.")
+    verdict = (f"**{summary['cases_run']} cases run, {len(summary['failures'])} failed**, "
+               f"{summary['elapsed_s']:.0f} s.")
+    lines = [f"# Fuzz run, {summary['date']}", "", command, "", verdict, "",
+             "| kind | cases |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in summary["by_kind"].items()]
     lines += ["", "| W | cases |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in summary["by_world"].items()]
     if summary["failures"]:
         lines += ["", "Failures:", ""]
-        lines += [
-            f"- case {f['seed']} ({f['kind']}, W={f['W']}): {f['messages'][0]} — `{f['replay']}`"
-            for f in summary["failures"]
-        ]
+        lines += [f"- case {f['seed']} ({f['kind']}, W={f['W']}): {f['messages'][0]} — "
+                  f"`{f['replay']}`" for f in summary["failures"]]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m attncomm.testing.fuzz", description=__doc__.split("\n\n")[0]
-    )
+    ap = argparse.ArgumentParser(prog="python -m attncomm.testing.fuzz",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--replay", type=int, metavar="CASE_SEED", help="run one case again")
@@ -239,17 +195,16 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if a.replay is not None:
         return replay(a.replay)
-    summary = run(a.cases, a.seed, worlds=range(1, a.max_world + 1), time_budget_s=a.time_budget)
+    summary = run(a.cases, a.seed, worlds=range(1, a.max_world + 1),
+                  time_budget_s=a.time_budget)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(summary, f, indent=1)
     if a.md:
         with open(a.md, "w") as f:
             f.write(markdown(summary))
-    print(
-        f"{summary['cases_run']} cases run, {len(summary['failures'])} failed, "
-        f"{summary['elapsed_s']:.0f} s; by kind {summary['by_kind']}"
-    )
+    print(f"{summary['cases_run']} cases run, {len(summary['failures'])} failed, "
+          f"{summary['elapsed_s']:.0f} s; by kind {summary['by_kind']}")
     return 1 if summary["failures"] else 0
 
 

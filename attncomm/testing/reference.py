@@ -1,5 +1,4 @@
 """Single-process fp64 references of every exchange, shared by the tests and the fuzz."""
-
 from __future__ import annotations
 
 import math
@@ -22,30 +21,22 @@ def ref_merge(outs: torch.Tensor, lses: torch.Tensor):
     l = lses.double()
     l = torch.where(torch.isfinite(l), l, torch.full_like(l, -math.inf))
     if l.shape[0] == 0:
-        return (
-            torch.zeros(o.shape[1:], dtype=torch.float64),
-            torch.full(l.shape[1:], -math.inf, dtype=torch.float64),
-        )
+        return (torch.zeros(o.shape[1:], dtype=torch.float64),
+                torch.full(l.shape[1:], -math.inf, dtype=torch.float64))
     m = l.amax(0)
     empty = torch.isneginf(m)
     m = torch.where(empty, torch.zeros_like(m), m)
     w = torch.exp(l - m)
     s = w.sum(0)
     num = torch.where(w.unsqueeze(-1) > 0, o * w.unsqueeze(-1), torch.zeros_like(o)).sum(0)
-    out = torch.where(
-        empty.unsqueeze(-1), torch.zeros_like(num), num / s.clamp_min(1e-300).unsqueeze(-1)
-    )
+    out = torch.where(empty.unsqueeze(-1), torch.zeros_like(num),
+                      num / s.clamp_min(1e-300).unsqueeze(-1))
     lse = torch.where(empty, torch.full_like(m, -math.inf), torch.log(s) + m)
     return out, lse
 
 
-def ref_norm_rope(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
-) -> torch.Tensor:
+def ref_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                  cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
     """RMSNorm over D (``weight [D]`` or None: none), then rotate-half (NeoX) RoPE (``cos``,
     ``sin`` ``[S, D]`` or None), in fp64: ``x [B, S, H, D]`` → fp64."""
     x = x.double()

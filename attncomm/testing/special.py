@@ -8,7 +8,6 @@ non-finite LSE is an empty source, a row empty everywhere is exactly 0 with LSE 
 a contributing payload propagates. Finite LSEs of one row are either within 2.5 of each other or
 ~1e30 apart, never in the band where an fp32 weight underflows on one backend and not another.
 """
-
 from __future__ import annotations
 
 import itertools
@@ -40,9 +39,8 @@ def _combos(world_size: int, max_rows: int, seed: int) -> list:
     return rows
 
 
-def special_table(
-    world_size: int, *, head_dim: int = 3, dtype=torch.float32, max_rows: int = 1400, seed: int = 0
-):
+def special_table(world_size: int, *, head_dim: int = 3, dtype=torch.float32,
+                  max_rows: int = 1400, seed: int = 0):
     """Every rank's inputs for one table: ``(outs [W, T, H, D] dtype, lses [W, T, H] fp32)``
     with ``H = W`` (one head per rank's slice) and ``T = ceil(rows / W)``; the same on every
     rank for the same arguments. All combinations when there are at most ``max_rows``, else
@@ -80,14 +78,8 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(_bits(torch.where(nan_a, zero, a)), _bits(torch.where(nan_b, zero, b)))
 
 
-def check_merge(
-    got_out: torch.Tensor,
-    got_lse: torch.Tensor,
-    outs: torch.Tensor,
-    lses: torch.Tensor,
-    heads: slice | None = None,
-    what: str = "",
-) -> list[str]:
+def check_merge(got_out: torch.Tensor, got_lse: torch.Tensor, outs: torch.Tensor,
+                lses: torch.Tensor, heads: slice | None = None, what: str = "") -> list[str]:
     """Compare a merge result against the fp64 reference of ``outs [N, T, H, D]``,
     ``lses [N, T, H]`` (base e) restricted to ``heads``; returns failure messages (empty: pass).
 
@@ -102,22 +94,16 @@ def check_merge(
     if got_out.dtype != dtype or got_lse.dtype != torch.float32:
         return [f"{what}: dtypes {got_out.dtype}, {got_lse.dtype}; expected {dtype}, fp32"]
     if got_out.shape != ref_out.shape or got_lse.shape != ref_lse.shape:
-        return [
-            (
-                f"{what}: shapes {tuple(got_out.shape)}, {tuple(got_lse.shape)}; expected "
-                f"{tuple(ref_out.shape)}, {tuple(ref_lse.shape)}"
-            )
-        ]
+        return [(f"{what}: shapes {tuple(got_out.shape)}, {tuple(got_lse.shape)}; expected "
+                 f"{tuple(ref_out.shape)}, {tuple(ref_lse.shape)}")]
     bad = []
     g = got_out.double()
     for name, fn in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
         diff = fn(g) != fn(ref_out)
         if diff.any():
             idx = diff.nonzero()[0].tolist()
-            bad.append(
-                f"{what}: {name} placement differs at {idx} (got {g[tuple(idx)].item()}, "
-                f"reference {ref_out[tuple(idx)].item()})"
-            )
+            bad.append(f"{what}: {name} placement differs at {idx} (got {g[tuple(idx)].item()}, "
+                       f"reference {ref_out[tuple(idx)].item()})")
     fin = torch.isfinite(ref_out) & torch.isfinite(g)
     if fin.any():
         scale = max(1.0, ref_out[fin].abs().max().item())
@@ -127,10 +113,8 @@ def check_merge(
     gl = got_lse.double()
     if torch.isnan(gl).any():
         bad.append(f"{what}: NaN in the merged LSE")
-    if not (
-        torch.equal(torch.isneginf(gl), torch.isneginf(ref_lse))
-        and torch.equal(torch.isfinite(gl), torch.isfinite(ref_lse))
-    ):
+    if not (torch.equal(torch.isneginf(gl), torch.isneginf(ref_lse))
+            and torch.equal(torch.isfinite(gl), torch.isfinite(ref_lse))):
         bad.append(f"{what}: merged LSE non-finite in other places than the reference's")
     lfin = torch.isfinite(ref_lse) & torch.isfinite(gl)
     if lfin.any():

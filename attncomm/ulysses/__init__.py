@@ -10,7 +10,6 @@
   (last call of any caller) says why it did not take ``ce`` (``backend_availability()`` for
   ``attncomm env``).
 """
-
 from __future__ import annotations
 
 from .api import backend_availability, head_to_seq, seq_to_head
@@ -22,13 +21,5 @@ from .layout import head_split
 #: object, ``UlyssesAttention.fallback_reason`` says the same for that module's last forward.
 fallback_reason: str | None = None
 
-__all__ = [
-    "head_split",
-    "seq_to_head",
-    "head_to_seq",
-    "UlyssesAttention",
-    "sdpa_attention",
-    "rms_norm_rope",
-    "backend_availability",
-    "fallback_reason",
-]
+__all__ = ["head_split", "seq_to_head", "head_to_seq", "UlyssesAttention", "sdpa_attention",
+           "rms_norm_rope", "backend_availability", "fallback_reason"]

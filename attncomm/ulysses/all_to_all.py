@@ -3,7 +3,6 @@
 NCCL on GPU, gloo on CPU; uneven heads and sequences need no padding because every chunk has its
 own split size. Data travels as bytes (gloo lacks some dtypes, e.g. bf16, for this collective).
 """
-
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -13,14 +12,8 @@ import torch.distributed as dist
 
 from .. import _dist
 from .layout import ExchangePlan
-from .transport import (
-    Exchange,
-    SendBuffer,
-    Transport,
-    dense_send_buffer,
-    fill_send_buffer,
-    source_view,
-)
+from .transport import (Exchange, SendBuffer, Transport, dense_send_buffer, fill_send_buffer,
+                        source_view)
 
 __all__ = ["AllToAllTransport"]
 
@@ -45,23 +38,19 @@ class _A2AExchange(Exchange):
         if plan.tiled:
             if self.out is not None and self.out.data_ptr() != self.recv.data_ptr():
                 # a tiled plan's pieces start at 0 and are dense: the prefix of the buffer
-                self.out[: self.recv.numel()].copy_(self.recv)
+                self.out[:self.recv.numel()].copy_(self.recv)
                 self._result = self.out
             else:
                 self._result = self.recv
             return self._result
-        final = (
-            self.out
-            if self.out is not None
-            else torch.empty(plan.recv_numel[r], dtype=self.dtype, device=self.device)
-        )
+        final = self.out if self.out is not None else torch.empty(
+            plan.recv_numel[r], dtype=self.dtype, device=self.device)
         pos = 0
         for s in range(plan.world_size):
             for x in plan.pieces[s][r]:
-                dst = final.as_strided(
-                    (x.rows, x.cols), (x.dst_pitch, 1), final.storage_offset() + x.dst_offset
-                )
-                dst.copy_(self.recv[pos : pos + x.numel].view(x.rows, x.cols))
+                dst = final.as_strided((x.rows, x.cols), (x.dst_pitch, 1),
+                                       final.storage_offset() + x.dst_offset)
+                dst.copy_(self.recv[pos:pos + x.numel].view(x.rows, x.cols))
                 pos += x.numel
         self._result = final
         return final
@@ -74,16 +63,9 @@ class AllToAllTransport(Transport):
 
     name = "all_to_all"
 
-    def start(
-        self,
-        plan: ExchangePlan,
-        parts: Sequence[torch.Tensor],
-        dtype: torch.dtype,
-        device: torch.device,
-        out: torch.Tensor | None = None,
-        *,
-        send: SendBuffer | None = None,
-    ) -> Exchange:
+    def start(self, plan: ExchangePlan, parts: Sequence[torch.Tensor], dtype: torch.dtype,
+              device: torch.device, out: torch.Tensor | None = None, *,
+              send: SendBuffer | None = None) -> Exchange:
         r, w = self.rank, self.world_size
         if send is not None:
             self._check_send(plan, dtype, send)
@@ -93,7 +75,8 @@ class AllToAllTransport(Transport):
         if plan.tiled and out is not None and plan.covers(r):
             recv = out
         else:
-            recv = torch.empty(sum(plan.numel[s][r] for s in range(w)), dtype=dtype, device=device)
+            recv = torch.empty(sum(plan.numel[s][r] for s in range(w)), dtype=dtype,
+                               device=device)
         if w == 1:
             recv.copy_(send)
             return _A2AExchange(self, None, plan, recv, out, dtype, device)
@@ -101,14 +84,9 @@ class AllToAllTransport(Transport):
         send_splits = [plan.numel[r][p] * item for p in range(w)]
         recv_splits = [plan.numel[s][r] * item for s in range(w)]
         with _dist.guard_timeout(self.group, "ulysses all_to_all", self.timeout_s):
-            work = dist.all_to_all_single(
-                _dist.as_bits(recv),
-                _dist.as_bits(send),
-                recv_splits,
-                send_splits,
-                group=self.group,
-                async_op=True,
-            )
+            work = dist.all_to_all_single(_dist.as_bits(recv), _dist.as_bits(send),
+                                          recv_splits, send_splits, group=self.group,
+                                          async_op=True)
         return _A2AExchange(self, work, plan, recv, out, dtype, device)
 
     def _pack(self, plan: ExchangePlan, parts, dtype, device) -> torch.Tensor:

@@ -4,7 +4,6 @@ choice of transport (``all_to_all``, ``ce``, ``auto``) shared with ``UlyssesAtte
 Ulysses sequence parallelism: DeepSpeed-Ulysses (Jacobs et al., 2023, arXiv:2309.14509) —
 attention on whole sequences for a subset of heads, reached by one all-to-all each way.
 """
-
 from __future__ import annotations
 
 import re
@@ -24,15 +23,9 @@ from .ce import CopyEngineTransport
 from .layout import head_offsets, head_split, head_to_seq_plan, seq_to_head_plan
 from .transport import Transport
 
-__all__ = [
-    "seq_to_head",
-    "head_to_seq",
-    "backend_availability",
-    "get_transport",
-    "reset_transports",
-    "BACKENDS",
-    "AUTO_CE_MIN_BYTES",
-]
+__all__ = ["seq_to_head", "head_to_seq", "backend_availability", "get_transport",
+           "reset_transports",
+           "BACKENDS", "AUTO_CE_MIN_BYTES"]
 
 BACKENDS = ("all_to_all", "ce", "auto")
 _BACKEND_CODES = {"all_to_all": 1, "ce": 2, "auto": 3}
@@ -70,11 +63,8 @@ def backend_availability(group=None) -> dict:
     initialised; a local check otherwise)."""
     out = {"all_to_all": None if dist.is_available() else "torch.distributed is unavailable"}
     if dist.is_initialized():
-        dev = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
+        dev = (torch.device("cuda", torch.cuda.current_device())
+               if torch.cuda.is_available() else torch.device("cpu"))
         out["ce"] = ce.agreed_unavailable_reason(group, dev)
     else:
         out["ce"] = ce.host_unavailable_reason()
@@ -88,16 +78,8 @@ def _tracing() -> bool:
         return False
 
 
-def get_transport(
-    group,
-    backend: str,
-    device: torch.device,
-    timeout_s: float,
-    plan=None,
-    dtype=None,
-    op: str = "ulysses",
-    owner=None,
-) -> Transport:
+def get_transport(group, backend: str, device: torch.device, timeout_s: float,
+                  plan=None, dtype=None, op: str = "ulysses", owner=None) -> Transport:
     """The transport for this call. ``backend`` is already validated and agreed.
 
     ``auto`` falls back to ``all_to_all`` when ``ce`` is not eligible, torch.compile is tracing,
@@ -173,7 +155,8 @@ def dense(x: torch.Tensor) -> torch.Tensor:
 _PRINT_SEQ_LENS = 16
 
 
-def check_call(group, op, validate, signature, labels, error, timeout_s, seq_lens=None) -> None:
+def check_call(group, op, validate, signature, labels, error, timeout_s,
+               seq_lens=None) -> None:
     """Local error → ValueError; with validation on, agree across ranks first (every rank then
     raises the same ValueError). When the ranks disagree on ``seq_lens`` (a hash in the
     signature) and the lists are short, one more gather puts every rank's list in the
@@ -217,9 +200,8 @@ def _norm_seq_lens(seq_lens):
         return None
     if isinstance(seq_lens, torch.Tensor):
         seq_lens = seq_lens.tolist()
-    return tuple(
-        int(s) if isinstance(s, (int,)) or hasattr(s, "__index__") else s for s in seq_lens
-    )
+    return tuple(int(s) if isinstance(s, (int,)) or hasattr(s, "__index__") else s
+                 for s in seq_lens)
 
 
 @dataclass
@@ -232,9 +214,9 @@ class _Call:
     error: str | None
     seq: tuple | None
     backend: str
-    shape: tuple  # x's shape, (0, 0, 0, 0) when x is not a 4-D tensor
-    dcode: int  # x's dtype code (_dist.DTYPE_CODES), 0 when unknown
-    dev: int  # 1 when x is a CUDA tensor
+    shape: tuple      # x's shape, (0, 0, 0, 0) when x is not a 4-D tensor
+    dcode: int        # x's dtype code (_dist.DTYPE_CODES), 0 when unknown
+    dev: int          # 1 when x is a CUDA tensor
 
 
 def _prologue(x, group, seq_lens, backend: str, timeout_s, dims: str) -> _Call:
@@ -262,15 +244,8 @@ def _prologue(x, group, seq_lens, backend: str, timeout_s, dims: str) -> _Call:
     return _Call(timeout, rank, world, error, seq, backend, shape, dcode, dev)
 
 
-def seq_to_head(
-    x: torch.Tensor,
-    group=None,
-    *,
-    seq_lens=None,
-    backend: str = "auto",
-    validate: bool | None = None,
-    timeout_s: float | None = None,
-) -> torch.Tensor:
+def seq_to_head(x: torch.Tensor, group=None, *, seq_lens=None, backend: str = "auto",
+                validate: bool | None = None, timeout_s: float | None = None) -> torch.Tensor:
     """Sequence-sharded → head-sharded.
 
     Arguments:
@@ -301,28 +276,10 @@ def seq_to_head(
         error = error or _seq_lens_error(seq, world)
         if error is None and seq[rank] != shape[1]:
             error = f"seq_lens[{rank}] = {seq[rank]} but x has S_r = {shape[1]}"
-    sig = [
-        shape[0],
-        shape[2],
-        shape[3],
-        c.dcode,
-        c.dev,
-        _BACKEND_CODES[c.backend],
-        default_len,
-        sum(seq) if error is None else -1,
-        seq_lens_hash(seq) if error is None else -1,
-    ]
-    labels = [
-        "B",
-        "H",
-        "D",
-        "dtype",
-        "device is CUDA",
-        "backend",
-        "S_r (seq_lens=None)",
-        "sum(seq_lens)",
-        "seq_lens (hash)",
-    ]
+    sig = [shape[0], shape[2], shape[3], c.dcode, c.dev, _BACKEND_CODES[c.backend], default_len,
+           sum(seq) if error is None else -1, seq_lens_hash(seq) if error is None else -1]
+    labels = ["B", "H", "D", "dtype", "device is CUDA", "backend", "S_r (seq_lens=None)",
+              "sum(seq_lens)", "seq_lens (hash)"]
     check_call(group, "seq_to_head", validate, sig, labels, error, c.timeout, seq_lens=seq)
     b, _, h, d = shape
     heads = head_split(h, world)
@@ -340,16 +297,9 @@ def seq_to_head(
     return out
 
 
-def head_to_seq(
-    x: torch.Tensor,
-    group=None,
-    *,
-    num_heads: int | None = None,
-    seq_lens=None,
-    backend: str = "auto",
-    validate: bool | None = None,
-    timeout_s: float | None = None,
-) -> torch.Tensor:
+def head_to_seq(x: torch.Tensor, group=None, *, num_heads: int | None = None, seq_lens=None,
+                backend: str = "auto", validate: bool | None = None,
+                timeout_s: float | None = None) -> torch.Tensor:
     """Head-sharded → sequence-sharded (the inverse of ``seq_to_head``).
 
     Arguments:
@@ -373,10 +323,8 @@ def head_to_seq(
         if not isinstance(h, int) or h < 1:
             error = f"num_heads must be ≥ 1, got {h!r} (x has H_r = {h_r} heads)"
         elif head_split(h, world)[rank] != h_r:
-            error = (
-                f"x has H_r = {h_r} heads but head_split({h}, {world})[{rank}] = "
-                f"{head_split(h, world)[rank]} (pass num_heads)"
-            )
+            error = (f"x has H_r = {h_r} heads but head_split({h}, {world})[{rank}] = "
+                     f"{head_split(h, world)[rank]} (pass num_heads)")
     if seq is None:
         if error is None and s_total % world:
             error = f"S = {s_total} is not divisible by W = {world}: pass seq_lens"
@@ -386,16 +334,8 @@ def head_to_seq(
         if error is None and sum(seq) != s_total:
             error = f"sum(seq_lens) = {sum(seq)} but x has S = {s_total}"
     ok = error is None
-    sig = [
-        b,
-        s_total,
-        d,
-        c.dcode,
-        c.dev,
-        _BACKEND_CODES[c.backend],
-        h if ok else -1,
-        seq_lens_hash(seq) if ok else -1,
-    ]
+    sig = [b, s_total, d, c.dcode, c.dev, _BACKEND_CODES[c.backend], h if ok else -1,
+           seq_lens_hash(seq) if ok else -1]
     labels = ["B", "S", "D", "dtype", "device is CUDA", "backend", "num_heads", "seq_lens (hash)"]
     check_call(group, "head_to_seq", validate, sig, labels, error, c.timeout, seq_lens=seq)
     heads = head_split(h, world)

@@ -11,7 +11,6 @@ group g's wait and attention, so the fill runs while group g's data is in flight
 exchange under group g's attention; this module only enqueues (no event polling, ``.item()``
 or synchronize in it), so the host can run ahead of the GPU.
 """
-
 from __future__ import annotations
 
 import math
@@ -21,36 +20,14 @@ import torch.distributed as dist
 
 from .. import _dist, config
 from .._dist import cpu_group, group_key
-from .api import (
-    _BACKEND_CODES,
-    _norm_seq_lens,
-    _seq_lens_error,
-    check_call,
-    dense,
-    get_transport,
-    resolve_backend,
-    seq_lens_hash,
-)
+from .api import (_BACKEND_CODES, _norm_seq_lens, _seq_lens_error, check_call, dense, get_transport,
+                  resolve_backend, seq_lens_hash)
 from .fill import FillPart, fill, rms_norm_rope
-from .layout import (
-    group_head_ranges,
-    head_offsets,
-    head_split,
-    head_to_seq_plan,
-    kv_head_range,
-    seq_to_head_plan,
-    uniform_group,
-)
+from .layout import (group_head_ranges, head_offsets, head_split, head_to_seq_plan, kv_head_range,
+                     seq_to_head_plan, uniform_group)
 
-__all__ = [
-    "UlyssesAttention",
-    "sdpa_attention",
-    "rms_norm_rope",
-    "auto_groups",
-    "AUTO_PIPELINE",
-    "MAX_GROUPS",
-    "MIN_WAVES",
-]
+__all__ = ["UlyssesAttention", "sdpa_attention", "rms_norm_rope", "auto_groups",
+           "AUTO_PIPELINE", "MAX_GROUPS", "MIN_WAVES"]
 
 #: Whether ``pipeline_groups=-1`` pipelines (with ``auto_groups``'s count) or runs sequentially.
 #: Off until a two-GPU timeline shows head groups winning over the sequential forward: the
@@ -64,14 +41,8 @@ MIN_WAVES = 1.5
 _BLOCK_M = 128
 
 
-def auto_groups(
-    heads_per_rank,
-    batch: int,
-    seq_total: int,
-    sm_count: int,
-    max_groups: int = MAX_GROUPS,
-    min_waves: float = MIN_WAVES,
-) -> int:
+def auto_groups(heads_per_rank, batch: int, seq_total: int, sm_count: int,
+                max_groups: int = MAX_GROUPS, min_waves: float = MIN_WAVES) -> int:
     """The head-group count ``pipeline_groups=-1`` uses when it pipelines: the largest
     ``G ≤ max_groups`` that splits every rank's query heads evenly (``heads_per_rank``, e.g.
     ``head_split(Hq, W)``) and keeps each group's attention ``≥ min_waves`` waves deep
@@ -88,7 +59,8 @@ def auto_groups(
     return 1
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   causal: bool) -> torch.Tensor:
     """The default ``attn_fn``: PyTorch SDPA, scale ``1/√D``.
 
     ``q [B, S, h, D]``, ``k [B, S, g, D]``, ``v [B, S, g, Dv]`` with ``h % g == 0`` (query head i
@@ -105,15 +77,10 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     if q.device.type == "cpu":
         if h == 0:
             return q.new_empty(q.shape[0], q.shape[1], 0, v.shape[3])
-        outs = [
-            sdpa(
-                q[:, :, i : i + 1].transpose(1, 2).contiguous(),
-                k[:, :, i : i + 1].transpose(1, 2).contiguous(),
-                v[:, :, i : i + 1].transpose(1, 2).contiguous(),
-                is_causal=causal,
-            )
-            for i in range(h)
-        ]
+        outs = [sdpa(q[:, :, i:i + 1].transpose(1, 2).contiguous(),
+                     k[:, :, i:i + 1].transpose(1, 2).contiguous(),
+                     v[:, :, i:i + 1].transpose(1, 2).contiguous(), is_causal=causal)
+                for i in range(h)]
         return torch.cat(outs, dim=1).transpose(1, 2)
     out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
     return out.transpose(1, 2)
@@ -165,19 +132,10 @@ class UlyssesAttention(torch.nn.Module):
         env ``ATTNCOMM_ULYSSES_PIPELINE_GROUPS``); PeerTimeoutError when a peer does not answer.
     """
 
-    def __init__(
-        self,
-        attn_fn=None,
-        group=None,
-        *,
-        backend: str = "auto",
-        pipeline_groups: int = -1,
-        qk_norm=None,
-        timeout_s: float | None = None,
-        fuse_qk_norm_rope: bool = True,
-        validate: bool | None = None,
-        fill_impl: str = "auto",
-    ):
+    def __init__(self, attn_fn=None, group=None, *, backend: str = "auto",
+                 pipeline_groups: int = -1, qk_norm=None, timeout_s: float | None = None,
+                 fuse_qk_norm_rope: bool = True, validate: bool | None = None,
+                 fill_impl: str = "auto"):
         super().__init__()
         if fill_impl not in ("auto", "triton", "torch"):
             raise ValueError(f"fill_impl must be 'auto', 'triton' or 'torch', got {fill_impl!r}")
@@ -218,8 +176,7 @@ class UlyssesAttention(torch.nn.Module):
         if len(tens) != 3 or any(t.dim() != 4 for t in tens):
             got = ", ".join(
                 f"{n} {list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
-                for n, t in zip("qkv", (q, k, v))
-            )
+                for n, t in zip("qkv", (q, k, v)))
             error = error or f"q, k, v must be 4-D tensors [B, S_r, H, D], got {got}"
             return error, (0,) * 6, seq
         b, s_r, hq, d = q.shape
@@ -230,10 +187,8 @@ class UlyssesAttention(torch.nn.Module):
             elif hq % hkv:
                 error = f"Hq % Hkv != 0: Hq = {hq}, Hkv = {hkv}"
             elif k.shape[:2] != (b, s_r) or v.shape[:3] != k.shape[:3]:
-                error = (
-                    f"shapes disagree: q {list(q.shape)}, k {list(k.shape)}, "
-                    f"v {list(v.shape)} (need the same B, S_r; k, v the same Hkv)"
-                )
+                error = (f"shapes disagree: q {list(q.shape)}, k {list(k.shape)}, "
+                         f"v {list(v.shape)} (need the same B, S_r; k, v the same Hkv)")
             elif k.shape[3] != d:
                 error = f"q has D = {d} but k has D = {k.shape[3]}"
             elif len({t.device for t in tens}) != 1:
@@ -247,29 +202,19 @@ class UlyssesAttention(torch.nn.Module):
         if error is None and self.qk_norm is not None:
             qw, kw, _ = self.qk_norm
             if tuple(qw.shape) != (d,) or tuple(kw.shape) != (d,):
-                error = (
-                    f"qk_norm weights must be [D] = [{d}], got {list(qw.shape)} and "
-                    f"{list(kw.shape)}"
-                )
+                error = (f"qk_norm weights must be [D] = [{d}], got {list(qw.shape)} and "
+                         f"{list(kw.shape)}")
         if error is None and rope is not None:
             want = (sum(seq), d)
             try:
                 cos, sin = rope
                 shapes = (tuple(cos.shape), tuple(sin.shape))
             except (TypeError, ValueError, AttributeError):
-                return (
-                    (
-                        f"rope must be (cos, sin) tensors [S, D] = {list(want)}, got "
-                        f"{type(rope).__name__}"
-                    ),
-                    (b, s_r, hq, hkv, d, dv),
-                    seq,
-                )
+                return (f"rope must be (cos, sin) tensors [S, D] = {list(want)}, got "
+                        f"{type(rope).__name__}"), (b, s_r, hq, hkv, d, dv), seq
             if shapes != (want, want):
-                error = (
-                    f"rope cos/sin must be [S, D] = {list(want)}, got {list(cos.shape)} "
-                    f"and {list(sin.shape)}"
-                )
+                error = (f"rope cos/sin must be [S, D] = {list(want)}, got {list(cos.shape)} "
+                         f"and {list(sin.shape)}")
             elif d % 2:
                 error = f"rope needs an even head_dim, got D = {d}"
         return error, (b, s_r, hq, hkv, d, dv), seq
@@ -304,29 +249,15 @@ class UlyssesAttention(torch.nn.Module):
         rank = dist.get_rank(self.group)
         h_r = head_split(hq, world)[rank]
         item = 4  # an upper bound for fp16/bf16/fp32
-        work = (
-            b
-            * (
-                seq[rank] * (hq + 2 * hkv) * d  # fill send buffer
-                + sum(seq) * (h_r + 2 * hkv) * d  # receive buffer (≤ all KV heads)
-                + sum(seq) * h_r * dv
-            )
-            * item
-        )  # attention output
+        work = b * (seq[rank] * (hq + 2 * hkv) * d          # fill send buffer
+                    + sum(seq) * (h_r + 2 * hkv) * d        # receive buffer (≤ all KV heads)
+                    + sum(seq) * h_r * dv) * item           # attention output
         key = (dims, tuple(seq), g)
         return g if _agree_fits(self.group, device, key, 2 * -(-work // g)) else 1
 
     # ----------------------------------------------------------------------------- forward
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        seq_lens=None,
-        causal: bool = False,
-        rope=None,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_lens=None,
+                causal: bool = False, rope=None) -> torch.Tensor:
         group = self.group
         timeout = config.timeout_s(self.timeout_s)
         error = None
@@ -342,53 +273,23 @@ class UlyssesAttention(torch.nn.Module):
             seq_in, error = None, error or f"seq_lens must be a sequence of ints, got {seq_lens!r}"
         error, (b, s_r, hq, hkv, d, dv), seq = self._check(q, k, v, seq_in, rope, error)
         ok = error is None
-        codes = [
-            _dist.DTYPE_CODES.get(t.dtype, 0) if isinstance(t, torch.Tensor) else 0
-            for t in (q, k, v)
-        ]
-        sig = [
-            b,
-            hq,
-            hkv,
-            d,
-            dv,
-            *codes,
-            int(bool(q.is_cuda)) if ok else -1,
-            _BACKEND_CODES[backend],
-            int(bool(causal)),
-            int(rope is not None),
-            int(self.qk_norm is not None),
-            s_r if seq_in is None else -1,
-            sum(seq) if ok else -1,
-            seq_lens_hash(seq) if ok else -1,
-            groups,
-        ]
-        labels = [
-            "B",
-            "Hq",
-            "Hkv",
-            "D",
-            "Dv",
-            "q dtype",
-            "k dtype",
-            "v dtype",
-            "CUDA",
-            "backend",
-            "causal",
-            "rope given",
-            "qk_norm given",
-            "S_r (seq_lens=None)",
-            "sum(seq_lens)",
-            "seq_lens (hash)",
-            "pipeline_groups",
-        ]
-        capturing = (
-            isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.is_current_stream_capturing()
-        )
+        codes = [_dist.DTYPE_CODES.get(t.dtype, 0) if isinstance(t, torch.Tensor) else 0
+                 for t in (q, k, v)]
+        sig = [b, hq, hkv, d, dv, *codes, int(bool(q.is_cuda)) if ok else -1,
+               _BACKEND_CODES[backend], int(bool(causal)), int(rope is not None),
+               int(self.qk_norm is not None), s_r if seq_in is None else -1,
+               sum(seq) if ok else -1, seq_lens_hash(seq) if ok else -1, groups]
+        labels = ["B", "Hq", "Hkv", "D", "Dv", "q dtype", "k dtype", "v dtype", "CUDA",
+                  "backend", "causal", "rope given", "qk_norm given", "S_r (seq_lens=None)",
+                  "sum(seq_lens)", "seq_lens (hash)", "pipeline_groups"]
+        capturing = (isinstance(q, torch.Tensor) and q.is_cuda
+                     and torch.cuda.is_current_stream_capturing())
         validate = config.validate_enabled(self.validate, default=not capturing)
-        check_call(group, "UlyssesAttention", validate, sig, labels, error, timeout, seq_lens=seq)
+        check_call(group, "UlyssesAttention", validate, sig, labels, error, timeout,
+                   seq_lens=seq)
         self.fallback_reason = None
-        return self._run(q, k, v, seq, causal, rope, backend, timeout, groups, (b, hq, hkv, d, dv))
+        return self._run(q, k, v, seq, causal, rope, backend, timeout, groups,
+                         (b, hq, hkv, d, dv))
 
     def _norm_rope(self, q, k, rope, cos_sin):
         """RMSNorm + RoPE of q and k (``cos_sin`` rows for their sequence positions)."""
@@ -396,7 +297,8 @@ class UlyssesAttention(torch.nn.Module):
             return q, k
         qw, kw, eps = self.qk_norm if self.qk_norm is not None else (None, None, 0.0)
         cs, sn = cos_sin if rope is not None else (None, None)
-        return (rms_norm_rope(q, qw, float(eps), cs, sn), rms_norm_rope(k, kw, float(eps), cs, sn))
+        return (rms_norm_rope(q, qw, float(eps), cs, sn),
+                rms_norm_rope(k, kw, float(eps), cs, sn))
 
     def _run(self, q, k, v, seq, causal, rope, backend, timeout, groups, dims):
         """Group g+1's fill and exchange are enqueued before group g's attention; each group's
@@ -411,16 +313,14 @@ class UlyssesAttention(torch.nn.Module):
         self.last_pipeline_groups = n_groups
         qranges = group_head_ranges(hq, world, n_groups)
         off = head_offsets(seq)[rank]
-        rows = (
-            None
-            if rope is None
-            else (rope[0][off : off + seq[rank]], rope[1][off : off + seq[rank]])
-        )
+        rows = None if rope is None else (rope[0][off:off + seq[rank]],
+                                          rope[1][off:off + seq[rank]])
         if not self.fuse_qk_norm_rope:  # norm/rope as their own pass over the local shard
             q, k = self._norm_rope(q, k, rope, rows)
             q, k, v = dense(q), dense(k), dense(v)
         out = torch.empty(b, seq[rank], hq, dv, dtype=q.dtype, device=q.device)
-        ctx = dict(group=group, backend=backend, timeout=timeout, seq=seq, b=b, m=m, rows=rows)
+        ctx = dict(group=group, backend=backend, timeout=timeout, seq=seq, b=b, m=m,
+                   rows=rows)
         pending_out = []
         ex_in = self._start_in(ctx, q, k, v, qranges[0])
         for g in range(n_groups):
@@ -454,7 +354,8 @@ class UlyssesAttention(torch.nn.Module):
             idx = self._idx.get(key)
             if idx is None:  # built once: a host → device copy per forward would block
                 kv_lo = kv_head_range(q_lo, q_hi, m)[0]
-                idx = torch.tensor([h // m - kv_lo for h in range(q_lo, q_hi)], device=kg.device)
+                idx = torch.tensor([h // m - kv_lo for h in range(q_lo, q_hi)],
+                                   device=kg.device)
                 self._idx[key] = idx
             kg, vg = kg.index_select(2, idx), vg.index_select(2, idx)
         return dense(self.attn_fn(qg, kg, vg, causal))
@@ -473,16 +374,8 @@ class UlyssesAttention(torch.nn.Module):
         for (dtype, dd), items in keyed.items():
             ranges = tuple(r for _, _, r in items)
             plan = seq_to_head_plan(ctx["b"], ctx["seq"], dd, ranges)
-            t = get_transport(
-                ctx["group"],
-                ctx["backend"],
-                q.device,
-                ctx["timeout"],
-                plan,
-                dtype,
-                "UlyssesAttention",
-                owner=self,
-            )
+            t = get_transport(ctx["group"], ctx["backend"], q.device, ctx["timeout"], plan,
+                              dtype, "UlyssesAttention", owner=self)
             self.last_backends["in"] = t.name
             if self.fuse_qk_norm_rope:
                 send = t.send_buffer(plan, dtype, q.device)
@@ -500,10 +393,8 @@ class UlyssesAttention(torch.nn.Module):
         qw, kw, eps = self.qk_norm if self.qk_norm is not None else (None, None, 0.0)
         rows = ctx["rows"]
         weights = {"q": qw, "k": kw}
-        parts = [
-            FillPart(x, r, weights.get(name), rows is not None and name != "v")
-            for name, x, r in items
-        ]
+        parts = [FillPart(x, r, weights.get(name), rows is not None and name != "v")
+                 for name, x, r in items]
         cos, sin = rows if rows is not None else (None, None)
         out = send.flat if send.flat is not None else send.regions
         fill(parts, float(eps), cos, sin, out=out, impl=self.fill_impl)
@@ -518,7 +409,7 @@ class UlyssesAttention(torch.nn.Module):
             col = 0
             for name, r in items:
                 n = r[rank][1] - r[rank][0]
-                views[name] = full[:, :, col : col + n].permute(1, 0, 2, 3)
+                views[name] = full[:, :, col:col + n].permute(1, 0, 2, 3)
                 col += n
         return views["q"], views["k"], views["v"]
 
@@ -526,16 +417,8 @@ class UlyssesAttention(torch.nn.Module):
         src_heads = tuple(hi - lo for lo, hi in qr)
         offs = tuple(lo for lo, _ in qr)
         plan = head_to_seq_plan(ctx["b"], ctx["seq"], dv, src_heads, offs, hq)
-        t = get_transport(
-            ctx["group"],
-            ctx["backend"],
-            og.device,
-            ctx["timeout"],
-            plan,
-            og.dtype,
-            "UlyssesAttention",
-            owner=self,
-        )
+        t = get_transport(ctx["group"], ctx["backend"], og.device, ctx["timeout"], plan,
+                          og.dtype, "UlyssesAttention", owner=self)
         self.last_backends["out"] = t.name
         return t.start(plan, [og], og.dtype, og.device, out=flat_out)
 

@@ -16,7 +16,6 @@ Two geometries:
 The time is the slowest rank's median per exchange (data landed in the receiver's final
 buffer); bus bandwidth = bytes sent to peers per rank / time.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -40,101 +39,48 @@ from .layout import head_offsets, head_split, head_to_seq_plan, seq_to_head_plan
 __all__ = ["add_arguments", "main", "run_rank", "report", "markdown_report"]
 
 MiB = 1 << 20
-_VARIANTS = (
-    "attention_only",
-    "sequential_all_to_all",
-    "sequential_ce",
-    "pipelined_auto",
-    "pipelined_g2",
-    "pipelined_g4",
-    "pipelined_g7",
-    "pipelined_g8",
-    "pipelined_fused",
-)
+_VARIANTS = ("attention_only", "sequential_all_to_all", "sequential_ce", "pipelined_auto",
+             "pipelined_g2", "pipelined_g4", "pipelined_g7", "pipelined_g8", "pipelined_fused")
 _TRANSPORTS = ("all_to_all", "ce")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     # --backends: the transports (--transports, its older name, still works)
-    add_common_arguments(
-        p, backends=_TRANSPORTS, default_backends=" ".join(_TRANSPORTS), aliases=("--transports",)
-    )
-    p.add_argument(
-        "--modes",
-        action=NameList,
-        names=("eager", "graph"),
-        default=None,
-        metavar="MODE",
-        help="space separated: eager graph (default both; graph: CUDA only)",
-    )
-    p.add_argument(
-        "--min-bytes",
-        type=int,
-        default=None,
-        help="smallest bytes sent to peers per rank (default 1 MiB; CPU 4 KiB)",
-    )
-    p.add_argument(
-        "--max-bytes",
-        type=int,
-        default=None,
-        help="largest bytes sent to peers per rank (default 1 GiB; CPU 64 KiB)",
-    )
-    p.add_argument(
-        "--dit-seq",
-        type=int,
-        default=None,
-        help="DiT sequence length S (default 32768; CPU 64; 0 skips)",
-    )
-    p.add_argument(
-        "--layer",
-        action="store_true",
-        help="also run the attention-layer benchmark (UlyssesAttention variants)",
-    )
+    add_common_arguments(p, backends=_TRANSPORTS, default_backends=" ".join(_TRANSPORTS),
+                         aliases=("--transports",))
+    p.add_argument("--modes", action=NameList, names=("eager", "graph"), default=None,
+                   metavar="MODE", help="space separated: eager graph (default both; graph: "
+                                        "CUDA only)")
+    p.add_argument("--min-bytes", type=int, default=None,
+                   help="smallest bytes sent to peers per rank (default 1 MiB; CPU 4 KiB)")
+    p.add_argument("--max-bytes", type=int, default=None,
+                   help="largest bytes sent to peers per rank (default 1 GiB; CPU 64 KiB)")
+    p.add_argument("--dit-seq", type=int, default=None,
+                   help="DiT sequence length S (default 32768; CPU 64; 0 skips)")
+    p.add_argument("--layer", action="store_true",
+                   help="also run the attention-layer benchmark (UlyssesAttention variants)")
     p.add_argument("--layer-only", action="store_true", help="run only the layer benchmark")
-    p.add_argument(
-        "--layer-seq",
-        default=None,
-        help="layer: total sequence lengths, comma-separated (default 8192,32768; CPU 24)",
-    )
-    p.add_argument(
-        "--layer-heads", type=int, default=56, help="layer: query heads (default 56; head_dim 128)"
-    )
-    p.add_argument(
-        "--layer-kv-heads",
-        type=int,
-        default=None,
-        help="layer: KV heads (default: as many as query heads)",
-    )
-    p.add_argument(
-        "--layer-variants",
-        default=",".join(_VARIANTS),
-        help="layer: comma-separated variants (default all)",
-    )
-    p.add_argument(
-        "--layer-qk-norm",
-        choices=["both", "on", "off"],
-        default="both",
-        help="layer: with qk_norm + RoPE, without, or both (default)",
-    )
-    p.add_argument(
-        "--trace",
-        default=None,
-        metavar="DIR",
-        help="layer: write a torch.profiler trace per variant into DIR and print "
-        "the per-layer budget (CUDA)",
-    )
-    p.add_argument(
-        "--fill",
-        action="store_true",
-        help="run only the fill benchmark (one GPU: triton vs torch vs floor)",
-    )
-    p.add_argument(
-        "--fill-seq",
-        default="8192,32768",
-        help="fill: total sequence lengths (each rank's shard is S / W)",
-    )
+    p.add_argument("--layer-seq", default=None,
+                   help="layer: total sequence lengths, comma-separated (default 8192,32768; "
+                        "CPU 24)")
+    p.add_argument("--layer-heads", type=int, default=56,
+                   help="layer: query heads (default 56; head_dim 128)")
+    p.add_argument("--layer-kv-heads", type=int, default=None,
+                   help="layer: KV heads (default: as many as query heads)")
+    p.add_argument("--layer-variants", default=",".join(_VARIANTS),
+                   help="layer: comma-separated variants (default all)")
+    p.add_argument("--layer-qk-norm", choices=["both", "on", "off"], default="both",
+                   help="layer: with qk_norm + RoPE, without, or both (default)")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="layer: write a torch.profiler trace per variant into DIR and print "
+                        "the per-layer budget (CUDA)")
+    p.add_argument("--fill", action="store_true",
+                   help="run only the fill benchmark (one GPU: triton vs torch vs floor)")
+    p.add_argument("--fill-seq", default="8192,32768",
+                   help="fill: total sequence lengths (each rank's shard is S / W)")
     p.add_argument("--fill-heads", type=int, default=56, help="fill: heads (default 56)")
-    p.add_argument("--iters", type=int, default=None, help="timed iterations (default 20; CPU 5)")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed iterations (default 20; CPU 5)")
 
 
 def _sizes(lo: int, hi: int) -> list[int]:
@@ -153,9 +99,8 @@ def _sweep_case(world, rank, nbytes, dtype, device):
     seq = (s_r,) * world
     counts = head_split(heads, world)
     offs = head_offsets(counts)
-    plan = seq_to_head_plan(
-        1, seq, d, (tuple((offs[p], offs[p] + counts[p]) for p in range(world)),)
-    )
+    plan = seq_to_head_plan(1, seq, d, (tuple((offs[p], offs[p] + counts[p])
+                                              for p in range(world)),))
     x = torch.randn(1, s_r, heads, d, device=device).to(dtype)
     sent = sum(plan.numel[rank][p] for p in range(world) if p != rank) * item
     return plan, [x], sent
@@ -173,10 +118,8 @@ def _dit_case(world, rank, seq_total, dtype, device, heads=24):
     o = torch.randn(1, seq_total, counts[rank], d, device=device).to(dtype)
     out = torch.empty(1, seq[rank], heads, d, device=device, dtype=dtype)
     item = torch.empty((), dtype=dtype).element_size()
-    sent = (
-        sum(plan_in.numel[rank][p] + plan_out.numel[rank][p] for p in range(world) if p != rank)
-        * item
-    )
+    sent = sum(plan_in.numel[rank][p] + plan_out.numel[rank][p]
+               for p in range(world) if p != rank) * item
     return (plan_in, qkv, plan_out, [o], out), sent
 
 
@@ -193,7 +136,6 @@ def _exchange_fn(t, plan, parts, dtype, device, out=None):
         ex = t.start(plan, parts, dtype, device, out=out)
         ex.wait()
         ex.release()
-
     return fn
 
 
@@ -207,7 +149,6 @@ def _dit_fn(t, case, dtype, device):
         ex2 = t.start(plan_out, o, dtype, device, out=out.view(-1))
         ex2.wait()
         ex2.release()
-
     return fn
 
 
@@ -245,11 +186,8 @@ def _time(fn, mode, device, iters, cpu_g):
 
 def run_rank(rank: int, world: int, opts: dict) -> list[dict] | None:
     """Run the benchmark on one rank of an initialised group; rank 0 returns the records."""
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if opts["device"] == "cuda"
-        else torch.device("cpu")
-    )
+    device = (torch.device("cuda", torch.cuda.current_device()) if opts["device"] == "cuda"
+              else torch.device("cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if device.type == "cpu" and opts.get("one_thread", True):
         # Ranks share the host's cores: one intra-op thread each avoids oversubscription
@@ -270,19 +208,11 @@ def run_rank(rank: int, world: int, opts: dict) -> list[dict] | None:
     if opts.get("layer_only"):
         work = []
     layer = opts.get("layer") or opts.get("layer_only")
-    bar = common.progress(
-        len(work) * len(transports) * len(modes)
-        + (
-            len(opts["layer_variants"])
-            * len(transports)
-            * len(opts["layer_seqs"])
-            * len(opts["layer_norms"])
-            if layer
-            else 0
-        ),
-        "bench ulysses",
-        enabled=rank == 0 and not opts["no_progress"],
-    )
+    bar = common.progress(len(work) * len(transports) * len(modes)
+                          + (len(opts["layer_variants"]) * len(transports)
+                             * len(opts["layer_seqs"]) * len(opts["layer_norms"])
+                             if layer else 0),
+                          "bench ulysses", enabled=rank == 0 and not opts["no_progress"])
     records = []
     for geometry, n in work:
         torch.manual_seed(1234 + n)
@@ -295,20 +225,11 @@ def run_rank(rank: int, world: int, opts: dict) -> list[dict] | None:
         for name, t in transports.items():
             fn, finals[name] = _first_call(t, geometry, case, dtype, device)
             for mode in modes:
-                med = common.slowest_rank_median(
-                    _time(fn, mode, device, opts["iters"], cpu_g), cpu_g
-                )
-                records.append(
-                    {
-                        "transport": name,
-                        "mode": mode,
-                        "world_size": world,
-                        "geometry": geometry,
-                        "bytes_per_rank": sent,
-                        "time_us": med,
-                        "busbw_gbps": sent / med / 1e3 if med else 0.0,
-                    }
-                )
+                med = common.slowest_rank_median(_time(fn, mode, device, opts["iters"], cpu_g),
+                                                 cpu_g)
+                records.append({"transport": name, "mode": mode, "world_size": world,
+                                "geometry": geometry, "bytes_per_rank": sent,
+                                "time_us": med, "busbw_gbps": sent / med / 1e3 if med else 0.0})
                 bar.update(1)
         if len(finals) > 1:  # the transports must agree bit for bit
             vals = list(finals.values())
@@ -329,12 +250,13 @@ def run_rank(rank: int, world: int, opts: dict) -> list[dict] | None:
 def _layer(rank, world, opts, transports, dtype, device, cpu_g, bar) -> list[dict]:
     def time_fn(fn):
         bar.update(1)
-        return common.slowest_rank_median(_time(fn, "eager", device, opts["iters"], cpu_g), cpu_g)
-
+        return common.slowest_rank_median(_time(fn, "eager", device, opts["iters"], cpu_g),
+                                          cpu_g)
     if opts.get("trace") and rank == 0:
         os.makedirs(opts["trace"], exist_ok=True)
     dist.barrier(group=cpu_g)
-    return bench_layer.layer_records(rank, world, opts, transports, dtype, device, cpu_g, time_fn)
+    return bench_layer.layer_records(rank, world, opts, transports, dtype, device, cpu_g,
+                                     time_fn)
 
 
 def _ints(text: str) -> list[int]:
@@ -361,14 +283,11 @@ def _defaults(args) -> dict:
         "layer_seqs": _ints(getattr(args, "layer_seq", None) or ("24" if cpu else "8192,32768")),
         "layer_heads": getattr(args, "layer_heads", 56),
         "layer_kv_heads": getattr(args, "layer_kv_heads", None),
-        "layer_variants": [
-            x.strip()
-            for x in getattr(args, "layer_variants", ",".join(_VARIANTS)).split(",")
-            if x.strip()
-        ],
+        "layer_variants": [x.strip() for x in
+                           getattr(args, "layer_variants", ",".join(_VARIANTS)).split(",")
+                           if x.strip()],
         "layer_norms": {"both": [True, False], "on": [True], "off": [False]}[
-            getattr(args, "layer_qk_norm", "both")
-        ],
+            getattr(args, "layer_qk_norm", "both")],
         "trace": getattr(args, "trace", None),
         "fill": bool(getattr(args, "fill", False)),
         "fill_seqs": _ints(getattr(args, "fill_seq", "8192,32768")),
@@ -379,21 +298,14 @@ def _defaults(args) -> dict:
 def _fill_main(args, opts) -> int:
     """``--fill``: one process on the current GPU (no ranks)."""
     if opts["device"] != "cuda":
-        print(
-            "bench ulysses --fill: needs CUDA (the kernel is checked on CPU by the tests, "
-            "under TRITON_INTERPRET=1)",
-            file=sys.stderr,
-        )
+        print("bench ulysses --fill: needs CUDA (the kernel is checked on CPU by the tests, "
+              "under TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
-    records, extra = fill_records(
-        opts["fill_seqs"], opts["fill_heads"], 128, args.world_size, opts["iters"]
-    )
-    common.print_table(
-        records,
-        ["impl", "seq", "qk_norm", "time_us", "floor_us", "vs_floor"],
-        title=f"Ulysses fill, one rank's shard at W={args.world_size}",
-        fmt={"time_us": "{:.1f}", "floor_us": "{:.1f}", "vs_floor": "{:.2f}"},
-    )
+    records, extra = fill_records(opts["fill_seqs"], opts["fill_heads"], 128,
+                                  args.world_size, opts["iters"])
+    common.print_table(records, ["impl", "seq", "qk_norm", "time_us", "floor_us", "vs_floor"],
+                       title=f"Ulysses fill, one rank's shard at W={args.world_size}",
+                       fmt={"time_us": "{:.1f}", "floor_us": "{:.1f}", "vs_floor": "{:.2f}"})
     meta = common.meta("cuda", 1, bench="ulysses-fill", dtype="bf16", **extra)
     if args.json:
         common.write_json(args.json, meta, records)
@@ -415,25 +327,17 @@ def main(args) -> int:
     if opts["layer"] or opts["layer_only"]:
         bad = [v for v in opts["layer_variants"] if v not in _VARIANTS]
         if bad or not opts["layer_variants"]:
-            print(
-                f"bench ulysses: unknown --layer-variants {bad} (choose from {list(_VARIANTS)})",
-                file=sys.stderr,
-            )
+            print(f"bench ulysses: unknown --layer-variants {bad} (choose from "
+                  f"{list(_VARIANTS)})", file=sys.stderr)
             return 2
         if not opts["layer_seqs"] or min(opts["layer_seqs"]) < 1 or opts["layer_heads"] < 1:
-            print(
-                f"bench ulysses: --layer-seq ({opts['layer_seqs']}) and --layer-heads "
-                f"({opts['layer_heads']}) must be ≥ 1",
-                file=sys.stderr,
-            )
+            print(f"bench ulysses: --layer-seq ({opts['layer_seqs']}) and --layer-heads "
+                  f"({opts['layer_heads']}) must be ≥ 1", file=sys.stderr)
             return 2
         kv = opts["layer_kv_heads"] or opts["layer_heads"]
         if kv < 1 or opts["layer_heads"] % kv:
-            print(
-                f"bench ulysses: --layer-kv-heads {kv} must divide --layer-heads "
-                f"{opts['layer_heads']}",
-                file=sys.stderr,
-            )
+            print(f"bench ulysses: --layer-kv-heads {kv} must divide --layer-heads "
+                  f"{opts['layer_heads']}", file=sys.stderr)
             return 2
     result = launch(run_rank, args.world_size, device=opts["device"], args=(opts,))[0]
     return report(result["records"], result["skipped"], args, opts)
@@ -445,85 +349,53 @@ def report(records: list, skipped: dict, args, opts: dict) -> int:
         print(f"bench ulysses: transport {name} skipped: {why}")
     rows = [dict(r, MB=r["bytes_per_rank"] / 1e6) for r in records if r["geometry"] != "layer"]
     if rows:
-        common.print_table(
-            rows,
-            [
-                "geometry",
-                "transport",
-                "mode",
-                "world_size",
-                "MB",
-                "time_us",
-                "busbw_gbps",
-                "bitwise_equal",
-            ],
-            title=f"Ulysses exchange, W={args.world_size}, {opts['device']}",
-            fmt={"MB": "{:.3f}", "time_us": "{:.1f}", "busbw_gbps": "{:.1f}"},
-        )
-    layer_rows = [r for r in records if r.get("geometry") == "layer" and r["variant"] != "summary"]
+        common.print_table(rows, ["geometry", "transport", "mode", "world_size", "MB",
+                                  "time_us", "busbw_gbps", "bitwise_equal"],
+                           title=f"Ulysses exchange, W={args.world_size}, {opts['device']}",
+                           fmt={"MB": "{:.3f}", "time_us": "{:.1f}", "busbw_gbps": "{:.1f}"})
+    layer_rows = [r for r in records if r.get("geometry") == "layer"
+                  and r["variant"] != "summary"]
     if layer_rows:
-        common.print_table(
-            layer_rows,
-            ["seq", "qk_norm", "variant", "transport", "groups", "fused_fill", "time_us"],
-            fmt={"time_us": "{:.1f}"},
-            title=f"Ulysses attention layer (UlyssesAttention, eager), "
-            f"W={args.world_size}, {opts['device']}",
-        )
+        common.print_table(layer_rows, ["seq", "qk_norm", "variant", "transport", "groups",
+                                        "fused_fill", "time_us"], fmt={"time_us": "{:.1f}"},
+                           title=f"Ulysses attention layer (UlyssesAttention, eager), "
+                                 f"W={args.world_size}, {opts['device']}")
         for r in layer_rows:
             if r.get("budget"):
-                print(
-                    f"  budget {r['variant']} {r['transport']} S={r['seq']} "
-                    f"qk_norm={int(r['qk_norm'])}: {timeline.format_budget(r['budget'])}"
-                )
+                print(f"  budget {r['variant']} {r['transport']} S={r['seq']} "
+                      f"qk_norm={int(r['qk_norm'])}: {timeline.format_budget(r['budget'])}")
         for r in records:
             if r.get("variant") == "summary":
-                print(
-                    f"  S={r['seq']} qk_norm={int(r['qk_norm'])}: bitwise equal "
-                    f"{r['bitwise_equal']}, hidden {r['hidden_vs_sequential_all_to_all']}"
-                )
+                print(f"  S={r['seq']} qk_norm={int(r['qk_norm'])}: bitwise equal "
+                      f"{r['bitwise_equal']}, hidden {r['hidden_vs_sequential_all_to_all']}")
     extra = {}
     if opts.get("layer") or opts.get("layer_only"):
-        extra["layer_geometry"] = (
-            f"B=1 S={opts['layer_seqs']} H={opts['layer_heads']} "
-            f"Hkv={opts['layer_kv_heads'] or opts['layer_heads']} "
-            "D=128 non-causal SDPA"
-        )
-    meta = common.meta(
-        opts["device"],
-        args.world_size,
-        bench="ulysses",
-        dtype="bf16" if opts["device"] == "cuda" else "fp32",
-        sweep_geometry="seq_to_head x[1, S_r, 8W, 128]",
-        dit_geometry=f"B=1 S={opts['dit_seq']} H=24 D=128 q/k/v in + out back",
-        skipped=skipped,
-        **extra,
-    )
+        extra["layer_geometry"] = (f"B=1 S={opts['layer_seqs']} H={opts['layer_heads']} "
+                                   f"Hkv={opts['layer_kv_heads'] or opts['layer_heads']} "
+                                   "D=128 non-causal SDPA")
+    meta = common.meta(opts["device"], args.world_size, bench="ulysses",
+                       dtype="bf16" if opts["device"] == "cuda" else "fp32",
+                       sweep_geometry="seq_to_head x[1, S_r, 8W, 128]",
+                       dit_geometry=f"B=1 S={opts['dit_seq']} H=24 D=128 q/k/v in + out back",
+                       skipped=skipped, **extra)
     series: dict = {}
     for r in records:
         if r["geometry"] == "sweep":
             xs, ys = series.setdefault(f"{r['transport']} {r['mode']}", ([], []))
             xs.append(r["bytes_per_rank"])
             ys.append(r["busbw_gbps"])
-    plot = dict(
-        series=series,
-        xlabel="bytes sent to peers per rank",
-        ylabel="bus bandwidth (GB/s)",
-        logx=True,
-        title=f"Ulysses seq_to_head, W={args.world_size}, {meta.get('gpu') or 'cpu'}",
-    )
-    emit(
-        args, Report(meta=meta, records=records, markdown=markdown_report(meta, records), plot=plot)
-    )
+    plot = dict(series=series, xlabel="bytes sent to peers per rank",
+                ylabel="bus bandwidth (GB/s)", logx=True,
+                title=f"Ulysses seq_to_head, W={args.world_size}, {meta.get('gpu') or 'cpu'}")
+    emit(args, Report(meta=meta, records=records, markdown=markdown_report(meta, records),
+                      plot=plot))
     bad = [r for r in records if r.get("bitwise_equal") is False]
     if bad:
         if any(r["geometry"] != "layer" for r in bad):
             print("bench ulysses: transports disagree bitwise!", file=sys.stderr)
         if any(r["geometry"] == "layer" for r in bad):
-            print(
-                "bench ulysses: layer outputs differ bitwise (sequential vs pipelined or "
-                "across transports)!",
-                file=sys.stderr,
-            )
+            print("bench ulysses: layer outputs differ bitwise (sequential vs pipelined or "
+                  "across transports)!", file=sys.stderr)
         return 1
     return 0
 
@@ -535,25 +407,17 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
     records = [r for r in records if r["geometry"] != "layer"]
     keyed = {(r["geometry"], r["bytes_per_rank"], r["mode"], r["transport"]): r for r in records}
     transports = list(dict.fromkeys(r["transport"] for r in records))
-    head = (
-        "| geometry | MB sent per rank | mode | "
-        + " | ".join(f"{t} µs | {t} GB/s" for t in transports)
-        + " | ce ÷ all_to_all |"
-    )
+    head = ("| geometry | MB sent per rank | mode | "
+            + " | ".join(f"{t} µs | {t} GB/s" for t in transports) + " | ce ÷ all_to_all |")
     where = meta.get("machine") or meta.get("host")
-    lines = [
-        f"# Ulysses all-to-all — {meta.get('date')}, {where}",
-        "",
-        f"W={meta.get('world_size')}, {meta.get('dtype')}, GPU {meta.get('gpu')}; torch "
-        f"{meta.get('torch')}, Triton {meta.get('triton')}, CUDA {meta.get('cuda')}, NCCL "
-        f"{meta.get('nccl')}. Sweep: {meta.get('sweep_geometry')}; DiT: "
-        f"{meta.get('dit_geometry')}. Time: slowest-rank median per exchange (graph: 10 "
-        "exchanges per graph, replay ÷ 10); bus bandwidth = bytes sent to peers per rank "
-        "÷ time.",
-        "",
-        head,
-        "|" + "---|" * (3 + 2 * len(transports) + 1),
-    ]
+    lines = [f"# Ulysses all-to-all — {meta.get('date')}, {where}",
+             "",
+             f"W={meta.get('world_size')}, {meta.get('dtype')}, GPU {meta.get('gpu')}; torch "
+             f"{meta.get('torch')}, Triton {meta.get('triton')}, CUDA {meta.get('cuda')}, NCCL "
+             f"{meta.get('nccl')}. Sweep: {meta.get('sweep_geometry')}; DiT: "
+             f"{meta.get('dit_geometry')}. Time: slowest-rank median per exchange (graph: 10 "
+             "exchanges per graph, replay ÷ 10); bus bandwidth = bytes sent to peers per rank "
+             "÷ time.", "", head, "|" + "---|" * (3 + 2 * len(transports) + 1)]
     seen = dict.fromkeys((r["geometry"], r["bytes_per_rank"], r["mode"]) for r in records)
     for geo, nbytes, mode in seen:
         cells = []
@@ -562,7 +426,8 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
             cells += [f"{r['time_us']:.1f}", f"{r['busbw_gbps']:.1f}"] if r else ["-", "-"]
         a, c = keyed.get((geo, nbytes, mode, "all_to_all")), keyed.get((geo, nbytes, mode, "ce"))
         sp = f"{a['time_us'] / c['time_us']:.2f}×" if a and c and c["time_us"] else "-"
-        lines.append(f"| {geo} | {nbytes / 1e6:.1f} | {mode} | " + " | ".join(cells) + f" | {sp} |")
+        lines.append(f"| {geo} | {nbytes / 1e6:.1f} | {mode} | " + " | ".join(cells)
+                     + f" | {sp} |")
     if not records:  # --layer-only: no exchange table
         lines = lines[:-2]
     return "\n".join(lines + layer) + "\n"

@@ -20,7 +20,6 @@ windows ÷ ``n``. ``eager_call_us`` (triton) is one call between two events with
 host's time per ``fill_triton`` call (Python + launch). Records ``{"impl", "seq", "heads",
 "head_dim", "time_us", "floor_us", "qk_norm", ...}``.
 """
-
 from __future__ import annotations
 
 import statistics
@@ -29,31 +28,15 @@ import time
 import torch
 
 from ..bench import common
-from .fill import (
-    HEADS_PER_PROGRAM,
-    LAUNCH_OPTIONS,
-    FillPart,
-    default_block_s,
-    fill_torch,
-    fill_triton,
-    send_layout,
-)
+from .fill import (HEADS_PER_PROGRAM, LAUNCH_OPTIONS, FillPart, default_block_s, fill_torch,
+                   fill_triton, send_layout)
 from .layout import group_head_ranges
 
 __all__ = ["fill_records", "copy_bandwidth", "FILL_CONFIGS"]
 
 #: Launch shapes the bench tries: (rows per program, heads per program, warps).
-FILL_CONFIGS = (
-    (16, 4, 4),
-    (16, 2, 4),
-    (16, 8, 4),
-    (8, 4, 4),
-    (32, 4, 4),
-    (32, 4, 8),
-    (16, 4, 8),
-    (32, 8, 8),
-    (64, 2, 8),
-)
+FILL_CONFIGS = ((16, 4, 4), (16, 2, 4), (16, 8, 4), (8, 4, 4), (32, 4, 4), (32, 4, 8),
+                (16, 4, 8), (32, 8, 8), (64, 2, 8))
 
 
 def _median_us(fn, iters: int) -> float:
@@ -105,7 +88,8 @@ def copy_bandwidth(device, nbytes: int = 1 << 30, iters: int = 10) -> float:
 def _case(seq, heads, d, world, norm, device, dtype, seed):
     g = torch.Generator(device="cpu").manual_seed(seed)
     s_r = seq // world
-    q, k, v = (torch.randn((1, s_r, heads, d), generator=g).to(dtype).to(device) for _ in range(3))
+    q, k, v = (torch.randn((1, s_r, heads, d), generator=g).to(dtype).to(device)
+               for _ in range(3))
     ranges = tuple(group_head_ranges(heads, world, 1)[0])
     qw = torch.randn(d, generator=g).to(device) if norm else None
     kw = torch.randn(d, generator=g).to(device) if norm else None
@@ -116,14 +100,8 @@ def _case(seq, heads, d, world, norm, device, dtype, seed):
     return parts, cos, sin, starts[-1]
 
 
-def fill_records(
-    seqs=(8192, 32768),
-    heads: int = 56,
-    head_dim: int = 128,
-    world: int = 2,
-    iters: int = 20,
-    device=None,
-) -> tuple[list[dict], dict]:
+def fill_records(seqs=(8192, 32768), heads: int = 56, head_dim: int = 128, world: int = 2,
+                 iters: int = 20, device=None) -> tuple[list[dict], dict]:
     """Time every impl per (seq, qk_norm); ``(records, extra meta)``. Checks that the kernel's
     output equals the torch path's bit for bit (``bitwise_equal`` on the triton records)."""
     device = torch.device(device or "cuda")
@@ -132,9 +110,8 @@ def fill_records(
     records = []
     for seq in seqs:
         for norm in (True, False):
-            parts, cos, sin, numel = _case(
-                seq, heads, head_dim, world, norm, device, dtype, seq + norm
-            )
+            parts, cos, sin, numel = _case(seq, heads, head_dim, world, norm, device, dtype,
+                                           seq + norm)
             item = torch.empty((), dtype=dtype).element_size()
             moved = 2 * 3 * parts[0].x.numel() * item  # q, k, v read once, written once
             if norm:
@@ -143,15 +120,8 @@ def fill_records(
             out_t = torch.empty(numel, dtype=dtype, device=device)
             out_k = torch.empty(numel, dtype=dtype, device=device)
             fill_torch(parts, 1e-6, cos, sin, out=out_t)
-            base = dict(
-                seq=seq,
-                heads=heads,
-                head_dim=head_dim,
-                world_size=world,
-                qk_norm=norm,
-                floor_us=floor,
-                bytes_moved=moved,
-            )
+            base = dict(seq=seq, heads=heads, head_dim=head_dim, world_size=world,
+                        qk_norm=norm, floor_us=floor, bytes_moved=moved)
             t_torch = device_us(lambda: fill_torch(parts, 1e-6, cos, sin, out=out_t), 3, 3)
             configs = []
             for block_s, hb, warps in FILL_CONFIGS:
@@ -169,32 +139,21 @@ def fill_records(
             t_eager = _median_us(call, iters)
             t_host = host_us(call)
             best = min(configs, key=lambda c: c["time_us"])
-            records.append(
-                dict(
-                    base,
-                    impl="triton",
-                    time_us=best["time_us"],
-                    config={k: best[k] for k in ("block_s", "heads_per_program", "num_warps")},
-                    default_config=_default_config(head_dim),
-                    default_time_us=t_default,
-                    eager_call_us=t_eager,
-                    host_us=t_host,
-                    configs=configs,
-                    bitwise_equal=same_default and all(c["bitwise_equal"] for c in configs),
-                    vs_floor=best["time_us"] / floor,
-                    speedup_vs_torch=t_torch / best["time_us"],
-                )
-            )
+            records.append(dict(base, impl="triton", time_us=best["time_us"],
+                                config={k: best[k] for k in
+                                        ("block_s", "heads_per_program", "num_warps")},
+                                default_config=_default_config(head_dim),
+                                default_time_us=t_default, eager_call_us=t_eager,
+                                host_us=t_host, configs=configs,
+                                bitwise_equal=same_default and all(c["bitwise_equal"]
+                                                                   for c in configs),
+                                vs_floor=best["time_us"] / floor,
+                                speedup_vs_torch=t_torch / best["time_us"]))
             records.append(dict(base, impl="torch", time_us=t_torch, vs_floor=t_torch / floor))
-    return records, {
-        "copy_bandwidth_gbps": bw / 1e9,
-        "fill_geometry": f"q, k, v [1, S/{world}, {heads}, {head_dim}] bf16, {world} regions",
-    }
+    return records, {"copy_bandwidth_gbps": bw / 1e9, "fill_geometry":
+                     f"q, k, v [1, S/{world}, {heads}, {head_dim}] bf16, {world} regions"}
 
 
 def _default_config(head_dim: int) -> dict:
-    return {
-        "block_s": default_block_s(head_dim),
-        "heads_per_program": HEADS_PER_PROGRAM,
-        "num_warps": LAUNCH_OPTIONS["num_warps"],
-    }
+    return {"block_s": default_block_s(head_dim), "heads_per_program": HEADS_PER_PROGRAM,
+            "num_warps": LAUNCH_OPTIONS["num_warps"]}

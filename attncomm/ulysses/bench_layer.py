@@ -20,7 +20,6 @@ equal. ``--trace DIR``: a torch.profiler trace per variant (rank 0 writes
 ``DIR/<variant>-<transport>-S<seq>-norm<0|1>.json``) and the per-layer budget from it (wall =
 compute union + exposed exchange + idle, ``ulysses/timeline.py``).
 """
-
 from __future__ import annotations
 
 import functools
@@ -37,17 +36,8 @@ from .layout import head_split
 
 __all__ = ["VARIANTS", "layer_records", "variant_settings"]
 
-VARIANTS = (
-    "attention_only",
-    "sequential_all_to_all",
-    "sequential_ce",
-    "pipelined_auto",
-    "pipelined_g2",
-    "pipelined_g4",
-    "pipelined_g7",
-    "pipelined_g8",
-    "pipelined_fused",
-)
+VARIANTS = ("attention_only", "sequential_all_to_all", "sequential_ce", "pipelined_auto",
+            "pipelined_g2", "pipelined_g4", "pipelined_g7", "pipelined_g8", "pipelined_fused")
 
 
 def variant_settings(variant: str, transport: str, rule_groups: int):
@@ -60,36 +50,29 @@ def variant_settings(variant: str, transport: str, rule_groups: int):
     if variant == "pipelined_fused":
         return transport, rule_groups if rule_groups > 1 else 0, True
     if variant.startswith("pipelined_g"):
-        return transport, int(variant[len("pipelined_g") :]), False
+        return transport, int(variant[len("pipelined_g"):]), False
     return None
 
 
 def _inputs(world, rank, seq_total, heads, kv_heads, norm, device, dtype):
     torch.manual_seed(4321 + seq_total + rank)
     seq = tuple(head_split(seq_total, world))
-    q, k, v = (
-        torch.randn(1, seq[rank], h, 128, device=device).to(dtype)
-        for h in (heads, kv_heads, kv_heads)
-    )
+    q, k, v = (torch.randn(1, seq[rank], h, 128, device=device).to(dtype)
+               for h in (heads, kv_heads, kv_heads))
     g = torch.Generator(device="cpu").manual_seed(99 + seq_total)  # the same on every rank
     qk_norm = rope = None
     if norm:
-        qk_norm = (
-            torch.randn(128, generator=g).to(device),
-            torch.randn(128, generator=g).to(device),
-            1e-6,
-        )
+        qk_norm = (torch.randn(128, generator=g).to(device), torch.randn(128, generator=g)
+                   .to(device), 1e-6)
         pos = torch.arange(seq_total, dtype=torch.float64)[:, None]
         ang = pos * 10000.0 ** (-torch.arange(0, 128, 2, dtype=torch.float64) / 128)
         ang = torch.cat((ang, ang), dim=-1)
         rope = (ang.cos().float().to(device), ang.sin().float().to(device))
     h_r, kv_r = head_split(heads, world)[rank], head_split(kv_heads, world)[rank]
     packed = torch.randn(seq_total, 1, h_r + 2 * max(kv_r, 1), 128, device=device).to(dtype)
-    local = (
-        packed[:, :, :h_r].permute(1, 0, 2, 3),
-        packed[:, :, h_r : h_r + max(kv_r, 1)].permute(1, 0, 2, 3),
-        packed[:, :, h_r + max(kv_r, 1) :].permute(1, 0, 2, 3),
-    )
+    local = (packed[:, :, :h_r].permute(1, 0, 2, 3),
+             packed[:, :, h_r:h_r + max(kv_r, 1)].permute(1, 0, 2, 3),
+             packed[:, :, h_r + max(kv_r, 1):].permute(1, 0, 2, 3))
     return (q, k, v), seq, qk_norm, rope, local
 
 
@@ -117,64 +100,41 @@ def layer_records(rank, world, opts, transports, dtype, device, cpu_g, time_fn) 
     heads = opts["layer_heads"]
     kv_heads = opts.get("layer_kv_heads") or heads
     records = []
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 132
-    )
+    sms = (torch.cuda.get_device_properties(device).multi_processor_count
+           if device.type == "cuda" else 132)
     for seq_total in opts["layer_seqs"]:
         rule = auto_groups(head_split(heads, world), 1, seq_total, sms)
         for norm in opts["layer_norms"]:
-            (q, k, v), seq, qk_norm, rope, local = _inputs(
-                world, rank, seq_total, heads, kv_heads, norm, device, dtype
-            )
-            base = dict(
-                seq=seq_total,
-                heads=heads,
-                kv_heads=kv_heads,
-                qk_norm=norm,
-                world_size=world,
-                geometry="layer",
-                mode="eager",
-            )
+            (q, k, v), seq, qk_norm, rope, local = _inputs(world, rank, seq_total, heads,
+                                                           kv_heads, norm, device, dtype)
+            base = dict(seq=seq_total, heads=heads, kv_heads=kv_heads, qk_norm=norm,
+                        world_size=world, geometry="layer", mode="eager")
             outs, times = {}, {}
             for variant in opts["layer_variants"]:
-                runs = (
-                    [("none", None)]
-                    if variant == "attention_only"
-                    else [(t, variant_settings(variant, t, rule)) for t in transports]
-                )
+                runs = ([("none", None)] if variant == "attention_only" else
+                        [(t, variant_settings(variant, t, rule)) for t in transports])
                 for tname, settings in runs:
                     if variant != "attention_only" and settings is None:
                         continue
                     rec = dict(base, variant=variant, transport=tname)
                     if settings is None:
-
                         def fn(local=local):
                             return dense(sdpa_attention(*local, False))
-
                         rec["groups"] = None
                     else:
                         backend, groups, fused = settings
-                        mod = UlyssesAttention(
-                            backend=backend,
-                            pipeline_groups=groups,
-                            qk_norm=qk_norm,
-                            fuse_qk_norm_rope=fused,
-                            validate=False,
-                        )
+                        mod = UlyssesAttention(backend=backend, pipeline_groups=groups,
+                                               qk_norm=qk_norm, fuse_qk_norm_rope=fused,
+                                               validate=False)
                         fn = functools.partial(mod, q, k, v, seq_lens=seq, rope=rope)
                         outs[(variant, tname)] = fn().clone()
-                        rec.update(
-                            groups=mod.last_pipeline_groups,
-                            groups_requested=groups,
-                            fused_fill=fused,
-                            transport=mod.last_backends.get("in"),
-                        )
+                        rec.update(groups=mod.last_pipeline_groups, groups_requested=groups,
+                                   fused_fill=fused, transport=mod.last_backends.get("in"))
                     rec["time_us"] = time_fn(fn)
                     if opts.get("trace"):
                         name = f"{variant}-{tname}-S{seq_total}-norm{int(norm)}.json"
-                        rec["budget"] = _trace(fn, os.path.join(opts["trace"], name), cpu_g, rank)
+                        rec["budget"] = _trace(fn, os.path.join(opts["trace"], name), cpu_g,
+                                               rank)
                     times[(variant, tname)] = rec["time_us"]
                     records.append(rec)
             records.append(_summary(base, outs, times, cpu_g))
@@ -192,14 +152,9 @@ def _summary(base, outs, times, cpu_g) -> dict:
     hidden = {}
     if seq_a2a is not None and att is not None and seq_a2a > att:
         hidden = {t: (seq_a2a - v) / (seq_a2a - att) for t, v in autos.items()}
-    return dict(
-        base,
-        variant="summary",
-        transport=None,
-        bitwise_equal=bool(flag.item()),
-        hidden_vs_sequential_all_to_all=hidden,
-        auto_vs_attention_only={t: v / att for t, v in autos.items()} if att else {},
-    )
+    return dict(base, variant="summary", transport=None, bitwise_equal=bool(flag.item()),
+                hidden_vs_sequential_all_to_all=hidden,
+                auto_vs_attention_only={t: v / att for t, v in autos.items()} if att else {})
 
 
 def markdown_rows(records: list[dict]) -> list[str]:
@@ -207,28 +162,20 @@ def markdown_rows(records: list[dict]) -> list[str]:
     rows = [r for r in records if r.get("geometry") == "layer" and r["variant"] != "summary"]
     if not rows:
         return []
-    lines = [
-        "",
-        "## Attention layer: sequential vs pipelined",
-        "",
-        "Slowest-rank median per forward, eager. groups: head groups the forward used; "
-        "fused: norm + RoPE inside the fill kernel.",
-        "",
-        "| S | qk_norm | variant | transport | groups | fused | time µs | budget |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    lines = ["", "## Attention layer: sequential vs pipelined", "",
+             "Slowest-rank median per forward, eager. groups: head groups the forward used; "
+             "fused: norm + RoPE inside the fill kernel.", "",
+             "| S | qk_norm | variant | transport | groups | fused | time µs | budget |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = r.get("budget")
-        lines.append(
-            f"| {r['seq']} | {int(r['qk_norm'])} | {r['variant']} | {r['transport']} | "
-            f"{r.get('groups') or '-'} | {int(bool(r.get('fused_fill')))} | "
-            f"{r['time_us']:.1f} | {timeline.format_budget(b) if b else '-'} |"
-        )
+        lines.append(f"| {r['seq']} | {int(r['qk_norm'])} | {r['variant']} | {r['transport']} | "
+                     f"{r.get('groups') or '-'} | {int(bool(r.get('fused_fill')))} | "
+                     f"{r['time_us']:.1f} | {timeline.format_budget(b) if b else '-'} |")
     for r in records:
         if r.get("variant") == "summary":
-            lines.append(
-                f"\nS={r['seq']} qk_norm={int(r['qk_norm'])}: bitwise equal "
-                f"{r['bitwise_equal']}; hidden (vs sequential_all_to_all) "
-                f"{r['hidden_vs_sequential_all_to_all']}"
-            )
+            lines.append(f"\nS={r['seq']} qk_norm={int(r['qk_norm'])}: bitwise equal "
+                         f"{r['bitwise_equal']}; hidden (vs sequential_all_to_all) "
+                         f"{r['hidden_vs_sequential_all_to_all']}")
     return lines
+

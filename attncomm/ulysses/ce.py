@@ -35,7 +35,6 @@ transport is broken from then on and the next call, or ``check()``, raises
 ``PeerTimeoutError`` naming the peers (``attncomm.symm``). Results of a timed-out exchange are
 garbage: call ``check()`` before trusting the last results of a run.
 """
-
 from __future__ import annotations
 
 import collections
@@ -52,14 +51,8 @@ from .ce_flags import Flags, ok, runtime, triton_reason
 from .layout import ExchangePlan
 from .transport import Exchange, SendBuffer, Transport, send_views, source_view
 
-__all__ = [
-    "CopyEngineTransport",
-    "local_unavailable_reason",
-    "host_unavailable_reason",
-    "agreed_unavailable_reason",
-    "probe_stream_mem_ops",
-    "CACHE_ENTRIES",
-]
+__all__ = ["CopyEngineTransport", "local_unavailable_reason", "host_unavailable_reason",
+           "agreed_unavailable_reason", "probe_stream_mem_ops", "CACHE_ENTRIES"]
 
 #: Staging buffers kept per transport (least recently used evicted first).
 CACHE_ENTRIES = config.get("ATTNCOMM_ULYSSES_CE_CACHE")
@@ -139,17 +132,11 @@ class _Staging:
         self.cap = cap
         self.device = device
         self.flags_bytes = _align(16 * world)
-        self.ws = SymmWorkspace(
-            group,
-            self.flags_bytes + 2 * cap,
-            device,
-            op="ulysses ce",
-            rendezvous=False,
-            errors=failures,
-        )
+        self.ws = SymmWorkspace(group, self.flags_bytes + 2 * cap, device, op="ulysses ce",
+                                rendezvous=False, errors=failures)
         self.buf = self.ws.slab
-        flags = self.buf[: 16 * world].view(torch.int32).view(4, world)
-        flags[2:].fill_(1)  # A[k][p] = 1: every slot starts free
+        flags = self.buf[:16 * world].view(torch.int32).view(4, world)
+        flags[2:].fill_(1)          # A[k][p] = 1: every slot starts free
         flags[2:, rank].zero_()
         self.ptrs: list = []
         self.parity = 0
@@ -203,7 +190,7 @@ class _Staging:
     def slot_view(self, k: int, numel: int, dtype) -> torch.Tensor:
         start = self.flags_bytes + k * self.cap
         item = torch.empty((), dtype=dtype).element_size()
-        return self.buf[start : start + numel * item].view(dtype)
+        return self.buf[start:start + numel * item].view(dtype)
 
 
 def _mode(stream):
@@ -246,23 +233,14 @@ class CopyEngineTransport(Transport):
     name = "ce"
     result_aliases_staging = True
 
-    def __init__(
-        self,
-        group,
-        rank: int,
-        world_size: int,
-        timeout_s: float,
-        *,
-        device: torch.device,
-        flag_mode: str | None = None,
-        cache_entries: int | None = None,
-    ):
+    def __init__(self, group, rank: int, world_size: int, timeout_s: float, *,
+                 device: torch.device, flag_mode: str | None = None,
+                 cache_entries: int | None = None):
         super().__init__(group, rank, world_size, timeout_s)
         self.device = torch.device(device)
         self.flag_mode = self._agree_flag_mode(flag_mode)
-        self.failures = PeerErrors(
-            world_size, self.device, op="ulysses ce", rank=rank, timeout_s=timeout_s
-        )
+        self.failures = PeerErrors(world_size, self.device, op="ulysses ce", rank=rank,
+                                   timeout_s=timeout_s)
         self.flags = Flags(self.flag_mode, self.failures.words, timeout_s)
         self.capacity = cache_entries if cache_entries is not None else CACHE_ENTRIES
         self.cache: collections.OrderedDict = collections.OrderedDict()
@@ -287,10 +265,8 @@ class CopyEngineTransport(Transport):
         if int(flag.item()) == 1:
             return "stream"
         if mode == "stream":
-            raise ValueError(
-                f"ce flag_mode='stream': stream memory ops do not work on every "
-                f"rank ({why or 'a peer failed the probe'})"
-            )
+            raise ValueError(f"ce flag_mode='stream': stream memory ops do not work on every "
+                             f"rank ({why or 'a peer failed the probe'})")
         return "kernel"
 
     @property
@@ -336,17 +312,13 @@ class CopyEngineTransport(Transport):
         # Allocate (may fail on one rank, e.g. OOM) → agree → rendezvous only if every rank
         # allocated: a rank that failed never leaves its peers waiting in the rendezvous.
         st, why = capability.collective_try(
-            self.group,
-            lambda: _Staging(
-                self.group, self.rank, self.world_size, key[1], self.device, failures=self.failures
-            ),
-            "ulysses ce staging allocation",
-        )
+            self.group, lambda: _Staging(self.group, self.rank, self.world_size, key[1],
+                                         self.device, failures=self.failures),
+            "ulysses ce staging allocation")
         if why:
             return f"staging allocation failed: {why}"
-        _, why = capability.collective_try(
-            self.group, st.rendezvous, "ulysses ce staging rendezvous"
-        )
+        _, why = capability.collective_try(self.group, st.rendezvous,
+                                           "ulysses ce staging rendezvous")
         if why:
             return f"staging rendezvous failed: {why}"
         self.cache[key] = st
@@ -367,9 +339,8 @@ class CopyEngineTransport(Transport):
                 raise ValueError(f"ulysses ce: {why}")
         return key, self.cache[key]
 
-    def send_buffer(
-        self, plan: ExchangePlan, dtype: torch.dtype, device: torch.device
-    ) -> SendBuffer:
+    def send_buffer(self, plan: ExchangePlan, dtype: torch.dtype,
+                    device: torch.device) -> SendBuffer:
         """Views of this transport's staging for the next ``start(plan, ..., send=)``: for a
         tiled plan ``regions[rank]`` is this rank's own region of its receive slot (written in
         place, never copied), the peers' regions lie in a local send staging buffer that the
@@ -388,44 +359,33 @@ class CopyEngineTransport(Transport):
         buf = st.send_bufs[k]
         if buf is None or buf.numel() < need:
             if torch.cuda.is_current_stream_capturing():
-                raise ValueError(
-                    "ulysses ce: a new send buffer size during CUDA graph capture "
-                    "(run it once before capturing)"
-                )
+                raise ValueError("ulysses ce: a new send buffer size during CUDA graph capture "
+                                 "(run it once before capturing)")
             if buf is not None:
                 for cs in self.streams:
                     buf.record_stream(cs)
-            buf = st.send_bufs[k] = torch.empty(
-                _bucket(need), dtype=torch.uint8, device=self.device
-            )
+            buf = st.send_bufs[k] = torch.empty(_bucket(need), dtype=torch.uint8,
+                                                device=self.device)
         flat = buf.view(dtype)
         regions, base = [], 0
         for p, n in enumerate(plan.numel[r]):
             if p == r and own_in_slot:
                 lo = plan.region_start[r][r]
-                regions.append(st.slot_view(k, plan.recv_numel[r], dtype)[lo : lo + n])
+                regions.append(st.slot_view(k, plan.recv_numel[r], dtype)[lo:lo + n])
             else:
-                regions.append(flat[base : base + n])
+                regions.append(flat[base:base + n])
                 base += n
         return SendBuffer(plan, dtype, r, tuple(regions), None, token=(key, k, st))
 
-    def start(
-        self,
-        plan: ExchangePlan,
-        parts: Sequence[torch.Tensor],
-        dtype: torch.dtype,
-        device: torch.device,
-        out: torch.Tensor | None = None,
-        *,
-        send: SendBuffer | None = None,
-    ) -> Exchange:
+    def start(self, plan: ExchangePlan, parts: Sequence[torch.Tensor], dtype: torch.dtype,
+              device: torch.device, out: torch.Tensor | None = None, *,
+              send: SendBuffer | None = None) -> Exchange:
         key, st = self._entry(plan, dtype)
         if send is not None:
             self._check_send(plan, dtype, send)
             if send.token != (key, st.parity, st):
-                raise ValueError(
-                    "ulysses ce: send buffer is stale (take it right before the start it is for)"
-                )
+                raise ValueError("ulysses ce: send buffer is stale (take it right before the "
+                                 "start it is for)")
         self.cache.move_to_end(key)
         capturing = torch.cuda.is_current_stream_capturing()
         if capturing:
@@ -457,15 +417,11 @@ class CopyEngineTransport(Transport):
         local = st.slot_view(k, plan.recv_numel[r], dtype)
         if send is None or not plan.tiled:
             st.await_slot(cur, k, mode)  # this rank's own pieces, written on its stream
-            srcs = (
-                send_views(send, r)
-                if send is not None
-                else [(x, source_view(parts, x)) for x in plan.pieces[r][r]]
-            )
+            srcs = (send_views(send, r) if send is not None else
+                    [(x, source_view(parts, x)) for x in plan.pieces[r][r]])
             for x, src in srcs:
-                dst = local.as_strided(
-                    (x.rows, x.cols), (x.dst_pitch, 1), local.storage_offset() + x.dst_offset
-                )
+                dst = local.as_strided((x.rows, x.cols), (x.dst_pitch, 1),
+                                       local.storage_offset() + x.dst_offset)
                 dst.copy_(src)
         return _CEExchange(self, st, k, plan, local, out, done, capturing)
 
@@ -493,11 +449,11 @@ class CopyEngineTransport(Transport):
                 for addr in addrs(p):
                     self.flags.write(self.side, addr, 1)
 
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        index = self.device.index if self.device.index is not None else \
+            torch.cuda.current_device()
         for p, started, passed in waits:
-            watchdog().add(
-                PendingWait(self.failures, started, {p: passed}, self.timeout_s, release, index)
-            )
+            watchdog().add(PendingWait(self.failures, started, {p: passed}, self.timeout_s,
+                                       release, index))
 
     def _copy_to(self, cs, base: int, plan: ExchangePlan, p: int, parts, send, item) -> None:
         """Everything this rank sends to ``p`` into ``p``'s slot at ``base``: from the send
@@ -506,26 +462,18 @@ class CopyEngineTransport(Transport):
         if send is not None and plan.tiled:
             region = send.regions[p]
             if region.numel():
-                self._raw_copy(
-                    cs,
-                    base + plan.region_start[r][p] * item,
-                    region.data_ptr(),
-                    region.numel() * item,
-                )
+                self._raw_copy(cs, base + plan.region_start[r][p] * item, region.data_ptr(),
+                               region.numel() * item)
             return
-        srcs = (
-            send_views(send, p)
-            if send is not None
-            else [(x, source_view(parts, x)) for x in plan.pieces[r][p]]
-        )
+        srcs = (send_views(send, p) if send is not None else
+                [(x, source_view(parts, x)) for x in plan.pieces[r][p]])
         for x, src in srcs:
             self._copy(cs, base, x, src, item)
 
     def _raw_copy(self, stream, dst: int, src: int, nbytes: int) -> None:
         rt = self.rt
-        res = rt.cudaMemcpyAsync(
-            dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream.cuda_stream
-        )
+        res = rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
+                                 stream.cuda_stream)
         if not ok(res):
             raise RuntimeError(f"ulysses ce: copy of {nbytes} B failed: {res}")
 
@@ -544,7 +492,8 @@ class CopyEngineTransport(Transport):
         if x.rows == 1 or (spitch == width and dpitch == width):
             res = rt.cudaMemcpyAsync(dst, src.data_ptr(), width * x.rows, kind, s)
         else:
-            res = rt.cudaMemcpy2DAsync(dst, dpitch, src.data_ptr(), spitch, width, x.rows, kind, s)
+            res = rt.cudaMemcpy2DAsync(dst, dpitch, src.data_ptr(), spitch, width, x.rows,
+                                       kind, s)
         if not ok(res):
             raise RuntimeError(f"ulysses ce: copy of {x.rows}×{width} B failed: {res}")
 
@@ -572,12 +521,9 @@ class _CEExchange(Exchange):
             return self._result
         t, st, k, r = self.t, self.st, self.k, self.t.rank
         cur = torch.cuda.current_stream(t.device)
-        f_waits = [
-            t._bounded_wait(
-                cur, st.f_addr(r, k, (r - i) % t.world_size), (r - i) % t.world_size, self.capturing
-            )
-            for i in range(1, t.world_size)
-        ]
+        f_waits = [t._bounded_wait(cur, st.f_addr(r, k, (r - i) % t.world_size),
+                                   (r - i) % t.world_size, self.capturing)
+                   for i in range(1, t.world_size)]
         for ev in self.done.values():
             cur.wait_event(ev)
         t._watch(f_waits, self.capturing, lambda s: [st.f_addr(r, k, s)])
@@ -597,12 +543,10 @@ class _CEExchange(Exchange):
         for s in range(plan.world_size):
             for x in plan.pieces[s][r]:
                 off = x.dst_offset
-                src = self.local.as_strided(
-                    (x.rows, x.cols), (x.dst_pitch, 1), self.local.storage_offset() + off
-                )
-                dst = self.out.as_strided(
-                    (x.rows, x.cols), (x.dst_pitch, 1), self.out.storage_offset() + off
-                )
+                src = self.local.as_strided((x.rows, x.cols), (x.dst_pitch, 1),
+                                            self.local.storage_offset() + off)
+                dst = self.out.as_strided((x.rows, x.cols), (x.dst_pitch, 1),
+                                          self.out.storage_offset() + off)
                 dst.copy_(src)
 
     def release(self) -> None:

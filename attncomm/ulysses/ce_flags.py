@@ -8,7 +8,6 @@ lets the host find out at the next ``check()`` without a CUDA call. A stream-mem
 no deadline: the transport hands it to the substrate's watchdog (``attncomm.symm``), which
 writes the awaited flag locally when the budget runs out.
 """
-
 from __future__ import annotations
 
 import torch
@@ -22,7 +21,6 @@ _KERNELS = None
 def driver():
     try:
         from cuda.bindings import driver as drv
-
         return drv
     except Exception:  # noqa: BLE001 - optional dependency
         return None
@@ -31,7 +29,6 @@ def driver():
 def runtime():
     try:
         from cuda.bindings import runtime as rt
-
         return rt
     except Exception:  # noqa: BLE001 - optional dependency
         return None
@@ -41,7 +38,6 @@ def triton_reason() -> str | None:
     """None when Triton is importable, else why not."""
     try:
         import triton  # noqa: F401
-
         return None
     except Exception as exc:  # noqa: BLE001
         return str(exc)
@@ -99,7 +95,8 @@ class Flags:
         """Whether ``wait(..., bounded=False)`` enqueues a wait without a device deadline."""
         return self.drv is not None
 
-    def write(self, stream: torch.cuda.Stream, addr: int, value: int, kernel: bool = False) -> None:
+    def write(self, stream: torch.cuda.Stream, addr: int, value: int,
+              kernel: bool = False) -> None:
         """``*addr = value`` after the stream's earlier work (release order). ``kernel`` forces
         the Triton kernel (inside graph capture every flag op is a kernel)."""
         if self.drv is not None and not kernel:
@@ -109,9 +106,8 @@ class Flags:
         with torch.cuda.stream(stream):
             _kernels()[0][(1,)](addr, value)
 
-    def wait(
-        self, stream: torch.cuda.Stream, addr: int, value: int, peer: int, bounded: bool
-    ) -> None:
+    def wait(self, stream: torch.cuda.Stream, addr: int, value: int, peer: int,
+             bounded: bool) -> None:
         """The stream waits until ``*addr == value``, then sets ``*addr = 0``. ``bounded``
         asks for the device-side deadline (the Triton kernel; used inside graph capture and
         when there are no memory ops); ``peer`` is whose error word a timeout sets."""

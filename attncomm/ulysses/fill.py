@@ -28,7 +28,6 @@ Triton; the torch path takes the fp32 square root through fp64, which rounds it 
 the CPU too); RoPE rotate-half (NeoX, Su et al., 2021): ``x · cos + rotate_half(x) · sin``
 over global positions.
 """
-
 from __future__ import annotations
 
 import collections
@@ -39,17 +38,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = [
-    "FillPart",
-    "rms_norm_rope",
-    "send_layout",
-    "fill_torch",
-    "fill_triton",
-    "fill",
-    "triton_fill_reason",
-    "default_block_s",
-    "LAUNCH_OPTIONS",
-]
+__all__ = ["FillPart", "rms_norm_rope", "send_layout", "fill_torch", "fill_triton", "fill",
+           "triton_fill_reason", "default_block_s", "LAUNCH_OPTIONS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,19 +69,14 @@ def _tree_sum(t: torch.Tensor) -> torch.Tensor:
     n = t.shape[-1]
     while n > 1:
         half = n // 2
-        head = t[..., 0 : 2 * half : 2] + t[..., 1 : 2 * half : 2]
-        t = torch.cat((head, t[..., 2 * half :]), dim=-1) if n % 2 else head
+        head = t[..., 0:2 * half:2] + t[..., 1:2 * half:2]
+        t = torch.cat((head, t[..., 2 * half:]), dim=-1) if n % 2 else head
         n = half + n % 2
     return t
 
 
-def rms_norm_rope(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
-) -> torch.Tensor:
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                  cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
     """RMSNorm over ``D`` then rotate-half (NeoX) RoPE, in fp32, rounded once to ``x.dtype``.
 
     Arguments:
@@ -140,49 +125,35 @@ def _check_parts(parts: Sequence[FillPart], out):
     b, s_r, _, d = x0.shape
     for p in parts:
         if p.x.dim() != 4 or p.x.shape[0] != b or p.x.shape[1] != s_r or p.x.shape[3] != d:
-            raise ValueError(
-                f"fill: parts disagree on [B, S_r, *, D]: {list(p.x.shape)} vs {list(x0.shape)}"
-            )
+            raise ValueError(f"fill: parts disagree on [B, S_r, *, D]: {list(p.x.shape)} vs "
+                             f"{list(x0.shape)}")
         if p.x.dtype != x0.dtype:
             raise ValueError(f"fill: parts disagree on dtype: {p.x.dtype} vs {x0.dtype}")
     htot, starts = send_layout(b, s_r, d, [p.ranges for p in parts])
     if out is None:
         return (b, s_r, d), htot, starts, None
     if isinstance(out, torch.Tensor):
-        if (
-            out.dim() != 1
-            or out.numel() != starts[-1]
-            or out.dtype != x0.dtype
-            or not out.is_contiguous()
-        ):
-            raise ValueError(
-                f"fill: out must be a contiguous flat {x0.dtype} tensor of "
-                f"{starts[-1]} elements, got {list(out.shape)} {out.dtype}"
-            )
+        if out.dim() != 1 or out.numel() != starts[-1] or out.dtype != x0.dtype \
+                or not out.is_contiguous():
+            raise ValueError(f"fill: out must be a contiguous flat {x0.dtype} tensor of "
+                             f"{starts[-1]} elements, got {list(out.shape)} {out.dtype}")
         return (b, s_r, d), htot, starts, None
     sizes = [starts[p + 1] - starts[p] for p in range(len(htot))]
     got = [(tuple(r.shape), r.dtype, r.is_contiguous()) for r in out]
     if got != [((n,), x0.dtype, True) for n in sizes]:
-        raise ValueError(
-            f"fill: regions must be contiguous flat {x0.dtype} tensors of "
-            f"{sizes} elements, got {got}"
-        )
+        raise ValueError(f"fill: regions must be contiguous flat {x0.dtype} tensors of "
+                         f"{sizes} elements, got {got}")
     return (b, s_r, d), htot, starts, list(out)
 
 
 def _regions(out, starts, htot, b, s_r, d):
     if not isinstance(out, torch.Tensor):
         return [r.view(s_r, b, htot[p], d) for p, r in enumerate(out)]
-    return [out[starts[p] : starts[p + 1]].view(s_r, b, htot[p], d) for p in range(len(htot))]
+    return [out[starts[p]:starts[p + 1]].view(s_r, b, htot[p], d) for p in range(len(htot))]
 
 
-def fill_torch(
-    parts: Sequence[FillPart],
-    eps: float = 0.0,
-    cos: torch.Tensor | None = None,
-    sin: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def fill_torch(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | None = None,
+               sin: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The fill in torch ops (the reference; see the module docstring).
 
     Arguments:
@@ -206,12 +177,11 @@ def fill_torch(
     for part in parts:
         y = part.x
         if part.weight is not None or part.rope:
-            y = rms_norm_rope(
-                y, part.weight, eps, cos if part.rope else None, sin if part.rope else None
-            )
+            y = rms_norm_rope(y, part.weight, eps, cos if part.rope else None,
+                              sin if part.rope else None)
         for p, (lo, hi) in enumerate(part.ranges):
             if hi > lo:
-                regions[p][:, :, cols[p] : cols[p] + hi - lo].copy_(y[:, :, lo:hi].transpose(0, 1))
+                regions[p][:, :, cols[p]:cols[p] + hi - lo].copy_(y[:, :, lo:hi].transpose(0, 1))
                 cols[p] += hi - lo
     return out
 
@@ -244,21 +214,15 @@ def _kernel():
     def _halves(x, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF: tl.constexpr):
         """Rows ``[BLOCK_S, HB, D]`` of heads ``h0 + hh`` as two fp32 halves (one load site
         per part, so the strides' specialization, e.g. ``sd == 1``, vectorizes it)."""
-        src = (
-            x
-            + b * sb
-            + rows[:, None, None] * ss
-            + (h0 + hh)[None, :, None] * sh
-            + cols[None, None, :] * sd
-        )
+        src = (x + b * sb + rows[:, None, None] * ss + (h0 + hh)[None, :, None] * sh
+               + cols[None, None, :] * sd)
         f1 = tl.load(src, mask=mask).to(tl.float32)
         f2 = tl.load(src + HALF * sd, mask=mask).to(tl.float32)
         return f1, f2
 
     @triton.jit
-    def _adjacent_sum(
-        t, BLOCK_S: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr, LEVELS: tl.constexpr
-    ):
+    def _adjacent_sum(t, BLOCK_S: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr,
+                      LEVELS: tl.constexpr):
         """``_tree_sum``'s order over the last dim (adjacent pairs, recursively) →
         ``[BLOCK_S, HB]``; the first levels are register-local (a thread holds adjacent
         elements)."""
@@ -268,45 +232,12 @@ def _kernel():
         return tl.reshape(t, (BLOCK_S, HB))
 
     @triton.jit
-    def fill_kernel(
-        x0,
-        x1,
-        x2,
-        out_ptr,
-        tbl_ptr,
-        w0,
-        w1,
-        w2,
-        cos_ptr,
-        sin_ptr,
-        S,
-        eps,
-        flags,
-        s0b,
-        s0s,
-        s0h,
-        s0d,
-        s1b,
-        s1s,
-        s1h,
-        s1d,
-        s2b,
-        s2s,
-        s2h,
-        s2d,
-        scs,
-        scd,
-        sss,
-        ssd,
-        HALF: tl.constexpr,
-        LEVELS: tl.constexpr,
-        BLOCK_S: tl.constexpr,
-        HB: tl.constexpr,
-        ANY_NORM: tl.constexpr,
-        ANY_ROPE: tl.constexpr,
-        ALIGNED: tl.constexpr,
-        ROPE_BCAST: tl.constexpr,
-    ):
+    def fill_kernel(x0, x1, x2, out_ptr, tbl_ptr, w0, w1, w2, cos_ptr, sin_ptr, S, eps, flags,
+                    s0b, s0s, s0h, s0d, s1b, s1s, s1h, s1d, s2b, s2s, s2h, s2d,
+                    scs, scd, sss, ssd,
+                    HALF: tl.constexpr, LEVELS: tl.constexpr, BLOCK_S: tl.constexpr,
+                    HB: tl.constexpr, ANY_NORM: tl.constexpr, ANY_ROPE: tl.constexpr,
+                    ALIGNED: tl.constexpr, ROPE_BCAST: tl.constexpr):
         pid_s = tl.program_id(0)
         ent = tbl_ptr + tl.program_id(1) * 6
         b = tl.program_id(2).to(tl.int64)
@@ -337,9 +268,8 @@ def _kernel():
                     wp = w1
                 elif part == 2:
                     wp = w2
-                t = _adjacent_sum(f1 * f1, BLOCK_S, HB, HALF, LEVELS) + _adjacent_sum(
-                    f2 * f2, BLOCK_S, HB, HALF, LEVELS
-                )
+                t = (_adjacent_sum(f1 * f1, BLOCK_S, HB, HALF, LEVELS)
+                     + _adjacent_sum(f2 * f2, BLOCK_S, HB, HALF, LEVELS))
                 ms = tl.div_rn(t, tl.full((BLOCK_S, HB), 2 * HALF, tl.float32))
                 inv = tl.div_rn(tl.full((BLOCK_S, HB), 1.0, tl.float32), tl.sqrt_rn(ms + eps))
                 if ROPE_BCAST:  # as cos/sin below: loaded in the rows' layout
@@ -355,18 +285,10 @@ def _kernel():
             if (flags >> (2 * part + 1)) & 1:
                 if ROPE_BCAST:  # pointers broadcast over the heads: f1's layout, no shuffle
                     rmask = (rows[:, None, None] < S) & (hh[None, :, None] >= 0)
-                    cr = (
-                        cos_ptr
-                        + rows[:, None, None] * scs
-                        + hh[None, :, None] * 0
-                        + cols[None, None, :] * scd
-                    )
-                    sr = (
-                        sin_ptr
-                        + rows[:, None, None] * sss
-                        + hh[None, :, None] * 0
-                        + cols[None, None, :] * ssd
-                    )
+                    cr = (cos_ptr + rows[:, None, None] * scs + hh[None, :, None] * 0
+                          + cols[None, None, :] * scd)
+                    sr = (sin_ptr + rows[:, None, None] * sss + hh[None, :, None] * 0
+                          + cols[None, None, :] * ssd)
                     c1 = tl.load(cr, mask=rmask).to(tl.float32)
                     c2 = tl.load(cr + HALF * scd, mask=rmask).to(tl.float32)
                     s1 = tl.load(sr, mask=rmask).to(tl.float32)
@@ -383,14 +305,8 @@ def _kernel():
                 g2 = f2 * c2 + f1 * s2
                 f1 = g1
                 f2 = g2
-        dst = (
-            out_ptr
-            + base
-            + b * bpitch
-            + rows[:, None, None] * pitch
-            + hh[None, :, None] * (2 * HALF)
-            + cols[None, None, :]
-        )
+        dst = (out_ptr + base + b * bpitch + rows[:, None, None] * pitch
+               + hh[None, :, None] * (2 * HALF) + cols[None, None, :])
         tl.store(dst, f1.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + HALF, f2.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -429,16 +345,8 @@ def _table(device, ranges, htot, starts, batch, d, hb):
     for i, rng in enumerate(ranges):
         for p, (lo, hi) in enumerate(rng):
             for h in range(lo, hi, hb):
-                ents.append(
-                    (
-                        i,
-                        h,
-                        min(hb, hi - h),
-                        starts[p] + (cols[p] + h - lo) * d,
-                        batch * htot[p] * d,
-                        htot[p] * d,
-                    )
-                )
+                ents.append((i, h, min(hb, hi - h), starts[p] + (cols[p] + h - lo) * d,
+                             batch * htot[p] * d, htot[p] * d))
             cols[p] += max(0, hi - lo)
     aligned = all(v % 16 == 0 for e in ents for v in e[3:])
     tbl = (torch.tensor(ents, dtype=torch.int64).reshape(len(ents), 6).to(device), aligned)
@@ -453,17 +361,10 @@ def default_block_s(head_dim: int) -> int:
     return max(1, min(64, 2048 // head_dim))
 
 
-def fill_triton(
-    parts: Sequence[FillPart],
-    eps: float = 0.0,
-    cos: torch.Tensor | None = None,
-    sin: torch.Tensor | None = None,
-    out=None,
-    *,
-    block_s: int | None = None,
-    heads_per_program: int | None = None,
-    num_warps: int | None = None,
-) -> torch.Tensor:
+def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | None = None,
+                sin: torch.Tensor | None = None, out=None, *, block_s: int | None = None,
+                heads_per_program: int | None = None,
+                num_warps: int | None = None) -> torch.Tensor:
     """The fill as one Triton launch (for up to three parts), bitwise equal to ``fill_torch``
     (same arguments and result). A program covers ``block_s`` rows (a power of two) of up to
     ``heads_per_program`` (a power of two) consecutive heads of one part bound for one
@@ -494,18 +395,12 @@ def fill_triton(
     if tbl.shape[0] == 0:
         return out
     rope = cos is not None
-    flags = sum(
-        ((p.weight is not None) << (2 * i)) | ((p.rope and rope) << (2 * i + 1))
-        for i, p in enumerate(parts)
-    )
+    flags = sum(((p.weight is not None) << (2 * i)) | ((p.rope and rope) << (2 * i + 1))
+                for i, p in enumerate(parts))
     xs = [p.x for p in parts] + [x0] * (3 - len(parts))
     # fp32 weights (what the reference multiplies by; one pointer type for every part)
-    w32 = [
-        p.weight
-        if p.weight is None or p.weight.dtype == torch.float32
-        else p.weight.to(torch.float32)
-        for p in parts
-    ]
+    w32 = [p.weight if p.weight is None or p.weight.dtype == torch.float32
+           else p.weight.to(torch.float32) for p in parts]
     dummy = next((w for w in w32 if w is not None), None)
     if dummy is None:
         dummy = _dummy(x0.device)
@@ -515,31 +410,15 @@ def fill_triton(
     opts = dict(LAUNCH_OPTIONS, num_warps=num_warps or LAUNCH_OPTIONS["num_warps"])
     half = d // 2
     grid = (triton_cdiv(s_r, block_s), tbl.shape[0], b)
-    _kernel()[grid](
-        *xs,
-        base,
-        tbl,
-        *ws,
-        c,
-        s,
-        s_r,
-        float(eps),
-        flags,
-        *[st for x in xs for st in x.stride()],
-        c.stride(0) if rope else 0,
-        c.stride(1) if rope else 0,
-        s.stride(0) if rope else 0,
-        s.stride(1) if rope else 0,
-        HALF=half,
-        LEVELS=half.bit_length() - 1,
-        BLOCK_S=block_s,
-        HB=hb,
-        ANY_NORM=any(p.weight is not None for p in parts),
-        ANY_ROPE=rope and any(p.rope for p in parts),
-        ALIGNED=aligned and base.data_ptr() % 16 == 0,
-        ROPE_BCAST=ROPE_BCAST,
-        **opts,
-    )
+    _kernel()[grid](*xs, base, tbl, *ws, c, s, s_r, float(eps), flags,
+                    *[st for x in xs for st in x.stride()],
+                    c.stride(0) if rope else 0, c.stride(1) if rope else 0,
+                    s.stride(0) if rope else 0, s.stride(1) if rope else 0,
+                    HALF=half, LEVELS=half.bit_length() - 1, BLOCK_S=block_s, HB=hb,
+                    ANY_NORM=any(p.weight is not None for p in parts),
+                    ANY_ROPE=rope and any(p.rope for p in parts),
+                    ALIGNED=aligned and base.data_ptr() % 16 == 0, ROPE_BCAST=ROPE_BCAST,
+                    **opts)
     return out
 
 
@@ -552,15 +431,13 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def fill(
-    parts: Sequence[FillPart], eps: float = 0.0, cos=None, sin=None, out=None, impl: str = "auto"
-) -> torch.Tensor:
+def fill(parts: Sequence[FillPart], eps: float = 0.0, cos=None, sin=None, out=None,
+         impl: str = "auto") -> torch.Tensor:
     """``fill_triton`` when it can run (``impl="auto"`` or ``"triton"``), else ``fill_torch``
     (``"auto"`` or ``"torch"``). The two give the same bits."""
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"fill: impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-    if impl == "torch" or (
-        impl == "auto" and triton_fill_reason(parts, parts[0].x.device) is not None
-    ):
+    if impl == "torch" or (impl == "auto"
+                           and triton_fill_reason(parts, parts[0].x.device) is not None):
         return fill_torch(parts, eps, cos, sin, out)
     return fill_triton(parts, eps, cos, sin, out)

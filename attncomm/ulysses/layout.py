@@ -16,24 +16,14 @@ Two plans cover Ulysses:
 - ``head_to_seq_plan``: head-sharded ``[B, S, h_s, D]`` → sequence-sharded final buffer
   ``[B, S_p, H_total, D]`` with source ``s``'s heads at a given head offset.
 """
-
 from __future__ import annotations
 
 import dataclasses
 import functools
 from collections.abc import Sequence
 
-__all__ = [
-    "head_split",
-    "head_offsets",
-    "kv_head_range",
-    "group_head_ranges",
-    "Piece",
-    "ExchangePlan",
-    "seq_to_head_plan",
-    "head_to_seq_plan",
-    "uniform_group",
-]
+__all__ = ["head_split", "head_offsets", "kv_head_range", "group_head_ranges", "Piece",
+           "ExchangePlan", "seq_to_head_plan", "head_to_seq_plan", "uniform_group"]
 
 
 def head_split(num_heads: int, world_size: int) -> list[int]:
@@ -146,10 +136,8 @@ class ExchangePlan:
     @functools.cached_property
     def numel(self) -> list[list[int]]:
         """``numel[s][p]`` — elements ``s`` sends to ``p``."""
-        return [
-            [sum(x.numel for x in self.pieces[s][p]) for p in range(self.world_size)]
-            for s in range(self.world_size)
-        ]
+        return [[sum(x.numel for x in self.pieces[s][p]) for p in range(self.world_size)]
+                for s in range(self.world_size)]
 
     @functools.cached_property
     def region_start(self) -> list[list[int]]:
@@ -169,9 +157,8 @@ class ExchangePlan:
 
 
 @functools.lru_cache(maxsize=256)
-def seq_to_head_plan(
-    batch: int, seq_lens: tuple, head_dim: int, part_ranges: tuple
-) -> ExchangePlan:
+def seq_to_head_plan(batch: int, seq_lens: tuple, head_dim: int,
+                     part_ranges: tuple) -> ExchangePlan:
     """Plan for sequence-sharded parts → head-sharded final buffers.
 
     Arguments:
@@ -198,32 +185,19 @@ def seq_to_head_plan(
                 for i, ranges in enumerate(part_ranges):
                     lo, hi = ranges[p]
                     if hi > lo:
-                        pieces[s][p].append(
-                            Piece(
-                                part=i,
-                                b=b,
-                                src_row0=0,
-                                src_head0=lo,
-                                rows=seq_lens[s],
-                                cols=(hi - lo) * head_dim,
-                                dst_offset=((s_off[s] * batch + b) * htot[p] + col) * head_dim,
-                                dst_pitch=batch * htot[p] * head_dim,
-                            )
-                        )
+                        pieces[s][p].append(Piece(
+                            part=i, b=b, src_row0=0, src_head0=lo, rows=seq_lens[s],
+                            cols=(hi - lo) * head_dim,
+                            dst_offset=((s_off[s] * batch + b) * htot[p] + col) * head_dim,
+                            dst_pitch=batch * htot[p] * head_dim))
                         col += hi - lo
     recv = tuple(total_s * batch * htot[p] * head_dim for p in range(w))
     return ExchangePlan(w, _freeze(pieces), recv, tiled=True)
 
 
 @functools.lru_cache(maxsize=256)
-def head_to_seq_plan(
-    batch: int,
-    seq_lens: tuple,
-    head_dim: int,
-    src_heads: tuple,
-    dst_head_offsets: tuple,
-    dst_num_heads: int,
-) -> ExchangePlan:
+def head_to_seq_plan(batch: int, seq_lens: tuple, head_dim: int, src_heads: tuple,
+                     dst_head_offsets: tuple, dst_num_heads: int) -> ExchangePlan:
     """Plan for head-sharded ``[B, S, h_s, D]`` → sequence-sharded final buffers.
 
     Arguments:
@@ -244,19 +218,11 @@ def head_to_seq_plan(
             if seq_lens[p] == 0:
                 continue
             for b in range(batch):
-                pieces[s][p].append(
-                    Piece(
-                        part=0,
-                        b=b,
-                        src_row0=s_off[p],
-                        src_head0=0,
-                        rows=seq_lens[p],
-                        cols=src_heads[s] * head_dim,
-                        dst_offset=(b * seq_lens[p] * dst_num_heads + dst_head_offsets[s])
-                        * head_dim,
-                        dst_pitch=dst_num_heads * head_dim,
-                    )
-                )
+                pieces[s][p].append(Piece(
+                    part=0, b=b, src_row0=s_off[p], src_head0=0, rows=seq_lens[p],
+                    cols=src_heads[s] * head_dim,
+                    dst_offset=(b * seq_lens[p] * dst_num_heads + dst_head_offsets[s]) * head_dim,
+                    dst_pitch=dst_num_heads * head_dim))
     recv = tuple(batch * seq_lens[p] * dst_num_heads * head_dim for p in range(w))
     plan = ExchangePlan(w, _freeze(pieces), recv, tiled=False)
     return dataclasses.replace(plan, tiled=_is_concatenation(plan))

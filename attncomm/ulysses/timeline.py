@@ -14,7 +14,6 @@ a window of ``n`` layers, per layer::
     exposed  = |union of exchange intervals − compute union| / n
     idle     = wall − compute − exposed
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -22,17 +21,8 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 
-__all__ = [
-    "GpuEvent",
-    "load_trace",
-    "classify",
-    "union",
-    "subtract",
-    "budget",
-    "gaps",
-    "host_lead_us",
-    "format_budget",
-]
+__all__ = ["GpuEvent", "load_trace", "classify", "union", "subtract", "budget", "gaps",
+           "host_lead_us", "format_budget"]
 
 _EXCHANGE_KERNELS = re.compile(r"nccl|signal_kernel|wait_kernel", re.IGNORECASE)
 
@@ -71,25 +61,12 @@ def load_trace(path: str) -> tuple[list[GpuEvent], list[dict]]:
         corr = int(args.get("correlation", -1))
         if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             start = float(e["ts"])
-            gpu.append(
-                GpuEvent(
-                    e.get("name", ""),
-                    start,
-                    start + float(e["dur"]),
-                    int(args.get("stream", e.get("tid", 0)) or 0),
-                    classify(e.get("name", ""), cat),
-                    corr,
-                )
-            )
+            gpu.append(GpuEvent(e.get("name", ""), start, start + float(e["dur"]),
+                                int(args.get("stream", e.get("tid", 0)) or 0),
+                                classify(e.get("name", ""), cat), corr))
         elif cat == "cuda_runtime":
-            host.append(
-                {
-                    "name": e.get("name", ""),
-                    "start": float(e["ts"]),
-                    "end": float(e["ts"]) + float(e["dur"]),
-                    "correlation": corr,
-                }
-            )
+            host.append({"name": e.get("name", ""), "start": float(e["ts"]),
+                         "end": float(e["ts"]) + float(e["dur"]), "correlation": corr})
     gpu.sort(key=lambda x: x.start)
     host.sort(key=lambda x: x["start"])
     return gpu, host
@@ -134,13 +111,8 @@ def budget(events: Sequence[GpuEvent], layers: int = 1) -> dict:
     """``{"wall_us", "compute_us", "exposed_exchange_us", "idle_us", "exchange_us"}`` per layer
     over ``events`` (a window of ``layers`` layers); see the module docstring."""
     if not events:
-        return {
-            "wall_us": 0.0,
-            "compute_us": 0.0,
-            "exposed_exchange_us": 0.0,
-            "idle_us": 0.0,
-            "exchange_us": 0.0,
-        }
+        return {"wall_us": 0.0, "compute_us": 0.0, "exposed_exchange_us": 0.0, "idle_us": 0.0,
+                "exchange_us": 0.0}
     t0 = min(e.start for e in events)
     t1 = max(e.end for e in events)
     comp = union((e.start, e.end) for e in events if e.kind == "compute")
@@ -148,13 +120,8 @@ def budget(events: Sequence[GpuEvent], layers: int = 1) -> dict:
     n = max(1, layers)
     wall, c = (t1 - t0) / n, _length(comp) / n
     exposed = _length(subtract(exch, comp)) / n
-    return {
-        "wall_us": wall,
-        "compute_us": c,
-        "exposed_exchange_us": exposed,
-        "idle_us": max(0.0, wall - c - exposed),
-        "exchange_us": _length(exch) / n,
-    }
+    return {"wall_us": wall, "compute_us": c, "exposed_exchange_us": exposed,
+            "idle_us": max(0.0, wall - c - exposed), "exchange_us": _length(exch) / n}
 
 
 def gaps(events: Sequence[GpuEvent], kind: str = "compute") -> list[tuple[float, float]]:
@@ -171,23 +138,18 @@ def host_lead_us(gpu: Sequence[GpuEvent], host: Sequence[dict]) -> dict:
     if not gpu or not host:
         return {"lead_us": 0.0, "median_launch_lead_us": 0.0}
     by_corr = {h["correlation"]: h for h in host if h["correlation"] >= 0}
-    leads = sorted(e.start - by_corr[e.correlation]["end"] for e in gpu if e.correlation in by_corr)
+    leads = sorted(e.start - by_corr[e.correlation]["end"] for e in gpu
+                   if e.correlation in by_corr)
     linked = [by_corr[e.correlation]["end"] for e in gpu if e.correlation in by_corr]
     done = max(linked) if linked else max(h["end"] for h in host)
     gpu_done = max(e.end for e in gpu)
-    return {
-        "enqueue_done_us": done,
-        "gpu_done_us": gpu_done,
-        "lead_us": gpu_done - done,
-        "median_launch_lead_us": leads[len(leads) // 2] if leads else 0.0,
-    }
+    return {"enqueue_done_us": done, "gpu_done_us": gpu_done, "lead_us": gpu_done - done,
+            "median_launch_lead_us": leads[len(leads) // 2] if leads else 0.0}
 
 
 def format_budget(b: dict) -> str:
     """``wall = compute + exposed exchange + idle`` in ms, as the seed's budget reads."""
-    return (
-        f"{b['wall_us'] / 1e3:.2f} = {b['compute_us'] / 1e3:.2f} (compute) + "
-        f"{b['exposed_exchange_us'] / 1e3:.2f} (exposed exchange) + "
-        f"{b['idle_us'] / 1e3:.2f} (idle) ms per layer; exchange "
-        f"{b['exchange_us'] / 1e3:.2f} ms in all"
-    )
+    return (f"{b['wall_us'] / 1e3:.2f} = {b['compute_us'] / 1e3:.2f} (compute) + "
+            f"{b['exposed_exchange_us'] / 1e3:.2f} (exposed exchange) + "
+            f"{b['idle_us'] / 1e3:.2f} (idle) ms per layer; exchange "
+            f"{b['exchange_us'] / 1e3:.2f} ms in all")

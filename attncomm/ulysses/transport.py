@@ -5,7 +5,6 @@ transport's name): ``prepare`` before capture, ``send_buffer`` + ``start(..., se
 producer that writes its outgoing data in place (no pack), ``result_aliases_staging`` to know
 whether a result must be copied before ``release()``.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -16,16 +15,8 @@ import torch
 
 from .layout import ExchangePlan, Piece
 
-__all__ = [
-    "Transport",
-    "Exchange",
-    "SendBuffer",
-    "source_view",
-    "region_view",
-    "fill_send_buffer",
-    "dense_send_buffer",
-    "send_views",
-]
+__all__ = ["Transport", "Exchange", "SendBuffer", "source_view", "region_view",
+           "fill_send_buffer", "dense_send_buffer", "send_views"]
 
 
 def source_view(parts: Sequence[torch.Tensor], piece: Piece) -> torch.Tensor:
@@ -34,17 +25,13 @@ def source_view(parts: Sequence[torch.Tensor], piece: Piece) -> torch.Tensor:
     x = parts[piece.part]
     d = x.shape[3]
     heads = piece.cols // d
-    v = x[
-        piece.b,
-        piece.src_row0 : piece.src_row0 + piece.rows,
-        piece.src_head0 : piece.src_head0 + heads,
-    ]
+    v = x[piece.b, piece.src_row0:piece.src_row0 + piece.rows,
+          piece.src_head0:piece.src_head0 + heads]
     return v.reshape(piece.rows, piece.cols)
 
 
-def region_view(
-    plan: ExchangePlan, src: int, dst: int, piece: Piece, region: torch.Tensor, pos: int
-) -> torch.Tensor:
+def region_view(plan: ExchangePlan, src: int, dst: int, piece: Piece,
+                region: torch.Tensor, pos: int) -> torch.Tensor:
     """The ``[rows, cols]`` view of ``piece`` (one of ``plan.pieces[src][dst]``) inside the flat
     send region ``region`` for ``dst`` (``[plan.numel[src][dst]]``).
 
@@ -92,14 +79,13 @@ class SendBuffer:
     token: object = None
 
 
-def dense_send_buffer(
-    plan: ExchangePlan, dtype: torch.dtype, device: torch.device, rank: int, token: object = None
-) -> SendBuffer:
+def dense_send_buffer(plan: ExchangePlan, dtype: torch.dtype, device: torch.device,
+                      rank: int, token: object = None) -> SendBuffer:
     """A fresh destination-major buffer: the regions are consecutive slices of one tensor."""
     flat = torch.empty(sum(plan.numel[rank]), dtype=dtype, device=device)
     regions, base = [], 0
     for n in plan.numel[rank]:
-        regions.append(flat[base : base + n])
+        regions.append(flat[base:base + n])
         base += n
     return SendBuffer(plan, dtype, rank, tuple(regions), flat, token)
 
@@ -117,10 +103,8 @@ def send_views(send: SendBuffer, p: int):
     """``(piece, [rows, cols] view in send.regions[p])`` for every piece this rank sends to
     ``p``."""
     plan, r = send.plan, send.rank
-    return [
-        (x, region_view(plan, r, p, x, send.regions[p], pos))
-        for x, pos in _region_pieces(plan, r, p)
-    ]
+    return [(x, region_view(plan, r, p, x, send.regions[p], pos))
+            for x, pos in _region_pieces(plan, r, p)]
 
 
 class Exchange(ABC):
@@ -131,7 +115,8 @@ class Exchange(ABC):
     reuse them afterwards; the default does nothing)."""
 
     @abstractmethod
-    def wait(self) -> torch.Tensor: ...
+    def wait(self) -> torch.Tensor:
+        ...
 
     def release(self) -> None:
         return None
@@ -169,25 +154,18 @@ class Transport(ABC):
         on every rank). Call it before CUDA graph capture. Default: always ready."""
         return None
 
-    def send_buffer(
-        self, plan: ExchangePlan, dtype: torch.dtype, device: torch.device
-    ) -> SendBuffer:
+    def send_buffer(self, plan: ExchangePlan, dtype: torch.dtype,
+                    device: torch.device) -> SendBuffer:
         """Where a producer writes this rank's outgoing data for the next ``start(plan, ...,
         send=buf)`` of this transport (at most one buffer outstanding per plan: take it right
         before that ``start``). Default: a fresh dense buffer."""
         return dense_send_buffer(plan, dtype, device, self.rank)
 
     @abstractmethod
-    def start(
-        self,
-        plan: ExchangePlan,
-        parts: Sequence[torch.Tensor],
-        dtype: torch.dtype,
-        device: torch.device,
-        out: torch.Tensor | None = None,
-        *,
-        send: SendBuffer | None = None,
-    ) -> Exchange: ...
+    def start(self, plan: ExchangePlan, parts: Sequence[torch.Tensor], dtype: torch.dtype,
+              device: torch.device, out: torch.Tensor | None = None, *,
+              send: SendBuffer | None = None) -> Exchange:
+        ...
 
     def check(self) -> None:
         """Raise any timeout recorded since the last check (default: none). Never waits for
@@ -198,7 +176,5 @@ class Transport(ABC):
         if send.plan is not plan and send.plan != plan:
             raise ValueError(f"ulysses {self.name}: send buffer is for another plan")
         if send.dtype != dtype or send.rank != self.rank:
-            raise ValueError(
-                f"ulysses {self.name}: send buffer is for dtype {send.dtype}, "
-                f"rank {send.rank}; start got {dtype}, rank {self.rank}"
-            )
+            raise ValueError(f"ulysses {self.name}: send buffer is for dtype {send.dtype}, "
+                             f"rank {send.rank}; start got {dtype}, rank {self.rank}")

@@ -2,7 +2,6 @@
 on two GPUs (skipped on one) ``symm`` bitwise against ``all_gather`` over ≥ 100 graph replays
 with fresh data, eager and graph interleaved, the ordering rule against a slow reader, ``auto``,
 ``DcpAttention`` and the timeout path. Run on the device: ``pytest -m gpu tests/gpu``."""
-
 from __future__ import annotations
 
 import importlib.util
@@ -51,63 +50,35 @@ def _fresh(gen, q, cos, sin):
 
 # ------------------------------------------------------------------------------ one GPU
 
-
 @pytest.mark.gpus(1)
 @pytest.mark.parametrize("ranks,fp8", [(2, False), (3, False), (2, True), (3, True)])
 def test_symm_kernel_simulated_ranks_one_gpu(ranks, fp8):
     _need_gpus(1)
     spec = importlib.util.spec_from_file_location(
-        "dcp_gather_one_gpu", os.path.join(ROOT, "scripts", "dcp_gather_one_gpu.py")
-    )
+        "dcp_gather_one_gpu", os.path.join(ROOT, "scripts", "dcp_gather_one_gpu.py"))
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     import attncomm.dcp.gather_symm as mod
-
     for T in (1, 3, 7, 8, 33, 128):
-        a = types.SimpleNamespace(
-            world_size=ranks,
-            heads=16 * ranks,
-            head_dim=576,
-            rope_dim=64,
-            replays=20,
-            label="test",
-            fp8=fp8,
-        )
+        a = types.SimpleNamespace(world_size=ranks, heads=16 * ranks, head_dim=576, rope_dim=64,
+                                  replays=20, label="test", fp8=fp8)
         for ordered in (False, True):
             script.run_tokens(mod, a, T, ordered)  # raises on any differing bit
 
 
 # ------------------------------------------------------------------------------ two GPUs
 
-
 def _replays(rank, world_size, T, H, D, R, n, fp8=False):
     """Graph replays and eager calls interleaved, fresh data each: symm vs all_gather (FP8:
     the same e4m3 bytes, per-head scales around 1/64 so that the largest values saturate)."""
     dev = torch.device("cuda", torch.cuda.current_device())
     hs = H // world_size
-    kw = (
-        dict(out_dtype=torch.float8_e4m3fn, q_scale=torch.linspace(1 / 96, 1 / 48, H))
-        if fp8
-        else {}
-    )
-    symm = DcpQueryGather(
-        max_tokens=T,
-        num_heads=H,
-        head_dim=D,
-        dtype=torch.bfloat16,
-        backend="symm",
-        rope_dim=R,
-        **kw,
-    )
-    ref = DcpQueryGather(
-        max_tokens=T,
-        num_heads=H,
-        head_dim=D,
-        dtype=torch.bfloat16,
-        backend="all_gather",
-        rope_dim=R,
-        **kw,
-    )
+    kw = dict(out_dtype=torch.float8_e4m3fn,
+              q_scale=torch.linspace(1 / 96, 1 / 48, H)) if fp8 else {}
+    symm = DcpQueryGather(max_tokens=T, num_heads=H, head_dim=D, dtype=torch.bfloat16,
+                          backend="symm", rope_dim=R, **kw)
+    ref = DcpQueryGather(max_tokens=T, num_heads=H, head_dim=D, dtype=torch.bfloat16,
+                         backend="all_gather", rope_dim=R, **kw)
     gen = torch.Generator(device=dev).manual_seed(100 + rank)
     q = torch.empty((T, hs, D), device=dev, dtype=torch.bfloat16)
     cos = torch.empty((T, R), device=dev) if R else None
@@ -161,14 +132,13 @@ def _slow_reader(rank, world_size, T, n):
     dev = torch.device("cuda", torch.cuda.current_device())
     H, D = 64, 576
     hs = H // world_size
-    g = DcpQueryGather(max_tokens=T, num_heads=H, head_dim=D, dtype=torch.bfloat16, backend="symm")
+    g = DcpQueryGather(max_tokens=T, num_heads=H, head_dim=D, dtype=torch.bfloat16,
+                       backend="symm")
     gens = [torch.Generator(device=dev).manual_seed(7 + r) for r in range(world_size)]
     bad = 0
     for _ in range(n):
-        qs = [
-            (torch.randn((T, hs, D), generator=gn, device=dev) * 2).to(torch.bfloat16)
-            for gn in gens
-        ]
+        qs = [(torch.randn((T, hs, D), generator=gn, device=dev) * 2).to(torch.bfloat16)
+              for gn in gens]
         want = torch.cat(qs, dim=1)
         view = g(qs[rank])  # eager: one host sync for the error word, then the read
         if rank == 1:
@@ -196,21 +166,13 @@ def _attention(rank, world_size, T, n):
     kl = k[local].contiguous()
 
     def attn(qa):
-        s = torch.einsum("thd,shd->ths", qa.float(), kl.float()) * D**-0.5
+        s = torch.einsum("thd,shd->ths", qa.float(), kl.float()) * D ** -0.5
         lse = torch.logsumexp(s, -1)
-        return torch.einsum("ths,shd->thd", torch.softmax(s, -1), kl[..., :Dv].float()).to(
-            torch.bfloat16
-        ), lse
+        return torch.einsum("ths,shd->thd", torch.softmax(s, -1),
+                            kl[..., :Dv].float()).to(torch.bfloat16), lse
 
-    kw = dict(
-        max_tokens=T,
-        num_heads=H,
-        head_dim=D,
-        dtype=torch.bfloat16,
-        v_head_dim=Dv,
-        rope_dim=64,
-        merge_backend="symm_a2a",
-    )
+    kw = dict(max_tokens=T, num_heads=H, head_dim=D, dtype=torch.bfloat16, v_head_dim=Dv,
+              rope_dim=64, merge_backend="symm_a2a")
     a = DcpAttention(attn, gather_backend="symm", **kw)
     b = DcpAttention(attn, gather_backend="all_gather", **kw)
     q = torch.empty((T, hs, D), device=dev, dtype=torch.bfloat16)
@@ -242,7 +204,8 @@ def test_dcp_attention_graph(cuda_pool):
 
 
 def _auto(rank, world_size):
-    g = DcpQueryGather(max_tokens=64, num_heads=64, head_dim=576, dtype=torch.bfloat16, rope_dim=64)
+    g = DcpQueryGather(max_tokens=64, num_heads=64, head_dim=576, dtype=torch.bfloat16,
+                       rope_dim=64)
     return g.backend, g.fallback_reason
 
 
@@ -254,10 +217,8 @@ def test_auto_agrees(cuda_pool):
 
 def _timeout_path(rank, world_size):
     from attncomm import PeerTimeoutError, cpu_group
-
-    g = DcpQueryGather(
-        max_tokens=16, num_heads=8, head_dim=64, dtype=torch.bfloat16, backend="symm", timeout_s=2.0
-    )
+    g = DcpQueryGather(max_tokens=16, num_heads=8, head_dim=64, dtype=torch.bfloat16,
+                       backend="symm", timeout_s=2.0)
     dev = torch.device("cuda", torch.cuda.current_device())
     results = []
     for T in (2, 16):  # LL, then flag (each on a fresh gatherer after a timeout)
@@ -282,14 +243,8 @@ def _timeout_path(rank, world_size):
         dist.barrier(group=cpu_group())
         torch.cuda.synchronize()
         results.append(result)
-        g = DcpQueryGather(
-            max_tokens=16,
-            num_heads=8,
-            head_dim=64,
-            dtype=torch.bfloat16,
-            backend="symm",
-            timeout_s=2.0,
-        )
+        g = DcpQueryGather(max_tokens=16, num_heads=8, head_dim=64, dtype=torch.bfloat16,
+                           backend="symm", timeout_s=2.0)
     return results
 
 

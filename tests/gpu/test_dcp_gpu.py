@@ -1,6 +1,5 @@
 """DCP merge on CUDA ranks (W=2 through NCCL): symm_a2a eager and in CUDA graphs, the NCCL
 backends, auto, and the timeout path. Run on the device: ``pytest -m gpu tests/gpu``."""
-
 from __future__ import annotations
 
 import time
@@ -36,7 +35,6 @@ def cuda_pool():
 # ------------------------------------------------------------------------------------------
 # helpers (run on the ranks)
 # ------------------------------------------------------------------------------------------
-
 
 def _inputs(gen, T, H, D, dtype, *, empty_rank=None, rank=0, p_empty=0.15):
     """Fresh partial output / LSE with some empty rows (LSE −inf or +inf) whose payload is NaN
@@ -103,10 +101,10 @@ def _poison(merger):
 # rank functions
 # ------------------------------------------------------------------------------------------
 
-
 def _eager_many(rank, world_size, backend, dtype, H, D, max_tokens, tokens):
     gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
-    merger = DcpMerger(max_tokens=max_tokens, num_heads=H, head_dim=D, dtype=dtype, backend=backend)
+    merger = DcpMerger(max_tokens=max_tokens, num_heads=H, head_dim=D, dtype=dtype,
+                       backend=backend)
     assert merger.backend == backend, merger.backend
     for i, T in enumerate(tokens):
         empty_rank = (i % 2) if i % 3 == 2 else None  # now and then a rank's shard is empty
@@ -115,14 +113,12 @@ def _eager_many(rank, world_size, backend, dtype, H, D, max_tokens, tokens):
         _poison(merger)
         got, got_lse = merger(out, lse, return_lse=True)
         torch.cuda.synchronize()
-        assert torch.equal(
-            out.view(torch.int16 if out.element_size() == 2 else torch.int32),
-            out_in.view(torch.int16 if out.element_size() == 2 else torch.int32),
-        ), "input modified"
+        assert torch.equal(out.view(torch.int16 if out.element_size() == 2 else torch.int32),
+                           out_in.view(torch.int16 if out.element_size() == 2
+                                       else torch.int32)), "input modified"
         assert torch.equal(lse, lse_in), "input LSE modified"
-        _assert_close(
-            got, got_lse, _gather(out), _gather(lse), rank, H, dtype, f"{backend} {dtype} T={T}"
-        )
+        _assert_close(got, got_lse, _gather(out), _gather(lse), rank, H, dtype,
+                      f"{backend} {dtype} T={T}")
     merger.check()
     return len(tokens)
 
@@ -151,30 +147,14 @@ def _graph_replays(rank, world_size, dtype, T, replays):
         if i % 10 == 3:  # eager calls interleaved with replays share the epoch
             e_out, e_lse = _inputs(gen, T + 3, H, D, dtype, rank=rank)
             eo, el = merger(e_out, e_lse, return_lse=True)
-            _assert_close(
-                eo.clone(),
-                el.clone(),
-                _gather(e_out),
-                _gather(e_lse),
-                rank,
-                H,
-                dtype,
-                f"eager between replays {i}",
-            )
+            _assert_close(eo.clone(), el.clone(), _gather(e_out), _gather(e_lse), rank, H,
+                          dtype, f"eager between replays {i}")
             _poison(merger)
             graph.replay()
         torch.cuda.synchronize()
         merger.check()
-        _assert_close(
-            g_out.clone(),
-            g_lse.clone(),
-            _gather(static_out),
-            _gather(static_lse),
-            rank,
-            H,
-            dtype,
-            f"replay {i}",
-        )
+        _assert_close(g_out.clone(), g_lse.clone(), _gather(static_out), _gather(static_lse),
+                      rank, H, dtype, f"replay {i}")
     state = merger._impl.ws.state.cpu().tolist()
     return state[0]
 
@@ -182,34 +162,25 @@ def _graph_replays(rank, world_size, dtype, T, replays):
 def _two_mergers(rank, world_size):
     gen = torch.Generator(device="cuda").manual_seed(3000 + rank)
     H, D = 8, 64
-    a = DcpMerger(max_tokens=40, num_heads=H, head_dim=D, dtype=torch.bfloat16, backend="symm_a2a")
-    b = DcpMerger(max_tokens=9, num_heads=H, head_dim=D, dtype=torch.float16, backend="symm_a2a")
+    a = DcpMerger(max_tokens=40, num_heads=H, head_dim=D, dtype=torch.bfloat16,
+                  backend="symm_a2a")
+    b = DcpMerger(max_tokens=9, num_heads=H, head_dim=D, dtype=torch.float16,
+                  backend="symm_a2a")
     assert a._impl.ws.slab.data_ptr() != b._impl.ws.slab.data_ptr()
     for i in range(20):
-        for m, dtype, T in ((a, torch.bfloat16, 1 + (7 * i) % 40), (b, torch.float16, 1 + i % 9)):
+        for m, dtype, T in ((a, torch.bfloat16, 1 + (7 * i) % 40), (b, torch.float16,
+                                                                     1 + i % 9)):
             out, lse = _inputs(gen, T, H, D, dtype, rank=rank)
             got, got_lse = m(out, lse, return_lse=True)
-            _assert_close(
-                got.clone(),
-                got_lse.clone(),
-                _gather(out),
-                _gather(lse),
-                rank,
-                H,
-                dtype,
-                f"merger {dtype} T={T}",
-            )
+            _assert_close(got.clone(), got_lse.clone(), _gather(out), _gather(lse), rank, H,
+                          dtype, f"merger {dtype} T={T}")
     return True
 
 
 def _signal_cells(impl, slot):
     """Every flag and LL word of this rank's slot ``slot`` from each peer, as int32 views."""
-    return [
-        c
-        for q in range(impl.world_size)
-        if q != impl.rank
-        for c in signal_cells(impl.ws.slab, impl.layout, slot, q)
-    ]
+    return [c for q in range(impl.world_size) if q != impl.rank
+            for c in signal_cells(impl.ws.slab, impl.layout, slot, q)]
 
 
 def _epoch_wrap(rank, world_size, epoch0, tokens):
@@ -221,7 +192,6 @@ def _epoch_wrap(rank, world_size, epoch0, tokens):
     that a real merger scrubs long before the epoch comes round again), so every flag and LL
     word of both slots is zeroed first."""
     from attncomm import cpu_group
-
     H, D, dtype = 64, 512, torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(6000 + rank)
     m = DcpMerger(max_tokens=64, num_heads=H, head_dim=D, dtype=dtype, backend="symm_a2a")
@@ -246,16 +216,8 @@ def _epoch_wrap(rank, world_size, epoch0, tokens):
         got, got_lse = m(out, lse, return_lse=True)
         torch.cuda.synchronize()
         epochs.append(int(impl.ws.state[0]))
-        _assert_close(
-            got.clone(),
-            got_lse.clone(),
-            _gather(out),
-            _gather(lse),
-            rank,
-            H,
-            dtype,
-            f"epoch {epochs[-1]} T={T}",
-        )
+        _assert_close(got.clone(), got_lse.clone(), _gather(out), _gather(lse), rank, H, dtype,
+                      f"epoch {epochs[-1]} T={T}")
         if scrub:
             left = sum(int((c != 0).sum()) for c in _signal_cells(impl, 1 - (e & 1)))
             assert left == 0, f"epoch {e}: {left} words of the other slot not zeroed"
@@ -267,24 +229,16 @@ def _auto_and_merge(rank, world_size):
     gen = torch.Generator(device="cuda").manual_seed(4000 + rank)
     out, lse = _inputs(gen, 5, 64, 512, torch.bfloat16, rank=rank)
     got, got_lse = merge(out, lse, backend="symm_a2a", return_lse=True)
-    _assert_close(
-        got, got_lse, _gather(out), _gather(lse), rank, 64, torch.bfloat16, "merge(symm_a2a)"
-    )
+    _assert_close(got, got_lse, _gather(out), _gather(lse), rank, 64, torch.bfloat16,
+                  "merge(symm_a2a)")
     return m.backend, m.fallback_reason
 
 
 def _timeout_path(rank, world_size):
     from attncomm import PeerTimeoutError, cpu_group
-
     H, D = 8, 64
-    m = DcpMerger(
-        max_tokens=8,
-        num_heads=H,
-        head_dim=D,
-        dtype=torch.bfloat16,
-        backend="symm_a2a",
-        timeout_s=2.0,
-    )
+    m = DcpMerger(max_tokens=8, num_heads=H, head_dim=D, dtype=torch.bfloat16,
+                  backend="symm_a2a", timeout_s=2.0)
     gen = torch.Generator(device="cuda").manual_seed(5000 + rank)
     out, lse = _inputs(gen, 4, H, D, torch.bfloat16, rank=rank)
     m(out, lse)  # one good call
@@ -316,7 +270,6 @@ def _timeout_path(rank, world_size):
 # tests
 # ------------------------------------------------------------------------------------------
 
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_symm_a2a_eager_tokens(cuda_pool, dtype):
     tokens = [1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 100, 127, 128, 129, 130]
@@ -334,8 +287,8 @@ def test_epoch_wrap_and_scrub(cuda_pool):
     tokens = (1, 40, 3, 64, 8, 9)
     epochs = cuda_pool.run(_epoch_wrap, -4, tokens)  # int32 wrap, 0 skipped
     assert epochs[0] == epochs[1] == [-3, -2, -1, 2, 3, 4], epochs
-    epochs = cuda_pool.run(_epoch_wrap, 2**30 - 3, tokens)  # scrubs at 2**30 and 2**30 + 1
-    assert epochs[0] == epochs[1] == [2**30 + i for i in range(-2, 4)], epochs
+    epochs = cuda_pool.run(_epoch_wrap, 2 ** 30 - 3, tokens)  # scrubs at 2**30 and 2**30 + 1
+    assert epochs[0] == epochs[1] == [2 ** 30 + i for i in range(-2, 4)], epochs
 
 
 def test_two_mergers(cuda_pool):

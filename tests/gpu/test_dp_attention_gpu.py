@@ -1,6 +1,5 @@
 """DP attention on NCCL ranks (one GPU each): every sync path, gather / scatter /
 reduce_scatter in bf16 against fp64 references, and the simulation on CUDA."""
-
 from __future__ import annotations
 
 import random
@@ -9,15 +8,8 @@ import pytest
 import torch
 
 import attncomm
-from attncomm.dp_attention import (
-    BatchView,
-    DpPaddingMode,
-    ForwardMode,
-    dp_gather,
-    dp_reduce_scatter,
-    dp_scatter,
-    prepare_mlp_sync_batch,
-)
+from attncomm.dp_attention import (BatchView, DpPaddingMode, ForwardMode, dp_gather,
+                                   dp_reduce_scatter, dp_scatter, prepare_mlp_sync_batch)
 from attncomm.demo.dp_simulate import SimConfig, simulate_rank, summarize
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2)]
@@ -31,52 +23,36 @@ def _nccl_checks(rank, world, seed):
         for _ in range(20):
             counts = [rng.randint(0, 5) for _ in range(world)]
             b = BatchView(ForwardMode.DECODE, batch_size=counts[rank]) if counts[rank] else None
-            got, info = prepare_mlp_sync_batch(
-                b,
-                dp_size=world,
-                attn_tp_size=1,
-                group=None,
-                get_idle_batch=lambda: BatchView(ForwardMode.IDLE),
-                sync=sync,
-                device=dev,
-            )
+            got, info = prepare_mlp_sync_batch(b, dp_size=world, attn_tp_size=1, group=None,
+                                               get_idle_batch=lambda: BatchView(ForwardMode.IDLE),
+                                               sync=sync, device=dev)
             assert info.global_num_tokens == counts and (got is None) == (max(counts) == 0)
         out[sync] = info.sync
         # the last rank inactive, its mask on the device (fetched with the rows in one copy)
         act = torch.tensor([1] * (world - 1) + [0], device=dev)
-        _, info = prepare_mlp_sync_batch(
-            BatchView(ForwardMode.DECODE, batch_size=rank + 2),
-            dp_size=world,
-            attn_tp_size=1,
-            group=None,
-            get_idle_batch=lambda: BatchView(ForwardMode.IDLE),
-            sync=sync,
-            device=dev,
-            active_ranks=act,
-        )
+        _, info = prepare_mlp_sync_batch(BatchView(ForwardMode.DECODE, batch_size=rank + 2),
+                                         dp_size=world, attn_tp_size=1, group=None,
+                                         get_idle_batch=lambda: BatchView(ForwardMode.IDLE),
+                                         sync=sync, device=dev, active_ranks=act)
         assert info.global_num_tokens == [r + 2 for r in range(world - 1)] + [0], info
     out["unsent"] = _unsent_on_device(rank, world, dev)
     for _ in range(10):
         n = [rng.choice([0, rng.randint(1, 300)]) for _ in range(world)]
         cs = rng.randrange(1 << 20)
-        rows = [
-            torch.randn(k, 7168, generator=torch.Generator().manual_seed(cs + q))
-            for q, k in enumerate(n)
-        ]
+        rows = [torch.randn(k, 7168, generator=torch.Generator().manual_seed(cs + q))
+                for q, k in enumerate(n)]
         for mode in DpPaddingMode:
             local = rows[rank].to(dev, torch.bfloat16)
             buf = dp_gather(local, n, None, mode=mode)
             for q in range(world):
-                assert torch.equal(
-                    dp_scatter(buf, n, q, mode=mode).cpu(), rows[q].to(torch.bfloat16)
-                )
+                assert torch.equal(dp_scatter(buf, n, q, mode=mode).cpu(),
+                                   rows[q].to(torch.bfloat16))
             total = buf.shape[0]
-            parts = [
-                torch.randn(total, 7168, generator=torch.Generator().manual_seed(cs + 99 + r))
-                for r in range(world)
-            ]
+            parts = [torch.randn(total, 7168, generator=torch.Generator().manual_seed(cs + 99 + r))
+                     for r in range(world)]
             red = dp_reduce_scatter(parts[rank].to(dev, torch.bfloat16), n, None, mode=mode)
-            ref = dp_scatter(sum(p.to(torch.bfloat16).double() for p in parts), n, rank, mode=mode)
+            ref = dp_scatter(sum(p.to(torch.bfloat16).double() for p in parts), n, rank,
+                             mode=mode)
             assert red.shape == ref.shape
             assert torch.allclose(red.double().cpu(), ref, rtol=1e-2, atol=1e-2)
     return out
@@ -97,20 +73,14 @@ def _unsent_on_device(rank, world, dev):
     def partial(output, input, group=None, async_op=False):
         full = torch.empty_like(output)
         real(full, input, group)
-        output.view(world, -1)[: world - 1] = full.view(world, -1)[: world - 1]
+        output.view(world, -1)[:world - 1] = full.view(world, -1)[:world - 1]
         return _Done()
 
     sync_mod.all_gather_tensor = partial
     try:
-        prepare_mlp_sync_batch(
-            BatchView(ForwardMode.DECODE, batch_size=1),
-            dp_size=world,
-            attn_tp_size=1,
-            group=None,
-            sync="device",
-            device=dev,
-            get_idle_batch=lambda: BatchView(ForwardMode.IDLE),
-        )
+        prepare_mlp_sync_batch(BatchView(ForwardMode.DECODE, batch_size=1), dp_size=world,
+                               attn_tp_size=1, group=None, sync="device", device=dev,
+                               get_idle_batch=lambda: BatchView(ForwardMode.IDLE))
         return "no error"
     except attncomm.PeerTimeoutError as exc:
         return exc.peer_ranks
@@ -121,9 +91,8 @@ def _unsent_on_device(rank, world, dev):
 def test_nccl_sync_and_gathers():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    res = attncomm.launch(
-        _nccl_checks, 2, device="cuda", args=(random.randrange(1 << 20),), timeout_s=240
-    )
+    res = attncomm.launch(_nccl_checks, 2, device="cuda", args=(random.randrange(1 << 20),),
+                          timeout_s=240)
     assert [r.pop("unsent") for r in res] == [[1], [1]]
     assert res[0] == {"device": "device", "cpu": "cpu", "shm": "shm", "auto": "shm"}
 
@@ -132,15 +101,8 @@ def test_nccl_sync_and_gathers():
 def test_simulation_on_cuda(sync, dtype):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    cfg = SimConfig(
-        steps=300,
-        sync=sync,
-        dtype=dtype,
-        device="cuda",
-        hidden=256,
-        ffn=1024,
-        seed=random.randrange(1 << 20),
-    )
+    cfg = SimConfig(steps=300, sync=sync, dtype=dtype, device="cuda", hidden=256, ffn=1024,
+                    seed=random.randrange(1 << 20))
     s = summarize(attncomm.launch(simulate_rank, 2, device="cuda", args=(cfg,), timeout_s=240))
     assert s["counts"]["steps_run"] > 0 and s["counts"]["all_idle"] > 0
     assert s["min_cosine"] > (0.999 if dtype == "bf16" else 0.99999), s

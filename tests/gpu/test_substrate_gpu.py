@@ -3,7 +3,6 @@ transport at W=1, under ``torch.cuda.set_sync_debug_mode("error")`` and behind a
 sleep the host must run ahead of), error words in mapped pinned memory written by a Triton
 kernel and read without a CUDA call, and the watchdog releasing a stream blocked on a
 ``cuStreamWaitValue32`` that nobody answers. Run on the device: ``pytest -m gpu tests/gpu``."""
-
 from __future__ import annotations
 
 import time
@@ -48,18 +47,12 @@ def _behind_sleep(fn):
 def _symm_steady_state(rank, world):
     from attncomm.dcp import DcpMerger
     from attncomm.dcp.combine import combine_torch
-
     dev = torch.device("cuda", torch.cuda.current_device())
     H, D, dtype = 8, 128, torch.bfloat16
     m = DcpMerger(max_tokens=16, num_heads=H, head_dim=D, dtype=dtype, backend="symm_a2a")
     gen = torch.Generator(device=dev).manual_seed(7)
-    ins = [
-        (
-            torch.randn(T, H, D, device=dev, generator=gen).to(dtype),
-            torch.randn(T, H, device=dev, generator=gen) * 3,
-        )
-        for T in (1, 5, 16)
-    ]
+    ins = [(torch.randn(T, H, D, device=dev, generator=gen).to(dtype),
+            torch.randn(T, H, device=dev, generator=gen) * 3) for T in (1, 5, 16)]
     outs = []
 
     def calls():
@@ -70,10 +63,9 @@ def _symm_steady_state(rank, world):
         m.check()  # reads the error words: no CUDA call
 
     ahead = _behind_sleep(calls)
-    exact = all(
-        torch.equal(o.float(), combine_torch(ins[j][0][None], ins[j][1][None], dtype)[0].float())
-        for j, o, _ in outs
-    )
+    exact = all(torch.equal(o.float(), combine_torch(ins[j][0][None], ins[j][1][None],
+                                                     dtype)[0].float())
+                for j, o, _ in outs)
     m._impl.ws.errors[0] = 1  # what a wait that timed out for peer 0 leaves (host memory)
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -99,7 +91,6 @@ def _ce_steady_state(rank, world):
     from attncomm.ulysses.ce import CopyEngineTransport
     from attncomm.ulysses.layout import head_to_seq_plan, seq_to_head_plan
     from attncomm.ulysses.transport import fill_send_buffer
-
     dev = torch.device("cuda", torch.cuda.current_device())
     ce = CopyEngineTransport(None, 0, 1, 5.0, device=dev)
     a2a = AllToAllTransport(None, 0, 1, 5.0)
@@ -145,7 +136,6 @@ def test_kernel_wait_timeout_sets_the_pinned_error_word():
         pytest.skip("needs a GPU")
     from attncomm.symm import PeerErrors
     from attncomm.ulysses.ce_flags import Flags
-
     dev = torch.device("cuda", torch.cuda.current_device())
     errs = PeerErrors(3, dev, op="test wait", timeout_s=0.2, watch=False)
     flags = Flags("kernel", errs.words, 0.2)
@@ -164,7 +154,6 @@ def test_watchdog_releases_an_unanswered_stream_wait():
     from attncomm import capability
     from attncomm.symm import PeerErrors, PendingWait, watchdog
     from attncomm.ulysses.ce_flags import Flags
-
     dev = torch.device("cuda", torch.cuda.current_device())
     if capability.stream_mem_ops_reason(dev.index):
         pytest.skip(capability.stream_mem_ops_reason(dev.index))
@@ -180,16 +169,9 @@ def test_watchdog_releases_an_unanswered_stream_wait():
     after.record(s)
     with torch.cuda.stream(s):
         y = x * 2
-    watchdog().add(
-        PendingWait(
-            errs,
-            started,
-            {1: after},
-            0.5,
-            lambda blocked: flags.write(side, word.data_ptr(), 1),
-            dev.index,
-        )
-    )
+    watchdog().add(PendingWait(errs, started, {1: after}, 0.5,
+                               lambda blocked: flags.write(side, word.data_ptr(), 1),
+                               dev.index))
     t0 = time.monotonic()
     torch.cuda.synchronize()
     waited = time.monotonic() - t0

@@ -1,7 +1,6 @@
 """One GPU: the fill kernel bitwise against the torch path on CUDA, UlyssesAttention on a
 one-rank group (fused fill vs unfused, grouped vs sequential) with no host sync in a steady-state
 forward, and the one-GPU rehearsal's output bitwise against its sequential schedule."""
-
 from __future__ import annotations
 
 import importlib.util
@@ -14,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from attncomm.ulysses import UlyssesAttention
-from attncomm.ulysses.fill import FillPart, fill_torch, fill_triton, rms_norm_rope, send_layout
+from attncomm.ulysses.fill import (FillPart, fill_torch, fill_triton, rms_norm_rope,
+                                   send_layout)
 from attncomm.ulysses.layout import group_head_ranges, kv_head_range
 
 pytestmark = pytest.mark.gpu
@@ -37,16 +37,13 @@ def _make(g, shape, dtype, layout):
     return x
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        (2, 56, 56, 128, 1, 4096, torch.bfloat16, True, "dense"),
-        (3, 7, 7, 64, 2, 333, torch.bfloat16, True, "transposed"),  # uneven heads
-        (3, 8, 2, 128, 1, 517, torch.float16, True, "sliced"),  # GQA, Hkv < W
-        (4, 6, 1, 64, 1, 100, torch.float32, False, "dense"),  # MQA, plain pack
-        (2, 12, 4, 128, 1, 1000, torch.bfloat16, False, "dense"),
-    ],
-)
+@pytest.mark.parametrize("case", [
+    (2, 56, 56, 128, 1, 4096, torch.bfloat16, True, "dense"),
+    (3, 7, 7, 64, 2, 333, torch.bfloat16, True, "transposed"),   # uneven heads
+    (3, 8, 2, 128, 1, 517, torch.float16, True, "sliced"),       # GQA, Hkv < W
+    (4, 6, 1, 64, 1, 100, torch.float32, False, "dense"),        # MQA, plain pack
+    (2, 12, 4, 128, 1, 1000, torch.bfloat16, False, "dense"),
+])
 def test_fill_kernel_bitwise_on_cuda(case):
     _need_gpu()
     w, hq, hkv, d, b, s_r, dtype, norm, layout = case
@@ -62,13 +59,12 @@ def test_fill_kernel_bitwise_on_cuda(case):
         for rope in (True, False):
             parts = [FillPart(q, qr, qw, rope), FillPart(k, kr, kw, rope), FillPart(v, kr)]
             want = fill_torch(parts, 1e-6, cos, sin)
-            got = fill_triton(parts, 1e-6, cos, sin, out=torch.full_like(want, float("nan")))
+            got = fill_triton(parts, 1e-6, cos, sin,
+                              out=torch.full_like(want, float("nan")))
             assert torch.equal(want, got), f"seed {seed} groups {groups} rope {rope}"
             _, starts = send_layout(b, s_r, d, [x.ranges for x in parts])
-            regions = [
-                torch.full((starts[p + 1] - starts[p],), float("nan"), dtype=dtype, device="cuda")
-                for p in reversed(range(w))
-            ][::-1]
+            regions = [torch.full((starts[p + 1] - starts[p],), float("nan"), dtype=dtype,
+                                  device="cuda") for p in reversed(range(w))][::-1]
             fill_triton(parts, 1e-6, cos, sin, out=regions)
             assert torch.equal(torch.cat(regions), want), f"seed {seed}: regions"
     # the torch path itself against fp64
@@ -89,9 +85,8 @@ def one_rank_group():
 
 def _layer_inputs(seed, s, hq, hkv, d=128):
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (
-        torch.randn((1, s, h, d), generator=g).to(torch.bfloat16).cuda() for h in (hq, hkv, hkv)
-    )
+    q, k, v = (torch.randn((1, s, h, d), generator=g).to(torch.bfloat16).cuda()
+               for h in (hq, hkv, hkv))
     norm = (torch.randn(d, generator=g).cuda(), torch.randn(d, generator=g).cuda(), 1e-6)
     rope = (torch.randn((s, d), generator=g).cuda(), torch.randn((s, d), generator=g).cuda())
     return q, k, v, norm, rope
@@ -115,7 +110,6 @@ def test_forward_has_no_host_sync(one_rank_group):
     synchronizing CUDA call: none reported by torch's sync debug mode, none in the profiler's
     runtime calls."""
     from torch.profiler import ProfilerActivity, profile, record_function
-
     q, k, v, norm, rope = _layer_inputs(1, 2048, 28, 28)
     mod = UlyssesAttention(pipeline_groups=7, qk_norm=norm)
     for _ in range(2):
@@ -131,26 +125,21 @@ def test_forward_has_no_host_sync(one_rank_group):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    syncs = [
-        str(w.message) for w in caught if "called a synchronizing CUDA operation" in str(w.message)
-    ]
+    syncs = [str(w.message) for w in caught
+             if "called a synchronizing CUDA operation" in str(w.message)]
     assert not syncs, syncs
     events = prof.events()
     fwd = [e for e in events if e.name == "forward"][0].time_range
-    runtime = [
-        e.name
-        for e in events
-        if ("Synchronize" in e.name or e.name in ("cudaMemcpy", "cudaMemcpy2D"))
-        and fwd.start <= e.time_range.start <= fwd.end
-    ]
+    runtime = [e.name for e in events
+               if ("Synchronize" in e.name or e.name in ("cudaMemcpy", "cudaMemcpy2D"))
+               and fwd.start <= e.time_range.start <= fwd.end]
     assert not runtime, runtime
     assert mod.last_pipeline_groups == 7
 
 
 def _rehearsal():
     spec = importlib.util.spec_from_file_location(
-        "ulysses_one_gpu", os.path.join(ROOT, "scripts", "ulysses_one_gpu.py")
-    )
+        "ulysses_one_gpu", os.path.join(ROOT, "scripts", "ulysses_one_gpu.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -168,8 +157,7 @@ def test_rehearsal_bitwise_and_host_ahead(tmp_path):
     qn = rms_norm_rope(full[0], sim.w[0], sim.eps, sim.cos, sim.sin)
     kn = rms_norm_rope(full[1], sim.w[1], sim.eps, sim.cos, sim.sin)
     ref = torch.nn.functional.scaled_dot_product_attention(
-        qn.transpose(1, 2), kn.transpose(1, 2), full[2].transpose(1, 2)
-    ).transpose(1, 2)
+        qn.transpose(1, 2), kn.transpose(1, 2), full[2].transpose(1, 2)).transpose(1, 2)
     got = torch.cat(seq, dim=1)
     assert (got.float() - ref.float()).abs().max().item() < 2e-2
     summary = reh.profile(sim, 4, 2, str(tmp_path / "t.json"))

@@ -1,6 +1,5 @@
 """Ulysses on 2 GPUs: ce vs all_to_all bitwise, slot alternation, cache eviction, fallback during
 capture, the flag-kernel path, the timeout path."""
-
 from __future__ import annotations
 
 import random
@@ -17,7 +16,6 @@ W = 2
 @pytest.fixture(scope="module")
 def gpu_pool():
     from attncomm.launch import RankPool
-
     pool = RankPool(W, device="cuda")
     yield pool
     pool.close(force=not pool.alive)
@@ -30,24 +28,20 @@ def _data(seed, shape, dtype, device):
 
 
 _SHAPES = [  # (B, seq_lens, H, D, dtype)
-    (1, (64, 64), 24, 128, torch.bfloat16),
-    (2, (37, 0), 7, 64, torch.float16),
-    (1, (5, 300), 3, 128, torch.float32),
-    (1, (4096, 4096), 8, 128, torch.bfloat16),
-]
+    (1, (64, 64), 24, 128, torch.bfloat16), (2, (37, 0), 7, 64, torch.float16),
+    (1, (5, 300), 3, 128, torch.float32), (1, (4096, 4096), 8, 128, torch.bfloat16)]
 
 
 def _ce_vs_a2a(rank, world, seed):
     from attncomm import ulysses
     from attncomm.ulysses.layout import head_offsets
-
     dev = torch.device("cuda", rank)
     bad = []
     for rep in range(3):  # repeated calls alternate the staging slots
         for i, (b, lens, h, d, dtype) in enumerate(_SHAPES):
             full = _data(seed + 10 * rep + i, (b, sum(lens), h, d), dtype, dev)
             off = head_offsets(lens)
-            x = full[:, off[rank] : off[rank] + lens[rank]].clone()
+            x = full[:, off[rank]:off[rank] + lens[rank]].clone()
             y_ce = ulysses.seq_to_head(x, seq_lens=lens, backend="ce")
             y_a2a = ulysses.seq_to_head(x, seq_lens=lens, backend="all_to_all")
             back = ulysses.head_to_seq(y_ce, num_heads=h, seq_lens=lens, backend="ce")
@@ -85,11 +79,9 @@ def _transport_cases(rank, world, seed, flag_mode, cache_entries):
     from attncomm.ulysses.all_to_all import AllToAllTransport
     from attncomm.ulysses.ce import CopyEngineTransport
     from attncomm.ulysses.layout import head_offsets, head_split, seq_to_head_plan
-
     dev = torch.device("cuda", rank)
-    ce = CopyEngineTransport(
-        None, rank, world, 30.0, device=dev, flag_mode=flag_mode, cache_entries=cache_entries
-    )
+    ce = CopyEngineTransport(None, rank, world, 30.0, device=dev, flag_mode=flag_mode,
+                             cache_entries=cache_entries)
     a2a = AllToAllTransport(None, rank, world, 30.0)
     bad = []
     sizes = [16, 300, 1000, 2500, 16]  # the last one comes back after evictions
@@ -97,9 +89,8 @@ def _transport_cases(rank, world, seed, flag_mode, cache_entries):
         h, d = 6, 64
         counts = head_split(h, world)
         offs = head_offsets(counts)
-        plan = seq_to_head_plan(
-            1, (s_r,) * world, d, (tuple((offs[p], offs[p] + counts[p]) for p in range(world)),)
-        )
+        plan = seq_to_head_plan(1, (s_r,) * world, d,
+                                (tuple((offs[p], offs[p] + counts[p]) for p in range(world)),))
         x = _data(seed + rep * 7 + rank, (1, s_r, h, d), torch.bfloat16, dev)
         why = ce.prepare(plan, torch.bfloat16)
         if why:
@@ -130,7 +121,6 @@ def test_ce_flag_modes_and_cache_eviction(gpu_pool, flag_mode):
 
 def _capture(rank, world, seed):
     from attncomm import ulysses
-
     dev = torch.device("cuda", rank)
     x = _data(seed + rank, (1, 1024, 16, 128), torch.bfloat16, dev)
     seen = _data(seed + 7 + rank, (1, 2048, 16, 128), torch.bfloat16, dev)
@@ -153,11 +143,8 @@ def _capture(rank, world, seed):
         torch.cuda.synchronize()
         want_new = ulysses.seq_to_head(x, backend="all_to_all")
         want_seen = ulysses.seq_to_head(seen, backend="all_to_all")
-        if not (
-            torch.equal(y_new, want_new)
-            and torch.equal(y_seen, want_seen)
-            and torch.equal(y_seen2, want_seen)
-        ):
+        if not (torch.equal(y_new, want_new) and torch.equal(y_seen, want_seen)
+                and torch.equal(y_seen2, want_seen)):
             bad.append(rep)
     return reason, bad
 
@@ -173,7 +160,6 @@ def _timeout(rank, world, mode):
     from attncomm import PeerTimeoutError
     from attncomm.ulysses.ce import CopyEngineTransport
     from attncomm.ulysses.layout import seq_to_head_plan
-
     dev = torch.device("cuda", rank)
     ce = CopyEngineTransport(None, rank, world, 3.0, device=dev, flag_mode=mode)
     plan = seq_to_head_plan(1, (8, 8), 64, (((0, 2), (2, 4)),))

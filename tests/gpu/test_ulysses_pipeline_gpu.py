@@ -2,7 +2,6 @@
 {2, 4, 7, auto}, three consecutive calls, GQA, uneven heads, both transports, the memory
 decline), Dv != D (two input exchanges of one size bucket) over ce vs all_to_all, and a peer
 that stops mid-forward → PeerTimeoutError on the other rank."""
-
 from __future__ import annotations
 
 import random
@@ -20,7 +19,6 @@ def gpu_pool():
     if not torch.cuda.is_available() or torch.cuda.device_count() < W:
         pytest.skip(f"needs {W} GPUs")
     from attncomm.launch import RankPool
-
     pool = RankPool(W, device="cuda")
     yield pool
     pool.close(force=not pool.alive)
@@ -37,25 +35,21 @@ def _pipelined_vs_sequential(rank, world, seed):
     from attncomm.ulysses import UlyssesAttention
     from attncomm.ulysses import attention as attn_mod
     from attncomm.ulysses.layout import head_offsets
-
     dev = torch.device("cuda", rank)
     bad = []
     for hq, hkv, lens in ((56, 8, (512, 512)), (7, 7, (300, 211)), (12, 3, (0, 257))):
         g = torch.Generator().manual_seed(seed + hq)
-        full = [
-            torch.randn((1, sum(lens), h, 64), generator=g).to(torch.bfloat16)
-            for h in (hq, hkv, hkv)
-        ]
+        full = [torch.randn((1, sum(lens), h, 64), generator=g).to(torch.bfloat16)
+                for h in (hq, hkv, hkv)]
         o = head_offsets(lens)[rank]
-        q, k, v = (t[:, o : o + lens[rank]].to(dev) for t in full)
+        q, k, v = (t[:, o:o + lens[rank]].to(dev) for t in full)
         norm = (torch.randn(64, generator=g).to(dev), torch.randn(64, generator=g).to(dev), 1e-6)
         rope = tuple(torch.randn((sum(lens), 64), generator=g).to(dev) for _ in range(2))
         for backend in ("all_to_all", "ce"):
             ref = None
             for groups in (0, 2, 4, 7, -1):
-                mod = UlyssesAttention(
-                    _head_independent, backend=backend, qk_norm=norm, pipeline_groups=groups
-                )
+                mod = UlyssesAttention(_head_independent, backend=backend, qk_norm=norm,
+                                       pipeline_groups=groups)
                 for call in range(3):
                     out = mod(q, k, v, seq_lens=lens, rope=rope)
                     ref = out.clone() if ref is None else ref
@@ -88,7 +82,6 @@ def _peer_stops(rank, world):
     from attncomm.errors import PeerTimeoutError
     from attncomm.ulysses import UlyssesAttention
     from attncomm.ulysses.api import reset_transports
-
     dev = torch.device("cuda", rank)
     q = torch.randn(1, 2048, 8, 128, device=dev, dtype=torch.bfloat16)
     mod = UlyssesAttention(backend="ce", pipeline_groups=4, timeout_s=3.0, validate=False)
@@ -119,36 +112,24 @@ def _dv_differs(rank, world, seed):
     the previous group has not read yet if the transport handed it out again."""
     from attncomm.ulysses import UlyssesAttention
     from attncomm.ulysses.layout import head_offsets
-
     dev = torch.device("cuda", rank)
     bad = []
     for hq, hkv, d, dv, lens in ((8, 4, 64, 32, (128, 96)), (12, 6, 32, 64, (64, 64))):
         g = torch.Generator().manual_seed(seed + hq)
-        full = [
-            torch.randn((1, sum(lens), h, e), generator=g).to(torch.bfloat16)
-            for h, e in ((hq, d), (hkv, d), (hkv, dv))
-        ]
+        full = [torch.randn((1, sum(lens), h, e), generator=g).to(torch.bfloat16)
+                for h, e in ((hq, d), (hkv, d), (hkv, dv))]
         o = head_offsets(lens)[rank]
-        q, k, v = (t[:, o : o + lens[rank]].to(dev) for t in full)
+        q, k, v = (t[:, o:o + lens[rank]].to(dev) for t in full)
         norm = (torch.randn(d, generator=g).to(dev), torch.randn(d, generator=g).to(dev), 1e-6)
         rope = tuple(torch.randn((sum(lens), d), generator=g).to(dev) for _ in range(2))
         for fuse in (True, False):
-            ref = UlyssesAttention(
-                _head_independent,
-                backend="all_to_all",
-                qk_norm=norm,
-                pipeline_groups=1,
-                fuse_qk_norm_rope=fuse,
-            )(q, k, v, seq_lens=lens, rope=rope).clone()
+            ref = UlyssesAttention(_head_independent, backend="all_to_all", qk_norm=norm,
+                                   pipeline_groups=1, fuse_qk_norm_rope=fuse)(
+                q, k, v, seq_lens=lens, rope=rope).clone()
             for backend in ("all_to_all", "ce"):
                 for groups in (1, 2, 4):
-                    mod = UlyssesAttention(
-                        _head_independent,
-                        backend=backend,
-                        qk_norm=norm,
-                        pipeline_groups=groups,
-                        fuse_qk_norm_rope=fuse,
-                    )
+                    mod = UlyssesAttention(_head_independent, backend=backend, qk_norm=norm,
+                                           pipeline_groups=groups, fuse_qk_norm_rope=fuse)
                     for call in range(3):
                         out = mod(q, k, v, seq_lens=lens, rope=rope)
                         if backend == "ce" and mod.last_backends != {"in": "ce", "out": "ce"}:

@@ -7,7 +7,6 @@ to combine shards (DESIGN.md, "DCP merge"). With every key it is plain attention
 ``dcp.merge`` to this rank's head slice, then an all_gather of the head slices so the rest of the
 layer runs replicated.
 """
-
 from __future__ import annotations
 
 import torch
@@ -18,9 +17,8 @@ from ... import _dist, dcp
 __all__ = ["partial_attention", "full_attention", "dcp_attention", "gather_heads"]
 
 
-def partial_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, scale: float
-):
+def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      valid: torch.Tensor | None, scale: float):
     """Attention of ``q`` over the keys ``k, v`` with the log-sum-exp of the scores.
 
     Arguments:
@@ -44,9 +42,8 @@ def partial_attention(
     return out.to(q.dtype), lse.transpose(1, 2).contiguous()
 
 
-def full_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, scale: float
-) -> torch.Tensor:
+def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   valid: torch.Tensor | None, scale: float) -> torch.Tensor:
     """One-process attention, ``[B, S, H, D]`` → ``[B, S, H, D]`` (the reference core)."""
     return partial_attention(q, k, v, valid, scale)[0]
 
@@ -63,16 +60,9 @@ def gather_heads(part: torch.Tensor, group=None) -> torch.Tensor:
     return buf.transpose(0, 1)
 
 
-def dcp_attention(
-    q: torch.Tensor,
-    k_local: torch.Tensor,
-    v_local: torch.Tensor,
-    valid_local: torch.Tensor | None,
-    scale: float,
-    group=None,
-    *,
-    backend: str = "auto",
-) -> torch.Tensor:
+def dcp_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor,
+                  valid_local: torch.Tensor | None, scale: float, group=None, *,
+                  backend: str = "auto") -> torch.Tensor:
     """Attention over a KV cache sharded across the ranks of ``group`` (DCP).
 
     Arguments:
@@ -90,5 +80,6 @@ def dcp_attention(
     """
     B, Sq, H, D = q.shape
     out, lse = partial_attention(q, k_local, v_local, valid_local, scale)
-    merged = dcp.merge(out.reshape(B * Sq, H, D), lse.reshape(B * Sq, H), group, backend=backend)
+    merged = dcp.merge(out.reshape(B * Sq, H, D), lse.reshape(B * Sq, H), group,
+                       backend=backend)
     return gather_heads(merged, group).reshape(B, Sq, H, D)

