@@ -41,7 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     config.force_safe_env()
     args = build_parser().parse_args(argv)
-    return int(importlib.import_module(args._main).main(args) or 0)
+    try:
+        return int(importlib.import_module(args._main).main(args) or 0)
+    except ValueError as exc:  # bad input (attncomm's rule: ValueError names the values)
+        print(f"attncomm: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
