@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+import collections
+
 import contextlib
 import datetime
 from typing import Any
@@ -19,8 +21,9 @@ from torch.distributed import distributed_c10d as c10d
 from . import config
 from .errors import PeerTimeoutError
 
-__all__ = ["cpu_group", "clear_cpu_groups", "all_gather_tensor", "reduce_scatter_tensor",
-           "group_key", "group_device", "agree", "guard_timeout", "wait", "as_bits",
+__all__ = ["cpu_group", "group_lru_get", "clear_cpu_groups", "all_gather_tensor",
+           "reduce_scatter_tensor", "group_key", "group_device", "agree", "guard_timeout", "wait",
+           "as_bits",
            "agree_reason", "DTYPE_CODES"]
 
 DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
@@ -52,6 +55,21 @@ def group_key(group=None):
     if group is None or group is dist.group.WORLD:
         return "world"
     return group
+
+
+def group_lru_get(store: dict, group, key, make, size: int):
+    """``store``'s per-group LRU entry for ``key``, built by ``make()`` when missing (evicting the
+    least recently used past ``size``). Every rank of a group makes the same agreed calls, so
+    every rank evicts the same entry; calls on other groups never touch this group's LRU."""
+    lru = store.setdefault(group_key(group), collections.OrderedDict())
+    value = lru.get(key)
+    if value is None:
+        value = lru[key] = make()
+        while len(lru) > size:
+            lru.popitem(last=False)
+    else:
+        lru.move_to_end(key)
+    return value
 
 
 def group_device(group=None) -> torch.device:

@@ -7,7 +7,6 @@ head-sharded o_proj.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import math
 
@@ -15,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from .._dist import DTYPE_CODES, agree, agree_reason, group_device, group_key
+from .._dist import DTYPE_CODES, agree, agree_reason, group_device, group_lru_get
 from ..errors import PeerTimeoutError
 from . import auto
 from .backend import BACKENDS, DcpBackend, backend_class
@@ -190,29 +189,22 @@ def _empty(out, hs, return_lse):
     return (o, lse) if return_lse else o
 
 
-# Per group: an LRU of mergers. Every rank of a group makes the same agreed calls on it, so
-# every rank evicts the same entry; calls on other groups never touch this group's LRU.
-_MERGERS: dict[object, collections.OrderedDict[tuple, DcpMerger]] = {}
+_MERGERS: dict = {}  # per group: an LRU of mergers (_dist.group_lru_get)
 
 
 def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget) -> DcpMerger:
     # One merger per shape, backend and power-of-two token bucket.
     bucket = max(16, 1 << (T - 1).bit_length())
-    lru = _MERGERS.setdefault(group_key(group), collections.OrderedDict())
-    key = (bucket, H, D, dtype, backend, lse_base, budget)
-    merger = lru.get(key)
-    if merger is None:
+
+    def make() -> DcpMerger:
         try:
-            merger = DcpMerger(group, max_tokens=bucket, num_heads=H, head_dim=D, dtype=dtype,
-                               backend=backend, lse_base=lse_base, timeout_s=budget)
+            return DcpMerger(group, max_tokens=bucket, num_heads=H, head_dim=D, dtype=dtype,
+                             backend=backend, lse_base=lse_base, timeout_s=budget)
         except (PeerTimeoutError, ValueError) as exc:
             raise _as_merge_error(exc) from exc
-        lru[key] = merger
-        while len(lru) > _CACHE_SIZE:
-            lru.popitem(last=False)
-    else:
-        lru.move_to_end(key)
-    return merger
+
+    return group_lru_get(_MERGERS, group, (bucket, H, D, dtype, backend, lse_base, budget), make,
+                         _CACHE_SIZE)
 
 
 def _as_merge_error(exc):

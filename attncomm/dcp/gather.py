@@ -21,7 +21,6 @@ or in a kernel, gives the same bits).
 """
 from __future__ import annotations
 
-import collections
 import importlib
 import logging
 import math
@@ -40,7 +39,7 @@ from .._dist import (
     as_bits,
     cpu_group,
     group_device,
-    group_key,
+    group_lru_get,
     wait,
 )
 from .._timing import time_graph
@@ -146,25 +145,16 @@ def gather_heads(q: torch.Tensor, group=None, *, backend: str = "auto", rope=Non
     return gatherer(q, rope=rope).clone()
 
 
-_GATHERERS: dict[object, collections.OrderedDict[tuple, DcpQueryGather]] = {}
+_GATHERERS: dict = {}  # per group: an LRU of gatherers (_dist.group_lru_get)
 
 
 def _cached_gatherer(group, T, H, D, dtype, backend, R, budget) -> DcpQueryGather:
-    # One gatherer per geometry and power-of-two token bucket; every rank makes the same agreed
-    # calls, so every rank evicts the same entry.
+    # One gatherer per geometry and power-of-two token bucket.
     bucket = max(16, 1 << (T - 1).bit_length())
-    lru = _GATHERERS.setdefault(group_key(group), collections.OrderedDict())
-    key = (bucket, H, D, dtype, backend, R, budget)
-    g = lru.get(key)
-    if g is None:
-        g = DcpQueryGather(group, max_tokens=bucket, num_heads=H, head_dim=D, dtype=dtype,
-                           backend=backend, rope_dim=R, timeout_s=budget)
-        lru[key] = g
-        while len(lru) > _CACHE_SIZE:
-            lru.popitem(last=False)
-    else:
-        lru.move_to_end(key)
-    return g
+    return group_lru_get(
+        _GATHERERS, group, (bucket, H, D, dtype, backend, R, budget),
+        lambda: DcpQueryGather(group, max_tokens=bucket, num_heads=H, head_dim=D, dtype=dtype,
+                               backend=backend, rope_dim=R, timeout_s=budget), _CACHE_SIZE)
 
 
 class QueryGatherBackend(ABC):
