@@ -23,8 +23,7 @@ from .errors import PeerTimeoutError
 
 __all__ = ["cpu_group", "group_lru_get", "clear_cpu_groups", "all_gather_tensor",
            "reduce_scatter_tensor", "group_key", "group_device", "agree", "guard_timeout", "wait",
-           "as_bits",
-           "agree_reason", "DTYPE_CODES"]
+           "as_bits", "agree_reason", "DTYPE_CODES"]
 
 DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
                torch.int64: 5, torch.int32: 6, torch.int16: 7, torch.int8: 8, torch.uint8: 9,
