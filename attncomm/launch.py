@@ -9,6 +9,7 @@ import datetime
 import os
 import pickle
 import queue
+import shutil
 import signal
 import tempfile
 import threading
@@ -83,28 +84,58 @@ def _unpicklable_part(fn, args: tuple, kwargs: dict) -> str | None:
     return None
 
 
-def _watch_parent(launcher: int, store_path: str) -> None:
+# Held by a rank's main thread while it creates the rendezvous directory and by its parent
+# watch while it removes it: a rank creates the directory only while its launcher lives, and a
+# removal always comes after this process's creation.
+_RENDEZVOUS_LOCK = threading.Lock()
+
+
+def _remove_rendezvous(store_dir: str) -> None:
+    """Remove the launch's rendezvous directory (and the FileStore file in it). Retried: a
+    FileStore may create its file between rmtree's listing and its rmdir; once the directory
+    is gone no FileStore can create the file again (only ranks whose launcher lives create the
+    directory)."""
+    for _ in range(200):
+        shutil.rmtree(store_dir, ignore_errors=True)
+        if not os.path.lexists(store_dir):
+            return
+        time.sleep(0.01)
+
+
+def _watch_parent(launcher: int, store_dir: str) -> None:
     """Exit this rank when the process that launched it (pid ``launcher``) is gone (killed, even
     by SIGKILL): a daemon thread compares the parent pid with it every 0.5 s (a launcher that
-    died before this rank got here is seen at once); the rank removes the rendezvous file
-    (FileStore leaves it behind when no rank tears down) and exits with code 3."""
+    died before this rank got here is seen at once); the rank removes the rendezvous directory
+    (FileStore leaves its file behind when no rank tears down) and exits with code 3."""
     def watch():
         while os.getppid() == launcher:
             time.sleep(0.5)
-        try:
-            os.unlink(store_path)
-        except OSError:
-            pass
-        os._exit(3)
+        with _RENDEZVOUS_LOCK:
+            _remove_rendezvous(store_dir)
+            os._exit(3)
 
     threading.Thread(target=watch, name="attncomm-parent-watch", daemon=True).start()
 
 
+def _orphaned_cleanup(launcher: int, store_dir: str) -> None:
+    """On a rank's way out: if its launcher is gone, remove the rendezvous directory now (the
+    process may end before its watch looks again)."""
+    if os.getppid() != launcher:
+        with _RENDEZVOUS_LOCK:
+            _remove_rendezvous(store_dir)
+
+
 def _worker(rank, world_size, device, store_path, timeout_s, tasks, results, launcher):
-    _watch_parent(launcher, store_path)
+    store_dir = os.path.dirname(store_path)
+    _watch_parent(launcher, store_dir)
+    with _RENDEZVOUS_LOCK:
+        if os.getppid() != launcher:
+            os._exit(3)  # the launcher is already gone: create nothing
+        os.makedirs(store_dir, mode=0o700, exist_ok=True)
     try:
         init_distributed(rank, world_size, device, f"file://{store_path}", timeout_s)
     except BaseException as exc:
+        _orphaned_cleanup(launcher, store_dir)
         results.put((-1, rank, False, _pack_exc(exc)))
         return
     try:
@@ -120,6 +151,7 @@ def _worker(rank, world_size, device, store_path, timeout_s, tasks, results, lau
             dist.destroy_process_group()
         except Exception:
             pass
+        _orphaned_cleanup(launcher, store_dir)
 
 
 def _run_task(rank: int, world_size: int, payload: bytes) -> tuple[bool, bytes]:
@@ -236,10 +268,12 @@ class RankPool:
         self.world_size = world_size
         self.device = device
         self._ctx = mp.get_context("spawn")
-        fd, path = tempfile.mkstemp(prefix="attncomm-rdzv-")
-        os.close(fd)
-        os.unlink(path)  # the FileStore creates it
-        self._store_path = path
+        # A per-launch directory that the ranks create and that the launcher (or, when it was
+        # killed, its orphaned ranks) removes as a whole: a removed directory cannot get its
+        # FileStore file back, however the ranks' last steps interleave.
+        self._store_dir = tempfile.mkdtemp(prefix="attncomm-rdzv-")
+        os.rmdir(self._store_dir)  # the ranks create it
+        path = os.path.join(self._store_dir, "store")
         self._results = self._ctx.Queue()
         self._tasks = [self._ctx.Queue() for _ in range(world_size)]
         self._procs = []
@@ -339,7 +373,7 @@ class RankPool:
         return [values[r] for r in range(self.world_size)]
 
     def close(self, force: bool = False) -> None:
-        """Stop the ranks (politely unless ``force``) and remove the rendezvous file."""
+        """Stop the ranks (politely unless ``force``) and remove the rendezvous directory."""
         if not self._procs:
             return
         self.alive = False
@@ -359,10 +393,7 @@ class RankPool:
             if p.is_alive():
                 p.kill()
         self._procs = []
-        try:
-            os.unlink(self._store_path)
-        except OSError:
-            pass
+        _remove_rendezvous(self._store_dir)
 
     def __enter__(self):
         return self
@@ -403,7 +434,7 @@ def launch(fn: Callable, world_size: int, *, device: str = "cpu", args: tuple = 
         ``PeerTimeoutError`` when ``timeout_s`` passes first.
 
     The ranks watch this process: when it is killed they exit too and remove the rendezvous
-    file.
+    directory.
     """
     _check_picklable(fn, tuple(args))  # before spawning anything: fails in milliseconds
     pool = RankPool(world_size, device=device)

@@ -215,7 +215,7 @@ def test_killed_launcher_leaves_no_ranks_and_no_rendezvous_file(tmp_path, when):
             time.sleep(0.05)
         assert len(pids) == 2, "the ranks did not start"
         if when == "running":
-            assert list(work.glob("attncomm-rdzv-*")), "expected the rendezvous file"
+            assert list(work.glob("attncomm-rdzv-*")), "expected the rendezvous directory"
     finally:
         proc.kill()
         proc.wait()
@@ -224,4 +224,4 @@ def test_killed_launcher_leaves_no_ranks_and_no_rendezvous_file(tmp_path, when):
         time.sleep(0.1)
     assert all(_state(p) in (None, "Z") for p in pids), "rank processes outlived the launcher"
     time.sleep(0.2)
-    assert not list(work.glob("attncomm-rdzv-*")), "the rendezvous file was left behind"
+    assert not list(work.glob("attncomm-rdzv-*")), "the rendezvous directory was left behind"
