@@ -99,6 +99,10 @@ def _backends(p2p) -> dict:
            {"backend": "a2a", "available": True, "why_not": None}]
     why = _symm_a2a_reason(p2p)
     dcp.append({"backend": "symm_a2a", "available": why is None, "why_not": why})
+    # DCP's query-head all-gather (DcpQueryGather): "symm" needs what symm_a2a needs
+    # (symmetric memory, Triton, P2P between the GPUs).
+    dcp_gather = [{"backend": "all_gather", "available": True, "why_not": None},
+                  {"backend": "symm", "available": why is None, "why_not": why}]
     ulysses = []
     try:
         avail = ulysses_api.backend_availability()
@@ -116,7 +120,7 @@ def _backends(p2p) -> dict:
     dp.append({"backend": "cpu", "available": True, "why_not": None})
     dp.append({"backend": "device", "available": True,
                "why_not": None if not cuda else f"runs on the gloo group ({cuda})"})
-    return {"dcp": dcp, "ulysses": ulysses, "dp_sync": dp}
+    return {"dcp": dcp, "dcp_gather": dcp_gather, "ulysses": ulysses, "dp_sync": dp}
 
 
 def collect() -> dict:

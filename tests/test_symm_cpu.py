@@ -202,9 +202,13 @@ def test_env_runs_on_cpu(capsys):
     dcp = {b["backend"]: b for b in info["backends"]["dcp"]}
     assert dcp["ag_rs"]["available"] and not dcp["symm_a2a"]["available"]
     assert dcp["symm_a2a"]["why_not"]
+    gather = {b["backend"]: b for b in info["backends"]["dcp_gather"]}
+    assert gather["all_gather"]["available"] and not gather["symm"]["available"]
+    assert gather["symm"]["why_not"] == dcp["symm_a2a"]["why_not"]
     assert info["multicast"]["NCCL_NVLS_ENABLE"] == "0"
     assert main(type("A", (), {"json": None})()) == 0
-    assert "symm_a2a" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "symm_a2a" in printed and "dcp_gather backends:" in printed
 
 
 def test_bench_dcp_on_cpu_ranks(pools, tmp_path):
