@@ -16,7 +16,7 @@ for bit against ``quantize_e4m3`` of the fp32 rotation in torch on the same GPU)
 
     python scripts/dcp_gather_one_gpu.py [--world-size 2] [--tokens 1 2 4 8 16 32 64 128]
         [--heads 64] [--head-dim 576] [--rope-dim 64] [--kernel-module PATH] [--label NAME]
-        [--fp8] [--json PATH]
+        [--fp8] [--column-block N] [--json PATH]
 
 ``--kernel-module`` loads ``launch_gather`` from another copy of ``gather_symm.py`` (an A/B of
 two versions in one device call). Compare versions, not absolute values: the W ranks share one
@@ -54,7 +54,9 @@ def _module(path: str | None):
 class Sim:
     """W simulated ranks of one query-gather geometry on the current GPU."""
 
-    def __init__(self, mod, W, H, D, R, T, dtype, ordered, timeout_s=2.0, fp8=False):
+    def __init__(self, mod, W, H, D, R, T, dtype, ordered, timeout_s=2.0, fp8=False,
+                 column_block=None):
+        self.launch_kw = {"column_block_override": column_block} if column_block else {}
         self.mod, self.W, self.H, self.D, self.R, self.T = mod, W, H, D, R, T
         self.dtype, self.ordered, self.fp8 = dtype, ordered, fp8
         dev = torch.device("cuda")
@@ -108,7 +110,7 @@ class Sim:
             self.q[r], cos, sin, slab=self.slabs[r], delta_o=d_o, delta_w=d_w, delta_q=d_q,
             state=self.state[r], errors=self.errors[r], rank=r, layout=self.layout,
             n_programs_max=self.n_programs, timeout_ns=timeout_ns, ordered=self.ordered,
-            q_scale=self.scale)
+            q_scale=self.scale, **self.launch_kw)
 
     def load_kernels(self):
         """Compile and load every rank's kernel alone (each times out at once): loading a module
@@ -175,7 +177,8 @@ def graph_us(fn) -> float:
 def run_tokens(mod, a, T, ordered) -> dict:
     W, H, D, R = a.world_size, a.heads, a.head_dim, a.rope_dim
     fp8 = getattr(a, "fp8", False)
-    sim = Sim(mod, W, H, D, R, T, torch.bfloat16, ordered, fp8=fp8)
+    sim = Sim(mod, W, H, D, R, T, torch.bfloat16, ordered, fp8=fp8,
+              column_block=a.column_block)
     sim.load_kernels()
     for i in range(4):  # eager, fresh data: epochs 1..4, both parity slots
         sim.fresh()
@@ -199,8 +202,8 @@ def run_tokens(mod, a, T, ordered) -> dict:
     ll = mod.use_ll(T * sim.hs, sim.layout)
     mib = src.numel() * src.element_size() / 2 ** 20
     return {"label": a.label, "tokens": T, "world_size": W, "ordered": ordered, "fp8": fp8,
-            "protocol": "ll" if ll else "flag", "symm_us": t_symm, "torch_us": t_torch,
-            "copy_us": t_copy, "mib_per_peer": mib}
+            "protocol": "ll" if ll else "flag", "column_block": a.column_block,
+            "symm_us": t_symm, "torch_us": t_torch, "copy_us": t_copy, "mib_per_peer": mib}
 
 
 def main() -> int:
@@ -215,6 +218,8 @@ def main() -> int:
     p.add_argument("--kernel-module", default=None)
     p.add_argument("--label", default="current")
     p.add_argument("--fp8", action="store_true", help="FP8 (e4m3fn) output with per-head scales")
+    p.add_argument("--column-block", type=int, default=None,
+                   help="force the flag kernel's column block (a power of two; tuning A/Bs)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if not torch.cuda.is_available():

@@ -115,7 +115,7 @@ def _rotated(q, rope, fp8, scale):
 
 
 def run_case(W, hs, D, T, max_tokens, dtype, R, ll, calls=2, seed=0, n_programs=3, epoch0=0,
-             ordered=False, fp8=False):
+             ordered=False, fp8=False, column_block=None):
     gen = torch.Generator().manual_seed(seed)
     H = W * hs
     scale = (torch.rand(H, generator=gen) + 0.05) / 60 if fp8 else None
@@ -153,8 +153,9 @@ def run_case(W, hs, D, T, max_tokens, dtype, R, ll, calls=2, seed=0, n_programs=
         launch_gather(q[0].contiguous(), cos, sin, slab=slabs[0], delta_o=d_o, delta_w=d_w,
                       delta_q=d_q, state=state, errors=errors, rank=0, layout=layout,
                       n_programs_max=n_programs, timeout_ns=10 ** 9, ordered=ordered,
-                      q_scale=scale)
-        what = f"W={W} hs={hs} D={D} T={T} {dtype} R={R} ll={ll} fp8={fp8} epoch={call}"
+                      q_scale=scale, column_block_override=column_block)
+        what = (f"W={W} hs={hs} D={D} T={T} {dtype} R={R} ll={ll} fp8={fp8} epoch={call} "
+                f"column_block={column_block}")
         assert int(state[0]) == call and int(state[1]) == 0, (what, state)
         assert not bool(errors.any()), what
         want = rot.permute(1, 0, 2, 3).reshape(T, H, D)
@@ -304,11 +305,14 @@ def main() -> int:
     for case in CASES:
         run_case(*case)
     run_case(2, 2, 24, 3, 5, torch.bfloat16, 8, False, ordered=True)
+    # several column blocks per row, the last one masked, the RoPE tail across blocks
+    run_case(2, 2, 72, 4, 4, torch.bfloat16, 64, False, column_block=32)
+    run_case(3, 1, 200, 5, 6, torch.float16, 64, False, column_block=64, fp8=True)
     for case in FP8_CASES:
         run_case(*case, fp8=True)
     run_e4m3()
     run_backend_w1()
-    print(f"ok {len(CASES) + 1} cases + {len(FP8_CASES)} FP8 cases + e4m3 + backend")
+    print(f"ok {len(CASES) + 3} cases + {len(FP8_CASES)} FP8 cases + e4m3 + backend")
     return 0
 
 

@@ -109,15 +109,31 @@ def _num_warps(nbytes: int) -> int:
     return max(1, min(16, nbytes // (32 * 16)))
 
 
+# Elements of one [block rows, column block] tile of the flag kernel at most: ptxas (sm_90)
+# kept [32, 128] and [64, 64] tiles in registers and spilled a [32, 1024] one.
+TILE_ELEMENTS = 4096
+
+
+def column_block(head_dim: int, block_rows: int) -> int:
+    """The flag kernel's column block for rows of ``head_dim`` elements in blocks of
+    ``block_rows``: the widest power of two that covers ``head_dim`` (or, when that tile would
+    exceed ``TILE_ELEMENTS``, the widest that fits it, ≥ 32), so that a block takes as few
+    column steps as its registers allow."""
+    cover = 1 << max(head_dim - 1, 0).bit_length()
+    fit = 1 << max(1, TILE_ELEMENTS // max(block_rows, 1)).bit_length() - 1
+    return max(min(cover, fit), min(cover, 32))
+
+
 def launch_gather(q, cos, sin, *, slab, delta_o, delta_w, delta_q, state, errors, rank: int,
                   layout: GatherLayout, n_programs_max: int, timeout_ns: int,
-                  ordered: bool = False, q_scale=None) -> None:
+                  ordered: bool = False, q_scale=None, column_block_override=None) -> None:
     """Launch one gather (no host sync). ``q [T, H/W, D]`` contiguous; ``cos, sin [T, R]`` fp32
     contiguous or None; ``slab`` the local symmetric uint8 slab (``layout``); ``delta_*`` the
     ``[W]`` int64 peer offsets in 16-element units of the output dtype, 4-byte and 8-byte
     words; ``state`` the ``[4]`` int32 ``[epoch, count, 0, 0]``; ``errors`` the ``[W]`` int32
     error word; ``q_scale`` the ``[H]`` fp32 scales for FP8 output (the layout's itemsize is
-    1), else None."""
+    1), else None; ``column_block_override``: the flag kernel's column block (a power of two),
+    for tests and tuning runs only (None: ``column_block``)."""
     T, hs, D = q.shape
     W, H = layout.world_size, layout.num_heads
     n_rows = T * hs
@@ -142,7 +158,7 @@ def launch_gather(q, cos, sin, *, slab, delta_o, delta_w, delta_q, state, errors
             dw, st["f_base"], st["f_cell"], st["ll_base"], st["ll_cell"], st["ready_base"],
             BW=bw, PACK=4 // layout.itemsize, num_warps=_num_warps(br * bw * 8), **common)
         return
-    bd = 1 << max(D - 1, 0).bit_length()
+    bd = column_block_override or column_block(D, br)
     kern.gather_flag_kernel[(grid,)](
         q, cos, sin, scale, slab if fp8 else slab.view(q.dtype), slab.view(torch.int32),
         delta_o, delta_w,

@@ -10,7 +10,7 @@ dims (``x·cos + (−x2, x1)·sin`` in fp32, no fused multiply-add: the host lau
 division, then ``_e4m3``'s integer conversion: ``quantize_e4m3``'s bits), and stored:
 
 - flag protocol (``gather_flag_kernel``): straight into every rank's ``OUT [max_tokens, H, D]``
-  at heads ``[RANK·H/W, …)``, then, after a block barrier, a release store of the epoch into
+  at heads ``[RANK·H/W, …)`` (each row in column blocks of ``BD``), then, after a block barrier, a release store of the epoch into
   each peer's flag ``F[slot, RANK, block]``; then every program waits (acquire, bounded) for
   every source's flag of its blocks. The data needs no copy: the result is ``OUT`` itself.
 - LL protocol (``gather_ll_kernel``, small payloads): every 8-byte word sent is
@@ -231,28 +231,36 @@ if triton is not None:
         slot = e & 1
         deadline = timeout_ns.to(tl.int64) * 0
         bad = tl.full([], 0, tl.int32)  # bit q: a wait for peer q timed out
-        d = tl.arange(0, BD)
-        dmask = d < D
         b = pid
         first = tl.full([], 1, tl.int32)
         while b < n_blocks:
             rows = b * BR + tl.arange(0, BR)
             rmask = rows < n_rows
-            x = _load_out(q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, d, dmask, HS, D, R,
-                          RANK, ROT, FP8)
-            dst = ((rows // HS) * H + RANK * HS + rows % HS)[:, None] * D + d[None, :]
-            m2 = rmask[:, None] & dmask[None, :]
-            tl.store(slab_o + dst, x, mask=m2)
-            for q in tl.static_range(W):
-                if q != RANK:
-                    if not ORDERED:
-                        if first == 1:
+            if not ORDERED:
+                if first == 1:  # before the first store into each peer's OUT
+                    for q in tl.static_range(W):
+                        if q != RANK:
                             deadline, bq = wait_word(slab_w + ready_base + q, e, deadline,
                                                      timeout_ns, err_ptr + q, (bad >> q) & 1,
                                                      "relaxed")
                             bad = bad | (bq << q)
-                    if ((bad >> q) & 1) == 0:
-                        tl.store(slab_o + tl.load(delta_o + q) * 16 + dst, x, mask=m2)
+            row0 = ((rows // HS) * H + RANK * HS + rows % HS) * D
+            # A row's D elements in column blocks of BD (gather_symm.column_block): the
+            # [BR, BD] tile must stay in registers, a whole-row tile of many rows spills.
+            c = D * 0
+            while c < D:  # a while loop: the interpreter cannot range() over a runtime D
+                d = c + tl.arange(0, BD)
+                dmask = d < D
+                x = _load_out(q_ptr, cos_ptr, sin_ptr, scale_ptr, rows, rmask, d, dmask, HS, D,
+                              R, RANK, ROT, FP8)
+                dst = row0[:, None] + d[None, :]
+                m2 = rmask[:, None] & dmask[None, :]
+                tl.store(slab_o + dst, x, mask=m2)
+                for q in tl.static_range(W):
+                    if q != RANK:
+                        if ((bad >> q) & 1) == 0:
+                            tl.store(slab_o + tl.load(delta_o + q) * 16 + dst, x, mask=m2)
+                c += BD
             first = first * 0
             tl.debug_barrier()
             for q in tl.static_range(W):
