@@ -10,9 +10,10 @@ dims (``x·cos + (−x2, x1)·sin`` in fp32, no fused multiply-add: the host lau
 division, then ``_e4m3``'s integer conversion: ``quantize_e4m3``'s bits), and stored:
 
 - flag protocol (``gather_flag_kernel``): straight into every rank's ``OUT [max_tokens, H, D]``
-  at heads ``[RANK·H/W, …)`` (each row in column blocks of ``BD``), then, after a block barrier, a release store of the epoch into
-  each peer's flag ``F[slot, RANK, block]``; then every program waits (acquire, bounded) for
-  every source's flag of its blocks. The data needs no copy: the result is ``OUT`` itself.
+  at heads ``[RANK·H/W, …)`` (each row in column blocks of ``BD``), then, after a block
+  barrier, a release store of the epoch into each peer's flag ``F[slot, RANK, block]``; then
+  every program waits (acquire, bounded) for every source's flag of its blocks. The data
+  needs no copy: the result is ``OUT`` itself.
 - LL protocol (``gather_ll_kernel``, small payloads): every 8-byte word sent is
   ``(epoch << 32) | 32 payload bits`` into the peer's ``LL[slot, RANK, row, word]``, so there
   is no fence and no flag; the receiver polls the words (bounded) and writes the payloads into
