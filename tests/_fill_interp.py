@@ -36,12 +36,24 @@ def _make(g, shape, dtype, layout):
     return torch.randn(shape, generator=g).to(dtype)
 
 
-def run_case(seed, w, hq, hkv, d, b, s_r, dtype, norm, rope, layout, groups):
+def _weights(g, d, dtype, norm, weights):
+    """q and k RMSNorm weights: "mixed" fp32 and ``dtype`` (the kernel gets fp32 copies),
+    "same" both ``dtype`` (passed as they are), "strided" both ``dtype``, k's a strided view
+    (copied)."""
+    if not norm:
+        return None, None
+    qw = torch.randn(d, generator=g)
+    if weights != "mixed":
+        qw = qw.to(dtype)
+    kw = torch.randn(2 * d if weights == "strided" else d, generator=g).to(dtype)
+    return qw, kw[::2] if weights == "strided" else kw
+
+
+def run_case(seed, w, hq, hkv, d, b, s_r, dtype, norm, rope, layout, groups, weights="mixed"):
     g = torch.Generator()
     g.manual_seed(seed)
     q, k, v = (_make(g, (b, s_r, h, d), dtype, layout) for h in (hq, hkv, hkv))
-    qw = torch.randn(d, generator=g) if norm else None
-    kw = torch.randn(d, generator=g).to(dtype) if norm else None
+    qw, kw = _weights(g, d, dtype, norm, weights)
     cos = torch.randn((s_r, d), generator=g) if rope else None
     sin = torch.randn((2 * s_r, d), generator=g)[::2] if rope else None
     bad = []
@@ -74,7 +86,14 @@ def main(seed: int) -> int:
             if bad:
                 failed += 1
                 print(f"FAIL seed {seed} case {case} groups {groups}: {bad}")
-    print(f"{len(CASES) * 2 - failed} passed, {failed} failed")
+    extra = [(case, weights) for case in CASES if case[6] is not torch.float32 and case[7]
+             for weights in ("same", "strided")][:4]
+    for case, weights in extra:
+        bad = run_case(rng.randrange(1 << 30), *case, 1, weights=weights)
+        if bad:
+            failed += 1
+            print(f"FAIL seed {seed} case {case} weights {weights}: {bad}")
+    print(f"{len(CASES) * 2 + len(extra) - failed} passed, {failed} failed")
     return 1 if failed else 0
 
 

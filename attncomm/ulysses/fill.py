@@ -364,7 +364,7 @@ def default_block_s(head_dim: int) -> int:
 def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | None = None,
                 sin: torch.Tensor | None = None, out=None, *, block_s: int | None = None,
                 heads_per_program: int | None = None,
-                num_warps: int | None = None) -> torch.Tensor:
+                num_warps: int | None = None, _checked: bool = False) -> torch.Tensor:
     """The fill as one Triton launch (for up to three parts), bitwise equal to ``fill_torch``
     (same arguments and result). A program covers ``block_s`` rows (a power of two) of up to
     ``heads_per_program`` (a power of two) consecutive heads of one part bound for one
@@ -375,7 +375,7 @@ def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor |
     ``ValueError`` when ``triton_fill_reason`` names a reason."""
     (b, s_r, d), htot, starts, regions = _check_parts(parts, out)
     x0 = parts[0].x
-    why = triton_fill_reason(parts, x0.device)
+    why = None if _checked else triton_fill_reason(parts, x0.device)
     if why:
         raise ValueError(f"fill_triton: {why}")
     if out is None:
@@ -398,13 +398,7 @@ def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor |
     flags = sum(((p.weight is not None) << (2 * i)) | ((p.rope and rope) << (2 * i + 1))
                 for i, p in enumerate(parts))
     xs = [p.x for p in parts] + [x0] * (3 - len(parts))
-    # fp32 weights (what the reference multiplies by; one pointer type for every part)
-    w32 = [p.weight if p.weight is None or p.weight.dtype == torch.float32
-           else p.weight.to(torch.float32) for p in parts]
-    dummy = next((w for w in w32 if w is not None), None)
-    if dummy is None:
-        dummy = _dummy(x0.device)
-    ws = [w if w is not None else dummy for w in w32] + [dummy] * (3 - len(w32))
+    ws = _kernel_weights(parts, x0.device)
     c, s = (cos, sin) if rope else (x0, x0)
     block_s = block_s or default_block_s(d)
     opts = dict(LAUNCH_OPTIONS, num_warps=num_warps or LAUNCH_OPTIONS["num_warps"])
@@ -422,6 +416,25 @@ def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor |
     return out
 
 
+def _kernel_weights(parts: Sequence[FillPart], device) -> list:
+    """The three weight pointers of a launch, one pointer type for all (the kernel picks one
+    by part): the weights as they are when they share one float dtype and are contiguous (the
+    kernel widens each value to fp32, exactly as ``Tensor.to`` does), else fp32 copies; a
+    part without a weight gets another part's (never read)."""
+    given = [p.weight for p in parts if p.weight is not None]
+    native = (len({w.dtype for w in given}) <= 1
+              and all(w.is_contiguous() and w.dtype in _WEIGHT_DTYPES for w in given))
+    ws = [p.weight if p.weight is None or native else p.weight.to(torch.float32).contiguous()
+          for p in parts]
+    dummy = next((w for w in ws if w is not None), None)
+    if dummy is None:
+        dummy = _dummy(device)
+    return [w if w is not None else dummy for w in ws] + [dummy] * (3 - len(ws))
+
+
+_WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 @functools.cache
 def _dummy(device) -> torch.Tensor:
     return torch.empty(1, dtype=torch.float32, device=device)
@@ -437,7 +450,9 @@ def fill(parts: Sequence[FillPart], eps: float = 0.0, cos=None, sin=None, out=No
     (``"auto"`` or ``"torch"``). The two give the same bits."""
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"fill: impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-    if impl == "torch" or (impl == "auto"
-                           and triton_fill_reason(parts, parts[0].x.device) is not None):
+    why = None if impl == "torch" else triton_fill_reason(parts, parts[0].x.device)
+    if impl == "torch" or (impl == "auto" and why is not None):
         return fill_torch(parts, eps, cos, sin, out)
-    return fill_triton(parts, eps, cos, sin, out)
+    if why is not None:
+        raise ValueError(f"fill_triton: {why}")
+    return fill_triton(parts, eps, cos, sin, out, _checked=True)
