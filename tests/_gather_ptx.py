@@ -1,9 +1,8 @@
 """Print, as JSON ``{name: ptx}``, the PTX of the ``symm`` gather kernels compiled for sm_90
 (bf16, RoPE on; flag kernel with and without ORDERED; LL kernel; both with FP8 output), as the
-launcher compiles them, and under ``flag_spills`` the spill bytes ptxas reports for the flag
-kernel's tiles
-(``enable_fp_fusion=False``). Needs no GPU (Triton's own ptxas), but a process without
-TRITON_INTERPRET (tests/test_gather_symm_cpu.py runs it)."""
+launcher compiles them (``enable_fp_fusion=False``), and under ``flag_spills`` the spill bytes
+ptxas reports for the flag kernel's tiles. Needs no GPU (Triton's own ptxas), but a process
+without TRITON_INTERPRET (tests/test_gather_symm_cpu.py runs it)."""
 from __future__ import annotations
 
 import json
@@ -42,7 +41,7 @@ def sm90_ptx(kernel, consts: dict, num_warps: int) -> str:
 
 def ptxas_spill_bytes(ptx: str) -> int | None:
     """Bytes of spill stores ``ptxas -v`` (Triton's own, sm_90a) reports for ``ptx``; None when
-    Triton ships no ptxas."""
+    Triton ships no ptxas (which the test counts as a failure)."""
     exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(exe):
         return None
@@ -54,7 +53,10 @@ def ptxas_spill_bytes(ptx: str) -> int | None:
                               capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
-    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", proc.stderr))
+    spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
+    if not spills or not re.search(r"Used \d+ registers", proc.stderr):
+        raise RuntimeError(f"ptxas -v printed no register/spill report: {proc.stderr[-2000:]}")
+    return sum(int(n) for n in spills)
 
 
 def flag_tiles(head_dim: int = 576) -> dict:

@@ -64,10 +64,9 @@ def test_symm_gather_compiles_for_sm90_without_fma():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ptx = json.loads(proc.stdout)
-    # the flag kernel's tiles (column_block) stay in registers: a spilling tile made the FP8
-    # gather 4.8x slower at 128 tokens (benchmarks/results/dcp-gather-column-block-*)
+    # the flag kernel's tiles (column_block, TILE_ELEMENTS) stay in registers: no spills
     spills = ptx.pop("flag_spills")
-    assert all(n == 0 for n in spills.values() if n is not None), spills
+    assert spills and all(n == 0 for n in spills.values()), spills
     for name, text in ptx.items():
         assert "fma.rn.f32" not in text, name
         assert "%globaltimer" in text, f"{name}: waits not bounded by time"
@@ -95,3 +94,25 @@ def _auto_on_cpu(rank, W):
 def test_auto_falls_back_on_cpu_ranks(pools):
     for backend, reason in pools.run(2, _auto_on_cpu):
         assert backend == "all_gather" and "CUDA" in reason
+
+
+def test_column_block_fits_the_tile_and_covers_the_row_when_it_can():
+    from attncomm.dcp.gather_symm import TILE_ELEMENTS, column_block
+    for d in (1, 2, 3, 8, 24, 72, 100, 128, 200, 576, 1024, 4096):
+        cover = 1 << (d - 1).bit_length()
+        for br in (1, 2, 4, 8, 16, 32, 64):
+            bd = column_block(d, br)
+            assert bd & (bd - 1) == 0 and bd >= 1, (d, br, bd)
+            assert br * bd <= max(TILE_ELEMENTS, br * 32), (d, br, bd)
+            # one column step whenever a whole (padded) row fits the tile
+            assert bd == cover if br * cover <= TILE_ELEMENTS else bd < cover, (d, br, bd)
+
+
+def test_launch_gather_rejects_a_bad_column_block_override():
+    from attncomm.dcp.gather_symm import launch_gather
+    for bad in (3, 0, -64, True, 2.0):
+        with pytest.raises(ValueError, match="column_block_override"):
+            launch_gather(torch.zeros(1, 1, 8), None, None, slab=None, delta_o=None,
+                          delta_w=None, delta_q=None, state=None, errors=None, rank=0,
+                          layout=None, n_programs_max=1, timeout_ns=1,
+                          column_block_override=bad)

@@ -109,8 +109,9 @@ def _num_warps(nbytes: int) -> int:
     return max(1, min(16, nbytes // (32 * 16)))
 
 
-# Elements of one [block rows, column block] tile of the flag kernel at most: ptxas (sm_90)
-# kept [32, 128] and [64, 64] tiles in registers and spilled a [32, 1024] one.
+# Elements of one [block rows, column block] tile of the flag kernel at most, so that the
+# tile stays in registers on sm_90 (tests/test_gather_symm_cpu.py checks ptxas's spill count
+# for the tiles column_block picks).
 TILE_ELEMENTS = 4096
 
 
@@ -134,6 +135,10 @@ def launch_gather(q, cos, sin, *, slab, delta_o, delta_w, delta_q, state, errors
     error word; ``q_scale`` the ``[H]`` fp32 scales for FP8 output (the layout's itemsize is
     1), else None; ``column_block_override``: the flag kernel's column block (a power of two),
     for tests and tuning runs only (None: ``column_block``)."""
+    c = column_block_override
+    if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1 or c & (c - 1)):
+        raise ValueError(f"launch_gather: column_block_override must be a power of two ≥ 1, "
+                         f"got {c!r}")
     T, hs, D = q.shape
     W, H = layout.world_size, layout.num_heads
     n_rows = T * hs
