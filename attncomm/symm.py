@@ -236,17 +236,29 @@ class Watchdog:
             return len(self._waits)
 
     def poll(self) -> None:
+        """One pass over every pending wait and error word. A wait whose look raises (its
+        events, its release) is finished with — its owner is marked broken — and the pass goes
+        on, so one bad wait never stops the others from being watched; the first such error
+        is raised after the pass."""
         with self._lock:
             waits, errors = list(self._waits), list(self._errors)
-        done, now = [], self.clock()
+        done, now, failure = [], self.clock(), None
         for w in waits:
-            if self._step(w, now):
+            try:
+                finished = self._step(w, now)
+            except Exception as exc:  # noqa: BLE001 - raised after the pass
+                finished, failure = True, failure or exc
+                w.owner.mark_broken(sorted(w.events), f"the watchdog could not check or release "
+                                                      f"a wait ({type(exc).__name__}: {exc})")
+            if finished:
                 done.append(w)
         if done:
             with self._lock:
                 self._waits = [w for w in self._waits if w not in done]
         for e in errors:
             e.poll()
+        if failure is not None:
+            raise failure
 
     def _step(self, w: PendingWait, now: float) -> bool:
         """One look at a pending wait; True when it is finished with (done or timed out)."""

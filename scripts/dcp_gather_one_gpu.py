@@ -178,7 +178,7 @@ def run_tokens(mod, a, T, ordered) -> dict:
     W, H, D, R = a.world_size, a.heads, a.head_dim, a.rope_dim
     fp8 = getattr(a, "fp8", False)
     sim = Sim(mod, W, H, D, R, T, torch.bfloat16, ordered, fp8=fp8,
-              column_block=a.column_block)
+              column_block=getattr(a, "column_block", None))
     sim.load_kernels()
     for i in range(4):  # eager, fresh data: epochs 1..4, both parity slots
         sim.fresh()
@@ -202,7 +202,8 @@ def run_tokens(mod, a, T, ordered) -> dict:
     ll = mod.use_ll(T * sim.hs, sim.layout)
     mib = src.numel() * src.element_size() / 2 ** 20
     return {"label": a.label, "tokens": T, "world_size": W, "ordered": ordered, "fp8": fp8,
-            "protocol": "ll" if ll else "flag", "column_block": a.column_block,
+            "protocol": "ll" if ll else "flag",
+            "column_block": getattr(a, "column_block", None),
             "symm_us": t_symm, "torch_us": t_torch, "copy_us": t_copy, "mib_per_peer": mib}
 
 

@@ -106,6 +106,32 @@ def test_watchdog_drops_finished_waits_and_polls_error_words():
     with pytest.raises(RuntimeError):
         dog.poll()
     assert failing.broken is not None and failing.broken.peer_ranks == [3]
+    assert dog.pending() == 0  # finished with: not retried on every later pass
+
+
+class RaisingEvent:
+    def query(self):
+        raise RuntimeError("event of a torn-down stream")
+
+
+def test_one_bad_wait_does_not_stop_the_watchdog_watching_the_others():
+    clock = Clock()
+    dog = Watchdog(start=False, clock=clock)
+    bad_owner, owner, watched = _errors(), _errors(), _errors()
+    released = []
+    dog.add(PendingWait(bad_owner, FakeEvent(True), {0: RaisingEvent()}, 0.5, released.append))
+    dog.add(PendingWait(owner, FakeEvent(True), {2: FakeEvent()}, 0.5, released.append))
+    dog.watch(watched)
+    watched.words[3] = 1
+    with pytest.raises(RuntimeError, match="torn-down"):
+        dog.poll()  # the bad wait raises; the good one starts its budget, the words are read
+    assert bad_owner.broken is not None and bad_owner.broken.peer_ranks == [0]
+    assert "could not check" in str(bad_owner.broken)
+    assert watched.broken is not None and watched.broken.peer_ranks == [3]
+    assert dog.pending() == 1
+    clock.t += 1
+    dog.poll()  # no error left: the good wait times out and is released
+    assert released == [[2]] and owner.broken.peer_ranks == [2] and dog.pending() == 0
 
 
 def test_watchdog_thread_marks_broken_without_any_call():

@@ -173,8 +173,19 @@ def test_watchdog_releases_an_unanswered_stream_wait():
                                lambda blocked: flags.write(side, word.data_ptr(), 1),
                                dev.index))
     t0 = time.monotonic()
-    torch.cuda.synchronize()
+    while not after.query() and time.monotonic() - t0 < 20:  # bounded: never hang the suite
+        time.sleep(0.01)
     waited = time.monotonic() - t0
+    if not after.query():
+        dog = watchdog()
+        seen = (f"watchdog pending {dog.pending()}, thread alive "
+                f"{dog._thread is not None and dog._thread.is_alive()}, started "
+                f"{started.query()}, owner broken {errs.broken}")
+        with torch.cuda.stream(torch.cuda.Stream(priority=-1)):
+            word.fill_(1)  # release the stream ourselves so that the process can go on
+        torch.cuda.synchronize()
+        pytest.fail(f"the watchdog did not release the wait within 20 s ({seen})")
+    torch.cuda.synchronize()
     assert 0.4 < waited < 10, waited
     assert torch.equal(y, x * 2)
     with pytest.raises(PeerTimeoutError) as info:
