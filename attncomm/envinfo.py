@@ -119,7 +119,8 @@ def _backends(p2p) -> dict:
     dp.append({"backend": "shm", "available": ok, "why_not": why_shm})
     dp.append({"backend": "cpu", "available": True, "why_not": None})
     dp.append({"backend": "device", "available": True,
-               "why_not": None if not cuda else f"runs on the gloo group ({cuda})"})
+               "why_not": None if not cuda else f"no GPU here, so it runs on the gloo group "
+                                                f"({cuda})"})
     return {"dcp": dcp, "dcp_gather": dcp_gather, "ulysses": ulysses, "dp_sync": dp}
 
 
@@ -158,7 +159,11 @@ def _print(info: dict) -> None:
         print("      " + " ".join(f"{j:>3}" for j in range(n)))
         for i, row in enumerate(info["p2p"]):
             print(f"  {i:>3} " + " ".join("  Y" if ok else "  -" for ok in row))
-    print(f"NVLink: {info['nvlink']}")
+    nv = info["nvlink"]
+    if isinstance(nv, dict) and set(nv) == {"error"}:
+        print(f"NVLink: unknown ({nv['error']})")
+    else:
+        print(f"NVLink: {nv}")
     print(f"symmetric memory: {info['symmetric_memory']}")
     print(f"stream memory ops: {info['stream_mem_ops']}")
     mc = dict(info["multicast"])
