@@ -8,11 +8,13 @@ across versions) and when it is read: ``"call"`` (on every use, so a change appl
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
-__all__ = ["Var", "VARS", "get", "raw", "overrides", "timeout_s", "validate_enabled",
-           "env_backend", "default_safe_env", "force_safe_env", "SAFE_ENV", "DEFAULT_TIMEOUT_S"]
+__all__ = ["Var", "VARS", "get", "raw", "overrides", "set_var", "setting", "timeout_s",
+           "validate_enabled", "env_backend", "default_safe_env", "force_safe_env", "SAFE_ENV",
+           "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -151,6 +153,32 @@ def overrides(prefix: str = "ATTNCOMM_") -> dict[str, str]:
     """``{name: text}`` of the table's variables starting with ``prefix`` that are set (for a
     benchmark's record of the settings it ran with)."""
     return {n: raw(n) for n in sorted(VARS) if n.startswith(prefix) and raw(n)}
+
+
+def set_var(name: str, value) -> None:
+    """Set the table's variable ``name`` to ``str(value)`` in this process's environment (and
+    so its children's), or unset it when ``value`` is None. Raises ``ValueError`` for a name
+    that is not in the table."""
+    if name not in VARS:
+        raise ValueError(f"{name} is not in attncomm.config.VARS")
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = str(value)
+
+
+@contextlib.contextmanager
+def setting(**values):
+    """``with setting(ATTNCOMM_TIMEOUT_S=5):`` — the variables set (None: unset) inside the
+    block, their previous values back after it (test harnesses drive the library this way)."""
+    before = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            set_var(name, value)
+        yield
+    finally:
+        for name, value in before.items():
+            set_var(name, value)
 
 
 # NVLink multicast can take a shared host's GPUs out of service: it stays off in NCCL, torch

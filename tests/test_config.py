@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
 import re
 
@@ -174,3 +175,17 @@ def test_symm_config_defaults_match_the_table(monkeypatch):
     monkeypatch.setenv("ATTNCOMM_SYMM_STAGGER_SPLIT", "34")
     monkeypatch.setenv("ATTNCOMM_SYMM_PDL", "0")
     assert SymmConfig.from_env() == SymmConfig(stagger_split=34, enable_pdl=False)
+
+
+def test_setting_sets_and_restores_and_names_unknown_variables(monkeypatch):
+    monkeypatch.setenv("ATTNCOMM_TIMEOUT_S", "7")
+    monkeypatch.delenv("ATTNCOMM_VALIDATE", raising=False)
+    with config.setting(ATTNCOMM_TIMEOUT_S=3, ATTNCOMM_VALIDATE=0):
+        assert config.timeout_s() == 3.0 and not config.validate_enabled()
+    assert config.timeout_s() == 7.0 and "ATTNCOMM_VALIDATE" not in os.environ
+    with pytest.raises(RuntimeError), config.setting(ATTNCOMM_TIMEOUT_S=None):
+        assert config.timeout_s() == config.DEFAULT_TIMEOUT_S
+        raise RuntimeError("restored on the way out too")
+    assert config.timeout_s() == 7.0
+    with pytest.raises(ValueError, match="ATTNCOMM_NOT_A_VARIABLE"):
+        config.set_var("ATTNCOMM_NOT_A_VARIABLE", 1)

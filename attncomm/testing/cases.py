@@ -10,12 +10,11 @@ driver (``attncomm.testing.fuzz``) starts fresh ranks after one.
 from __future__ import annotations
 
 import math
-import os
 import random
 
 import torch
 
-from attncomm import dcp, dp_attention, ulysses
+from attncomm import config, dcp, dp_attention, ulysses
 from attncomm.dp_attention import BatchView, ForwardMode
 
 from .reference import ref_attention, ref_norm_rope
@@ -147,12 +146,9 @@ def _run_dcp(rank, W, sp):
     lse_in = (lses[rank] / math.log(2)).float() if base2 else lses[rank]
     lses_ref = (lses / math.log(2)).float().double() * math.log(2) if base2 else lses
     mine_out, mine_lse = outs[rank].clone(), lse_in.clone()
-    os.environ["ATTNCOMM_COMBINE_IMPL"] = sp["impl"]
-    try:
+    with config.setting(ATTNCOMM_COMBINE_IMPL=sp["impl"]):
         o, l = dcp.merge(mine_out, mine_lse, backend=sp["backend"], lse_base=sp["base"],
                          return_lse=True)
-    finally:
-        os.environ.pop("ATTNCOMM_COMBINE_IMPL", None)
     if not (bitwise_equal(mine_out, outs[rank]) and bitwise_equal(mine_lse, lse_in)):
         return "dcp.merge modified its inputs"
     bad = check_merge(o, l * math.log(2) if base2 else l, outs, lses_ref,

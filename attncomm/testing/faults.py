@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from attncomm import dcp, ulysses
+from attncomm import config, dcp, ulysses
 from attncomm.dp_attention import (
     BatchView,
     DpPaddingMode,
@@ -171,8 +171,8 @@ def _outcome(exc: BaseException | None, t0: float) -> dict:
 
 
 def _rank_main(rank, world, path, exchange, fault, validate, timeout_s, results):
-    os.environ["ATTNCOMM_VALIDATE"] = "1" if validate else "0"
-    os.environ.pop("ATTNCOMM_TIMEOUT_S", None)  # the group keeps the 60 s default
+    config.set_var("ATTNCOMM_VALIDATE", 1 if validate else 0)
+    config.set_var("ATTNCOMM_TIMEOUT_S", None)  # the group keeps the 60 s default
     try:
         init_distributed(rank, world, "cpu", f"file://{path}")
         call = EXCHANGES[exchange].call

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from .. import config
 from ..launch import RankPool
 from .cases import run_case, spec
 
@@ -45,9 +46,8 @@ def replay_command(seed: int) -> str:
 def _run_batch(rank, world, seeds, timeout_s):
     """On every rank: run the cases; ``[(seed, message or None, raised)]``, cut after the first
     case that raised (the group may be out of step after it)."""
-    os.environ["ATTNCOMM_TIMEOUT_S"] = str(timeout_s)
     out = []
-    try:
+    with config.setting(ATTNCOMM_TIMEOUT_S=timeout_s):
         for s in seeds:
             try:
                 msg = run_case(rank, world, spec(s))
@@ -55,8 +55,6 @@ def _run_batch(rank, world, seeds, timeout_s):
                 out.append((s, f"rank {rank}: {type(exc).__name__}: {str(exc)[:400]}", True))
                 break
             out.append((s, msg and f"rank {rank}: {msg}", False))
-    finally:
-        os.environ.pop("ATTNCOMM_TIMEOUT_S", None)
     return out
 
 
