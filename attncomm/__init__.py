@@ -8,22 +8,16 @@ Three exchanges, engine-agnostic, on any number of ranks:
 """
 from __future__ import annotations
 
-import importlib
-
 from . import config
-from ._dist import cpu_group
-from .errors import PeerTimeoutError
-from .launch import RankPool, launch
 
-config.default_safe_env()
+config.default_safe_env()  # before anything below can start NCCL or symmetric memory
+
+from . import dcp, dp_attention, ulysses  # noqa: E402
+from ._dist import cpu_group  # noqa: E402
+from .errors import PeerTimeoutError  # noqa: E402
+from .launch import RankPool, launch  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["launch", "RankPool", "cpu_group", "PeerTimeoutError", "dcp", "ulysses",
            "dp_attention", "__version__"]
 
-
-def __getattr__(name):
-    # Subpackages load on first use so `import attncomm` stays light.
-    if name in ("dcp", "ulysses", "dp_attention"):
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module 'attncomm' has no attribute {name!r}")

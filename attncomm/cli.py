@@ -12,8 +12,8 @@ import sys
 
 from . import config
 
-_BENCHES = {"dcp": "attncomm.dcp.bench", "ulysses": "attncomm.ulysses.bench",
-            "dp-sync": "attncomm.dp_attention.bench"}
+_BENCHES = {"dcp": "attncomm.bench.dcp", "ulysses": "attncomm.bench.ulysses",
+            "dp-sync": "attncomm.bench.dp_sync"}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,7 +3,7 @@
 - ``SymmWorkspace``: one symmetric slab (allocate, then rendezvous, each agreed across ranks by
   the caller through ``capability.collective_try``), the peers' slab addresses, a small device
   word array for epochs, and ``release()``. Its layout belongs to its user (DCP's merge:
-  ``attncomm.dcp.symm_layout``; the Ulysses ``ce`` transport: flags + two slots).
+  ``attncomm.dcp.lse_merge.symm_layout``; the Ulysses ``ce`` transport: flags + two slots).
 - ``PeerErrors``: per-peer error words and the broken-after-timeout state of one exchange
   object. The words live in mapped pinned host memory: a kernel (or a stream memory op) that
   gave up waiting for peer ``p`` stores 1 at ``words[p]`` with a system-scope store, and the

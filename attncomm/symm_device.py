@@ -1,7 +1,7 @@
 """The device half of the symmetric-memory substrate: Triton helpers every push kernel shares.
 
-The DCP merge (``attncomm.dcp.symm_kernels``) and the DCP query gather
-(``attncomm.dcp.gather_symm_kernels``) follow one protocol; its pieces live here, once:
+The DCP merge (``attncomm.dcp.lse_merge.symm_kernels``) and the DCP query gather
+(``attncomm.dcp.query_gather.symm_kernels``) follow one protocol; its pieces live here, once:
 
 - Epoch: ``state[0:2]`` is one 64-bit word ``(count << 32) | epoch``. ``count_in`` adds
   ``1 << 32`` (counts a program in and reads the epoch in one atomic); ``epoch_of`` turns the

@@ -38,12 +38,12 @@ sys.path[:0] = [ROOT]
 
 from attncomm import config  # noqa: E402
 from attncomm.bench.common import time_graph  # noqa: E402
-from attncomm.dcp.gather import quantize_e4m3, rotate_tail  # noqa: E402
+from attncomm.dcp.query_gather import quantize_e4m3, rotate_tail  # noqa: E402
 
 
 def _module(path: str | None):
     if path is None:
-        import attncomm.dcp.gather_symm as mod
+        import attncomm.dcp.query_gather.symm as mod
         return mod
     spec = importlib.util.spec_from_file_location("attncomm.dcp._gather_symm_ab", path)
     mod = importlib.util.module_from_spec(spec)

@@ -48,7 +48,7 @@ PRE_SPLIT = os.path.join(ROOT, "scripts", "ab", "symm_a2a_a91b3cd.py")
 
 def _kernel_module(path: str | None):
     if path is None:
-        import attncomm.dcp.symm_a2a as mod
+        import attncomm.dcp.lse_merge.symm_a2a as mod
         return mod
     path = os.path.abspath(path)
     here = os.path.dirname(path)

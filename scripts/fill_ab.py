@@ -20,7 +20,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 
-from attncomm.ulysses import bench_fill, fill  # noqa: E402
+from attncomm.bench import ulysses_fill as bench_fill  # noqa: E402
+from attncomm.ulysses import fill  # noqa: E402
 
 
 def _old():

@@ -14,7 +14,7 @@
 #    _MAX_PROGRAMS / _STAGGER_MIN_BYTES / _STAGGER_SPLIT / _PDL / _WIDE_WARPS (SymmConfig.from_env,
 #    the same on every rank), writing
 #    $OUT/sweep.log. Every file of AB_KERNELS (paths relative to the repository root) is timed
-#    too, in place of attncomm/dcp/symm_a2a.py, with AB_CONFIG (default 64-row blocks, staggering
+#    too, in place of attncomm/dcp/lse_merge/symm_a2a.py, with AB_CONFIG (default 64-row blocks, staggering
 #    and PDL off: older kernels lack them): an A/B of kernel versions in one call, not a
 #    candidate for best.
 #    With SWEEP_ROUNDS=R everything runs R times, in turn, and the mean counts.
@@ -30,7 +30,7 @@ SWEEP=$(mktemp -d)
 CONFIGS=${SWEEP_CONFIGS:-"64,1,16,0,1048576,50,0 64,1,16,0,1048576,50,1"}
 TOKENS=${SWEEP_TOKENS:-"64 128"}
 AB_CONFIG=${AB_CONFIG:-64,1,16,0,0,50,0}
-K=attncomm/dcp/symm_a2a.py
+K=attncomm/dcp/lse_merge/symm_a2a.py
 cp "$K" "$SWEEP/current_kernel.py"
 trap 'cp "$SWEEP/current_kernel.py" "$K"' EXIT  # the kernel file comes back whatever happens
 sweep_one() {  # sweep_one CONFIG JSON

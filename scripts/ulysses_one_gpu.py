@@ -38,7 +38,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 
-from attncomm.ulysses import timeline  # noqa: E402
+from attncomm.bench import ulysses_timeline as timeline  # noqa: E402
 from attncomm.ulysses.attention import auto_groups, sdpa_attention  # noqa: E402
 from attncomm.ulysses.fill import FillPart, fill_triton  # noqa: E402
 from attncomm.ulysses.layout import group_head_ranges, head_offsets, head_split  # noqa: E402

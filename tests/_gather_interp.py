@@ -14,9 +14,9 @@ import sys
 
 import torch
 
-from attncomm.dcp.gather import quantize_e4m3, rotate_tail
-from attncomm.dcp.gather_symm import GatherLayout, launch_gather, ll_rows_for, use_ll
-from attncomm.dcp.gather_symm_kernels import e4m3_kernel, plan_blocks
+from attncomm.dcp.query_gather import quantize_e4m3, rotate_tail
+from attncomm.dcp.query_gather.symm import GatherLayout, launch_gather, ll_rows_for, use_ll
+from attncomm.dcp.query_gather.symm_kernels import e4m3_kernel, plan_blocks
 
 
 def _aligned(nbytes: int) -> torch.Tensor:
@@ -216,7 +216,7 @@ def run_backend_w1() -> None:
     import torch.distributed as dist
     from _symm_interp import _FakeWorkspace
 
-    import attncomm.dcp.gather_symm as mod
+    import attncomm.dcp.query_gather.symm as mod
     from attncomm import PeerTimeoutError, capability
     from attncomm.dcp import DcpQueryGather
 

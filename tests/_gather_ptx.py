@@ -16,8 +16,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-import attncomm.dcp.gather_symm_kernels as kern
-from attncomm.dcp.gather_symm import _num_warps, column_block
+import attncomm.dcp.query_gather.symm_kernels as kern
+from attncomm.dcp.query_gather.symm import _num_warps, column_block
 
 _PTR_TYPES = {"q_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "scale_ptr": "*fp32",
               "slab_o": "*bf16",

@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from attncomm.dcp.symm_a2a import MergeSlab, SymmConfig, launch_merge, plan_blocks, use_ll
-from attncomm.dcp.symm_layout import SlabLayout
+from attncomm.dcp.lse_merge.symm_a2a import MergeSlab, SymmConfig, launch_merge, plan_blocks, use_ll
+from attncomm.dcp.lse_merge.symm_layout import SlabLayout
 from _reference import ref_merge
 
 NEG_INF = float("-inf")
@@ -104,7 +104,7 @@ def _sent(slab, layout, e, src, n, dtype, D):
 def _check_go_cells(slab, layout, e, n_rows, n_blocks, grid, D, itemsize):
     """Staggered sends: program p signalled its waiter p + first in rank 0's own flag cell of
     this slot (which no peer writes) exactly for p < grid − first; without staggering, none."""
-    from attncomm.dcp.symm_a2a import stagger
+    from attncomm.dcp.lse_merge.symm_a2a import stagger
     split = stagger(n_rows, n_blocks, grid, D, itemsize, CONFIG)
     first = max(-(-grid * split // 100), 1) if split else grid
     st = layout.kernel_strides()
@@ -256,8 +256,8 @@ def run_backend_w1() -> None:
 
     import torch.distributed as dist
 
-    import attncomm.dcp.symm_a2a as mod
-    from attncomm.dcp.combine import combine_torch
+    import attncomm.dcp.lse_merge.symm_a2a as mod
+    from attncomm.dcp.lse_merge.combine import combine_torch
 
     path = tempfile.mktemp(prefix="attncomm-interp-")
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)

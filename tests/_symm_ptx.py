@@ -11,7 +11,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-import attncomm.dcp.symm_kernels as mod
+import attncomm.dcp.lse_merge.symm_kernels as mod
 
 _PTR_TYPES = {"out_ptr": "*bf16", "lse_ptr": "*fp32", "res_ptr": "*bf16", "res_lse_ptr": "*fp32",
               "slab_o": "*bf16", "slab_l": "*fp32", "slab_f": "*i32", "slab_llo": "*i64",

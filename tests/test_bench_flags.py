@@ -9,9 +9,9 @@ import pytest
 
 from attncomm import cli
 from attncomm.bench import report
-from attncomm.dcp import bench as dcp_bench
-from attncomm.dp_attention import bench as dp_bench
-from attncomm.ulysses import bench as ulysses_bench
+from attncomm.bench import dcp as dcp_bench
+from attncomm.bench import dp_sync as dp_bench
+from attncomm.bench import ulysses as ulysses_bench
 
 BENCHES = {"dcp": dcp_bench, "ulysses": ulysses_bench, "dp-sync": dp_bench}
 COMMON = ("--world-size", "--device", "--backends", "--json", "--markdown", "--plot",

@@ -162,7 +162,7 @@ def test_overrides_lists_set_variables(monkeypatch):
 
 def test_symm_config_defaults_match_the_table(monkeypatch):
     pytest.importorskip("triton")
-    from attncomm.dcp.symm_a2a import SymmConfig
+    from attncomm.dcp.lse_merge.symm_a2a import SymmConfig
     import dataclasses
 
     for f in dataclasses.fields(SymmConfig):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attncomm import dcp
-from attncomm.dcp import combine as combine_mod
+from attncomm.dcp.lse_merge import combine as combine_mod
 from _reference import ref_merge
 
 BACKENDS = ["reference", "ag_rs", "a2a", "auto"]

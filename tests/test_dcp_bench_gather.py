@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from attncomm.dcp.bench_gather import add_speedups, markdown_table, run_rank
+from attncomm.bench.dcp_gather import add_speedups, markdown_table, run_rank
 
 
 def _cfg(op, **kw):

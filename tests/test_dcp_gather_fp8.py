@@ -11,7 +11,7 @@ import torch
 from test_dcp_gather import make_q
 
 from attncomm import dcp
-from attncomm.dcp.gather import FP8_MAX, quantize_e4m3
+from attncomm.dcp.query_gather import FP8_MAX, quantize_e4m3
 
 E4M3 = torch.float8_e4m3fn
 

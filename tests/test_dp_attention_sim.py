@@ -55,7 +55,7 @@ def test_checks_fail_loudly():
 
 
 def test_bench_dp_sync_smoke(tmp_path):
-    from attncomm.dp_attention import bench
+    from attncomm.bench import dp_sync as bench
 
     p = argparse.ArgumentParser()
     bench.add_arguments(p)

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from attncomm.dcp.gather_symm import GatherLayout, ll_rows_for, use_ll
+from attncomm.dcp.query_gather.symm import GatherLayout, ll_rows_for, use_ll
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -97,7 +97,7 @@ def test_auto_falls_back_on_cpu_ranks(pools):
 
 
 def test_column_block_fits_the_tile_and_covers_the_row_when_it_can():
-    from attncomm.dcp.gather_symm import TILE_ELEMENTS, column_block
+    from attncomm.dcp.query_gather.symm import TILE_ELEMENTS, column_block
     for d in (1, 2, 3, 8, 24, 72, 100, 128, 200, 576, 1024, 4096):
         cover = 1 << (d - 1).bit_length()
         for br in (1, 2, 4, 8, 16, 32, 64):
@@ -109,7 +109,7 @@ def test_column_block_fits_the_tile_and_covers_the_row_when_it_can():
 
 
 def test_launch_gather_rejects_a_bad_column_block_override():
-    from attncomm.dcp.gather_symm import launch_gather
+    from attncomm.dcp.query_gather.symm import launch_gather
     for bad in (3, 0, -64, True, 2.0):
         with pytest.raises(ValueError, match="column_block_override"):
             launch_gather(torch.zeros(1, 1, 8), None, None, slab=None, delta_o=None,

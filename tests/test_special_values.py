@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attncomm import dcp
-from attncomm.dcp import combine as combine_mod
+from attncomm.dcp.lse_merge import combine as combine_mod
 from attncomm.testing.special import bitwise_equal, check_merge, special_table
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

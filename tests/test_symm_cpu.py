@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from attncomm.dcp.symm_a2a import SymmConfig, ll_rows_for, plan_blocks, use_ll
-from attncomm.dcp.symm_layout import ALIGN, SlabLayout
+from attncomm.dcp.lse_merge.symm_a2a import SymmConfig, ll_rows_for, plan_blocks, use_ll
+from attncomm.dcp.lse_merge.symm_layout import ALIGN, SlabLayout
 
 _MAX_BLOCK_ROWS = SymmConfig().max_block_rows
 
@@ -82,7 +82,7 @@ def test_ll_rows_and_choice():
 
 
 def test_symm_config_env_defaults_and_validation(monkeypatch):
-    from attncomm.dcp.symm_a2a import num_warps, stagger
+    from attncomm.dcp.lse_merge.symm_a2a import num_warps, stagger
     for k in [k for k in os.environ if k.startswith("ATTNCOMM_SYMM_")]:
         monkeypatch.delenv(k)
     assert SymmConfig.from_env() == SymmConfig()
@@ -126,12 +126,12 @@ def test_kernels_under_interpreter(stagger):
 def _eligibility(rank, world_size, bad_ranks):
     from attncomm import capability
     from attncomm.dcp import DcpMerger
-    from attncomm.dcp.symm_a2a import SymmA2ABackend
+    from attncomm.dcp.lse_merge.symm_a2a import SymmA2ABackend
 
     capability._override_probe(
         lambda group, device: "fake: no P2P here" if rank in bad_ranks else None)
     try:
-        local = SymmA2ABackend.local_unavailable_reason(None, torch.device("cuda"))
+        local = SymmA2ABackend.collective_unavailable_reason(None, torch.device("cuda"))
         agreed = capability.agree_reason(None, local, "symm_a2a")
         explicit = None
         try:
@@ -183,15 +183,17 @@ def test_collective_try_agrees(pools):
 
 
 def _auto_cpu(rank, world_size):
-    from attncomm.dcp.auto import choose_backend
-    kw = dict(max_tokens=4, num_heads=4, head_dim=8, dtype=torch.float32,
-              device=torch.device("cpu"), timeout_s=10.0)
-    return (choose_backend(None, ["ag_rs", "a2a"], **kw), choose_backend(None, ["ag_rs"], **kw))
+    from attncomm.dcp import DcpMerger
+    m = DcpMerger(max_tokens=4, num_heads=4, head_dim=8, dtype=torch.float32)
+    return m.backend, m.fallback_reason, m.decision.times_us
 
 
 def test_auto_rule_of_thumb_on_cpu(pools):
-    res = pools.run(2, _auto_cpu)
-    assert res[0] == res[1] == (("a2a", None), ("ag_rs", None))
+    """On gloo ranks nothing is timed: a2a (one collective) is the rule of thumb, and the
+    reason names why symm_a2a was out."""
+    for backend, why, times in pools.run(2, _auto_cpu):
+        assert backend == "a2a" and times is None
+        assert why and "not CUDA" in why, why
 
 
 # ------------------------------------------------------------------------------ env / bench
@@ -212,7 +214,7 @@ def test_env_runs_on_cpu(capsys):
 
 
 def test_bench_dcp_on_cpu_ranks(pools, tmp_path):
-    from attncomm.dcp.bench import add_speedups, markdown_table, run_rank
+    from attncomm.bench.dcp import add_speedups, markdown_table, run_rank
     cfg = dict(device="cpu", backends=["ag_rs", "a2a", "symm_a2a"], modes=["eager"], heads=4,
                head_dim=8, dtype="fp32", tokens=[1, 3], warmup=1, iters=3, per_graph=2,
                progress=False)
@@ -228,7 +230,7 @@ def test_bench_dcp_on_cpu_ranks(pools, tmp_path):
 
 
 def test_bench_dcp_marks_host_bound_figures():
-    from attncomm.dcp.bench import host_bound, markdown_table
+    from attncomm.bench.dcp import host_bound, markdown_table
     gpu = {"backend": "symm_a2a", "mode": "graph", "tokens": 8, "world_size": 2,
            "latency_us": 4.5, "gpu_idle_us": 0.30}  # the launch gap only
     nccl = dict(gpu, backend="a2a", latency_us=22.0, gpu_idle_us=0.28)
@@ -247,7 +249,7 @@ def test_bench_dcp_marks_host_bound_figures():
 def test_bench_dcp_graph_modes_need_cuda(modes, capsys):
     import argparse
 
-    from attncomm.dcp.bench import add_arguments, main
+    from attncomm.bench.dcp import add_arguments, main
     p = argparse.ArgumentParser()
     add_arguments(p)
     assert main(p.parse_args(["--device", "cpu", "--modes", *modes])) == 2

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from attncomm import ulysses
+from attncomm.select import Decision
 from attncomm.ulysses import UlyssesAttention, head_split, head_to_seq, seq_to_head
 from attncomm.ulysses.layout import (group_head_ranges, head_offsets, kv_head_range,
                                      uniform_group)
@@ -362,9 +363,7 @@ def test_bad_inputs_raise_on_every_rank(pools, world):
 def _auto_fallback(rank, world):
     from attncomm.ulysses import api
     x = torch.randn(1, 2, world, 2)
-    ulysses.fallback_reason = "poison"
     y = seq_to_head(x, backend="auto")
-    reason = ulysses.fallback_reason
     # per module: an auto module records its own reason; an all_to_all module none
     q = torch.randn(1, 2, 2 * world, 4)
     auto_mod, a2a_mod = UlyssesAttention(backend="auto"), UlyssesAttention(backend="all_to_all")
@@ -376,21 +375,37 @@ def _auto_fallback(rank, world):
     api._tracing = lambda: True  # as if torch.compile were tracing
     try:
         y2 = seq_to_head(x, backend="auto")
-        traced_reason = ulysses.fallback_reason
+        traced_mod = UlyssesAttention(backend="auto")
+        traced_mod(q, q, q)
+        traced_reason = traced_mod.fallback_reason
         explicit = _expect_value_error(lambda: seq_to_head(x, backend="ce"))
     finally:
         api._tracing = real
-    return (reason, ulysses.backend_availability(), traced_reason, explicit,
-            torch.equal(y, y2), mods)
+    return (ulysses.backend_availability(), traced_reason, explicit, torch.equal(y, y2), mods,
+            hasattr(ulysses, "fallback_reason"))
 
 
 def test_auto_falls_back_with_reason(pools):
-    for reason, avail, traced, explicit, same, mods in pools.run(2, _auto_fallback):
-        assert reason and "not CUDA" in reason
+    for avail, traced, explicit, same, mods, global_reason in pools.run(2, _auto_fallback):
         assert avail["all_to_all"] is None and avail["ce"]
         assert "torch.compile" in traced and "torch.compile" in explicit and same
         assert mods[0] and "ce not used" in mods[0] and "not CUDA" in mods[0], mods
         assert mods[1] is None, mods
+        assert not global_reason  # no process-global reason: per object only
+
+
+def test_decide_transport_policy():
+    """The pure policy: explicit ce that cannot run raises; auto below the size threshold is a
+    choice (no reason), above it ce; an ineligible ce under auto gives its reason."""
+    from attncomm.ulysses.api import AUTO_CE_MIN_BYTES, decide_transport
+    big, small = AUTO_CE_MIN_BYTES, AUTO_CE_MIN_BYTES - 1
+    assert decide_transport("auto", None, big) == Decision("ce")
+    assert decide_transport("auto", None, small) == Decision("all_to_all")
+    assert decide_transport("ce", None, small) == Decision("ce")
+    got = decide_transport("auto", "no P2P", big)
+    assert got.backend == "all_to_all" and "no P2P" in got.fallback_reason
+    with pytest.raises(ValueError, match="no P2P"):
+        decide_transport("ce", "no P2P", big)
 
 
 # ------------------------------------------------------------------------------ caches

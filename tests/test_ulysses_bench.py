@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from attncomm.ulysses import bench
+from attncomm.bench import ulysses as bench
 
 
 def _args(tmp_path, **over):

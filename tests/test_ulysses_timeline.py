@@ -1,10 +1,10 @@
-"""The layer budget from a trace (ulysses/timeline.py) on synthetic GPU timelines."""
+"""The layer budget from a trace (bench/ulysses_timeline.py) on synthetic GPU timelines."""
 from __future__ import annotations
 
 import json
 
-from attncomm.ulysses import timeline
-from attncomm.ulysses.timeline import GpuEvent
+from attncomm.bench import ulysses_timeline as timeline
+from attncomm.bench.ulysses_timeline import GpuEvent
 
 
 def _ev(name, a, b, kind, corr=-1, stream=7):

@@ -4,15 +4,17 @@ Backends: ``reference`` (all_gather everything), ``ag_rs`` (all_gather LSE + loc
 reduce_scatter), ``a2a`` (one packed all_to_all + local combine), ``symm_a2a`` (P2P stores into
 symmetric memory, CUDA only), ``auto``. Before attention, the query-head all-gather:
 ``gather_heads`` / ``DcpQueryGather`` (backends ``all_gather``, ``symm``, ``auto``), with RoPE on
-the last R dims fused into the producer.
+the last R dims fused into the producer. Each exchange has its folder (``lse_merge/``,
+``query_gather/``) with one interface module its facade and backends import; ``attention``
+chains them.
 """
 from __future__ import annotations
 
-from .api import (BACKENDS, DcpMerger, available_backends, merge, merge_states,
-                  shard_kv_interleaved)
 from .attention import DcpAttention
-from .gather import (FP8_DTYPE, FP8_MAX, GATHER_BACKENDS, DcpQueryGather, gather_heads,
-                     quantize_e4m3, rotate_tail)
+from .lse_merge import (BACKENDS, DcpMerger, available_backends, merge, merge_states,
+                        shard_kv_interleaved)
+from .query_gather import (FP8_DTYPE, FP8_MAX, GATHER_BACKENDS, DcpQueryGather, gather_heads,
+                           quantize_e4m3, rotate_tail)
 
 __all__ = ["merge_states", "merge", "DcpMerger", "shard_kv_interleaved", "available_backends",
            "BACKENDS", "gather_heads", "DcpQueryGather", "rotate_tail", "GATHER_BACKENDS",

@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .api import DcpMerger
-from .gather import DcpQueryGather
+from .query_gather import DcpQueryGather
+from .lse_merge import DcpMerger
 
 __all__ = ["DcpAttention"]
 

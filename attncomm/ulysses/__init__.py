@@ -5,10 +5,9 @@
 - ``UlyssesAttention``: attention over the whole sequence on sequence-sharded q/k/v, with
   GQA/MQA, RMSNorm + RoPE and head-group pipelining.
 - Transports: ``all_to_all`` (the process group's ``all_to_all_single`` with split sizes) and
-  ``ce`` (copy-engine copies into torch SymmetricMemory staging slots); ``auto`` picks, and
-  ``UlyssesAttention.fallback_reason`` (per module) or the process-global ``fallback_reason``
-  (last call of any caller) says why it did not take ``ce`` (``backend_availability()`` for
-  ``attncomm env``).
+  ``ce`` (copy-engine copies into torch SymmetricMemory staging slots); ``auto`` picks
+  (``attncomm.select``), and ``UlyssesAttention.fallback_reason`` says why it did not take
+  ``ce`` (``backend_availability()`` for ``attncomm env``).
 """
 from __future__ import annotations
 
@@ -16,10 +15,5 @@ from .api import backend_availability, head_to_seq, seq_to_head
 from .attention import UlyssesAttention, rms_norm_rope, sdpa_attention
 from .layout import head_split
 
-#: Why the last ``auto`` call in this process did not use ``ce`` (None when it did, or before
-#: any call). Process-global, kept for compatibility: it reflects whichever caller ran last. Per
-#: object, ``UlyssesAttention.fallback_reason`` says the same for that module's last forward.
-fallback_reason: str | None = None
-
 __all__ = ["head_split", "seq_to_head", "head_to_seq", "UlyssesAttention", "sdpa_attention",
-           "rms_norm_rope", "backend_availability", "fallback_reason"]
+           "rms_norm_rope", "backend_availability"]

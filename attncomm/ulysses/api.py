@@ -7,7 +7,6 @@ attention on whole sequences for a subset of heads, reached by one all-to-all ea
 from __future__ import annotations
 
 import re
-import sys
 import zlib
 from dataclasses import dataclass
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _dist, config
+from ..select import Decision
 from .._dist import group_key
 from . import ce
 from .all_to_all import AllToAllTransport
@@ -24,7 +24,7 @@ from .layout import head_offsets, head_split, head_to_seq_plan, seq_to_head_plan
 from .transport import Transport
 
 __all__ = ["seq_to_head", "head_to_seq", "backend_availability", "get_transport",
-           "reset_transports",
+           "decide_transport", "reset_transports",
            "BACKENDS", "AUTO_CE_MIN_BYTES"]
 
 BACKENDS = ("all_to_all", "ce", "auto")
@@ -37,18 +37,6 @@ AUTO_CE_MIN_BYTES = 1 << 20
 #: by the group object itself (``_dist.group_key``), never by ``id(group)``, which a later group
 #: can reuse.
 _TRANSPORTS: dict = {}
-
-
-def _set_fallback_reason(reason: str | None, owner=None) -> None:
-    """Record why ``auto`` did not take ``ce`` in the process-global
-    ``attncomm.ulysses.fallback_reason`` (kept for compatibility: the last decision of any
-    caller in this process) and, when there is a reason, on ``owner.fallback_reason`` (e.g. a
-    ``UlyssesAttention``, which clears it at the start of each call)."""
-    if owner is not None and reason is not None:
-        owner.fallback_reason = reason
-    pkg = sys.modules.get("attncomm.ulysses")
-    if pkg is not None:
-        pkg.fallback_reason = reason
 
 
 def ce_reason(group, device: torch.device) -> str | None:
@@ -78,33 +66,50 @@ def _tracing() -> bool:
         return False
 
 
+def decide_transport(requested: str, ce_reason: str | None, nbytes: int) -> Decision:
+    """The transport policy, pure (no communication; the same inputs on every rank give the
+    same answer). ``requested`` is ``"ce"`` or ``"auto"``; ``ce_reason`` why ``ce`` cannot run
+    (agreed, None if it can); ``nbytes`` the most bytes any rank sends. ``auto`` takes ``ce``
+    from ``AUTO_CE_MIN_BYTES`` on (below it NCCL's lower fixed cost wins: a choice, not a
+    fallback). Raises ``ValueError`` for an explicit ``ce`` that cannot run."""
+    if ce_reason is not None:
+        if requested == "ce":
+            raise ValueError(f"backend='ce' cannot run here: {ce_reason}")
+        return Decision("all_to_all", f"ce not used: {ce_reason}")
+    if requested == "auto" and nbytes < AUTO_CE_MIN_BYTES:
+        return Decision("all_to_all")
+    return Decision("ce")
+
+
 def get_transport(group, backend: str, device: torch.device, timeout_s: float,
                   plan=None, dtype=None, op: str = "ulysses", owner=None) -> Transport:
     """The transport for this call. ``backend`` is already validated and agreed.
 
-    ``auto`` falls back to ``all_to_all`` when ``ce`` is not eligible, torch.compile is tracing,
-    the message is small, or a new shape shows up during CUDA graph capture; the reason goes to
-    ``owner.fallback_reason`` (when ``owner`` is given and there is a reason) and to the
-    process-global ``attncomm.ulysses.fallback_reason``. An explicit ``ce`` that cannot run raises
-    ``ValueError``.
+    ``decide_transport`` chooses from the agreed ``ce`` eligibility (``ce_reason``) and the
+    message size; ``ce`` then prepares its staging for ``plan`` (collective when it allocates;
+    a shape first seen during CUDA graph capture cannot allocate, so ``auto`` falls back). When
+    ``auto`` did not take ``ce`` the reason goes to ``owner.fallback_reason`` (``owner``: a
+    ``UlyssesAttention``, which clears it at the start of each forward). An explicit ``ce``
+    that cannot run raises ``ValueError`` naming ``op``.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    decision = Decision("all_to_all")
     if backend != "all_to_all":
         reason = "torch.compile is tracing" if _tracing() else ce_reason(group, device)
-        if reason is None and plan is not None:
-            if backend == "auto" and _max_bytes(plan, dtype) < AUTO_CE_MIN_BYTES:
-                _set_fallback_reason(None, owner)  # small message: NCCL's lower fixed cost wins
-                return _cached(group, "all_to_all", device, timeout_s, rank, world)
-            t = _cached(group, "ce", device, timeout_s, rank, world)
-            reason = t.prepare(plan, dtype)  # allocates (collectively) if new
-            if reason is None:
-                _set_fallback_reason(None, owner)
-                return t
-        if reason is not None:
-            if backend == "ce":
-                raise ValueError(f"{op}: backend='ce' cannot run here: {reason}")
-            _set_fallback_reason(f"ce not used: {reason}", owner)
-    return _cached(group, "all_to_all", device, timeout_s, rank, world)
+        nbytes = _max_bytes(plan, dtype) if plan is not None else AUTO_CE_MIN_BYTES
+        try:
+            decision = decide_transport(backend, reason, nbytes)
+            if decision.backend == "ce" and plan is not None:
+                t = _cached(group, "ce", device, timeout_s, rank, world)
+                why = t.prepare(plan, dtype)  # allocates (collectively) if new
+                if why is None:
+                    return t
+                decision = decide_transport(backend, why, nbytes)
+        except ValueError as exc:
+            raise ValueError(f"{op}: {exc}") from None
+    if owner is not None and decision.fallback_reason is not None:
+        owner.fallback_reason = decision.fallback_reason
+    return _cached(group, decision.backend, device, timeout_s, rank, world)
 
 
 def _max_bytes(plan, dtype) -> int:

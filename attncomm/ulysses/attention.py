@@ -120,9 +120,7 @@ class UlyssesAttention(torch.nn.Module):
     Attributes:
         fallback_reason: why the last ``forward`` with ``backend="auto"`` did not take ``ce``
             for some exchange (None when every exchange that could use ``ce`` did, or the
-            message was small enough for ``all_to_all`` to be the choice). Per module; the
-            process-global ``attncomm.ulysses.fallback_reason`` holds the last decision of any
-            caller in the process and is kept for compatibility.
+            message was small enough for ``all_to_all`` to be the choice).
         last_backends: the transports the last ``forward`` used, e.g.
             ``{"in": "ce", "out": "ce"}``.
 

@@ -58,7 +58,7 @@ def test_symm_kernel_simulated_ranks_one_gpu(ranks, fp8):
         "dcp_gather_one_gpu", os.path.join(ROOT, "scripts", "dcp_gather_one_gpu.py"))
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    import attncomm.dcp.gather_symm as mod
+    import attncomm.dcp.query_gather.symm as mod
     for T in (1, 3, 7, 8, 33, 128):
         a = types.SimpleNamespace(world_size=ranks, heads=16 * ranks, head_dim=576, rope_dim=64,
                                   replays=20, label="test", fp8=fp8)

@@ -46,7 +46,7 @@ def _behind_sleep(fn):
 
 def _symm_steady_state(rank, world):
     from attncomm.dcp import DcpMerger
-    from attncomm.dcp.combine import combine_torch
+    from attncomm.dcp.lse_merge.combine import combine_torch
     dev = torch.device("cuda", torch.cuda.current_device())
     H, D, dtype = 8, 128, torch.bfloat16
     m = DcpMerger(max_tokens=16, num_heads=H, head_dim=D, dtype=dtype, backend="symm_a2a")

@@ -8,10 +8,10 @@ Two geometries:
 - ``dit``: a DiT layer's exchanges — q, k, v ``[1, S/W, 24, 128]`` in (one exchange) and the
   output back (B = 1, S = 32768 on CUDA).
 - ``layer`` (``--layer`` / ``--layer-only``): a MiniMax-H3-like attention layer through
-  ``UlyssesAttention``, sequential and pipelined, per transport (``ulysses/bench_layer.py``;
+  ``UlyssesAttention``, sequential and pipelined, per transport (``bench/ulysses_layer.py``;
   ``--trace DIR`` adds a profiler trace and the per-layer budget of each variant).
 - ``--fill``: the fill kernel against torch ops and its floor, one GPU
-  (``ulysses/bench_fill.py``).
+  (``bench/ulysses_fill.py``).
 
 The time is the slowest rank's median per exchange (data landed in the receiver's final
 buffer); bus bandwidth = bytes sent to peers per rank / time.
@@ -27,14 +27,15 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import cpu_group
-from ..bench import common
-from ..bench.report import NameList, Report, add_common_arguments, default_device, emit
+from . import common
+from .report import NameList, Report, add_common_arguments, default_device, emit
 from ..launch import launch
-from . import bench_layer, timeline
-from .api import _cached, ce_reason
-from .bench_fill import fill_records
-from .bench_layer import markdown_rows
-from .layout import head_offsets, head_split, head_to_seq_plan, seq_to_head_plan
+from . import ulysses_layer as bench_layer
+from . import ulysses_timeline as timeline
+from ..ulysses.api import _cached, ce_reason
+from .ulysses_fill import fill_records
+from .ulysses_layer import markdown_rows
+from ..ulysses.layout import head_offsets, head_split, head_to_seq_plan, seq_to_head_plan
 
 __all__ = ["add_arguments", "main", "run_rank", "report", "markdown_report"]
 

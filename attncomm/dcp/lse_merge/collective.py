@@ -9,13 +9,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._dist import all_gather_tensor, as_bits, reduce_scatter_tensor, wait
-from .backend import DcpBackend
+from ..._dist import all_gather_tensor, as_bits, reduce_scatter_tensor, wait
+from .backend import DcpBackend, register
 from .combine import combine, scale_own
 
 __all__ = ["ReferenceBackend", "AgRsBackend", "A2ABackend"]
 
 
+@register
 class ReferenceBackend(DcpBackend):
     """all_gather every partial output and LSE, merge everything locally, keep the head slice.
 
@@ -38,6 +39,7 @@ class ReferenceBackend(DcpBackend):
         return combine(outs.view(W, T, H, D)[:, :, sl], lses.view(W, T, H)[:, :, sl], out.dtype)
 
 
+@register
 class AgRsBackend(DcpBackend):
     """all_gather the LSEs (small), scale this rank's output by its weight locally, then
     reduce_scatter over head slices with fp32 accumulation (SGLang/vLLM's DCP "correct + RS")."""
@@ -59,6 +61,7 @@ class AgRsBackend(DcpBackend):
         return merged.to(out.dtype), lse_all[:, r * hs:(r + 1) * hs]
 
 
+@register
 class A2ABackend(DcpBackend):
     """Pack output and LSE by destination head slice into one buffer (the fp32 LSE bit-packed as
     1–2 extra elements after each row's D values), one all_to_all_single, combine locally."""

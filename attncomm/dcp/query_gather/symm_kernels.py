@@ -1,4 +1,4 @@
-"""Triton kernels of the ``symm`` query gather (host side: ``attncomm.dcp.gather_symm``).
+"""Triton kernels of the ``symm`` query gather (host side: ``attncomm.dcp.query_gather.symm``).
 
 One persistent kernel per gather. A "row" is one ``(token, local head)`` pair of this rank's
 slice (``n_rows = T·H/W``, row ``t·H/W + j``); rows go in blocks of ``BR``, program ``p`` takes
@@ -44,13 +44,13 @@ Ordering (why a fast rank never overwrites what a slow rank still reads):
 """
 from __future__ import annotations
 
-from ..symm import plan_blocks
+from ...symm import plan_blocks
 
 try:
     import triton
     import triton.language as tl
 
-    from ..symm_device import (
+    from ...symm_device import (
         count_in,
         epoch_of,
         ll_ready,

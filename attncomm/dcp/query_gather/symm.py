@@ -3,7 +3,7 @@
 Each rank stores its slice of the query heads, already rotated, straight into every peer's
 persistent buffer over NVLink (vLLM's direct query gather and b12x's push into peers' staging
 slots do the same): LL words (payload and epoch in one 8-byte word) up to 256 KiB per peer,
-rows plus a flag per block above (``attncomm.dcp.gather_symm_kernels`` holds the kernels and
+rows plus a flag per block above (``attncomm.dcp.query_gather.symm_kernels`` holds the kernels and
 the epoch, parity and ordering rules). The result is a view of ``OUT [max_tokens, H, D]`` in
 this rank's slab: a fixed address, so a captured graph's readers keep pointing at it.
 
@@ -24,10 +24,10 @@ import functools
 
 import torch
 
-from .. import capability
-from ..symm import SymmWorkspace, agreed_min, ll_rows_for, peer_deltas, use_ll
-from . import gather_symm_kernels as kern
-from .gather import QueryGatherBackend
+from ... import capability
+from ...symm import SymmWorkspace, agreed_min, ll_rows_for, peer_deltas, use_ll
+from . import symm_kernels as kern
+from .backend import QueryGatherBackend, register
 
 __all__ = ["GatherLayout", "SymmGatherBackend", "launch_gather", "ll_rows_for", "use_ll"]
 
@@ -177,6 +177,7 @@ def _n_programs_max(device: torch.device) -> int:
     return max(1, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+@register
 class SymmGatherBackend(QueryGatherBackend):
     """The symmetric-memory query gather (see the module docstring).
 
@@ -194,7 +195,7 @@ class SymmGatherBackend(QueryGatherBackend):
 
     name = "symm"
 
-    def __init__(self, group, *, ordered_by_caller: bool = False, **kw):
+    def __init__(self, group, **kw):
         super().__init__(group, **kw)
         if kern.triton is None:
             raise RuntimeError("symm gather needs Triton")
@@ -206,7 +207,7 @@ class SymmGatherBackend(QueryGatherBackend):
         if self.layout.total_bytes >= 2 ** 31:
             raise RuntimeError(f"symm gather: slab of {self.layout.total_bytes} bytes exceeds "
                                f"the kernel's 32-bit offsets; lower max_tokens")
-        self.ordered = bool(ordered_by_caller)
+        self.ordered = self.ordered_by_caller
         self.timeout_ns = int(self.timeout_s * 1e9)
         self.ws = SymmWorkspace.agreed(group, self.layout, self.device, op="dcp.gather[symm]",
                                        timeout_s=self.timeout_s)
@@ -217,7 +218,7 @@ class SymmGatherBackend(QueryGatherBackend):
         self._warm_up()
 
     @classmethod
-    def local_unavailable_reason(cls, group, device: torch.device) -> str | None:
+    def collective_unavailable_reason(cls, group, device: torch.device) -> str | None:
         reason = capability.symm_unavailable_reason(group, device)  # collective: always call
         if reason is None and kern.triton is None:
             return "Triton is not importable"

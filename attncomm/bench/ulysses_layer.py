@@ -18,7 +18,7 @@ Each record: ``{"variant", "transport", "seq", "heads", "groups", "qk_norm", "ti
 (sequential_all_to_all − attention_only)`` and whether every variant's output was bitwise
 equal. ``--trace DIR``: a torch.profiler trace per variant (rank 0 writes
 ``DIR/<variant>-<transport>-S<seq>-norm<0|1>.json``) and the per-layer budget from it (wall =
-compute union + exposed exchange + idle, ``ulysses/timeline.py``).
+compute union + exposed exchange + idle, ``bench/ulysses_timeline.py``).
 """
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from . import timeline
-from .api import dense
-from .attention import UlyssesAttention, auto_groups, sdpa_attention
-from .layout import head_split
+from . import ulysses_timeline as timeline
+from ..ulysses.api import dense
+from ..ulysses.attention import UlyssesAttention, auto_groups, sdpa_attention
+from ..ulysses.layout import head_split
 
 __all__ = ["VARIANTS", "layer_records", "variant_settings"]
 

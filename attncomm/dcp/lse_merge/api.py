@@ -13,11 +13,11 @@ import math
 import torch
 import torch.distributed as dist
 
-from .. import config
-from .._dist import DTYPE_CODES, agree, agree_reason, group_device, group_lru_get
-from ..errors import PeerTimeoutError
-from . import auto
-from .backend import BACKENDS, DcpBackend, backend_class
+from ... import config, select
+from ..._dist import DTYPE_CODES, agree, group_device, group_lru_get
+from ...errors import PeerTimeoutError
+from . import collective, symm_a2a  # noqa: F401 - each registers its backend class
+from .backend import BACKENDS, backend_class
 from .combine import combine
 
 __all__ = ["merge_states", "merge", "DcpMerger", "shard_kv_interleaved", "available_backends",
@@ -28,6 +28,10 @@ log = logging.getLogger("attncomm.dcp")
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LN2 = math.log(2.0)
 _CACHE_SIZE = 8
+#: What ``auto`` takes when nothing is measured (CPU groups): one collective (a2a) before two
+#: (ag_rs); ``reference`` is never chosen automatically.
+RULE_OF_THUMB = ("symm_a2a", "a2a", "ag_rs", "reference")
+AUTO_CANDIDATES = ("symm_a2a", "ag_rs", "a2a")
 
 
 def available_backends(device: str | torch.device) -> list[str]:
@@ -262,20 +266,14 @@ class DcpMerger:
         self.dtype, self.lse_base = dtype, lse_base
         self.device = group_device(group)
         self.requested_backend = backend
-        self.fallback_reason: str | None = None
-        name = config.env_backend("ATTNCOMM_DCP_BACKEND", backend, BACKENDS[:-1])
-        if backend == "auto" and name != "auto":
-            # An env override under "auto" is a preference: if it cannot run, auto never fails.
-            why = agree_reason(group, self._local_reason(name), f"dcp backend {name}")
-            if why:
-                log.warning("DcpMerger: ATTNCOMM_DCP_BACKEND=%s cannot run here (%s); "
-                            "choosing automatically", name, why)
-                name = "auto"
-        if name == "auto":
-            name = self._choose_auto()
-        elif backend != "auto":
-            self._require(name)
-        self._impl = self._build(name)
+        self.decision, self._impl = select.resolve(
+            group, op="DcpMerger", requested=backend, names=BACKENDS[:-1],
+            preferred="symm_a2a", rule_of_thumb=RULE_OF_THUMB, auto_names=AUTO_CANDIDATES,
+            local_reason=self._local_reason,
+            build=lambda name: backend_class(name)(group, **self._kwargs()),
+            measured=self.device.type == "cuda", cases=select.token_buckets(max_tokens),
+            prepare=self._timing_case, env_var="ATTNCOMM_DCP_BACKEND")
+        self.fallback_reason: str | None = self.decision.fallback_reason
         self.backend = self._impl.name
         self.returns_views = self._impl.returns_views
 
@@ -301,52 +299,19 @@ class DcpMerger:
                     timeout_s=self.timeout_s)
 
     def _local_reason(self, name: str) -> str | None:
-        if name == "symm_a2a" and self.device.type != "cuda":
-            return "symm_a2a needs CUDA tensors on an NCCL group; this group is on CPU (gloo)"
+        # Collective (symm_a2a learns where its peers are): every rank calls it for every name.
         try:
             cls = backend_class(name)
         except ImportError as exc:
             return f"{name} is not available: {exc}"
-        return cls.local_unavailable_reason(self.group, self.device)
+        return cls.collective_unavailable_reason(self.group, self.device)
 
-    def _require(self, name: str) -> None:
-        reason = agree_reason(self.group, self._local_reason(name), f"dcp backend {name}")
-        if reason:
-            raise ValueError(f"DcpMerger: backend {name!r} cannot run here: {reason}")
-
-    def _choose_auto(self) -> str:
-        reasons = {}
-        for name in ("symm_a2a", "ag_rs", "a2a"):
-            reasons[name] = agree_reason(self.group, self._local_reason(name), name)
-        candidates = [n for n, r in reasons.items() if r is None]
-        self.fallback_reason = reasons["symm_a2a"]
-
-        name, why = auto.choose_backend(self.group, candidates, **self._kwargs())
-        if name != "symm_a2a" and why:
-            self.fallback_reason = why
-        if self.fallback_reason and name != "symm_a2a":
-            log.info("DcpMerger: auto chose %s; symm_a2a not taken: %s", name,
-                     self.fallback_reason)
-        return name
-
-    def _build(self, name: str) -> DcpBackend:
-        cls = backend_class(name)
-        if name in ("reference", "ag_rs", "a2a"):
-            return cls(self.group, **self._kwargs())
-        # Allocation and rendezvous may fail on some rank: agree, and fall back together.
-        impl, err = None, None
-        try:
-            impl = cls(self.group, **self._kwargs())
-        except Exception as exc:  # noqa: BLE001 - agreed below, re-raised or fallen back from
-            err = f"{type(exc).__name__}: {exc}"
-        reason = agree_reason(self.group, err, f"{name} setup")
-        if reason is None:
-            return impl
-        if self.requested_backend != "auto":
-            raise ValueError(f"DcpMerger: backend {name!r} failed to set up: {reason}")
-        self.fallback_reason = reason
-        log.warning("DcpMerger: %s setup failed (%s); using ag_rs", name, reason)
-        return backend_class("ag_rs")(self.group, **self._kwargs())
+    def _timing_case(self, impl, num_tokens: int):
+        gen = torch.Generator(device=self.device).manual_seed(self.rank)
+        out = torch.randn((num_tokens, self.num_heads, self.head_dim), generator=gen,
+                          device=self.device).to(self.dtype)
+        lse = torch.randn((num_tokens, self.num_heads), generator=gen, device=self.device)
+        return lambda: impl(out, lse)
 
     def backend_for(self, num_tokens: int) -> str:
         """The backend a call with ``num_tokens`` tokens uses."""

@@ -27,10 +27,10 @@ import time
 
 import torch
 
-from ..bench import common
-from .fill import (HEADS_PER_PROGRAM, LAUNCH_OPTIONS, FillPart, default_block_s, fill_torch,
-                   fill_triton, send_layout)
-from .layout import group_head_ranges
+from . import common
+from ..ulysses.fill import (HEADS_PER_PROGRAM, LAUNCH_OPTIONS, FillPart, default_block_s,
+                            fill_torch, fill_triton, send_layout)
+from ..ulysses.layout import group_head_ranges
 
 __all__ = ["fill_records", "copy_bandwidth", "FILL_CONFIGS"]
 

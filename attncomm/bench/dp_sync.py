@@ -22,11 +22,12 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import cpu_group
-from ..bench.common import meta, print_table, progress, slowest_rank_median, time_eager
-from ..bench.report import Report, add_common_arguments, emit, usage_error
+from .common import meta, print_table, progress, slowest_rank_median, time_eager
+from .report import Report, add_common_arguments, emit, usage_error
 from ..launch import launch
-from .gather import DpPaddingMode, dp_gather, dp_reduce_scatter, dp_scatter, global_layout
-from .sync import MLPSyncBatchInfo, exchange_rows, resolve_sync
+from ..dp_attention.gather import (DpPaddingMode, dp_gather, dp_reduce_scatter, dp_scatter,
+                                   global_layout)
+from ..dp_attention.sync import MLPSyncBatchInfo, exchange_rows, resolve_sync
 
 __all__ = ["add_arguments", "main", "run_rank", "markdown_tables", "with_speedups"]
 

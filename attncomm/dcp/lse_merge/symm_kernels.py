@@ -1,5 +1,5 @@
 """The ``symm_a2a`` merge kernels (Triton) and their protocol. Planning, launch and the backend
-class are in ``attncomm.dcp.symm_a2a``; the slab layout in ``attncomm.dcp.symm_layout``.
+class are in ``symm_a2a`` beside it; the slab layout in ``symm_layout``.
 
 Each rank stores, for every peer ``q``, the rows of its partial output and LSE that belong to
 ``q``'s head slice straight into ``q``'s slab (P2P stores over NVLink), then waits (bounded by
@@ -60,7 +60,7 @@ this rank's slab regions (``SlabLayout``), typed as the region; cell ``c`` of a 
 elements away (``delta_o`` in payload elements, ``delta_w`` in 4-byte words, ``delta_q`` in
 8-byte words).
 
-The merge rule is the one in ``attncomm.dcp.combine`` (a non-finite LSE — −inf, +inf, NaN — is
+The merge rule is the one in ``combine`` beside it (a non-finite LSE — −inf, +inf, NaN — is
 an empty source, ``m := 0`` when all are −inf, guarded divide, fp32 accumulation, one rounding;
 docs/API.md "Special values"), folded source by source (online rescaling). A zero-weight
 source's payload is loaded but never used (a select, not a multiply), so whatever an empty
@@ -72,7 +72,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as tl_cuda
 
-from ..symm_device import (
+from ...symm_device import (
     DELTA_UNIT,
     SCRUB_PERIOD,
     count_in,

@@ -21,11 +21,11 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import cpu_group
-from ..bench.common import (max_over_ranks, meta, plot_lines, print_table, progress,
+from .common import (max_over_ranks, meta, plot_lines, print_table, progress,
                             slowest_rank_median, time_eager, time_graph, write_json)
 from ..launch import launch
-from .api import DcpMerger
-from .gather import DcpQueryGather
+from ..dcp.lse_merge import DcpMerger
+from ..dcp.query_gather import DcpQueryGather
 
 __all__ = ["run_rank", "main", "add_speedups", "markdown_table"]
 
@@ -162,7 +162,7 @@ def markdown_table(records: list[dict]) -> str:
 
 
 def main(args) -> int:
-    """``attncomm bench dcp --op gather|layer`` (arguments: ``attncomm.dcp.bench``)."""
+    """``attncomm bench dcp --op gather|layer`` (arguments: ``attncomm.bench.dcp``)."""
     config.force_safe_env()
     try:
         cfg = _config(args)

@@ -1,6 +1,6 @@
 """The single-process definitions of the DCP query gather: the RoPE every backend applies and
-the FP8 quantization, each computed bit for bit by every backend (``attncomm.dcp.gather``, the
-``symm`` kernels in ``attncomm.dcp.gather_symm_kernels``)."""
+the FP8 quantization, each computed bit for bit by every backend (``attncomm.dcp.query_gather``, the
+``symm`` kernels in ``attncomm.dcp.query_gather.symm_kernels``)."""
 from __future__ import annotations
 
 import math

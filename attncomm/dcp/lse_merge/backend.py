@@ -1,26 +1,22 @@
 """The one small interface every DCP merge backend implements, and the registry of backends.
 
-The registry names each backend's module and class; ``backend_class`` imports the module on
-first use, so the Triton-only ``symm_a2a`` stays optional and this module imports no backend
-(the backends import ``DcpBackend`` from here).
+Dependency direction: the backends (``collective``, ``symm_a2a``) import this module and
+register their class here (``@register``); the facade (``api``) imports the backends, so every
+backend is registered before a name is resolved. This module imports no backend.
 """
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 
 import torch
 
-__all__ = ["DcpBackend", "BACKENDS", "REGISTRY", "backend_class"]
+__all__ = ["DcpBackend", "BACKENDS", "REGISTRY", "backend_class", "register"]
 
-# name → (module, class). ``auto`` is not a backend: ``DcpMerger`` resolves it to one of these.
-REGISTRY: dict[str, tuple[str, str]] = {
-    "reference": ("attncomm.dcp.collective", "ReferenceBackend"),
-    "ag_rs": ("attncomm.dcp.collective", "AgRsBackend"),
-    "a2a": ("attncomm.dcp.collective", "A2ABackend"),
-    "symm_a2a": ("attncomm.dcp.symm_a2a", "SymmA2ABackend"),
-}
-BACKENDS = (*REGISTRY, "auto")
+#: Every backend name, in the order messages list them. ``auto`` is not a backend: ``DcpMerger``
+#: resolves it to one of the others.
+BACKENDS = ("reference", "ag_rs", "a2a", "symm_a2a", "auto")
+#: name → class, filled by ``register`` when a backend's module is imported.
+REGISTRY: dict[str, type] = {}
 
 
 class DcpBackend(ABC):
@@ -50,10 +46,10 @@ class DcpBackend(ABC):
         self.timeout_s = timeout_s
 
     @classmethod
-    def local_unavailable_reason(cls, group, device: torch.device) -> str | None:
-        """Why this backend cannot run on this rank (None if it can). Called on every rank of
-        ``group`` alike (it may itself be collective, e.g. to learn which hosts the peers are
-        on); the caller agrees the verdict across ranks."""
+    def collective_unavailable_reason(cls, group, device: torch.device) -> str | None:
+        """Why this backend cannot run on this rank (None if it can). A collective call: every
+        rank of ``group`` calls it alike (it may learn which hosts the peers are on); the caller
+        agrees the verdict across ranks (``attncomm.select``)."""
         return None
 
     @abstractmethod
@@ -68,14 +64,21 @@ class DcpBackend(ABC):
         """Raise any timeout recorded on the device since the last check (default: none)."""
 
 
+def register(cls: type[DcpBackend]) -> type[DcpBackend]:
+    """Class decorator: register a backend under its ``name`` (one of ``BACKENDS``)."""
+    if cls.name not in BACKENDS[:-1]:
+        raise ValueError(f"unknown DCP backend name {cls.name!r}; declare it in BACKENDS")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
 def backend_class(name: str) -> type[DcpBackend]:
     """The ``DcpBackend`` subclass registered as ``name``.
 
     Raises:
-        ValueError: ``name`` is not a registered backend.
-        ImportError: the backend's optional dependency (Triton for ``symm_a2a``) is missing.
+        ValueError: ``name`` is not a backend, or its module was not imported (the facade
+        imports every backend module).
     """
     if name not in REGISTRY:
-        raise ValueError(f"unknown DCP backend {name!r}; expected one of {list(REGISTRY)}")
-    module, cls = REGISTRY[name]
-    return getattr(importlib.import_module(module), cls)
+        raise ValueError(f"unknown DCP backend {name!r}; expected one of {list(BACKENDS[:-1])}")
+    return REGISTRY[name]

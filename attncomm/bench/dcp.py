@@ -23,13 +23,13 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import cpu_group
-from ..bench.common import (max_over_ranks, meta, print_table, progress, slowest_rank_median,
+from .common import (max_over_ranks, meta, print_table, progress, slowest_rank_median,
                             time_eager, time_graph)
-from ..bench.report import Report, add_common_arguments, emit, usage_error
+from .report import Report, add_common_arguments, emit, usage_error
 from ..launch import launch
-from . import bench_gather
-from .api import DcpMerger
-from .backend import BACKENDS
+from . import dcp_gather as bench_gather
+from ..dcp.lse_merge import DcpMerger
+from ..dcp.lse_merge import BACKENDS
 
 __all__ = ["add_arguments", "main", "run_rank"]
 
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=64, help="total heads H (default 64)")
     p.add_argument("--op", choices=("merge", "gather", "layer"), default="merge",
                    help="merge (default): the LSE merge; gather: the query-head all-gather "
-                        "(attncomm.dcp.bench_gather); layer: gather + merge per decode step")
+                        "(attncomm.bench.dcp_gather); layer: gather + merge per decode step")
     p.add_argument("--head-dim", type=int, default=None,
                    help="head_dim D (default 512; --op gather/layer: 576, Kimi-K2.5's q)")
     p.add_argument("--rope-dim", type=int, default=64,

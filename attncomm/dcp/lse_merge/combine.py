@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import config
+from ... import config
 
 __all__ = ["combine", "combine_torch", "scale_own", "scale_own_torch", "use_triton"]
 

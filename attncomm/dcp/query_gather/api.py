@@ -12,7 +12,7 @@ Backends (one interface, ``QueryGatherBackend``):
 - ``all_gather``: the process group's ``all_gather_into_tensor`` (NCCL or gloo) into a staging
   buffer, then a local permute into ``[T, H, D]``;
 - ``symm``: every rank stores its (rotated) slice straight into every peer's persistent buffer
-  (``attncomm.dcp.gather_symm``; CUDA, one host, P2P);
+  (``attncomm.dcp.query_gather.symm``; CUDA, one host, P2P);
 - ``auto``: ``symm`` when it can run and measures faster at construction, else ``all_gather``.
 
 Every backend returns exactly the bits the ranks passed (after the rotation, which is
@@ -21,40 +21,29 @@ or in a kernel, gives the same bits).
 """
 from __future__ import annotations
 
-import importlib
 import logging
-import math
 import zlib
-from abc import ABC, abstractmethod
 
 import torch
 import torch.distributed as dist
 
-from .. import config
-from .._dist import (
-    DTYPE_CODES,
-    agree,
-    agree_reason,
-    all_gather_tensor,
-    as_bits,
-    cpu_group,
-    group_device,
-    group_lru_get,
-    wait,
-)
-from .._timing import time_graph
-from .auto import token_buckets
-from .query_math import (FP8_DTYPE, FP8_MAX, _scale_error, _scale_f32, quantize_e4m3,
-                         rotate_tail)
+from ... import config, select
+from ..._dist import DTYPE_CODES, agree, group_device, group_lru_get
+from . import all_gather, symm  # noqa: F401 - each registers its backend class
+from .backend import GATHER_BACKENDS, backend_class
+from .query_math import FP8_DTYPE, FP8_MAX, _scale_error, _scale_f32, quantize_e4m3, rotate_tail
 
-__all__ = ["gather_heads", "DcpQueryGather", "rotate_tail", "quantize_e4m3", "QueryGatherBackend",
-           "AllGatherBackend", "GATHER_BACKENDS", "FP8_DTYPE", "FP8_MAX"]
+__all__ = ["gather_heads", "DcpQueryGather", "rotate_tail", "quantize_e4m3", "GATHER_BACKENDS",
+           "FP8_DTYPE", "FP8_MAX"]
 
 log = logging.getLogger("attncomm.dcp")
 
-GATHER_BACKENDS = ("all_gather", "symm", "auto")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CACHE_SIZE = 8
+#: What ``auto`` takes when nothing is measured (CPU groups, one candidate).
+RULE_OF_THUMB = ("symm", "all_gather")
+
+
 def _rope_error(rope, T: int, D: int, device) -> str | None:
     if not (isinstance(rope, (tuple, list)) and len(rope) == 2
             and all(isinstance(t, torch.Tensor) for t in rope)):
@@ -157,151 +146,6 @@ def _cached_gatherer(group, T, H, D, dtype, backend, R, budget) -> DcpQueryGathe
                                backend=backend, rope_dim=R, timeout_s=budget), _CACHE_SIZE)
 
 
-class QueryGatherBackend(ABC):
-    """The one interface every query-gather backend implements.
-
-    Constructed collectively (every rank of ``group``, same arguments). ``__call__(q, cos,
-    sin)`` takes this rank's ``[T, H/W, D]`` slice (``dtype``, contiguous, ``T ≤ max_tokens``)
-    and, when ``rope_dim > 0``, fp32 contiguous ``cos, sin [T, rope_dim]``; it returns
-    ``[T, H, D]`` in ``out_dtype``, a view of a persistent buffer (see each backend for how long
-    it stays valid). ``q`` is never modified. With ``out_dtype == FP8_DTYPE``, ``q_scale`` is
-    the ``[H]`` fp32 device tensor of per-head scales and the result is ``quantize_e4m3`` of
-    the rotated fp32 query, bit for bit.
-    """
-
-    name: str = "?"
-
-    def __init__(self, group, *, max_tokens: int, num_heads: int, head_dim: int,
-                 dtype: torch.dtype, rope_dim: int, device: torch.device, timeout_s: float,
-                 out_dtype: torch.dtype | None = None, q_scale: torch.Tensor | None = None):
-        self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.max_tokens, self.num_heads, self.head_dim = max_tokens, num_heads, head_dim
-        self.hs = num_heads // self.world_size
-        self.dtype, self.rope_dim = dtype, rope_dim
-        self.device, self.timeout_s = device, timeout_s
-        self.out_dtype = out_dtype if out_dtype is not None else dtype
-        self.fp8 = self.out_dtype == FP8_DTYPE
-        if self.fp8 and q_scale is None:
-            raise ValueError(f"{type(self).__name__}: FP8 output needs q_scale [H] fp32")
-        self.q_scale = q_scale
-
-    @classmethod
-    def local_unavailable_reason(cls, group, device: torch.device) -> str | None:
-        """Why this backend cannot run on this rank (None if it can); called on every rank
-        alike (it may be collective); the caller agrees the verdict."""
-        return None
-
-    @abstractmethod
-    def __call__(self, q: torch.Tensor, cos: torch.Tensor | None,
-                 sin: torch.Tensor | None) -> torch.Tensor:
-        ...
-
-    def check(self) -> None:
-        """Raise any timeout recorded on the device since the last check (default: none)."""
-
-
-class AllGatherBackend(QueryGatherBackend):
-    """Rotate into a send buffer, ``all_gather_into_tensor`` into ``[W, T, H/W, D]`` staging
-    (payload as bytes: every process-group backend moves uint8), permute into ``out``.
-
-    The result is a view of ``out [max_tokens, H, D]``, local memory that only this rank's
-    stream writes: valid until this rank's next call. Graph-capturable on NCCL. FP8: the slice
-    is rotated into an fp32 scratch and quantized (``quantize_e4m3``) into the send buffer, so
-    one byte per value crosses the wire.
-    """
-
-    name = "all_gather"
-
-    def __init__(self, group, **kw):
-        super().__init__(group, **kw)
-        W, n, h, D = self.world_size, self.max_tokens, self.hs, self.head_dim
-        od = self.out_dtype
-        self.send = torch.empty((n, h, D), dtype=od, device=self.device)
-        self.stage = torch.empty((W * n * h * D,), dtype=od, device=self.device)
-        self.out = torch.empty((n, W * h, D), dtype=od, device=self.device)
-        self.f32 = (torch.empty((n, h, D), dtype=torch.float32, device=self.device)
-                    if self.fp8 else None)
-
-    def _fill_send(self, q, cos, sin, send):
-        if self.fp8:
-            x = self.f32[:q.shape[0]]
-            if cos is not None:
-                rotate_tail(q, cos, sin, out=x)
-            else:
-                x.copy_(q)
-            r = self.rank * self.hs
-            quantize_e4m3(x, self.q_scale[r:r + self.hs], out=send)
-        elif cos is not None:
-            rotate_tail(q, cos, sin, out=send)
-        else:
-            send.copy_(q)
-
-    def __call__(self, q, cos, sin):
-        T, h, D = q.shape
-        W = self.world_size
-        send = self.send[:T]
-        self._fill_send(q, cos, sin, send)
-        out = self.out[:T]
-        if W == 1:
-            out.copy_(send)
-            return out
-        stage = self.stage[:W * T * h * D]
-        work = all_gather_tensor(as_bits(stage), as_bits(send.view(-1)), self.group,
-                                 async_op=True)
-        wait(work, self.group, "dcp.gather[all_gather]", self.timeout_s)
-        out.view(T, W, h, D).copy_(stage.view(W, T, h, D).transpose(0, 1))
-        return out
-
-
-def _backend_class(name: str) -> type[QueryGatherBackend]:
-    if name == "all_gather":
-        return AllGatherBackend
-    if name == "symm":
-        return importlib.import_module("attncomm.dcp.gather_symm").SymmGatherBackend
-    raise ValueError(f"unknown gather backend {name!r}; expected one of "
-                     f"{list(GATHER_BACKENDS)}")
-
-
-def _measured_choice(group, impls: dict, max_tokens: int, rope_dim: int):
-    """Time each backend in CUDA graphs at token buckets up to ``max_tokens`` (1, 8, 64,
-    ``max_tokens``), slowest rank (all_reduce MAX over the gloo twin), pick the lowest geometric
-    mean: ``(name, why symm was not taken or None)``, the same on every rank."""
-    names = list(impls)
-    buckets = token_buckets(max_tokens)
-    scores = torch.full((len(names), len(buckets)), math.inf, dtype=torch.float64)
-    any_impl = impls[names[0]]
-    gen = torch.Generator(device=any_impl.device).manual_seed(dist.get_rank(group))
-    for i, name in enumerate(names):
-        impl = impls[name]
-        try:
-            for j, T in enumerate(buckets):
-                q = torch.randn((T, impl.hs, impl.head_dim), generator=gen,
-                                device=impl.device).to(impl.dtype)
-                cs = (torch.randn((T, rope_dim), generator=gen, device=impl.device)
-                      if rope_dim else None)
-                times = time_graph(lambda: impl(q, cs, cs), per_graph=4, warmup=1, iters=5,
-                                   back_to_back=True)
-                impl.check()
-                scores[i, j] = sorted(times)[len(times) // 2]
-        except Exception as exc:  # noqa: BLE001 - agreed below: the candidate is dropped
-            log.warning("DcpQueryGather: timing %s failed: %s", name, exc)
-            scores[i] = math.inf
-    dist.all_reduce(scores, op=dist.ReduceOp.MAX, group=cpu_group(group))
-    means = [math.exp(sum(math.log(max(v, 1e-3)) for v in row) / len(row))
-             if all(math.isfinite(v) for v in row) else math.inf for row in scores.tolist()]
-    best = min(range(len(names)), key=lambda i: means[i])
-    if math.isinf(means[best]):  # no candidate timed: the collective baseline, never symm
-        return "all_gather", "no backend could be timed on every rank"
-    table = ", ".join(f"{n} {m:.1f} µs" for n, m in zip(names, means))
-    if names[best] == "symm":
-        return "symm", None
-    why = "symm failed while timing on some rank" if math.isinf(means[names.index("symm")]) \
-        else f"measured slower over tokens {buckets} ({table})"
-    return names[best], why
-
-
 class DcpQueryGather:
     """A preallocated, CUDA-graph-capturable query-head all-gather for up to ``max_tokens``.
 
@@ -337,7 +181,7 @@ class DcpQueryGather:
     Ordering rule (the view is valid until this rank's next call is enqueued): enqueue every
     reader of a result on the gather's stream before the next call. The ``symm`` backend keeps
     peers from overwriting a result a slow rank still reads on its own (see
-    ``attncomm.dcp.gather_symm``); with ``ordered_by_caller=True`` it leaves that to the caller,
+    ``query_gather.symm``); with ``ordered_by_caller=True`` it leaves that to the caller,
     who promises a cross-rank dependency between a result's readers and the next call on every
     rank (``DcpAttention``: the DCP merge that follows attention).
 
@@ -383,23 +227,13 @@ class DcpQueryGather:
         self.q_scale = _scale_f32(q_scale, num_heads).to(self.device) if fp8 else None
         self.ordered_by_caller = bool(ordered_by_caller)
         self.requested_backend = backend
-        self.fallback_reason: str | None = None
-        name = config.env_backend("ATTNCOMM_DCP_GATHER_BACKEND", backend, GATHER_BACKENDS[:-1])
-        if backend == "auto" and name != "auto":
-            why = agree_reason(group, self._local_reason(name), f"gather backend {name}")
-            if why:
-                log.warning("DcpQueryGather: ATTNCOMM_DCP_GATHER_BACKEND=%s cannot run here "
-                            "(%s); choosing automatically", name, why)
-                name = "auto"
-        if name == "auto":
-            self._impl = self._choose_auto()
-        else:
-            if backend != "auto":
-                reason = agree_reason(group, self._local_reason(name), f"gather backend {name}")
-                if reason:
-                    raise ValueError(f"DcpQueryGather: backend {name!r} cannot run here: "
-                                     f"{reason}")
-            self._impl = self._build(name)
+        self.decision, self._impl = select.resolve(
+            group, op="DcpQueryGather", requested=backend, names=GATHER_BACKENDS[:-1],
+            preferred="symm", rule_of_thumb=RULE_OF_THUMB, local_reason=self._local_reason,
+            build=lambda name: backend_class(name)(group, **self._kwargs()),
+            measured=self.device.type == "cuda", cases=select.token_buckets(max_tokens),
+            prepare=self._timing_case, env_var="ATTNCOMM_DCP_GATHER_BACKEND")
+        self.fallback_reason: str | None = self.decision.fallback_reason
         self.backend = self._impl.name
 
     @staticmethod
@@ -426,47 +260,23 @@ class DcpQueryGather:
         return dict(max_tokens=self.max_tokens, num_heads=self.num_heads,
                     head_dim=self.head_dim, dtype=self.dtype, rope_dim=self.rope_dim,
                     device=self.device, timeout_s=self.timeout_s, out_dtype=self.out_dtype,
-                    q_scale=self.q_scale)
+                    q_scale=self.q_scale, ordered_by_caller=self.ordered_by_caller)
 
     def _local_reason(self, name: str) -> str | None:
+        # Collective (symm learns where its peers are): every rank calls it for every name.
         try:
-            cls = _backend_class(name)
+            cls = backend_class(name)
         except ImportError as exc:
             return f"{name} is not available: {exc}"
-        return cls.local_unavailable_reason(self.group, self.device)
+        return cls.collective_unavailable_reason(self.group, self.device)
 
-    def _build(self, name: str) -> QueryGatherBackend:
-        cls = _backend_class(name)
-        if name == "all_gather":
-            return cls(self.group, **self._kwargs())
-        impl, err = None, None
-        try:
-            impl = cls(self.group, ordered_by_caller=self.ordered_by_caller, **self._kwargs())
-        except Exception as exc:  # noqa: BLE001 - agreed below, re-raised or fallen back from
-            err = f"{type(exc).__name__}: {exc}"
-        reason = agree_reason(self.group, err, f"{name} setup")
-        if reason is None:
-            return impl
-        if self.requested_backend != "auto":
-            raise ValueError(f"DcpQueryGather: backend {name!r} failed to set up: {reason}")
-        self.fallback_reason = reason
-        log.warning("DcpQueryGather: %s setup failed (%s); using all_gather", name, reason)
-        return AllGatherBackend(self.group, **self._kwargs())
-
-    def _choose_auto(self) -> QueryGatherBackend:
-        reason = agree_reason(self.group, self._local_reason("symm"), "symm")
-        if reason is not None:
-            self.fallback_reason = reason
-            return AllGatherBackend(self.group, **self._kwargs())
-        symm = self._build("symm")
-        if symm.name != "symm":
-            return symm
-        base = AllGatherBackend(self.group, **self._kwargs())
-        pick, why = _measured_choice(self.group, {"symm": symm, "all_gather": base},
-                                     self.max_tokens, self.rope_dim)
-        self.fallback_reason = why
-        log.info("DcpQueryGather: auto chose %s (%s)", pick, why or "measured faster")
-        return symm if pick == "symm" else base
+    def _timing_case(self, impl, num_tokens: int):
+        gen = torch.Generator(device=self.device).manual_seed(self.rank)
+        q = torch.randn((num_tokens, impl.hs, self.head_dim), generator=gen,
+                        device=self.device).to(self.dtype)
+        cs = (torch.randn((num_tokens, self.rope_dim), generator=gen, device=self.device)
+              if self.rope_dim else None)
+        return lambda: impl(q, cs, cs)
 
     def check(self) -> None:
         """Raise ``PeerTimeoutError`` for any timeout the device recorded since the last check."""

@@ -1,8 +1,8 @@
 """``symm_a2a``: the DCP merge over torch SymmetricMemory, one persistent Triton kernel per call.
 
 This module plans and launches the merge and holds the backend class; the kernels and their
-protocol (LL and flag, epochs, PDL, scrub, timeouts) are in ``attncomm.dcp.symm_kernels``, the
-slab layout in ``attncomm.dcp.symm_layout``, allocation, rendezvous and error words in the
+protocol (LL and flag, epochs, PDL, scrub, timeouts) are in ``symm_kernels`` beside it, the
+slab layout in ``symm_layout``, allocation, rendezvous and error words in the
 substrate ``attncomm.symm``. Tuning history and figures: ``benchmarks/results/
 symm-a2a-tuning.md`` and ``dcp-kernel-2026-11-30-*.md``.
 """
@@ -13,9 +13,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .. import capability
-from .. import config as env
-from ..symm import (
+from ... import capability
+from ... import config as env
+from ...symm import (
     LL_MAX_BYTES,
     SymmWorkspace,
     agreed_min,
@@ -24,7 +24,7 @@ from ..symm import (
     plan_blocks,
     use_ll,
 )
-from .backend import DcpBackend
+from .backend import DcpBackend, register
 from .symm_layout import SlabLayout, SlabRegions
 
 try:
@@ -212,8 +212,9 @@ def pdl_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+@register
 class SymmA2ABackend(DcpBackend):
-    """The symmetric-memory DCP merge (see ``attncomm.dcp.symm_kernels``).
+    """The symmetric-memory DCP merge (see ``attncomm.dcp.lse_merge.symm_kernels``).
 
     Construction is collective and host-blocking (allocation, then rendezvous, each agreed across
     ranks; then one warm-up merge per kernel variant so that JIT compilation and the first P2P
@@ -270,7 +271,7 @@ class SymmA2ABackend(DcpBackend):
         self._warm_up()
 
     @classmethod
-    def local_unavailable_reason(cls, group, device: torch.device) -> str | None:
+    def collective_unavailable_reason(cls, group, device: torch.device) -> str | None:
         reason = capability.symm_unavailable_reason(group, device)  # collective: always call
         if reason is None and triton is None:
             return "Triton is not importable"

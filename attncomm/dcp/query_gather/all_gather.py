@@ -1,0 +1,64 @@
+"""``all_gather``: the DCP query gather over the process group's ``all_gather_into_tensor``."""
+from __future__ import annotations
+
+import torch
+
+from ..._dist import all_gather_tensor, as_bits, wait
+from .backend import QueryGatherBackend, register
+from .query_math import quantize_e4m3, rotate_tail
+
+__all__ = ["AllGatherBackend"]
+
+
+@register
+class AllGatherBackend(QueryGatherBackend):
+    """Rotate into a send buffer, ``all_gather_into_tensor`` into ``[W, T, H/W, D]`` staging
+    (payload as bytes: every process-group backend moves uint8), permute into ``out``.
+
+    The result is a view of ``out [max_tokens, H, D]``, local memory that only this rank's
+    stream writes: valid until this rank's next call. Graph-capturable on NCCL. FP8: the slice
+    is rotated into an fp32 scratch and quantized (``quantize_e4m3``) into the send buffer, so
+    one byte per value crosses the wire.
+    """
+
+    name = "all_gather"
+
+    def __init__(self, group, **kw):
+        super().__init__(group, **kw)
+        W, n, h, D = self.world_size, self.max_tokens, self.hs, self.head_dim
+        od = self.out_dtype
+        self.send = torch.empty((n, h, D), dtype=od, device=self.device)
+        self.stage = torch.empty((W * n * h * D,), dtype=od, device=self.device)
+        self.out = torch.empty((n, W * h, D), dtype=od, device=self.device)
+        self.f32 = (torch.empty((n, h, D), dtype=torch.float32, device=self.device)
+                    if self.fp8 else None)
+
+    def _fill_send(self, q, cos, sin, send):
+        if self.fp8:
+            x = self.f32[:q.shape[0]]
+            if cos is not None:
+                rotate_tail(q, cos, sin, out=x)
+            else:
+                x.copy_(q)
+            r = self.rank * self.hs
+            quantize_e4m3(x, self.q_scale[r:r + self.hs], out=send)
+        elif cos is not None:
+            rotate_tail(q, cos, sin, out=send)
+        else:
+            send.copy_(q)
+
+    def __call__(self, q, cos, sin):
+        T, h, D = q.shape
+        W = self.world_size
+        send = self.send[:T]
+        self._fill_send(q, cos, sin, send)
+        out = self.out[:T]
+        if W == 1:
+            out.copy_(send)
+            return out
+        stage = self.stage[:W * T * h * D]
+        work = all_gather_tensor(as_bits(stage), as_bits(send.view(-1)), self.group,
+                                 async_op=True)
+        wait(work, self.group, "dcp.gather[all_gather]", self.timeout_s)
+        out.view(T, W, h, D).copy_(stage.view(W, T, h, D).transpose(0, 1))
+        return out
