@@ -13,11 +13,11 @@ from . import config
 config.default_safe_env()  # before anything below can start NCCL or symmetric memory
 
 from . import dcp, dp_attention, ulysses  # noqa: E402
-from ._dist import cpu_group  # noqa: E402
+from ._dist import cpu_group, release  # noqa: E402
 from .errors import PeerTimeoutError  # noqa: E402
 from .launch import RankPool, launch  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["launch", "RankPool", "cpu_group", "PeerTimeoutError", "dcp", "ulysses",
+__all__ = ["launch", "RankPool", "cpu_group", "release", "PeerTimeoutError", "dcp", "ulysses",
            "dp_attention", "__version__"]
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import config
-from ._dist import clear_cpu_groups, cpu_group
+from ._dist import check_group, clear_cpu_groups, cpu_group
 from .errors import PeerTimeoutError
 
 __all__ = ["launch", "RankPool", "init_distributed"]
@@ -62,6 +62,7 @@ def init_distributed(rank: int, world_size: int, device: str, init_method: str,
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=_timedelta(timeout_s))
+        check_group(None)  # collective: the argument checks' own gloo group, on every rank now
     else:
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
 

@@ -38,12 +38,12 @@ import torch
 import torch.distributed as dist
 
 from . import capability
-from ._dist import cpu_group
+from ._dist import cpu_group, group_key, wait
 from .errors import PeerTimeoutError
 
 __all__ = ["SymmWorkspace", "PeerErrors", "PendingWait", "Watchdog", "watchdog", "plan_blocks",
            "ll_rows_for", "use_ll", "peer_deltas", "agreed_min", "DELTA_UNIT", "SCRUB_PERIOD",
-           "LL_MAX_BYTES"]
+           "LL_MAX_BYTES", "held_bytes"]
 
 #: Peer offsets are passed to kernels in units of this many elements (keeps stores vectorised).
 DELTA_UNIT = 16
@@ -336,6 +336,17 @@ def _group_or_world(group):
     return group if group is not None else dist.group.WORLD
 
 
+#: Every workspace whose slab is allocated (dropped on release or when garbage collected).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def held_bytes(group=None) -> int:
+    """Bytes of symmetric memory this process holds for ``group`` (None: the default group),
+    over every live workspace (DCP merge and query gather slabs, Ulysses ``ce`` staging)."""
+    key = group_key(_group_or_world(group))
+    return sum(ws.nbytes for ws in list(_LIVE) if group_key(ws.group) == key)
+
+
 class SymmWorkspace:
     """A symmetric slab of one group: allocate (constructor), rendezvous, release.
 
@@ -389,6 +400,7 @@ class SymmWorkspace:
                 pass
         self.slab = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self.slab.zero_()
+        _LIVE.add(self)
         self.state = torch.zeros(4, dtype=torch.int32, device=self.device)
         self.failures = errors if errors is not None else PeerErrors(
             self.world_size, self.device, op=op, rank=self.rank, timeout_s=timeout_s)
@@ -442,9 +454,23 @@ class SymmWorkspace:
             torch.cuda.synchronize(self.device)
         self.check()
 
+    def close(self) -> None:
+        """Collective end of life: finish this rank's device work, wait (bounded by the
+        workspace's timeout) until every rank got here, so no peer still stores into the slab,
+        then ``release()``. Idempotent."""
+        if self.slab is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        g = cpu_group(self.group)
+        if dist.get_world_size(g) > 1:
+            wait(dist.barrier(group=g, async_op=True), g, f"{self.op} (close)", self.timeout_s)
+        self.release()
+
     def release(self) -> None:
         """Drop the slab and its handle (call on every rank, after every rank is done with
-        it: synchronise and barrier first when peers may still write)."""
+        it: synchronise and barrier first when peers may still write; ``close()`` does)."""
+        _LIVE.discard(self)
         self.handle = None
         self.slab = None
         self.peer_ptrs = []

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from .._dist import DTYPE_CODES, agree, all_gather_tensor, reduce_scatter_tensor
+from .._dist import (DTYPE_CODES, all_gather_tensor, check_args, reduce_scatter_tensor,
+                     resolve_group)
 from .._dist import wait as _dist_wait
 
 __all__ = ["DpPaddingMode", "choose_padding_mode", "dp_gather", "dp_scatter",
@@ -109,10 +110,13 @@ def _where(global_num_tokens, group, mode, attn_tp_size):
 
 
 def _signature(x: torch.Tensor, n, mode, attn_tp_size) -> tuple[list[int], list[str]]:
-    dims = list(x.shape[1:])[:4]
-    sig = [int(mode or 0), int(attn_tp_size), len(n or []), DTYPE_CODES.get(x.dtype, 0), x.dim(),
-           *(dims + [0] * (4 - len(dims))), sum(n or []), max(n or [0]),
-           sum((i + 1) * v for i, v in enumerate(n or [])) % (1 << 40)]
+    try:
+        dims = list(x.shape[1:])[:4]
+        sig = [int(mode or 0), int(attn_tp_size), len(n or []), DTYPE_CODES.get(x.dtype, 0),
+               x.dim(), *(dims + [0] * (4 - len(dims))), sum(n or []), max(n or [0]),
+               sum((i + 1) * v for i, v in enumerate(n or [])) % (1 << 40)]
+    except (TypeError, ValueError, AttributeError):  # a bad argument: a local error already
+        sig = [-1] * 12
     labels = ["mode", "attn_tp_size", "len(global_num_tokens)", "dtype", "ndim", "shape[1]",
               "shape[2]", "shape[3]", "shape[4]", "sum(global_num_tokens)",
               "max(global_num_tokens)", "global_num_tokens checksum"]
@@ -120,11 +124,8 @@ def _signature(x: torch.Tensor, n, mode, attn_tp_size) -> tuple[list[int], list[
 
 
 def _check(op, group, x, n, mode, attn_tp_size, err, validate, timeout_s) -> None:
-    if config.validate_enabled(validate):
-        sig, labels = _signature(x, n, mode, attn_tp_size)
-        agree(group, op, sig, labels, local_error=err, timeout_s=timeout_s)
-    elif err:
-        raise ValueError(f"{op}: {err}")
+    sig, labels = _signature(x, n, mode, attn_tp_size)
+    check_args(group, op, sig, labels, err, timeout_s, validate)
 
 
 def dp_gather(local: torch.Tensor, global_num_tokens: Sequence[int], group=None, *, mode,
@@ -146,6 +147,7 @@ def dp_gather(local: torch.Tensor, global_num_tokens: Sequence[int], group=None,
         ValueError (every rank when validation is on) when ``local.shape[0] != n_r``, the group
         size is not ``dp·attn_tp_size``, or the ranks' arguments differ; PeerTimeoutError.
     """
+    group = resolve_group(group, "dp_gather")
     n, mode, dp_rank, tp_rank, err = _where(global_num_tokens, group, mode, attn_tp_size)
     if err is None and (local.dim() < 1 or local.shape[0] != n[dp_rank]):
         err = (f"local has shape {tuple(local.shape)} but global_num_tokens[{dp_rank}] = "
@@ -234,6 +236,7 @@ def dp_reduce_scatter(global_partial: torch.Tensor, global_num_tokens: Sequence[
         ValueError (every rank when validation is on) for a row count that does not match the
         layout or differing arguments; PeerTimeoutError.
     """
+    group = resolve_group(group, "dp_reduce_scatter")
     n, mode, dp_rank, _, err = _where(global_num_tokens, group, mode, attn_tp_size)
     if err is None:
         total, _ = global_layout(n, mode)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .._dist import resolve_group
 from .rows import (ROW as _ROW, SYNC_CHOICES, SyncPlan, close_shm_channels, exchange_rows,
                    plan_for, resolve, resolve_sync, rows_for)
 
@@ -273,7 +274,7 @@ class MLPSyncBatchInfo:
             what was wrong, and this rank's own problem in full.
             PeerTimeoutError when a rank's row does not arrive in time.
         """
-        p = plan_for(group)
+        p = plan_for(resolve_group(group, "MLPSyncBatchInfo.all_gather"))
         path = resolve(p, sync, timeout_s)
         code, why = 0, None
         try:

@@ -5,10 +5,15 @@ Faults, always on the last rank (the "peer"; rank 0 survives):
 - ``kill``: the peer process exits (``os._exit``) at the last collective of the call, so rank 0
   is inside the call when its peer goes (the count comes from a warm-up call);
 - ``skip``: the peer never makes the call (it sleeps past the budget, then leaves);
-- ``shape``: the peer makes the call with another shape (or, for the DP sync, other sizes).
+- ``shape``: the peer makes the call with another shape (or, for the DP sync, other sizes);
+- ``slip``: with the default first-sight validation, both ranks have made the call (its
+  signature is seen), then rank 0 repeats it while the peer brings another shape: rank 0 skips
+  the check and enters the exchange, the peer enters the check. Both must raise
+  (``PeerTimeoutError`` or ``ValueError``) within the budget, never hang or return.
 
-Each cell runs with validation on and off (``validate=`` / ``ATTNCOMM_VALIDATE``), the call's
-budget ``timeout_s`` small and the process group's own timeout at the 60 s default, so a wait
+Each cell of the first three runs with validation on and off (``validate=`` /
+``ATTNCOMM_VALIDATE``); ``slip`` with the default (``validate=None``, the variable unset). The
+call's budget ``timeout_s`` small and the process group's own timeout at the 60 s default, so a wait
 that ignores the call's budget shows. The rule checked (issue 14): every surviving rank raises
 within ``timeout_s + 5`` s — ``PeerTimeoutError`` naming the peer, or ``ValueError`` naming the
 values — and nothing hangs or returns silently wrong. A rank that a C++ check aborts is not a
@@ -50,7 +55,7 @@ from attncomm.launch import init_distributed
 
 __all__ = ["EXCHANGES", "FAULTS", "Cell", "main", "run_cell", "run_matrix"]
 
-FAULTS = ("kill", "skip", "shape")
+FAULTS = ("kill", "skip", "shape", "slip")
 KILL_EXIT_CODE = 17
 # The collectives a call can go through (patched on the peer to count and to kill).
 _COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "all_to_all_single",
@@ -171,7 +176,7 @@ def _outcome(exc: BaseException | None, t0: float) -> dict:
 
 
 def _rank_main(rank, world, path, exchange, fault, validate, timeout_s, results):
-    config.set_var("ATTNCOMM_VALIDATE", 1 if validate else 0)
+    config.set_var("ATTNCOMM_VALIDATE", None if validate is None else 1 if validate else 0)
     config.set_var("ATTNCOMM_TIMEOUT_S", None)  # the group keeps the 60 s default
     try:
         init_distributed(rank, world, "cpu", f"file://{path}")
@@ -190,7 +195,7 @@ def _rank_main(rank, world, path, exchange, fault, validate, timeout_s, results)
             _patch_collectives(max(1, steps))
         t0, exc = time.monotonic(), None
         try:
-            call(rank, world, peer and fault == "shape", validate, timeout_s)
+            call(rank, world, peer and fault in ("shape", "slip"), validate, timeout_s)
         except BaseException as e:  # noqa: BLE001 - reported to the parent
             exc = e
         results.put((rank, _outcome(exc, t0)))
@@ -205,14 +210,14 @@ def _rank_main(rank, world, path, exchange, fault, validate, timeout_s, results)
 class Cell:
     exchange: str
     fault: str
-    validate: bool
+    validate: bool | None  # None: the default (first sight of a signature)
     ranks: dict = field(default_factory=dict)   # rank → outcome dict
     exit_codes: dict = field(default_factory=dict)
     failures: list = field(default_factory=list)
 
     @property
     def label(self) -> str:
-        return f"{self.exchange} × {self.fault} × validate={'on' if self.validate else 'off'}"
+        return f"{self.exchange} × {self.fault} × validate={_mode(self.validate)}"
 
 
 _CTX = None
@@ -226,7 +231,11 @@ def _context():
     return _CTX
 
 
-def run_cell(exchange: str, fault: str, validate: bool, timeout_s: float = 2.0,
+def _mode(validate: bool | None) -> str:
+    return "first" if validate is None else "on" if validate else "off"
+
+
+def run_cell(exchange: str, fault: str, validate: bool | None, timeout_s: float = 2.0,
              world: int = 2) -> Cell:
     """Run one cell on a fresh ``world``-rank gloo world and judge it (``Cell.failures``)."""
     ctx = _context()
@@ -282,6 +291,12 @@ def _judge(cell: Cell, timeout_s: float, world: int) -> None:
             continue
         if o["kind"] == "skipped":
             continue
+        if cell.fault == "slip":
+            if o["kind"] not in ("PeerTimeoutError", "ValueError") or o["elapsed_s"] > bound:
+                f.append(f"rank {r}: a slipped mismatch must raise PeerTimeoutError or "
+                         f"ValueError within {bound:g} s; got {o['kind']} after "
+                         f"{o.get('elapsed_s', 0):.1f} s: {o['message'][:200]}")
+            continue
         if o["kind"] == "returned":
             # Without validation a shape mismatch is the caller's bug: gloo aborts the rank that
             # receives more than it expects, and the one that receives less may return. Loud
@@ -328,7 +343,8 @@ def run_matrix(exchanges=None, *, timeout_s: float = 2.0, jobs: int = 4) -> list
     """Every cell of ``exchanges`` (default: all) × ``FAULTS`` × validation on/off, ``jobs``
     worlds at a time (the cells mostly wait)."""
     names = list(exchanges or EXCHANGES)
-    todo = [(e, f, v) for e in names for f in FAULTS for v in (True, False)]
+    todo = [(e, f, v) for e in names for f in FAULTS
+            for v in ((None,) if f == "slip" else (True, False))]
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(lambda c: run_cell(*c, timeout_s=timeout_s), todo))
 
@@ -359,7 +375,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for c in cells:
         verdict = "pass" if not c.failures else "FAIL: " + "; ".join(c.failures)
-        print(f"| {c.exchange} | {c.fault} | {'on' if c.validate else 'off'} | "
+        print(f"| {c.exchange} | {c.fault} | {_mode(c.validate)} | "
               f"{_describe(c)} | {verdict} |")
     bad = sum(1 for c in cells if c.failures)
     print(f"\n{len(cells)} cells, {bad} failed, {time.monotonic() - t0:.0f} s "

@@ -124,6 +124,12 @@ def reset_transports(group=None) -> None:
         del _TRANSPORTS[key]
 
 
+@_dist.on_release
+def _release_transports(key) -> None:
+    for k in [k for k in _TRANSPORTS if k[0] == key]:
+        _TRANSPORTS.pop(k).close()
+
+
 def _cached(group, name, device, timeout_s, rank, world) -> Transport:
     flags = config.raw("ATTNCOMM_ULYSSES_CE_FLAGS") if name == "ce" else ""
     key = (group_key(group), name, device.type, timeout_s, flags)
@@ -162,20 +168,23 @@ _PRINT_SEQ_LENS = 16
 
 def check_call(group, op, validate, signature, labels, error, timeout_s,
                seq_lens=None) -> None:
-    """Local error → ValueError; with validation on, agree across ranks first (every rank then
-    raises the same ValueError). When the ranks disagree on ``seq_lens`` (a hash in the
-    signature) and the lists are short, one more gather puts every rank's list in the
-    message (on the error path only)."""
-    if config.validate_enabled(validate, default=True) and dist.get_world_size(group) > 1:
-        try:
-            _dist.agree(group, op, signature, labels, local_error=error, timeout_s=timeout_s)
-        except ValueError as exc:
-            msg = str(exc)
-            if seq_lens is None or "disagree" not in msg or "seq_lens (hash) =" not in msg:
-                raise
-            raise ValueError(_with_seq_lens(group, msg, list(seq_lens), timeout_s)) from None
-    elif error:
-        raise ValueError(f"{op}: invalid arguments — rank {dist.get_rank(group)}: {error}")
+    """The argument check (``_dist.check_args``: by default on the first call with a new
+    signature per group). A local error with checks off, or on one rank, raises there; with
+    checks on every rank raises the same ValueError. When the ranks disagree on ``seq_lens``
+    (a hash in the signature) and the lists are short, one more gather puts every rank's list
+    in the message (on the error path only)."""
+    if dist.get_world_size(group) == 1 or config.validation_mode(validate) == "never":
+        if error:
+            raise ValueError(f"{op}: invalid arguments — rank {dist.get_rank(group)}: {error}")
+        return
+    try:
+        _dist.check_args(group, op, signature, labels, local_error=error, timeout_s=timeout_s,
+                         validate=validate)
+    except ValueError as exc:
+        msg = str(exc)
+        if seq_lens is None or "disagree" not in msg or "seq_lens (hash) =" not in msg:
+            raise
+        raise ValueError(_with_seq_lens(group, msg, list(seq_lens), timeout_s)) from None
 
 
 def _with_seq_lens(group, msg: str, seq_lens: list, timeout_s) -> str:
@@ -269,6 +278,7 @@ def seq_to_head(x: torch.Tensor, group=None, *, seq_lens=None, backend: str = "a
         disagreeing with ``x``, ranks disagreeing on shapes/dtype/backend.
         PeerTimeoutError: a peer did not take part within ``timeout_s``.
     """
+    group = _dist.resolve_group(group, "ulysses.seq_to_head")
     c = _prologue(x, group, seq_lens, backend, timeout_s, "B, S_r, H, D")
     rank, world, error, seq, shape = c.rank, c.world, c.error, c.seq, c.shape
     if error is None and shape[2] < 1:
@@ -320,6 +330,7 @@ def head_to_seq(x: torch.Tensor, group=None, *, num_heads: int | None = None, se
         ValueError (on every rank) for inconsistent heads, sequence lengths or shapes;
         PeerTimeoutError when a peer does not take part within ``timeout_s``.
     """
+    group = _dist.resolve_group(group, "ulysses.head_to_seq")
     c = _prologue(x, group, seq_lens, backend, timeout_s, "B, S, H_r, D")
     rank, world, error, seq = c.rank, c.world, c.error, c.seq
     b, s_total, h_r, d = c.shape

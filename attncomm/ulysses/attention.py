@@ -86,14 +86,15 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.transpose(1, 2)
 
 
-class UlyssesAttention(torch.nn.Module):
+class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
     """Attention over the whole sequence on sequence-sharded inputs (DeepSpeed-Ulysses).
 
     Arguments:
         attn_fn: ``attn_fn(q [B, S, h, D], k [B, S, g, D], v [B, S, g, Dv], causal) →
             [B, S, h, Dv]`` with ``h % g == 0`` and query head i using KV head ``i // (h/g)``
             (default: ``sdpa_attention``).
-        group: process group (None: default).
+        group: process group (None: default) or an engine's group coordinator (``device_group``
+            + ``cpu_group``).
         backend: ``"all_to_all"``, ``"ce"`` or ``"auto"`` (env ``ATTNCOMM_ULYSSES_BACKEND``).
         pipeline_groups: −1 automatic (env ``ATTNCOMM_ULYSSES_PIPELINE_GROUPS``): sequential
             while ``AUTO_PIPELINE`` is off (no two-GPU measurement has shown head groups to
@@ -109,7 +110,8 @@ class UlyssesAttention(torch.nn.Module):
         fill_impl: the fill's implementation: ``"auto"`` (the Triton kernel for CUDA tensors
             with a power-of-two head_dim, else torch ops), ``"triton"`` or ``"torch"``; the
             same bits either way.
-        validate: cross-rank argument check (None: env, default on outside graph capture).
+        validate: cross-rank argument check (None → env ``ATTNCOMM_VALIDATE``: unset, on the
+            first forward with a new signature per group; True every forward; False never).
 
     ``forward(q [B, S_r, Hq, D], k [B, S_r, Hkv, D], v [B, S_r, Hkv, Dv], *, seq_lens=None,
     causal=False, rope=None) → [B, S_r, Hq, Dv]``; ``rope=(cos, sin)`` each ``[S, D]`` over
@@ -163,6 +165,7 @@ class UlyssesAttention(torch.nn.Module):
         self.last_in_exchanges = 0
         #: Why the last ``auto`` forward did not take ``ce`` (see the class docstring).
         self.fallback_reason: str | None = None
+        self._group_resolved = False
 
     # ----------------------------------------------------------------------------- checks
     def _check(self, q, k, v, seq, rope, error):
@@ -256,6 +259,10 @@ class UlyssesAttention(torch.nn.Module):
     # ----------------------------------------------------------------------------- forward
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_lens=None,
                 causal: bool = False, rope=None) -> torch.Tensor:
+        self._ensure_open()
+        if not self._group_resolved:  # a coordinator's device_group; the check once
+            self.group = _dist.resolve_group(self.group, "UlyssesAttention")
+            self._group_resolved = True
         group = self.group
         timeout = config.timeout_s(self.timeout_s)
         error = None
@@ -280,10 +287,7 @@ class UlyssesAttention(torch.nn.Module):
         labels = ["B", "Hq", "Hkv", "D", "Dv", "q dtype", "k dtype", "v dtype", "CUDA",
                   "backend", "causal", "rope given", "qk_norm given", "S_r (seq_lens=None)",
                   "sum(seq_lens)", "seq_lens (hash)", "pipeline_groups"]
-        capturing = (isinstance(q, torch.Tensor) and q.is_cuda
-                     and torch.cuda.is_current_stream_capturing())
-        validate = config.validate_enabled(self.validate, default=not capturing)
-        check_call(group, "UlyssesAttention", validate, sig, labels, error, timeout,
+        check_call(group, "UlyssesAttention", self.validate, sig, labels, error, timeout,
                    seq_lens=seq)
         self.fallback_reason = None
         return self._run(q, k, v, seq, causal, rope, backend, timeout, groups,

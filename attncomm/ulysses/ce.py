@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from .. import capability, config
-from .._dist import agree_reason, cpu_group, group_key
+from .._dist import agree_reason, cpu_group, group_key, on_release, wait
 from ..errors import PeerTimeoutError
 from ..symm import PeerErrors, PendingWait, SymmWorkspace, watchdog
 from .ce_flags import Flags, ok, runtime, triton_reason
@@ -95,6 +95,12 @@ def host_unavailable_reason() -> str | None:
 #: ``(group_key(group), device type) → reason or None``; keyed by the group object itself, not
 #: ``id(group)``: a stale entry on one rank would skip the agreement collective there.
 _AGREED: dict = {}
+
+
+@on_release
+def _forget_agreement(key) -> None:
+    for k in [k for k in _AGREED if k[0] == key]:
+        del _AGREED[k]
 
 
 def agreed_unavailable_reason(group, device: torch.device) -> str | None:
@@ -272,6 +278,19 @@ class CopyEngineTransport(Transport):
     @property
     def broken(self) -> PeerTimeoutError | None:
         return self.failures.broken
+
+    def close(self) -> None:
+        """Collective: free every staging buffer once every rank got here (no peer still
+        copies into one). The transport can allocate again afterwards."""
+        if not self.cache:
+            return
+        torch.cuda.synchronize(self.device)
+        g = cpu_group(self.group)
+        if self.world_size > 1:
+            wait(dist.barrier(group=g, async_op=True), g, "ulysses ce (close)", self.timeout_s)
+        for st in self.cache.values():
+            st.release()
+        self.cache.clear()
 
     # -------------------------------------------------------------------------- cache
     def _key(self, plan: ExchangePlan, dtype) -> tuple:

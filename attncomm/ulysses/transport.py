@@ -172,6 +172,11 @@ class Transport(ABC):
         the GPU."""
         return None
 
+    def close(self) -> None:
+        """Free the transport's buffers (collective when peers write into them: a barrier
+        first). Default: nothing to free."""
+        return None
+
     def _check_send(self, plan: ExchangePlan, dtype: torch.dtype, send: SendBuffer) -> None:
         if send.plan is not plan and send.plan != plan:
             raise ValueError(f"ulysses {self.name}: send buffer is for another plan")

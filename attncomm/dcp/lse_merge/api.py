@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from ... import config, select
-from ..._dist import DTYPE_CODES, agree, group_device, group_lru_get
+from ..._dist import (DTYPE_CODES, Lifecycle, agree, check_args, group_device, group_lru_get,
+                      on_release, resolve_group)
 from ...errors import PeerTimeoutError
 from . import collective, symm_a2a  # noqa: F401 - each registers its backend class
 from .backend import BACKENDS, backend_class
@@ -140,14 +141,17 @@ def merge(out: torch.Tensor, lse: torch.Tensor, group=None, *, backend: str = "a
         out: ``[T, H, D]`` fp16/bf16/fp32, this rank's partial attention over its KV shard.
         lse: ``[T, H]`` fp32 (fp16/bf16 accepted), its log-sum-exp in base ``lse_base``; −inf,
             +inf or NaN for an empty shard (its ``out`` rows are then never read).
-        group: process group of W ranks (None: the default group).
+        group: process group of W ranks (None: the default group), or an engine's group
+            coordinator (``device_group`` + ``cpu_group``).
         backend: "reference", "ag_rs", "a2a", "symm_a2a" or "auto" (env
             ``ATTNCOMM_DCP_BACKEND`` names a preferred backend for "auto", taken when it can run
             here).
         lse_base: "e" or "2".
         return_lse: also return the merged LSE.
-        validate: check on every rank that all ranks passed the same shapes/arguments (None →
-            env ``ATTNCOMM_VALIDATE``, default on). One small all_gather.
+        validate: check that all ranks passed the same shapes/arguments (one small all_gather
+            on a gloo group): None → env ``ATTNCOMM_VALIDATE`` (unset: on the first call with
+            a new signature per group; "1": every call; "0": never), True every call, False
+            never (``attncomm._dist.check_args``).
         timeout_s: wait budget (None → ``ATTNCOMM_TIMEOUT_S``, 60 s).
 
     Returns:
@@ -159,14 +163,12 @@ def merge(out: torch.Tensor, lse: torch.Tensor, group=None, *, backend: str = "a
             backend that cannot run here), on every rank alike when validation is on.
         PeerTimeoutError: a peer did not answer within ``timeout_s``.
     """
+    group = resolve_group(group, "dcp.merge", one_process="attncomm.dcp.merge_states")
     W = dist.get_world_size(group)
     budget = config.timeout_s(timeout_s)
     local_error = _check_local(out, lse, W, lse_base, backend)
-    if config.validate_enabled(validate):
-        sig, labels = _signature(out, lse, backend, lse_base, return_lse)
-        agree(group, "dcp.merge", sig, labels, local_error, budget)
-    elif local_error:
-        raise ValueError(f"dcp.merge: {local_error}")
+    sig, labels = _signature(out, lse, backend, lse_base, return_lse)
+    check_args(group, "dcp.merge", sig, labels, local_error, budget, validate)
     T, H, D = out.shape
     if T == 0:
         return _empty(out, H // W, return_lse)
@@ -178,8 +180,10 @@ def merge(out: torch.Tensor, lse: torch.Tensor, group=None, *, backend: str = "a
 
 
 def _signature(out, lse, backend, lse_base, return_lse):
-    shape = list(out.shape) if out.dim() == 3 else [-1, -1, -1]
-    sig = shape + [DTYPE_CODES.get(out.dtype, 0), DTYPE_CODES.get(lse.dtype, 0),
+    ok = isinstance(out, torch.Tensor) and out.dim() == 3
+    shape = list(out.shape) if ok else [-1, -1, -1]
+    sig = shape + [DTYPE_CODES.get(getattr(out, "dtype", None), 0),
+                   DTYPE_CODES.get(getattr(lse, "dtype", None), 0),
                    BACKENDS.index(backend) if backend in BACKENDS else -1,
                    1 if lse_base == "2" else 0, int(bool(return_lse))]
     labels = ["T (tokens)", "H (heads)", "D (head_dim)", "out dtype", "lse dtype", "backend",
@@ -194,6 +198,12 @@ def _empty(out, hs, return_lse):
 
 
 _MERGERS: dict = {}  # per group: an LRU of mergers (_dist.group_lru_get)
+
+
+@on_release
+def _release_mergers(key) -> None:
+    for merger in _MERGERS.pop(key, {}).values():
+        merger.close()
 
 
 def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget) -> DcpMerger:
@@ -222,11 +232,13 @@ def _as_merge_error(exc):
     return ValueError(msg)
 
 
-class DcpMerger:
+class DcpMerger(Lifecycle):
     """A preallocated, CUDA-graph-capturable DCP merge for up to ``max_tokens`` tokens.
 
     Arguments:
-        group: process group of W ranks (None: default group). Construction is collective.
+        group: process group of W ranks (None: default group) or an engine's group coordinator
+            (``device_group`` + ``cpu_group``). Construction is collective; so is ``close()``
+            (or the end of a ``with`` block), which frees the buffers after a barrier.
         max_tokens: largest T a call may pass (≥ 1).
         num_heads: H, divisible by W. head_dim: D. dtype: fp16/bf16/fp32 of ``out``.
         backend: "reference", "ag_rs", "a2a", "symm_a2a" or "auto" (decided here, eagerly, before
@@ -249,7 +261,7 @@ class DcpMerger:
     def __init__(self, group=None, *, max_tokens: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, backend: str = "auto", lse_base: str = "e",
                  timeout_s: float | None = None):
-        self.group = group
+        self.group = group = resolve_group(group, "DcpMerger")
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.timeout_s = config.timeout_s(timeout_s)
@@ -317,11 +329,15 @@ class DcpMerger:
         """The backend a call with ``num_tokens`` tokens uses."""
         return self._impl.backend_for(num_tokens)
 
+    def _release(self) -> None:
+        self._impl.close()
+
     def check(self) -> None:
         """Raise ``PeerTimeoutError`` for any timeout the device recorded since the last check."""
         self._impl.check()
 
     def __call__(self, out: torch.Tensor, lse: torch.Tensor, return_lse: bool = False):
+        self._ensure_open()
         err = _check_local(out, lse, self.world_size, self.lse_base, "auto")
         if err is None:
             T, H, D = out.shape

@@ -63,6 +63,10 @@ class DcpBackend(ABC):
     def check(self) -> None:
         """Raise any timeout recorded on the device since the last check (default: none)."""
 
+    def close(self) -> None:
+        """Free what the backend holds (collective when it holds symmetric memory: a barrier
+        first, so no peer still writes into it). Default: nothing to free."""
+
 
 def register(cls: type[DcpBackend]) -> type[DcpBackend]:
     """Class decorator: register a backend under its ``name`` (one of ``BACKENDS``)."""

@@ -324,3 +324,7 @@ class SymmA2ABackend(DcpBackend):
         """Raise ``PeerTimeoutError`` for a wait that timed out since the last check (reads
         the error word; no CUDA call)."""
         self.ws.check()
+
+    def close(self) -> None:
+        """Collective: free the slab once every rank got here (``SymmWorkspace.close``)."""
+        self.ws.close()

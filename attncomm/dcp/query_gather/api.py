@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from ... import config, select
-from ..._dist import DTYPE_CODES, agree, group_device, group_lru_get
+from ..._dist import (DTYPE_CODES, Lifecycle, agree, check_args, group_device, group_lru_get,
+                      on_release, resolve_group)
 from . import all_gather, symm  # noqa: F401 - each registers its backend class
 from .backend import GATHER_BACKENDS, backend_class
 from .query_math import FP8_DTYPE, FP8_MAX, _scale_error, _scale_f32, quantize_e4m3, rotate_tail
@@ -98,14 +99,17 @@ def gather_heads(q: torch.Tensor, group=None, *, backend: str = "auto", rope=Non
 
     Arguments:
         q: ``[T, H/W, D]`` fp16/bf16/fp32, this rank's heads ``[r·H/W, (r+1)·H/W)``.
-        group: process group of W ranks (None: the default group).
+        group: process group of W ranks (None: the default group), or an engine's group
+            coordinator (``device_group`` + ``cpu_group``).
         backend: "all_gather", "symm" or "auto" (env ``ATTNCOMM_DCP_GATHER_BACKEND`` names a
             preferred backend for "auto", taken when it can run here).
         rope: ``(cos, sin)``, each ``[T, R]``, R even, R ≤ D: rotate the last R dims of every
             head first (``rotate_tail``: rotate-half, fp32, one rounding), as MLA rotates only
             ``q_pe``. None: no rotation.
-        validate: check that every rank passed the same T, H/W, D, dtype and rope dim (None →
-            env ``ATTNCOMM_VALIDATE``, default on). One small all_gather.
+        validate: check that every rank passed the same T, H/W, D, dtype and rope dim (one
+            small all_gather on a gloo group): None → env ``ATTNCOMM_VALIDATE`` (unset: on the
+            first call with a new signature per group; "1": every call; "0": never), True every
+            call, False never.
         timeout_s: wait budget (None → ``ATTNCOMM_TIMEOUT_S``, 60 s).
 
     Returns:
@@ -118,14 +122,12 @@ def gather_heads(q: torch.Tensor, group=None, *, backend: str = "auto", rope=Non
             validation is on); a named backend that cannot run here.
         PeerTimeoutError: a peer did not answer within ``timeout_s``.
     """
+    group = resolve_group(group, "dcp.gather_heads")
     W = dist.get_world_size(group)
     budget = config.timeout_s(timeout_s)
     local_error = _check_q(q, W, rope, backend)
-    if config.validate_enabled(validate):
-        sig, labels = _signature(q, rope, backend)
-        agree(group, "dcp.gather_heads", sig, labels, local_error, budget)
-    elif local_error:
-        raise ValueError(f"dcp.gather_heads: {local_error}")
+    sig, labels = _signature(q, rope, backend)
+    check_args(group, "dcp.gather_heads", sig, labels, local_error, budget, validate)
     T, h, D = q.shape
     if T == 0:
         return torch.empty((0, h * W, D), dtype=q.dtype, device=q.device)
@@ -137,6 +139,12 @@ def gather_heads(q: torch.Tensor, group=None, *, backend: str = "auto", rope=Non
 _GATHERERS: dict = {}  # per group: an LRU of gatherers (_dist.group_lru_get)
 
 
+@on_release
+def _release_gatherers(key) -> None:
+    for gatherer in _GATHERERS.pop(key, {}).values():
+        gatherer.close()
+
+
 def _cached_gatherer(group, T, H, D, dtype, backend, R, budget) -> DcpQueryGather:
     # One gatherer per geometry and power-of-two token bucket.
     bucket = max(16, 1 << (T - 1).bit_length())
@@ -146,7 +154,7 @@ def _cached_gatherer(group, T, H, D, dtype, backend, R, budget) -> DcpQueryGathe
                                backend=backend, rope_dim=R, timeout_s=budget), _CACHE_SIZE)
 
 
-class DcpQueryGather:
+class DcpQueryGather(Lifecycle):
     """A preallocated, CUDA-graph-capturable query-head all-gather for up to ``max_tokens``.
 
     Arguments:
@@ -192,6 +200,9 @@ class DcpQueryGather:
             every call reads (pass it to the attention kernel; rewriting it in place between
             calls, with the same values on every rank, changes the scale of later calls).
 
+    ``close()`` (or the end of a ``with`` block) frees the buffers, collectively (a barrier
+    first: peers store into them).
+
     Raises:
         ValueError (every rank): bad arguments, or a named backend that cannot run here.
     """
@@ -200,7 +211,7 @@ class DcpQueryGather:
                  dtype: torch.dtype, backend: str = "auto", rope_dim: int = 0,
                  out_dtype: torch.dtype | None = None, timeout_s: float | None = None,
                  ordered_by_caller: bool = False, q_scale=None):
-        self.group = group
+        self.group = group = resolve_group(group, "DcpQueryGather")
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.timeout_s = config.timeout_s(timeout_s)
@@ -282,7 +293,11 @@ class DcpQueryGather:
         """Raise ``PeerTimeoutError`` for any timeout the device recorded since the last check."""
         self._impl.check()
 
+    def _release(self) -> None:
+        self._impl.close()
+
     def __call__(self, q: torch.Tensor, rope=None) -> torch.Tensor:
+        self._ensure_open()
         err = _check_q(q, self.world_size, rope, "auto")
         if err is None:
             T, h, D = q.shape

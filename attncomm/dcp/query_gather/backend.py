@@ -70,6 +70,10 @@ class QueryGatherBackend(ABC):
     def check(self) -> None:
         """Raise any timeout recorded on the device since the last check (default: none)."""
 
+    def close(self) -> None:
+        """Free what the backend holds (collective when it holds symmetric memory: a barrier
+        first, so no peer still writes into it). Default: nothing to free."""
+
 
 def register(cls: type[QueryGatherBackend]) -> type[QueryGatherBackend]:
     """Class decorator: register a backend under its ``name`` (one of ``GATHER_BACKENDS``)."""

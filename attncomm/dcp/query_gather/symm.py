@@ -262,3 +262,7 @@ class SymmGatherBackend(QueryGatherBackend):
 
     def check(self) -> None:
         self.ws.check()
+
+    def close(self) -> None:
+        """Collective: free the slab once every rank got here (``SymmWorkspace.close``)."""
+        self.ws.close()
