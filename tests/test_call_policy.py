@@ -200,7 +200,7 @@ def _lifecycle(rank, world):
     except RuntimeError as exc:
         res["UlyssesAttention"] = str(exc)
     # attncomm.release: the functional calls' cached objects go (closed), the next call builds
-    from attncomm.dcp.lse_merge import api as merge_api
+    from attncomm.dcp.lse_merge import functional as merge_api
     out, lse = torch.randn(3, 2 * world, 8), torch.randn(3, 2 * world)
     before = dcp.merge(out, lse, backend="a2a")
     cached = list(merge_api._MERGERS["world"].values())

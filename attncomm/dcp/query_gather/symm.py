@@ -246,7 +246,7 @@ class SymmGatherBackend(QueryGatherBackend):
             self(q, cs, cs)
         self.ws.sync_check()
 
-    def __call__(self, q, cos, sin):
+    def __call__(self, q, cos, sin, into=None):
         self.ws.ensure_usable()
         T = q.shape[0]
         if T > self.max_tokens:
@@ -258,7 +258,7 @@ class SymmGatherBackend(QueryGatherBackend):
                       ordered=self.ordered, q_scale=self.q_scale if self.fp8 else None)
         if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.ws.check()
-        return self.out[:T]
+        return self.out[:T] if into is None else into.copy_(self.out[:T])
 
     def check(self) -> None:
         self.ws.check()

@@ -1,0 +1,288 @@
+"""``dcp.merge``: the functional DCP merge, and its hot path.
+
+The first call with a new signature (per group) does everything: resolves the group, checks the
+arguments locally and across ranks (``_dist.check_args``), finds or builds the preallocated
+``DcpMerger`` of its token bucket, and keeps a **plan** under a key of the call's arguments
+(shapes, dtypes, devices, options, and the text of the ``ATTNCOMM_VALIDATE`` /
+``ATTNCOMM_TIMEOUT_S`` variables it read). A later call with the same key only runs the plan:
+the checks it would repeat passed for exactly these arguments, so a steady-state call makes the
+exchange's own collectives and nothing else (``validate=True`` / ``ATTNCOMM_VALIDATE=1`` keep no
+plan: every call checks). The result is written where the caller says (``output=``) or into a
+new tensor, never cloned from an internal buffer.
+
+Under ``torch.compile`` the call is one custom op (``attncomm::dcp_merge``, ``dcp/ops.py``) that
+runs this same eager code; the decisions it needs (the group's merger for the shape) come from
+an eager call made before tracing (``_traced_decision``), never from the trace.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.distributed as dist
+
+from ... import config
+from ..._dist import (DTYPE_CODES, check_args, group_key, group_lru_get, group_name, on_release,
+                      resolve_group)
+from ...errors import PeerTimeoutError
+from .. import tracing
+from .api import DcpMerger, check_local, empty_result
+from .backend import BACKENDS
+
+__all__ = ["merge"]
+
+_CACHE_SIZE = 8
+#: Plans kept per group (least recently used dropped first; they own no buffers).
+_PLANS_SIZE = 1024
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, group=None, *, backend: str = "auto",
+          lse_base: str = "e", return_lse: bool = False, validate: bool | None = None,
+          timeout_s: float | None = None, output=None):
+    """Merge this rank's partial attention with every other rank's; keep this rank's head slice.
+
+    Arguments:
+        out: ``[T, H, D]`` fp16/bf16/fp32, this rank's partial attention over its KV shard.
+        lse: ``[T, H]`` fp32 (fp16/bf16 accepted), its log-sum-exp in base ``lse_base``; −inf,
+            +inf or NaN for an empty shard (its ``out`` rows are then never read).
+        group: process group of W ranks (None: the default group), or an engine's group
+            coordinator (``device_group`` + ``cpu_group``).
+        backend: "reference", "ag_rs", "a2a", "symm_a2a" or "auto" (env
+            ``ATTNCOMM_DCP_BACKEND`` names a preferred backend for "auto", taken when it can run
+            here; read when the call's merger is built).
+        lse_base: "e" or "2".
+        return_lse: also return the merged LSE.
+        validate: check that all ranks passed the same shapes/arguments (one small all_gather
+            on a gloo group): None → env ``ATTNCOMM_VALIDATE`` (unset: on the first call with
+            a new signature per group; "1": every call; "0": never), True every call, False
+            never (``attncomm._dist.check_args``).
+        timeout_s: wait budget (None → ``ATTNCOMM_TIMEOUT_S``, 60 s).
+        output: the caller-owned destination: a ``[T, H/W, D]`` tensor of ``out``'s dtype and
+            device (written and returned; contiguous ones are written in place by the
+            exchange, others through one copy), or, with ``return_lse``, a pair of it and a
+            ``[T, H/W]`` fp32 tensor for the LSE (or ``(tensor, None)``). None: new tensors.
+
+    Returns:
+        ``[T, H/W, D]`` in ``out.dtype``: heads ``[r·H/W, (r+1)·H/W)`` merged over all ranks (and
+        ``[T, H/W]`` fp32 LSE in ``lse_base``); ``output`` when given. Never a view of an
+        internal buffer. Inputs are never modified. ``T == 0`` works.
+
+    Raises:
+        ValueError: bad arguments (``H % W != 0``, shapes, dtypes, unknown backend, a named
+            backend that cannot run here, a wrong ``output``), on every rank alike when
+            validation is on. Under torch.compile: a shape no eager call made on this group.
+        PeerTimeoutError: a peer did not answer within ``timeout_s``.
+    """
+    if torch.compiler.is_compiling():
+        return _traced_merge(out, lse, group, backend, lse_base, return_lse, validate,
+                             timeout_s, output)
+    env_t = config.raw("ATTNCOMM_TIMEOUT_S") if timeout_s is None else ""
+    env_v = config.raw("ATTNCOMM_VALIDATE") if validate is None else ""
+    try:
+        key = (out.shape, out.dtype, lse.shape, lse.dtype, out.device, lse.device, backend,
+               lse_base, bool(return_lse), validate, timeout_s, env_t, env_v)
+    except AttributeError:  # not tensors: the checks say so
+        key = None
+    entry = _PLANS.get(group)
+    plan = entry[1].get(key) if entry is not None and key is not None else None
+    if plan is None:
+        plan = _new_plan(out, lse, group, backend, lse_base, return_lse, validate, timeout_s,
+                         key)
+    return plan(out, lse, return_lse, output)
+
+
+# ---------------------------------------------------------------------------------- plans
+#: The group argument as callers pass it → (its ``group_key``, {call key → _Plan}).
+_PLANS: dict = {}
+
+
+class _Plan:
+    """What a checked call signature needs on later calls: its merger (a token bucket's
+    ``DcpMerger``, re-found if the LRU evicted it) and the result's geometry."""
+
+    __slots__ = ("T", "hs", "D", "dtype", "device", "merger", "mkey", "lru", "make")
+
+    def __init__(self, out, hs, lru=None, mkey=None, make=None):
+        self.hs = hs
+        self.T, _, self.D = out.shape
+        self.dtype, self.device = out.dtype, out.device
+        self.lru, self.mkey, self.make = lru, mkey, make
+        self.merger = None if lru is None else lru[mkey]
+
+    def __call__(self, out, lse, return_lse, output):
+        o, l = _destinations(output, return_lse, self.T, self.hs, self.D, self.dtype,
+                             self.device)
+        if self.T == 0:
+            o = empty_result(out, self.hs, False) if o is None else o
+            l = torch.empty((0, self.hs), dtype=torch.float32, device=out.device) \
+                if l is None and return_lse else l
+            return (o, l) if return_lse else o
+        merger = self._merger()
+        dest = o if o is not None and o.is_contiguous() else torch.empty(
+            (self.T, self.hs, self.D), dtype=self.dtype, device=self.device)
+        res, res_lse = merger.into(out, lse, dest, l)
+        if o is not None and dest is not o:
+            res = o.copy_(res)
+        return (res, res_lse) if return_lse else res
+
+    def _merger(self) -> DcpMerger:
+        merger = self.merger
+        try:
+            self.lru.move_to_end(self.mkey)  # keeps the LRU's order that of the calls
+        except KeyError:  # evicted (closed) by a newer bucket: every rank builds it again
+            merger = None
+        if merger is None or merger._closed:
+            merger = self.merger = self.make()
+        return merger
+
+
+def _destinations(output, return_lse, T, hs, D, dtype, device):
+    """``(out destination or None, LSE destination or None)`` from ``output``, checked; an LSE
+    destination is made when the call returns the LSE and the caller gave none."""
+    o = l = None
+    if output is not None:
+        pair = isinstance(output, (tuple, list))
+        if pair and len(output) != 2:
+            raise ValueError(f"dcp.merge: output must be a tensor or an (out, lse) pair, got "
+                             f"{len(output)} items")
+        o, l = (output[0], output[1]) if pair else (output, None)
+        _check_dest(o, (T, hs, D), dtype, device, "output")
+        if l is not None:
+            _check_dest(l, (T, hs), torch.float32, device, "output LSE", contiguous=True)
+    if l is None and return_lse:
+        l = torch.empty((T, hs), dtype=torch.float32, device=device)
+    return o, l
+
+
+def _check_dest(t, shape, dtype, device, what, contiguous=False) -> None:
+    if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype \
+            or t.device != device or (contiguous and not t.is_contiguous()):
+        got = (f"{tuple(t.shape)} {t.dtype} on {t.device}"
+               + ("" if t.is_contiguous() else ", not contiguous")
+               if isinstance(t, torch.Tensor) else type(t).__name__)
+        raise ValueError(f"dcp.merge: {what} must be a{' contiguous' if contiguous else ''} "
+                         f"{list(shape)} {dtype} tensor on {device}, got {got}")
+
+
+def _new_plan(out, lse, group, backend, lse_base, return_lse, validate, timeout_s, key):
+    """The first call of a signature: checks (local, then across ranks by the validation
+    mode), the merger, and the plan, kept unless every call is checked."""
+    g = resolve_group(group, "dcp.merge", one_process="attncomm.dcp.merge_states")
+    W = dist.get_world_size(g)
+    budget = config.timeout_s(timeout_s)
+    local_error = check_local(out, lse, W, lse_base, backend)
+    sig, labels = _signature(out, lse, backend, lse_base, return_lse)
+    check_args(g, "dcp.merge", sig, labels, local_error, budget, validate)
+    T, H, D = out.shape
+    if T == 0:
+        plan = _Plan(out, H // W)
+    else:
+        lru, mkey, make = _cached_merger(g, T, H, D, out.dtype, backend, lse_base, budget)
+        plan = _Plan(out, H // W, lru, mkey, make)
+    if key is not None and config.validation_mode(validate) != "every":
+        entry = _PLANS.get(group)
+        if entry is None:
+            entry = _PLANS[group] = (group_key(g), collections.OrderedDict())
+        entry[1][key] = plan
+        while len(entry[1]) > _PLANS_SIZE:
+            entry[1].popitem(last=False)
+    return plan
+
+
+def _signature(out, lse, backend, lse_base, return_lse):
+    ok = isinstance(out, torch.Tensor) and out.dim() == 3
+    shape = list(out.shape) if ok else [-1, -1, -1]
+    sig = shape + [DTYPE_CODES.get(getattr(out, "dtype", None), 0),
+                   DTYPE_CODES.get(getattr(lse, "dtype", None), 0),
+                   BACKENDS.index(backend) if backend in BACKENDS else -1,
+                   1 if lse_base == "2" else 0, int(bool(return_lse))]
+    labels = ["T (tokens)", "H (heads)", "D (head_dim)", "out dtype", "lse dtype", "backend",
+              "lse_base", "return_lse"]
+    return sig, labels
+
+
+# ------------------------------------------------------------------------------ mergers
+_MERGERS: dict = {}  # per group: an LRU of mergers (_dist.group_lru_get)
+
+
+@on_release
+def _release_mergers(key) -> None:
+    for merger in _MERGERS.pop(key, {}).values():
+        merger.close()
+    for group in [g for g, (k, _) in _PLANS.items() if k == key]:
+        del _PLANS[group]
+
+
+def _bucket(T: int) -> int:
+    # One merger per shape, backend and power-of-two token bucket.
+    return max(16, 1 << (T - 1).bit_length())
+
+
+def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget):
+    """``(the group's LRU, the key, a function that finds or builds the merger)``, after
+    finding or building it once."""
+    mkey = (_bucket(T), H, D, dtype, backend, lse_base, budget)
+
+    def build() -> DcpMerger:
+        try:
+            return DcpMerger(group, max_tokens=mkey[0], num_heads=H, head_dim=D, dtype=dtype,
+                             backend=backend, lse_base=lse_base, timeout_s=budget)
+        except (PeerTimeoutError, ValueError) as exc:
+            raise _as_merge_error(exc) from exc
+
+    def make() -> DcpMerger:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise tracing.warm_up_error("dcp.merge", f"the token bucket of T={T} (H={H}, "
+                                                     f"D={D}, {dtype}, backend={backend!r})")
+        return group_lru_get(_MERGERS, group, mkey, build, _CACHE_SIZE)
+
+    make()
+    return _MERGERS[group_key(group)], mkey, make
+
+
+def _as_merge_error(exc):
+    # The caller called dcp.merge: its errors name dcp.merge, not the merger it builds inside.
+    msg = str(exc)
+    msg = ("dcp.merge" + msg[len("DcpMerger"):] if msg.startswith("DcpMerger")
+           else f"dcp.merge: {msg}")
+    if isinstance(exc, PeerTimeoutError):
+        return PeerTimeoutError(msg, peer_ranks=exc.peer_ranks, timeout_s=exc.timeout_s,
+                                op="dcp.merge")
+    return ValueError(msg)
+
+
+# ------------------------------------------------------------------------------ traced path
+@torch.compiler.assume_constant_result
+def _traced_decision(group, T: int, H: int, D: int, dtype, backend: str, lse_base: str,
+                     timeout_s) -> tuple:
+    """``(group name, W)`` for a traced ``dcp.merge``: run by torch.compile while it traces and
+    taken as a constant of the graph, after checking that an eager call built this shape's
+    merger on the group (``T < 0``: a symbolic token count, any bucket of the shape will do;
+    the compiled call finds its bucket's merger when it runs, as an eager call would). Raises
+    the warm-up error otherwise: nothing is decided, and nothing falls back, while tracing."""
+    g = resolve_group(group, "dcp.merge", one_process="attncomm.dcp.merge_states")
+    want = (H, D, dtype, backend, lse_base, config.timeout_s(timeout_s))
+    lru = _MERGERS.get(group_key(g), {})
+    if T != 0 and not any(k[1:] == want and (T < 0 or k[0] == _bucket(T)) for k in lru):
+        shape = f"out [{'T' if T < 0 else T}, {H}, {D}] {dtype} with backend={backend!r}"
+        raise tracing.warm_up_error("dcp.merge", shape)
+    return group_name(g), dist.get_world_size(g)
+
+
+def _traced_merge(out, lse, group, backend, lse_base, return_lse, validate, timeout_s, output):
+    """The traced call: the destinations allocated in the graph, one ``attncomm::dcp_merge``
+    that runs the eager call into them."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        group = group.device_group  # an engine's group coordinator
+    T, H, D = out.shape
+    name, W = _traced_decision(group, T if isinstance(T, int) else -1, H, D, out.dtype,
+                               backend, lse_base, timeout_s)
+    o = l = None
+    if output is not None:
+        o, l = tuple(output) if isinstance(output, (tuple, list)) else (output, None)
+    o = out.new_empty((T, H // W, D)) if o is None else o
+    l = out.new_empty((T, H // W), dtype=torch.float32) if l is None else l
+    torch.ops.attncomm.dcp_merge(out, lse, o, l, name, backend, lse_base,
+                                 tracing.timeout_code(timeout_s),
+                                 tracing.validate_code(validate))
+    return (o, l) if return_lse else o
