@@ -13,8 +13,9 @@ which chains them) call these ops instead of their eager bodies while torch.comp
 - Decisions are never made in a trace: the functional ops need an eager call of the shape on
   the group first (checked while tracing: the warm-up error), the object ops the object, which
   decided at construction.
-- The fake implementations write nothing; the object ops' run the object's local checks, so a
-  bad shape raises ``ValueError`` while tracing.
+- The fake implementations write nothing; they raise ``ValueError`` while tracing where the
+  call would fail: the functional ops' when no eager call built the shape's exchange on the
+  group (the warm-up error), the object ops' when the object's local checks fail.
 
 Ops: ``attncomm::dcp_merge``, ``dcp_merger``, ``dcp_gather_heads``, ``dcp_query_gather``.
 """
@@ -24,7 +25,9 @@ import torch
 
 from .._dist import group_from_name
 from . import tracing
+from .lse_merge.functional import check_warm as check_merge_warm
 from .lse_merge.functional import merge
+from .query_gather.functional import check_warm as check_gather_warm
 from .query_gather.functional import gather_heads
 
 __all__ = ["merge_op", "merger_op", "gather_heads_op", "query_gather_op"]
@@ -44,7 +47,7 @@ def merge_op(out: torch.Tensor, lse: torch.Tensor, output: torch.Tensor,
 
 @merge_op.register_fake
 def _(out, lse, output, output_lse, group_name, backend, lse_base, timeout_s, validate):
-    return None
+    check_merge_warm(group_name, out, backend, lse_base, tracing.timeout_arg(timeout_s))
 
 
 # ------------------------------------------------------------------------------ DcpMerger
@@ -81,7 +84,7 @@ def gather_heads_op(q: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor
 
 @gather_heads_op.register_fake
 def _(q, cos, sin, output, group_name, backend, timeout_s, validate):
-    return None
+    check_gather_warm(group_name, q, cos, backend, tracing.timeout_arg(timeout_s))
 
 
 # ------------------------------------------------------------------------------ DcpQueryGather

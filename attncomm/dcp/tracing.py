@@ -1,5 +1,6 @@
-"""What the DCP exchanges share under ``torch.compile``: the names a traced graph finds their
-objects by, the warm-up error, and how optional arguments travel through a custom op.
+"""What the DCP exchanges' call paths share: the names a traced graph finds their objects by,
+the warm-up error, how optional arguments travel through a custom op, and the checks and plan
+keys of caller-owned destinations (``output=``).
 
 A ``torch.library`` custom op takes tensors, numbers and strings, never a Python object, so a
 compiled graph names a ``DcpMerger`` or ``DcpQueryGather`` by a string given at construction
@@ -11,8 +12,10 @@ from __future__ import annotations
 import itertools
 import weakref
 
-__all__ = ["register", "lookup", "warm_up_error", "validate_code", "validate_arg",
-           "timeout_code", "timeout_arg"]
+import torch
+
+__all__ = ["register", "lookup", "warm_up_error", "ANY", "matches", "validate_code",
+           "validate_arg", "timeout_code", "timeout_arg", "dest_key", "dest_error"]
 
 _OBJECTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _IDS = itertools.count()
@@ -51,6 +54,15 @@ def warm_up_error(op: str, what: str) -> ValueError:
         f"then compile")
 
 
+#: In a ``matches`` pattern: any value (a dim that is symbolic while tracing).
+ANY = object()
+
+
+def matches(key: tuple, pattern: tuple) -> bool:
+    """Whether a cache ``key`` equals ``pattern`` where the pattern is not ``ANY``."""
+    return len(key) == len(pattern) and all(p is ANY or k == p for k, p in zip(key, pattern))
+
+
 _VALIDATE = {None: -1, False: 0, True: 1}
 _VALIDATE_BACK = {-1: None, 0: False, 1: True}
 
@@ -73,3 +85,26 @@ def timeout_code(timeout_s: float | None) -> float:
 def timeout_arg(code: float) -> float | None:
     """The inverse of ``timeout_code``."""
     return None if code < 0 else float(code)
+
+
+def dest_key(output):
+    """What the checks of a caller-owned destination depend on (None, a tensor's shape, dtype,
+    device and contiguity, or a tuple of those): part of a call plan's key, so a destination
+    of a new kind is checked once. Raises ``AttributeError`` for what is not a tensor."""
+    if output is None:
+        return None
+    if isinstance(output, (tuple, list)):
+        return tuple(dest_key(t) for t in output)
+    return (output.shape, output.dtype, output.device, output.is_contiguous())
+
+
+def dest_error(t, shape, dtype, device, what: str, contiguous: bool = False) -> str | None:
+    """Why ``t`` cannot receive a ``shape`` result of ``dtype`` on ``device`` (None if it can)."""
+    if isinstance(t, torch.Tensor) and t.shape == tuple(shape) and t.dtype == dtype \
+            and t.device == device and (t.is_contiguous() or not contiguous):
+        return None
+    got = (f"{tuple(t.shape)} {t.dtype} on {t.device}"
+           + ("" if t.is_contiguous() else ", not contiguous")
+           if isinstance(t, torch.Tensor) else type(t).__name__)
+    return (f"{what} must be a{' contiguous' if contiguous else ''} {list(shape)} {dtype} "
+            f"tensor on {device}, got {got}")

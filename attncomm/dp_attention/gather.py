@@ -152,17 +152,6 @@ class _Plan:
     offsets: list
     budget: float
 
-    def dest(self, output, rows: int, op: str):
-        """``output`` checked against ``[rows, ...]`` of the input's dtype and device."""
-        shape = (rows, *self.rest)
-        if not isinstance(output, torch.Tensor) or output.shape != shape \
-                or output.dtype != self.dtype or output.device != self.device:
-            got = (f"{tuple(output.shape)} {output.dtype} on {output.device}"
-                   if isinstance(output, torch.Tensor) else type(output).__name__)
-            raise ValueError(f"{op}: output must be a {list(shape)} {self.dtype} tensor on "
-                             f"{self.device}, got {got}")
-        return output
-
 
 #: The group argument as callers pass it → (its ``group_key``, {call key → _Plan}).
 _PLANS: dict = {}
@@ -175,31 +164,38 @@ def _release_plans(key) -> None:
         del _PLANS[group]
 
 
-def _plan(op, x, global_num_tokens, group, mode, attn_tp_size, validate, timeout_s) -> _Plan:
-    """The plan of this call: found by a key of its arguments, else made (checks included)."""
+def _plan(op, x, global_num_tokens, group, mode, attn_tp_size, validate, timeout_s,
+          output) -> _Plan:
+    """The plan of this call: found by a key of its arguments (``output``'s kind included),
+    else made (checks included)."""
     env_t = config.raw("ATTNCOMM_TIMEOUT_S") if timeout_s is None else ""
     env_v = config.raw("ATTNCOMM_VALIDATE") if validate is None else ""
     try:
         counts = (global_num_tokens.tolist() if isinstance(global_num_tokens, torch.Tensor)
                   else global_num_tokens)
         key = (op, x.shape, x.dtype, x.device, tuple(counts), mode, attn_tp_size, validate,
-               timeout_s, env_t, env_v)
+               timeout_s, env_t, env_v, None if output is None else (
+                   output.shape, output.dtype, output.device, output.is_contiguous()))
         entry = _PLANS.get(group)
         plan = entry[1].get(key) if entry is not None else None
     except (AttributeError, TypeError):  # not a tensor, unhashable arguments: checks say why
         key = plan = None
     if plan is None:
         plan = _new_plan(op, x, global_num_tokens, group, mode, attn_tp_size, validate,
-                         timeout_s, key)
+                         timeout_s, output, key)
     return plan
 
 
-def _new_plan(op, x, global_num_tokens, group, mode, attn_tp_size, validate, timeout_s, key):
+def _new_plan(op, x, global_num_tokens, group, mode, attn_tp_size, validate, timeout_s,
+              output, key):
     g = resolve_group(group, op)
     budget = config.timeout_s(timeout_s)
     n, mode, dp_rank, tp_rank, err = _where(global_num_tokens, g, mode, attn_tp_size)
     if err is None:
         err = _local_error(op, x, n, mode, dp_rank)
+    if err is None and output is not None:
+        rows = global_layout(n, mode)[0] if op == "dp_gather" else n[dp_rank]
+        err = _output_error(output, (rows, *x.shape[1:]), x.dtype, x.device)
     _check(op, g, x, n, mode, attn_tp_size, err, validate, budget)
     total, offsets = global_layout(n, mode)
     plan = _Plan(g, n, mode, dp_rank, tp_rank, int(attn_tp_size), dist.get_world_size(g),
@@ -228,6 +224,15 @@ def _local_error(op, x, n, mode, dp_rank) -> str | None:
         return (f"global_partial has shape {tuple(x.shape)}, the {mode.name} layout of {n} "
                 f"needs {total} rows")
     return None
+
+
+def _output_error(t, shape, dtype, device) -> str | None:
+    if isinstance(t, torch.Tensor) and t.shape == shape and t.dtype == dtype \
+            and t.device == device:
+        return None
+    got = (f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor)
+           else type(t).__name__)
+    return f"output must be a {list(shape)} {dtype} tensor on {device}, got {got}"
 
 
 def _check(op, group, x, n, mode, attn_tp_size, err, validate, timeout_s) -> None:
@@ -265,9 +270,7 @@ def dp_gather(local: torch.Tensor, global_num_tokens: Sequence[int], group=None,
         return _traced("dp_gather", local, global_num_tokens, group, mode, attn_tp_size,
                        validate, timeout_s, output)
     p = _plan("dp_gather", local, global_num_tokens, group, mode, attn_tp_size, validate,
-              timeout_s)
-    if output is not None:
-        p.dest(output, p.total, "dp_gather")
+              timeout_s, output)
     if p.mode is DpPaddingMode.SUM_LEN:
         return _gather_sum(p, local, output)
     m = max(p.n)
@@ -378,10 +381,8 @@ def dp_reduce_scatter(global_partial: torch.Tensor, global_num_tokens: Sequence[
         return _traced("dp_reduce_scatter", global_partial, global_num_tokens, group, mode,
                        attn_tp_size, validate, timeout_s, output)
     p = _plan("dp_reduce_scatter", global_partial, global_num_tokens, group, mode,
-              attn_tp_size, validate, timeout_s)
+              attn_tp_size, validate, timeout_s, output)
     mine = p.n[p.dp_rank]
-    if output is not None:
-        p.dest(output, mine, "dp_reduce_scatter")
     if p.total == 0:
         return output if output is not None else global_partial.new_empty((0, *p.rest))
     if p.mode is DpPaddingMode.MAX_LEN and p.attn_tp_size == 1:

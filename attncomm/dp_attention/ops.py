@@ -42,30 +42,33 @@ def _check_rows(op: str, x, output, group_name: str, n, mode: int, attn_tp_size:
 
 @torch.library.custom_op("attncomm::dp_gather", mutates_args=("output",))
 def dp_gather_op(local: torch.Tensor, output: torch.Tensor, global_num_tokens: list[int],
-                 group_name: str, mode: int, attn_tp_size: int, timeout_s: float,
-                 validate: int) -> None:
+                 group_name: str, padding_mode: int, attn_tp_size: int,
+                 timeout_s: float, validate: int) -> None:
     """``dp_gather(local, global_num_tokens, group, ..., output=output)`` (``timeout_s < 0``:
     None; ``validate`` -1/0/1: None/False/True)."""
     dp_gather(local, global_num_tokens, group_from_name(group_name), output=output,
-              **_kw(mode, attn_tp_size, timeout_s, validate))
+              **_kw(padding_mode, attn_tp_size, timeout_s, validate))
 
 
 @dp_gather_op.register_fake
-def _(local, output, global_num_tokens, group_name, mode, attn_tp_size, timeout_s, validate):
-    _check_rows("dp_gather", local, output, group_name, global_num_tokens, mode, attn_tp_size)
+def _(local, output, global_num_tokens, group_name, padding_mode, attn_tp_size, timeout_s,
+      validate):
+    _check_rows("dp_gather", local, output, group_name, global_num_tokens, padding_mode,
+                attn_tp_size)
 
 
 @torch.library.custom_op("attncomm::dp_reduce_scatter", mutates_args=("output",))
 def dp_reduce_scatter_op(global_partial: torch.Tensor, output: torch.Tensor,
-                         global_num_tokens: list[int], group_name: str, mode: int,
-                         attn_tp_size: int, timeout_s: float, validate: int) -> None:
+                         global_num_tokens: list[int], group_name: str,
+                         padding_mode: int, attn_tp_size: int, timeout_s: float,
+                         validate: int) -> None:
     """``dp_reduce_scatter(global_partial, global_num_tokens, group, ..., output=output)``."""
     dp_reduce_scatter(global_partial, global_num_tokens, group_from_name(group_name),
-                      output=output, **_kw(mode, attn_tp_size, timeout_s, validate))
+                      output=output, **_kw(padding_mode, attn_tp_size, timeout_s, validate))
 
 
 @dp_reduce_scatter_op.register_fake
-def _(global_partial, output, global_num_tokens, group_name, mode, attn_tp_size, timeout_s,
-      validate):
+def _(global_partial, output, global_num_tokens, group_name, padding_mode, attn_tp_size,
+      timeout_s, validate):
     _check_rows("dp_reduce_scatter", global_partial, output, group_name, global_num_tokens,
-                mode, attn_tp_size)
+                padding_mode, attn_tp_size)

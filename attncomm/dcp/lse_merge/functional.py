@@ -12,7 +12,8 @@ new tensor, never cloned from an internal buffer.
 
 Under ``torch.compile`` the call is one custom op (``attncomm::dcp_merge``, ``dcp/ops.py``) that
 runs this same eager code; the decisions it needs (the group's merger for the shape) come from
-an eager call made before tracing (``_traced_decision``), never from the trace.
+an eager call made before tracing (checked while tracing: ``check_warm``), never from the
+trace.
 """
 from __future__ import annotations
 
@@ -22,14 +23,14 @@ import torch
 import torch.distributed as dist
 
 from ... import config
-from ..._dist import (DTYPE_CODES, check_args, group_key, group_lru_get, group_name, on_release,
-                      resolve_group)
+from ..._dist import (DTYPE_CODES, check_args, group_from_name, group_key, group_lru_get,
+                      group_name, on_release, resolve_group)
 from ...errors import PeerTimeoutError
 from .. import tracing
 from .api import DcpMerger, check_local, empty_result
 from .backend import BACKENDS
 
-__all__ = ["merge"]
+__all__ = ["merge", "check_warm"]
 
 _CACHE_SIZE = 8
 #: Plans kept per group (least recently used dropped first; they own no buffers).
@@ -80,14 +81,15 @@ def merge(out: torch.Tensor, lse: torch.Tensor, group=None, *, backend: str = "a
     env_v = config.raw("ATTNCOMM_VALIDATE") if validate is None else ""
     try:
         key = (out.shape, out.dtype, lse.shape, lse.dtype, out.device, lse.device, backend,
-               lse_base, bool(return_lse), validate, timeout_s, env_t, env_v)
-    except AttributeError:  # not tensors: the checks say so
+               lse_base, bool(return_lse), validate, timeout_s, env_t, env_v,
+               tracing.dest_key(output))
+    except (AttributeError, TypeError):  # not tensors: the checks say so
         key = None
     entry = _PLANS.get(group)
     plan = entry[1].get(key) if entry is not None and key is not None else None
     if plan is None:
         plan = _new_plan(out, lse, group, backend, lse_base, return_lse, validate, timeout_s,
-                         key)
+                         output, key)
     return plan(out, lse, return_lse, output)
 
 
@@ -110,12 +112,15 @@ class _Plan:
         self.merger = None if lru is None else lru[mkey]
 
     def __call__(self, out, lse, return_lse, output):
-        o, l = _destinations(output, return_lse, self.T, self.hs, self.D, self.dtype,
-                             self.device)
+        # ``output`` was checked when the plan was made (its shape, dtype, device and layout
+        # are part of the plan's key).
+        o = l = None
+        if output is not None:
+            o, l = output if isinstance(output, (tuple, list)) else (output, None)
+        if l is None and return_lse:
+            l = torch.empty((self.T, self.hs), dtype=torch.float32, device=self.device)
         if self.T == 0:
             o = empty_result(out, self.hs, False) if o is None else o
-            l = torch.empty((0, self.hs), dtype=torch.float32, device=out.device) \
-                if l is None and return_lse else l
             return (o, l) if return_lse else o
         merger = self._merger()
         dest = o if o is not None and o.is_contiguous() else torch.empty(
@@ -136,41 +141,31 @@ class _Plan:
         return merger
 
 
-def _destinations(output, return_lse, T, hs, D, dtype, device):
-    """``(out destination or None, LSE destination or None)`` from ``output``, checked; an LSE
-    destination is made when the call returns the LSE and the caller gave none."""
-    o = l = None
-    if output is not None:
-        pair = isinstance(output, (tuple, list))
-        if pair and len(output) != 2:
-            raise ValueError(f"dcp.merge: output must be a tensor or an (out, lse) pair, got "
-                             f"{len(output)} items")
-        o, l = (output[0], output[1]) if pair else (output, None)
-        _check_dest(o, (T, hs, D), dtype, device, "output")
-        if l is not None:
-            _check_dest(l, (T, hs), torch.float32, device, "output LSE", contiguous=True)
-    if l is None and return_lse:
-        l = torch.empty((T, hs), dtype=torch.float32, device=device)
-    return o, l
+def _dest_error(output, shape, dtype, device) -> str | None:
+    """What is wrong with ``output`` for a result ``shape`` of ``dtype`` on ``device`` (None:
+    nothing)."""
+    if output is None:
+        return None
+    pair = isinstance(output, (tuple, list))
+    if pair and len(output) != 2:
+        return f"output must be a tensor or an (out, lse) pair, got {len(output)} items"
+    o, l = output if pair else (output, None)
+    return tracing.dest_error(o, shape, dtype, device, "output") or (
+        None if l is None else tracing.dest_error(l, shape[:2], torch.float32, device,
+                                                  "output LSE", contiguous=True))
 
 
-def _check_dest(t, shape, dtype, device, what, contiguous=False) -> None:
-    if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype \
-            or t.device != device or (contiguous and not t.is_contiguous()):
-        got = (f"{tuple(t.shape)} {t.dtype} on {t.device}"
-               + ("" if t.is_contiguous() else ", not contiguous")
-               if isinstance(t, torch.Tensor) else type(t).__name__)
-        raise ValueError(f"dcp.merge: {what} must be a{' contiguous' if contiguous else ''} "
-                         f"{list(shape)} {dtype} tensor on {device}, got {got}")
-
-
-def _new_plan(out, lse, group, backend, lse_base, return_lse, validate, timeout_s, key):
-    """The first call of a signature: checks (local, then across ranks by the validation
-    mode), the merger, and the plan, kept unless every call is checked."""
+def _new_plan(out, lse, group, backend, lse_base, return_lse, validate, timeout_s, output,
+              key):
+    """The first call of a signature: checks (local, ``output`` included, then across ranks
+    by the validation mode), the merger, and the plan, kept unless every call is checked."""
     g = resolve_group(group, "dcp.merge", one_process="attncomm.dcp.merge_states")
     W = dist.get_world_size(g)
     budget = config.timeout_s(timeout_s)
     local_error = check_local(out, lse, W, lse_base, backend)
+    if local_error is None:
+        T, H, D = out.shape
+        local_error = _dest_error(output, (T, H // W, D), out.dtype, out.device)
     sig, labels = _signature(out, lse, backend, lse_base, return_lse)
     check_args(g, "dcp.merge", sig, labels, local_error, budget, validate)
     T, H, D = out.shape
@@ -253,30 +248,35 @@ def _as_merge_error(exc):
 
 # ------------------------------------------------------------------------------ traced path
 @torch.compiler.assume_constant_result
-def _traced_decision(group, T: int, H: int, D: int, dtype, backend: str, lse_base: str,
-                     timeout_s) -> tuple:
-    """``(group name, W)`` for a traced ``dcp.merge``: run by torch.compile while it traces and
-    taken as a constant of the graph, after checking that an eager call built this shape's
-    merger on the group (``T < 0``: a symbolic token count, any bucket of the shape will do;
-    the compiled call finds its bucket's merger when it runs, as an eager call would). Raises
-    the warm-up error otherwise: nothing is decided, and nothing falls back, while tracing."""
+def _traced_group(group) -> tuple:
+    """``(group name, W)``: run by torch.compile while it traces, a constant of the graph."""
     g = resolve_group(group, "dcp.merge", one_process="attncomm.dcp.merge_states")
-    want = (H, D, dtype, backend, lse_base, config.timeout_s(timeout_s))
-    lru = _MERGERS.get(group_key(g), {})
-    if T != 0 and not any(k[1:] == want and (T < 0 or k[0] == _bucket(T)) for k in lru):
-        shape = f"out [{'T' if T < 0 else T}, {H}, {D}] {dtype} with backend={backend!r}"
-        raise tracing.warm_up_error("dcp.merge", shape)
     return group_name(g), dist.get_world_size(g)
+
+
+def check_warm(group_name_: str, out, backend: str, lse_base: str, timeout_s) -> None:
+    """While tracing (the op's fake implementation): raise the warm-up error unless an eager
+    call built the merger of this call's shape on the group (a symbolic dim matches any; the
+    compiled call finds its token bucket's merger when it runs, as an eager call would).
+    Nothing is decided, and nothing falls back, while tracing."""
+    g = group_from_name(group_name_)
+    T, H, D = (d if isinstance(d, int) else tracing.ANY for d in out.shape)
+    want = (H, D, out.dtype, backend, lse_base, config.timeout_s(timeout_s))
+    if T == 0 or any(tracing.matches(key, (T if T is tracing.ANY else _bucket(T), *want))
+                     for key in _MERGERS.get(group_key(g), {})):
+        return
+    shape = ", ".join("?" if d is tracing.ANY else str(d) for d in (T, H, D))
+    raise tracing.warm_up_error("dcp.merge", f"out [{shape}] {out.dtype} with "
+                                             f"backend={backend!r}")
 
 
 def _traced_merge(out, lse, group, backend, lse_base, return_lse, validate, timeout_s, output):
     """The traced call: the destinations allocated in the graph, one ``attncomm::dcp_merge``
-    that runs the eager call into them."""
+    that runs the eager call into them (its fake implementation runs ``check_warm``)."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
         group = group.device_group  # an engine's group coordinator
+    name, W = _traced_group(group)
     T, H, D = out.shape
-    name, W = _traced_decision(group, T if isinstance(T, int) else -1, H, D, out.dtype,
-                               backend, lse_base, timeout_s)
     o = l = None
     if output is not None:
         o, l = tuple(output) if isinstance(output, (tuple, list)) else (output, None)

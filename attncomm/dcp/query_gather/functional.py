@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 
 from ... import config
-from ..._dist import (DTYPE_CODES, check_args, group_key, group_lru_get, group_name, on_release,
-                      resolve_group)
+from ..._dist import (DTYPE_CODES, check_args, group_from_name, group_key, group_lru_get,
+                      group_name, on_release, resolve_group)
 from .. import tracing
 from .api import DcpQueryGather, check_q, rope_key
 from .backend import GATHER_BACKENDS
 
-__all__ = ["gather_heads"]
+__all__ = ["gather_heads", "check_warm"]
 
 _CACHE_SIZE = 8
 #: Plans kept per group (least recently used dropped first; they own no buffers).
@@ -71,13 +71,13 @@ def gather_heads(q: torch.Tensor, group=None, *, backend: str = "auto", rope=Non
     env_v = config.raw("ATTNCOMM_VALIDATE") if validate is None else ""
     try:
         key = (q.shape, q.dtype, q.device, rope_key(rope), backend, validate, timeout_s, env_t,
-               env_v)
+               env_v, tracing.dest_key(output))
     except (AttributeError, TypeError, IndexError, ValueError):  # the checks say why
         key = None
     entry = _PLANS.get(group)
     plan = entry[1].get(key) if entry is not None and key is not None else None
     if plan is None:
-        plan = _new_plan(q, group, backend, rope, validate, timeout_s, key)
+        plan = _new_plan(q, group, backend, rope, validate, timeout_s, output, key)
     return plan(q, rope, output)
 
 
@@ -98,8 +98,7 @@ class _Plan:
         self.gatherer = None if lru is None else lru[mkey]
 
     def __call__(self, q, rope, output):
-        if output is not None:
-            _check_output(output, self.shape, self.dtype, self.device)
+        # ``output`` was checked when the plan was made (its kind is part of the plan's key).
         if self.shape[0] == 0:
             return output if output is not None else torch.empty(
                 self.shape, dtype=self.dtype, device=self.device)
@@ -121,22 +120,16 @@ class _Plan:
         return gatherer
 
 
-def _check_output(t, shape, dtype, device) -> None:
-    if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype \
-            or t.device != device:
-        got = (f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor)
-               else type(t).__name__)
-        raise ValueError(f"dcp.gather_heads: output must be a {list(shape)} {dtype} tensor on "
-                         f"{device}, got {got}")
-
-
-def _new_plan(q, group, backend, rope, validate, timeout_s, key):
-    """The first call of a signature: checks (local, then across ranks by the validation
-    mode), the gatherer, and the plan, kept unless every call is checked."""
+def _new_plan(q, group, backend, rope, validate, timeout_s, output, key):
+    """The first call of a signature: checks (local, ``output`` included, then across ranks
+    by the validation mode), the gatherer, and the plan, kept unless every call is checked."""
     g = resolve_group(group, "dcp.gather_heads")
     W = dist.get_world_size(g)
     budget = config.timeout_s(timeout_s)
     local_error = check_q(q, W, rope, backend)
+    if local_error is None and output is not None:
+        T, h, D = q.shape
+        local_error = tracing.dest_error(output, (T, h * W, D), q.dtype, q.device, "output")
     sig, labels = _signature(q, rope, backend)
     check_args(g, "dcp.gather_heads", sig, labels, local_error, budget, validate)
     T, h, D = q.shape
@@ -210,32 +203,40 @@ def _cached_gatherer(group, T, H, D, dtype, backend, R, budget):
 
 # ------------------------------------------------------------------------------ traced path
 @torch.compiler.assume_constant_result
-def _traced_decision(group, T: int, h: int, D: int, dtype, backend: str, R: int,
-                     timeout_s) -> tuple:
-    """``(group name, W)`` for a traced ``dcp.gather_heads``, after checking that an eager call
-    built this shape's gatherer on the group (``T < 0``: a symbolic token count, any bucket of
-    the shape will do); the warm-up error otherwise. Run by torch.compile while it traces."""
+def _traced_group(group) -> tuple:
+    """``(group name, W)``: run by torch.compile while it traces, a constant of the graph."""
     g = resolve_group(group, "dcp.gather_heads")
+    return group_name(g), dist.get_world_size(g)
+
+
+def check_warm(group_name_: str, q, cos, backend: str, timeout_s) -> None:
+    """While tracing (the op's fake implementation): raise the warm-up error unless an eager
+    call built the gatherer of this call's shape on the group (a symbolic dim matches any)."""
+    g = group_from_name(group_name_)
     W = dist.get_world_size(g)
-    want = (h * W, D, dtype, backend, R, config.timeout_s(timeout_s))
-    lru = _GATHERERS.get(group_key(g), {})
-    if T != 0 and not any(k[1:] == want and (T < 0 or k[0] == _bucket(T)) for k in lru):
-        shape = f"q [{'T' if T < 0 else T}, {h}, {D}] {dtype} (rope dim {R}) with " \
-                f"backend={backend!r}"
-        raise tracing.warm_up_error("dcp.gather_heads", shape)
-    return group_name(g), W
+    T, h, D = (d if isinstance(d, int) else tracing.ANY for d in q.shape)
+    R = 0 if cos is None else cos.shape[-1]
+    R = R if isinstance(R, int) else tracing.ANY
+    H = tracing.ANY if h is tracing.ANY else h * W
+    pattern = (T if T is tracing.ANY else _bucket(T), H, D, q.dtype, backend, R,
+               config.timeout_s(timeout_s))
+    if T == 0 or any(tracing.matches(key, pattern) for key in _GATHERERS.get(group_key(g), {})):
+        return
+    shape = ", ".join("?" if d is tracing.ANY else str(d) for d in (T, h, D))
+    raise tracing.warm_up_error("dcp.gather_heads", f"q [{shape}] {q.dtype} (rope dim "
+                                                    f"{'?' if R is tracing.ANY else R}) with "
+                                                    f"backend={backend!r}")
 
 
 def _traced_gather(q, group, backend, rope, validate, timeout_s, output):
     """The traced call: the destination allocated in the graph (or the caller's), one
-    ``attncomm::dcp_gather_heads`` that runs the eager call into it."""
+    ``attncomm::dcp_gather_heads`` that runs the eager call into it (its fake implementation
+    runs ``check_warm``)."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
         group = group.device_group  # an engine's group coordinator
+    name, W = _traced_group(group)
     T, h, D = q.shape
     cos, sin = (None, None) if rope is None else rope
-    R = 0 if rope is None else cos.shape[-1]
-    name, W = _traced_decision(group, T if isinstance(T, int) else -1, h, D, q.dtype, backend,
-                               R, timeout_s)
     out = q.new_empty((T, h * W, D)) if output is None else output
     torch.ops.attncomm.dcp_gather_heads(q, cos, sin, out, name, backend,
                                         tracing.timeout_code(timeout_s),
