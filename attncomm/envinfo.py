@@ -137,6 +137,7 @@ def _backends(p2p) -> dict:
     except Exception as exc:  # noqa: BLE001
         ok, why_shm = False, f"could not ask attncomm.dp_attention: {exc}"
     dp.append({"backend": "shm", "available": ok, "why_not": why_shm})
+    dp.append({"backend": "hier", "available": ok, "why_not": why_shm})
     dp.append({"backend": "cpu", "available": True, "why_not": None})
     dp.append({"backend": "device", "available": True,
                "why_not": None if not cuda else f"no GPU here, so it runs on the gloo group "

@@ -175,6 +175,17 @@ def _hier_matches_flat(rank, world, hosts, seed, cases):
                 assert info.sync == ("hier" if sync == "auto" else "cpu")
             assert got["auto"] == got["cpu"] == want, f"seed {seed} case {case} rank {rank}"
             seen.append(got["auto"][:6])
+        # an invalid batch on the last rank: the same ValueError on every rank, both paths
+        bad = BatchView(ForwardMode.EXTEND, batch_size=1) if rank == world - 1 else \
+            BatchView(ForwardMode.DECODE, batch_size=1)
+        for sync in ("auto", "cpu"):
+            try:
+                prepare_mlp_sync_batch(bad, dp_size=world, attn_tp_size=1, group=g, sync=sync,
+                                       get_idle_batch=lambda: BatchView(ForwardMode.IDLE))
+                seen.append("no error")
+            except ValueError as exc:
+                seen.append(str(exc).split(" (this rank")[0])
+        assert seen[-1] == seen[-2] and f"rank(s) [{world - 1}]" in seen[-1], seen[-2:]
         # exchange_rows moves any int64 row unchanged, in group rank order
         for s in range(20):
             row = [s, rank, -(1 << 63) + s, (1 << 63) - 1, -rank, s * 7 + rank]
@@ -187,14 +198,13 @@ def _hier_matches_flat(rank, world, hosts, seed, cases):
         close_shm_channels()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["2x2", "interleaved", "3+1"])
 def test_hier_decisions_equal_the_flat_path(pools, layout):
     hosts = HOST_MAPS[layout]
     seed = random.randrange(1 << 30)
     res = pools.run(len(hosts), _hier_matches_flat, hosts, seed, 40)
     assert all(r == res[0] for r in res), f"seed {seed}: ranks disagree"
-    assert len(res[0]) == 40
+    assert len(res[0]) == 42
 
 
 @pytest.mark.slow
@@ -224,6 +234,35 @@ def _groups_keep_counts_uniform(rank, world, hosts):
 def test_hier_groups_leave_group_counts_uniform(pools):
     counts = pools.run(4, _groups_keep_counts_uniform, HOST_MAPS["3+1"])[0]
     assert len(set(counts)) == 1 and counts[0][1] == counts[0][0] + 2, counts
+
+
+def _counts_differ(rank, world, hosts):
+    # rank 0 has one group more than the others: the leader groups cannot be made lazily
+    try:
+        g = _fresh_group(rank, hosts)
+        if rank == 0:
+            dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
+        d = sync_decision("auto", g)
+        try:
+            resolve_sync("hier", g)
+            err = "no error"
+        except ValueError as exc:
+            err = str(exc)
+        rows = exchange_rows([rank] * 6, g, sync="auto")
+        return d.backend, d.fallback_reason, err, rows
+    finally:
+        if rank != 0:  # every member one more: the pool's counts are equal again
+            dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
+        config.set_var("ATTNCOMM_TEST_HOST", None)
+        close_shm_channels()
+
+
+def test_auto_falls_back_to_gloo_when_groups_cannot_be_made(pools):
+    for backend, why, err, rows in pools.run(4, _counts_differ, HOST_MAPS["2x2"]):
+        assert backend == "cpu" and "span 2 hosts" in why, why
+        assert "different numbers of process groups" in why, why
+        assert "sync='hier' cannot run" in err and "different numbers" in err, err
+        assert rows == [[q] * 6 for q in range(4)]
 
 
 # -- a dead host leader ----------------------------------------------------------------------

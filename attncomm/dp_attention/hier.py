@@ -151,7 +151,9 @@ def _create(group, t: float) -> HostGroups:
     leaders = [glob[local[h][0]] for h in by_global]
     mine = layout.host_of[rank]
     leader = rank == local[mine][0]
-    td = datetime.timedelta(seconds=t)
+    # the groups' own timeout is the default budget, as for the gloo twins (``cpu_group``); each
+    # exchange bounds its wait by the call's ``timeout_s``
+    td = datetime.timedelta(seconds=config.timeout_s())
     with guard_timeout(cg, op, t):
         host = dist.new_group([glob[r] for r in local[mine]], backend="gloo", timeout=td,
                               use_local_synchronization=True)
