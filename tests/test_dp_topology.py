@@ -233,13 +233,15 @@ def _groups_keep_counts_uniform(rank, world, hosts):
 
 def test_hier_groups_leave_group_counts_uniform(pools):
     counts = pools.run(4, _groups_keep_counts_uniform, HOST_MAPS["3+1"])[0]
-    assert len(set(counts)) == 1 and counts[0][1] == counts[0][0] + 2, counts
+    # equal on every member (the point); at least the hier path's two more than before
+    assert len(set(counts)) == 1 and counts[0][1] >= counts[0][0] + 2, counts
 
 
 def _counts_differ(rank, world, hosts):
     # rank 0 has one group more than the others: the leader groups cannot be made lazily
     try:
         g = _fresh_group(rank, hosts)
+        resolve_sync("cpu", g)  # the group's own lazy groups (argument checks) made first
         if rank == 0:
             dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
         d = sync_decision("auto", g)
