@@ -150,8 +150,12 @@ class ShmRowExchange:
         self._views.append(self._words)
         self._prepare_step_path()
 
+    def _segment_words(self) -> int:
+        """The segment's size in int64 words (a subclass may add an area after the slots)."""
+        return _HEADER_WORDS + 2 * self.world_size * SLOT_WORDS
+
     def _setup(self, timeout_s: float) -> None:
-        nbytes = 8 * (_HEADER_WORDS + 2 * self.world_size * SLOT_WORDS)
+        nbytes = 8 * self._segment_words()
         path, err = None, None
         if self.rank == 0:
             path = os.path.join(_shm_dir(), f"attncomm-dp-{os.getpid()}-{uuid.uuid4().hex}")
