@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _dist, config
+from ..errors import PeerTimeoutError
 from .attn import attention_with_lse
 from .checks import check_call
 from .comm import RingComm
@@ -96,14 +97,28 @@ def _run(q, k, v, group, causal: bool, layout: str, attn_fn, timeout_s: float, o
             pending = comm.start([k_cur, v_cur], list(nxt))
         blk = ring_block(layout, causal, world, rank, step, s_r)
         if blk is not None:
-            out, lse = attn_fn(q[:, blk.q_lo:blk.q_hi], k_cur[:, blk.k_lo:blk.k_hi],
-                               v_cur[:, blk.k_lo:blk.k_hi], blk.causal)
-            _check_result(out, lse, (b, blk.q_hi - blk.q_lo, hq, dv), op)
+            try:
+                out, lse = attn_fn(q[:, blk.q_lo:blk.q_hi], k_cur[:, blk.k_lo:blk.k_hi],
+                                   v_cur[:, blk.k_lo:blk.k_hi], blk.causal)
+                _check_result(out, lse, (b, blk.q_hi - blk.q_lo, hq, dv), op)
+            except BaseException:
+                # Finish the posted transfer first: a receive left pending would take the
+                # next call's block.
+                if pending is not None:
+                    _drain(comm, pending, step)
+                raise
             merge_block(acc[:, blk.q_lo:blk.q_hi], acc_lse[:, blk.q_lo:blk.q_hi], out, lse)
         if pending is not None:
             comm.wait(pending, step)
             k_cur, v_cur = nxt
     return acc.to(q.dtype), acc_lse
+
+
+def _drain(comm: RingComm, pending: list, step: int) -> None:
+    try:
+        comm.wait(pending, step)
+    except PeerTimeoutError:  # the error being raised says more
+        pass
 
 
 def _check_result(out, lse, want, op: str) -> None:

@@ -57,7 +57,8 @@ if triton is not None:
     def _merge_step_kernel(acc_ptr, acc_lse_ptr, o_ptr, lse_ptr, n_rows, S, H, DV,
                            sa_b, sa_s, sa_h, sla_b, sla_s, sla_h,
                            so_b, so_s, so_h, sl_b, sl_s, sl_h,
-                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                           D_CHUNKS: tl.constexpr):
         # One program: BLOCK_R (batch, token, head) rows, every column of each (in BLOCK_D
         # chunks, so the program that reads a row's LSE is the only one that rewrites it).
         rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -80,8 +81,8 @@ if triton is not None:
         o_row = b * so_b + s * so_s + h * so_h
         live0 = rmask & (w0 > 0)  # a zero-weight source is never read
         live1 = rmask & (w1 > 0)
-        for d0 in range(0, DV, BLOCK_D):
-            cols = d0 + tl.arange(0, BLOCK_D)
+        for c in range(D_CHUNKS):
+            cols = c * BLOCK_D + tl.arange(0, BLOCK_D)
             cmask = cols < DV
             a_ptrs = acc_ptr + a_row[:, None] + cols[None, :]
             a = tl.load(a_ptrs, mask=live0[:, None] & cmask[None, :], other=0.0)
@@ -112,7 +113,8 @@ def merge_block_triton(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tens
                              acc_lse.stride(0), acc_lse.stride(1), acc_lse.stride(2),
                              out.stride(0), out.stride(1), out.stride(2),
                              lse.stride(0), lse.stride(1), lse.stride(2),
-                             BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+                             BLOCK_R=block_r, BLOCK_D=block_d,
+                             D_CHUNKS=triton.cdiv(dv, block_d), num_warps=4)
 
 
 def merge_block(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
