@@ -334,12 +334,16 @@ class USPAttention(torch.nn.Module):
         except (TypeError, AttributeError, IndexError) as exc:
             error, seq, span = f"bad arguments: {exc}", None, 0
         ok = error is None
-        sig = [*(list(q.shape) + [k.shape[2], v.shape[3]] if ok else [-1] * 6),
+        dims = [-1] * 6
+        if ok:  # S_r may differ between ranks when seq_lens says so (its hash is agreed)
+            dims = [q.shape[0], q.shape[1] if seq_lens is None else -1, q.shape[2], q.shape[3],
+                    k.shape[2], v.shape[3]]
+        sig = [*dims,
                *(_dist.DTYPE_CODES.get(t.dtype, 0) if ok else 0 for t in (q, k, v)),
                int(ok and q.is_cuda), int(bool(causal)), int(rope is not None),
                sum(seq) if ok else -1, seq_lens_hash(seq) if ok else -1, u, r,
                _LAYOUT_CODES.get(self.layout, 0)]
-        labels = ["B", "S_r", "Hq", "D", "Hkv", "Dv", "q dtype", "k dtype", "v dtype", "CUDA",
+        labels = ["B", "S_r (seq_lens=None)", "Hq", "D", "Hkv", "Dv", "q dtype", "k dtype", "v dtype", "CUDA",
                   "causal", "rope given", "S", "seq_lens (hash)", "U", "R", "layout"]
         check_call_2d(self.ulysses_group, self.ring_group, "USPAttention", self.validate, sig,
                       labels, error, budget, q)

@@ -193,7 +193,7 @@ _CASES = [
     (1, 4, 2, 8, 8, 6, True, "zigzag", torch.bfloat16),
     (1, 2, 2, 8, 8, 4, False, "contiguous", torch.float16),
 ]
-_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}  # output rounding
 
 
 def _ring_cases(rank, world, seed):
@@ -255,7 +255,7 @@ def _masking_attn(step_specials):
         calls[0] += 1
         lse = torch.where(empty, torch.full_like(lse, special), lse)
         out = torch.where(empty[..., None], torch.full_like(out, float("nan")), out)
-        return out.to(q.dtype), lse
+        return out, lse
 
     return attn_fn
 

@@ -148,8 +148,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
             (``zigzag_shard``); under causal attention fully masked blocks are skipped.
         return_lse: also return the LSE.
         attn_fn: ``attn_fn(q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv], causal) ->
-            (out [B, Sq, Hq, Dv], lse [B, Sq, Hq] fp32 base e)`` for one block (``causal`` only
-            for square blocks); a non-finite LSE marks an empty row. Default:
+            (out [B, Sq, Hq, Dv] (fp16/bf16/fp32), lse [B, Sq, Hq] fp32 base e)`` for one block
+            (``causal`` only for square blocks); a non-finite LSE marks an empty row. Default:
             ``attention_with_lse`` (fp32 math on CPU, SDPA's kernel with its LSE on CUDA).
         validate: cross-rank argument check (None: env ``ATTNCOMM_VALIDATE``, on by default
             outside CUDA graph capture); one small gloo collective.

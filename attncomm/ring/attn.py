@@ -3,10 +3,12 @@
 ``attn_fn(q, k, v, causal) -> (out, lse)`` is the contract (docs/API.md, ring attention):
 ``q [B, Sq, Hq, D]``, ``k [B, Sk, Hkv, D]``, ``v [B, Sk, Hkv, Dv]`` with ``Hq % Hkv == 0``
 (query head h uses KV head ``h // (Hq / Hkv)``; the KV heads are expanded here, never on the
-wire) → ``out [B, Sq, Hq, Dv]`` in q's dtype and ``lse [B, Sq, Hq]`` fp32, base e, scale
-``1/√D``. ``causal`` is only asked for square blocks (``Sq == Sk``): query i sees keys ≤ i.
+wire) → ``out [B, Sq, Hq, Dv]`` (q's dtype, or fp32) and ``lse [B, Sq, Hq]`` fp32, base e,
+scale ``1/√D``. ``causal`` is only asked for square blocks (``Sq == Sk``): query i sees keys ≤ i.
 
-- CPU (and any case the fused kernels do not take): ``reference_attention``, fp32 math.
+- CPU (and any case the fused kernels do not take): ``reference_attention``, fp32 math; its
+  output stays fp32 (the ring merges in fp32, so a block's output is rounded only once, at the
+  end).
 - CUDA: the kernel PyTorch's SDPA itself would pick for these tensors
   (``torch._fused_sdp_choice``), called through its ATen op with the log-sum-exp requested:
   ``_scaled_dot_product_flash_attention`` (FlashAttention-2, returns ``logsumexp`` always),
@@ -56,7 +58,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
         scale: score scale (None: ``1/√D``).
 
     Returns:
-        ``out [B, Sq, Hq, Dv]`` in q's dtype, ``lse [B, Sq, Hq]`` fp32 (base e). A row with no
+        ``out [B, Sq, Hq, Dv]`` fp32, ``lse [B, Sq, Hq]`` fp32 (base e). A row with no
         key (``Sk == 0``) gets ``out = 0`` and ``lse = −inf``; a key whose score is −inf
         (e.g. a −inf bias carried in k) weighs exactly 0.
 
@@ -79,7 +81,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     # A finite stand-in on empty rows: exp(−inf − 0) = 0, no NaN from −inf − (−inf).
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
     out = torch.matmul(p, vf)
-    return out.transpose(1, 2).to(q.dtype), lse.transpose(1, 2)
+    return out.transpose(1, 2), lse.transpose(1, 2)
 
 
 def _fused_choice(qt, kt, vt, causal: bool) -> str:
@@ -117,7 +119,8 @@ def _run_fused(kind: str, qt, kt, vt, causal: bool):
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
     """The default ``attn_fn`` of ``ring_attention``: ``(out [B, Sq, Hq, Dv], lse [B, Sq, Hq]
-    fp32)`` — see the module docstring for the kernel it runs."""
+    fp32)``, ``out`` in q's dtype from a fused kernel, fp32 from the math path — see the module
+    docstring for the kernel it runs."""
     if not q.is_cuda or q.shape[1] == 0 or k.shape[1] == 0:
         _LAST[0] = "math"
         return reference_attention(q, k, v, causal)
