@@ -343,8 +343,9 @@ class USPAttention(torch.nn.Module):
                int(ok and q.is_cuda), int(bool(causal)), int(rope is not None),
                sum(seq) if ok else -1, seq_lens_hash(seq) if ok else -1, u, r,
                _LAYOUT_CODES.get(self.layout, 0)]
-        labels = ["B", "S_r (seq_lens=None)", "Hq", "D", "Hkv", "Dv", "q dtype", "k dtype", "v dtype", "CUDA",
-                  "causal", "rope given", "S", "seq_lens (hash)", "U", "R", "layout"]
+        labels = ["B", "S_r (seq_lens=None)", "Hq", "D", "Hkv", "Dv", "q dtype", "k dtype",
+                  "v dtype", "CUDA", "causal", "rope given", "S", "seq_lens (hash)", "U", "R",
+                  "layout"]
         check_call_2d(self.ulysses_group, self.ring_group, "USPAttention", self.validate, sig,
                       labels, error, budget, q)
         rows = None
