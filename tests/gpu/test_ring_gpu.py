@@ -1,0 +1,117 @@
+"""Ring attention on one CUDA GPU: the default ``attn_fn`` (SDPA's kernel with its LSE) and the
+Triton merge step against fp64, and ``ring_attention`` on a one-rank NCCL group. Run on the
+device: ``pytest -m gpu tests/gpu/test_ring_gpu.py``. Two or more GPUs (a real ring) are the
+multi-GPU issue's."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from _ring_helpers import gen, max_err, rand, ref_attention_lse
+
+import attncomm
+from attncomm.ring import attn as ring_attn
+from attncomm.ring import attention_with_lse, positions, ring_attention
+from attncomm.ring.merge import merge_block_torch, merge_block_triton, new_state
+
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
+
+_SPECIALS = (float("-inf"), float("inf"), float("nan"))
+
+
+def _need_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+
+# (B, S, Hq, Hkv, D, Dv, dtype)
+_CASES = [
+    (2, 256, 8, 8, 64, 64, torch.bfloat16),
+    (1, 384, 8, 2, 128, 128, torch.bfloat16),   # GQA, expanded inside attn_fn
+    (2, 200, 4, 4, 64, 64, torch.float16),      # S not a multiple of the kernel's tiles
+    (1, 256, 4, 4, 64, 32, torch.bfloat16),     # D ≠ Dv: not flash
+    (1, 128, 4, 2, 32, 32, torch.float32),      # fp32: efficient or math
+]
+
+
+@pytest.mark.parametrize("case", _CASES, ids=lambda c: f"{c[6]}-D{c[4]}-Dv{c[5]}-Hkv{c[3]}")
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_with_lse_matches_fp64(case, causal):
+    _need_gpu()
+    b, s, hq, hkv, d, dv, dtype = case
+    seed = random.randrange(1 << 30)
+    g = gen(seed)
+    q, k, v = (rand(g, (b, s, h, dd), dtype) for h, dd in ((hq, d), (hkv, d), (hkv, dv)))
+    out, lse = attention_with_lse(q.cuda(), k.cuda(), v.cuda(), causal)
+    kernel = ring_attn.last_kernel()
+    ref, ref_lse = ref_attention_lse(q, k, v, causal)
+    tol = 2e-5 if dtype == torch.float32 else 2.0 ** -7
+    err = ((out.cpu().double() - ref).abs() - tol * ref.abs()).max().item()
+    where = f"seed {seed}, {case}, causal={causal}, kernel {kernel}"
+    assert tuple(out.shape) == (b, s, hq, dv) and lse.dtype == torch.float32, where
+    assert err < 2e-3, f"{where}: out err {err}"
+    assert max_err(lse.cpu(), ref_lse) < 1e-3, f"{where}: lse err"
+    if dtype != torch.float32:
+        assert kernel in ("flash", "efficient", "cudnn"), where
+
+
+def _blocks(seed, n_blocks=4, b=2, s=37, h=5, dv=96):
+    g = gen(seed)
+    rng = random.Random(seed)
+    blocks = []
+    for i in range(n_blocks):
+        lo = 0 if i == 0 else rng.randrange(s)
+        hi = s if i == 0 else rng.randrange(lo + 1, s + 1)
+        out = rand(g, (b, hi - lo, h, dv), torch.bfloat16)
+        lse = rand(g, (b, hi - lo, h), torch.float32) * 4
+        special = torch.rand((b, hi - lo, h), generator=g) < 0.3
+        lse[special] = torch.tensor([_SPECIALS[rng.randrange(3)]
+                                     for _ in range(int(special.sum()))])
+        out[special] = float("nan")
+        blocks.append((lo, hi, out, lse))
+    return blocks
+
+
+def test_merge_step_cuda_matches_torch_path():
+    _need_gpu()
+    seed = random.randrange(1 << 30)
+    blocks = _blocks(seed)
+    states = []
+    for device, merge in (("cpu", merge_block_torch), ("cuda", merge_block_triton)):
+        acc, acc_lse = new_state(2, 37, 5, 96, device)
+        for lo, hi, out, lse in blocks:
+            merge(acc[:, lo:hi], acc_lse[:, lo:hi], out.to(device), lse.to(device))
+        states.append((acc.cpu(), acc_lse.cpu()))
+    (a, al), (t, tl) = states
+    empty = torch.isneginf(al)
+    assert torch.equal(torch.isneginf(tl), empty), f"seed {seed}"
+    assert torch.equal(t[empty], torch.zeros_like(t[empty])), f"seed {seed}"
+    assert not bool(t.isnan().any()) and not bool(tl.isnan().any()), f"seed {seed}"
+    # fp32 on both; the GPU may fuse a multiply-add (one rounding less)
+    assert max_err(t[~empty], a[~empty]) < 1e-5, f"seed {seed}"
+    assert max_err(tl[~empty], al[~empty]) < 1e-5, f"seed {seed}"
+
+
+def _ring_one_rank(rank, world, seed):
+    g = gen(seed)
+    res = []
+    for layout in ("contiguous", "zigzag"):
+        for causal in (False, True):
+            q, k, v = (rand(g, (1, 512, h, 64), torch.bfloat16) for h in (8, 2, 2))
+            ref = ref_attention_lse(q, k, v, causal)[0]
+            pos = positions(512, world, rank, layout)
+            out = ring_attention(*(t[:, pos].cuda() for t in (q, k, v)), causal=causal,
+                                 layout=layout)
+            err = ((out.cpu().double() - ref[:, pos]).abs() - 2.0 ** -8 * ref[:, pos].abs())
+            res.append((layout, causal, err.max().item(), ring_attn.last_kernel()))
+    return res
+
+
+def test_ring_attention_one_rank_cuda():
+    _need_gpu()
+    seed = random.randrange(1 << 30)
+    with attncomm.RankPool(1, device="cuda") as pool:
+        res = pool.run(_ring_one_rank, seed, timeout_s=300)[0]
+    for layout, causal, err, kernel in res:
+        assert err < 1e-3, f"seed {seed}: {layout} causal={causal} err {err} ({kernel})"
