@@ -8,10 +8,14 @@ For each ``S_r`` (``--seq``) on a ``[1, S_r, H, D]`` bf16 block (default H = 24,
 - ``attn_lse_vs_sdpa``: ``attention_with_lse`` (SDPA's own kernel asked for its LSE) ÷
   ``torch.nn.functional.scaled_dot_product_attention`` on the same tensors; goal ≤ 1.05;
 - ``ring_w1_vs_attention``: a whole ``ring_attention`` forward on a one-rank NCCL group (state,
-  merge, final cast; no transfer) ÷ ``attention_with_lse`` alone,
+  merge, final cast; no transfer) ÷ ``attention_with_lse`` alone;
+- ``merge_step_ab``: the merge kernel against the version of the first device call
+  (``scripts/ab/ring_merge_645de70.py``) on the same inputs in the same run, bitwise compared,
+  timed in alternating rounds,
 
 not causal (the block every rank attends W − 1 times) and causal (the diagonal block), device µs
-from CUDA events (median) and host µs of one call started on an idle GPU. Before timing, the
+per call from CUDA events around 10 calls back to back (median) and host µs of one call started
+on an idle GPU (median). Before timing, the
 attention and the merge are checked against fp64 on a small shape (errors recorded).
 
     python scripts/ring_one_gpu.py [--seq 4096 8192 16384] [--heads 24] [--head-dim 128]
@@ -35,13 +39,49 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 from _ring_helpers import gen, rand, ref_attention_lse  # noqa: E402
 
 from attncomm import config  # noqa: E402
-from attncomm.bench.common import meta, time_eager  # noqa: E402
-from attncomm.bench.ring_kernels import host_us, kernel_records  # noqa: E402
+from attncomm.bench.common import meta  # noqa: E402
+from attncomm.bench.ring_kernels import device_us, host_us, kernel_records  # noqa: E402
 from attncomm.ring import attn as ring_attn  # noqa: E402
 from attncomm.ring import ring_attention  # noqa: E402
 from attncomm.ring.merge import merge_block_torch, merge_block_triton, new_state  # noqa: E402
 
 GOALS = {"merge_vs_attention": 0.05, "attn_lse_vs_sdpa": 1.05}
+PREVIOUS = os.path.join(ROOT, "scripts", "ab", "ring_merge_645de70.py")
+
+
+def _previous_merge():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ring_merge_previous", PREVIOUS)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.merge_block_triton
+
+
+def merge_ab(device, seq, heads, head_dim, iters, rounds=3) -> dict:
+    """The current merge kernel against the previous one: one merge each on identical live
+    states (bitwise compared), then ``rounds`` alternating timings of each."""
+    previous = _previous_merge()
+    g = torch.Generator(device="cpu").manual_seed(seq + 1)
+    blocks = [(torch.randn(1, seq, heads, head_dim, generator=g).to(device, torch.bfloat16),
+               (torch.randn(1, heads, seq, generator=g) * 3).to(device).transpose(1, 2))
+              for _ in range(2)]  # the LSE strided as the fused kernels return it
+    states = [new_state(1, seq, heads, head_dim, device) for _ in range(2)]
+    for (acc, acc_lse), fn in zip(states, (merge_block_triton, previous)):
+        for o, l in blocks:
+            fn(acc, acc_lse, o, l)
+    (a, al), (b, bl) = states
+    equal = bool(torch.equal(a.view(torch.int32), b.view(torch.int32))
+                 and torch.equal(al.view(torch.int32), bl.view(torch.int32)))
+    times: dict = {"current": [], "previous": []}
+    for _ in range(rounds):
+        for name, fn, (acc, acc_lse) in (("current", merge_block_triton, states[0]),
+                                         ("previous", previous, states[1])):
+            times[name].append(device_us(lambda: fn(acc, acc_lse, *blocks[1]), device, iters))
+    cur, prev = statistics.median(times["current"]), statistics.median(times["previous"])
+    return {"seq": seq, "heads": heads, "head_dim": head_dim, "dtype": "bfloat16",
+            "causal": False, "kernel": "triton", "op": "merge_step_ab", "gpu_us": cur,
+            "previous_us": prev, "ratio": prev / cur, "bitwise_equal": equal,
+            "rounds_us": times}
 
 
 def checks(device) -> dict:
@@ -85,8 +125,8 @@ def ring_w1_records(device, seq, heads, head_dim, iters) -> list[dict]:
         def attn():
             return ring_attn.attention_with_lse(q, k, v, causal)
 
-        t_ring = statistics.median(time_eager(ring, warmup=3, iters=iters))
-        t_attn = statistics.median(time_eager(attn, warmup=3, iters=iters))
+        t_ring = device_us(ring, device, iters)
+        t_attn = device_us(attn, device, iters)
         base = {"seq": seq, "heads": heads, "head_dim": head_dim, "dtype": "bfloat16",
                 "causal": causal, "kernel": ring_attn.last_kernel(), "device": "cuda"}
         recs.append(dict(base, op="ring_attention_w1", gpu_us=t_ring,
@@ -100,9 +140,12 @@ def markdown(meta_block, records, check) -> str:
              f"{meta_block.get('machine') or meta_block.get('host')}", "",
              f"{meta_block.get('gpu')}; torch {meta_block['torch']}, Triton "
              f"{meta_block['triton']}, CUDA {meta_block['cuda']}. One block "
-             f"[1, S_r, H, D] bf16; device µs: CUDA events, median; host µs: one call started "
-             f"on an idle GPU, median. Goals: merge ≤ 5 % of the attention it follows at "
-             f"S_r = 8192; attention with LSE ≤ 1.05× plain SDPA.", "",
+             f"[1, S_r, H, D] bf16; device µs: CUDA events around 10 calls back to back, "
+             f"median; host µs: one call started on an idle GPU, median. Goals: merge ≤ 5 % "
+             f"of the attention it follows at S_r = 8192; attention with LSE ≤ 1.05× plain "
+             f"SDPA.", "",
+             "merge_step_ab: ratio = previous kernel µs ÷ current kernel µs (same run, same "
+             "inputs).", "",
              "| S_r | causal | op | kernel | GPU µs | host µs | ratio | goal |",
              "|---|---|---|---|---|---|---|---|"]
     for r in records:
@@ -139,6 +182,7 @@ def main(argv=None) -> int:
     records = []
     for s in a.seq:
         records += kernel_records(device, s, a.heads, a.head_dim, torch.bfloat16, a.iters)
+        records.append(merge_ab(device, s, a.heads, a.head_dim, a.iters))
     store = tempfile.mkdtemp(prefix="ring-one-gpu-")
     dist.init_process_group("nccl", init_method=f"file://{store}/store", rank=0, world_size=1,
                             device_id=device)

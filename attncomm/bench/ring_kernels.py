@@ -3,8 +3,9 @@ and the default ``attn_fn`` (attention with its LSE) against plain SDPA on the s
 
 One ring step on one rank is ``attn_fn`` on a ``[1, S_r, H, D]`` block, then ``merge_block`` of
 its ``(out, lse)`` into the fp32 state. Both are timed here on the shapes of a step (a full block,
-not causal: the step every rank takes W − 1 times; and the causal diagonal block), with CUDA
-events on a GPU (``time_eager``) and the host µs of one call started on an idle GPU beside them.
+not causal: the step every rank takes W − 1 times; and the causal diagonal block): device µs per
+call from CUDA events around 10 calls back to back (``device_us``), and beside it the host µs of
+one call started on an idle GPU (``host_us``).
 ``attncomm bench ring --kernels`` and ``scripts/ring_one_gpu.py`` print and record them.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .._timing import time_eager
 from ..ring import attn as ring_attn
 from ..ring.merge import merge_block, new_state
 
-__all__ = ["kernel_records", "host_us"]
+__all__ = ["kernel_records", "host_us", "device_us"]
 
 
 def host_us(fn, device: torch.device, iters: int = 20) -> float:
@@ -37,9 +38,15 @@ def host_us(fn, device: torch.device, iters: int = 20) -> float:
     return float(statistics.median(times))
 
 
-def _median(fn, device, iters) -> float:
-    return float(statistics.median(time_eager(fn, warmup=3, iters=iters,
-                                              device=device.type)))
+def device_us(fn, device: torch.device, iters: int = 20, reps: int = 10) -> float:
+    """Median µs per ``fn()`` on the device: ``reps`` calls back to back between two events
+    (so the host's launch latency before the first call is spread over ``reps``, not counted
+    as device time), ``iters`` such batches."""
+    def batch():
+        for _ in range(reps):
+            fn()
+    return float(statistics.median(time_eager(batch, warmup=1, iters=iters,
+                                              device=device.type))) / reps
 
 
 def kernel_records(device: torch.device, seq: int, heads: int, head_dim: int,
@@ -72,7 +79,7 @@ def kernel_records(device: torch.device, seq: int, heads: int, head_dim: int,
         rec = dict(base, causal=causal, kernel=kernel)
         times = {}
         for name, fn in (("attention_with_lse", attn), ("sdpa", sdpa), ("merge_step", merge)):
-            times[name] = _median(fn, device, iters)
+            times[name] = device_us(fn, device, iters)
             out.append(dict(rec, op=name, gpu_us=times[name], host_us=host_us(fn, device)))
         out.append(dict(rec, op="merge_vs_attention",
                         ratio=times["merge_step"] / times["attention_with_lse"]))

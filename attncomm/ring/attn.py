@@ -107,14 +107,34 @@ def _run_fused(kind: str, qt, kt, vt, causal: bool):
     aten = torch.ops.aten
     sq = qt.shape[2]
     if kind == "flash":
-        res = aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False)
+        res = aten._scaled_dot_product_flash_attention.default(qt, kt, vt, 0.0, causal, False)
         return res[0], res[1]
     if kind == "efficient":
-        res = aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, causal)
+        res = aten._scaled_dot_product_efficient_attention.default(qt, kt, vt, None, True, 0.0,
+                                                                   causal)
         return res[0], res[1][..., :sq]
-    res = aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, causal, False)
+    res = aten._scaled_dot_product_cudnn_attention.default(qt, kt, vt, None, True, 0.0, causal,
+                                                           False)
     lse = res[1]
     return res[0], lse.reshape(lse.shape[0], lse.shape[1], -1)[..., :sq]
+
+
+#: (device, dtype, [B, H, Sq, D], Sk, Dv, causal) → the kernels to try, in order (SDPA's choice
+#: first); asked once per shape, so a steady-state call does not pay ``_fused_sdp_choice``.
+_ORDER: dict = {}
+
+
+def _order(qt, kt, vt, causal: bool) -> tuple:
+    key = (qt.device, qt.dtype, tuple(qt.shape), kt.shape[2], vt.shape[3], causal)
+    order = _ORDER.get(key)
+    if order is None:
+        first = _fused_choice(qt, kt, vt, causal)
+        order = tuple(([first] if first != "math" else [])
+                      + [x for x in _FUSED_ORDER if x != first])
+        if len(_ORDER) > 256:
+            _ORDER.clear()
+        _ORDER[key] = order
+    return order
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
@@ -128,10 +148,8 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     qt = q.transpose(1, 2)
     kt = _expand_kv(k.transpose(1, 2), hq)
     vt = _expand_kv(v.transpose(1, 2), hq)
-    first = _fused_choice(qt, kt, vt, causal)
-    order = ([first] if first != "math" else []) + [x for x in _FUSED_ORDER if x != first]
     key = (q.dtype, q.shape[3], v.shape[3])
-    for kind in order:
+    for kind in _order(qt, kt, vt, causal):
         if (kind, *key) in _BROKEN:
             continue
         try:
@@ -142,6 +160,6 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
             _BROKEN.add((kind, *key))
             continue
         _LAST[0] = kind
-        return out.transpose(1, 2), lse.float().transpose(1, 2)
+        return out.transpose(1, 2), lse.transpose(1, 2)
     _LAST[0] = "math"
     return reference_attention(q, k, v, causal)

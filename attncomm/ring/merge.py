@@ -54,22 +54,22 @@ if triton is not None:
     from ..dcp.lse_merge.combine import _live_lse  # the rule: a non-finite LSE is empty
 
     @triton.jit
-    def _merge_step_kernel(acc_ptr, acc_lse_ptr, o_ptr, lse_ptr, n_rows, S, H, DV,
+    def _merge_step_kernel(acc_ptr, acc_lse_ptr, o_ptr, lse_ptr, S,
                            sa_b, sa_s, sa_h, sla_b, sla_s, sla_h,
                            so_b, so_s, so_h, sl_b, sl_s, sl_h,
-                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                           D_CHUNKS: tl.constexpr):
-        # One program: BLOCK_R (batch, token, head) rows, every column of each (in BLOCK_D
-        # chunks, so the program that reads a row's LSE is the only one that rewrites it).
-        rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-        rmask = rows < n_rows
-        h = rows % H
-        t = rows // H
-        s = t % S
-        b = t // S
-        la_off = b * sla_b + s * sla_s + h * sla_h
-        l0 = _live_lse(tl.load(acc_lse_ptr + la_off, mask=rmask, other=float("-inf")))
-        l1 = _live_lse(tl.load(lse_ptr + b * sl_b + s * sl_s + h * sl_h, mask=rmask,
+                           DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        # One program: BLOCK_S consecutive tokens of one (batch, head), every column (in BLOCK_D
+        # chunks, so the program that reads a row's LSE is the only one that rewrites it). The
+        # grid carries (token block, head, batch): no per-row integer division, and with DV a
+        # compile-time constant the column mask folds away, so the row loads vectorise.
+        s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+        smask = s < S
+        s = s.to(tl.int64)  # offsets in int64: a state may exceed 2³¹ elements
+        h = tl.program_id(1).to(tl.int64)
+        b = tl.program_id(2).to(tl.int64)
+        la_off = b * sla_b + h * sla_h + s * sla_s
+        l0 = _live_lse(tl.load(acc_lse_ptr + la_off, mask=smask, other=float("-inf")))
+        l1 = _live_lse(tl.load(lse_ptr + b * sl_b + h * sl_h + s * sl_s, mask=smask,
                                other=float("-inf")))
         m = tl.maximum(l0, l1)
         m = tl.where(m == float("-inf"), 0.0, m)
@@ -77,44 +77,43 @@ if triton is not None:
         w1 = tl.exp(l1 - m)
         tot = w0 + w1
         s_safe = tl.where(tot > 0, tot, 1.0)
-        a_row = b * sa_b + s * sa_s + h * sa_h
-        o_row = b * so_b + s * so_s + h * so_h
-        live0 = rmask & (w0 > 0)  # a zero-weight source is never read
-        live1 = rmask & (w1 > 0)
-        for c in range(D_CHUNKS):
-            cols = c * BLOCK_D + tl.arange(0, BLOCK_D)
-            cmask = cols < DV
-            a_ptrs = acc_ptr + a_row[:, None] + cols[None, :]
-            a = tl.load(a_ptrs, mask=live0[:, None] & cmask[None, :], other=0.0)
-            o = tl.load(o_ptr + o_row[:, None] + cols[None, :],
-                        mask=live1[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-            acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        a_row = acc_ptr + b * sa_b + h * sa_h + s * sa_s
+        o_row = o_ptr + b * so_b + h * so_h + s * so_s
+        live0 = smask & (w0 > 0)  # a zero-weight source is never read
+        live1 = smask & (w1 > 0)
+        for c in tl.static_range(0, DV, BLOCK_D):
+            cols = c + tl.arange(0, BLOCK_D)
+            cm = cols < DV  # all true when BLOCK_D divides DV (folded at compile time)
+            a = tl.load(a_row[:, None] + cols[None, :], mask=live0[:, None] & cm[None, :],
+                        other=0.0)
+            o = tl.load(o_row[:, None] + cols[None, :], mask=live1[:, None] & cm[None, :],
+                        other=0.0).to(tl.float32)
+            acc = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
             acc += w0[:, None] * a
             acc += w1[:, None] * o
-            tl.store(a_ptrs, acc / s_safe[:, None], mask=rmask[:, None] & cmask[None, :])
+            tl.store(a_row[:, None] + cols[None, :], acc / s_safe[:, None],
+                     mask=smask[:, None] & cm[None, :])
         tl.store(acc_lse_ptr + la_off, tl.where(tot > 0, tl.log(s_safe) + m, float("-inf")),
-                 mask=rmask)
+                 mask=smask)
 
 
 def merge_block_triton(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor) -> None:
     """The Triton path of ``merge_block`` (one launch, in place)."""
     b, s, h, dv = acc.shape
-    n_rows = b * s * h
-    if n_rows == 0 or dv == 0:
+    if b * s * h == 0 or dv == 0:
         return
     if out.stride(3) != 1:
         out = out.contiguous()
-    block_d = min(256, triton.next_power_of_2(max(dv, 16)))
-    block_r = max(1, 2048 // block_d)
-    grid = (triton.cdiv(n_rows, block_r),)
-    _merge_step_kernel[grid](acc, acc_lse, out, lse, n_rows, s, h, dv,
+    block_d = min(128, triton.next_power_of_2(max(dv, 16)))
+    block_s = max(1, 2048 // block_d)
+    grid = (triton.cdiv(s, block_s), h, b)
+    _merge_step_kernel[grid](acc, acc_lse, out, lse, s,
                              acc.stride(0), acc.stride(1), acc.stride(2),
                              acc_lse.stride(0), acc_lse.stride(1), acc_lse.stride(2),
                              out.stride(0), out.stride(1), out.stride(2),
                              lse.stride(0), lse.stride(1), lse.stride(2),
-                             BLOCK_R=block_r, BLOCK_D=block_d,
-                             D_CHUNKS=triton.cdiv(dv, block_d), num_warps=4)
+                             DV=dv, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)
 
 
 def merge_block(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,

@@ -46,14 +46,25 @@ def test_attention_with_lse_matches_fp64(case, causal):
     out, lse = attention_with_lse(q.cuda(), k.cuda(), v.cuda(), causal)
     kernel = ring_attn.last_kernel()
     ref, ref_lse = ref_attention_lse(q, k, v, causal)
-    tol = 2e-5 if dtype == torch.float32 else 2.0 ** -7
-    err = ((out.cpu().double() - ref).abs() - tol * ref.abs()).max().item()
     where = f"seed {seed}, {case}, causal={causal}, kernel {kernel}"
     assert tuple(out.shape) == (b, s, hq, dv) and lse.dtype == torch.float32, where
-    assert err < 2e-3, f"{where}: out err {err}"
+    err = _excess(out, ref, v, dtype)
+    assert err <= 0, f"{where}: out err over the tolerance by {err}"
     assert max_err(lse.cpu(), ref_lse) < 1e-3, f"{where}: lse err"
     if dtype != torch.float32:
         assert kernel in ("flash", "efficient", "cudnn"), where
+
+
+def _excess(out, ref, v, dtype):
+    """How far ``out`` is beyond the tolerance (≤ 0: within). Fused kernels round the softmax
+    weights to the input dtype before P·V (FlashAttention, cuDNN), so an element may be off by
+    about eps/2 of max|v| besides its own rounding; fp32 by accumulation only."""
+    if dtype == torch.float32:
+        tol = 2e-5 + 1e-5 * ref.abs()
+    else:
+        eps = torch.finfo(dtype).eps
+        tol = eps / 2 * (ref.abs() + v.double().abs().max())
+    return ((out.cpu().double() - ref).abs() - tol).max().item()
 
 
 def _blocks(seed, n_blocks=4, b=2, s=37, h=5, dv=96):
@@ -103,8 +114,8 @@ def _ring_one_rank(rank, world, seed):
             pos = positions(512, world, rank, layout)
             out = ring_attention(*(t[:, pos].cuda() for t in (q, k, v)), causal=causal,
                                  layout=layout)
-            err = ((out.cpu().double() - ref[:, pos]).abs() - 2.0 ** -8 * ref[:, pos].abs())
-            res.append((layout, causal, err.max().item(), ring_attn.last_kernel()))
+            res.append((layout, causal, _excess(out, ref[:, pos], v, torch.bfloat16),
+                        ring_attn.last_kernel()))
     return res
 
 
@@ -114,4 +125,4 @@ def test_ring_attention_one_rank_cuda():
     with attncomm.RankPool(1, device="cuda") as pool:
         res = pool.run(_ring_one_rank, seed, timeout_s=300)[0]
     for layout, causal, err, kernel in res:
-        assert err < 1e-3, f"seed {seed}: {layout} causal={causal} err {err} ({kernel})"
+        assert err <= 0, f"seed {seed}: {layout} causal={causal} over by {err} ({kernel})"
