@@ -3,10 +3,14 @@ bit comparisons."""
 from __future__ import annotations
 
 import math
+import random
 
 import torch
 
-__all__ = ["gen", "rand", "ref_attention_lse", "bits_equal", "max_err"]
+__all__ = ["gen", "rand", "ref_attention_lse", "bits_equal", "max_err", "SPECIALS",
+           "special_blocks", "expect_value_error"]
+
+SPECIALS = (float("-inf"), float("inf"), float("nan"))
 
 
 def gen(seed: int) -> torch.Generator:
@@ -51,3 +55,39 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def special_blocks(seed: int, shape, dtype=torch.float32, n_blocks: int = 4):
+    """Random blocks ``(lo, hi, out [B, hi−lo, H, Dv], lse [B, hi−lo, H] fp32)`` covering row
+    ranges of a ``[B, S, H, Dv]`` state (the first covers every row), with special LSEs (−inf,
+    +inf, NaN) over NaN payloads (an empty block's payload must never leak), and row
+    ``(0, 0, 0)`` empty in every block."""
+    b, s, h, dv = shape
+    g = gen(seed)
+    rng = random.Random(seed)
+    blocks = []
+    for i in range(n_blocks):
+        lo = 0 if i == 0 else rng.randrange(s)
+        hi = s if i == 0 else rng.randrange(lo + 1, s + 1)
+        out = (rand(g, (b, hi - lo, h, dv)) * 3).to(dtype)
+        lse = rand(g, (b, hi - lo, h), torch.float32) * 4
+        special = torch.rand((b, hi - lo, h), generator=g) < 0.3
+        lse[special] = torch.tensor([SPECIALS[rng.randrange(3)]
+                                     for _ in range(int(special.sum()))])
+        out[special] = float("nan")
+        if lo == 0:
+            lse[0, 0, 0] = SPECIALS[i % 3]
+            out[0, 0, 0] = float("nan")
+        blocks.append((lo, hi, out, lse))
+    return blocks
+
+
+def expect_value_error(fn) -> str:
+    """The message of the ValueError ``fn()`` raises, or "WRONG …" / "NO ERROR"."""
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001
+        return f"WRONG {type(exc).__name__}: {exc}"
+    return "NO ERROR"

@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 from _reference import ref_merge
-from _ring_helpers import bits_equal, gen, max_err, rand, ref_attention_lse
+from _ring_helpers import (SPECIALS, bits_equal, expect_value_error, gen, max_err, rand,
+                           ref_attention_lse, special_blocks)
 
 import attncomm
 from attncomm.errors import PeerTimeoutError
@@ -76,29 +77,8 @@ def test_ring_blocks_cover_the_mask_exactly_once(layout, causal):
 
 
 # ------------------------------------------------------------------------------ merge
-_SPECIALS = (float("-inf"), float("inf"), float("nan"))
-
-
-def _blocks(seed, n_blocks=4, b=2, s=5, h=3, dv=20):
-    """Random blocks covering row ranges of a ``[b, s, h]`` state, with special LSEs (and NaN
-    payloads under them) and one row empty in every block."""
-    g = gen(seed)
-    rng = random.Random(seed)
-    blocks = []
-    for i in range(n_blocks):
-        lo = 0 if i == 0 else rng.randrange(s)
-        hi = s if i == 0 else rng.randrange(lo + 1, s + 1)
-        out = rand(g, (b, hi - lo, h, dv), torch.float32) * 3
-        lse = rand(g, (b, hi - lo, h), torch.float32) * 4
-        special = torch.rand((b, hi - lo, h), generator=g) < 0.3
-        picks = torch.tensor([_SPECIALS[rng.randrange(3)] for _ in range(int(special.sum()))])
-        lse[special] = picks
-        out[special] = float("nan")  # an empty block's payload must never leak
-        if lo == 0:  # row (0, 0, 0) is empty in every block
-            lse[0, 0, 0] = _SPECIALS[i % 3]
-            out[0, 0, 0] = float("nan")
-        blocks.append((lo, hi, out, lse))
-    return blocks
+def _blocks(seed, b=2, s=5, h=3, dv=20):
+    return special_blocks(seed, (b, s, h, dv))
 
 
 def _merge_all(blocks, merge, b=2, s=5, h=3, dv=20):
@@ -277,7 +257,7 @@ def _all_masked_block(rank, world, seed):
             pos = positions(s, world, rank, layout)
             out, lse = ring_attention(*(t[:, pos].float() for t in (q, k, v)), causal=causal,
                                       layout=layout, return_lse=True,
-                                      attn_fn=_masking_attn(_SPECIALS))
+                                      attn_fn=_masking_attn(SPECIALS))
             empty = torch.isneginf(ref_lse[:, pos])
             res.append((layout, causal, int(empty.sum()),
                         bool((out[empty] == 0).all()) and bool(torch.isneginf(lse[empty]).all()),
@@ -302,23 +282,13 @@ def test_all_masked_block_is_an_empty_shard(pools, world):
 
 
 # ------------------------------------------------------------------------------ bad inputs
-def _expect_value_error(fn):
-    try:
-        fn()
-    except ValueError as exc:
-        return str(exc)
-    except Exception as exc:  # noqa: BLE001
-        return f"WRONG {type(exc).__name__}: {exc}"
-    return "NO ERROR"
-
-
 def _bad_inputs(rank, world):
     out = {}
     q = torch.randn(1, 4, 4, 8)
     kv = torch.randn(1, 4, 2, 8)
 
     def case(name, fn, fragment, same=True):
-        out[name] = (_expect_value_error(fn), fragment, same)
+        out[name] = (expect_value_error(fn), fragment, same)
 
     qs = torch.randn(1, 4 + (rank == world - 1) * 2, 4, 8)
     ks = torch.randn(1, qs.shape[1], 2, 8)

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from _ring_helpers import bits_equal, gen, max_err, rand, ref_attention_lse
+from _ring_helpers import bits_equal, expect_value_error, gen, max_err, rand, ref_attention_lse
 
 from attncomm import usp
 from attncomm.ring import positions, reference_attention, ring_attention
@@ -191,16 +191,6 @@ def test_make_groups_layout_warning_and_errors(pools):
 
 
 # ------------------------------------------------------------------------------ bad inputs
-def _expect_value_error(fn):
-    try:
-        fn()
-    except ValueError as exc:
-        return str(exc)
-    except Exception as exc:  # noqa: BLE001
-        return f"WRONG {type(exc).__name__}: {exc}"
-    return "NO ERROR"
-
-
 def _bad_inputs(rank, world):
     ug, rg = _grid(2, world // 2)
     mod = USPAttention(ulysses_group=ug, ring_group=rg, backend="all_to_all", layout="zigzag")
@@ -209,7 +199,7 @@ def _bad_inputs(rank, world):
     out = {}
 
     def case(name, fn, fragment):
-        out[name] = (_expect_value_error(fn), fragment)
+        out[name] = (expect_value_error(fn), fragment)
 
     # one rank of the other ring group and Ulysses group than rank 0 brings another D
     qd = torch.randn(1, 4, 4, 8 + 8 * (rank == world - 1))

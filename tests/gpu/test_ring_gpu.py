@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from _ring_helpers import gen, max_err, rand, ref_attention_lse
+from _ring_helpers import gen, max_err, rand, ref_attention_lse, special_blocks
 
 import attncomm
 from attncomm.ring import attn as ring_attn
@@ -16,9 +16,6 @@ from attncomm.ring import attention_with_lse, positions, ring_attention
 from attncomm.ring.merge import merge_block_torch, merge_block_triton, new_state
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
-
-_SPECIALS = (float("-inf"), float("inf"), float("nan"))
-
 
 def _need_gpu():
     if not torch.cuda.is_available():
@@ -67,27 +64,10 @@ def _excess(out, ref, v, dtype):
     return ((out.cpu().double() - ref).abs() - tol).max().item()
 
 
-def _blocks(seed, n_blocks=4, b=2, s=37, h=5, dv=96):
-    g = gen(seed)
-    rng = random.Random(seed)
-    blocks = []
-    for i in range(n_blocks):
-        lo = 0 if i == 0 else rng.randrange(s)
-        hi = s if i == 0 else rng.randrange(lo + 1, s + 1)
-        out = rand(g, (b, hi - lo, h, dv), torch.bfloat16)
-        lse = rand(g, (b, hi - lo, h), torch.float32) * 4
-        special = torch.rand((b, hi - lo, h), generator=g) < 0.3
-        lse[special] = torch.tensor([_SPECIALS[rng.randrange(3)]
-                                     for _ in range(int(special.sum()))])
-        out[special] = float("nan")
-        blocks.append((lo, hi, out, lse))
-    return blocks
-
-
 def test_merge_step_cuda_matches_torch_path():
     _need_gpu()
     seed = random.randrange(1 << 30)
-    blocks = _blocks(seed)
+    blocks = special_blocks(seed, (2, 37, 5, 96), torch.bfloat16)
     states = []
     for device, merge in (("cpu", merge_block_torch), ("cuda", merge_block_triton)):
         acc, acc_lse = new_state(2, 37, 5, 96, device)
