@@ -194,6 +194,7 @@ def _ring_cases(rank, world, seed):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_matches_fp64(pools, world):
     seed = random.randrange(1 << 30)

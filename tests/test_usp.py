@@ -136,6 +136,7 @@ def _degenerate(rank, world, seed):
     return res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_degenerate_grids_are_ulysses_and_ring_bit_for_bit(pools, world):
     seed = random.randrange(1 << 30)
