@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from . import capability, config
+from . import _triton, capability, config
 from .dp_attention.shm import shm_supported
 from .ulysses import api as ulysses_api
 
@@ -23,12 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _versions() -> dict:
     out = {"python": platform.python_version(), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "triton": None, "nccl": None}
-    try:
-        import triton
-        out["triton"] = triton.__version__
-    except Exception:  # noqa: BLE001
-        pass
+           "cuda": torch.version.cuda, "triton": _triton.VERSION, "nccl": None}
     if torch.cuda.is_available():
         try:
             out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
@@ -82,10 +77,8 @@ def _symm_a2a_reason(p2p: list[list[bool]]) -> str | None:
     reason = capability.cuda_reason() or capability.symm_mem_reason()
     if reason:  # the more basic reason first (no CUDA), then Triton
         return reason
-    try:
-        import triton  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return "Triton is not importable"
+    if _triton.REASON:
+        return _triton.REASON
     if len(p2p) < 2:
         return f"needs ≥ 2 GPUs on this host for W ≥ 2 (found {len(p2p)}); W=1 runs"
     missing = [f"{i}→{j}" for i, row in enumerate(p2p) for j, ok in enumerate(row) if not ok]
