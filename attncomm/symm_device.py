@@ -13,10 +13,12 @@ The DCP merge (``attncomm.dcp.lse_merge.symm_kernels``) and the DCP query gather
   split over the grid), then ``scrub_fence`` before any store of the call reaches a peer, so no
   cell keeps a value for 2**32 calls, where it would match again.
 - Bounded waits: ``timed_out`` against ``%globaltimer`` (the deadline starts at the first wait
-  that has to spin; the budget is the descriptor's ``DESC_TIMEOUT`` word, read only then);
-  ``wait_word`` spins until a word holds ``e``; past the deadline ``record_timeout`` stores 1
-  into the peer's error word with a system-scope store (the word may be mapped pinned host
-  memory, read by the host without a CUDA call).
+  that has to spin; the budget, ``budget``, is the descriptor's ``DESC_TIMEOUT`` word, read as
+  a wait starts, beside its first poll: read at the first spin it would hold up the next poll,
+  held in a register through a whole kernel it costs the tiles registers); ``wait_word``
+  spins until a word holds ``e``; past the deadline ``record_timeout`` stores 1 into the peer's
+  error word with a system-scope store (the word may be mapped pinned host memory, read by the
+  host without a CUDA call).
 - The descriptor (``attncomm.symm_regions``): ``region`` reads a region's base and cell stride
   (multiples of 16 elements, which the compiler is told), ``peer_delta`` a peer's offset, and
   ``typed`` views the one slab pointer a kernel takes as another element type.
@@ -42,6 +44,7 @@ from . import symm as _s
 from . import symm_regions as _r
 
 __all__ = [
+    "budget",
     "count_in",
     "epoch_of",
     "ll_ready",
@@ -75,12 +78,17 @@ def now_ns():
 
 
 @triton.jit
-def timed_out(deadline, desc):
-    # (deadline, expired): the deadline is set on the first wait that has to spin, from the
-    # descriptor's budget (read only then).
+def budget(desc):
+    # The waits' budget in ns (the descriptor's DESC_TIMEOUT word).
+    return tl.load(desc + _r.DESC_TIMEOUT)
+
+
+@triton.jit
+def timed_out(deadline, timeout_ns):
+    # (deadline, expired): the deadline is set on the first wait that has to spin.
     now = now_ns()
     if deadline == 0:
-        deadline = now + tl.load(desc + _r.DESC_TIMEOUT)
+        deadline = now + timeout_ns.to(tl.int64)
     return deadline, now > deadline
 
 
@@ -175,9 +183,10 @@ def record_timeout(err_ptr):
 def wait_word(ptr, e, deadline, desc, err_ptr, bad, SEM: tl.constexpr):
     # Bounded wait until *ptr == e (loads with SEM at system scope); past the deadline:
     # record_timeout(err_ptr) and bad |= 1. Returns (deadline, bad).
+    timeout_ns = budget(desc)
     v = tl.atomic_add(ptr, 0, sem=SEM, scope="sys")
     while v != e:
-        deadline, expired = timed_out(deadline, desc)
+        deadline, expired = timed_out(deadline, timeout_ns)
         if expired:
             record_timeout(err_ptr)
             bad = bad | 1

@@ -74,6 +74,7 @@ import triton.language as tl
 from triton.language.extra import cuda as tl_cuda
 
 from ...symm_device import (
+    budget,
     count_in,
     epoch_of,
     ll_ready,
@@ -119,9 +120,10 @@ def _scrub(slab, desc, state64_ptr, e, pid, grid_size, RANK: tl.constexpr, W: tl
 def _wait_go(ptr, e, deadline, desc):
     # Wait until a local cell holds e. Timing only (no data depends on it): past the timeout
     # the program just goes on.
+    timeout_ns = budget(desc)
     v = tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu")
     while v != e:
-        deadline, expired = timed_out(deadline, desc)
+        deadline, expired = timed_out(deadline, timeout_ns)
         if expired:
             v = e
         else:
@@ -495,11 +497,12 @@ def merge_ll_kernel(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab, desc, state_pt
                 cell = slot * W + q
                 po = slab_llo + cell * llo_cell + rows[:, None] * DW + c[None, :]
                 pl = slab_lll + cell * lll_cell + rows
+                timeout_ns = budget(desc)  # beside the first poll (symm_device)
                 y = tl.load(po, mask=m2, other=tag, volatile=True)
                 yl = tl.load(pl, mask=rmask, other=tag, volatile=True)
                 ready = _ll_ready(y, yl, e)
                 while ready == 0:
-                    deadline, expired = timed_out(deadline, desc)
+                    deadline, expired = timed_out(deadline, timeout_ns)
                     if expired:
                         record_timeout(err_ptr + q)
                         bad = bad | 1

@@ -58,6 +58,7 @@ import triton.language as tl
 
 from ...symm import plan_blocks
 from ...symm_device import (
+    budget,
     count_in,
     epoch_of,
     ll_ready,
@@ -361,11 +362,12 @@ def gather_ll_kernel(q_ptr, cos_ptr, sin_ptr, scale_ptr, slab, desc, state_ptr, 
             if q != RANK:
                 p = slab_q + ll_base + (slot * W + q) * ll_cell + rows[:, None] * DW \
                     + w[None, :]
+                timeout_ns = budget(desc)  # beside the first poll (symm_device)
                 y = tl.load(p, mask=m2, other=tag, volatile=True)
                 ready = ll_ready(y, e)
                 ok = tl.full([], 1, tl.int32)
                 while ready == 0:
-                    deadline, expired = timed_out(deadline, desc)
+                    deadline, expired = timed_out(deadline, timeout_ns)
                     if expired:
                         record_timeout(err_ptr + q)
                         ok = ok * 0
