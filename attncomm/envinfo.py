@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from . import capability, config
+from . import _triton, capability, config
 from ._dist import agree_reason, group_device
 from .dp_attention.rows import sync_decision
 from .dp_attention.shm import shm_supported
@@ -43,12 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _versions() -> dict:
     out = {"python": platform.python_version(), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "triton": None, "nccl": None}
-    try:
-        import triton
-        out["triton"] = triton.__version__
-    except Exception:  # noqa: BLE001
-        pass
+           "cuda": torch.version.cuda, "triton": _triton.VERSION, "nccl": None}
     if torch.cuda.is_available():
         try:
             out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
@@ -102,10 +97,8 @@ def _symm_a2a_reason(p2p: list[list[bool]]) -> str | None:
     reason = capability.cuda_reason() or capability.symm_mem_reason()
     if reason:  # the more basic reason first (no CUDA), then Triton
         return reason
-    try:
-        import triton  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return "Triton is not importable"
+    if _triton.REASON:
+        return _triton.REASON
     if len(p2p) < 2:
         return f"needs ≥ 2 GPUs on this host for W ≥ 2 (found {len(p2p)}); W=1 runs"
     missing = [f"{i}→{j}" for i, row in enumerate(p2p) for j, ok in enumerate(row) if not ok]
@@ -145,14 +138,6 @@ def _backends(p2p) -> dict:
     return {"dcp": dcp, "dcp_gather": dcp_gather, "ulysses": ulysses, "dp_sync": dp}
 
 
-def _triton_reason() -> str | None:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return "Triton is not importable"
-    return None
-
-
 def group_topology(group=None) -> dict:
     """The hosts of a live ``group`` and, for each exchange's single-host transport, whether it
     can run on the group and why not (the same verdicts the exchanges' ``auto`` reaches).
@@ -164,7 +149,7 @@ def group_topology(group=None) -> dict:
     """
     dev = group_device(group)
     layout = capability.group_hosts(group)
-    symm = capability.symm_unavailable_reason(group, dev) or _triton_reason()  # collective
+    symm = capability.symm_unavailable_reason(group, dev) or _triton.REASON  # collective
     # the hosts' reason is the same on every rank (the layout is agreed): said once, not per rank
     symm = layout.reason() or agree_reason(group, symm, "symmetric memory")
     ce = ulysses_api.ce_reason(group, dev)

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from attncomm import config, dcp, ring, ulysses, usp
+from attncomm._wait import poll_until
 from attncomm.dp_attention import (
     BatchView,
     DpPaddingMode,
@@ -283,14 +284,14 @@ def run_cell(exchange: str, fault: str, validate: bool | None, timeout_s: float 
     for p in procs:
         p.start()
     hang_deadline = time.monotonic() + timeout_s + 60  # far past every bound checked below
-    while len(cell.ranks) < world and time.monotonic() < hang_deadline:
-        if not results.empty():
+
+    def collected() -> bool:  # every rank reported, or every process is gone
+        while not results.empty():
             rank, outcome = results.get()
             cell.ranks[rank] = outcome
-            continue
-        if all(p.exitcode is not None for p in procs) and results.empty():
-            break
-        time.sleep(0.02)
+        return len(cell.ranks) >= world or all(p.exitcode is not None for p in procs)
+
+    poll_until(collected, timeout_s + 60, interval_s=0.02)
     for r, p in enumerate(procs):
         p.join(timeout=max(0.0, hang_deadline - time.monotonic()) if r not in cell.ranks
                else 10)
