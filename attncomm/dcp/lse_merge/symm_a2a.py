@@ -24,6 +24,7 @@ from ...symm import (
     plan_blocks,
     use_ll,
 )
+from ..compiled_launch import LaunchCache, alignment_key
 from .backend import DcpBackend, register
 from .symm_layout import SlabLayout
 
@@ -249,6 +250,7 @@ class SymmA2ABackend(DcpBackend):
         self.n_programs_max = self._agree_grid_bound()
         self.res = torch.empty((max_tokens, self.hs, head_dim), dtype=dtype, device=device)
         self.res_lse = torch.empty((max_tokens, self.hs), dtype=torch.float32, device=device)
+        self._launches = LaunchCache((_k.merge_ll_kernel, _k.merge_flag_kernel))
         self._warm_up()
 
     @classmethod
@@ -300,10 +302,15 @@ class SymmA2ABackend(DcpBackend):
             lse = lse.float().contiguous()
         o = self.res if res is None else res
         l = self.res_lse if res_lse is None else res_lse
-        launch_merge(out.contiguous(), lse, o, l, slab=self.slab,
-                     rank=self.rank, world_size=self.world_size, num_heads=self.num_heads,
-                     layout=self.layout, n_programs_max=self.n_programs_max, pdl=self.pdl,
-                     config=self.config)
+        dyn = (out.contiguous(), lse, o, l)
+        # The first call of a token count and alignment launches through ``launch_merge`` and
+        # Triton's JIT; later ones through the kernel it compiled (``compiled_launch``).
+        self._launches.launch(
+            (T, *alignment_key(dyn)),
+            lambda: launch_merge(*dyn, slab=self.slab, rank=self.rank,
+                                 world_size=self.world_size, num_heads=self.num_heads,
+                                 layout=self.layout, n_programs_max=self.n_programs_max,
+                                 pdl=self.pdl, config=self.config), dyn)
         return (o[:T] if res is None else o), (l[:T] if res_lse is None else l)
 
     def check(self) -> None:
