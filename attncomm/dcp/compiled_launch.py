@@ -15,8 +15,8 @@ tensors' addresses (the token count) and what Triton specializes those tensors o
 16-byte alignment; their dtypes are fixed by the caller's object). Launches are replayed only
 when it is safe to: the wrapper launched exactly one kernel, its leading positional arguments
 were exactly the changing tensors, every other parameter was given, no launch hook (a
-profiler's) is installed at the call, and the kernel is a compiled one (not Triton's interpreter, which
-CPU tests run). Anything else launches through the wrapper every time.
+profiler's) is installed at the call, and the kernel is a compiled one (not Triton's
+interpreter, which CPU tests run). Anything else launches through the wrapper every time.
 """
 from __future__ import annotations
 
