@@ -150,8 +150,11 @@ class DcpMerger(Lifecycle):
         lse_base: "e" or "2". timeout_s: wait budget (None → ``ATTNCOMM_TIMEOUT_S``).
 
     ``merger(out [T, H, D], lse [T, H], return_lse=False)`` → ``[T, H/W, D]`` (+ ``[T, H/W]`` fp32
-    LSE). Per-call checks are local only (no collective), so calls can be captured. Outputs of a
-    backend with ``returns_views`` alias internal buffers until the next call.
+    LSE). Per-call checks are local only (no collective; once per signature of shapes, dtypes
+    and devices), so calls can be captured. Outputs of a backend with ``returns_views`` alias
+    internal buffers until the next call. Under ``torch.compile`` a call is the custom op
+    ``attncomm::dcp_merger`` (``dcp/ops.py``), which finds this merger by ``op_name`` and
+    returns new tensors of the graph.
 
     Attributes:
         backend: the backend used for ``max_tokens``; ``backend_for(T)`` for a token count.

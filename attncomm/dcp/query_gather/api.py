@@ -119,7 +119,9 @@ class DcpQueryGather(Lifecycle):
 
     ``gather(q [T, H/W, D], rope=None)`` → ``[T, H, D]`` in ``out_dtype``, a view of a
     persistent buffer; ``rope=(cos, sin)`` each ``[T, rope_dim]`` is required iff ``rope_dim >
-    0``. Per-call checks are local (no collective), so calls can be captured.
+    0``. Per-call checks are local (no collective; once per signature), so calls can be
+    captured. Under ``torch.compile`` a call is the custom op ``attncomm::dcp_query_gather``
+    (``dcp/ops.py``): a new tensor of the graph, copied from the buffer.
 
     Ordering rule (the view is valid until this rank's next call is enqueued): enqueue every
     reader of a result on the gather's stream before the next call. The ``symm`` backend keeps
