@@ -37,7 +37,8 @@ import torch.distributed as dist
 from .. import config
 from .._dist import cpu_group
 from ..launch import launch
-from .common import max_over_ranks, meta, print_table, write_json
+from .common import max_over_ranks, meta, print_table
+from .report import Report, emit, usage_error
 
 __all__ = ["OPS", "EXTRA_OPS", "TARGETS", "add_arguments", "main", "run_rank", "markdown_table",
            "with_units"]
@@ -390,7 +391,10 @@ def _config(args) -> dict:
 def main(args) -> int:
     """``attncomm bench overhead`` (arguments: ``add_arguments``)."""
     config.force_safe_env()
-    cfg = _config(args)  # ValueError: the CLI prints it and exits 2
+    try:
+        cfg = _config(args)
+    except ValueError as exc:
+        return usage_error("overhead", str(exc))
     t0 = time.monotonic()
     res = launch(run_rank, args.world_size, device=cfg["device"], args=(cfg,))[0]
     records = res["records"]
@@ -406,16 +410,13 @@ def main(args) -> int:
     m = meta(cfg["device"], args.world_size, unit_host_us=res["unit_host_us"],
              repeats=cfg["repeats"], warmup=cfg["warmup"], small=cfg["small"],
              rev_label=cfg["rev_label"])
-    if args.json:
-        write_json(args.json, m, rows)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(f"# Host cost per eager call — {m['date']}, {m.get('machine') or m['host']}"
-                    + (f" [{cfg['rev_label']}]" if cfg["rev_label"] else "") + "\n\n"
-                    f"W={args.world_size}, {cfg['device']} ({m.get('gpu') or 'no GPU'}); torch "
-                    f"{m['torch']}, Triton {m['triton']}. Medians of {cfg['repeats']} calls, "
-                    f"each on an idle device; unit = one torch.add = "
-                    f"{res['unit_host_us']:.2f} µs.\n\n" + markdown_table(records) + "\n")
+    page = (f"# Host cost per eager call — {m['date']}, {m.get('machine') or m['host']}"
+            + (f" [{cfg['rev_label']}]" if cfg["rev_label"] else "") + "\n\n"
+            f"W={args.world_size}, {cfg['device']} ({m.get('gpu') or 'no GPU'}); torch "
+            f"{m['torch']}, Triton {m['triton']}. Medians of {cfg['repeats']} calls, each on an "
+            f"idle device; unit = one torch.add = {res['unit_host_us']:.2f} µs.\n\n"
+            + markdown_table(records))
+    emit(args, Report(meta=m, records=rows, markdown=page))
     failed = [r["op"] for r in records if r["op"] in OPS and (
         r["error"] or (r["note"] or "").startswith("skipped"))]
     if failed:
