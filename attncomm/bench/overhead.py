@@ -36,7 +36,12 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import cpu_group
+from ..dcp import DcpAttention, DcpMerger, DcpQueryGather, gather_heads, merge
+from ..dcp.lse_merge import functional as merge_fn
+from ..dcp.query_gather import functional as gather_fn
+from ..dp_attention import DpPaddingMode, dp_gather, dp_reduce_scatter
 from ..launch import launch
+from ..ulysses import UlyssesAttention, sdpa_attention, seq_to_head
 from .common import max_over_ranks, meta, print_table
 from .report import Report, emit, usage_error
 
@@ -71,9 +76,6 @@ def _shapes(small: bool) -> dict:
 # ------------------------------------------------------------------------------ the rows
 def _dcp_rows(s, device, gen, W):
     """Builders of the DCP rows: name → () → (fn, baseline fn or None, shape, note)."""
-    from ..dcp import DcpAttention, DcpMerger, DcpQueryGather, gather_heads, merge
-    from ..dcp.lse_merge import functional as merge_fn
-    from ..dcp.query_gather import functional as gather_fn
 
     T, H, D, Dq, dt = s["T"], s["H"], s["D"], s["Dq"], s["dtype"]
     out = torch.randn((T, H, D), generator=gen, device=device).to(dt)
@@ -124,8 +126,6 @@ def _dcp_rows(s, device, gen, W):
 def _merge_graph(s, out, lse, copies: bool):
     """A CUDA graph of one symm_a2a merge of static inputs, replayed (after copying an eager
     caller's tensors into them, with ``copies``): what a graph per token bucket would cost."""
-    from ..dcp import DcpMerger
-
     m = DcpMerger(max_tokens=s["T"], num_heads=s["H"], head_dim=s["D"], dtype=s["dtype"],
                   backend="symm_a2a")
     s_out, s_lse = out.clone(), lse.clone()
@@ -144,8 +144,6 @@ def _merge_graph(s, out, lse, copies: bool):
 
 
 def _ulysses_rows(s, device, gen):
-    from ..ulysses import UlyssesAttention, sdpa_attention, seq_to_head
-
     dt = s["dtype"]
     W = dist.get_world_size()
     x = torch.randn((1, s["S"] // W, s["UH"], s["UD"]), generator=gen, device=device).to(dt)
@@ -182,8 +180,6 @@ def _ulysses_rows(s, device, gen):
 
 
 def _dp_rows(s, device, gen, W):
-    from ..dp_attention import DpPaddingMode, dp_gather, dp_reduce_scatter
-
     T, hidden, dt = s["T"], s["H"] * s["UD"], s["dtype"]
     n = [T] * W
     local = torch.randn((T, hidden), generator=gen, device=device).to(dt)
