@@ -288,15 +288,16 @@ class DcpMerger(Lifecycle):
              res_lse: torch.Tensor | None = None):
         """Merge into caller-owned destinations (the call's arguments already ``accept``-ed):
         ``res`` contiguous ``[T, H/W, D]`` in ``dtype``, ``res_lse`` contiguous ``[T, H/W]`` fp32
-        in base ``lse_base`` or None (the LSE then goes to a scratch or internal buffer).
-        Returns ``(res, merged LSE)``."""
+        in base ``lse_base``, or None when the LSE is not wanted (it goes to a scratch or
+        internal buffer). Returns ``(res, res_lse)``."""
         if out.shape[0] == 0:
             return res, res_lse
         lse_e = lse_to_e(lse, self.lse_base)
-        if self.lse_base == "e":
-            return self._impl(out.contiguous(), lse_e, res, res_lse)
-        o, l = self._impl(out.contiguous(), lse_e, res, None)
-        return o, (l / LN2 if res_lse is None else torch.div(l, LN2, out=res_lse))
+        if self.lse_base == "e" or res_lse is None:
+            self._impl(out.contiguous(), lse_e, res, res_lse)
+            return res, res_lse
+        _, l = self._impl(out.contiguous(), lse_e, res, None)
+        return res, torch.div(l, LN2, out=res_lse)
 
     def _traced(self, out, lse, return_lse):
         # torch.compile: one custom op (attncomm/dcp/ops.py) that runs ``into`` on this merger,
