@@ -101,7 +101,8 @@ def test_roundtrip_within_bound(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_roundtrip_tiny_and_huge_rows(dtype):
     """Rows whose scale is subnormal or 0 in fp32 (amax < 448·2⁻¹²⁶), and rows at the top of
-    the dtype's range: the bound holds, nothing becomes inf or NaN."""
+    the dtype's range, the largest finite value in each (the one amax whose dequantized value
+    could round past it): the bound holds, nothing becomes inf or NaN."""
     seed = random.randrange(1 << 30)
     g = torch.Generator().manual_seed(seed)
     tiny_exp = -133 if dtype == torch.bfloat16 else -149

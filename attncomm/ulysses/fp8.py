@@ -34,8 +34,9 @@ whose scale is subnormal or 0 in fp32 (``a < 448·2⁻¹²⁶``: tiny fp32 or bf
 the scale's absolute rounding (2⁻¹⁵⁰ × 448) dominates. Relative to the row's amax, the largest
 e4m3 half-ulp (16, at 448) gives ``|x̂ − x| ≤ a/28 + u·a`` up to those fp32 terms: about 3.6 %
 of the amax, under the 2⁻⁴ one might expect. ``roundtrip_bound`` computes the element-wise bound.
-One more edge: fp32 inputs within 2⁻²³ of the largest fp32 may dequantize to ±inf (the fp32
-product ``448·scale`` can round up past it); bf16 and fp16 inputs cannot overflow.
+Dequantization never overflows: ``|float(q)·scale| ≤ 448·scale ≤ amax·(1 + 2⁻²⁴)``, which
+could round past the largest fp32 only for ``amax`` = the largest fp32 itself, and that row
+comes back finite (tested).
 
 **Wire layout** ("row-appended scales"). Each row's scale travels next to its values: a row is
 ``D + 4`` bytes, the ``D`` e4m3 bytes then the scale's 4 bytes (fp32, the machine's byte order,
