@@ -195,7 +195,7 @@ class _Staging:
 
     def slot_view(self, k: int, numel: int, dtype) -> torch.Tensor:
         start = self.flags_bytes + k * self.cap
-        item = torch.empty((), dtype=dtype).element_size()
+        item = dtype.itemsize
         return self.buf[start:start + numel * item].view(dtype)
 
 
@@ -298,7 +298,7 @@ class CopyEngineTransport(Transport):
         held (every rank makes the same calls, so every rank picks the same entry). Two
         exchanges in flight per shape fit one entry; more in flight (a pipeline's q/k and v
         exchanges of the same bucket, two head groups ahead) take further entries."""
-        item = torch.empty((), dtype=dtype).element_size()
+        item = dtype.itemsize
         base = (plan.tiled, _bucket(max(plan.recv_numel) * item))
         n = 0
         while (st := self.cache.get(base + (n,))) is not None and st.held[st.parity]:
@@ -307,13 +307,17 @@ class CopyEngineTransport(Transport):
 
     def prepare(self, plan: ExchangePlan, dtype) -> str | None:
         """None if ``start`` can run this plan now (allocating its staging buffer if needed,
-        collectively), else why not (the same on every rank)."""
+        collectively), else why not (the same on every rank). Raises ``ValueError`` when a new
+        buffer would be needed inside CUDA graph capture (warm the shape up eagerly)."""
         self.check()
         key = self._key(plan, dtype)
         if key in self.cache:
             return None
         if torch.cuda.is_current_stream_capturing():
-            return "a new shape during CUDA graph capture (run it once before capturing)"
+            raise ValueError(
+                "ulysses ce: a staging buffer for a new message size is needed inside CUDA "
+                "graph capture, where it cannot be allocated (collective): run this call "
+                "shape once eagerly on every rank before capturing")
         return self._allocate(key)
 
     def _allocate(self, key) -> str | None:
@@ -367,7 +371,7 @@ class CopyEngineTransport(Transport):
         release of that slot and the copies that last read that buffer are done."""
         key, st = self._entry(plan, dtype)
         k, r = st.parity, self.rank
-        item = torch.empty((), dtype=dtype).element_size()
+        item = dtype.itemsize
         own_in_slot = plan.tiled
         need = sum(n for p, n in enumerate(plan.numel[r]) if p != r or not own_in_slot) * item
         cur = torch.cuda.current_stream(self.device)
@@ -378,8 +382,8 @@ class CopyEngineTransport(Transport):
         buf = st.send_bufs[k]
         if buf is None or buf.numel() < need:
             if torch.cuda.is_current_stream_capturing():
-                raise ValueError("ulysses ce: a new send buffer size during CUDA graph capture "
-                                 "(run it once before capturing)")
+                raise ValueError("ulysses ce: a new send buffer size inside CUDA graph "
+                                 "capture: run this call shape once eagerly before capturing")
             if buf is not None:
                 for cs in self.streams:
                     buf.record_stream(cs)
@@ -412,7 +416,7 @@ class CopyEngineTransport(Transport):
         k = st.parity
         st.parity ^= 1
         st.held[k] = True
-        item = torch.empty((), dtype=dtype).element_size()
+        item = dtype.itemsize
         r, w = self.rank, self.world_size
         cur = torch.cuda.current_stream(self.device)
         mode = _mode(cur)

@@ -38,8 +38,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["FillPart", "rms_norm_rope", "send_layout", "fill_torch", "fill_triton", "fill",
-           "triton_fill_reason", "default_block_s", "LAUNCH_OPTIONS"]
+__all__ = ["FillPart", "FillPlan", "rms_norm_rope", "send_layout", "fill_torch", "fill_triton",
+           "fill", "triton_fill_reason", "default_block_s", "LAUNCH_OPTIONS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,38 +382,125 @@ def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor |
         out = torch.empty(starts[-1], dtype=x0.dtype, device=x0.device)
     if len(parts) > 3:
         raise ValueError(f"fill_triton: at most 3 parts per exchange, got {len(parts)}")
-    base, starts = out, list(starts[:-1])
-    if regions is not None:  # one pointer for all regions: the lowest, others at offsets
-        live = [r for r in regions if r.numel()] or [regions[0]]
-        base = min(live, key=lambda r: r.data_ptr())
-        item = x0.element_size()
-        starts = [(r.data_ptr() - base.data_ptr()) // item for r in regions]
-    if s_r == 0 or b == 0:
-        return out
-    hb = heads_per_program or HEADS_PER_PROGRAM
-    tbl, aligned = _table(x0.device, [p.ranges for p in parts], htot, starts, b, d, hb)
-    if tbl.shape[0] == 0:
-        return out
-    rope = cos is not None
-    flags = sum(((p.weight is not None) << (2 * i)) | ((p.rope and rope) << (2 * i + 1))
-                for i, p in enumerate(parts))
-    xs = [p.x for p in parts] + [x0] * (3 - len(parts))
-    ws = _kernel_weights(parts, x0.device)
-    c, s = (cos, sin) if rope else (x0, x0)
-    block_s = block_s or default_block_s(d)
-    opts = dict(LAUNCH_OPTIONS, num_warps=num_warps or LAUNCH_OPTIONS["num_warps"])
-    half = d // 2
-    grid = (triton_cdiv(s_r, block_s), tbl.shape[0], b)
-    _kernel()[grid](*xs, base, tbl, *ws, c, s, s_r, float(eps), flags,
-                    *[st for x in xs for st in x.stride()],
-                    c.stride(0) if rope else 0, c.stride(1) if rope else 0,
-                    s.stride(0) if rope else 0, s.stride(1) if rope else 0,
-                    HALF=half, LEVELS=half.bit_length() - 1, BLOCK_S=block_s, HB=hb,
-                    ANY_NORM=any(p.weight is not None for p in parts),
-                    ANY_ROPE=rope and any(p.rope for p in parts),
-                    ALIGNED=aligned and base.data_ptr() % 16 == 0, ROPE_BCAST=ROPE_BCAST,
-                    **opts)
+    lay = _Layout(parts, eps, cos is not None, block_s, heads_per_program, num_warps)
+    base, starts = (out, starts[:-1]) if regions is None else _region_base(regions)
+    _launch(lay, [p.x for p in parts], base, lay.table(starts), cos, sin)
     return out
+
+
+def _region_base(regions) -> tuple:
+    """One base pointer for separate regions (the lowest address), and each region's first
+    element from it."""
+    live = [r for r in regions if r.numel()] or [regions[0]]
+    base = min(live, key=lambda r: r.data_ptr())
+    item = base.element_size()
+    return base, [(r.data_ptr() - base.data_ptr()) // item for r in regions]
+
+
+class _Layout:
+    """What a fill launch keeps for one layout (the parts' shapes, dtype, head ranges, norm
+    weights, RoPE, eps, launch shape): everything but the tensors' addresses and strides."""
+
+    def __init__(self, parts: Sequence[FillPart], eps: float, rope: bool,
+                 block_s: int | None = None, heads_per_program: int | None = None,
+                 num_warps: int | None = None):
+        x0 = parts[0].x
+        self.b, self.s_r, _, self.d = x0.shape
+        self.device = x0.device
+        self.ranges = [p.ranges for p in parts]
+        self.htot = send_layout(self.b, self.s_r, self.d, self.ranges)[0]
+        self.hb = heads_per_program or HEADS_PER_PROGRAM
+        self.eps = float(eps)
+        self.rope = rope
+        self.flags = sum(((p.weight is not None) << (2 * i)) | ((p.rope and rope) << (2 * i + 1))
+                         for i, p in enumerate(parts))
+        self.ws = _kernel_weights(parts, x0.device)
+        self.pad = 3 - len(parts)
+        self.block_s = block_s or default_block_s(self.d)
+        half = self.d // 2
+        self.consts = dict(LAUNCH_OPTIONS, num_warps=num_warps or LAUNCH_OPTIONS["num_warps"],
+                           HALF=half, LEVELS=half.bit_length() - 1, BLOCK_S=self.block_s,
+                           HB=self.hb, ANY_NORM=any(p.weight is not None for p in parts),
+                           ANY_ROPE=rope and any(p.rope for p in parts), ROPE_BCAST=ROPE_BCAST)
+        self._tables: dict = {}
+        #: compiled-kernel handles by specialization (CUDA only; ``_launch``)
+        self.handles = {} if CACHED_LAUNCH and x0.is_cuda else None
+
+    def table(self, starts) -> tuple:
+        """``(table, aligned)`` for regions starting at ``starts`` (elements from the base)."""
+        key = tuple(starts)
+        tbl = self._tables.get(key)
+        if tbl is None:
+            tbl = _table(self.device, self.ranges, self.htot, key, self.b, self.d, self.hb)
+            if len(self._tables) > 8:  # a transport hands out a few buffers in turn
+                self._tables.clear()
+            self._tables[key] = tbl
+        return tbl
+
+
+def _launch(lay: _Layout, xs: list, base: torch.Tensor, table: tuple, cos, sin) -> None:
+    """One launch of the fill kernel for ``lay`` with sources ``xs`` (``[B, S_r, H, D]``, any
+    strides), destination ``base`` and the destination ``table``: through Triton's JIT the
+    first time a specialization is seen, then through the compiled kernel it returned
+    (``CACHED_LAUNCH``)."""
+    tbl, aligned = table
+    if lay.s_r == 0 or lay.b == 0 or tbl.shape[0] == 0:
+        return
+    xs = xs + [xs[0]] * lay.pad
+    c, s = (cos, sin) if lay.rope else (xs[0], xs[0])
+    strides = (*xs[0].stride(), *xs[1].stride(), *xs[2].stride(),
+               *((c.stride(0), c.stride(1), s.stride(0), s.stride(1)) if lay.rope
+                 else (0, 0, 0, 0)))
+    args = (*xs, base, tbl, *lay.ws, c, s, lay.s_r, lay.eps, lay.flags, *strides)
+    grid = (triton_cdiv(lay.s_r, lay.block_s), tbl.shape[0], lay.b)
+    aligned = aligned and base.data_ptr() % 16 == 0
+    key = None
+    if lay.handles is not None:
+        # what Triton specializes the changing arguments on: the strides' values and whether
+        # each changing pointer is 16-byte aligned (the others are fixed by the layout)
+        key = (strides, aligned, xs[0].data_ptr() % 16, xs[1].data_ptr() % 16,
+               xs[2].data_ptr() % 16, c.data_ptr() % 16, s.data_ptr() % 16)
+        h = lay.handles.get(key)
+        if h is not None:
+            h.run(*grid, torch._C._cuda_getCurrentRawStream(h.device), h.function, h.meta,
+                  None, None, None, *args, *h.tail)
+            return
+    kernel = _kernel()[grid](*args, ALIGNED=aligned, **lay.consts)
+    if key is not None:
+        h = _handle(kernel, len(args), dict(lay.consts, ALIGNED=aligned))
+        if h is not None:
+            lay.handles[key] = h
+
+
+#: Launch the fill through the compiled kernel Triton returned for a specialization, once it
+#: has compiled it (the same kernel and bits; skips the JIT's per-launch argument binding,
+#: cache key and option checks). Off: every launch goes through the JIT.
+CACHED_LAUNCH = True
+
+
+class _Handle:
+    """A compiled fill kernel and what its launcher takes besides the arguments."""
+
+    __slots__ = ("run", "function", "meta", "tail", "device")
+
+    def __init__(self, kernel, tail, device):
+        self.run, self.function = kernel.run, kernel.function
+        self.meta, self.tail, self.device = kernel.packed_metadata, tail, device
+
+
+def _handle(kernel, n_args: int, consts: dict) -> _Handle | None:
+    """The compiled kernel's handle, or None where launching it directly is not safe (a Triton
+    without these attributes, launch hooks installed, e.g. a profiler's)."""
+    try:
+        from triton import knobs
+        if knobs.runtime.launch_enter_hook is not None or \
+                knobs.runtime.launch_exit_hook is not None:
+            return None
+        names = _kernel().arg_names
+        tail = tuple(consts[n] for n in names[n_args:])  # the constexprs, in signature order
+        return _Handle(kernel, tail, torch.cuda.current_device())
+    except Exception:  # noqa: BLE001 - the JIT path stays
+        return None
 
 
 def _kernel_weights(parts: Sequence[FillPart], device) -> list:
@@ -456,3 +543,49 @@ def fill(parts: Sequence[FillPart], eps: float = 0.0, cos=None, sin=None, out=No
     if why is not None:
         raise ValueError(f"fill_triton: {why}")
     return fill_triton(parts, eps, cos, sin, out, _checked=True)
+
+
+class FillPlan:
+    """``fill`` prepared once for one layout, for a caller that fills many times (a forward per
+    layer and step): the checks, the implementation choice, the norm weights and the Triton
+    destination tables are worked out here, so a call only passes the tensors.
+
+    Arguments:
+        parts: the exchange's parts as ``fill`` takes them; their ``x`` fix the layout (shapes
+            and dtype); later calls pass tensors of the same shapes and dtype, any strides.
+        eps, rope: RMSNorm epsilon; whether cos/sin are passed (the parts' ``rope`` apply).
+        impl: as ``fill``.
+
+    ``plan(xs, cos, sin, out)``: ``xs`` one tensor per part; ``out`` a flat buffer or one flat
+    tensor per region (as ``fill``; the table is kept per region address, so pass stable
+    buffers). Raises ``ValueError`` as ``fill`` does, at construction.
+    """
+
+    def __init__(self, parts: Sequence[FillPart], eps: float = 0.0, rope: bool = False,
+                 impl: str = "auto"):
+        if impl not in ("auto", "triton", "torch"):
+            raise ValueError(f"fill: impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+        _check_parts(parts, None)
+        why = None if impl == "torch" else triton_fill_reason(parts, parts[0].x.device)
+        if impl == "triton" and why is not None:
+            raise ValueError(f"fill_triton: {why}")
+        if why is None and impl != "torch" and len(parts) > 3:
+            raise ValueError(f"fill_triton: at most 3 parts per exchange, got {len(parts)}")
+        self.templates = [dataclasses.replace(p, x=None) for p in parts]
+        self.eps = float(eps)
+        self.starts = send_layout(*parts[0].x.shape[:2], parts[0].x.shape[3],
+                                  [p.ranges for p in parts])[1]
+        self.layout = (_Layout(parts, eps, rope) if why is None and impl != "torch" else None)
+
+    def __call__(self, xs: Sequence[torch.Tensor], cos=None, sin=None, out=None) -> None:
+        lay = self.layout
+        if lay is None:
+            parts = [dataclasses.replace(t, x=x) for t, x in zip(self.templates, xs)]
+            fill_torch(parts, self.eps, cos, sin, out)
+            return
+        if isinstance(out, torch.Tensor):
+            base, table = out, lay.table(self.starts[:-1])
+        else:
+            base, starts = _region_base(out)
+            table = lay.table(starts)
+        _launch(lay, list(xs), base, table, cos, sin)

@@ -23,11 +23,10 @@ def source_view(parts: Sequence[torch.Tensor], piece: Piece) -> torch.Tensor:
     """The ``[rows, cols]`` view of ``parts[piece.part]`` (``[B, S, H, D]``, last two dims
     dense) that ``piece`` sends: rows are sequence positions, columns ``heads × D``."""
     x = parts[piece.part]
-    d = x.shape[3]
-    heads = piece.cols // d
-    v = x[piece.b, piece.src_row0:piece.src_row0 + piece.rows,
-          piece.src_head0:piece.src_head0 + heads]
-    return v.reshape(piece.rows, piece.cols)
+    st = x.stride()
+    # heads × D of one row are contiguous (last two dims dense): one strided view
+    return x.as_strided((piece.rows, piece.cols), (st[1], 1), x.storage_offset() + piece.b * st[0]
+                        + piece.src_row0 * st[1] + piece.src_head0 * st[2])
 
 
 def region_view(plan: ExchangePlan, src: int, dst: int, piece: Piece,
