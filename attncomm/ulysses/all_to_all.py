@@ -75,13 +75,6 @@ class AllToAllTransport(Transport):
         super().__init__(group, rank, world_size, timeout_s)
         self.gloo = dist.get_backend(group) == "gloo"
 
-    def send_buffer(self, plan: ExchangePlan, dtype: torch.dtype,
-                    device: torch.device) -> SendBuffer:
-        """A fresh destination-major buffer (the ``all_to_all_single`` input)."""
-        r = self.rank
-        flat = torch.empty(sum(plan.numel[r]), dtype=dtype, device=device)
-        return SendBuffer(plan, dtype, r, flat.split(plan.numel[r]), flat)
-
     def start(self, plan: ExchangePlan, parts: Sequence[torch.Tensor], dtype: torch.dtype,
               device: torch.device, out: torch.Tensor | None = None, *,
               send: SendBuffer | None = None) -> Exchange:

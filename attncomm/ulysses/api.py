@@ -19,9 +19,10 @@ import torch.distributed as dist
 
 from .. import _dist, config
 from .._dist import group_key
+from . import policy
 from .layout import ExchangePlan, head_offsets, head_split, head_to_seq_plan, seq_to_head_plan
 from .policy import (AUTO_CE_MIN_BYTES, BACKENDS, _BACKEND_CODES, _TRANSPORTS, _cached,
-                     _norm_seq_lens, _seq_lens_error, backend_availability, capturing,
+                     _norm_seq_lens, _seq_lens_error, backend_availability,
                      ce_reason, check_call, decide_transport, dense, env_key, get_transport,
                      on_forget, reset_transports, resolve_backend, seq_key, seq_lens_hash,
                      warm_up_error)
@@ -202,7 +203,7 @@ def _plan_seq_to_head(x, group, seq_lens, backend, validate, timeout_s, output, 
            0 if output is None else 1 + int(output.is_contiguous())]
     labels = ["B", "H", "D", "dtype", "device is CUDA", "backend", "S_r (seq_lens=None)",
               "sum(seq_lens)", "seq_lens (hash)", "output (1: strided, 2: contiguous)"]
-    if capturing(x):
+    if policy.capturing(x):
         raise warm_up_error("ulysses.seq_to_head", f"x {list(shape)} {x.dtype}")
     check = (sig, labels, error, c.timeout)
     check_call(group, "seq_to_head", validate, *check, seq_lens=seq)
@@ -291,7 +292,7 @@ def _plan_head_to_seq(x, group, num_heads, seq_lens, backend, validate, timeout_
            0 if output is None else 1 + int(output.is_contiguous())]
     labels = ["B", "S", "D", "dtype", "device is CUDA", "backend", "num_heads", "seq_lens (hash)",
               "output (1: strided, 2: contiguous)"]
-    if capturing(x):
+    if policy.capturing(x):
         raise warm_up_error("ulysses.head_to_seq", f"x {list(c.shape)} {x.dtype}")
     check = (sig, labels, error, c.timeout)
     check_call(group, "head_to_seq", validate, *check, seq_lens=seq)
@@ -351,20 +352,21 @@ def _prologue(x, group, seq_lens, backend: str, timeout_s, dims: str) -> _Args:
 @torch.compiler.assume_constant_result
 def _traced_decision(op: str, group, shape: tuple, dtype, device_type: str, seq_lens,
                      backend: str, num_heads) -> tuple:
-    """``(group name, transport)`` for a traced call: run by torch.compile while it traces and
+    """``(group name, rank, transport)`` for a traced call: run by torch.compile while it traces and
     taken as a constant, so the graph holds the decision an eager call of this shape made (an
     explicit ``all_to_all`` needs none). Raises the warm-up error when there is none: nothing
     is decided, and nothing falls back, while tracing."""
     group = _dist.resolve_group(group, f"ulysses.{op}")
     backend = resolve_backend(backend)
+    where = (_dist.group_name(group), dist.get_rank(group))
     if backend == "all_to_all":
-        return _dist.group_name(group), backend
+        return where + (backend,)
     seq = seq_key(seq_lens)
     name = _DECISIONS.get((group_key(group), op, shape, dtype, device_type, seq, backend,
                            num_heads))
     if name is None:
         raise warm_up_error(f"ulysses.{op}", f"x {list(shape)} {dtype} with backend={backend!r}")
-    return _dist.group_name(group), name
+    return where + (name,)
 
 
 _VALIDATE_CODES = {None: -1, False: 0, True: 1}
@@ -372,10 +374,10 @@ _VALIDATE_CODES = {None: -1, False: 0, True: 1}
 
 def _traced(op, x, group, seq_lens, backend, validate, timeout_s, output, num_heads=None):
     """The traced call: one custom op (``ulysses/ops.py``) with the decided transport."""
-    name, transport = _traced_decision(op, group, tuple(x.shape), x.dtype, x.device.type,
-                                       seq_lens, backend, num_heads)
+    name, rank, transport = _traced_decision(op, group, tuple(x.shape), x.dtype, x.device.type,
+                                             seq_lens, backend, num_heads)
     seq = None if seq_lens is None else [int(s) for s in seq_lens]
-    args = (name, seq, transport, -1.0 if timeout_s is None else float(timeout_s),
+    args = (name, rank, seq, transport, -1.0 if timeout_s is None else float(timeout_s),
             _VALIDATE_CODES[validate])
     if op == "head_to_seq":
         args = args + (-1 if num_heads is None else int(num_heads),)

@@ -21,10 +21,11 @@ import torch.distributed as dist
 
 from .. import _dist, config
 from .._dist import cpu_group, group_key
+from . import policy
 from .fill import rms_norm_rope
 from .forward_plan import ForwardPlan
 from .layout import head_split
-from .policy import (_BACKEND_CODES, _norm_seq_lens, _seq_lens_error, capturing, check_call,
+from .policy import (_BACKEND_CODES, _norm_seq_lens, _seq_lens_error, check_call,
                      env_key, on_forget, resolve_backend, seq_key, seq_lens_hash, warm_up_error)
 
 __all__ = ["UlyssesAttention", "sdpa_attention", "rms_norm_rope", "auto_groups",
@@ -169,7 +170,7 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         self.fuse_qk_norm_rope = fuse_qk_norm_rope
         self.fill_impl = fill_impl
         self.validate = validate
-        self.__dict__["_pg"] = None        # the resolved process group, on the first forward
+        self.__dict__["_pg"] = _UNRESOLVED  # the resolved process group, on the first forward
         self.__dict__["_plans"] = collections.OrderedDict()   # plan key → ForwardPlan
         self.__dict__["_last"] = None      # the last forward's plan
         _LIVE.add(self)
@@ -179,7 +180,7 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         if name in _PLAN_INPUTS:  # a setting a plan was made from: plan again
             self.__dict__.get("_plans", {}).clear()
             if name == "group":
-                self.__dict__["_pg"] = None
+                self.__dict__["_pg"] = _UNRESOLVED
 
     @property
     def fallback_reason(self) -> str | None:
@@ -204,7 +205,7 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
     def __getstate__(self) -> dict:
         # A copy (deepcopy, pickle) plans anew: plans hold transports and device tensors.
         state = dict(self.__dict__)
-        state.update(_plans=collections.OrderedDict(), _last=None, _pg=None)
+        state.update(_plans=collections.OrderedDict(), _last=None, _pg=_UNRESOLVED)
         state.pop("_op_name", None)
         return state
 
@@ -329,7 +330,7 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
     def _make_plan(self, q, k, v, seq_lens, causal, rope, key) -> ForwardPlan:
         """The checks (local, then across ranks on a new signature), the head groups and the
         transports of a new forward shape: its ``ForwardPlan``."""
-        if self._pg is None:  # a coordinator's device_group; the check once
+        if self._pg is _UNRESOLVED:  # a coordinator's device_group; the check once
             self.__dict__["_pg"] = _dist.resolve_group(self.group, "UlyssesAttention")
         group = self._pg
         timeout = config.timeout_s(self.timeout_s)
@@ -355,7 +356,7 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         labels = ["B", "Hq", "Hkv", "D", "Dv", "q dtype", "k dtype", "v dtype", "CUDA",
                   "backend", "causal", "rope given", "qk_norm given", "S_r (seq_lens=None)",
                   "sum(seq_lens)", "seq_lens (hash)", "pipeline_groups"]
-        if ok and capturing(q):
+        if ok and policy.capturing(q):
             raise warm_up_error("UlyssesAttention", f"the forward shape q {list(q.shape)}, "
                                 f"k {list(k.shape)}, v {list(v.shape)}, {q.dtype}")
         check = (sig, labels, error, timeout)
@@ -393,6 +394,7 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         return torch.ops.attncomm.ulysses_attention(q, k, v, cos, sin, name, bool(causal), seq)
 
 
+_UNRESOLVED = object()
 #: Settings a plan is made from: setting one of them drops the module's plans.
 _PLAN_INPUTS = frozenset({"attn_fn", "group", "backend", "pipeline_groups", "qk_norm",
                           "timeout_s", "fuse_qk_norm_rope", "fill_impl", "validate"})
@@ -408,7 +410,7 @@ _NAME_IDS = itertools.count()
 @on_forget
 def _forget(key) -> None:
     for mod in list(_LIVE):
-        if mod._pg is not None and group_key(mod._pg) == key:
+        if mod._pg is not _UNRESOLVED and group_key(mod._pg) == key:
             mod._plans.clear()
             mod.__dict__["_last"] = None
 

@@ -362,8 +362,11 @@ class CopyEngineTransport(Transport):
                 raise ValueError(f"ulysses ce: {why}")
         return key, self.cache[key]
 
-    def send_buffer(self, plan: ExchangePlan, dtype: torch.dtype,
-                    device: torch.device) -> SendBuffer:
+    def send_storage(self, plan: ExchangePlan) -> int:
+        return 0  # its own staging: the slot and a send staging buffer per parity
+
+    def send_buffer(self, plan: ExchangePlan, dtype: torch.dtype, device: torch.device,
+                    storage: torch.Tensor | None = None) -> SendBuffer:
         """Views of this transport's staging for the next ``start(plan, ..., send=)``: for a
         tiled plan ``regions[rank]`` is this rank's own region of its receive slot (written in
         place, never copied), the peers' regions lie in a local send staging buffer that the

@@ -44,6 +44,7 @@ class _In:
     parts: tuple        # indices into (q, k, v)
     views: tuple        # per part: (size, stride, offset) of its view of the receive buffer
     fill: FillPlan | None
+    store: tuple | None = None   # (storage index, first element, elements) of its send buffer
 
 
 @dataclasses.dataclass
@@ -107,6 +108,22 @@ class ForwardPlan:
                 idx = torch.tensor([h // m - kv_lo for h in range(q_lo, q_hi)], device=q.device)
             self.groups.append(_Group(ins, out_plan, t, q_hi - q_lo, idx))
         self.in_exchanges = len(self.groups[0].ins)
+        self.stores = self._stores()
+
+    def _stores(self) -> list:
+        """One allocation per dtype per forward for every input exchange's send buffer whose
+        transport takes caller memory (``Transport.send_storage``): ``[(dtype, elements)]``,
+        each exchange's place in it recorded in its ``store``."""
+        sizes: dict = {}
+        for grp in self.groups:
+            for e in grp.ins:
+                n = e.transport.send_storage(e.plan) if e.fill is not None else 0
+                if n:
+                    i = list(sizes).index(e.dtype) if e.dtype in sizes else len(sizes)
+                    off = sizes.get(e.dtype, 0)
+                    e.store = (i, off, n)
+                    sizes[e.dtype] = off + n
+        return list(sizes.items())
 
     def _note(self, decision, side: str, t: Transport) -> None:
         self.backends[side] = t.name
@@ -153,15 +170,17 @@ class ForwardPlan:
             q, k = self._norm_rope(q, k, rows)
             q, k, v = dense(q), dense(k), dense(v)
         qkv = (q, k, v)
-        out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
+        dev = q.device
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=dev)
         flat = out.view(-1)
+        stores = [torch.empty(n, dtype=dt, device=dev) for dt, n in self.stores]
         groups, n = self.groups, self.n_groups
         pending = []
-        ex_in = self._start_in(groups[0], qkv, rows)
+        ex_in = self._start_in(groups[0], qkv, rows, stores)
         for g in range(n):
             # group g+1's fill and exchange first: the fill runs while group g's data is in
             # flight, its exchange under group g's attention
-            nxt = self._start_in(groups[g + 1], qkv, rows) if g + 1 < n else None
+            nxt = self._start_in(groups[g + 1], qkv, rows, stores) if g + 1 < n else None
             grp = groups[g]
             views = [None, None, None]
             for e, ex in zip(grp.ins, ex_in):
@@ -203,7 +222,7 @@ class ForwardPlan:
         cs, sn = rows if rows is not None else (None, None)
         return (rms_norm_rope(q, qw, self.eps, cs, sn), rms_norm_rope(k, kw, self.eps, cs, sn))
 
-    def _start_in(self, grp: _Group, qkv, rows) -> list:
+    def _start_in(self, grp: _Group, qkv, rows, stores) -> list:
         """Start the input exchanges of one head group: with the fused fill, the fill packs
         each exchange's send buffer (norm + RoPE on the way) and the transport sends it as it
         is; otherwise the transport packs from q, k, v."""
@@ -213,7 +232,9 @@ class ForwardPlan:
             t, dev = e.transport, qkv[0].device
             xs = [qkv[i] for i in e.parts]
             if e.fill is not None:
-                send = t.send_buffer(e.plan, e.dtype, dev)
+                st = e.store
+                mem = None if st is None else stores[st[0]][st[1]:st[1] + st[2]]
+                send = t.send_buffer(e.plan, e.dtype, dev, mem)
                 e.fill(xs, cos, sin, send.flat if send.flat is not None else send.regions)
                 exs.append(t.start(e.plan, (), e.dtype, dev, send=send))
             else:

@@ -38,29 +38,30 @@ def _kw(seq_lens, backend, timeout_s, validate) -> dict:
 
 # ------------------------------------------------------------------------------ seq_to_head
 @torch.library.custom_op("attncomm::ulysses_seq_to_head", mutates_args=())
-def seq_to_head_op(x: torch.Tensor, group_name: str, seq_lens: list[int] | None,
+def seq_to_head_op(x: torch.Tensor, group_name: str, rank: int, seq_lens: list[int] | None,
                    backend: str, timeout_s: float, validate: int) -> torch.Tensor:
-    """``ulysses.seq_to_head(x, group, ...)`` with the group by name and the transport decided
-    (``timeout_s < 0``: None; ``validate`` -1/0/1: None/False/True)."""
+    """``ulysses.seq_to_head(x, group, ...)`` with the group by name, this rank (the result's
+    shape depends on it, so it is part of the graph: compiled graphs cached by their content
+    are never shared between ranks) and the transport decided (``timeout_s < 0``: None;
+    ``validate`` -1/0/1: None/False/True)."""
     return api.seq_to_head(x, group_from_name(group_name),
                            **_kw(seq_lens, backend, timeout_s, validate))
 
 
-def _seq_to_head_shape(x, group_name, seq_lens):
-    g = group_from_name(group_name)
-    rank, world = dist.get_rank(g), dist.get_world_size(g)
+def _seq_to_head_shape(x, group_name, rank, seq_lens):
+    world = dist.get_world_size(group_from_name(group_name))
     b, s_r, h, d = x.shape
     s = sum(seq_lens) if seq_lens is not None else s_r * world
     return (b, s, head_split(h, world)[rank], d)
 
 
 @seq_to_head_op.register_fake
-def _(x, group_name, seq_lens, backend, timeout_s, validate):
-    return x.new_empty(_seq_to_head_shape(x, group_name, seq_lens))
+def _(x, group_name, rank, seq_lens, backend, timeout_s, validate):
+    return x.new_empty(_seq_to_head_shape(x, group_name, rank, seq_lens))
 
 
 @torch.library.custom_op("attncomm::ulysses_seq_to_head_out", mutates_args=("output",))
-def seq_to_head_out_op(x: torch.Tensor, output: torch.Tensor, group_name: str,
+def seq_to_head_out_op(x: torch.Tensor, output: torch.Tensor, group_name: str, rank: int,
                        seq_lens: list[int] | None, backend: str, timeout_s: float,
                        validate: int) -> None:
     """``ulysses.seq_to_head(x, group, ..., output=output)``."""
@@ -69,13 +70,13 @@ def seq_to_head_out_op(x: torch.Tensor, output: torch.Tensor, group_name: str,
 
 
 @seq_to_head_out_op.register_fake
-def _(x, output, group_name, seq_lens, backend, timeout_s, validate):
+def _(x, output, group_name, rank, seq_lens, backend, timeout_s, validate):
     return None
 
 
 # ------------------------------------------------------------------------------ head_to_seq
 @torch.library.custom_op("attncomm::ulysses_head_to_seq", mutates_args=())
-def head_to_seq_op(x: torch.Tensor, group_name: str, seq_lens: list[int] | None,
+def head_to_seq_op(x: torch.Tensor, group_name: str, rank: int, seq_lens: list[int] | None,
                    backend: str, timeout_s: float, validate: int,
                    num_heads: int) -> torch.Tensor:
     """``ulysses.head_to_seq(x, group, ...)`` (``num_heads < 0``: None)."""
@@ -84,21 +85,20 @@ def head_to_seq_op(x: torch.Tensor, group_name: str, seq_lens: list[int] | None,
                            **_kw(seq_lens, backend, timeout_s, validate))
 
 
-def _head_to_seq_shape(x, group_name, seq_lens, num_heads):
-    g = group_from_name(group_name)
-    rank, world = dist.get_rank(g), dist.get_world_size(g)
+def _head_to_seq_shape(x, group_name, rank, seq_lens, num_heads):
+    world = dist.get_world_size(group_from_name(group_name))
     b, s, h_r, d = x.shape
     s_r = seq_lens[rank] if seq_lens is not None else s // world
     return (b, s_r, num_heads if num_heads >= 0 else h_r * world, d)
 
 
 @head_to_seq_op.register_fake
-def _(x, group_name, seq_lens, backend, timeout_s, validate, num_heads):
-    return x.new_empty(_head_to_seq_shape(x, group_name, seq_lens, num_heads))
+def _(x, group_name, rank, seq_lens, backend, timeout_s, validate, num_heads):
+    return x.new_empty(_head_to_seq_shape(x, group_name, rank, seq_lens, num_heads))
 
 
 @torch.library.custom_op("attncomm::ulysses_head_to_seq_out", mutates_args=("output",))
-def head_to_seq_out_op(x: torch.Tensor, output: torch.Tensor, group_name: str,
+def head_to_seq_out_op(x: torch.Tensor, output: torch.Tensor, group_name: str, rank: int,
                        seq_lens: list[int] | None, backend: str, timeout_s: float,
                        validate: int, num_heads: int) -> None:
     """``ulysses.head_to_seq(x, group, ..., output=output)``."""
@@ -108,7 +108,7 @@ def head_to_seq_out_op(x: torch.Tensor, output: torch.Tensor, group_name: str,
 
 
 @head_to_seq_out_op.register_fake
-def _(x, output, group_name, seq_lens, backend, timeout_s, validate, num_heads):
+def _(x, output, group_name, rank, seq_lens, backend, timeout_s, validate, num_heads):
     return None
 
 
