@@ -100,9 +100,15 @@ def _phases(fn, device, calls: int) -> dict:
     return shares
 
 
-def measure(rank: int, world: int, device_type: str, shape, calls: int, rounds: int) -> dict:
-    """Every op's host µs per call, its share by phase, and the unit (one ``torch.add``)."""
+def measure(rank: int, world: int, device_type: str, shape, calls: int, rounds: int,
+            jit_launch: bool = False) -> dict:
+    """Every op's host µs per call, its share by phase, and the unit (one ``torch.add``).
+    ``jit_launch``: launch the fill through Triton's JIT every time (where the checkout has the
+    cached launch)."""
     from attncomm import ulysses
+    if jit_launch:
+        from attncomm.ulysses import fill
+        fill.CACHED_LAUNCH = False
     device = torch.device(device_type, rank if device_type == "cuda" else None) \
         if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -140,8 +146,8 @@ def measure(rank: int, world: int, device_type: str, shape, calls: int, rounds: 
             "dtype": str(dtype), "unit_host_us": unit, "ops": rec}
 
 
-def _run_rank(rank, world, device_type, shape, calls, rounds):
-    return measure(rank, world, device_type, shape, calls, rounds)
+def _run_rank(rank, world, device_type, shape, calls, rounds, jit_launch):
+    return measure(rank, world, device_type, shape, calls, rounds, jit_launch)
 
 
 def markdown(res: dict, title: str) -> str:
@@ -172,6 +178,8 @@ def main(argv=None) -> int:
                         "1 4096 24 128)")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--jit-launch", action="store_true",
+                   help="launch the fill through Triton's JIT every time (no cached handle)")
     p.add_argument("--title", default="Ulysses host cost per call")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
@@ -179,7 +187,7 @@ def main(argv=None) -> int:
     shape = args.shape or ([1, 64, 8, 16] if args.device == "cpu" else [1, 4096, 24, 128])
     from attncomm import launch
     res = launch(_run_rank, args.world_size, device=args.device,
-                 args=(args.device, shape, args.calls, args.rounds))[0]
+                 args=(args.device, shape, args.calls, args.rounds, args.jit_launch))[0]
     md = markdown(res, args.title)
     print(md)
     if args.json:

@@ -25,8 +25,9 @@ def _recording(gm, example_inputs):
     return gm.forward
 
 
-def _round_trip(x, out):
+def _round_trip(x, out, y_out):
     y = ulysses.seq_to_head(x)
+    ulysses.seq_to_head(x, output=y_out)
     return ulysses.head_to_seq(y, num_heads=x.shape[2], output=out), y
 
 
@@ -39,22 +40,28 @@ def _warm_up_error(fn, *args):
 
 
 def _functional(rank, world, seed, backends):
-    """Round trip compiled before and after the eager warm-up of its shapes."""
+    """Round trip (with and without ``output=``) compiled before and after the eager warm-up of
+    its shapes (W = 2)."""
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(seed + rank)
     x = torch.randn((1, 3, 2 * world + 1, 8), generator=g)
-    res = {"cold": _warm_up_error(_round_trip, x, torch.empty_like(x))}
-    want_back, want_y = _round_trip(x, torch.empty_like(x))  # the eager warm-up
+    h_r = 2 + (rank == 0)  # head_split(2W + 1, W) at W = 2
+
+    def bufs():
+        return torch.full_like(x, float("nan")), torch.full((1, 6, h_r, 8), float("nan"))
+
+    res = {"cold": _warm_up_error(_round_trip, x, *bufs())}
+    want_back, want_y = _round_trip(x, *bufs())  # the eager warm-up
     _GRAPHS.clear()
-    torch.compile(_round_trip, fullgraph=True, backend=_recording)(x, torch.empty_like(x))
+    torch.compile(_round_trip, fullgraph=True, backend=_recording)(x, *bufs())
     res["ops"], res["rank"] = _GRAPHS[-1], rank
-    res["breaks"] = torch._dynamo.explain(_round_trip)(x, torch.empty_like(x)).graph_break_count
+    res["breaks"] = torch._dynamo.explain(_round_trip)(x, *bufs()).graph_break_count
     for backend in backends:
         torch._dynamo.reset()
-        out = torch.full_like(x, float("nan"))
-        back, y = torch.compile(_round_trip, fullgraph=True, backend=backend)(x, out)
+        out, y_out = bufs()
+        back, y = torch.compile(_round_trip, fullgraph=True, backend=backend)(x, out, y_out)
         res[backend] = (torch.equal(back, want_back) and back is out and torch.equal(y, want_y)
-                        and torch.equal(back, x))
+                        and torch.equal(y_out, want_y) and torch.equal(back, x))
     # explicit all_to_all: nothing to decide, no warm-up needed
     torch._dynamo.reset()
     z = torch.randn((2, 2, world, 4), generator=g)
@@ -71,8 +78,8 @@ def test_round_trip_compiles_without_graph_breaks(pools):
         assert "first time inside CUDA graph capture or torch.compile tracing" in res["cold"] \
             and "ValueError" in res["cold"], res["cold"]
         names = [name.removesuffix(".default") for name, _ in res["ops"]]
-        assert names == ["attncomm.ulysses_seq_to_head", "attncomm.ulysses_head_to_seq_out"], \
-            res["ops"]
+        assert names == ["attncomm.ulysses_seq_to_head", "attncomm.ulysses_seq_to_head_out",
+                         "attncomm.ulysses_head_to_seq_out"], res["ops"]
         # the transport in the graph is the one the eager call decided (gloo: all_to_all)
         assert all("all_to_all" in args for _, args in res["ops"]), res["ops"]
         assert all(res["rank"] in args for _, args in res["ops"]), res["ops"]

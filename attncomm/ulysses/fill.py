@@ -456,10 +456,12 @@ def _launch(lay: _Layout, xs: list, base: torch.Tensor, table: tuple, cos, sin) 
     aligned = aligned and base.data_ptr() % 16 == 0
     key = None
     if lay.handles is not None:
-        # what Triton specializes the changing arguments on: the strides' values and whether
-        # each changing pointer is 16-byte aligned (the others are fixed by the layout)
-        key = (strides, aligned, xs[0].data_ptr() % 16, xs[1].data_ptr() % 16,
-               xs[2].data_ptr() % 16, c.data_ptr() % 16, s.data_ptr() % 16)
+        # what Triton specializes the changing arguments on: the strides' values, each
+        # changing pointer's dtype and 16-byte alignment (the rest is fixed by the layout)
+        key = (strides, aligned, base.data_ptr() % 16, xs[0].data_ptr() % 16,
+               xs[1].data_ptr() % 16, xs[2].data_ptr() % 16, c.data_ptr() % 16,
+               s.data_ptr() % 16, xs[0].dtype, xs[1].dtype, xs[2].dtype, c.dtype, s.dtype,
+               base.dtype)
         h = lay.handles.get(key)
         if h is not None:
             h.run(*grid, torch._C._cuda_getCurrentRawStream(h.device), h.function, h.meta,
@@ -573,8 +575,9 @@ class FillPlan:
             raise ValueError(f"fill_triton: at most 3 parts per exchange, got {len(parts)}")
         self.templates = [dataclasses.replace(p, x=None) for p in parts]
         self.eps = float(eps)
-        self.starts = send_layout(*parts[0].x.shape[:2], parts[0].x.shape[3],
-                                  [p.ranges for p in parts])[1]
+        starts = send_layout(*parts[0].x.shape[:2], parts[0].x.shape[3],
+                             [p.ranges for p in parts])[1]
+        self.flat_starts = tuple(starts[:-1])
         self.layout = (_Layout(parts, eps, rope) if why is None and impl != "torch" else None)
 
     def __call__(self, xs: Sequence[torch.Tensor], cos=None, sin=None, out=None) -> None:
@@ -584,7 +587,7 @@ class FillPlan:
             fill_torch(parts, self.eps, cos, sin, out)
             return
         if isinstance(out, torch.Tensor):
-            base, table = out, lay.table(self.starts[:-1])
+            base, table = out, lay.table(self.flat_starts)
         else:
             base, starts = _region_base(out)
             table = lay.table(starts)
