@@ -7,8 +7,9 @@ and pipelined with G = 4 (and the bare ``attn_fn`` call they wrap), in units of 
 kernel keeps the GPU busy, so the host never waits for it). Then a ``cProfile`` of each call,
 its time split by phase (argument checks, transport choice and plans, fill, exchange start,
 exchange wait/release, attn_fn, module attribute writes, the rest), scaled to the unprofiled
-total. Only public calls are used, so the same script measures an older checkout (put it first
-on ``PYTHONPATH``) for a before/after table.
+total; and the aten operators and Python function calls one call makes (counts, which do not
+depend on the machine's load). Only public calls are used, so the same script measures an
+older checkout (put it first on ``PYTHONPATH``) for a before/after table.
 
     python scripts/ulysses_host_profile.py [--device cpu|cuda] [--world-size 1]
         [--shape 1 64 8 16] [--json PATH] [--markdown PATH]
@@ -25,6 +26,7 @@ import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -75,6 +77,32 @@ def _per_call_us(fn, device, calls: int, rounds: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
     return statistics.median(out)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten operators (kernels, allocations, views) calls dispatch."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counts(fn) -> tuple[int, int]:
+    """``(aten ops, Python function calls)`` of one steady-state call: deterministic, so a
+    before/after comparison of them does not depend on the machine's load."""
+    fn()
+    with _OpCounter() as ops:
+        fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    calls = sum(v[1] for v in pstats.Stats(prof).stats.values())
+    return ops.n, calls
 
 
 def _phases(fn, device, calls: int) -> dict:
@@ -142,6 +170,7 @@ def measure(rank: int, world: int, device_type: str, shape, calls: int, rounds: 
             r["units_above_attn_fn"] = (r["host_us"] - base) / unit
         if name.startswith(("ulysses.", "UlyssesAttention")):
             r["phases"] = _phases(ops[name], device, max(20, calls // 2))
+            r["aten_ops"], r["python_calls"] = _counts(ops[name])
     return {"rank": rank, "world_size": world, "device": device_type, "shape": list(shape),
             "dtype": str(dtype), "unit_host_us": unit, "ops": rec}
 
@@ -154,11 +183,13 @@ def markdown(res: dict, title: str) -> str:
     lines = [f"### {title}", "",
              f"{res['device']}, W = {res['world_size']}, x {res['shape']} ({res['dtype']}); "
              f"unit: one torch.add = {res['unit_host_us']:.2f} µs", "",
-             "| call | host µs | units | units above attn_fn |", "|---|---|---|---|"]
+             "| call | host µs | units | units above attn_fn | aten ops | Python calls |",
+             "|---|---|---|---|---|---|"]
     for name, r in res["ops"].items():
         above = r.get("units_above_attn_fn")
         lines.append(f"| {name} | {r['host_us']:.1f} | {r['units']:.2f} | "
-                     f"{'' if above is None else f'{above:.2f}'} |")
+                     f"{'' if above is None else f'{above:.2f}'} | {r.get('aten_ops', '')} | "
+                     f"{r.get('python_calls', '')} |")
     phases = [n for n in res["ops"] if "phases" in res["ops"][n]]
     names = list(res["ops"][phases[0]]["phases"])
     lines += ["", "Host µs by phase (cProfile shares × the unprofiled total):", "",
