@@ -94,6 +94,11 @@ _TABLE = (
     Var("ATTNCOMM_SYMM_PDL", bool, True, False, "call",
         "symm_a2a: programmatic dependent launch (unset: on where supported, compute "
         "capability >= 9.0; 0: off; 1: on)."),
+    Var("ATTNCOMM_TEST_HOST", str, "", False, "call",
+        "Tests only: a name added to this process's host identity "
+        "(capability.host_identity), so that the ranks of one machine act as several hosts "
+        "(gloo CPU ranks in CI: W=4 as 2 hosts x 2 ranks). It can only split a machine, never "
+        "make two machines look like one. Empty: the real identity."),
 )
 
 #: name → ``Var``, every ``ATTNCOMM_*`` variable attncomm reads.

@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 from . import config
 from ._dist import check_group, clear_cpu_groups, cpu_group
+from ._wait import poll_until
 from .errors import PeerTimeoutError
 
 __all__ = ["launch", "RankPool", "init_distributed"]
@@ -96,11 +97,11 @@ def _remove_rendezvous(store_dir: str) -> None:
     FileStore may create its file between rmtree's listing and its rmdir; once the directory
     is gone no FileStore can create the file again (only ranks whose launcher lives create the
     directory)."""
-    for _ in range(200):
+    def gone() -> bool:
         shutil.rmtree(store_dir, ignore_errors=True)
-        if not os.path.lexists(store_dir):
-            return
-        time.sleep(0.01)
+        return not os.path.lexists(store_dir)
+
+    poll_until(gone, 2.0, interval_s=0.01)
 
 
 def _watch_parent(launcher: int, store_dir: str) -> None:
@@ -109,8 +110,7 @@ def _watch_parent(launcher: int, store_dir: str) -> None:
     died before this rank got here is seen at once); the rank removes the rendezvous directory
     (FileStore leaves its file behind when no rank tears down) and exits with code 3."""
     def watch():
-        while os.getppid() == launcher:
-            time.sleep(0.5)
+        poll_until(lambda: os.getppid() != launcher, None, interval_s=0.5)
         with _RENDEZVOUS_LOCK:
             _remove_rendezvous(store_dir)
             os._exit(3)

@@ -10,19 +10,22 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from attncomm.ulysses.fill import LAUNCH_OPTIONS, _kernel
+from attncomm.ulysses.fill import LAUNCH_OPTIONS
+from attncomm.ulysses.fill_kernels import fill_kernel
 
-_PTRS = {"x0": "*bf16", "x1": "*bf16", "x2": "*bf16", "out_ptr": "*bf16", "tbl_ptr": "*i64",
+_PTRS = {"x0": "*bf16", "x1": "*bf16", "x2": "*bf16", "out_ptr": "*bf16", "desc": "*i64",
          "w0": "*fp32", "w1": "*fp32", "w2": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+#: Strides as for contiguous q/k/v and cos/sin (fill_kernels' SPEC): batch, row and head
+#: strides multiples of 16, unit element strides.
+_SPEC = sum(c << (2 * k) for k, c in enumerate([2, 2, 2, 1, 2, 1, 2, 1]))
 
 
 def ptx(opts: dict) -> str:
-    k = _kernel()
+    k = fill_kernel
     names = k.arg_names
     consts = dict(HALF=64, LEVELS=6, BLOCK_S=16, HB=4, ANY_NORM=True, ANY_ROPE=True,
-                  ALIGNED=True, ROPE_BCAST=True)
-    types = {n: "constexpr" if n in consts else _PTRS.get(n, "fp32" if n == "eps" else "i32")
-             for n in names}
+                  ALIGNED=True, ROPE_BCAST=True, SPEC=_SPEC)
+    types = {n: "constexpr" if n in consts else _PTRS[n] for n in names}
     src = ASTSource(fn=k, signature=types,
                     constexprs={(names.index(a),): v for a, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in _PTRS})

@@ -15,7 +15,8 @@ import sys
 import torch
 
 from attncomm.dcp.query_gather import quantize_e4m3, rotate_tail
-from attncomm.dcp.query_gather.symm import GatherLayout, launch_gather, ll_rows_for, use_ll
+from attncomm.dcp.query_gather.symm import (GatherLayout, GatherSlab, launch_gather, ll_rows_for,
+                                           use_ll)
 from attncomm.dcp.query_gather.symm_kernels import e4m3_kernel, plan_blocks
 
 
@@ -127,12 +128,11 @@ def run_case(W, hs, D, T, max_tokens, dtype, R, ll, calls=2, seed=0, n_programs=
     n = T * hs
     assert use_ll(n, layout) == ll, (n, layout.ll_rows)
     slabs = [_aligned(layout.total_bytes) for _ in range(W)]
-    ptrs = [s.data_ptr() for s in slabs]
-    deltas = [p - ptrs[0] for p in ptrs]
-    d_o, d_w, d_q = (torch.tensor([dl // (16 * u) for dl in deltas]) for u in (itemsize, 4, 8))
     state = torch.zeros(4, dtype=torch.int32)
     state[0] = epoch0
     errors = torch.zeros(W, dtype=torch.int32)
+    gs = GatherSlab.build(layout, slabs[0], [s.data_ptr() for s in slabs], 0, state, errors,
+                          10 ** 9)
     _, n_blocks, _ = plan_blocks(n, n_programs)
     call = epoch0
     for _ in range(calls):
@@ -150,10 +150,9 @@ def run_case(W, hs, D, T, max_tokens, dtype, R, ll, calls=2, seed=0, n_programs=
             _flags(slabs[0], layout, 1 - (call & 1), src).fill_(junk)
             _ll(slabs[0], layout, 1 - (call & 1), src).fill_(junk << 32)
         cos, sin = rope if rope is not None else (None, None)
-        launch_gather(q[0].contiguous(), cos, sin, slab=slabs[0], delta_o=d_o, delta_w=d_w,
-                      delta_q=d_q, state=state, errors=errors, rank=0, layout=layout,
-                      n_programs_max=n_programs, timeout_ns=10 ** 9, ordered=ordered,
-                      q_scale=scale, column_block_override=column_block)
+        launch_gather(q[0].contiguous(), cos, sin, slab=gs, rank=0, layout=layout,
+                      n_programs_max=n_programs, ordered=ordered, q_scale=scale,
+                      column_block_override=column_block)
         what = (f"W={W} hs={hs} D={D} T={T} {dtype} R={R} ll={ll} fp8={fp8} epoch={call} "
                 f"column_block={column_block}")
         assert int(state[0]) == call and int(state[1]) == 0, (what, state)

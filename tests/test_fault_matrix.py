@@ -18,7 +18,7 @@ TIMEOUT_S = 2.0
 
 @pytest.fixture(scope="module")
 def matrix():
-    # One run of all 70 cells, 8 worlds at a time (the cells mostly wait on their budgets).
+    # One run of every cell, 8 worlds at a time (the cells mostly wait on their budgets).
     return {(c.exchange, c.fault, c.validate): c
             for c in faults.run_matrix(timeout_s=TIMEOUT_S, jobs=8)}
 

@@ -6,8 +6,11 @@ rank, one exchange, the min/max/TBO reduction; ``sync_us``) and the transport al
 (``exchange_us``) run back to back in blocks of ``--block`` steps;
 the per-step time of a block is block time / block size (steady state: each step needs every
 rank's row, so this is the rate at which ranks can agree), median over blocks of the slowest
-rank. Gathers: eager, every DP rank holding ``tokens`` rows of ``[hidden]`` (balanced, so
-MAX_LEN has no padding), median over iterations of the slowest rank (CUDA events on GPU).
+rank. ``--hosts H`` makes consecutive ranks act as H hosts (CPU only, through the test-only
+``ATTNCOMM_TEST_HOST``): ``shm`` cannot run there, ``hier`` (shared memory inside each host, gloo
+between host leaders) and ``cpu`` (gloo over every rank) can. Gathers: eager, every DP rank
+holding ``tokens`` rows of ``[hidden]`` (balanced, so MAX_LEN has no padding), median over
+iterations of the slowest rank (CUDA events on GPU).
 JSON: ``{"meta": {...}, "records": [{"sync", "world_size", "sync_us"}, {"op", "mode", "tokens",
 "world_size", "time_us"}, ...]}``.
 """
@@ -31,14 +34,17 @@ from ..dp_attention.sync import MLPSyncBatchInfo, exchange_rows, resolve_sync
 
 __all__ = ["add_arguments", "main", "run_rank", "markdown_tables", "with_speedups"]
 
-_SYNCS = ("shm", "cpu", "device")
+_SYNCS = ("shm", "hier", "cpu", "device")
+_DEFAULT_SYNCS = ("shm", "cpu", "device")  # one host; on several: hier, cpu, device
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     # --backends: the sync paths (--syncs, its older name, still works)
-    add_common_arguments(p, backends=_SYNCS, default_backends=" ".join(_SYNCS),
-                         aliases=("--syncs",))
+    add_common_arguments(p, backends=_SYNCS, default_backends=" ".join(_DEFAULT_SYNCS) + \
+                         " (with --hosts > 1: hier cpu device)", aliases=("--syncs",))
+    p.add_argument("--hosts", type=int, default=1,
+                   help="consecutive ranks act as this many hosts (CPU; default 1)")
     p.add_argument("--steps", type=int, default=2000,
                    help="sync steps timed per path (default 2000)")
     p.add_argument("--block", type=int, default=50,
@@ -59,7 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _config(args) -> dict:
     cpu = args.device == "cpu"
-    cfg = dict(device=args.device, syncs=list(args.backends or _SYNCS), steps=args.steps,
+    hosts = getattr(args, "hosts", 1)
+    default = _DEFAULT_SYNCS if hosts == 1 else ("hier", "cpu", "device")
+    cfg = dict(device=args.device, syncs=list(args.backends or default), steps=args.steps,
+               hosts=hosts,
                block=args.block, hidden=args.hidden, dtype=args.dtype, ops=list(args.ops),
                warmup=args.warmup,
                tokens=list(args.tokens or ([1, 16, 128] if cpu else [1, 8, 32, 128, 512, 2048])),
@@ -69,6 +78,12 @@ def _config(args) -> dict:
     bad += [f"--tokens must be ≥ 1, got {t}" for t in cfg["tokens"] if t < 1]
     if args.world_size < 1:
         bad.append(f"--world-size must be ≥ 1, got {args.world_size}")
+    if not 1 <= hosts <= max(1, args.world_size):
+        bad.append(f"--hosts must be in [1, --world-size], got {hosts}")
+    if hosts > 1 and args.device != "cpu":
+        bad.append("--hosts > 1 simulates hosts on CPU ranks only (--device cpu)")
+    if hosts > 1 and "shm" in cfg["syncs"]:
+        bad.append("shm cannot run on ranks of several hosts (--hosts > 1): leave it out")
     if bad:
         raise ValueError("; ".join(bad))
     return cfg
@@ -98,7 +113,8 @@ def _time_sync(path: str, world: int, rank: int, cfg: dict, device, cg) -> dict:
         MLPSyncBatchInfo(world, 1, 1, rank + 1, rank + 1, True, False, True, 2).all_gather(
             device, None, sync=path)
 
-    return {"sync": path, "world_size": world, "sync_us": _per_step(step, cfg, cg),
+    return {"sync": path, "world_size": world, "hosts": cfg["hosts"],
+            "sync_us": _per_step(step, cfg, cg),
             "exchange_us": _per_step(lambda: exchange_rows(row, None, sync=path,
                                                            device=device), cfg, cg)}
 
@@ -137,6 +153,8 @@ def run_rank(rank: int, world: int, cfg: dict) -> list[dict] | None:
     threads = torch.get_num_threads()
     if device.type == "cpu":  # ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if cfg["hosts"] > 1:  # before the first host check: the layout is cached per group
+        config.set_var("ATTNCOMM_TEST_HOST", f"sim{rank * cfg['hosts'] // world}")
     cg = cpu_group(None)
     total = len(cfg["syncs"]) + len(cfg["tokens"]) * 2 * len(cfg["ops"])
     bar = progress(total, "dp-sync", enabled=cfg["progress"] and rank == 0)
@@ -163,7 +181,8 @@ def markdown_tables(records: list[dict], cfg: dict, world: int) -> str:
     """The sync table (µs per step, speedup over ``device``) and, per op, one row per token
     count with one column per padding mode (µs)."""
     syncs = with_speedups([r for r in records if "sync" in r])
-    lines = [f"DP-attention sync per step, W={world}, {cfg['device']}", "",
+    hosts = f" as {cfg['hosts']} simulated hosts" if cfg.get("hosts", 1) > 1 else ""
+    lines = [f"DP-attention sync per step, W={world}{hosts}, {cfg['device']}", "",
              "| sync | µs / step (all_gather) | µs / step (transport only) | speedup vs device |",
              "|---|---|---|---|"]
     for r in syncs:
@@ -194,6 +213,7 @@ def main(args) -> int:
         return usage_error("dp-sync", f"--device cuda with --world-size {args.world_size} "
                                       f"needs {args.world_size} GPUs, found "
                                       f"{torch.cuda.device_count()}")
+    load_before = os.getloadavg()
     records = launch(run_rank, args.world_size, device=cfg["device"], args=(cfg,))[0]
     syncs = [r for r in records if "sync" in r]
     ops = [r for r in records if "op" in r]
@@ -204,10 +224,13 @@ def main(args) -> int:
     print_table(ops, ["op", "mode", "tokens", "world_size", "time_us"],
                 title=f"\ngather / scatter / reduce_scatter (µs), hidden {cfg['hidden']} "
                       f"{cfg['dtype']}, tokens per DP rank", fmt={"time_us": "{:.1f}"})
-    m = meta(cfg["device"], args.world_size, bench="dp-sync", hidden=cfg["hidden"],
+    m = meta(cfg["device"], args.world_size, bench="dp-sync", hosts=cfg["hosts"],
+             hidden=cfg["hidden"],
              dtype=cfg["dtype"], steps=cfg["steps"], block=cfg["block"],
              iters=cfg["iters"], tokens_are="per DP rank (balanced)",
-             sync_measures="MLPSyncBatchInfo.all_gather per step, back to back")
+             sync_measures="MLPSyncBatchInfo.all_gather per step, back to back",
+             cpu_count=os.cpu_count(),
+             load_average={"before": list(load_before), "after": list(os.getloadavg())})
     series: dict = {}
     for r in ops:
         xs, ys = series.setdefault(f"{r['op']} ({r['mode']})", ([], []))

@@ -262,7 +262,8 @@ class MLPSyncBatchInfo:
             active_ranks: one entry per group rank (list or tensor); an inactive rank counts as
                 ``[0, 0, 1, 0, 1, IDLE]`` whatever it sent (it still takes part in the exchange).
             enable_tbo: whether two-batch overlap may run at all.
-            sync: "auto", "shm", "cpu" or "device" (see ``resolve_sync``), the same on every
+            sync: "auto", "shm", "hier", "cpu" or "device" (see ``resolve_sync``; "auto" is
+                "shm" on one host and "hier" on a group that spans hosts), the same on every
                 rank (checked by one collective on a value's first use on the group).
             timeout_s: wait bound (None → ``ATTNCOMM_TIMEOUT_S``).
 

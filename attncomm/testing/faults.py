@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from attncomm import config, dcp, ulysses
+from attncomm import config, dcp, ring, ulysses, usp
+from attncomm._wait import poll_until
 from attncomm.dp_attention import (
     BatchView,
     DpPaddingMode,
@@ -61,9 +62,9 @@ KILL_EXIT_CODE = 17
 _COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "all_to_all_single",
                 "all_reduce", "reduce_scatter_tensor", "reduce_scatter_single",
                 "all_gather_object", "broadcast", "barrier", "all_gather", "send", "recv",
-                "isend", "irecv", "broadcast_object_list")
+                "isend", "irecv", "broadcast_object_list", "batch_isend_irecv")
 _PRELOAD = ["torch", "torch.distributed", "attncomm", "attncomm.dcp", "attncomm.ulysses",
-            "attncomm.dp_attention", "attncomm.launch"]
+            "attncomm.dp_attention", "attncomm.launch", "attncomm.ring", "attncomm.usp"]
 
 
 # ------------------------------------------------------------------------------ exchanges
@@ -95,6 +96,35 @@ def _ulysses_attention(rank, world, bad, validate, timeout_s):
     attn = ulysses.UlyssesAttention(backend="all_to_all", timeout_s=timeout_s,
                                     validate=validate)
     attn(q, k, v, seq_lens=[3] * world)
+
+
+def _ring(layout):
+    def call(rank, world, bad, validate, timeout_s):
+        d = 16 if bad else 8
+        q, kv = torch.randn(1, 4, 2, d), torch.randn(1, 4, 1, d)
+        ring.ring_attention(q, kv, kv, causal=True, layout=layout, validate=validate,
+                            timeout_s=timeout_s)
+    return call
+
+
+_USP: dict = {}  # this world's grids and modules, built in the warm-up calls
+
+
+def _usp(ulysses_degree):
+    # U = 1: the Ulysses groups are single ranks and the exchanges are the ring's; U = W: the
+    # ring groups are single ranks and the exchanges are Ulysses'.
+    def call(rank, world, bad, validate, timeout_s):
+        u = min(ulysses_degree, world)
+        key = (u, validate, timeout_s)
+        if key not in _USP:
+            ug, rg = _USP.get(u) or _USP.setdefault(u, usp.make_groups(u, world // u))
+            _USP[key] = usp.USPAttention(ulysses_group=ug, ring_group=rg, backend="all_to_all",
+                                         timeout_s=timeout_s, validate=validate,
+                                         layout="zigzag")
+        d = 16 if bad else 8
+        q, kv = torch.randn(1, 4, 2, d), torch.randn(1, 4, 2, d)
+        _USP[key](q, kv, kv, causal=True)
+    return call
 
 
 def _dp_sync(sync):
@@ -132,6 +162,10 @@ EXCHANGES = {
     "seq_to_head[all_to_all]": Exchange(_seq_to_head, ("D", "8", "16")),
     "head_to_seq[all_to_all]": Exchange(_head_to_seq, ("D", "8", "16")),
     "UlyssesAttention[all_to_all]": Exchange(_ulysses_attention, ("D", "8", "16")),
+    "ring_attention[contiguous]": Exchange(_ring("contiguous"), ("D", "8", "16")),
+    "ring_attention[zigzag]": Exchange(_ring("zigzag"), ("D", "8", "16")),
+    "USPAttention[U=1,R=2]": Exchange(_usp(1), ("D", "8", "16")),
+    "USPAttention[U=2,R=1]": Exchange(_usp(2), ("D", "8", "16")),
     "dp sync[shm]": Exchange(_dp_sync("shm"), ("dp_size·tp_size·cp_size", "1·2·1")),
     "dp sync[cpu]": Exchange(_dp_sync("cpu"), ("dp_size·tp_size·cp_size", "1·2·1")),
     "dp_gather": Exchange(_dp_gather, ("shape[1]", "4", "8")),
@@ -250,14 +284,14 @@ def run_cell(exchange: str, fault: str, validate: bool | None, timeout_s: float 
     for p in procs:
         p.start()
     hang_deadline = time.monotonic() + timeout_s + 60  # far past every bound checked below
-    while len(cell.ranks) < world and time.monotonic() < hang_deadline:
-        if not results.empty():
+
+    def collected() -> bool:  # every rank reported, or every process is gone
+        while not results.empty():
             rank, outcome = results.get()
             cell.ranks[rank] = outcome
-            continue
-        if all(p.exitcode is not None for p in procs) and results.empty():
-            break
-        time.sleep(0.02)
+        return len(cell.ranks) >= world or all(p.exitcode is not None for p in procs)
+
+    poll_until(collected, timeout_s + 60, interval_s=0.02)
     for r, p in enumerate(procs):
         p.join(timeout=max(0.0, hang_deadline - time.monotonic()) if r not in cell.ranks
                else 10)

@@ -1,8 +1,8 @@
 """Flag writes and waits on a CUDA stream for the ``ce`` transport: stream memory ops
 (``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` from ``cuda.bindings.driver``) or one-block
-Triton kernels (release store / acquire spin with a device-side deadline); and the protocol's
-flag layout and peer orders as pure functions (``f_word``, ``a_word``, ``initial_flags``,
-``send_order``, ``recv_order``), which the transport addresses its flags by.
+Triton kernels (release store / acquire spin with a device-side deadline: ``ce_flag_kernels``);
+and the protocol's flag layout and peer orders as pure functions (``f_word``, ``a_word``,
+``initial_flags``, ``send_order``, ``recv_order``), which the transport addresses its flags by.
 
 A kernel wait that runs past its deadline stores 1 into the error word of the peer it waited
 for (``PeerErrors.words``, mapped host memory: a system-scope store), releases its stream and
@@ -14,11 +14,17 @@ from __future__ import annotations
 
 import torch
 
+from .. import _triton
+
+if _triton.REASON is None:
+    from . import ce_flag_kernels as _k
+else:
+    _k = None
+
 __all__ = ["Flags", "driver", "runtime", "triton_reason", "ok", "f_word", "a_word",
            "initial_flags", "send_order", "recv_order"]
 
 _WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
-_KERNELS = None
 
 
 def driver():
@@ -38,49 +44,14 @@ def runtime():
 
 
 def triton_reason() -> str | None:
-    """None when Triton is importable, else why not."""
-    try:
-        import triton  # noqa: F401
-        return None
-    except Exception as exc:  # noqa: BLE001
-        return str(exc)
+    """None when Triton is importable, else the import's error."""
+    return _triton.ERROR
 
 
 def ok(res) -> bool:
     """Whether a ``cuda.bindings`` call returned success."""
     err = res[0] if isinstance(res, tuple) else res
     return int(getattr(err, "value", err)) == 0
-
-
-def _kernels():
-    """The one-block Triton flag kernels (compiled lazily: Triton is optional)."""
-    global _KERNELS
-    if _KERNELS is None:
-        import triton
-        import triton.language as tl
-        from triton.language.extra import cuda as tlcuda
-
-        @triton.jit
-        def signal_kernel(addr, value):
-            ptr = addr.to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(ptr, value, sem="release", scope="sys")
-
-        @triton.jit
-        def wait_kernel(addr, expect, err_ptr, peer, timeout_ns):
-            # spin (acquire) until *addr == expect, then reset it; past the deadline record
-            # the timeout in errors[peer] (host-visible) and give up
-            ptr = addr.to(tl.pointer_type(tl.int32))
-            t0 = tlcuda.globaltimer()
-            val = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-            while (val != expect) & ((tlcuda.globaltimer() - t0) < timeout_ns):
-                val = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-            if val == expect:
-                tl.atomic_xchg(ptr, 0, sem="relaxed", scope="sys")
-            else:
-                tl.atomic_xchg(err_ptr + peer, 1, sem="relaxed", scope="sys")
-
-        _KERNELS = (signal_kernel, wait_kernel)
-    return _KERNELS
 
 
 class Flags:
@@ -107,7 +78,7 @@ class Flags:
                 raise RuntimeError(f"cuStreamWriteValue32 at {addr:#x} failed")
             return
         with torch.cuda.stream(stream):
-            _kernels()[0][(1,)](addr, value)
+            _k.signal_kernel[(1,)](addr, value)
 
     def wait(self, stream: torch.cuda.Stream, addr: int, value: int, peer: int,
              bounded: bool) -> None:
@@ -120,7 +91,7 @@ class Flags:
             self.write(stream, addr, 0)
             return
         with torch.cuda.stream(stream):
-            _kernels()[1][(1,)](addr, value, self.errors, peer, self.timeout_ns)
+            _k.wait_kernel[(1,)](addr, value, self.errors, peer, self.timeout_ns)
 
     def warm(self, device: torch.device) -> None:
         """Compile the flag kernels now (never during graph capture): a write and a wait on a

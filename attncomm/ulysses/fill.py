@@ -15,7 +15,8 @@ order, in fp32, rounded once):
 
 - ``fill_torch`` (CPU tensors, any head_dim, and the reference): ``rms_norm_rope`` per part,
   then strided copies into the regions.
-- ``fill_triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``; head_dim a power of two): one
+- ``fill_triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``; head_dim a power of two; the
+  kernel is ``fill_kernels``'s, its geometry in a descriptor built once per layout): one
   program per (block of rows, run of consecutive heads of one part bound for one destination,
   batch) loads ``[rows, heads, D]`` once, 16-byte vectors in and out, and stores it into that
   destination's region (a KV head shared by several ranks under GQA is in one run per rank),
@@ -34,9 +35,18 @@ import collections
 import dataclasses
 import functools
 import os
+import struct
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
+
+from .. import _triton
+
+if _triton.REASON is None:
+    from . import fill_kernels as _fk
+else:
+    _fk = None
 
 __all__ = ["FillPart", "FillPlan", "rms_norm_rope", "send_layout", "fill_torch", "fill_triton",
            "fill", "triton_fill_reason", "default_block_s", "LAUNCH_OPTIONS"]
@@ -191,126 +201,14 @@ def triton_fill_reason(parts: Sequence[FillPart], device: torch.device) -> str |
     """Why ``fill_triton`` cannot run these parts (None when it can)."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return f"tensors are on {device.type} (the kernel needs CUDA or TRITON_INTERPRET=1)"
-    try:
-        import triton  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
-        return f"Triton is not importable: {exc}"
+    if _fk is None:
+        return _triton.REASON
     d = parts[0].x.shape[3]
     if d < 2 or d & (d - 1):
         return f"head_dim {d} is not a power of two ≥ 2"
     if parts[0].x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {parts[0].x.dtype} is not fp16/bf16/fp32"
     return None
-
-
-@functools.cache
-def _kernel():
-    import triton
-    import triton.language as tl
-
-    global _halves, _adjacent_sum  # module globals: the interpreter resolves calls there
-
-    @triton.jit
-    def _halves(x, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF: tl.constexpr):
-        """Rows ``[BLOCK_S, HB, D]`` of heads ``h0 + hh`` as two fp32 halves (one load site
-        per part, so the strides' specialization, e.g. ``sd == 1``, vectorizes it)."""
-        src = (x + b * sb + rows[:, None, None] * ss + (h0 + hh)[None, :, None] * sh
-               + cols[None, None, :] * sd)
-        f1 = tl.load(src, mask=mask).to(tl.float32)
-        f2 = tl.load(src + HALF * sd, mask=mask).to(tl.float32)
-        return f1, f2
-
-    @triton.jit
-    def _adjacent_sum(t, BLOCK_S: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr,
-                      LEVELS: tl.constexpr):
-        """``_tree_sum``'s order over the last dim (adjacent pairs, recursively) →
-        ``[BLOCK_S, HB]``; the first levels are register-local (a thread holds adjacent
-        elements)."""
-        for j in tl.static_range(LEVELS):
-            ta, tb = tl.split(tl.reshape(t, (BLOCK_S, HB, HALF >> (j + 1), 2)))
-            t = ta + tb
-        return tl.reshape(t, (BLOCK_S, HB))
-
-    @triton.jit
-    def fill_kernel(x0, x1, x2, out_ptr, tbl_ptr, w0, w1, w2, cos_ptr, sin_ptr, S, eps, flags,
-                    s0b, s0s, s0h, s0d, s1b, s1s, s1h, s1d, s2b, s2s, s2h, s2d,
-                    scs, scd, sss, ssd,
-                    HALF: tl.constexpr, LEVELS: tl.constexpr, BLOCK_S: tl.constexpr,
-                    HB: tl.constexpr, ANY_NORM: tl.constexpr, ANY_ROPE: tl.constexpr,
-                    ALIGNED: tl.constexpr, ROPE_BCAST: tl.constexpr):
-        pid_s = tl.program_id(0)
-        ent = tbl_ptr + tl.program_id(1) * 6
-        b = tl.program_id(2).to(tl.int64)
-        part = tl.load(ent)
-        h0 = tl.load(ent + 1)
-        nh = tl.load(ent + 2)
-        base = tl.load(ent + 3)
-        pitch = tl.load(ent + 4)
-        bpitch = tl.load(ent + 5)
-        if ALIGNED:  # the host checked: every base and pitch a multiple of 16 elements
-            base = tl.multiple_of(base, 16)
-            pitch = tl.multiple_of(pitch, 16)
-            bpitch = tl.multiple_of(bpitch, 16)
-        rows = (pid_s * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
-        hh = tl.arange(0, HB)
-        cols = tl.arange(0, HALF)
-        mask = (rows[:, None, None] < S) & (hh[None, :, None] < nh)
-        if part == 0:
-            f1, f2 = _halves(x0, b, h0, rows, hh, cols, s0b, s0s, s0h, s0d, mask, HALF)
-        elif part == 1:
-            f1, f2 = _halves(x1, b, h0, rows, hh, cols, s1b, s1s, s1h, s1d, mask, HALF)
-        else:
-            f1, f2 = _halves(x2, b, h0, rows, hh, cols, s2b, s2s, s2h, s2d, mask, HALF)
-        if ANY_NORM:  # rms_norm_rope's order: the adjacent-pair tree, sqrt, reciprocal
-            if (flags >> (2 * part)) & 1:
-                wp = w0
-                if part == 1:
-                    wp = w1
-                elif part == 2:
-                    wp = w2
-                t = (_adjacent_sum(f1 * f1, BLOCK_S, HB, HALF, LEVELS)
-                     + _adjacent_sum(f2 * f2, BLOCK_S, HB, HALF, LEVELS))
-                ms = tl.div_rn(t, tl.full((BLOCK_S, HB), 2 * HALF, tl.float32))
-                inv = tl.div_rn(tl.full((BLOCK_S, HB), 1.0, tl.float32), tl.sqrt_rn(ms + eps))
-                if ROPE_BCAST:  # as cos/sin below: loaded in the rows' layout
-                    wo = rows[:, None, None] * 0 + hh[None, :, None] * 0 + cols[None, None, :]
-                    wa = tl.load(wp + wo).to(tl.float32)
-                    wb = tl.load(wp + HALF + wo).to(tl.float32)
-                else:
-                    wa = tl.load(wp + cols).to(tl.float32)[None, None, :]
-                    wb = tl.load(wp + HALF + cols).to(tl.float32)[None, None, :]
-                f1 = f1 * inv[:, :, None] * wa
-                f2 = f2 * inv[:, :, None] * wb
-        if ANY_ROPE:  # cos/sin of the block's rows: loaded once for the program's HB heads
-            if (flags >> (2 * part + 1)) & 1:
-                if ROPE_BCAST:  # pointers broadcast over the heads: f1's layout, no shuffle
-                    rmask = (rows[:, None, None] < S) & (hh[None, :, None] >= 0)
-                    cr = (cos_ptr + rows[:, None, None] * scs + hh[None, :, None] * 0
-                          + cols[None, None, :] * scd)
-                    sr = (sin_ptr + rows[:, None, None] * sss + hh[None, :, None] * 0
-                          + cols[None, None, :] * ssd)
-                    c1 = tl.load(cr, mask=rmask).to(tl.float32)
-                    c2 = tl.load(cr + HALF * scd, mask=rmask).to(tl.float32)
-                    s1 = tl.load(sr, mask=rmask).to(tl.float32)
-                    s2 = tl.load(sr + HALF * ssd, mask=rmask).to(tl.float32)
-                else:
-                    rmask = rows[:, None] < S
-                    cr = cos_ptr + rows[:, None] * scs + cols[None, :] * scd
-                    sr = sin_ptr + rows[:, None] * sss + cols[None, :] * ssd
-                    c1 = tl.load(cr, mask=rmask).to(tl.float32)[:, None, :]
-                    c2 = tl.load(cr + HALF * scd, mask=rmask).to(tl.float32)[:, None, :]
-                    s1 = tl.load(sr, mask=rmask).to(tl.float32)[:, None, :]
-                    s2 = tl.load(sr + HALF * ssd, mask=rmask).to(tl.float32)[:, None, :]
-                g1 = f1 * c1 + (-f2) * s1
-                g2 = f2 * c2 + f1 * s2
-                f1 = g1
-                f2 = g2
-        dst = (out_ptr + base + b * bpitch + rows[:, None, None] * pitch
-               + hh[None, :, None] * (2 * HALF) + cols[None, None, :])
-        tl.store(dst, f1.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF, f2.to(out_ptr.dtype.element_ty), mask=mask)
-
-    return fill_kernel
 
 
 #: Launch options of the fill kernel: FMA contraction off (torch rounds ``a * b`` and ``+ c``
@@ -324,36 +222,59 @@ HEADS_PER_PROGRAM = 2
 #: (a layout conversion through shared memory): see benchmarks/results/ulysses-fill-*.md.
 ROPE_BCAST = True
 
-#: ``(device, layout key, heads per program) → (int64 table [entries, 6], aligned)`` on the
-#: device, built once per layout, so a steady-state fill uploads nothing (no host↔device copy
-#: in a forward).
+#: ``layout key → _Desc`` (the kernel's int64 descriptor on the device), built once per layout,
+#: so a steady-state fill uploads nothing (no host↔device copy in a forward).
 _TABLES: collections.OrderedDict = collections.OrderedDict()
 
 
-def _table(device, ranges, htot, starts, batch, d, hb):
-    """One entry per (part, destination, run of up to ``hb`` consecutive heads of the part that
-    the destination takes): ``part, first head, heads, base element, row pitch, batch pitch``
-    (``starts[p]``: region p's first element from the kernel's base pointer). A KV head that
-    several destinations take (GQA) is in one entry per destination: read once for each.
-    ``aligned``: every base and pitch a multiple of 16 elements."""
-    key = (str(device), tuple(ranges), tuple(htot), tuple(starts), batch, d, hb)
-    tbl = _TABLES.get(key)
-    if tbl is not None:
+class _Desc(NamedTuple):
+    table: torch.Tensor   # the descriptor (fill_kernels' module docstring)
+    entries: int          # programs along the grid's second axis
+    aligned: bool         # every base and pitch a multiple of 16 elements
+    spec: int             # the kernel's SPEC
+
+
+def _spec_code(stride: int) -> int:
+    """What the launcher finds for an integer argument: 1 (it is 1), 2 (a multiple of 16), 0."""
+    return 1 if stride == 1 else 2 if stride % 16 == 0 else 0
+
+
+def _descriptor(device, ranges, htot, starts, batch, d, hb, s_r, eps, flags, strides,
+                rope_strides) -> _Desc:
+    """The fill kernel's descriptor (``fill_kernels``): a header (``s_r``, ``eps``'s fp32 bits,
+    ``flags``, cos/sin ``rope_strides``), then one entry per (part, destination, run of up to
+    ``hb`` consecutive heads of the part that the destination takes): ``part, first head,
+    heads, base element, row pitch, batch pitch`` (``starts[p]``: region p's first element
+    from the kernel's base pointer) and the part's ``strides`` (batch, row, head, element). A
+    KV head that several destinations take (GQA) is in one entry per destination: read once
+    for each. Cached per layout."""
+    key = (device, ranges, htot, starts, batch, d, hb, s_r, eps, flags, strides, rope_strides)
+    desc = _TABLES.get(key)
+    if desc is not None:
         _TABLES.move_to_end(key)
-        return tbl
+        return desc
     ents, cols = [], [0] * len(htot)
     for i, rng in enumerate(ranges):
         for p, (lo, hi) in enumerate(rng):
             for h in range(lo, hi, hb):
                 ents.append((i, h, min(hb, hi - h), starts[p] + (cols[p] + h - lo) * d,
-                             batch * htot[p] * d, htot[p] * d))
+                             batch * htot[p] * d, htot[p] * d, *strides[i]))
             cols[p] += max(0, hi - lo)
-    aligned = all(v % 16 == 0 for e in ents for v in e[3:])
-    tbl = (torch.tensor(ents, dtype=torch.int64).reshape(len(ents), 6).to(device), aligned)
-    _TABLES[key] = tbl
+    head = [0] * _fk.HEADER
+    head[_fk.H_S], head[_fk.H_FLAGS] = s_r, flags
+    head[_fk.H_EPS] = struct.unpack("<i", struct.pack("<f", eps))[0]
+    head[_fk.H_COS_S:_fk.H_SIN_D + 1] = rope_strides
+    # one code per stride position, shared by the parts (where they differ: nothing known)
+    codes = [c.pop() if len(c := {_spec_code(st[k]) for st in strides}) == 1 else 0
+             for k in range(4)] + [_spec_code(v) for v in rope_strides]
+    words = head + [v for e in ents for v in e]
+    desc = _Desc(torch.tensor(words, dtype=torch.int64).to(device), len(ents),
+                 all(v % 16 == 0 for e in ents for v in e[3:6]),
+                 sum(c << (2 * k) for k, c in enumerate(codes)))
+    _TABLES[key] = desc
     while len(_TABLES) > 256:
         _TABLES.popitem(last=False)
-    return tbl
+    return desc
 
 
 def default_block_s(head_dim: int) -> int:
@@ -382,9 +303,10 @@ def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor |
         out = torch.empty(starts[-1], dtype=x0.dtype, device=x0.device)
     if len(parts) > 3:
         raise ValueError(f"fill_triton: at most 3 parts per exchange, got {len(parts)}")
-    lay = _Layout(parts, eps, cos is not None, block_s, heads_per_program, num_warps)
-    base, starts = (out, starts[:-1]) if regions is None else _region_base(regions)
-    _launch(lay, [p.x for p in parts], base, lay.table(starts), cos, sin)
+    lay = _Layout(parts, eps, cos is not None, block_s, heads_per_program, num_warps,
+                  reused=False)
+    base, starts = (out, tuple(starts[:-1])) if regions is None else _region_base(regions)
+    _launch(lay, [p.x for p in parts], base, starts, cos, sin)
     return out
 
 
@@ -394,7 +316,7 @@ def _region_base(regions) -> tuple:
     live = [r for r in regions if r.numel()] or [regions[0]]
     base = min(live, key=lambda r: r.data_ptr())
     item = base.element_size()
-    return base, [(r.data_ptr() - base.data_ptr()) // item for r in regions]
+    return base, tuple((r.data_ptr() - base.data_ptr()) // item for r in regions)
 
 
 class _Layout:
@@ -403,12 +325,12 @@ class _Layout:
 
     def __init__(self, parts: Sequence[FillPart], eps: float, rope: bool,
                  block_s: int | None = None, heads_per_program: int | None = None,
-                 num_warps: int | None = None):
+                 num_warps: int | None = None, reused: bool = True):
         x0 = parts[0].x
         self.b, self.s_r, _, self.d = x0.shape
         self.device = x0.device
-        self.ranges = [p.ranges for p in parts]
-        self.htot = send_layout(self.b, self.s_r, self.d, self.ranges)[0]
+        self.ranges = tuple(p.ranges for p in parts)
+        self.htot = tuple(send_layout(self.b, self.s_r, self.d, self.ranges)[0])
         self.hb = heads_per_program or HEADS_PER_PROGRAM
         self.eps = float(eps)
         self.rope = rope
@@ -422,54 +344,56 @@ class _Layout:
                            HALF=half, LEVELS=half.bit_length() - 1, BLOCK_S=self.block_s,
                            HB=self.hb, ANY_NORM=any(p.weight is not None for p in parts),
                            ANY_ROPE=rope and any(p.rope for p in parts), ROPE_BCAST=ROPE_BCAST)
-        self._tables: dict = {}
-        #: compiled-kernel handles by specialization (CUDA only; ``_launch``)
-        self.handles = {} if CACHED_LAUNCH and x0.is_cuda else None
+        self._descs: dict = {}
+        #: compiled-kernel handles by specialization (CUDA, a layout launched again; ``_launch``)
+        self.handles = {} if CACHED_LAUNCH and reused and x0.is_cuda else None
 
-    def table(self, starts) -> tuple:
-        """``(table, aligned)`` for regions starting at ``starts`` (elements from the base)."""
-        key = tuple(starts)
-        tbl = self._tables.get(key)
-        if tbl is None:
-            tbl = _table(self.device, self.ranges, self.htot, key, self.b, self.d, self.hb)
-            if len(self._tables) > 8:  # a transport hands out a few buffers in turn
-                self._tables.clear()
-            self._tables[key] = tbl
-        return tbl
+    def desc(self, starts: tuple, strides: tuple, rope_strides: tuple) -> _Desc:
+        """The descriptor for regions at ``starts`` and these strides (kept per layout: a
+        transport hands out a few buffers in turn, a caller passes a few layouts)."""
+        key = (starts, strides, rope_strides)
+        desc = self._descs.get(key)
+        if desc is None:
+            desc = _descriptor(self.device, self.ranges, self.htot, starts, self.b, self.d,
+                               self.hb, self.s_r, self.eps, self.flags, strides, rope_strides)
+            if len(self._descs) > 16:
+                self._descs.clear()
+            self._descs[key] = desc
+        return desc
 
 
-def _launch(lay: _Layout, xs: list, base: torch.Tensor, table: tuple, cos, sin) -> None:
+def _launch(lay: _Layout, xs: list, base: torch.Tensor, starts: tuple, cos, sin) -> None:
     """One launch of the fill kernel for ``lay`` with sources ``xs`` (``[B, S_r, H, D]``, any
-    strides), destination ``base`` and the destination ``table``: through Triton's JIT the
-    first time a specialization is seen, then through the compiled kernel it returned
+    strides), destination ``base`` (regions at ``starts`` elements from it): through Triton's
+    JIT the first time a specialization is seen, then through the compiled kernel it returned
     (``CACHED_LAUNCH``)."""
-    tbl, aligned = table
-    if lay.s_r == 0 or lay.b == 0 or tbl.shape[0] == 0:
+    if lay.s_r == 0 or lay.b == 0:
         return
     xs = xs + [xs[0]] * lay.pad
     c, s = (cos, sin) if lay.rope else (xs[0], xs[0])
-    strides = (*xs[0].stride(), *xs[1].stride(), *xs[2].stride(),
-               *((c.stride(0), c.stride(1), s.stride(0), s.stride(1)) if lay.rope
-                 else (0, 0, 0, 0)))
-    args = (*xs, base, tbl, *lay.ws, c, s, lay.s_r, lay.eps, lay.flags, *strides)
-    grid = (triton_cdiv(lay.s_r, lay.block_s), tbl.shape[0], lay.b)
-    aligned = aligned and base.data_ptr() % 16 == 0
+    desc = lay.desc(starts, (xs[0].stride(), xs[1].stride(), xs[2].stride()),
+                    (*c.stride(), *s.stride()) if lay.rope else (0, 0, 0, 0))
+    if desc.entries == 0:
+        return
+    args = (*xs, base, desc.table, *lay.ws, c, s)
+    grid = (triton_cdiv(lay.s_r, lay.block_s), desc.entries, lay.b)
+    aligned = desc.aligned and base.data_ptr() % 16 == 0
     key = None
     if lay.handles is not None:
-        # what Triton specializes the changing arguments on: the strides' values, each
-        # changing pointer's dtype and 16-byte alignment (the rest is fixed by the layout)
-        key = (strides, aligned, base.data_ptr() % 16, xs[0].data_ptr() % 16,
+        # what Triton specializes the changing arguments on: each changing pointer's dtype and
+        # 16-byte alignment (the descriptor and weights are fixed per key), and the constexprs
+        key = (desc.spec, aligned, base.data_ptr() % 16, xs[0].data_ptr() % 16,
                xs[1].data_ptr() % 16, xs[2].data_ptr() % 16, c.data_ptr() % 16,
-               s.data_ptr() % 16, xs[0].dtype, xs[1].dtype, xs[2].dtype, c.dtype, s.dtype,
-               base.dtype)
+               s.data_ptr() % 16, desc.table.data_ptr() % 16, xs[0].dtype, xs[1].dtype,
+               xs[2].dtype, c.dtype, s.dtype, base.dtype)
         h = lay.handles.get(key)
         if h is not None:
             h.run(*grid, torch._C._cuda_getCurrentRawStream(h.device), h.function, h.meta,
                   None, None, None, *args, *h.tail)
             return
-    kernel = _kernel()[grid](*args, ALIGNED=aligned, **lay.consts)
+    kernel = _fk.fill_kernel[grid](*args, ALIGNED=aligned, SPEC=desc.spec, **lay.consts)
     if key is not None:
-        h = _handle(kernel, len(args), dict(lay.consts, ALIGNED=aligned))
+        h = _handle(kernel, len(args), dict(lay.consts, ALIGNED=aligned, SPEC=desc.spec))
         if h is not None:
             lay.handles[key] = h
 
@@ -498,7 +422,7 @@ def _handle(kernel, n_args: int, consts: dict) -> _Handle | None:
         if knobs.runtime.launch_enter_hook is not None or \
                 knobs.runtime.launch_exit_hook is not None:
             return None
-        names = _kernel().arg_names
+        names = _fk.fill_kernel.arg_names
         tail = tuple(consts[n] for n in names[n_args:])  # the constexprs, in signature order
         return _Handle(kernel, tail, torch.cuda.current_device())
     except Exception:  # noqa: BLE001 - the JIT path stays
@@ -549,8 +473,8 @@ def fill(parts: Sequence[FillPart], eps: float = 0.0, cos=None, sin=None, out=No
 
 class FillPlan:
     """``fill`` prepared once for one layout, for a caller that fills many times (a forward per
-    layer and step): the checks, the implementation choice, the norm weights and the Triton
-    destination tables are worked out here, so a call only passes the tensors.
+    layer and step): the checks, the implementation choice, the norm weights and the kernel's
+    descriptors are worked out here, so a call only passes the tensors.
 
     Arguments:
         parts: the exchange's parts as ``fill`` takes them; their ``x`` fix the layout (shapes
@@ -559,7 +483,7 @@ class FillPlan:
         impl: as ``fill``.
 
     ``plan(xs, cos, sin, out)``: ``xs`` one tensor per part; ``out`` a flat buffer or one flat
-    tensor per region (as ``fill``; the table is kept per region address, so pass stable
+    tensor per region (as ``fill``; descriptors are kept per region address, so pass stable
     buffers). Raises ``ValueError`` as ``fill`` does, at construction.
     """
 
@@ -587,8 +511,7 @@ class FillPlan:
             fill_torch(parts, self.eps, cos, sin, out)
             return
         if isinstance(out, torch.Tensor):
-            base, table = out, lay.table(self.flat_starts)
+            _launch(lay, list(xs), out, self.flat_starts, cos, sin)
         else:
             base, starts = _region_base(out)
-            table = lay.table(starts)
-        _launch(lay, list(xs), base, table, cos, sin)
+            _launch(lay, list(xs), base, starts, cos, sin)

@@ -1,0 +1,168 @@
+"""The Ulysses fill kernel (Triton); the host side, the torch reference and the rules it follows
+are ``attncomm.ulysses.fill``'s.
+
+One program per (block of ``BLOCK_S`` rows, entry, batch): an entry is a run of up to ``HB``
+consecutive heads of one part bound for one destination region. The kernel takes the parts'
+pointers, the weights', cos/sin, the send buffer's, the descriptor and its constexprs. The
+descriptor (int64, built once per layout by ``fill._descriptor``, cached on the device)::
+
+    [H_S]                 S_r, the shard's rows
+    [H_EPS]               the RMSNorm epsilon's fp32 bits
+    [H_FLAGS]             bit 2·i: part i has a norm weight; bit 2·i + 1: part i takes RoPE
+    [H_COS_S .. H_SIN_D]  cos and sin strides (row, element)
+    [HEADER + ENTRY·k + E_*]  entry k: part, first head, heads, base element, row pitch,
+                          batch pitch, and the part's strides (batch, row, head, element)
+
+``SPEC`` holds 2 bits per stride, what the launcher would have found for an integer argument:
+1: the stride is 1 (a constant), 2: a multiple of 16 (the compiler is told), 0: neither; so the
+loads vectorise as with strides as arguments. Bits 0-7: the parts' batch, row, head and element
+strides (the code all parts share, else 0), bits 8-15: cos's and sin's row and element
+strides.
+"""
+from __future__ import annotations
+
+import sys
+
+import triton
+import triton.language as tl
+
+__all__ = ["fill_kernel", "HEADER", "ENTRY", "H_S", "H_EPS", "H_FLAGS", "H_COS_S", "H_COS_D",
+           "H_SIN_S", "H_SIN_D", "E_PART", "E_HEAD", "E_HEADS", "E_BASE", "E_PITCH",
+           "E_BPITCH", "E_STRIDES"]
+
+H_S, H_EPS, H_FLAGS, H_COS_S, H_COS_D, H_SIN_S, H_SIN_D = range(7)
+#: Descriptor words before the first entry.
+HEADER = 8
+E_PART, E_HEAD, E_HEADS, E_BASE, E_PITCH, E_BPITCH, E_STRIDES = range(7)
+#: Words per entry (the last four: the part's strides).
+ENTRY = E_STRIDES + 4
+_c = sys.modules[__name__]  # constants read as attributes (see attncomm.symm_device)
+
+
+@triton.jit
+def _stride(ptr, CODE: tl.constexpr):
+    # A stride from the descriptor with what the host found about it (module docstring); the
+    # hint must sit on the load itself (a hint on a function argument is lost when inlined).
+    if CODE == 1:
+        return 1
+    else:
+        v = tl.load(ptr)
+        if CODE == 2:
+            v = tl.multiple_of(v, 16)
+        return v
+
+
+@triton.jit
+def _halves(x, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF: tl.constexpr):
+    """Rows ``[BLOCK_S, HB, D]`` of heads ``h0 + hh`` as two fp32 halves (one load site per
+    part)."""
+    src = (x + b * sb + rows[:, None, None] * ss + (h0 + hh)[None, :, None] * sh
+           + cols[None, None, :] * sd)
+    f1 = tl.load(src, mask=mask).to(tl.float32)
+    f2 = tl.load(src + HALF * sd, mask=mask).to(tl.float32)
+    return f1, f2
+
+
+@triton.jit
+def _adjacent_sum(t, BLOCK_S: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr,
+                  LEVELS: tl.constexpr):
+    """``_tree_sum``'s order over the last dim (adjacent pairs, recursively) →
+    ``[BLOCK_S, HB]``; the first levels are register-local (a thread holds adjacent
+    elements)."""
+    for j in tl.static_range(LEVELS):
+        ta, tb = tl.split(tl.reshape(t, (BLOCK_S, HB, HALF >> (j + 1), 2)))
+        t = ta + tb
+    return tl.reshape(t, (BLOCK_S, HB))
+
+
+@triton.jit
+def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
+                HALF: tl.constexpr, LEVELS: tl.constexpr, BLOCK_S: tl.constexpr,
+                HB: tl.constexpr, ANY_NORM: tl.constexpr, ANY_ROPE: tl.constexpr,
+                ALIGNED: tl.constexpr, ROPE_BCAST: tl.constexpr, SPEC: tl.constexpr):
+    pid_s = tl.program_id(0)
+    ent = desc + _c.HEADER + tl.program_id(1) * _c.ENTRY
+    b = tl.program_id(2).to(tl.int64)
+    S = tl.load(desc + _c.H_S)
+    flags = tl.load(desc + _c.H_FLAGS)
+    part = tl.load(ent + _c.E_PART)
+    h0 = tl.load(ent + _c.E_HEAD)
+    nh = tl.load(ent + _c.E_HEADS)
+    base = tl.load(ent + _c.E_BASE)
+    pitch = tl.load(ent + _c.E_PITCH)
+    bpitch = tl.load(ent + _c.E_BPITCH)
+    # Every word a program reads is loaded here, up front (no load waits on another); a
+    # stride SPEC makes constant is never read.
+    sb = _stride(ent + _c.E_STRIDES, SPEC & 3)
+    ss = _stride(ent + _c.E_STRIDES + 1, (SPEC >> 2) & 3)
+    sh = _stride(ent + _c.E_STRIDES + 2, (SPEC >> 4) & 3)
+    sd = _stride(ent + _c.E_STRIDES + 3, (SPEC >> 6) & 3)
+    if ANY_NORM:
+        eps = tl.load(desc + _c.H_EPS).to(tl.int32).to(tl.float32, bitcast=True)
+    if ANY_ROPE:
+        scs = _stride(desc + _c.H_COS_S, (SPEC >> 8) & 3)
+        scd = _stride(desc + _c.H_COS_D, (SPEC >> 10) & 3)
+        sss = _stride(desc + _c.H_SIN_S, (SPEC >> 12) & 3)
+        ssd = _stride(desc + _c.H_SIN_D, (SPEC >> 14) & 3)
+    if ALIGNED:  # the host checked: every base and pitch a multiple of 16 elements
+        base = tl.multiple_of(base, 16)
+        pitch = tl.multiple_of(pitch, 16)
+        bpitch = tl.multiple_of(bpitch, 16)
+    rows = (pid_s * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
+    hh = tl.arange(0, HB)
+    cols = tl.arange(0, HALF)
+    mask = (rows[:, None, None] < S) & (hh[None, :, None] < nh)
+    if part == 0:
+        f1, f2 = _halves(x0, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF)
+    elif part == 1:
+        f1, f2 = _halves(x1, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF)
+    else:
+        f1, f2 = _halves(x2, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF)
+    if ANY_NORM:  # rms_norm_rope's order: the adjacent-pair tree, sqrt, reciprocal
+        if (flags >> (2 * part)) & 1:
+            wp = w0
+            if part == 1:
+                wp = w1
+            elif part == 2:
+                wp = w2
+            t = (_adjacent_sum(f1 * f1, BLOCK_S, HB, HALF, LEVELS)
+                 + _adjacent_sum(f2 * f2, BLOCK_S, HB, HALF, LEVELS))
+            ms = tl.div_rn(t, tl.full((BLOCK_S, HB), 2 * HALF, tl.float32))
+            inv = tl.div_rn(tl.full((BLOCK_S, HB), 1.0, tl.float32), tl.sqrt_rn(ms + eps))
+            if ROPE_BCAST:  # as cos/sin below: loaded in the rows' layout
+                wo = rows[:, None, None] * 0 + hh[None, :, None] * 0 + cols[None, None, :]
+                wa = tl.load(wp + wo).to(tl.float32)
+                wb = tl.load(wp + HALF + wo).to(tl.float32)
+            else:
+                wa = tl.load(wp + cols).to(tl.float32)[None, None, :]
+                wb = tl.load(wp + HALF + cols).to(tl.float32)[None, None, :]
+            f1 = f1 * inv[:, :, None] * wa
+            f2 = f2 * inv[:, :, None] * wb
+    if ANY_ROPE:  # cos/sin of the block's rows: loaded once for the program's HB heads
+        if (flags >> (2 * part + 1)) & 1:
+            if ROPE_BCAST:  # pointers broadcast over the heads: f1's layout, no shuffle
+                rmask = (rows[:, None, None] < S) & (hh[None, :, None] >= 0)
+                cr = (cos_ptr + rows[:, None, None] * scs + hh[None, :, None] * 0
+                      + cols[None, None, :] * scd)
+                sr = (sin_ptr + rows[:, None, None] * sss + hh[None, :, None] * 0
+                      + cols[None, None, :] * ssd)
+                c1 = tl.load(cr, mask=rmask).to(tl.float32)
+                c2 = tl.load(cr + HALF * scd, mask=rmask).to(tl.float32)
+                s1 = tl.load(sr, mask=rmask).to(tl.float32)
+                s2 = tl.load(sr + HALF * ssd, mask=rmask).to(tl.float32)
+            else:
+                rmask = rows[:, None] < S
+                cr = cos_ptr + rows[:, None] * scs + cols[None, :] * scd
+                sr = sin_ptr + rows[:, None] * sss + cols[None, :] * ssd
+                c1 = tl.load(cr, mask=rmask).to(tl.float32)[:, None, :]
+                c2 = tl.load(cr + HALF * scd, mask=rmask).to(tl.float32)[:, None, :]
+                s1 = tl.load(sr, mask=rmask).to(tl.float32)[:, None, :]
+                s2 = tl.load(sr + HALF * ssd, mask=rmask).to(tl.float32)[:, None, :]
+            g1 = f1 * c1 + (-f2) * s1
+            g2 = f2 * c2 + f1 * s2
+            f1 = g1
+            f2 = g2
+    dst = (out_ptr + base + b * bpitch + rows[:, None, None] * pitch
+           + hh[None, :, None] * (2 * HALF) + cols[None, None, :])
+    tl.store(dst, f1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, f2.to(out_ptr.dtype.element_ty), mask=mask)
