@@ -358,15 +358,14 @@ def _traced_decision(op: str, group, shape: tuple, dtype, device_type: str, seq_
     is decided, and nothing falls back, while tracing."""
     group = _dist.resolve_group(group, f"ulysses.{op}")
     backend = resolve_backend(backend)
-    where = (_dist.group_name(group), dist.get_rank(group))
-    if backend == "all_to_all":
-        return where + (backend,)
-    seq = seq_key(seq_lens)
-    name = _DECISIONS.get((group_key(group), op, shape, dtype, device_type, seq, backend,
-                           num_heads))
-    if name is None:
-        raise warm_up_error(f"ulysses.{op}", f"x {list(shape)} {dtype} with backend={backend!r}")
-    return where + (name,)
+    name = backend
+    if backend != "all_to_all":
+        name = _DECISIONS.get((group_key(group), op, shape, dtype, device_type,
+                               seq_key(seq_lens), backend, num_heads))
+        if name is None:
+            raise warm_up_error(f"ulysses.{op}",
+                                f"x {list(shape)} {dtype} with backend={backend!r}")
+    return _dist.group_name(group), dist.get_rank(group), name
 
 
 _VALIDATE_CODES = {None: -1, False: 0, True: 1}
