@@ -113,6 +113,36 @@ def test_prepared_fill_cached_launch_bitwise():
         finally:
             fill_mod.CACHED_LAUNCH = True
 
+@pytest.mark.parametrize("case", [
+    (2, 56, 56, 128, 1, 4096, torch.bfloat16, True, "dense"),
+    (3, 8, 2, 64, 2, 333, torch.float16, True, "sliced"),        # GQA, odd rows
+    (2, 12, 4, 128, 1, 1000, torch.bfloat16, False, "transposed"),
+])
+def test_fill_kernel_fp8_bitwise_on_cuda(case):
+    """The FP8 payload (ulysses/fp8.py): the kernel's bytes and scales equal the torch path's,
+    with zero, NaN, inf and tiny rows among the random ones."""
+    _need_gpu()
+    w, hq, hkv, d, b, s_r, dtype, norm, layout = case
+    seed = random.randrange(1 << 30)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (_make(g, (b, s_r, h, d), dtype, layout) for h in (hq, hkv, hkv))
+    q[0, 1, 0] = 0.0
+    k[0, 2, 0, 3] = float("nan")
+    v[0, 3, 0, 5] = float("inf")
+    q[0, 4, 1] *= 2.0 ** -20
+    qw = torch.randn(d, generator=g).cuda() if norm else None
+    kw = torch.randn(d, generator=g).to(dtype).cuda() if norm else None
+    cos, sin = torch.randn((s_r, d), generator=g).cuda(), torch.randn((s_r, d), generator=g).cuda()
+    for groups in (1, 2):
+        qr = tuple(group_head_ranges(hq, w, groups)[groups - 1])
+        kr = tuple(kv_head_range(lo, hi, hq // hkv) for lo, hi in qr)
+        for rope in (True, False):
+            parts = [FillPart(q, qr, qw, rope), FillPart(k, kr, kw, rope), FillPart(v, kr)]
+            want = fill_torch(parts, 1e-6, cos, sin, payload_dtype=torch.float8_e4m3fn)
+            got = fill_triton(parts, 1e-6, cos, sin, out=torch.full_like(want, 0xA5),
+                              payload_dtype=torch.float8_e4m3fn)
+            assert torch.equal(want, got), f"seed {seed} groups {groups} rope {rope}"
+
 
 @pytest.fixture(scope="module")
 def one_rank_group():
