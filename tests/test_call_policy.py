@@ -55,11 +55,24 @@ def _calls(rank, world):
     x = torch.randn(1, 3, 2 * world, 8, generator=gen)
     n = [2] * world
     rows = torch.randn(2, 4, generator=gen)
+    xh = torch.randn(1, 2 * world, 2, 8, generator=gen)
+    mods: dict = {}
+
+    def attention(groups, validate=None):
+        key = (groups, validate)
+        if key not in mods:
+            mods[key] = ulysses.UlyssesAttention(backend="all_to_all", pipeline_groups=groups,
+                                                 validate=validate)
+        return mods[key](x, x, x)
+
     calls = {
         "dcp.merge[a2a]": lambda **kw: dcp.merge(out, lse, backend="a2a", **kw),
         "dcp.merge[ag_rs]": lambda **kw: dcp.merge(out, lse, backend="ag_rs", **kw),
         "dcp.gather_heads": lambda **kw: dcp.gather_heads(out[:, :2], **kw),
         "seq_to_head": lambda **kw: ulysses.seq_to_head(x, backend="all_to_all", **kw),
+        "head_to_seq": lambda **kw: ulysses.head_to_seq(xh, backend="all_to_all", **kw),
+        "UlyssesAttention": lambda **kw: attention(0, **kw),
+        "UlyssesAttention[G=2]": lambda **kw: attention(2, **kw),
         "dp_gather": lambda **kw: dp_gather(rows, n, None, mode=DpPaddingMode.SUM_LEN, **kw),
     }
     res = {}
@@ -87,6 +100,9 @@ _OWN = {
     "dcp.merge[ag_rs]": {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1},
     "dcp.gather_heads": {"all_gather_into_tensor": 1},
     "seq_to_head": {"all_to_all_single": 1},
+    "head_to_seq": {"all_to_all_single": 1},
+    "UlyssesAttention": {"all_to_all_single": 2},        # q, k, v in; the output back
+    "UlyssesAttention[G=2]": {"all_to_all_single": 4},   # per head group
     "dp_gather": {"all_reduce": 1},
 }
 

@@ -57,8 +57,8 @@ if _triton.REASON is None:
 else:
     _fk = None
 
-__all__ = ["FillPart", "rms_norm_rope", "send_layout", "fill_torch", "fill_triton", "fill",
-           "triton_fill_reason", "default_block_s", "LAUNCH_OPTIONS"]
+__all__ = ["FillPart", "FillPlan", "rms_norm_rope", "send_layout", "fill_torch", "fill_triton",
+           "fill", "triton_fill_reason", "default_block_s", "LAUNCH_OPTIONS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,9 +320,8 @@ def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor |
     boundary). With ``out`` given as regions, the destination table is cached per region
     address: pass stable buffers (a transport's staging is) or one flat buffer. Raises
     ``ValueError`` when ``triton_fill_reason`` names a reason."""
-    (b, s_r, row), htot, starts, regions, fp8 = _check_parts(parts, out, payload_dtype)
+    _, _, starts, regions, fp8 = _check_parts(parts, out, payload_dtype)
     x0 = parts[0].x
-    d = x0.shape[3]
     why = None if _checked else triton_fill_reason(parts, x0.device, payload_dtype)
     if why:
         raise ValueError(f"fill_triton: {why}")
@@ -332,31 +331,125 @@ def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor |
     if len(parts) > 3:
         raise ValueError(f"fill_triton: at most 3 parts per exchange, got {len(parts)}")
     base, starts = _base_pointer(out, regions, starts, fp8)
-    if s_r == 0 or b == 0:
-        return out
-    hb = heads_per_program or HEADS_PER_PROGRAM
-    rope = cos is not None
-    flags = sum(((p.weight is not None) << (2 * i)) | ((p.rope and rope) << (2 * i + 1))
-                for i, p in enumerate(parts))
-    xs = [p.x for p in parts] + [x0] * (3 - len(parts))
-    c, s = (cos, sin) if rope else (x0, x0)
-    desc = _descriptor(x0.device, tuple(p.ranges for p in parts), tuple(htot), tuple(starts),
-                       b, row, hb, s_r, float(eps), flags, tuple(x.stride() for x in xs),
-                       (*c.stride(), *s.stride()) if rope else (0, 0, 0, 0))
-    if desc.entries == 0:
-        return out
-    ws = _kernel_weights(parts, x0.device)
-    block_s = block_s or default_block_s(d)
-    opts = dict(LAUNCH_OPTIONS, num_warps=num_warps or LAUNCH_OPTIONS["num_warps"])
-    half = d // 2
-    grid = (triton_cdiv(s_r, block_s), desc.entries, b)
-    _fk.fill_kernel[grid](*xs, base, desc.table, *ws, c, s,
-                          HALF=half, LEVELS=half.bit_length() - 1, BLOCK_S=block_s, HB=hb,
-                          ANY_NORM=any(p.weight is not None for p in parts),
-                          ANY_ROPE=rope and any(p.rope for p in parts),
-                          ALIGNED=desc.aligned and base.data_ptr() % 16 == 0,
-                          ROPE_BCAST=ROPE_BCAST, SPEC=desc.spec, FP8=fp8, **opts)
+    lay = _Layout(parts, eps, cos is not None, block_s, heads_per_program, num_warps,
+                  payload_dtype, reused=False)
+    _launch(lay, [p.x for p in parts], base, tuple(starts), cos, sin)
     return out
+
+
+class _Layout:
+    """What a fill launch keeps for one layout (the parts' shapes, dtype, head ranges, norm
+    weights, RoPE, eps, payload, launch shape): everything but the tensors' addresses and
+    strides."""
+
+    def __init__(self, parts: Sequence[FillPart], eps: float, rope: bool,
+                 block_s: int | None = None, heads_per_program: int | None = None,
+                 num_warps: int | None = None, payload_dtype: torch.dtype | None = None,
+                 reused: bool = True):
+        x0 = parts[0].x
+        (self.b, self.s_r, self.row), htot, _, _, self.fp8 = _check_parts(parts, None,
+                                                                          payload_dtype)
+        d = x0.shape[3]
+        self.device = x0.device
+        self.ranges = tuple(p.ranges for p in parts)
+        self.htot = tuple(htot)
+        self.hb = heads_per_program or HEADS_PER_PROGRAM
+        self.eps = float(eps)
+        self.rope = rope
+        self.flags = sum(((p.weight is not None) << (2 * i)) | ((p.rope and rope) << (2 * i + 1))
+                         for i, p in enumerate(parts))
+        self.ws = _kernel_weights(parts, x0.device)
+        self.pad = 3 - len(parts)
+        self.block_s = block_s or default_block_s(d)
+        half = d // 2
+        self.consts = dict(LAUNCH_OPTIONS, num_warps=num_warps or LAUNCH_OPTIONS["num_warps"],
+                           HALF=half, LEVELS=half.bit_length() - 1, BLOCK_S=self.block_s,
+                           HB=self.hb, ANY_NORM=any(p.weight is not None for p in parts),
+                           ANY_ROPE=rope and any(p.rope for p in parts), ROPE_BCAST=ROPE_BCAST,
+                           FP8=self.fp8)
+        self._descs: dict = {}
+        #: compiled-kernel handles by specialization (CUDA, a layout launched again; ``_launch``)
+        self.handles = {} if CACHED_LAUNCH and reused and x0.is_cuda else None
+
+    def desc(self, starts: tuple, strides: tuple, rope_strides: tuple) -> _Desc:
+        """The descriptor for regions at ``starts`` and these strides (kept per layout: a
+        transport hands out a few buffers in turn, a caller passes a few layouts)."""
+        key = (starts, strides, rope_strides)
+        desc = self._descs.get(key)
+        if desc is None:
+            desc = _descriptor(self.device, self.ranges, self.htot, starts, self.b, self.row,
+                               self.hb, self.s_r, self.eps, self.flags, strides, rope_strides)
+            if len(self._descs) > 16:
+                self._descs.clear()
+            self._descs[key] = desc
+        return desc
+
+
+def _launch(lay: _Layout, xs: list, base: torch.Tensor, starts: tuple, cos, sin) -> None:
+    """One launch of the fill kernel for ``lay`` with sources ``xs`` (``[B, S_r, H, D]``, any
+    strides), destination ``base`` (regions at ``starts`` elements from it): through Triton's
+    JIT the first time a specialization is seen, then through the compiled kernel it returned
+    (``CACHED_LAUNCH``)."""
+    if lay.s_r == 0 or lay.b == 0:
+        return
+    xs = xs + [xs[0]] * lay.pad
+    c, s = (cos, sin) if lay.rope else (xs[0], xs[0])
+    desc = lay.desc(starts, (xs[0].stride(), xs[1].stride(), xs[2].stride()),
+                    (*c.stride(), *s.stride()) if lay.rope else (0, 0, 0, 0))
+    if desc.entries == 0:
+        return
+    args = (*xs, base, desc.table, *lay.ws, c, s)
+    grid = (triton_cdiv(lay.s_r, lay.block_s), desc.entries, lay.b)
+    aligned = desc.aligned and base.data_ptr() % 16 == 0
+    key = None
+    if lay.handles is not None:
+        # what Triton specializes the changing arguments on: each changing pointer's dtype and
+        # 16-byte alignment (the descriptor and weights are fixed per key), and the constexprs
+        key = (desc.spec, aligned, base.data_ptr() % 16, xs[0].data_ptr() % 16,
+               xs[1].data_ptr() % 16, xs[2].data_ptr() % 16, c.data_ptr() % 16,
+               s.data_ptr() % 16, desc.table.data_ptr() % 16, xs[0].dtype, xs[1].dtype,
+               xs[2].dtype, c.dtype, s.dtype, base.dtype)
+        h = lay.handles.get(key)
+        if h is not None:
+            h.run(*grid, torch._C._cuda_getCurrentRawStream(h.device), h.function, h.meta,
+                  None, None, None, *args, *h.tail)
+            return
+    kernel = _fk.fill_kernel[grid](*args, ALIGNED=aligned, SPEC=desc.spec, **lay.consts)
+    if key is not None:
+        h = _handle(kernel, len(args), dict(lay.consts, ALIGNED=aligned, SPEC=desc.spec))
+        if h is not None:
+            lay.handles[key] = h
+
+
+#: Launch the fill through the compiled kernel Triton returned for a specialization, once it
+#: has compiled it (the same kernel and bits; skips the JIT's per-launch argument binding,
+#: cache key and option checks). Off: every launch goes through the JIT.
+CACHED_LAUNCH = True
+
+
+class _Handle:
+    """A compiled fill kernel and what its launcher takes besides the arguments."""
+
+    __slots__ = ("run", "function", "meta", "tail", "device")
+
+    def __init__(self, kernel, tail, device):
+        self.run, self.function = kernel.run, kernel.function
+        self.meta, self.tail, self.device = kernel.packed_metadata, tail, device
+
+
+def _handle(kernel, n_args: int, consts: dict) -> _Handle | None:
+    """The compiled kernel's handle, or None where launching it directly is not safe (a Triton
+    without these attributes, launch hooks installed, e.g. a profiler's)."""
+    try:
+        from triton import knobs
+        if knobs.runtime.launch_enter_hook is not None or \
+                knobs.runtime.launch_exit_hook is not None:
+            return None
+        names = _fk.fill_kernel.arg_names
+        tail = tuple(consts[n] for n in names[n_args:])  # the constexprs, in signature order
+        return _Handle(kernel, tail, torch.cuda.current_device())
+    except Exception:  # noqa: BLE001 - the JIT path stays
+        return None
 
 
 def _base_pointer(out, regions, starts, fp8: bool):
@@ -417,3 +510,52 @@ def fill(parts: Sequence[FillPart], eps: float = 0.0, cos=None, sin=None, out=No
     if why is not None:
         raise ValueError(f"fill_triton: {why}")
     return fill_triton(parts, eps, cos, sin, out, payload_dtype=payload_dtype, _checked=True)
+
+
+class FillPlan:
+    """``fill`` prepared once for one layout, for a caller that fills many times (a forward per
+    layer and step): the checks, the implementation choice, the norm weights and the kernel's
+    descriptors are worked out here, so a call only passes the tensors.
+
+    Arguments:
+        parts: the exchange's parts as ``fill`` takes them; their ``x`` fix the layout (shapes
+            and dtype); later calls pass tensors of the same shapes and dtype, any strides.
+        eps, rope: RMSNorm epsilon; whether cos/sin are passed (the parts' ``rope`` apply).
+        impl, payload_dtype: as ``fill``.
+
+    ``plan(xs, cos, sin, out)``: ``xs`` one tensor per part; ``out`` a flat buffer or one flat
+    tensor per region (as ``fill``; descriptors are kept per region address, so pass stable
+    buffers). Raises ``ValueError`` as ``fill`` does, at construction.
+    """
+
+    def __init__(self, parts: Sequence[FillPart], eps: float = 0.0, rope: bool = False,
+                 impl: str = "auto", payload_dtype: torch.dtype | None = None):
+        if impl not in ("auto", "triton", "torch"):
+            raise ValueError(f"fill: impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+        _, _, starts, _, _ = _check_parts(parts, None, payload_dtype)
+        why = (None if impl == "torch" else
+               triton_fill_reason(parts, parts[0].x.device, payload_dtype))
+        if impl == "triton" and why is not None:
+            raise ValueError(f"fill_triton: {why}")
+        if why is None and impl != "torch" and len(parts) > 3:
+            raise ValueError(f"fill_triton: at most 3 parts per exchange, got {len(parts)}")
+        self.templates = [dataclasses.replace(p, x=None) for p in parts]
+        self.eps = float(eps)
+        self.payload_dtype = payload_dtype
+        self.starts = list(starts)
+        self.flat_starts = tuple(starts[:-1])
+        self.layout = (_Layout(parts, eps, rope, payload_dtype=payload_dtype)
+                       if why is None and impl != "torch" else None)
+
+    def __call__(self, xs: Sequence[torch.Tensor], cos=None, sin=None, out=None) -> None:
+        lay = self.layout
+        if lay is None:
+            parts = [dataclasses.replace(t, x=x) for t, x in zip(self.templates, xs)]
+            fill_torch(parts, self.eps, cos, sin, out, payload_dtype=self.payload_dtype)
+            return
+        if isinstance(out, torch.Tensor) and not lay.fp8:
+            _launch(lay, list(xs), out, self.flat_starts, cos, sin)
+            return
+        regions = None if isinstance(out, torch.Tensor) else out
+        base, starts = _base_pointer(out, regions, self.starts, lay.fp8)
+        _launch(lay, list(xs), base, tuple(starts), cos, sin)
