@@ -90,9 +90,14 @@ def _make(gen, W, T, hs, D, R, dtype):
         view, odd = {torch.bfloat16: (torch.int16, -0x3F), torch.float16: (torch.int16, -0x1FF),
                      torch.float32: (torch.int32, -0x3FFFFF)}[dtype]
         q[:, 0, 0, D - 1:].view(view).fill_(odd)
+    if R and T:  # signed zeros in a rotated pair: −0·cos + (−(+0))·sin is −0, not +0
+        q[:, -1, 0, D - R] = -0.0
+        q[:, -1, 0, D - R + R // 2] = 0.0
     rope = None
     if R:
         ang = torch.rand(T, R // 2, generator=gen, dtype=torch.float64) * 30
+        if T:
+            ang[-1, 0] = 0.5  # cos > 0 and sin > 0 for that pair
         ang = torch.cat((ang, ang), -1)
         rope = (ang.cos().float().contiguous(), ang.sin().float().contiguous())
     return q, rope

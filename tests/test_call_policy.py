@@ -58,6 +58,16 @@ def _calls(rank, world):
     partial = torch.randn(2 * world, 4, generator=gen)
     merged = torch.empty(4, 2, 8)
     gathered = torch.empty(1, 2 * world, 8)
+    xh = torch.randn(1, 2 * world, 2, 8, generator=gen)
+    mods: dict = {}
+
+    def attention(groups, validate=None):
+        key = (groups, validate)
+        if key not in mods:
+            mods[key] = ulysses.UlyssesAttention(backend="all_to_all", pipeline_groups=groups,
+                                                 validate=validate)
+        return mods[key](x, x, x)
+
     calls = {
         "dcp.merge[a2a]": lambda **kw: dcp.merge(out, lse, backend="a2a", **kw),
         "dcp.merge[ag_rs]": lambda **kw: dcp.merge(out, lse, backend="ag_rs", **kw),
@@ -67,6 +77,9 @@ def _calls(rank, world):
         "dcp.gather_heads[T=1, output]": lambda **kw: dcp.gather_heads(
             out[:1, :2], output=gathered, **kw),
         "seq_to_head": lambda **kw: ulysses.seq_to_head(x, backend="all_to_all", **kw),
+        "head_to_seq": lambda **kw: ulysses.head_to_seq(xh, backend="all_to_all", **kw),
+        "UlyssesAttention": lambda **kw: attention(0, **kw),
+        "UlyssesAttention[G=2]": lambda **kw: attention(2, **kw),
         "dp_gather": lambda **kw: dp_gather(rows, n, None, mode=DpPaddingMode.SUM_LEN, **kw),
         "dp_gather[MAX_LEN]": lambda **kw: dp_gather(rows, n, None, mode="max_len", **kw),
         "dp_reduce_scatter[MAX_LEN]": lambda **kw: dp_reduce_scatter(
@@ -101,6 +114,9 @@ _OWN = {
     "dcp.gather_heads": {"all_gather_into_tensor": 1},
     "dcp.gather_heads[T=1, output]": {"all_gather_into_tensor": 1},
     "seq_to_head": {"all_to_all_single": 1},
+    "head_to_seq": {"all_to_all_single": 1},
+    "UlyssesAttention": {"all_to_all_single": 2},        # q, k, v in; the output back
+    "UlyssesAttention[G=2]": {"all_to_all_single": 4},   # per head group
     "dp_gather": {"all_reduce": 1},
     "dp_gather[MAX_LEN]": {"all_gather_into_tensor": 1},
     "dp_reduce_scatter[MAX_LEN]": {"reduce_scatter_tensor": 1},

@@ -1,6 +1,8 @@
 """Flag writes and waits on a CUDA stream for the ``ce`` transport: stream memory ops
 (``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` from ``cuda.bindings.driver``) or one-block
-Triton kernels (release store / acquire spin with a device-side deadline: ``ce_flag_kernels``).
+Triton kernels (release store / acquire spin with a device-side deadline: ``ce_flag_kernels``);
+and the protocol's flag layout and peer orders as pure functions (``f_word``, ``a_word``,
+``initial_flags``, ``send_order``, ``recv_order``), which the transport addresses its flags by.
 
 A kernel wait that runs past its deadline stores 1 into the error word of the peer it waited
 for (``PeerErrors.words``, mapped host memory: a system-scope store), releases its stream and
@@ -19,7 +21,8 @@ if _triton.REASON is None:
 else:
     _k = None
 
-__all__ = ["Flags", "driver", "runtime", "triton_reason", "ok"]
+__all__ = ["Flags", "driver", "runtime", "triton_reason", "ok", "f_word", "a_word",
+           "initial_flags", "send_order", "recv_order"]
 
 _WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
 
@@ -100,3 +103,35 @@ class Flags:
         kern.write(s, word.data_ptr(), 1)
         kern.wait(s, word.data_ptr(), 1, 0, bounded=True)
         torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------ the protocol
+# One staging entry's flags block: int32 [4, W]. Row k (0, 1): F[k][s], set to 1 by source s
+# once slot k holds its data; row 2 + k: A[k][p], set to 1 by destination p once it is done
+# reading slot k (its data from this rank). A wait resets the flag it waited for, so the block
+# returns to ``initial_flags`` after every complete exchange (tests/test_ulysses_ce_protocol.py
+# runs the protocol over eager calls, captures and replays).
+def f_word(k: int, src: int, world: int) -> int:
+    """Word index of ``F[k][src]`` in a flags block."""
+    return k * world + src
+
+
+def a_word(k: int, dst: int, world: int) -> int:
+    """Word index of ``A[k][dst]`` in a flags block."""
+    return (2 + k) * world + dst
+
+
+def initial_flags(rank: int, world: int) -> list[int]:
+    """``rank``'s flags block when its entry is allocated, flat ``[4 · W]``: no slot holds data
+    (F = 0) and every slot is free for every peer (``A[k][p] = 1``, p ≠ rank)."""
+    return [int(row >= 2 and p != rank) for row in range(4) for p in range(world)]
+
+
+def send_order(rank: int, world: int) -> list[int]:
+    """The peers a sender copies to, in order: ``rank + 1, rank + 2, ...`` (mod W)."""
+    return [(rank + i) % world for i in range(1, world)]
+
+
+def recv_order(rank: int, world: int) -> list[int]:
+    """The sources a receiver waits for and releases, in order: ``rank − 1, rank − 2, ...``."""
+    return [(rank - i) % world for i in range(1, world)]

@@ -18,6 +18,13 @@ descriptor (int64, built once per layout by ``fill._descriptor``, cached on the 
 loads vectorise as with strides as arguments. Bits 0-7: the parts' batch, row, head and element
 strides (the code all parts share, else 0), bits 8-15: cos's and sin's row and element
 strides.
+
+``FP8`` (the FP8 payload, ``attncomm.ulysses.fp8``'s rule): the output pointer is the uint8
+send buffer, a row is ``2·HALF + 4`` bytes (the descriptor's bases and pitches count bytes), and
+the epilogue, on the values the program already holds, rounds them to the parts' dtype (the bits
+the bf16 path stores), takes each row's amax over its finite values, the scale ``amax / 448``
+(IEEE division), and stores the e4m3 bytes (``_e4m3``: integer arithmetic, the same bits on the
+GPU and under the interpreter) and the scale as an fp32 word after them.
 """
 from __future__ import annotations
 
@@ -26,9 +33,9 @@ import sys
 import triton
 import triton.language as tl
 
-__all__ = ["fill_kernel", "HEADER", "ENTRY", "H_S", "H_EPS", "H_FLAGS", "H_COS_S", "H_COS_D",
-           "H_SIN_S", "H_SIN_D", "E_PART", "E_HEAD", "E_HEADS", "E_BASE", "E_PITCH",
-           "E_BPITCH", "E_STRIDES"]
+__all__ = ["fill_kernel", "e4m3_kernel", "HEADER", "ENTRY", "H_S", "H_EPS", "H_FLAGS",
+           "H_COS_S", "H_COS_D", "H_SIN_S", "H_SIN_D", "E_PART", "E_HEAD", "E_HEADS", "E_BASE",
+           "E_PITCH", "E_BPITCH", "E_STRIDES"]
 
 H_S, H_EPS, H_FLAGS, H_COS_S, H_COS_D, H_SIN_S, H_SIN_D = range(7)
 #: Descriptor words before the first entry.
@@ -37,6 +44,11 @@ E_PART, E_HEAD, E_HEADS, E_BASE, E_PITCH, E_BPITCH, E_STRIDES = range(7)
 #: Words per entry (the last four: the part's strides).
 ENTRY = E_STRIDES + 4
 _c = sys.modules[__name__]  # constants read as attributes (see attncomm.symm_device)
+_E4M3_MAX_BITS = 0x43E00000         # 448.0, the largest finite e4m3fn, as fp32 bits
+_E4M3_MIN_NORMAL_BITS = 121 << 23   # 2**-6
+_SUB_MAGIC_BITS = 141 << 23         # 2**14: its fp32 ulp is 2**-9, e4m3's subnormal step
+_REBIAS = 120 << 23                 # fp32 exponent bias 127 → e4m3's 7
+_F32_MAX = 3.4028234663852886e38    # the largest finite fp32
 
 
 @triton.jit
@@ -76,10 +88,55 @@ def _adjacent_sum(t, BLOCK_S: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr
 
 
 @triton.jit
+def _e4m3(g, finite, dv):
+    # e4m3fn bytes of clamp(g / dv, -448, 448), round to nearest even, subnormals as torch's
+    # conversion (one fp32 add of 2**14 rounds at 2**-9); a non-finite g gives 0x7F.
+    u = tl.div_rn(g, dv).to(tl.int32, bitcast=True)
+    a = tl.minimum(u & 0x7FFFFFFF, _c._E4M3_MAX_BITS)
+    sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) \
+        - _c._SUB_MAGIC_BITS
+    nrm = (a - _c._REBIAS + 0x7FFFF + ((a >> 20) & 1)) >> 20
+    r = tl.where(a < _c._E4M3_MIN_NORMAL_BITS, sub, nrm) | ((u >> 24) & 0x80)
+    return tl.where(finite, r, 0x7F).to(tl.uint8)
+
+
+@triton.jit
+def _store_fp8(out_ptr, row0, cols, f1, f2, mask, DTYPE: tl.constexpr, BLOCK_S: tl.constexpr,
+               HB: tl.constexpr, HALF: tl.constexpr):
+    """The FP8 epilogue: rows ``[BLOCK_S, HB, D]`` (two fp32 halves) → e4m3 bytes at byte
+    offsets ``row0 [BLOCK_S, HB, 1]`` and each row's fp32 scale after its ``2·HALF`` bytes."""
+    g1 = f1.to(DTYPE).to(tl.float32)  # the bits the unquantized fill stores
+    g2 = f2.to(DTYPE).to(tl.float32)
+    ok1 = tl.abs(g1) <= _c._F32_MAX  # NaN compares false
+    ok2 = tl.abs(g2) <= _c._F32_MAX
+    amax = tl.maximum(tl.max(tl.where(ok1, tl.abs(g1), 0.0), axis=2),
+                      tl.max(tl.where(ok2, tl.abs(g2), 0.0), axis=2))
+    scale = tl.div_rn(amax, tl.full((BLOCK_S, HB), 448.0, tl.float32))
+    dv = tl.where(scale > 0, scale, 1.0)[:, :, None]
+    dst = out_ptr + row0 + cols[None, None, :]
+    tl.store(dst, _e4m3(g1, ok1, dv), mask=mask)
+    tl.store(dst + HALF, _e4m3(g2, ok2, dv), mask=mask)
+    sp = (out_ptr + row0 + 2 * HALF).to(tl.pointer_type(tl.float32), bitcast=True)
+    tl.store(sp, scale[:, :, None], mask=mask)
+
+
+@triton.jit
+def e4m3_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """``out[i] = _e4m3(x[i], finite, 1)`` (fp32 → e4m3fn bytes): the epilogue's conversion
+    alone, for tests against torch's."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    x = tl.load(x_ptr + i, mask=m, other=0.0)
+    tl.store(out_ptr + i, _e4m3(x, tl.abs(x) <= _c._F32_MAX, tl.full((BLOCK,), 1.0, tl.float32)),
+             mask=m)
+
+
+@triton.jit
 def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
                 HALF: tl.constexpr, LEVELS: tl.constexpr, BLOCK_S: tl.constexpr,
                 HB: tl.constexpr, ANY_NORM: tl.constexpr, ANY_ROPE: tl.constexpr,
-                ALIGNED: tl.constexpr, ROPE_BCAST: tl.constexpr, SPEC: tl.constexpr):
+                ALIGNED: tl.constexpr, ROPE_BCAST: tl.constexpr, SPEC: tl.constexpr,
+                FP8: tl.constexpr = False):
     pid_s = tl.program_id(0)
     ent = desc + _c.HEADER + tl.program_id(1) * _c.ENTRY
     b = tl.program_id(2).to(tl.int64)
@@ -108,6 +165,10 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
         base = tl.multiple_of(base, 16)
         pitch = tl.multiple_of(pitch, 16)
         bpitch = tl.multiple_of(bpitch, 16)
+    elif FP8:  # always so: rows of D + 4 bytes with D % 4 == 0, regions 4-byte aligned
+        base = tl.multiple_of(base, 4)
+        pitch = tl.multiple_of(pitch, 4)
+        bpitch = tl.multiple_of(bpitch, 4)
     rows = (pid_s * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
     hh = tl.arange(0, HB)
     cols = tl.arange(0, HALF)
@@ -158,11 +219,17 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
                 c2 = tl.load(cr + HALF * scd, mask=rmask).to(tl.float32)[:, None, :]
                 s1 = tl.load(sr, mask=rmask).to(tl.float32)[:, None, :]
                 s2 = tl.load(sr + HALF * ssd, mask=rmask).to(tl.float32)[:, None, :]
-            g1 = f1 * c1 + (-f2) * s1
+            # x1·c − x2·s is torch's x1·c + (−x2)·s bit for bit (IEEE a − b ≡ a + (−b));
+            # Triton's unary minus is 0 − x, which turns +0 into +0, not −0
+            g1 = f1 * c1 - f2 * s1
             g2 = f2 * c2 + f1 * s2
             f1 = g1
             f2 = g2
-    dst = (out_ptr + base + b * bpitch + rows[:, None, None] * pitch
-           + hh[None, :, None] * (2 * HALF) + cols[None, None, :])
-    tl.store(dst, f1.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, f2.to(out_ptr.dtype.element_ty), mask=mask)
+    if FP8:
+        row0 = base + b * bpitch + rows[:, None, None] * pitch + hh[None, :, None] * (2 * HALF + 4)
+        _store_fp8(out_ptr, row0, cols, f1, f2, mask, x0.dtype.element_ty, BLOCK_S, HB, HALF)
+    else:
+        dst = (out_ptr + base + b * bpitch + rows[:, None, None] * pitch
+               + hh[None, :, None] * (2 * HALF) + cols[None, None, :])
+        tl.store(dst, f1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, f2.to(out_ptr.dtype.element_ty), mask=mask)

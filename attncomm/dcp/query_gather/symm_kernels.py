@@ -156,7 +156,7 @@ def _e4m3(v):
 
 @triton.jit
 def _rot_tail(x, q_ptr, cos_ptr, sin_ptr, rows, m2, d, HS, D, R):
-    # The rotated last R dims in fp32 (x·cos + (−x2 | x1)·sin, two products and a sum)
+    # The rotated last R dims in fp32 (x·cos ∓ (x2 | x1)·sin, two products and a sum)
     # and the mask of the elements they apply to.
     half = R // 2
     tail = d >= D - R
@@ -168,8 +168,11 @@ def _rot_tail(x, q_ptr, cos_ptr, sin_ptr, rows, m2, d, HS, D, R):
     k = d - (D - R)
     c = tl.load(cos_ptr + t[:, None] * R + k[None, :], mask=mt, other=0.0)
     s = tl.load(sin_ptr + t[:, None] * R + k[None, :], mask=mt, other=0.0)
-    pf = xp.to(tl.float32)
-    return x.to(tl.float32) * c + tl.where(first[None, :], -pf, pf) * s, mt
+    xc = x.to(tl.float32) * c
+    ps = xp.to(tl.float32) * s
+    # x·c − x2·s, not x·c + (−x2)·s: Triton negates as 0 − x, which turns −0 into +0; IEEE
+    # gives a − b and a + (−b) the same bits, so this is torch's value for every input.
+    return tl.where(first[None, :], xc - ps, xc + ps), mt
 
 
 @triton.jit
