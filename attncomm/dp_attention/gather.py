@@ -22,7 +22,6 @@ the layout is the graph's constants); ``dp_scatter`` is plain slicing and traces
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
 from collections.abc import Sequence
@@ -31,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from .._dist import (DTYPE_CODES, all_gather_tensor, check_args, group_key, group_name,
-                     on_release, reduce_scatter_tensor, resolve_group)
+from .._dist import (DTYPE_CODES, all_gather_tensor, check_args, group_name,
+                     reduce_scatter_tensor, resolve_group)
+from .._plans import CallPlans
 from .._dist import wait as _dist_wait
 
 __all__ = ["DpPaddingMode", "choose_padding_mode", "dp_gather", "dp_scatter",
@@ -153,15 +153,7 @@ class _Plan:
     budget: float
 
 
-#: The group argument as callers pass it → (its ``group_key``, {call key → _Plan}).
-_PLANS: dict = {}
-_PLANS_SIZE = 1024
-
-
-@on_release
-def _release_plans(key) -> None:
-    for group in [g for g, (k, _) in _PLANS.items() if k == key]:
-        del _PLANS[group]
+_PLANS = CallPlans(1024)
 
 
 def _plan(op, x, global_num_tokens, group, mode, attn_tp_size, validate, timeout_s,
@@ -176,8 +168,7 @@ def _plan(op, x, global_num_tokens, group, mode, attn_tp_size, validate, timeout
         key = (op, x.shape, x.dtype, x.device, tuple(counts), mode, attn_tp_size, validate,
                timeout_s, env_t, env_v, None if output is None else (
                    output.shape, output.dtype, output.device, output.is_contiguous()))
-        entry = _PLANS.get(group)
-        plan = entry[1].get(key) if entry is not None else None
+        plan = _PLANS.get(group, key)
     except (AttributeError, TypeError):  # not a tensor, unhashable arguments: checks say why
         key = plan = None
     if plan is None:
@@ -201,12 +192,7 @@ def _new_plan(op, x, global_num_tokens, group, mode, attn_tp_size, validate, tim
     plan = _Plan(g, n, mode, dp_rank, tp_rank, int(attn_tp_size), dist.get_world_size(g),
                  tuple(x.shape[1:]), x.dtype, x.device, total, offsets, budget)
     if key is not None and config.validation_mode(validate) != "every":
-        entry = _PLANS.get(group)
-        if entry is None:
-            entry = _PLANS[group] = (group_key(g), collections.OrderedDict())
-        entry[1][key] = plan
-        while len(entry[1]) > _PLANS_SIZE:
-            entry[1].popitem(last=False)
+        _PLANS.put(group, g, key, plan)
     return plan
 
 

@@ -17,14 +17,13 @@ trace.
 """
 from __future__ import annotations
 
-import collections
-
 import torch
 import torch.distributed as dist
 
 from ... import config
-from ..._dist import (DTYPE_CODES, check_args, group_from_name, group_key, group_lru_get,
-                      group_name, on_release, resolve_group)
+from ..._dist import (DTYPE_CODES, check_args, group_from_name, group_key, group_name,
+                      on_release, resolve_group)
+from ..._plans import Cached, CallPlans
 from ...errors import PeerTimeoutError
 from .. import tracing
 from .api import DcpMerger, check_local, empty_result
@@ -85,8 +84,7 @@ def merge(out: torch.Tensor, lse: torch.Tensor, group=None, *, backend: str = "a
                tracing.dest_key(output))
     except (AttributeError, TypeError):  # not tensors: the checks say so
         key = None
-    entry = _PLANS.get(group)
-    plan = entry[1].get(key) if entry is not None and key is not None else None
+    plan = _PLANS.get(group, key)
     if plan is None:
         plan = _new_plan(out, lse, group, backend, lse_base, return_lse, validate, timeout_s,
                          output, key)
@@ -94,22 +92,19 @@ def merge(out: torch.Tensor, lse: torch.Tensor, group=None, *, backend: str = "a
 
 
 # ---------------------------------------------------------------------------------- plans
-#: The group argument as callers pass it → (its ``group_key``, {call key → _Plan}).
-_PLANS: dict = {}
+_PLANS = CallPlans(_PLANS_SIZE)
 
 
 class _Plan:
     """What a checked call signature needs on later calls: its merger (a token bucket's
-    ``DcpMerger``, re-found if the LRU evicted it) and the result's geometry."""
+    ``DcpMerger``, through ``Cached``) and the result's geometry."""
 
-    __slots__ = ("T", "hs", "D", "dtype", "device", "merger", "mkey", "lru", "make")
+    __slots__ = ("T", "hs", "D", "dtype", "device", "merger")
 
-    def __init__(self, out, hs, lru=None, mkey=None, make=None):
-        self.hs = hs
+    def __init__(self, out, hs, merger: Cached | None = None):
+        self.hs, self.merger = hs, merger
         self.T, _, self.D = out.shape
         self.dtype, self.device = out.dtype, out.device
-        self.lru, self.mkey, self.make = lru, mkey, make
-        self.merger = None if lru is None else lru[mkey]
 
     def __call__(self, out, lse, return_lse, output):
         # ``output`` was checked when the plan was made (its shape, dtype, device and layout
@@ -122,24 +117,13 @@ class _Plan:
         if self.T == 0:
             o = empty_result(out, self.hs, False) if o is None else o
             return (o, l) if return_lse else o
-        merger = self._merger()
+        merger = self.merger.get()
         dest = o if o is not None and o.is_contiguous() else torch.empty(
             (self.T, self.hs, self.D), dtype=self.dtype, device=self.device)
         res, res_lse = merger.into(out, lse, dest, l)
         if o is not None and dest is not o:
             res = o.copy_(res)
         return (res, res_lse) if return_lse else res
-
-    def _merger(self) -> DcpMerger:
-        merger = self.merger
-        try:
-            self.lru.move_to_end(self.mkey)  # keeps the LRU's order that of the calls
-        except KeyError:  # evicted (closed) by a newer bucket: every rank builds it again
-            merger = None
-        if merger is None or merger._closed:
-            merger = self.merger = self.make()
-        return merger
-
 
 def _dest_error(output, shape, dtype, device) -> str | None:
     """What is wrong with ``output`` for a result ``shape`` of ``dtype`` on ``device`` (None:
@@ -169,18 +153,10 @@ def _new_plan(out, lse, group, backend, lse_base, return_lse, validate, timeout_
     sig, labels = _signature(out, lse, backend, lse_base, return_lse)
     check_args(g, "dcp.merge", sig, labels, local_error, budget, validate)
     T, H, D = out.shape
-    if T == 0:
-        plan = _Plan(out, H // W)
-    else:
-        lru, mkey, make = _cached_merger(g, T, H, D, out.dtype, backend, lse_base, budget)
-        plan = _Plan(out, H // W, lru, mkey, make)
+    plan = _Plan(out, H // W, None if T == 0 else _cached_merger(
+        g, T, H, D, out.dtype, backend, lse_base, budget))
     if key is not None and config.validation_mode(validate) != "every":
-        entry = _PLANS.get(group)
-        if entry is None:
-            entry = _PLANS[group] = (group_key(g), collections.OrderedDict())
-        entry[1][key] = plan
-        while len(entry[1]) > _PLANS_SIZE:
-            entry[1].popitem(last=False)
+        _PLANS.put(group, g, key, plan)
     return plan
 
 
@@ -204,8 +180,6 @@ _MERGERS: dict = {}  # per group: an LRU of mergers (_dist.group_lru_get)
 def _release_mergers(key) -> None:
     for merger in _MERGERS.pop(key, {}).values():
         merger.close()
-    for group in [g for g, (k, _) in _PLANS.items() if k == key]:
-        del _PLANS[group]
 
 
 def _bucket(T: int) -> int:
@@ -213,9 +187,8 @@ def _bucket(T: int) -> int:
     return max(16, 1 << (T - 1).bit_length())
 
 
-def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget):
-    """``(the group's LRU, the key, a function that finds or builds the merger)``, after
-    finding or building it once."""
+def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget) -> Cached:
+    """The merger of this shape and token bucket (built by the first call), as a plan holds it."""
     mkey = (_bucket(T), H, D, dtype, backend, lse_base, budget)
 
     def build() -> DcpMerger:
@@ -225,14 +198,8 @@ def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget):
         except (PeerTimeoutError, ValueError) as exc:
             raise _as_merge_error(exc) from exc
 
-    def make() -> DcpMerger:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise tracing.warm_up_error("dcp.merge", f"the token bucket of T={T} (H={H}, "
-                                                     f"D={D}, {dtype}, backend={backend!r})")
-        return group_lru_get(_MERGERS, group, mkey, build, _CACHE_SIZE)
-
-    make()
-    return _MERGERS[group_key(group)], mkey, make
+    return Cached(_MERGERS, group, mkey, build, _CACHE_SIZE, lambda: tracing.warm_up_error(
+        "dcp.merge", f"the token bucket of T={T} (H={H}, D={D}, {dtype}, backend={backend!r})"))
 
 
 def _as_merge_error(exc):

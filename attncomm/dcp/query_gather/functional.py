@@ -11,14 +11,13 @@ built before tracing.
 """
 from __future__ import annotations
 
-import collections
-
 import torch
 import torch.distributed as dist
 
 from ... import config
-from ..._dist import (DTYPE_CODES, check_args, group_from_name, group_key, group_lru_get,
-                      group_name, on_release, resolve_group)
+from ..._dist import (DTYPE_CODES, check_args, group_from_name, group_key, group_name,
+                      on_release, resolve_group)
+from ..._plans import Cached, CallPlans
 from .. import tracing
 from .api import DcpQueryGather, check_q, rope_key
 from .backend import GATHER_BACKENDS
@@ -74,51 +73,36 @@ def gather_heads(q: torch.Tensor, group=None, *, backend: str = "auto", rope=Non
                env_v, tracing.dest_key(output))
     except (AttributeError, TypeError, IndexError, ValueError):  # the checks say why
         key = None
-    entry = _PLANS.get(group)
-    plan = entry[1].get(key) if entry is not None and key is not None else None
+    plan = _PLANS.get(group, key)
     if plan is None:
         plan = _new_plan(q, group, backend, rope, validate, timeout_s, output, key)
     return plan(q, rope, output)
 
 
 # ---------------------------------------------------------------------------------- plans
-#: The group argument as callers pass it → (its ``group_key``, {call key → _Plan}).
-_PLANS: dict = {}
+_PLANS = CallPlans(_PLANS_SIZE)
 
 
 class _Plan:
-    """A checked call signature: its gatherer (re-found if the LRU evicted it) and the
-    result's geometry."""
+    """A checked call signature: its gatherer (through ``Cached``) and the result's
+    geometry."""
 
-    __slots__ = ("shape", "dtype", "device", "gatherer", "mkey", "lru", "make")
+    __slots__ = ("shape", "dtype", "device", "gatherer")
 
-    def __init__(self, shape, dtype, device, lru=None, mkey=None, make=None):
-        self.shape, self.dtype, self.device = shape, dtype, device
-        self.lru, self.mkey, self.make = lru, mkey, make
-        self.gatherer = None if lru is None else lru[mkey]
+    def __init__(self, shape, dtype, device, gatherer: Cached | None = None):
+        self.shape, self.dtype, self.device, self.gatherer = shape, dtype, device, gatherer
 
     def __call__(self, q, rope, output):
         # ``output`` was checked when the plan was made (its kind is part of the plan's key).
         if self.shape[0] == 0:
             return output if output is not None else torch.empty(
                 self.shape, dtype=self.dtype, device=self.device)
-        gatherer = self._gatherer()
+        gatherer = self.gatherer.get()
         if output is not None and output.is_contiguous():
             return gatherer.into(q, rope, output)
         res = gatherer.into(q, rope, torch.empty(self.shape, dtype=self.dtype,
                                                  device=self.device))
         return res if output is None else output.copy_(res)
-
-    def _gatherer(self) -> DcpQueryGather:
-        gatherer = self.gatherer
-        try:
-            self.lru.move_to_end(self.mkey)  # keeps the LRU's order that of the calls
-        except KeyError:  # evicted (closed) by a newer bucket: every rank builds it again
-            gatherer = None
-        if gatherer is None or gatherer._closed:
-            gatherer = self.gatherer = self.make()
-        return gatherer
-
 
 def _new_plan(q, group, backend, rope, validate, timeout_s, output, key):
     """The first call of a signature: checks (local, ``output`` included, then across ranks
@@ -134,19 +118,11 @@ def _new_plan(q, group, backend, rope, validate, timeout_s, output, key):
     check_args(g, "dcp.gather_heads", sig, labels, local_error, budget, validate)
     T, h, D = q.shape
     shape = torch.Size((T, h * W, D))
-    if T == 0:
-        plan = _Plan(shape, q.dtype, q.device)
-    else:
-        R = 0 if rope is None else rope[0].shape[-1]
-        plan = _Plan(shape, q.dtype, q.device,
-                     *_cached_gatherer(g, T, h * W, D, q.dtype, backend, R, budget))
+    R = 0 if rope is None else rope[0].shape[-1]
+    plan = _Plan(shape, q.dtype, q.device, None if T == 0 else _cached_gatherer(
+        g, T, h * W, D, q.dtype, backend, R, budget))
     if key is not None and config.validation_mode(validate) != "every":
-        entry = _PLANS.get(group)
-        if entry is None:
-            entry = _PLANS[group] = (group_key(g), collections.OrderedDict())
-        entry[1][key] = plan
-        while len(entry[1]) > _PLANS_SIZE:
-            entry[1].popitem(last=False)
+        _PLANS.put(group, g, key, plan)
     return plan
 
 
@@ -173,8 +149,6 @@ _GATHERERS: dict = {}  # per group: an LRU of gatherers (_dist.group_lru_get)
 def _release_gatherers(key) -> None:
     for gatherer in _GATHERERS.pop(key, {}).values():
         gatherer.close()
-    for group in [g for g, (k, _) in _PLANS.items() if k == key]:
-        del _PLANS[group]
 
 
 def _bucket(T: int) -> int:
@@ -182,23 +156,16 @@ def _bucket(T: int) -> int:
     return max(16, 1 << (T - 1).bit_length())
 
 
-def _cached_gatherer(group, T, H, D, dtype, backend, R, budget):
-    """``(the group's LRU, the key, a function that finds or builds the gatherer)``, after
-    finding or building it once."""
+def _cached_gatherer(group, T, H, D, dtype, backend, R, budget) -> Cached:
+    """The gatherer of this shape and token bucket (built by the first call), as a plan holds
+    it."""
     mkey = (_bucket(T), H, D, dtype, backend, R, budget)
-
-    def make() -> DcpQueryGather:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise tracing.warm_up_error("dcp.gather_heads", f"the token bucket of T={T} "
-                                                            f"(H={H}, D={D}, {dtype})")
-        return group_lru_get(
-            _GATHERERS, group, mkey,
-            lambda: DcpQueryGather(group, max_tokens=mkey[0], num_heads=H, head_dim=D,
-                                   dtype=dtype, backend=backend, rope_dim=R, timeout_s=budget),
-            _CACHE_SIZE)
-
-    make()
-    return _GATHERERS[group_key(group)], mkey, make
+    return Cached(
+        _GATHERERS, group, mkey,
+        lambda: DcpQueryGather(group, max_tokens=mkey[0], num_heads=H, head_dim=D, dtype=dtype,
+                               backend=backend, rope_dim=R, timeout_s=budget),
+        _CACHE_SIZE, lambda: tracing.warm_up_error(
+            "dcp.gather_heads", f"the token bucket of T={T} (H={H}, D={D}, {dtype})"))
 
 
 # ------------------------------------------------------------------------------ traced path
