@@ -85,10 +85,10 @@ def _phases_after(out, lse, q):
     from attncomm.dcp.lse_merge import functional as mf
     dcp = attncomm.dcp
     dcp.merge(out, lse, backend="a2a")
-    entry = mf._PLANS[None][1]
+    entry = mf._PLANS._by_group[None][1]
     key = next(iter(entry))
     plan = entry[key]
-    merger = plan._merger()
+    merger = plan.merger.get()
     dest = torch.empty(T, H, D, dtype=out.dtype)
     return {
         "dcp.merge": {
@@ -98,18 +98,13 @@ def _phases_after(out, lse, q):
             "plan key (shapes, dtypes, devices, options)": lambda: (
                 out.shape, out.dtype, lse.shape, lse.dtype, out.device, lse.device, "a2a", "e",
                 False, None, None, "", "", tracing.dest_key(None)),
-            "plan lookup": lambda: _PLANS_GET(mf, key),
+            "plan lookup": lambda: mf._PLANS.get(None, key),
             "result allocation (torch.empty)": lambda: torch.empty((T, H, D), dtype=out.dtype),
-            "merger lookup (LRU order)": plan._merger,
+            "merger lookup (LRU order)": plan.merger.get,
             "DcpMerger.into (lse, contiguity; backend stubbed)": lambda: merger.into(
                 out, lse, dest, None),
         },
     }
-
-
-def _PLANS_GET(mf, key):  # noqa: N802 - the plan cache's two lookups, as merge does them
-    entry = mf._PLANS.get(None)
-    return entry[1].get(key)
 
 
 def _rank(rank, world):
