@@ -48,8 +48,9 @@ class DcpAttention(Lifecycle, torch.nn.Module):
     ``forward(q [T, H/W, D], *args, rope=None, **kwargs)`` → ``[T, H/W, Dv]`` in ``out_dtype``
     (a view valid until the next call when the merge backend returns views), heads
     ``[r·H/W, (r+1)·H/W)`` of attention over the whole (sharded) KV cache. CUDA-graph
-    capturable when ``attn_fn`` is. ``close()`` (or the end of a ``with`` block) frees both
-    exchanges' buffers, collectively.
+    capturable when ``attn_fn`` is; under ``torch.compile`` the gather and the merge are their
+    objects' custom ops and ``attn_fn`` is traced between them. ``close()`` (or the end of a
+    ``with`` block) frees both exchanges' buffers, collectively.
 
     Raises:
         ValueError: bad arguments (every rank), or ``attn_fn`` returning wrong shapes.

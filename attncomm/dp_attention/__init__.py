@@ -5,11 +5,13 @@ DP attention and the MLP that spans every rank.
   per rank, one exchange (``sync`` = "shm" | "hier" | "cpu" | "device" | "auto"), one decision
   everywhere; ``sync_decision`` says which path "auto" took and why.
 - ``DpPaddingMode``, ``choose_padding_mode``, ``dp_gather``, ``dp_scatter``,
-  ``dp_reduce_scatter``, ``select_cuda_graph_bs``.
+  ``dp_reduce_scatter``, ``select_cuda_graph_bs`` (``ops``: the first two as custom ops for
+  torch.compile).
 - ``compute_dp_attention_world_info``: where a rank sits in the DP / CP / TP layout.
 """
 from __future__ import annotations
 
+from . import ops  # noqa: F401 - registers the attncomm::dp_* custom ops
 from .gather import (DpPaddingMode, choose_padding_mode, dp_gather, dp_reduce_scatter,
                      dp_scatter, global_layout, select_cuda_graph_bs)
 from .ranks import compute_dp_attention_world_info

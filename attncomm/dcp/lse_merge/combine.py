@@ -105,24 +105,29 @@ def _block_d(D: int) -> int:
     return min(1024, 1 << (max(D, 16) - 1).bit_length())
 
 
-def combine(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype):
+def combine(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype,
+            out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None):
     """Merge ``N`` partial results.
 
     Arguments:
         outs: ``[N, T, H, D]`` fp16/bf16/fp32, any strides with a unit stride on D.
         lses: ``[N, T, H]`` fp32, base e, any strides.
         out_dtype: dtype of the merged output.
+        out, lse_out: contiguous ``[T, H, D]`` ``out_dtype`` / ``[T, H]`` fp32 destinations
+            (None: new tensors), written with exactly the bits a fresh result would hold.
 
     Returns:
-        ``([T, H, D]`` in ``out_dtype``, ``[T, H]`` fp32 base-e LSE)``, both fresh and contiguous.
+        ``([T, H, D]`` in ``out_dtype``, ``[T, H]`` fp32 base-e LSE)``: the destinations, or
+        fresh contiguous tensors.
     """
-    if not use_triton(outs):
-        return combine_torch(outs, lses, out_dtype)
+    if not use_triton(outs) or outs.shape[0] == 0:
+        o, lse = combine_torch(outs, lses, out_dtype)  # N == 0 included
+        return _into(o, out), _into(lse, lse_out)
     N, T, H, D = outs.shape
-    if N == 0:
-        return _no_sources(outs, out_dtype)
-    out = torch.empty((T, H, D), dtype=out_dtype, device=outs.device)
-    lse_out = torch.empty((T, H), dtype=torch.float32, device=outs.device)
+    if out is None:
+        out = torch.empty((T, H, D), dtype=out_dtype, device=outs.device)
+    if lse_out is None:
+        lse_out = torch.empty((T, H), dtype=torch.float32, device=outs.device)
     if T * H == 0:
         return out, lse_out
     if outs.stride(3) != 1:
@@ -134,6 +139,10 @@ def combine(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype):
                             lses.stride(0), lses.stride(1), lses.stride(2),
                             out.stride(0), out.stride(1), BLOCK_D=bd)
     return out, lse_out
+
+
+def _into(t: torch.Tensor, dest: torch.Tensor | None) -> torch.Tensor:
+    return t if dest is None else dest.copy_(t)
 
 
 def scale_own(out: torch.Tensor, lses: torch.Tensor, rank: int, dest: torch.Tensor):

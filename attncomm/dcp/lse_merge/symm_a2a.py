@@ -24,6 +24,7 @@ from ...symm import (
     plan_blocks,
     use_ll,
 )
+from ..compiled_launch import LaunchCache, alignment_key
 from .backend import DcpBackend, register
 from .symm_layout import SlabLayout
 
@@ -249,6 +250,7 @@ class SymmA2ABackend(DcpBackend):
         self.n_programs_max = self._agree_grid_bound()
         self.res = torch.empty((max_tokens, self.hs, head_dim), dtype=dtype, device=device)
         self.res_lse = torch.empty((max_tokens, self.hs), dtype=torch.float32, device=device)
+        self._launches = LaunchCache((_k.merge_ll_kernel, _k.merge_flag_kernel))
         self._warm_up()
 
     @classmethod
@@ -284,9 +286,11 @@ class SymmA2ABackend(DcpBackend):
             self(out, lse)
         self.ws.sync_check()
 
-    def __call__(self, out: torch.Tensor, lse: torch.Tensor):
+    def __call__(self, out: torch.Tensor, lse: torch.Tensor, res: torch.Tensor | None = None,
+                 res_lse: torch.Tensor | None = None):
         """``out [T, H, D]`` (``dtype``, contiguous, CUDA), ``lse [T, H]`` fp32 base e →
-        (``[T, H/W, D]``, ``[T, H/W]`` fp32) views, valid until the next call.
+        (``[T, H/W, D]``, ``[T, H/W]`` fp32): ``res`` / ``res_lse`` when given (the kernel
+        stores there), else views of internal buffers, valid until the next call.
 
         Raises ``PeerTimeoutError`` when an earlier call's wait timed out (the workspace is
         unusable from then on: its ranks' epochs no longer agree)."""
@@ -296,11 +300,18 @@ class SymmA2ABackend(DcpBackend):
             raise ValueError(f"symm_a2a: T={T} exceeds max_tokens={self.max_tokens}")
         if lse.dtype != torch.float32 or not lse.is_contiguous():
             lse = lse.float().contiguous()
-        launch_merge(out.contiguous(), lse, self.res, self.res_lse, slab=self.slab,
-                     rank=self.rank, world_size=self.world_size, num_heads=self.num_heads,
-                     layout=self.layout, n_programs_max=self.n_programs_max, pdl=self.pdl,
-                     config=self.config)
-        return self.res[:T], self.res_lse[:T]
+        o = self.res if res is None else res
+        l = self.res_lse if res_lse is None else res_lse
+        dyn = (out.contiguous(), lse, o, l)
+        # The first call of a token count and alignment launches through ``launch_merge`` and
+        # Triton's JIT; later ones through the kernel it compiled (``compiled_launch``).
+        self._launches.launch(
+            (T, *alignment_key(dyn)),
+            lambda: launch_merge(*dyn, slab=self.slab, rank=self.rank,
+                                 world_size=self.world_size, num_heads=self.num_heads,
+                                 layout=self.layout, n_programs_max=self.n_programs_max,
+                                 pdl=self.pdl, config=self.config), dyn)
+        return (o[:T] if res is None else o), (l[:T] if res_lse is None else l)
 
     def check(self) -> None:
         """Raise ``PeerTimeoutError`` for a wait that timed out since the last check (reads

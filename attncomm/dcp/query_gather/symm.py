@@ -18,6 +18,7 @@ import torch
 from ... import _triton, capability
 from ...symm import SymmWorkspace, agreed_min, grid_bound, ll_rows_for, num_warps, plan_blocks, \
     use_ll
+from ..compiled_launch import LaunchCache, alignment_key
 from .backend import QueryGatherBackend, register
 from .symm_layout import GatherLayout
 
@@ -152,6 +153,7 @@ class SymmGatherBackend(QueryGatherBackend):
         self.out = self.ws.slab[:self.layout.region_bytes()["out"]].view(self.out_dtype)[
             :self.max_tokens * self.num_heads * self.head_dim].view(
             self.max_tokens, self.num_heads, self.head_dim)
+        self._launches = LaunchCache((_k.gather_ll_kernel, _k.gather_flag_kernel))
         self._warm_up()
 
     @classmethod
@@ -177,17 +179,25 @@ class SymmGatherBackend(QueryGatherBackend):
             self(q, cs, cs)
         self.ws.sync_check()
 
-    def __call__(self, q, cos, sin):
+    def __call__(self, q, cos, sin, into=None):
         self.ws.ensure_usable()
         T = q.shape[0]
         if T > self.max_tokens:
             raise ValueError(f"symm gather: T={T} exceeds max_tokens={self.max_tokens}")
-        launch_gather(q, cos, sin, slab=self.slab, rank=self.rank, layout=self.layout,
-                      n_programs_max=self.n_programs_max, ordered=self.ordered,
-                      q_scale=self.q_scale if self.fp8 else None)
+        scale = self.q_scale if self.fp8 else None
+        # The tensors ``launch_gather`` passes first (q stands in for what is not read); the
+        # first call of a token count and alignment launches through it and Triton's JIT,
+        # later ones through the kernel it compiled (``compiled_launch``).
+        dyn = (q, q if cos is None else cos, q if sin is None else sin,
+               q if scale is None else scale)
+        self._launches.launch(
+            (T, *alignment_key(dyn)),
+            lambda: launch_gather(q, cos, sin, slab=self.slab, rank=self.rank,
+                                  layout=self.layout, n_programs_max=self.n_programs_max,
+                                  ordered=self.ordered, q_scale=scale), dyn)
         if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.ws.check()
-        return self.out[:T]
+        return self.out[:T] if into is None else into.copy_(self.out[:T])
 
     def check(self) -> None:
         self.ws.check()
