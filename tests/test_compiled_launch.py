@@ -1,4 +1,4 @@
-"""``dcp.compiled_launch.LaunchCache``: the first launch of a key goes through the wrapper and
+"""``attncomm.compiled_launch.LaunchCache``: the first launch of a key goes through the wrapper and
 Triton's JIT; later ones through the compiled kernel's launcher with the call's tensors, and
 only when that is safe. Runs on CPU with stand-ins for Triton's JIT function and compiled kernel
 (the real ones need a GPU: the GPU tests launch through it)."""
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from attncomm.dcp import compiled_launch
-from attncomm.dcp.compiled_launch import LaunchCache, alignment_key
+from attncomm import compiled_launch
+from attncomm.compiled_launch import LaunchCache, alignment_key
 
 
 class _Device:
@@ -139,3 +139,19 @@ def test_defaults_fill_parameters_the_wrapper_left_out():
 
 def test_alignment_key():
     assert alignment_key([_Tensor(0), _Tensor(8), _Tensor(32)]) == (True, False, True)
+
+
+def test_hooked_reads_triton_hook_chains():
+    """Triton 3.6 keeps launch hooks in chains: an empty chain is no hook (the fill's and the
+    symm kernels' direct launches stay on), a chain with a call or a bare callable is one."""
+    pytest.importorskip("triton")
+    from triton import knobs
+    assert not compiled_launch.hooked()  # nothing installed in the test process
+    chain = knobs.runtime.launch_enter_hook
+    if hasattr(chain, "calls"):
+        chain.calls.append(lambda *a: None)
+        try:
+            assert compiled_launch.hooked()
+        finally:
+            chain.calls.pop()
+    assert not compiled_launch.hooked()

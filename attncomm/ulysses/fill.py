@@ -50,6 +50,7 @@ from typing import NamedTuple
 import torch
 
 from .. import _triton
+from ..compiled_launch import hooked
 from . import fp8 as _fp8
 
 if _triton.REASON is None:
@@ -410,7 +411,7 @@ def _launch(lay: _Layout, xs: list, base: torch.Tensor, starts: tuple, cos, sin)
                s.data_ptr() % 16, desc.table.data_ptr() % 16, xs[0].dtype, xs[1].dtype,
                xs[2].dtype, c.dtype, s.dtype, base.dtype)
         h = lay.handles.get(key)
-        if h is not None:
+        if h is not None and not hooked():  # a profiler's hook is called by the JIT path
             h.run(*grid, torch._C._cuda_getCurrentRawStream(h.device), h.function, h.meta,
                   None, None, None, *args, *h.tail)
             return
@@ -441,9 +442,7 @@ def _handle(kernel, n_args: int, consts: dict) -> _Handle | None:
     """The compiled kernel's handle, or None where launching it directly is not safe (a Triton
     without these attributes, launch hooks installed, e.g. a profiler's)."""
     try:
-        from triton import knobs
-        if knobs.runtime.launch_enter_hook is not None or \
-                knobs.runtime.launch_exit_hook is not None:
+        if hooked():  # a profiler's hook: launches go through the JIT, which calls it
             return None
         names = _fk.fill_kernel.arg_names
         tail = tuple(consts[n] for n in names[n_args:])  # the constexprs, in signature order

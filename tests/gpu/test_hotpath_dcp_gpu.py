@@ -106,7 +106,7 @@ def _compiled_launches(rank, world):
     the compiled kernel (``LaunchCache``), and give the bits of the JIT path: the merge of one
     source is ``combine_torch``'s, the gather of one rank is the rotated query."""
     from attncomm.dcp import DcpMerger, DcpQueryGather
-    from attncomm.dcp.compiled_launch import alignment_key
+    from attncomm.compiled_launch import alignment_key
     from attncomm.dcp.lse_merge.combine import combine_torch
     from attncomm.dcp.query_gather.query_math import rotate_tail
     dev, bf = _dev(), torch.bfloat16

@@ -24,7 +24,7 @@ from ...symm import (
     plan_blocks,
     use_ll,
 )
-from ..compiled_launch import LaunchCache, alignment_key
+from ...compiled_launch import LaunchCache, alignment_key
 from .backend import DcpBackend, register
 from .symm_layout import SlabLayout
 

@@ -18,7 +18,7 @@ import torch
 from ... import _triton, capability
 from ...symm import SymmWorkspace, agreed_min, grid_bound, ll_rows_for, num_warps, plan_blocks, \
     use_ll
-from ..compiled_launch import LaunchCache, alignment_key
+from ...compiled_launch import LaunchCache, alignment_key
 from .backend import QueryGatherBackend, register
 from .symm_layout import GatherLayout
 

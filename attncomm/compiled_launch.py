@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["LaunchCache", "alignment_key"]
+__all__ = ["LaunchCache", "alignment_key", "hooked"]
 
 _MAX_KEYS = 1024
 
@@ -78,7 +78,7 @@ class _Handle:
                  *self.tail)
 
 
-def _hooked() -> bool:
+def hooked() -> bool:
     """Whether a launch hook (a profiler's) is installed: launches then go through the JIT,
     which calls it. Triton 3.6 keeps the hooks in chains (empty: none), older ones as None."""
     rt = _runtime_knobs()
@@ -118,7 +118,7 @@ class LaunchCache:
         through the recorded handle with ``dynamic`` (the call's changing tensors, in the order
         of the kernel's leading parameters) in place of the recorded ones."""
         handle = self._handles.get(key)
-        if handle is not None and not _hooked():
+        if handle is not None and not hooked():
             handle(dynamic)
             return
         if key in self._handles or not dynamic[0].is_cuda or not self.kernels:
