@@ -14,7 +14,8 @@ its fake implementation gives the result's shape. Eager calls never go through t
   write nothing their caller passed in (the transports' staging is their own).
 
 Ops: ``attncomm::ulysses_seq_to_head``, ``ulysses_seq_to_head_out``, ``ulysses_head_to_seq``,
-``ulysses_head_to_seq_out``, ``ulysses_attention``.
+``ulysses_head_to_seq_out``, ``ulysses_attention``, ``ulysses_attention_joint`` (with joint rows:
+two results).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from . import api, attention
 from .layout import head_split
 
 __all__ = ["seq_to_head_op", "seq_to_head_out_op", "head_to_seq_op", "head_to_seq_out_op",
-           "attention_op"]
+           "attention_op", "attention_joint_op"]
 
 _VALIDATE = {-1: None, 0: False, 1: True}
 
@@ -127,3 +128,24 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
 @attention_op.register_fake
 def _(q, k, v, cos, sin, module, causal, seq_lens):
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
+
+
+@torch.library.custom_op("attncomm::ulysses_attention_joint", mutates_args=())
+def attention_joint_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       cos: torch.Tensor | None, sin: torch.Tensor | None, q_j: torch.Tensor,
+                       k_j: torch.Tensor, v_j: torch.Tensor, module: str, causal: bool,
+                       seq_lens: list[int] | None, front: bool) -> tuple[torch.Tensor,
+                                                                          torch.Tensor]:
+    """The forward of ``module`` with joint rows ``(q_j, k_j, v_j)`` at the front (``front``)
+    or the back: ``(out, joint_out)``."""
+    rope = None if cos is None else (cos, sin)
+    seq = None if seq_lens is None else tuple(seq_lens)
+    return attention.module_by_name(module)._forward(q, k, v, seq, causal, rope,
+                                                     (q_j, k_j, v_j),
+                                                     "front" if front else "back")
+
+
+@attention_joint_op.register_fake
+def _(q, k, v, cos, sin, q_j, k_j, v_j, module, causal, seq_lens, front):
+    return (q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3])),
+            q.new_empty((q.shape[0], q_j.shape[1], q.shape[2], v.shape[3])))
