@@ -37,15 +37,20 @@ def _kw(seq_lens, backend, timeout_s, validate) -> dict:
                 timeout_s=None if timeout_s < 0 else timeout_s, validate=_VALIDATE[validate])
 
 
+def _payload(fp8: bool):
+    return torch.float8_e4m3fn if fp8 else None
+
+
 # ------------------------------------------------------------------------------ seq_to_head
 @torch.library.custom_op("attncomm::ulysses_seq_to_head", mutates_args=())
 def seq_to_head_op(x: torch.Tensor, group_name: str, rank: int, seq_lens: list[int] | None,
-                   backend: str, timeout_s: float, validate: int) -> torch.Tensor:
+                   backend: str, timeout_s: float, validate: int,
+                   fp8: bool = False) -> torch.Tensor:
     """``ulysses.seq_to_head(x, group, ...)`` with the group by name, this rank (the result's
     shape depends on it, so it is part of the graph: compiled graphs cached by their content
     are never shared between ranks) and the transport decided (``timeout_s < 0``: None;
-    ``validate`` -1/0/1: None/False/True)."""
-    return api.seq_to_head(x, group_from_name(group_name),
+    ``validate`` -1/0/1: None/False/True; ``fp8``: the FP8 payload)."""
+    return api.seq_to_head(x, group_from_name(group_name), payload_dtype=_payload(fp8),
                            **_kw(seq_lens, backend, timeout_s, validate))
 
 
@@ -57,21 +62,21 @@ def _seq_to_head_shape(x, group_name, rank, seq_lens):
 
 
 @seq_to_head_op.register_fake
-def _(x, group_name, rank, seq_lens, backend, timeout_s, validate):
+def _(x, group_name, rank, seq_lens, backend, timeout_s, validate, fp8=False):
     return x.new_empty(_seq_to_head_shape(x, group_name, rank, seq_lens))
 
 
 @torch.library.custom_op("attncomm::ulysses_seq_to_head_out", mutates_args=("output",))
 def seq_to_head_out_op(x: torch.Tensor, output: torch.Tensor, group_name: str, rank: int,
                        seq_lens: list[int] | None, backend: str, timeout_s: float,
-                       validate: int) -> None:
+                       validate: int, fp8: bool = False) -> None:
     """``ulysses.seq_to_head(x, group, ..., output=output)``."""
-    api.seq_to_head(x, group_from_name(group_name), output=output,
+    api.seq_to_head(x, group_from_name(group_name), output=output, payload_dtype=_payload(fp8),
                     **_kw(seq_lens, backend, timeout_s, validate))
 
 
 @seq_to_head_out_op.register_fake
-def _(x, output, group_name, rank, seq_lens, backend, timeout_s, validate):
+def _(x, output, group_name, rank, seq_lens, backend, timeout_s, validate, fp8=False):
     return None
 
 
