@@ -186,6 +186,8 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig, inputs: DemoInputs,
                     ctx.bar.n = done
                     ctx.bar.refresh()
                 if rank == 0:
+                    if row.threshold is None:  # a mode that made its row itself
+                        row.threshold = cfg.threshold
                     rows.append(row)
     finally:
         ctx.close()
