@@ -409,3 +409,22 @@ def test_joint_compiles_without_graph_breaks(pools):
     seed = random.randrange(1 << 30)
     for same, breaks in pools.run(2, _compiled, seed):
         assert same and breaks == 0, f"seed {seed}: {same}, {breaks}"
+
+
+def test_rehearsal_script_parses_dit_options(capsys):
+    """scripts/ulysses_one_gpu.py --joint and --payload: imported and parsed on CPU (the
+    rehearsal itself needs a GPU: tests/gpu/test_ulysses_dit_gpu.py)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "scripts", "ulysses_one_gpu.py")
+    spec = importlib.util.spec_from_file_location("ulysses_one_gpu", path)
+    reh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reh)
+    if not torch.cuda.is_available():
+        assert reh.main(["--joint", "16", "--payload", "none", "fp8", "--seq", "64"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+    for bad in (["--joint", "-1"], ["--payload", "int8"]):
+        with pytest.raises(SystemExit):
+            reh.main(bad)
