@@ -401,11 +401,18 @@ def _compiled(rank, world, seed):
     got = fn(*local, joint=joint, joint_position="back")
     breaks = torch._dynamo.explain(mod)(*local, joint=joint,
                                         joint_position="back").graph_break_count
-    return all(torch.equal(a, b) for a, b in zip(got, want)), breaks
+    same = all(torch.equal(a, b) for a, b in zip(got, want))
+    # seq_to_head with the FP8 payload: one custom op carrying it
+    x = local[0].contiguous()
+    eager = ulysses.seq_to_head(x, payload_dtype=FP8)
+    torch._dynamo.reset()
+    traced = torch.compile(lambda t: ulysses.seq_to_head(t, payload_dtype=FP8), fullgraph=True,
+                           backend="aot_eager")(x)
+    return same and torch.equal(traced, eager), breaks
 
 
 @pytest.mark.slow
-def test_joint_compiles_without_graph_breaks(pools):
+def test_joint_and_fp8_compile_without_graph_breaks(pools):
     seed = random.randrange(1 << 30)
     for same, breaks in pools.run(2, _compiled, seed):
         assert same and breaks == 0, f"seed {seed}: {same}, {breaks}"
