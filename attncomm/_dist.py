@@ -17,6 +17,7 @@ import collections
 
 import contextlib
 import datetime
+import zlib
 from typing import Any
 from collections.abc import Sequence
 
@@ -36,6 +37,7 @@ DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.floa
                torch.int64: 5, torch.int32: 6, torch.int16: 7, torch.int8: 8, torch.uint8: 9,
                torch.bool: 10}
 _SIG_LEN = 32
+_HEAD = 3  # error flag, signature length, op code
 
 
 def all_gather_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
@@ -290,24 +292,27 @@ def agree(group, op: str, signature: Sequence[int], labels: Sequence[str],
     Arguments:
         group: the process group (the check runs on ``check_group(group)``, a gloo group).
         op: the operation's name, for messages.
-        signature: up to 30 ints that must be equal on every rank (shapes, dtype codes, flags).
+        signature: up to 29 ints that must be equal on every rank (shapes, dtype codes, flags).
         labels: one name per signature entry, for messages.
         local_error: this rank's local validation error, or None.
 
     Raises:
-        ValueError on every rank when any rank has a local error (naming each such rank and its
-        message) or the signatures differ (naming the differing fields and ranks).
+        ValueError on every rank when the ranks are in different calls (a divergence that
+        slipped past the first-sight check: naming each rank's call), any rank has a local
+        error (naming each such rank and its message) or the signatures differ (naming the
+        differing fields and ranks).
     """
-    if len(signature) > _SIG_LEN - 2:
-        raise ValueError(f"signature too long ({len(signature)} > {_SIG_LEN - 2})")
+    if len(signature) > _SIG_LEN - _HEAD:
+        raise ValueError(f"signature too long ({len(signature)} > {_SIG_LEN - _HEAD})")
     # Over a gloo group: host tensors, no device round trip, and a wait bounded by timeout_s.
     g = check_group(group)
     world = dist.get_world_size(g)
     row = torch.zeros(_SIG_LEN, dtype=torch.int64)
     row[0] = 1 if local_error else 0
     row[1] = len(signature)
+    row[2] = zlib.crc32(op.encode()) & 0x7FFFFFFF  # which call this rank is in
     try:
-        row[2:2 + len(signature)] = torch.tensor(list(signature), dtype=torch.int64)
+        row[_HEAD:_HEAD + len(signature)] = torch.tensor(list(signature), dtype=torch.int64)
     except (OverflowError, RuntimeError, TypeError):  # still take part: peers are waiting
         local_error = local_error or f"arguments out of the int64 range: {list(signature)}"
         row[0] = 1
@@ -315,6 +320,15 @@ def agree(group, op: str, signature: Sequence[int], labels: Sequence[str],
     wait(all_gather_tensor(rows, row, group=g, async_op=True), g, op + " (argument check)",
          timeout_s)
     rows = rows.view(world, _SIG_LEN)
+    if not bool((rows[:, 2] == rows[0, 2]).all()):
+        ops: list = [None] * world
+        with guard_timeout(g, op + " (argument check)", timeout_s):
+            dist.all_gather_object(ops, op, group=g)
+        where = ", ".join(f"rank {r} in {o}" for r, o in enumerate(ops))
+        raise ValueError(f"{op}: the ranks are in different calls ({where}): their calls "
+                         f"diverged before this check (a call whose arguments differed across "
+                         f"ranks after its signature was first seen is not checked by default; "
+                         f"validate=True or ATTNCOMM_VALIDATE=1 checks every call)")
     if bool(rows[:, 0].any()):
         errors: list = [None] * world
         with guard_timeout(g, op + " (argument check)", timeout_s):
@@ -325,7 +339,7 @@ def agree(group, op: str, signature: Sequence[int], labels: Sequence[str],
         n = int(rows[:, 1].max())
         diffs = []
         for i in range(n):
-            col = rows[:, 2 + i]
+            col = rows[:, _HEAD + i]
             if not bool((col == col[0]).all()):
                 label = labels[i] if i < len(labels) else f"arg{i}"
                 diffs.append(f"{label} = " + ", ".join(

@@ -331,3 +331,29 @@ def test_no_process_group_says_what_to_do():
         ulysses.seq_to_head(torch.randn(1, 2, 2, 4))
     with pytest.raises(ValueError, match="DcpMerger: no process group"):
         dcp.DcpMerger(max_tokens=2, num_heads=2, head_dim=4, dtype=torch.float32)
+
+
+def _diverged(rank, world):
+    """Rank 0 repeats a seen call (its check skipped) whose gatherer the LRU evicted, so it
+    builds one again, and that construction's check meets rank 1's check of a new signature:
+    both raise a ValueError that names each rank's call, instead of reading one call's
+    signature as the other's."""
+    gen = torch.Generator().manual_seed(11 + rank)
+    q = torch.randn(3, 2, 8, generator=gen)
+    dcp.gather_heads(q)
+    for h in range(3, 12):  # nine other gatherers: the LRU (8 per group) evicts q's
+        dcp.gather_heads(torch.randn(1, h, 8, generator=gen))
+    try:
+        dcp.gather_heads(q if rank == 0 else torch.randn(5, 2, 8, generator=gen))
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        attncomm.release()
+    return None
+
+
+def test_diverged_calls_name_each_ranks_call(pools):
+    msgs = pools.run(2, _diverged)
+    for m in msgs:
+        assert m and "different calls" in m and "rank 0 in DcpQueryGather" in m \
+            and "rank 1 in dcp.gather_heads" in m, msgs
