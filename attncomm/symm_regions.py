@@ -30,7 +30,7 @@ import torch
 from .symm import DELTA_UNIT
 
 __all__ = ["ALIGN", "Region", "RegionLayout", "descriptor", "DESC_TIMEOUT", "DESC_REGIONS",
-           "DESC_PEERS", "MAX_REGIONS", "PEER_UNITS"]
+           "DESC_PEERS", "MAX_REGIONS", "PEER_UNITS", "Slab"]
 
 #: Every cell starts at a multiple of this many bytes.
 ALIGN = 128
@@ -155,3 +155,30 @@ def peer_offsets(peer_ptrs: Sequence[int], rank: int, itemsize: int, *, op: str)
 @functools.cache
 def _units(itemsize: int) -> tuple[int, int, int]:
     return DELTA_UNIT * itemsize, DELTA_UNIT * 4, DELTA_UNIT * 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Slab:
+    """What every launch on one rank's slab takes, built once: the slab (``[bytes] uint8``),
+    its descriptor (the layout's ``descriptor``: region bases and cells, the wait budget, the
+    peer offsets), the epoch words ``state [4] int32`` and the error words ``errors [W]
+    int32`` (device or mapped host memory). The merge's and the gather's slabs are both this
+    (``MergeSlab``, ``GatherSlab``)."""
+
+    slab: torch.Tensor
+    desc: torch.Tensor
+    state: torch.Tensor
+    errors: torch.Tensor
+
+    @classmethod
+    def build(cls, layout, slab: torch.Tensor, peer_ptrs, rank: int, state: torch.Tensor,
+              errors: torch.Tensor, timeout_ns: int) -> Slab:
+        """``layout``: a slab layout with ``total_bytes`` and ``descriptor``; ``peer_ptrs``:
+        every rank's slab address (group rank order); ``timeout_ns``: the waits' budget.
+        Raises ValueError for a slab smaller than the layout, RuntimeError when the peers'
+        slabs are not ``DELTA_UNIT · 8``-byte aligned relative to this one."""
+        if slab.dtype != torch.uint8 or slab.numel() < layout.total_bytes:
+            raise ValueError(f"{type(layout).__name__}: slab must be ≥ {layout.total_bytes} "
+                             f"uint8 bytes, got {slab.numel()} {slab.dtype}")
+        return cls(slab, layout.descriptor(peer_ptrs, rank, timeout_ns, slab.device), state,
+                   errors)

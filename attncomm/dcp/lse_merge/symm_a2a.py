@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ... import _triton, capability
 from ... import config as env
+from ...compiled_launch import LaunchCache, alignment_key
 from ...symm import (
     SymmWorkspace,
     agreed_min,
@@ -24,7 +25,7 @@ from ...symm import (
     plan_blocks,
     use_ll,
 )
-from ...compiled_launch import LaunchCache, alignment_key
+from ...symm_regions import Slab
 from .backend import DcpBackend, register
 from .symm_layout import SlabLayout
 
@@ -129,29 +130,9 @@ def stagger(n_rows: int, n_blocks: int, grid: int, head_dim: int, itemsize: int,
     return config.stagger_split if on else 0
 
 
-@dataclasses.dataclass(frozen=True)
-class MergeSlab:
-    """What every launch on one rank's slab takes, built once: the slab (``[bytes] uint8``),
-    its descriptor (``SlabLayout.descriptor``: region bases and cells, the wait budget, the
-    peer offsets), the epoch words ``state [4] int32`` and the error words ``errors [W]
-    int32`` (device or mapped host memory)."""
+#: One rank's slab, its descriptor and state words (``symm_regions.Slab``).
+MergeSlab = Slab
 
-    slab: torch.Tensor
-    desc: torch.Tensor
-    state: torch.Tensor
-    errors: torch.Tensor
-
-    @classmethod
-    def build(cls, layout: SlabLayout, slab: torch.Tensor, peer_ptrs, rank: int,
-              state: torch.Tensor, errors: torch.Tensor, timeout_ns: int) -> MergeSlab:
-        """``peer_ptrs``: every rank's slab address (group rank order); ``timeout_ns``: the
-        waits' budget. Raises ValueError for a slab smaller than the layout, RuntimeError when
-        the peers' slabs are not ``DELTA_UNIT · 8``-byte aligned relative to this one."""
-        if slab.dtype != torch.uint8 or slab.numel() < layout.total_bytes:
-            raise ValueError(f"MergeSlab: slab must be ≥ {layout.total_bytes} uint8 bytes, got "
-                             f"{slab.numel()} {slab.dtype}")
-        desc = layout.descriptor(peer_ptrs, rank, timeout_ns, slab.device)
-        return cls(slab, desc, state, errors)
 
 
 def _pow2(n: int) -> int:

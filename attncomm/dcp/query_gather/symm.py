@@ -11,14 +11,14 @@ The slab's regions (OUT, flags, LL words, READY) are ``symm_layout.GatherLayout`
 """
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
 from ... import _triton, capability
+from ...compiled_launch import LaunchCache, alignment_key
 from ...symm import SymmWorkspace, agreed_min, grid_bound, ll_rows_for, num_warps, plan_blocks, \
     use_ll
-from ...compiled_launch import LaunchCache, alignment_key
+from ...symm_regions import Slab
 from .backend import QueryGatherBackend, register
 from .symm_layout import GatherLayout
 
@@ -34,29 +34,9 @@ _TL_DTYPE_SIZES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4,
                    torch.float8_e4m3fn: 1}
 
 
-@dataclasses.dataclass(frozen=True)
-class GatherSlab:
-    """What every launch on one rank's slab takes, built once: the slab (``[bytes] uint8``),
-    its descriptor (``GatherLayout.descriptor``: region bases and cells, the wait budget, the
-    peer offsets), the epoch words ``state [4] int32`` and the error words ``errors [W]
-    int32`` (device or mapped host memory)."""
+#: One rank's slab, its descriptor and state words (``symm_regions.Slab``).
+GatherSlab = Slab
 
-    slab: torch.Tensor
-    desc: torch.Tensor
-    state: torch.Tensor
-    errors: torch.Tensor
-
-    @classmethod
-    def build(cls, layout: GatherLayout, slab: torch.Tensor, peer_ptrs, rank: int,
-              state: torch.Tensor, errors: torch.Tensor, timeout_ns: int) -> GatherSlab:
-        """``peer_ptrs``: every rank's slab address (group rank order); ``timeout_ns``: the
-        waits' budget. Raises ValueError for a slab smaller than the layout, RuntimeError when
-        the peers' slabs are not ``DELTA_UNIT · 8``-byte aligned relative to this one."""
-        if slab.dtype != torch.uint8 or slab.numel() < layout.total_bytes:
-            raise ValueError(f"GatherSlab: slab must be ≥ {layout.total_bytes} uint8 bytes, "
-                             f"got {slab.numel()} {slab.dtype}")
-        return cls(slab, layout.descriptor(peer_ptrs, rank, timeout_ns, slab.device), state,
-                   errors)
 
 
 # Elements of one [block rows, column block] tile of the flag kernel at most, so that the
