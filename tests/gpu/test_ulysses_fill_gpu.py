@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import random
 import warnings
 
 import pytest
@@ -44,10 +43,9 @@ def _make(g, shape, dtype, layout):
     (4, 6, 1, 64, 1, 100, torch.float32, False, "dense"),        # MQA, plain pack
     (2, 12, 4, 128, 1, 1000, torch.bfloat16, False, "dense"),
 ])
-def test_fill_kernel_bitwise_on_cuda(case):
+def test_fill_kernel_bitwise_on_cuda(case, seed):
     _need_gpu()
     w, hq, hkv, d, b, s_r, dtype, norm, layout = case
-    seed = random.randrange(1 << 30)
     g = torch.Generator().manual_seed(seed)
     q, k, v = (_make(g, (b, s_r, h, d), dtype, layout) for h in (hq, hkv, hkv))
     qw = torch.randn(d, generator=g).cuda() if norm else None
@@ -92,8 +90,7 @@ def _layer_inputs(seed, s, hq, hkv, d=128):
     return q, k, v, norm, rope
 
 
-def test_attention_fused_grouped_bitwise(one_rank_group):
-    seed = random.randrange(1 << 30)
+def test_attention_fused_grouped_bitwise(one_rank_group, seed):
     q, k, v, norm, rope = _layer_inputs(seed, 1024, 28, 4)
     ref = None
     for groups in (0, 2, 7):
@@ -145,10 +142,10 @@ def _rehearsal():
     return mod
 
 
-def test_rehearsal_bitwise_and_host_ahead(tmp_path):
+def test_rehearsal_bitwise_and_host_ahead(tmp_path, seed):
     _need_gpu()
     reh = _rehearsal()
-    sim = reh.Rehearsal(2, 2048, 8, norm=True, scale=0.1, seed=random.randrange(1 << 30))
+    sim = reh.Rehearsal(2, 2048, 8, norm=True, scale=0.1, seed=seed)
     seq = [o.clone() for o in sim.layer(1)]
     for groups in (2, 4):
         assert all(torch.equal(a, b) for a, b in zip(seq, sim.layer(groups))), groups
