@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from . import ulysses_timeline as timeline
+from .common import markdown_lines
 from ..ulysses.api import dense
 from ..ulysses.attention import UlyssesAttention, auto_groups, sdpa_attention
 from ..ulysses.layout import head_split
@@ -164,14 +165,12 @@ def markdown_rows(records: list[dict]) -> list[str]:
         return []
     lines = ["", "## Attention layer: sequential vs pipelined", "",
              "Slowest-rank median per forward, eager. groups: head groups the forward used; "
-             "fused: norm + RoPE inside the fill kernel.", "",
-             "| S | qk_norm | variant | transport | groups | fused | time µs | budget |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        b = r.get("budget")
-        lines.append(f"| {r['seq']} | {int(r['qk_norm'])} | {r['variant']} | {r['transport']} | "
-                     f"{r.get('groups') or '-'} | {int(bool(r.get('fused_fill')))} | "
-                     f"{r['time_us']:.1f} | {timeline.format_budget(b) if b else '-'} |")
+             "fused: norm + RoPE inside the fill kernel.", ""]
+    lines += markdown_lines(
+        ["S", "qk_norm", "variant", "transport", "groups", "fused", "time µs", "budget"],
+        [[r["seq"], int(r["qk_norm"]), r["variant"], r["transport"], r.get("groups") or None,
+          int(bool(r.get("fused_fill"))), r["time_us"],
+          timeline.format_budget(r["budget"]) if r.get("budget") else None] for r in rows])
     for r in records:
         if r.get("variant") == "summary":
             lines.append(f"\nS={r['seq']} qk_norm={int(r['qk_norm'])}: bitwise equal "
