@@ -117,7 +117,7 @@ def _gather_sweep(rank, W, seed):
     return failures
 
 
-@pytest.mark.parametrize("W", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("W", [1, 2, 3, 4, 5, pytest.param(8, marks=pytest.mark.slow)])
 def test_gather_heads_bitwise(pools, W, seed):
     failures = sum(pools.run(W, _gather_sweep, seed), [])
     assert not failures, "\n".join(failures[:20])

@@ -46,6 +46,7 @@ def _rank1_skips_collective(rank, world_size, timeout_s):
     return "no error"
 
 
+@pytest.mark.slow
 def test_launch_returns_per_rank_values():
     out = attncomm.launch(_sum_ranks, 3, args=(10,))
     assert out == [33, 33, 33]
@@ -65,6 +66,7 @@ def test_pool_reused_and_failure_does_not_poison_it(pools):
     assert pools.run(2, _sum_ranks, 0) == [1, 1]
 
 
+@pytest.mark.slow
 def test_missing_peer_raises_peer_timeout_within_budget():
     budget = 3.0
     out = attncomm.launch(_rank1_skips_collective, 2, args=(budget,), timeout_s=120)
@@ -97,6 +99,7 @@ def test_peer_timeout_stops_the_silent_rank_within_seconds():
     assert took < budget + FAILURE_GRACE_S + 10, f"raised after {took:.1f} s"  # was 32 s
 
 
+@pytest.mark.slow
 def test_launch_without_main_guard_says_so(tmp_path):
     # The README example without `if __name__ == "__main__":`: every spawned rank re-runs the
     # script and reaches launch again. One line says that, not the validation hint.
@@ -190,11 +193,13 @@ def test_rank_killed_by_abort_is_reported_with_rank_and_code(monkeypatch):
     assert "if a call ran with validation off" in msg and "arguments may disagree" in msg
 
 
+@pytest.mark.slow
 def test_gloo_size_mismatch_abort_is_reported():
     with pytest.raises(RuntimeError, match=r"process exited with code -6 \(SIGABRT\)"):
         attncomm.launch(_mismatched_all_gather, 2, timeout_s=120)
 
 
+@pytest.mark.slow
 def test_gone_rank_with_no_timeout_never_waits_forever():
     with attncomm.RankPool(2) as pool:
         pool.run(_sum_ranks, 0)
@@ -231,6 +236,7 @@ def _spawned_children(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["running", "starting"])
 def test_killed_launcher_leaves_no_ranks_and_no_rendezvous_file(tmp_path, when):
     # "running": killed while the ranks run fn; "starting": killed as soon as the rank

@@ -106,6 +106,7 @@ def test_symm_config_env_defaults_and_validation(monkeypatch):
 
 # ------------------------------------------------------------------------------ interpreter
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stagger", [None, "50", "25"])
 def test_kernels_under_interpreter(stagger):
     """The real kernels on one CPU process: rank 0 runs, peers' stores are staged (see

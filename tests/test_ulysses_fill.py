@@ -68,6 +68,7 @@ def test_fill_rejects_bad_parts():
         fill([FillPart(x, ((0, 2),))], impl="cuda")
 
 
+@pytest.mark.slow
 def test_fill_kernel_under_interpreter(seed):
     """Uneven heads, GQA with Hkv < W, MQA, non-contiguous q/k/v, with and without norm and
     RoPE, fp32/fp16/bf16, one and two head groups: bitwise equal to the torch path."""

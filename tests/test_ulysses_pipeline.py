@@ -72,6 +72,7 @@ def _grouped_vs_sequential(rank, world, seed):
     return bad
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_grouped_bitwise_equals_sequential(pools, world):
     seed = random.randrange(1 << 30)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from attncomm import dcp, ulysses
@@ -52,6 +53,7 @@ def _world8(rank, world_size, seed):
     return failures
 
 
+@pytest.mark.slow
 def test_all_exchanges_at_world_size_8(pools, seed):
     failures = sum(pools.run(8, _world8, seed, timeout_s=600), [])
     assert not failures, f"seed {seed}:\n" + "\n".join(failures)
