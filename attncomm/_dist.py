@@ -1,9 +1,15 @@
 """Small helpers over torch.distributed shared by every exchange.
 
+- ``resolve_group``: a ``ProcessGroup``, None (the default group) or an engine's group
+  coordinator (an object with ``device_group`` and ``cpu_group``, as vLLM's and SGLang's have)
+  → the process group the exchange runs on; a coordinator's ``cpu_group`` serves the host side,
 - ``cpu_group``: the gloo twin of a process group (cached per group), for host-side agreement,
 - version shims for collectives renamed between torch 2.11 and 2.13,
-- ``agree``: the cross-rank argument check that raises the same ``ValueError`` on every rank,
-- ``guard_timeout``: turns a process group's timeout into ``PeerTimeoutError``.
+- ``agree``: the cross-rank argument check that raises the same ``ValueError`` on every rank;
+  ``check_args``: when a functional call runs it (``config.validation_mode``: the first call
+  with a new signature per group, every call, or never),
+- ``guard_timeout``: turns a process group's timeout into ``PeerTimeoutError``,
+- ``on_release`` / ``release``: what the functional calls cache per group, and its end of life.
 """
 from __future__ import annotations
 
@@ -23,7 +29,8 @@ from .errors import PeerTimeoutError
 
 __all__ = ["cpu_group", "group_lru_get", "clear_cpu_groups", "all_gather_tensor",
            "reduce_scatter_tensor", "group_key", "group_device", "agree", "guard_timeout", "wait",
-           "as_bits", "agree_reason", "DTYPE_CODES"]
+           "as_bits", "agree_reason", "DTYPE_CODES", "resolve_group", "check_group",
+           "check_args", "on_release", "release", "Lifecycle", "group_name", "group_from_name"]
 
 DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
                torch.int64: 5, torch.int32: 6, torch.int16: 7, torch.int8: 8, torch.uint8: 9,
@@ -65,10 +72,16 @@ def group_lru_get(store: dict, group, key, make, size: int):
     if value is None:
         value = lru[key] = make()
         while len(lru) > size:
-            lru.popitem(last=False)
+            _close(lru.popitem(last=False)[1])  # collective: every rank evicts it here
     else:
         lru.move_to_end(key)
     return value
+
+
+def _close(value) -> None:
+    close = getattr(value, "close", None)
+    if close is not None:
+        close()
 
 
 def group_device(group=None) -> torch.device:
@@ -80,12 +93,73 @@ def group_device(group=None) -> torch.device:
 
 
 _CPU_GROUPS: dict[Any, Any] = {}
+_CHECK_GROUPS: dict[Any, Any] = {}
+
+
+def _is_coordinator(group) -> bool:
+    return (not isinstance(group, dist.ProcessGroup) and hasattr(group, "device_group")
+            and hasattr(group, "cpu_group"))
+
+
+def resolve_group(group=None, op: str = "attncomm", *, one_process: str | None = None):
+    """The process group an exchange runs on.
+
+    Arguments:
+        group: a ``torch.distributed.ProcessGroup``, None (the default group), or an engine's
+            group coordinator: an object with ``device_group`` (the group collectives run on)
+            and ``cpu_group`` (a gloo group over the same ranks), as vLLM's and SGLang's
+            ``GroupCoordinator`` have. The coordinator's ``cpu_group`` then serves every
+            host-side agreement and argument check on its ``device_group`` (no second gloo group
+            is created for it).
+        op: the caller's name, for the error message.
+        one_process: what to call instead in a single process (named in the message).
+
+    Returns:
+        ``group`` itself, None for the default group, or the coordinator's ``device_group``.
+
+    Raises:
+        ValueError: ``group`` is None and torch.distributed is not initialised (the message says
+            what to do: ``attncomm.launch``, ``init_process_group``, or the one-process call).
+    """
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            alt = f", or {one_process} in a single process" if one_process else ""
+            raise ValueError(
+                f"{op}: no process group: torch.distributed is not initialised. Start the ranks "
+                f"with attncomm.launch(fn, world_size) (it spawns them and sets up gloo on CPU or "
+                f"NCCL on GPUs), or call torch.distributed.init_process_group(...) first (as "
+                f"under torchrun), or pass group=...{alt}")
+        return None
+    if _is_coordinator(group):
+        device, host = group.device_group, group.cpu_group
+        key = group_key(device)
+        if host is not None and host is not device:
+            if dist.get_backend(device) != "gloo":
+                _CPU_GROUPS.setdefault(key, host)
+            _CHECK_GROUPS.setdefault(key, host)
+        return device
+    return group
+
+
+def group_name(group=None) -> str:
+    """The registered name of ``group`` (None: the default group), as torch's functional
+    collectives pass groups into traced graphs; ``group_from_name`` resolves it back. Custom
+    ops take groups this way (a ``str`` argument: a graph holds no process-group object)."""
+    g = group if group is not None else dist.group.WORLD
+    return g.group_name
+
+
+def group_from_name(name: str):
+    """The process group registered as ``name`` (``group_name``); the default group comes back
+    as itself, so ``group_key`` of the result matches the caller's caches."""
+    return c10d._resolve_process_group(name)
 
 
 def cpu_group(group=None, *, world_collective: bool = False):
     """The gloo group over the same ranks as ``group`` (``None``: the default group).
 
-    On a gloo group this is the group itself. Otherwise the first call creates the gloo twin:
+    On a gloo group this is the group itself. Otherwise the first call creates the gloo twin
+    (a coordinator's ``cpu_group`` is taken as the twin of its ``device_group``):
 
     - default group: collective over every rank (``launch`` does it at start-up);
     - a subgroup, ``world_collective=False`` (how the library calls it, lazily): collective over
@@ -97,6 +171,7 @@ def cpu_group(group=None, *, world_collective: bool = False):
       or not, in the same order, like ``dist.new_group``) right after creating the subgroup;
       works for any layout. Non-members get None.
     """
+    group = resolve_group(group, "attncomm.cpu_group") if _is_coordinator(group) else group
     g = group if group is not None else dist.group.WORLD
     if g is dist.GroupMember.NON_GROUP_MEMBER:
         return None
@@ -105,17 +180,45 @@ def cpu_group(group=None, *, world_collective: bool = False):
     key = group_key(group)
     pg = _CPU_GROUPS.get(key)
     if pg is None:
-        if group is None:
-            pg = dist.new_group(backend="gloo", timeout=_default_timeout())
-        elif world_collective:
-            pg = dist.new_group(ranks=dist.get_process_group_ranks(g), backend="gloo",
-                                timeout=_default_timeout())
-        else:
-            _check_local_naming(g)
-            pg = dist.new_group(ranks=dist.get_process_group_ranks(g), backend="gloo",
-                                timeout=_default_timeout(), use_local_synchronization=True)
-        _CPU_GROUPS[key] = pg
+        pg = _CPU_GROUPS[key] = _gloo_twin(group, g, world_collective)
     return pg
+
+
+def check_group(group=None):
+    """The gloo group the cross-rank argument checks run on: never the exchange's own group.
+
+    A rank whose check was skipped (its signature seen before) may already be inside the
+    exchange while a peer with a new signature is inside the check; on one gloo group the two
+    collectives would meet each other (a size mismatch aborts the process inside gloo). On two
+    groups each waits for the other until its timeout and raises ``PeerTimeoutError``. For a
+    device group this is its gloo twin (``cpu_group``); for a gloo group a second gloo group over
+    the same ranks, created on first use like a twin (collective over the group's members).
+    """
+    g = group if group is not None else dist.group.WORLD
+    if dist.get_backend(g) != "gloo":
+        return cpu_group(group)
+    key = group_key(group)
+    pg = _CHECK_GROUPS.get(key)
+    if pg is None:
+        pg = _CHECK_GROUPS[key] = _gloo_twin(group, g, False)
+    return pg
+
+
+def _gloo_twin(group, g, world_collective: bool):
+    # Collective over the group's members: a member that never arrives is a peer timeout.
+    with guard_timeout(g, "attncomm: creating a gloo group over the ranks of a process group"):
+        return _new_gloo_twin(group, g, world_collective)
+
+
+def _new_gloo_twin(group, g, world_collective: bool):
+    if group is None:
+        return dist.new_group(backend="gloo", timeout=_default_timeout())
+    if world_collective:
+        return dist.new_group(ranks=dist.get_process_group_ranks(g), backend="gloo",
+                              timeout=_default_timeout())
+    _check_local_naming(g)
+    return dist.new_group(ranks=dist.get_process_group_ranks(g), backend="gloo",
+                          timeout=_default_timeout(), use_local_synchronization=True)
 
 
 def _check_local_naming(g) -> None:
@@ -135,8 +238,11 @@ def _check_local_naming(g) -> None:
 
 
 def clear_cpu_groups() -> None:
-    """Forget every cached gloo twin (a rank calls it before destroying its process groups)."""
+    """Forget every cached gloo twin and check group (a rank calls it before destroying its
+    process groups)."""
     _CPU_GROUPS.clear()
+    _CHECK_GROUPS.clear()
+    _SEEN.clear()
 
 
 def _default_timeout() -> datetime.timedelta:
@@ -182,7 +288,7 @@ def agree(group, op: str, signature: Sequence[int], labels: Sequence[str],
     """Check that every rank called ``op`` with the same arguments, and share local errors.
 
     Arguments:
-        group: the process group (the exchange runs on its gloo twin, ``cpu_group(group)``).
+        group: the process group (the check runs on ``check_group(group)``, a gloo group).
         op: the operation's name, for messages.
         signature: up to 30 ints that must be equal on every rank (shapes, dtype codes, flags).
         labels: one name per signature entry, for messages.
@@ -194,8 +300,8 @@ def agree(group, op: str, signature: Sequence[int], labels: Sequence[str],
     """
     if len(signature) > _SIG_LEN - 2:
         raise ValueError(f"signature too long ({len(signature)} > {_SIG_LEN - 2})")
-    # Over the gloo twin: host tensors, no device round trip, and a wait bounded by timeout_s.
-    g = cpu_group(group)
+    # Over a gloo group: host tensors, no device round trip, and a wait bounded by timeout_s.
+    g = check_group(group)
     world = dist.get_world_size(g)
     row = torch.zeros(_SIG_LEN, dtype=torch.int64)
     row[0] = 1 if local_error else 0
@@ -228,6 +334,48 @@ def agree(group, op: str, signature: Sequence[int], labels: Sequence[str],
             diffs.append("argument count differs: " + ", ".join(
                 f"{int(v)} (rank {r})" for r, v in enumerate(rows[:, 1].tolist())))
         raise ValueError(f"{op}: ranks disagree on the call's arguments: " + "; ".join(diffs))
+
+
+#: Per group (``group_key``): the (op, signature) pairs every rank agreed on, least recently
+#: used first. Every rank makes the same calls, so every rank holds the same entries.
+_SEEN: dict = {}
+_SEEN_SIZE = 4096
+
+
+def check_args(group, op: str, signature: Sequence[int], labels: Sequence[str],
+               local_error: str | None = None, timeout_s: float | None = None,
+               validate: bool | None = None) -> None:
+    """The cross-rank argument check of a functional call, by ``config.validation_mode``.
+
+    ``"first"`` (the default): ``agree`` runs on the first call with a new ``(op, signature)``
+    on this group and whenever this rank has a local error; a steady-state call makes no
+    collective beyond the exchange's own. ``"every"``: ``agree`` on every call. ``"never"``:
+    only local errors, raised on this rank. A mismatch that slips past the first-sight check
+    (one rank repeats a seen signature while a peer brings a new one) leaves the first rank in
+    the exchange and the peer in the check, on different groups (``check_group``): both raise
+    ``PeerTimeoutError`` naming ``op`` within ``timeout_s``. Two ranks repeating two different
+    seen signatures are not checked: that needs ``validate=True``.
+
+    Raises:
+        ValueError: a local error (every rank alike unless the mode is ``"never"``) or ranks
+            that disagree on the signature.
+        PeerTimeoutError: a peer did not take part in the check within ``timeout_s``.
+    """
+    mode = config.validation_mode(validate)
+    if mode == "never":
+        if local_error:
+            raise ValueError(f"{op}: {local_error}")
+        return
+    key = (op, tuple(signature))
+    seen = _SEEN.setdefault(group_key(group), collections.OrderedDict())
+    if mode == "first" and local_error is None and key in seen:
+        seen.move_to_end(key)
+        return
+    agree(group, op, signature, labels, local_error, timeout_s)
+    seen[key] = True
+    seen.move_to_end(key)
+    while len(seen) > _SEEN_SIZE:
+        seen.popitem(last=False)
 
 
 def wait(work, group, op: str, timeout_s: float | None) -> None:
@@ -267,3 +415,56 @@ def agree_reason(group, local_reason: str | None, what: str = "") -> str | None:
     with guard_timeout(g, f"agree {what}".strip()):
         dist.all_gather_object(reasons, local_reason, group=g)
     return "; ".join(f"rank {r}: {x}" for r, x in enumerate(reasons) if x)
+
+
+# ------------------------------------------------------------------------------ lifecycle
+_RELEASERS: list = []
+
+
+def on_release(fn):
+    """Register ``fn(key)``: free what a module caches for the group whose ``group_key`` is
+    ``key`` (``release`` calls it, collectively, on every rank)."""
+    _RELEASERS.append(fn)
+    return fn
+
+
+def release(group=None) -> None:
+    """Free what the functional calls (``dcp.merge``, ``dcp.gather_heads``, ``ulysses.*``)
+    cached for ``group``: their preallocated objects, symmetric memory (after a barrier: no
+    peer writes into memory being freed), transports and the argument-check record. Collective:
+    every rank of the group calls it at the same point. The next call builds anew."""
+    group = resolve_group(group, "attncomm.release")
+    key = group_key(group)
+    for fn in list(_RELEASERS):
+        fn(key)
+    _SEEN.pop(key, None)
+
+
+class Lifecycle:
+    """``close()`` and ``with obj:`` for an exchange object that holds buffers (symmetric memory
+    that peers write into, staging, workspaces). ``close()`` is collective when the object holds
+    peer-mapped memory (it ends with a barrier before freeing); it is idempotent; a call after it
+    raises ``RuntimeError`` naming the object. Subclasses free in ``_release()`` and call
+    ``_ensure_open()`` at the top of their calls."""
+
+    _closed = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._release()
+
+    def _release(self) -> None:
+        return None
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed (close() or the end of its "
+                               f"with-block freed its buffers); build a new one")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -5,26 +5,32 @@ GPU and every other GPU, torch SymmetricMemory importable with its CUDA backend,
 memory ops (``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` from ``cuda.bindings.driver``),
 probed by a trial call because the V1 device attribute reads 0 on H200 although the calls work.
 
-Group facts: ``same_host`` and ``peer_access`` gather the per-rank facts over the gloo twin of the
-group; ``agree_reason`` turns per-rank reasons into one verdict that every rank shares
-(all_reduce(MIN) of an ok-flag); ``collective_try`` runs a step (allocation, rendezvous) on every
-rank, catches a failure and agrees on it, so every rank takes the same path.
+Group facts: ``same_host``, ``group_hosts`` (which ranks share a host: the topology, cached per
+group) and ``peer_access`` gather the per-rank facts over the gloo twin of the group;
+``agree_reason`` turns per-rank reasons into one verdict that every rank shares (all_reduce(MIN)
+of an ok-flag); ``collective_try`` runs a step (allocation, rendezvous) on every rank, catches a
+failure and agrees on it, so every rank takes the same path. A group that spans hosts is refused
+by every single-host backend for that reason first (``symm_unavailable_reason``).
 """
 from __future__ import annotations
 
 import functools
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ._dist import agree_reason, cpu_group
+from . import config
+from ._dist import agree_reason, cpu_group, group_key
 
 __all__ = ["agree_reason", "hostname", "host_identity", "cuda_reason", "p2p_matrix",
-           "symm_mem_reason", "stream_mem_ops_reason", "same_host", "peer_access_reason",
-           "symm_unavailable_reason", "collective_try", "multicast_env"]
+           "symm_mem_reason", "stream_mem_ops_reason", "same_host", "HostLayout", "group_hosts",
+           "peer_access_reason", "symm_unavailable_reason", "collective_try", "multicast_env"]
+
+_TEST_HOST = "/test:"  # joins the machine's identity and the test-only host name
 
 
 def hostname() -> str:
@@ -32,15 +38,109 @@ def hostname() -> str:
 
 
 @functools.cache
-def host_identity() -> str:
-    """This machine's identity for "same host" checks: the hostname plus the kernel's boot id
-    (two containers may share a hostname without sharing memory or GPUs)."""
+def _machine_identity() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = "?"
     return f"{socket.gethostname()}/{boot}"
+
+
+def host_identity() -> str:
+    """This machine's identity for "same host" checks: the hostname plus the kernel's boot id
+    (two containers may share a hostname without sharing memory or GPUs).
+
+    ``ATTNCOMM_TEST_HOST`` (tests only, read on every call) adds a name to it, so that the
+    ranks of one machine can act as several hosts; added to the machine's identity, it can
+    split a machine but never make two machines look like one."""
+    test = config.get("ATTNCOMM_TEST_HOST")
+    return _machine_identity() + (f"{_TEST_HOST}{test}" if test else "")
+
+
+def _display_name(identity: str) -> str:
+    """A host identity without the boot id: ``name`` or ``name/test:X``."""
+    machine, _, test = identity.partition(_TEST_HOST)
+    return machine.split("/", 1)[0] + (f"{_TEST_HOST}{test}" if test else "")
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``"0-2, 5"``."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(f"{start}" if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """Which ranks of a group share a host: the group's topology, the same on every rank.
+
+    Attributes:
+        identities: one ``host_identity()`` per host, hosts in the order of their lowest rank.
+        host_of: the host index of each group rank (``len == W``).
+    """
+
+    identities: tuple[str, ...]
+    host_of: tuple[int, ...]
+
+    @classmethod
+    def from_identities(cls, per_rank: Sequence[str]) -> HostLayout:
+        hosts = tuple(dict.fromkeys(per_rank))  # first appearance = lowest rank
+        index = {h: i for i, h in enumerate(hosts)}
+        return cls(hosts, tuple(index[h] for h in per_rank))
+
+    @property
+    def num_hosts(self) -> int:
+        return len(self.identities)
+
+    @property
+    def ranks(self) -> tuple[tuple[int, ...], ...]:
+        """The group ranks of each host, ascending."""
+        return tuple(tuple(r for r, h in enumerate(self.host_of) if h == i)
+                     for i in range(self.num_hosts))
+
+    @property
+    def leaders(self) -> tuple[int, ...]:
+        """Each host's lowest group rank (its leader in a hierarchical exchange)."""
+        return tuple(r[0] for r in self.ranks)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Each host's printable name (hostname, and the test-only name where set)."""
+        return tuple(_display_name(h) for h in self.identities)
+
+    def describe(self) -> str:
+        """``"2 hosts (a: ranks 0-1; b: ranks 2-3)"``."""
+        hosts = "; ".join(f"{n}: ranks {_ranges(r)}" for n, r in zip(self.names, self.ranks))
+        return f"{self.num_hosts} host{'s' if self.num_hosts > 1 else ''} ({hosts})"
+
+    def reason(self) -> str | None:
+        """Why a single-host transport (symmetric memory, P2P copies, host shared memory)
+        cannot serve the group; None on one host."""
+        if self.num_hosts == 1:
+            return None
+        return (f"the group's ranks span {self.describe()}: symmetric memory, P2P copies and "
+                f"host shared memory reach only the ranks of one host")
+
+
+_HOSTS: dict = {}  # group_key(group) → HostLayout
+
+
+def group_hosts(group=None) -> HostLayout:
+    """Which ranks of ``group`` share a host (``HostLayout``), the same on every rank.
+
+    Collective over the group's gloo twin on its first use per group (every rank must call it
+    then), cached for the group's lifetime after that: a rank's host does not change."""
+    key = group_key(group)
+    layout = _HOSTS.get(key)
+    if layout is None:
+        layout = _HOSTS[key] = HostLayout.from_identities(_gather(group, host_identity()))
+    return layout
 
 
 def cuda_reason() -> str | None:
@@ -130,7 +230,8 @@ def _gather(group, value) -> list:
 
 
 def same_host(group=None) -> bool:
-    """Whether every rank of ``group`` runs on this host (collective over the gloo twin)."""
+    """Whether every rank of ``group`` runs on this host (collective over the gloo twin, on
+    every call; ``group_hosts`` gives the whole layout, cached)."""
     return len(set(_gather(group, host_identity()))) == 1
 
 
@@ -166,11 +267,16 @@ def _override_probe(fn: Callable | None) -> None:
 
 
 def symm_unavailable_reason(group, device: torch.device) -> str | None:
-    """Collective over ``group``. This rank's reason against a symmetric-memory backend (None if
-    it can run): CUDA tensors, symmetric memory importable, one host, P2P to every peer. The
-    caller agrees the verdict across ranks (``agree_reason``)."""
+    """Collective over ``group`` (for every device type). This rank's reason against a
+    symmetric-memory backend (None if it can run): one host (``group_hosts``; checked first, so
+    a group that spans hosts is told so whatever its device), CUDA tensors, symmetric memory
+    importable, P2P to every peer. The caller agrees the verdict across ranks
+    (``agree_reason``)."""
     if _PROBE_OVERRIDE is not None:
         return _PROBE_OVERRIDE(group, device)
+    hosts = group_hosts(group).reason()  # collective on first use per group: always call
+    if hosts is not None:
+        return hosts
     # peer_access_reason is collective: every rank must call it, whatever its local verdict.
     peer = peer_access_reason(group) if torch.device(device).type == "cuda" else None
     if torch.device(device).type != "cuda":

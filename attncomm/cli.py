@@ -1,4 +1,4 @@
-"""The ``attncomm`` command: ``demo``, ``bench dcp|ulysses|dp-sync``, ``env``.
+"""The ``attncomm`` command: ``demo``, ``bench dcp|ulysses|dp-sync|ring|overhead``, ``env``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``main(args) ->
 int``; this file only wires them up. The process it runs in is one attncomm starts: NVLink
@@ -13,7 +13,8 @@ import sys
 from . import config
 
 _BENCHES = {"dcp": "attncomm.bench.dcp", "ulysses": "attncomm.bench.ulysses",
-            "dp-sync": "attncomm.bench.dp_sync"}
+            "dp-sync": "attncomm.bench.dp_sync", "ring": "attncomm.bench.ring",
+            "overhead": "attncomm.bench.overhead"}
 
 
 def build_parser() -> argparse.ArgumentParser:

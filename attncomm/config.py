@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass
 
 __all__ = ["Var", "VARS", "get", "raw", "overrides", "set_var", "setting", "timeout_s",
-           "validate_enabled", "env_backend", "default_safe_env", "force_safe_env", "SAFE_ENV",
-           "DEFAULT_TIMEOUT_S"]
+           "validate_enabled", "validation_mode", "env_backend", "default_safe_env",
+           "force_safe_env", "SAFE_ENV", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -42,7 +42,9 @@ _TABLE = (
         "Seconds every wait on a peer may take before PeerTimeoutError (process groups, "
         "device waits, argument checks); must be > 0."),
     Var("ATTNCOMM_VALIDATE", bool, True, True, "call",
-        "Cross-rank argument checks (0/false/off/no disable, 1/true/on/yes enable)."),
+        "Cross-rank argument checks of the functional calls: unset, on the first call with a "
+        "new signature per group; 1/true/on/yes on every call (a debug mode); 0/false/off/no "
+        "never. Objects check at construction unless it is 0."),
     Var("ATTNCOMM_DCP_BACKEND", str, "", True, "call",
         "Backend DcpMerger(backend='auto') takes instead of choosing (empty: choose): "
         "reference, ag_rs, a2a or symm_a2a."),
@@ -92,6 +94,11 @@ _TABLE = (
     Var("ATTNCOMM_SYMM_PDL", bool, True, False, "call",
         "symm_a2a: programmatic dependent launch (unset: on where supported, compute "
         "capability >= 9.0; 0: off; 1: on)."),
+    Var("ATTNCOMM_TEST_HOST", str, "", False, "call",
+        "Tests only: a name added to this process's host identity "
+        "(capability.host_identity), so that the ranks of one machine act as several hosts "
+        "(gloo CPU ranks in CI: W=4 as 2 hosts x 2 ranks). It can only split a machine, never "
+        "make two machines look like one. Empty: the real identity."),
 )
 
 #: name → ``Var``, every ``ATTNCOMM_*`` variable attncomm reads.
@@ -231,6 +238,18 @@ def validate_enabled(value: bool | None = None, default: bool = True) -> bool:
     if not raw("ATTNCOMM_VALIDATE"):
         return default
     return get("ATTNCOMM_VALIDATE")
+
+
+def validation_mode(value: bool | None = None) -> str:
+    """How a functional call checks its arguments across ranks: ``"every"`` call, the
+    ``"first"`` call with a new signature (per group), or ``"never"``. ``value`` True/False
+    means every/never; None reads ``ATTNCOMM_VALIDATE`` (unset: first sight; "1": every call,
+    a debug mode, as ``TORCH_DISTRIBUTED_DEBUG`` is; "0": never)."""
+    if value is not None:
+        return "every" if value else "never"
+    if not raw("ATTNCOMM_VALIDATE"):
+        return "first"
+    return "every" if get("ATTNCOMM_VALIDATE") else "never"
 
 
 def env_backend(name: str, backend: str, choices: tuple[str, ...]) -> str:

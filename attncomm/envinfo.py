@@ -1,34 +1,49 @@
 """``attncomm env``: what this machine offers and, for every backend of every exchange, whether
-it can run here and why not. Local facts only (no process group is formed); useful on CPU
-machines too. ``--json PATH`` writes the same facts as JSON."""
+it can run here and why not; useful on CPU machines too. ``--json PATH`` writes the same facts as
+JSON.
+
+Alone, it reports local facts (no process group is formed). With a live group it also reports
+the group's topology (``group_topology``): its hosts, and which exchanges can use their
+single-host transports on it. A live group is: torch.distributed already initialised in this
+process; torchrun's variables (``RANK``, ``WORLD_SIZE`` > 1, ``MASTER_ADDR``), where it joins a
+gloo group and rank 0 prints; or ``--world-size N`` (N local gloo ranks through
+``attncomm.launch``; ``--hosts H`` makes them act as H hosts through the test-only
+``ATTNCOMM_TEST_HOST``).
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 
 import torch
+import torch.distributed as dist
 
-from . import capability, config
+from . import _triton, capability, config
+from ._dist import agree_reason, group_device
+from .dp_attention.rows import sync_decision
 from .dp_attention.shm import shm_supported
+from .launch import launch
 from .ulysses import api as ulysses_api
 
-__all__ = ["add_arguments", "main", "collect", "nvlink_state"]
+__all__ = ["add_arguments", "main", "collect", "nvlink_state", "group_topology"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", default=None, help="also write the facts as JSON")
+    p.add_argument("--world-size", type=int, default=None, metavar="N",
+                   help="also report the topology of N local gloo ranks (default: only a group "
+                        "that is already live, e.g. under torchrun)")
+    p.add_argument("--hosts", type=int, default=1, metavar="H",
+                   help="with --world-size: consecutive ranks act as H hosts (test-only "
+                        "ATTNCOMM_TEST_HOST; default 1)")
 
 
 def _versions() -> dict:
     out = {"python": platform.python_version(), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "triton": None, "nccl": None}
-    try:
-        import triton
-        out["triton"] = triton.__version__
-    except Exception:  # noqa: BLE001
-        pass
+           "cuda": torch.version.cuda, "triton": _triton.VERSION, "nccl": None}
     if torch.cuda.is_available():
         try:
             out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
@@ -82,10 +97,8 @@ def _symm_a2a_reason(p2p: list[list[bool]]) -> str | None:
     reason = capability.cuda_reason() or capability.symm_mem_reason()
     if reason:  # the more basic reason first (no CUDA), then Triton
         return reason
-    try:
-        import triton  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return "Triton is not importable"
+    if _triton.REASON:
+        return _triton.REASON
     if len(p2p) < 2:
         return f"needs ≥ 2 GPUs on this host for W ≥ 2 (found {len(p2p)}); W=1 runs"
     missing = [f"{i}→{j}" for i, row in enumerate(p2p) for j, ok in enumerate(row) if not ok]
@@ -117,6 +130,7 @@ def _backends(p2p) -> dict:
     except Exception as exc:  # noqa: BLE001
         ok, why_shm = False, f"could not ask attncomm.dp_attention: {exc}"
     dp.append({"backend": "shm", "available": ok, "why_not": why_shm})
+    dp.append({"backend": "hier", "available": ok, "why_not": why_shm})
     dp.append({"backend": "cpu", "available": True, "why_not": None})
     dp.append({"backend": "device", "available": True,
                "why_not": None if not cuda else f"no GPU here, so it runs on the gloo group "
@@ -124,8 +138,41 @@ def _backends(p2p) -> dict:
     return {"dcp": dcp, "dcp_gather": dcp_gather, "ulysses": ulysses, "dp_sync": dp}
 
 
-def collect() -> dict:
-    """Every fact ``attncomm env`` prints, as a dict."""
+def group_topology(group=None) -> dict:
+    """The hosts of a live ``group`` and, for each exchange's single-host transport, whether it
+    can run on the group and why not (the same verdicts the exchanges' ``auto`` reaches).
+
+    Collective over ``group`` (every rank calls it; the DP sync's "auto" path is decided, and
+    built, as on its first use). Returns ``{"world_size", "backend", "device", "hosts": [{"host",
+    "ranks"}], "single_host": [{"exchange", "backend", "available", "why_not"}], "dp_sync_auto":
+    {"path", "why_not_shm"}}``, the same on every rank.
+    """
+    dev = group_device(group)
+    layout = capability.group_hosts(group)
+    symm = capability.symm_unavailable_reason(group, dev) or _triton.REASON  # collective
+    # the hosts' reason is the same on every rank (the layout is agreed): said once, not per rank
+    symm = layout.reason() or agree_reason(group, symm, "symmetric memory")
+    ce = ulysses_api.ce_reason(group, dev)
+    dp = sync_decision("auto", group)
+
+    def row(exchange, backend, why):
+        return {"exchange": exchange, "backend": backend, "available": why is None,
+                "why_not": why}
+
+    return {
+        "world_size": dist.get_world_size(group), "backend": str(dist.get_backend(group)),
+        "device": str(dev),
+        "hosts": [{"host": n, "ranks": list(r)} for n, r in zip(layout.names, layout.ranks)],
+        "single_host": [row("dcp", "symm_a2a", symm), row("dcp_gather", "symm", symm),
+                        row("ulysses", "ce", ce),
+                        row("dp_sync", "shm", None if dp.backend == "shm" else dp.fallback_reason)],
+        "dp_sync_auto": {"path": dp.backend, "why_not_shm": dp.fallback_reason},
+    }
+
+
+def collect(group=None) -> dict:
+    """Every fact ``attncomm env`` prints, as a dict (``topology``: ``group_topology(group)``
+    when torch.distributed is initialised, collective then; else None)."""
     p2p = capability.p2p_matrix()
     mc = capability.multicast_env()
     mc_ok = mc == config.SAFE_ENV
@@ -142,6 +189,8 @@ def collect() -> dict:
         "timeout_s": config.timeout_s(),
         "settings": config.overrides(),
         "backends": _backends(p2p),
+        "topology": group_topology(group) if dist.is_available() and dist.is_initialized()
+        else None,
     }
 
 
@@ -177,11 +226,53 @@ def _print(info: dict) -> None:
         for r in rows:
             mark = "yes" if r["available"] else "no "
             print(f"  {r['backend']:<10} {mark}" + (f"  {r['why_not']}" if r["why_not"] else ""))
+    topo = info.get("topology")
+    if topo:
+        print(f"live group: {topo['world_size']} ranks ({topo['backend']}, {topo['device']}) on "
+              f"{len(topo['hosts'])} host(s):")
+        for h in topo["hosts"]:
+            print(f"  {h['host']}: ranks {h['ranks']}")
+        print("single-host transports on this group:")
+        for r in topo["single_host"]:
+            mark = "yes" if r["available"] else "no "
+            print(f"  {r['exchange'] + ' ' + r['backend']:<20} {mark}"
+                  + (f"  {r['why_not']}" if r["why_not"] else ""))
+        print(f"DP sync auto: {topo['dp_sync_auto']['path']}")
+
+
+def _torchrun_env() -> bool:
+    """Whether this process was started by torchrun (or anything that sets its variables) as
+    one of several ranks."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ \
+            and "MASTER_ADDR" in os.environ
+    except ValueError:
+        return False
+
+
+def _launched_rank(rank: int, world: int, hosts: int) -> dict | None:
+    """One rank of ``--world-size``: act as host ``rank·hosts // world`` when ``hosts`` > 1,
+    then gather the facts (collective); rank 0 returns them."""
+    if hosts > 1:
+        config.set_var("ATTNCOMM_TEST_HOST", f"sim{rank * hosts // world}")
+    info = collect()
+    return info if rank == 0 else None
 
 
 def main(args) -> int:
     config.force_safe_env()
-    info = collect()
+    world, hosts = getattr(args, "world_size", None), getattr(args, "hosts", 1)
+    if world is not None or hosts != 1:
+        if world is None or world < 1 or not 1 <= hosts <= world:
+            raise ValueError(f"--world-size must be ≥ 1 and --hosts in [1, world size], got "
+                             f"--world-size {world} --hosts {hosts}")
+        info = launch(_launched_rank, world, args=(hosts,))[0]
+    else:
+        if _torchrun_env() and not dist.is_initialized():
+            dist.init_process_group("gloo", init_method="env://")
+        info = collect()
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return 0
     _print(info)
     path = getattr(args, "json", None)
     if path:
@@ -192,4 +283,4 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(argparse.Namespace(json=None)))
+    sys.exit(main(argparse.Namespace(json=None, world_size=None, hosts=1)))

@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import config
-from ._dist import clear_cpu_groups, cpu_group
+from ._dist import check_group, clear_cpu_groups, cpu_group
+from ._wait import poll_until
 from .errors import PeerTimeoutError
 
 __all__ = ["launch", "RankPool", "init_distributed"]
@@ -69,6 +70,7 @@ def init_distributed(rank: int, world_size: int, device: str, init_method: str,
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=_timedelta(timeout_s))
+        check_group(None)  # collective: the argument checks' own gloo group, on every rank now
     else:
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
 
@@ -102,11 +104,11 @@ def _remove_rendezvous(store_dir: str) -> None:
     FileStore may create its file between rmtree's listing and its rmdir; once the directory
     is gone no FileStore can create the file again (only ranks whose launcher lives create the
     directory)."""
-    for _ in range(200):
+    def gone() -> bool:
         shutil.rmtree(store_dir, ignore_errors=True)
-        if not os.path.lexists(store_dir):
-            return
-        time.sleep(0.01)
+        return not os.path.lexists(store_dir)
+
+    poll_until(gone, 2.0, interval_s=0.01)
 
 
 def _watch_parent(launcher: int, store_dir: str) -> None:
@@ -115,8 +117,7 @@ def _watch_parent(launcher: int, store_dir: str) -> None:
     died before this rank got here is seen at once); the rank removes the rendezvous directory
     (FileStore leaves its file behind when no rank tears down) and exits with code 3."""
     def watch():
-        while os.getppid() == launcher:
-            time.sleep(0.5)
+        poll_until(lambda: os.getppid() != launcher, None, interval_s=0.5)
         with _RENDEZVOUS_LOCK:
             _remove_rendezvous(store_dir)
             os._exit(3)

@@ -10,9 +10,10 @@
   host reads them with no CUDA call, so the hot path never synchronises. Once a wait timed out
   the ranks are out of step, so the object is broken: every later ``check()`` (each call does
   one) raises ``PeerTimeoutError`` naming the peers; build a new one on every rank.
-- Protocol helpers shared by the push kernels' hosts (``plan_blocks``, ``ll_rows_for``,
-  ``use_ll``, ``peer_deltas``, ``agreed_min``; constants ``DELTA_UNIT``, ``SCRUB_PERIOD``,
-  ``LL_MAX_BYTES``); their device half (epochs, scrub, bounded waits, LL words) is
+- Protocol helpers shared by the push kernels' hosts (``plan_blocks``, ``num_warps``,
+  ``grid_bound``, ``ll_rows_for``, ``use_ll``, ``agreed_min``; constants ``DELTA_UNIT``,
+  ``SCRUB_PERIOD``, ``LL_MAX_BYTES``); the slabs' region layouts and the kernels' descriptor are
+  ``attncomm.symm_regions``; the device half (epochs, scrub, bounded waits, LL words) is
   ``attncomm.symm_device``.
 - The watchdog: one daemon thread per process (as NCCL's), started on first use, that polls
   every live ``PeerErrors`` and every ``PendingWait`` (a wait the host enqueued without waiting
@@ -37,20 +38,26 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import capability
-from ._dist import cpu_group
+from . import capability, config
+from ._dist import cpu_group, group_key, wait
+from ._wait import poll_until
 from .errors import PeerTimeoutError
 
 __all__ = ["SymmWorkspace", "PeerErrors", "PendingWait", "Watchdog", "watchdog", "plan_blocks",
-           "ll_rows_for", "use_ll", "peer_deltas", "agreed_min", "DELTA_UNIT", "SCRUB_PERIOD",
-           "LL_MAX_BYTES"]
+           "num_warps", "grid_bound", "ll_rows_for", "use_ll", "agreed_min", "DELTA_UNIT",
+           "SCRUB_PERIOD", "LL_MAX_BYTES", "held_bytes"]
 
-#: Peer offsets are passed to kernels in units of this many elements (keeps stores vectorised).
+#: Peer offsets are given to kernels in units of this many elements (keeps stores vectorised).
 DELTA_UNIT = 16
 #: Epochs ``e`` with ``(e >> 1) % SCRUB_PERIOD == 0`` scrub the other parity slot first.
 SCRUB_PERIOD = 1 << 29
-#: Payload per peer up to which a push kernel takes the LL protocol by default.
-LL_MAX_BYTES = 256 * 1024
+#: Payload per peer up to which a push kernel takes the LL protocol by default (the table's
+#: ``ATTNCOMM_SYMM_LL_MAX_BYTES`` default).
+LL_MAX_BYTES = config.VARS["ATTNCOMM_SYMM_LL_MAX_BYTES"].default
+#: Bytes of a block per warp: about one 16-byte vector per thread and row chunk.
+_BYTES_PER_WARP = 32 * 16
+#: Blocks from this size take ``num_warps``'s ``wide_warps``.
+WIDE_BYTES = 32 * 1024
 
 
 def plan_blocks(n_rows: int, n_programs_max: int, max_block_rows: int = 64):
@@ -68,6 +75,29 @@ def plan_blocks(n_rows: int, n_programs_max: int, max_block_rows: int = 64):
     return br, n_blocks, min(n_blocks, n_programs_max)
 
 
+def num_warps(nbytes: int, max_warps: int = 16, wide_warps: int = 0) -> int:
+    """Warps for a program whose block holds ``nbytes``: about one 16-byte vector per thread and
+    row chunk, at least 1 and at most ``max_warps``; ``wide_warps`` (0: none) for blocks of
+    ``WIDE_BYTES`` or more, whatever ``max_warps`` says."""
+    if wide_warps > 0 and nbytes >= WIDE_BYTES:
+        return wide_warps
+    return max(1, min(max_warps, nbytes // _BYTES_PER_WARP))
+
+
+def grid_bound(device, programs_per_sm: int = 1, max_programs: int = 0) -> int:
+    """Programs a persistent push kernel may launch on ``device`` so that all are resident:
+    ``programs_per_sm`` per SM, at most ``max_programs`` (0: no cap). On a CPU device (the
+    Triton interpreter) 3, so that a few programs and their block loops run. Local: agree it
+    across ranks (``agreed_min``) before planning."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        n = 3
+    else:
+        n = max(1, torch.cuda.get_device_properties(device).multi_processor_count
+                * programs_per_sm)
+    return min(n, max_programs) if max_programs > 0 else n
+
+
 def ll_rows_for(max_rows: int, head_dim: int, itemsize: int,
                 ll_max_bytes: int = LL_MAX_BYTES) -> int:
     """Rows per LL cell: the rows whose payload per peer fits ``ll_max_bytes`` (0 when a row of
@@ -81,20 +111,6 @@ def use_ll(n_rows: int, layout) -> bool:
     """Whether a call of ``n_rows`` rows per peer takes the LL protocol (``layout.ll_rows``:
     the rows an LL cell holds)."""
     return 0 < n_rows <= layout.ll_rows
-
-
-def peer_deltas(peer_ptrs: Sequence[int], rank: int, itemsize: int, device, *, op: str):
-    """The kernels' peer offset tables: every rank's slab address minus this rank's, as
-    ``[W]`` int64 on ``device`` in ``DELTA_UNIT`` elements of ``itemsize`` bytes, of 4-byte
-    and of 8-byte words. RuntimeError (naming ``op``) when the slabs are not that aligned
-    relative to each other."""
-    units = (DELTA_UNIT * itemsize, DELTA_UNIT * 4, DELTA_UNIT * 8)
-    deltas = [int(p) - int(peer_ptrs[rank]) for p in peer_ptrs]
-    if any(dl % u for dl in deltas for u in units):
-        raise RuntimeError(f"{op}: peer slabs are not {max(units)}-byte aligned relative to "
-                           f"each other: {deltas}")
-    return tuple(torch.tensor([dl // u for dl in deltas], dtype=torch.int64, device=device)
-                 for u in units)
 
 
 def agreed_min(group, value: int) -> int:
@@ -294,12 +310,14 @@ class Watchdog:
                 self._thread.start()
 
     def _run(self) -> None:
-        while True:
-            try:
-                self.poll()
-            except Exception as exc:  # noqa: BLE001 - a watchdog must not die; say why
-                warnings.warn(f"attncomm watchdog: {type(exc).__name__}: {exc}", stacklevel=1)
-            time.sleep(self.interval_s)
+        poll_until(self._pass, None, interval_s=self.interval_s)  # for the process's life
+
+    def _pass(self) -> bool:
+        try:
+            self.poll()
+        except Exception as exc:  # noqa: BLE001 - a watchdog must not die; say why
+            warnings.warn(f"attncomm watchdog: {type(exc).__name__}: {exc}", stacklevel=1)
+        return False
 
 
 class _on_device:
@@ -334,6 +352,17 @@ def watchdog() -> Watchdog:
 
 def _group_or_world(group):
     return group if group is not None else dist.group.WORLD
+
+
+#: Every workspace whose slab is allocated (dropped on release or when garbage collected).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def held_bytes(group=None) -> int:
+    """Bytes of symmetric memory this process holds for ``group`` (None: the default group),
+    over every live workspace (DCP merge and query gather slabs, Ulysses ``ce`` staging)."""
+    key = group_key(_group_or_world(group))
+    return sum(ws.nbytes for ws in list(_LIVE) if group_key(ws.group) == key)
 
 
 class SymmWorkspace:
@@ -389,6 +418,7 @@ class SymmWorkspace:
                 pass
         self.slab = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self.slab.zero_()
+        _LIVE.add(self)
         self.state = torch.zeros(4, dtype=torch.int32, device=self.device)
         self.failures = errors if errors is not None else PeerErrors(
             self.world_size, self.device, op=op, rank=self.rank, timeout_s=timeout_s)
@@ -442,9 +472,23 @@ class SymmWorkspace:
             torch.cuda.synchronize(self.device)
         self.check()
 
+    def close(self) -> None:
+        """Collective end of life: finish this rank's device work, wait (bounded by the
+        workspace's timeout) until every rank got here, so no peer still stores into the slab,
+        then ``release()``. Idempotent."""
+        if self.slab is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        g = cpu_group(self.group)
+        if dist.get_world_size(g) > 1:
+            wait(dist.barrier(group=g, async_op=True), g, f"{self.op} (close)", self.timeout_s)
+        self.release()
+
     def release(self) -> None:
         """Drop the slab and its handle (call on every rank, after every rank is done with
-        it: synchronise and barrier first when peers may still write)."""
+        it: synchronise and barrier first when peers may still write; ``close()`` does)."""
+        _LIVE.discard(self)
         self.handle = None
         self.slab = None
         self.peer_ptrs = []

@@ -18,11 +18,16 @@ Reports, for the pipelined schedule (``auto_groups``'s count) and the sequential
 bitwise equal between the two, the per-layer budget (wall = compute + exposed exchange +
 idle), the GPU's idle gaps between compute kernels (target: none over 20 µs), how far the host
 ran ahead, and per group the share of group g+1's input copies that ran under group g's
-attention. These overlap figures come from one GPU whose copies go over PCIe to host memory,
-with scaled bytes, and W ranks' attention sharing its SMs: they are NOT NVLink figures.
+attention. With ``--graph`` each schedule is also captured in a CUDA graph after one eager
+layer (fills, copies, events between the streams, attention: the whole layer) and replayed:
+the replay's output bitwise against the eager layer, the host µs per replayed layer, and the
+same timeline figures for back-to-back replays. These overlap figures come from one GPU whose
+copies go over PCIe to host memory, with scaled bytes, and W ranks' attention sharing its SMs:
+they are NOT NVLink figures.
 
     python scripts/ulysses_one_gpu.py [--world-size 2] [--seq 8192 32768] [--heads 56]
-        [--groups -1] [--nvlink-gbps 393] [--json PATH] [--markdown PATH] [--trace-dir DIR]
+        [--groups -1] [--nvlink-gbps 393] [--graph] [--json PATH] [--markdown PATH]
+        [--trace-dir DIR]
 """
 from __future__ import annotations
 
@@ -40,7 +45,7 @@ sys.path[:0] = [ROOT]
 
 from attncomm.bench import ulysses_timeline as timeline  # noqa: E402
 from attncomm.ulysses.attention import auto_groups, sdpa_attention  # noqa: E402
-from attncomm.ulysses.fill import FillPart, fill_triton  # noqa: E402
+from attncomm.ulysses.fill import FillPart, FillPlan  # noqa: E402
 from attncomm.ulysses.layout import group_head_ranges, head_offsets, head_split  # noqa: E402
 
 NOT_NVLINK = ("NOTE: one GPU, copies to pinned host memory over PCIe with bytes scaled to "
@@ -107,8 +112,8 @@ class Rehearsal:
 
     def _plan(self, groups, g):
         """Everything group g enqueues, built once per (groups, g) and kept across layers (no
-        per-layer views, parts, events or allocations; the fill's destination tables are
-        cached per address, as a transport's staging is): fill calls per rank, input and output
+        per-layer views, parts, events or allocations; each rank's fill prepared once, as
+        ``UlyssesAttention``'s plan prepares it): fill calls per rank, input and output
         stand-in copies, attention inputs and the output rows' places."""
         key = (groups, g)
         if key in self._bufs:
@@ -124,7 +129,8 @@ class Rehearsal:
             parts = [FillPart(q, tuple(ranges), self.w[0], self.rope),
                      FillPart(k, tuple(ranges), self.w[1], self.rope),
                      FillPart(v, tuple(ranges))]
-            fills.append((parts, self.cos[o:o + ln], self.sin[o:o + ln],
+            fills.append((FillPlan(parts, self.eps, self.rope, "triton"), (q, k, v),
+                          self.cos[o:o + ln], self.sin[o:o + ln],
                           [recv[p][o:o + ln].view(-1) for p in range(W)]))
         ins = [self._stand_in(recv[p][self.off[s]:self.off[s] + self.seq[s]].view(-1),
                               self.seq[s] * 3 * n[p] * self.D * 2, p)
@@ -148,8 +154,8 @@ class Rehearsal:
         input exchange's stand-in copies; returns the event after the copies."""
         fills, ins, _, _, ready, done, _ = plan
         t0 = time.perf_counter()
-        for parts, cos, sin, regions in fills:
-            fill_triton(parts, self.eps, cos, sin, out=regions)
+        for prepared, xs, cos, sin, regions in fills:
+            prepared(xs, cos, sin, regions)
         t1 = time.perf_counter()
         ready.record(cur)
         self.copy_in.wait_event(ready)
@@ -214,16 +220,18 @@ def _overlap(gpu, groups, world) -> list[float | None]:
     return out
 
 
-def host_cost(sim, groups, layers=5) -> dict:
-    """The host's time to enqueue ``layers`` layers (no profiler), per layer and per group, and
-    per phase of ``layer()``; a sleep kernel keeps the GPU busy so the host never waits."""
-    sim.layer(groups)
+def host_cost(sim, groups, layers=5, step=None) -> dict:
+    """The host's time to enqueue ``layers`` layers (no profiler; ``step()`` each, default
+    ``sim.layer(groups)``), per layer and per group, and per phase of ``layer()``; a sleep
+    kernel keeps the GPU busy so the host never waits."""
+    step = step or (lambda: sim.layer(groups))
+    step()
     torch.cuda.synchronize()
     sim.host.clear()
     torch.cuda._sleep(100_000_000)
     t0 = time.perf_counter()
     for _ in range(layers):
-        sim.layer(groups)
+        step()
     dt = (time.perf_counter() - t0) * 1e6
     torch.cuda.synchronize()
     per = layers * groups
@@ -231,18 +239,19 @@ def host_cost(sim, groups, layers=5) -> dict:
             "host_us_per_group_by_phase": {k: v * 1e6 / per for k, v in sim.host.items()}}
 
 
-def profile(sim, groups, layers, path, cpu_ops=False):
-    """Trace ``layers`` back-to-back layers; the timeline summary (see the module doc).
-    ``cpu_ops``: also record every torch op on the host (the profiler's own host cost then
-    slows the enqueue); off, the trace holds the GPU's work and the host's CUDA runtime
-    calls, which is all the summary reads."""
+def profile(sim, groups, layers, path, cpu_ops=False, step=None):
+    """Trace ``layers`` back-to-back layers (``step()`` each, default ``sim.layer(groups)``);
+    the timeline summary (see the module doc). ``cpu_ops``: also record every torch op on the
+    host (the profiler's own host cost then slows the enqueue); off, the trace holds the GPU's
+    work and the host's CUDA runtime calls, which is all the summary reads."""
     from torch.profiler import ProfilerActivity, profile as prof_ctx
-    sim.layer(groups)
+    step = step or (lambda: sim.layer(groups))
+    step()
     torch.cuda.synchronize()
     acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu_ops else [])
     with prof_ctx(activities=acts) as prof:
         for _ in range(layers):
-            sim.layer(groups)
+            step()
         torch.cuda.synchronize()
     prof.export_chrome_trace(path)
     gpu, host = timeline.load_trace(path)
@@ -268,8 +277,37 @@ def profile(sim, groups, layers, path, cpu_ops=False):
             "overlap_next_copies_under_attention": _overlap(gpu, groups, sim.W)}
 
 
+def captured(sim, groups):
+    """One layer of ``groups`` head groups captured in a CUDA graph after an eager layer (its
+    plans, tables and kernels made there): ``(graph, outputs)``; each replay rewrites the
+    outputs."""
+    sim.layer(groups)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = sim.layer(groups)
+    torch.cuda.synchronize()
+    return graph, outs
+
+
+def graph_record(sim, groups, layers, trace_dir, seq_total, name) -> dict:
+    """The captured layer: bitwise against the eager one, host µs per replayed layer, and the
+    timeline of back-to-back replays."""
+    graph, outs = captured(sim, groups)
+    eager = [o.clone() for o in sim.layer(groups)]
+    for o in outs:
+        o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    path = os.path.join(trace_dir, f"ulysses-rehearsal-{name}-graph-S{seq_total}.json")
+    rec = profile(sim, groups, layers, path, step=graph.replay)
+    rec.update(host_cost(sim, groups, step=graph.replay))
+    rec["bitwise_equal_to_eager"] = all(torch.equal(a, b) for a, b in zip(outs, eager))
+    return rec
+
+
 def run(world, seq_total, heads, groups, nvlink_gbps, trace_dir, layers=3, norm=True,
-        cpu_ops=False):
+        cpu_ops=False, graph=False):
     """One geometry: bitwise check, then the traced pipelined and sequential schedules."""
     dev = torch.device("cuda")
     host_gbps = host_copy_gbps(dev)
@@ -293,6 +331,9 @@ def run(world, seq_total, heads, groups, nvlink_gbps, trace_dir, layers=3, norm=
     if cpu_ops is False:  # the pipelined trace again with every host op recorded, for scale
         path = os.path.join(trace_dir, f"ulysses-rehearsal-pipelined-cpuops-S{seq_total}.json")
         rec["pipelined_cpu_ops_traced"] = profile(sim, max(g, 1), layers, path, True)
+    if graph:
+        for name, gg in (("pipelined", max(g, 1)), ("sequential", 1)):
+            rec[f"{name}_graph"] = graph_record(sim, gg, layers, trace_dir, seq_total, name)
     rec["note"] = NOT_NVLINK
     return rec
 
@@ -307,13 +348,15 @@ def markdown(records, meta) -> str:
              "host syncs | host µs / group | bitwise |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        for name in ("pipelined", "sequential", "pipelined_cpu_ops_traced"):
+        for name in ("pipelined", "sequential", "pipelined_cpu_ops_traced", "pipelined_graph",
+                     "sequential_graph"):
             if name not in r:
                 continue
             x, b = r[name], r[name]["budget"]
             hu = x.get("host_us_per_group")
             lines.append(
-                f"| {r['seq']} | {1 if name == 'sequential' else r['groups']} | {name} | "
+                f"| {r['seq']} | {1 if name.startswith('sequential') else r['groups']} | "
+                f"{name} | "
                 f"{b['wall_us'] / 1e3:.3f} | {b['compute_us'] / 1e3:.3f} | "
                 f"{b['exposed_exchange_us'] / 1e3:.3f} | {b['idle_us'] / 1e3:.3f} | "
                 f"{x['max_gap_between_groups_us']:.1f} | {x['gaps_between_groups_over_20us']} | "
@@ -329,6 +372,16 @@ def markdown(records, meta) -> str:
         by = r["pipelined"].get("host_us_per_group_by_phase", {})
         lines.append("host µs per pipelined group by phase (no profiler): "
                      + ", ".join(f"{k} {v:.0f}" for k, v in by.items()))
+        for name in ("pipelined", "sequential"):
+            if f"{name}_graph" in r:
+                gr, eg = r[f"{name}_graph"], r[name]
+                lines.append(
+                    f"CUDA graph, {name}: host µs per layer {gr['host_us_per_layer']:.1f} "
+                    f"(eager {eg['host_us_per_layer']:.1f}); replay bitwise equal to the eager "
+                    f"layer: {gr['bitwise_equal_to_eager']}; max GPU gap between groups "
+                    f"{gr['max_gap_between_groups_us']:.1f} µs (eager "
+                    f"{eg['max_gap_between_groups_us']:.1f}), gaps over 20 µs "
+                    f"{gr['gaps_over_20us']} (eager {eg['gaps_over_20us']})")
     return "\n".join(lines) + "\n"
 
 
@@ -342,6 +395,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=3, help="layers per traced window")
     p.add_argument("--cpu-ops", action="store_true",
                    help="trace every host op too (the profiler's host cost slows the enqueue)")
+    p.add_argument("--graph", action="store_true",
+                   help="also capture each schedule's layer in a CUDA graph and replay it")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     p.add_argument("--trace-dir", default="rehearsal-traces")
@@ -350,7 +405,8 @@ def main(argv=None) -> int:
         print("ulysses_one_gpu: needs a CUDA GPU", file=sys.stderr)
         return 2
     records = [run(args.world_size, s, args.heads, args.groups, args.nvlink_gbps,
-                   args.trace_dir, args.layers, cpu_ops=args.cpu_ops) for s in args.seq]
+                   args.trace_dir, args.layers, cpu_ops=args.cpu_ops, graph=args.graph)
+               for s in args.seq]
     from attncomm.bench import common
     meta = common.meta("cuda", args.world_size, bench="ulysses-rehearsal", dtype="bf16",
                        note=NOT_NVLINK)
@@ -361,7 +417,8 @@ def main(argv=None) -> int:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(md)
-    ok = all(r["bitwise_equal_to_sequential"] for r in records)
+    ok = all(r["bitwise_equal_to_sequential"] for r in records) and all(
+        r[k]["bitwise_equal_to_eager"] for r in records for k in r if k.endswith("_graph"))
     return 0 if ok else 1
 
 

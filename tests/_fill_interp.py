@@ -1,7 +1,8 @@
 """The Ulysses fill kernel under the Triton interpreter, bitwise against the torch path.
 
 Run with TRITON_INTERPRET=1 (tests/test_ulysses_fill.py does this in a subprocess); prints one
-line per failing case and exits 1 if any failed. Seed: argv[1].
+line per failing case and exits 1 if any failed. Seed: argv[1]; argv[2] == "fp8": the FP8
+payload cases instead (special values in the rows, and the e4m3 conversion alone).
 """
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import random
 import sys
 
 import torch
+import triton
 
 import _interp_rounding  # noqa: F401  (fp32 → bf16 rounds to nearest even, as on the GPU)
+from attncomm.ulysses import fill_kernels
 from attncomm.ulysses.fill import FillPart, fill_torch, fill_triton, send_layout
+from attncomm.ulysses.fp8 import FP8_DTYPE, row_bytes
 from attncomm.ulysses.layout import group_head_ranges, kv_head_range
 
 # (W, Hq, Hkv, D, B, S_r, dtype, norm, rope, layout of the inputs)
@@ -49,10 +53,29 @@ def _weights(g, d, dtype, norm, weights):
     return qw, kw[::2] if weights == "strided" else kw
 
 
-def run_case(seed, w, hq, hkv, d, b, s_r, dtype, norm, rope, layout, groups, weights="mixed"):
+def _poison(g, xs):
+    """Special values in the rows of q, k, v: a zero row, a NaN, ±inf, a huge value and a
+    tiny row (what the FP8 rule treats apart)."""
+    for x in xs:
+        b, s, h, _ = x.shape
+        if b * s == 0:
+            continue
+        pick = [(int(torch.randint(b, (1,), generator=g)), int(torch.randint(s, (1,),
+                 generator=g)), int(torch.randint(h, (1,), generator=g))) for _ in range(5)]
+        x[pick[0]] = 0.0
+        x[pick[1]][1] = float("nan")
+        x[pick[2]][0] = float("inf") if pick[2][1] % 2 else -float("inf")
+        x[pick[3]][2] = 6e4 if x.dtype == torch.float16 else 1e30
+        x[pick[4]] = x[pick[4]] * (2.0 ** -20 if x.dtype == torch.float16 else 2.0 ** -120)
+
+
+def run_case(seed, w, hq, hkv, d, b, s_r, dtype, norm, rope, layout, groups, weights="mixed",
+             payload=None):
     g = torch.Generator()
     g.manual_seed(seed)
     q, k, v = (_make(g, (b, s_r, h, d), dtype, layout) for h in (hq, hkv, hkv))
+    if payload is not None:
+        _poison(g, (q, k, v))
     qw, kw = _weights(g, d, dtype, norm, weights)
     cos = torch.randn((s_r, d), generator=g) if rope else None
     sin = torch.randn((2 * s_r, d), generator=g)[::2] if rope else None
@@ -61,20 +84,66 @@ def run_case(seed, w, hq, hkv, d, b, s_r, dtype, norm, rope, layout, groups, wei
         qr = tuple(group_head_ranges(hq, w, groups)[grp])
         kr = tuple(kv_head_range(lo, hi, hq // hkv) for lo, hi in qr)
         parts = [FillPart(q, qr, qw, rope), FillPart(k, kr, kw, rope), FillPart(v, kr)]
-        want = fill_torch(parts, 1e-5, cos, sin)
-        out = torch.full_like(want, float("nan"))
-        got = fill_triton(parts, 1e-5, cos, sin, out=out)
+        want = fill_torch(parts, 1e-5, cos, sin, payload_dtype=payload)
+        out = _poisoned(want.numel(), want.dtype)
+        got = fill_triton(parts, 1e-5, cos, sin, out=out, payload_dtype=payload)
         if got.data_ptr() != out.data_ptr() or not torch.equal(want, got):
             diff = (want.float() - got.float()).abs().nan_to_num(float("inf")).max().item()
             bad.append(f"group {grp}/{groups}: max diff {diff}")
         # regions in separate allocations (a transport's staging), allocated in reverse order
-        _, starts = send_layout(b, s_r, d, [x.ranges for x in parts])
+        row = d if payload is None else row_bytes(d)
+        _, starts = send_layout(b, s_r, row, [x.ranges for x in parts])
         sizes = [starts[p + 1] - starts[p] for p in range(w)]
-        regions = [torch.full((n,), float("nan"), dtype=dtype) for n in reversed(sizes)][::-1]
-        fill_triton(parts, 1e-5, cos, sin, out=regions)
+        regions = [_poisoned(n, want.dtype) for n in reversed(sizes)][::-1]
+        fill_triton(parts, 1e-5, cos, sin, out=regions, payload_dtype=payload)
         if not torch.equal(torch.cat(regions), want):
             bad.append(f"group {grp}/{groups}: regions differ")
     return bad
+
+
+def _poisoned(n, dtype):
+    if dtype == torch.uint8:
+        return torch.full((n,), 0xA5, dtype=dtype)
+    return torch.full((n,), float("nan"), dtype=dtype)
+
+
+def check_e4m3(seed: int) -> list:
+    """The kernel's conversion against torch's ``clamp(−448, 448).to(float8_e4m3fn)`` with the
+    rule's NaN byte for non-finite inputs: every binade, ties, subnormals, saturation."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.exp2(torch.empty(3000).uniform_(-16, 12, generator=g))
+    x = x * torch.where(torch.rand(3000, generator=g) < 0.5, -1.0, 1.0)
+    grid = torch.arange(0, 0x7F, dtype=torch.uint8).view(FP8_DTYPE).float()
+    ties = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat([x, ties, -ties, grid, -grid, torch.tensor(
+        [464.0, 480.0, 1e38, float("inf"), -float("inf"), float("nan"), 2.0 ** -149])])
+    out = torch.empty(x.numel(), dtype=torch.uint8)
+    fill_kernels.e4m3_kernel[(triton.cdiv(x.numel(), 256),)](x, out, x.numel(), BLOCK=256)
+    want = x.clamp(-448.0, 448.0).to(FP8_DTYPE).view(torch.uint8).clone()
+    want[~torch.isfinite(x)] = 0x7F
+    bad = (out != want).nonzero().flatten()
+    return [f"e4m3 of {x[i].item()!r}: {int(out[i]):#x} vs torch {int(want[i]):#x}"
+            for i in bad[:5].tolist()]
+
+
+def main_fp8(seed: int) -> int:
+    """FP8 payload: every case whose head_dim is a multiple of 4, one and two head groups on
+    the first, with special values in the rows; then the conversion alone."""
+    rng = random.Random(seed)
+    failed = 0
+    cases = [c for c in CASES if c[3] % 4 == 0]
+    for i, case in enumerate(cases):
+        for groups in ((1, 2) if i == 0 else (1,)):
+            bad = run_case(rng.randrange(1 << 30), *case, groups, payload=FP8_DTYPE)
+            if bad:
+                failed += 1
+                print(f"FAIL seed {seed} fp8 case {case} groups {groups}: {bad}")
+    bad = check_e4m3(rng.randrange(1 << 30))
+    if bad:
+        failed += 1
+        print(f"FAIL seed {seed}: {bad}")
+    print(f"{len(cases) + 2 - failed} passed, {failed} failed")
+    return 1 if failed else 0
 
 
 def main(seed: int) -> int:
@@ -98,4 +167,5 @@ def main(seed: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 0))
+    _seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    sys.exit(main_fp8(_seed) if sys.argv[2:] == ["fp8"] else main(_seed))

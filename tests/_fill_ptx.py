@@ -1,28 +1,34 @@
 """Print, as JSON ``{"fused": ptx, "launched": ptx}``, the sm_90 PTX of the Ulysses fill kernel
 (bf16, norm + RoPE, D=128) with FMA contraction on and with the options ``fill_triton``
-launches it with. Needs no GPU, but a process without TRITON_INTERPRET
-(tests/test_ulysses_fill.py)."""
+launches it with; with argument ``fp8``, ``{"fp8": ptx}`` of the FP8 payload variant (uint8
+output, bases not 16-aligned: rows of D + 4 bytes) with the launch options. Needs no GPU, but a
+process without TRITON_INTERPRET (tests/test_ulysses_fill.py)."""
 from __future__ import annotations
 
 import json
+import sys
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from attncomm.ulysses.fill import LAUNCH_OPTIONS, _kernel
+from attncomm.ulysses.fill import LAUNCH_OPTIONS
+from attncomm.ulysses.fill_kernels import fill_kernel
 
-_PTRS = {"x0": "*bf16", "x1": "*bf16", "x2": "*bf16", "out_ptr": "*bf16", "tbl_ptr": "*i64",
+_PTRS = {"x0": "*bf16", "x1": "*bf16", "x2": "*bf16", "out_ptr": "*bf16", "desc": "*i64",
          "w0": "*fp32", "w1": "*fp32", "w2": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+#: Strides as for contiguous q/k/v and cos/sin (fill_kernels' SPEC): batch, row and head
+#: strides multiples of 16, unit element strides.
+_SPEC = sum(c << (2 * k) for k, c in enumerate([2, 2, 2, 1, 2, 1, 2, 1]))
 
 
-def ptx(opts: dict) -> str:
-    k = _kernel()
+def ptx(opts: dict, fp8: bool = False) -> str:
+    k = fill_kernel
     names = k.arg_names
     consts = dict(HALF=64, LEVELS=6, BLOCK_S=16, HB=4, ANY_NORM=True, ANY_ROPE=True,
-                  ALIGNED=True, ROPE_BCAST=True)
-    types = {n: "constexpr" if n in consts else _PTRS.get(n, "fp32" if n == "eps" else "i32")
-             for n in names}
+                  ALIGNED=not fp8, ROPE_BCAST=True, SPEC=_SPEC, FP8=fp8)
+    ptrs = dict(_PTRS, out_ptr="*u8") if fp8 else _PTRS
+    types = {n: "constexpr" if n in consts else ptrs[n] for n in names}
     src = ASTSource(fn=k, signature=types,
                     constexprs={(names.index(a),): v for a, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in _PTRS})
@@ -30,5 +36,8 @@ def ptx(opts: dict) -> str:
 
 
 if __name__ == "__main__":
-    print(json.dumps({"fused": ptx(dict(LAUNCH_OPTIONS, enable_fp_fusion=True)),
-                      "launched": ptx(LAUNCH_OPTIONS)}))
+    if sys.argv[1:] == ["fp8"]:
+        print(json.dumps({"fp8": ptx(LAUNCH_OPTIONS, fp8=True)}))
+    else:
+        print(json.dumps({"fused": ptx(dict(LAUNCH_OPTIONS, enable_fp_fusion=True)),
+                          "launched": ptx(LAUNCH_OPTIONS)}))

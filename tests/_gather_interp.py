@@ -15,7 +15,8 @@ import sys
 import torch
 
 from attncomm.dcp.query_gather import quantize_e4m3, rotate_tail
-from attncomm.dcp.query_gather.symm import GatherLayout, launch_gather, ll_rows_for, use_ll
+from attncomm.dcp.query_gather.symm import (GatherLayout, GatherSlab, launch_gather, ll_rows_for,
+                                           use_ll)
 from attncomm.dcp.query_gather.symm_kernels import e4m3_kernel, plan_blocks
 
 
@@ -89,9 +90,14 @@ def _make(gen, W, T, hs, D, R, dtype):
         view, odd = {torch.bfloat16: (torch.int16, -0x3F), torch.float16: (torch.int16, -0x1FF),
                      torch.float32: (torch.int32, -0x3FFFFF)}[dtype]
         q[:, 0, 0, D - 1:].view(view).fill_(odd)
+    if R and T:  # signed zeros in a rotated pair: −0·cos + (−(+0))·sin is −0, not +0
+        q[:, -1, 0, D - R] = -0.0
+        q[:, -1, 0, D - R + R // 2] = 0.0
     rope = None
     if R:
         ang = torch.rand(T, R // 2, generator=gen, dtype=torch.float64) * 30
+        if T:
+            ang[-1, 0] = 0.5  # cos > 0 and sin > 0 for that pair
         ang = torch.cat((ang, ang), -1)
         rope = (ang.cos().float().contiguous(), ang.sin().float().contiguous())
     return q, rope
@@ -127,12 +133,11 @@ def run_case(W, hs, D, T, max_tokens, dtype, R, ll, calls=2, seed=0, n_programs=
     n = T * hs
     assert use_ll(n, layout) == ll, (n, layout.ll_rows)
     slabs = [_aligned(layout.total_bytes) for _ in range(W)]
-    ptrs = [s.data_ptr() for s in slabs]
-    deltas = [p - ptrs[0] for p in ptrs]
-    d_o, d_w, d_q = (torch.tensor([dl // (16 * u) for dl in deltas]) for u in (itemsize, 4, 8))
     state = torch.zeros(4, dtype=torch.int32)
     state[0] = epoch0
     errors = torch.zeros(W, dtype=torch.int32)
+    gs = GatherSlab.build(layout, slabs[0], [s.data_ptr() for s in slabs], 0, state, errors,
+                          10 ** 9)
     _, n_blocks, _ = plan_blocks(n, n_programs)
     call = epoch0
     for _ in range(calls):
@@ -150,10 +155,9 @@ def run_case(W, hs, D, T, max_tokens, dtype, R, ll, calls=2, seed=0, n_programs=
             _flags(slabs[0], layout, 1 - (call & 1), src).fill_(junk)
             _ll(slabs[0], layout, 1 - (call & 1), src).fill_(junk << 32)
         cos, sin = rope if rope is not None else (None, None)
-        launch_gather(q[0].contiguous(), cos, sin, slab=slabs[0], delta_o=d_o, delta_w=d_w,
-                      delta_q=d_q, state=state, errors=errors, rank=0, layout=layout,
-                      n_programs_max=n_programs, timeout_ns=10 ** 9, ordered=ordered,
-                      q_scale=scale, column_block_override=column_block)
+        launch_gather(q[0].contiguous(), cos, sin, slab=gs, rank=0, layout=layout,
+                      n_programs_max=n_programs, ordered=ordered, q_scale=scale,
+                      column_block_override=column_block)
         what = (f"W={W} hs={hs} D={D} T={T} {dtype} R={R} ll={ll} fp8={fp8} epoch={call} "
                 f"column_block={column_block}")
         assert int(state[0]) == call and int(state[1]) == 0, (what, state)

@@ -17,20 +17,20 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import attncomm.dcp.query_gather.symm_kernels as kern
-from attncomm.dcp.query_gather.symm import _num_warps, column_block
+from attncomm.dcp.query_gather.symm import column_block
+from attncomm.symm import num_warps
 
 _PTR_TYPES = {"q_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "scale_ptr": "*fp32",
-              "slab_o": "*bf16",
-              "slab_w": "*i32", "slab_q": "*i64", "delta_o": "*i64", "delta_w": "*i64",
-              "delta_q": "*i64", "state_ptr": "*i64", "err_ptr": "*i32"}
-_DIV16 = ("H", "D", "f_base", "f_cell", "ll_base", "ll_cell", "ready_base")
+              "slab": "*u8", "desc": "*i64", "state_ptr": "*i32", "err_ptr": "*i32"}
+# The geometry of the gathers the checks compile (constexprs): MLA's 576 = 512 + a 64-dim tail.
+_SHAPE = dict(H=64, HS=32, D=576, R=64)
 
 
 def sm90_ptx(kernel, consts: dict, num_warps: int) -> str:
     names = kernel.arg_names
-    ptrs = dict(_PTR_TYPES, slab_o="*u8") if consts.get("FP8") else _PTR_TYPES
+    ptrs = _PTR_TYPES
     types = {n: ("constexpr" if n in consts else ptrs.get(n, "i32")) for n in names}
-    div16 = [n for n in names if n in ptrs or n in _DIV16]
+    div16 = [n for n in names if n in ptrs]
     src = ASTSource(fn=kernel, signature=types,
                     constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div16})
@@ -61,20 +61,20 @@ def ptxas_spill_bytes(ptx: str) -> int | None:
 
 def flag_tiles(head_dim: int = 576) -> dict:
     """Spill bytes of the flag kernel for the tiles the launcher picks (``column_block``,
-    ``_num_warps``) at head_dim 576 (MLA), bf16 and FP8 output."""
+    ``num_warps``) at head_dim 576 (MLA), bf16 and FP8 output."""
     out = {}
     for fp8 in (False, True):
         for br in (2, 8, 32, 64):
             bd = column_block(head_dim, br)
-            consts = dict(RANK=0, W=2, BR=br, BD=bd, ROT=True, ORDERED=False, FP8=fp8)
-            ptx = sm90_ptx(kern.gather_flag_kernel, consts, _num_warps(br * bd * 2))
+            consts = dict(_SHAPE, D=head_dim, RANK=0, W=2, BR=br, BD=bd, ORDERED=False, FP8=fp8)
+            ptx = sm90_ptx(kern.gather_flag_kernel, consts, num_warps(br * bd * 2))
             out[f"{'fp8' if fp8 else 'bf16'} [{br}, {bd}]"] = ptxas_spill_bytes(ptx)
     return out
 
 
 def main() -> int:
-    flag = dict(RANK=0, W=2, BR=32, BD=column_block(576, 32), ROT=True)
-    ll = dict(RANK=1, W=3, BR=4, BW=512, ROT=True)
+    flag = dict(_SHAPE, RANK=0, W=2, BR=32, BD=column_block(576, 32))
+    ll = dict(_SHAPE, H=48, HS=16, RANK=1, W=3, BR=4, BW=512)
     out = {"flag": sm90_ptx(kern.gather_flag_kernel, dict(flag, ORDERED=False, FP8=False), 16),
            "flag_ordered": sm90_ptx(kern.gather_flag_kernel, dict(flag, ORDERED=True, FP8=False),
                                     16),

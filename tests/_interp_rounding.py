@@ -1,8 +1,11 @@
-"""Make the Triton interpreter round fp32 → bf16 to nearest even, as the GPU does.
+"""Make the Triton interpreter convert between fp32 and bf16 as the GPU does.
 
-Triton 3.6's interpreter truncates that cast (``cast_impl`` passes no rounding mode, and its
-RTNE branch rounds ties up), so a kernel that is bitwise equal to torch on the GPU would differ
-in the last bit under ``TRITON_INTERPRET=1``. Import this before launching kernels there.
+Triton 3.6's interpreter truncates fp32 → bf16 (``cast_impl`` passes no rounding mode, and its
+RTNE branch rounds ties up), and widens a subnormal bf16 to the wrong fp32 (its normalisation
+loop is off for two formats with one exponent range), so a kernel that is bitwise equal to torch
+on the GPU would differ under ``TRITON_INTERPRET=1``. Here fp32 → bf16 rounds to nearest even
+(torch's conversion) and bf16 → fp32 is the exact widening (the 16 bits shifted up). Import this
+before launching kernels there.
 """
 from __future__ import annotations
 
@@ -23,10 +26,13 @@ def _patch() -> None:
             t = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
             bits = t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
             return interpreter.TensorHandle(bits.reshape(src.data.shape), dst_type.scalar)
+        if src.dtype.scalar == tl.bfloat16 and dst_type.scalar == tl.float32:
+            bits = np.ascontiguousarray(src.data).view(np.uint16).astype(np.uint32) << 16
+            return interpreter.TensorHandle(bits.view(np.float32), dst_type.scalar)
         return orig(self, src, dst_type)
 
     def create_fp_to_fp(self, src, dst_type, rounding_mode):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+        if {src.dtype.scalar, dst_type.scalar} == {tl.float32, tl.bfloat16}:
             return cast_impl(self, src, dst_type)
         return orig_fp(self, src, dst_type, rounding_mode)
 

@@ -125,7 +125,8 @@ def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3, e
     state = torch.zeros(4, dtype=torch.int32)
     state[0] = epoch0
     errors = torch.zeros(W, dtype=torch.int32)
-    ms = MergeSlab.build(layout, slabs[0], dtype, [s.data_ptr() for s in slabs], 0, state, errors)
+    ms = MergeSlab.build(layout, slabs[0], [s.data_ptr() for s in slabs], 0, state, errors,
+                         10 ** 9)
     res = torch.full((max_tokens, hs, D), float("nan")).to(dtype)
     res_lse = torch.full((max_tokens, hs), float("nan"))
     n = T * hs
@@ -160,7 +161,7 @@ def run_case(W, H, D, T, max_tokens, dtype, ll, calls=2, seed=0, n_programs=3, e
         res_lse.fill_(float("nan"))
         launch_merge(outs[0].contiguous(), lses[0].contiguous(), res, res_lse, slab=ms, rank=0,
                      world_size=W, num_heads=H, layout=layout, n_programs_max=n_programs,
-                     timeout_ns=10 ** 9, config=CONFIG)
+                     config=CONFIG)
         assert int(state[0]) == call and int(state[1]) == 0, state
         assert not bool(errors.any())
         if not ll:
@@ -263,7 +264,6 @@ def run_backend_w1() -> None:
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
     try:
         mod.SymmWorkspace = _FakeWorkspace
-        mod._n_programs_max = lambda device, config: 3
         torch.cuda.is_current_stream_capturing = lambda: False
         b = mod.SymmA2ABackend(None, max_tokens=6, num_heads=3, head_dim=16,
                                dtype=torch.bfloat16, device=torch.device("cpu"), timeout_s=5.0,

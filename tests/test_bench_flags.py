@@ -1,4 +1,4 @@
-"""The three ``attncomm bench`` commands share one scaffold: the same common options, with the
+"""The ``attncomm bench`` commands share one scaffold: the same common options, with the
 same defaults, and a help text for every option."""
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from attncomm.bench import report
 from attncomm.bench.common import markdown_lines, print_table
 from attncomm.bench import dcp as dcp_bench
 from attncomm.bench import dp_sync as dp_bench
+from attncomm.bench import ring as ring_bench
 from attncomm.bench import ulysses as ulysses_bench
 
-BENCHES = {"dcp": dcp_bench, "ulysses": ulysses_bench, "dp-sync": dp_bench}
+BENCHES = {"dcp": dcp_bench, "ulysses": ulysses_bench, "dp-sync": dp_bench, "ring": ring_bench}
 COMMON = ("--world-size", "--device", "--backends", "--json", "--markdown", "--plot",
           "--no-progress")
 
@@ -69,7 +70,8 @@ def test_cli_wires_the_benches():
     parser = cli.build_parser()
     for name in BENCHES:
         args = parser.parse_args(["bench", name, "--device", "cpu", "--backends",
-                                  {"dcp": "a2a", "ulysses": "all_to_all", "dp-sync": "cpu"}[name]])
+                                  {"dcp": "a2a", "ulysses": "all_to_all", "dp-sync": "cpu",
+                                   "ring": "ring"}[name]])
         assert args._main == cli._BENCHES[name]
 
 

@@ -160,17 +160,27 @@ def test_overrides_lists_set_variables(monkeypatch):
     assert set(config.overrides()) == {"ATTNCOMM_SYMM_STAGGER_SPLIT", "ATTNCOMM_TIMEOUT_S"}
 
 
-def test_symm_config_defaults_match_the_table(monkeypatch):
+def test_symm_config_defaults_come_from_the_table(monkeypatch):
+    """Every SymmConfig default is its ATTNCOMM_SYMM_* row's default, read from the table when
+    a config is built (a changed row changes the default: no copy), except enable_pdl's None
+    (the row's "unset: on where supported")."""
     pytest.importorskip("triton")
-    from attncomm.dcp.lse_merge.symm_a2a import SymmConfig
     import dataclasses
 
-    for f in dataclasses.fields(SymmConfig):
-        name = "ATTNCOMM_SYMM_PDL" if f.name == "enable_pdl" else f"ATTNCOMM_SYMM_{f.name.upper()}"
-        var = config.VARS[name]
+    from attncomm.dcp.lse_merge.symm_a2a import SymmConfig
+
+    for name in config.VARS:
         monkeypatch.delenv(name, raising=False)
-        if f.name != "enable_pdl":  # None: on where supported (the table's True)
-            assert f.default == var.default, name
+    fields = [f.name for f in dataclasses.fields(SymmConfig) if f.name != "enable_pdl"]
+    for f in fields:
+        name = f"ATTNCOMM_SYMM_{f.upper()}"
+        assert getattr(SymmConfig(), f) == config.VARS[name].default, name
+        var = config.VARS[name]
+        moved = 4 * var.default if var.default else 16  # still valid (powers of two stay)
+        monkeypatch.setitem(config.VARS, name, dataclasses.replace(var, default=moved))
+        assert getattr(SymmConfig(), f) == moved, f"{name}: SymmConfig keeps its own default"
+        monkeypatch.setitem(config.VARS, name, var)
+    assert SymmConfig().enable_pdl is None and config.VARS["ATTNCOMM_SYMM_PDL"].default is True
     assert SymmConfig.from_env() == SymmConfig()
     monkeypatch.setenv("ATTNCOMM_SYMM_STAGGER_SPLIT", "34")
     monkeypatch.setenv("ATTNCOMM_SYMM_PDL", "0")

@@ -113,7 +113,5 @@ def test_launch_gather_rejects_a_bad_column_block_override():
     from attncomm.dcp.query_gather.symm import launch_gather
     for bad in (3, 0, -64, True, 2.0):
         with pytest.raises(ValueError, match="column_block_override"):
-            launch_gather(torch.zeros(1, 1, 8), None, None, slab=None, delta_o=None,
-                          delta_w=None, delta_q=None, state=None, errors=None, rank=0,
-                          layout=None, n_programs_max=1, timeout_ns=1,
-                          column_block_override=bad)
+            launch_gather(torch.zeros(1, 1, 8), None, None, slab=None, rank=0, layout=None,
+                          n_programs_max=1, column_block_override=bad)

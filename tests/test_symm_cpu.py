@@ -82,7 +82,8 @@ def test_ll_rows_and_choice():
 
 
 def test_symm_config_env_defaults_and_validation(monkeypatch):
-    from attncomm.dcp.lse_merge.symm_a2a import num_warps, stagger
+    from attncomm.dcp.lse_merge.symm_a2a import stagger
+    from attncomm.symm import num_warps
     for k in [k for k in os.environ if k.startswith("ATTNCOMM_SYMM_")]:
         monkeypatch.delenv(k)
     assert SymmConfig.from_env() == SymmConfig()
@@ -98,8 +99,10 @@ def test_symm_config_env_defaults_and_validation(monkeypatch):
             SymmConfig(**bad)
     # the knobs act in-process, through the object
     assert plan_blocks(4096, 8, SymmConfig(max_block_rows=16).max_block_rows)[0] == 16
-    assert num_warps(64 * 1024, SymmConfig(wide_warps=0)) == 16
-    assert num_warps(64 * 1024) == 32
+    cfg = SymmConfig()
+    assert num_warps(64 * 1024, cfg.max_warps, SymmConfig(wide_warps=0).wide_warps) == 16
+    assert num_warps(64 * 1024, cfg.max_warps, cfg.wide_warps) == 32
+    assert num_warps(4096, cfg.max_warps, cfg.wide_warps) == 8 and num_warps(1) == 1
     assert stagger(4096, 2, 2, 512, 2, SymmConfig(stagger_min_bytes=0)) == 0
     assert stagger(4096, 2, 2, 512, 2) == 50
 

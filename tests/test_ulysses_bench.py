@@ -89,3 +89,23 @@ def test_bench_ulysses_layer_cpu_smoke(pools, tmp_path, capsys):
     assert "Ulysses attention layer" in capsys.readouterr().out
 
 
+
+
+def test_bench_fill_records_cpu_smoke():
+    """``bench ulysses --fill``'s records on CPU: the torch rows of the bf16 and the FP8
+    payload per (seq, qk_norm), each against its own floor (the FP8 send buffer is D + 4
+    bytes per row where bf16's is 2·D), the kernel rows skipped with the reason."""
+    from attncomm.bench.ulysses_fill import fill_records
+
+    records, extra = fill_records(seqs=(16,), heads=4, head_dim=16, world=2, iters=2,
+                                  device="cpu")
+    assert {(r["impl"], r["qk_norm"]) for r in records} == {
+        (impl, norm) for impl in ("torch", "torch-fp8") for norm in (True, False)}
+    for r in records:
+        assert r["time_us"] > 0 and r["floor_us"] > 0
+        assert r["payload"] == ("fp8" if r["impl"].endswith("fp8") else "bf16")
+    by = {(r["payload"], r["qk_norm"]): r for r in records}
+    x_bytes = 3 * 8 * 4 * 16 * 2  # q, k, v [1, 8, 4, 16] bf16
+    assert by[("bf16", False)]["bytes_moved"] == 2 * x_bytes
+    assert by[("fp8", False)]["bytes_moved"] == x_bytes + 3 * 8 * 4 * (16 + 4)
+    assert "triton" in extra["skipped"] and extra["copy_bandwidth_gbps"] > 0

@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from attncomm.ulysses.fill import FillPart, fill, fill_torch, rms_norm_rope, send_layout
+from attncomm.ulysses.fill import (FillPart, fill, fill_torch, rms_norm_rope, send_layout,
+                                   triton_fill_reason)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -80,6 +81,37 @@ def test_fill_kernel_under_interpreter(seed):
     assert "0 failed" in proc.stdout
 
 
+@pytest.mark.slow
+def test_fill_kernel_fp8_under_interpreter(seed):
+    """The FP8 payload: the kernel's epilogue (round to the dtype, row amax, scale, e4m3 bytes
+    and the scale after them) bitwise equal to ``fill_torch`` with norm/no norm, RoPE/no RoPE,
+    GQA ranges, odd row counts, regions in separate allocations and zero, NaN, ±inf, huge and
+    tiny rows; and the e4m3 conversion alone against torch's."""
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_fill_interp.py"), str(seed),
+                           "fp8"], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"seed {seed}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert " 0 failed" in proc.stdout and "9 passed" in proc.stdout, proc.stdout
+
+
+def test_fill_triton_fp8_reasons(monkeypatch):
+    """The FP8 kernel path needs head_dim % 4 == 0; ``fill`` auto then takes the torch path
+    (no kernel launched here: the reason is checked first)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.randn(1, 3, 2, 2).bfloat16()
+    parts = [FillPart(x, ((0, 1), (1, 2)))]
+    assert triton_fill_reason(parts, x.device) is None
+    why = triton_fill_reason(parts, x.device, torch.float8_e4m3fn)
+    assert why is not None and "not a multiple of 4" in why
+    got = fill(parts, impl="auto", payload_dtype=torch.float8_e4m3fn)
+    assert got.dtype == torch.uint8 and torch.equal(
+        got, fill_torch(parts, payload_dtype=torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="not a multiple of 4"):
+        fill(parts, impl="triton", payload_dtype=torch.float8_e4m3fn)
+
+
 def test_fill_kernel_ptx_has_no_fma():
     """With FMA contraction on, ``x * c + r * s`` would round once where torch rounds twice;
     the launcher turns it off. Compiled for sm_90 by Triton's own ptxas (no GPU needed)."""
@@ -93,3 +125,22 @@ def test_fill_kernel_ptx_has_no_fma():
     assert re.search(r"\bfma\.", ptx["fused"]), "the check cannot fail: FMA never appears"
     assert not re.search(r"\bfma\.", ptx["launched"])
     assert "sqrt.rn.f32" in ptx["launched"] and "div.rn.f32" in ptx["launched"]
+
+
+@pytest.mark.slow
+def test_fill_kernel_fp8_ptx():
+    """The FP8 variant compiles for sm_90 with the launch options: no FMA (the norm and RoPE
+    products round as torch's), IEEE division for the scale and the quotients, and the e4m3
+    bytes stored 4 at a time (the rows' 4-byte alignment is known to the compiler: without
+    it every byte is its own store) beside the scales' 32-bit words."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.dirname(HERE)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_fill_ptx.py"), "fp8"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ptx = json.loads(proc.stdout)["fp8"]
+    assert not re.search(r"\bfma\.", ptx)
+    assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx
+    assert re.search(r"st\.global(\.\w+)*\.b32", ptx), "no 32-bit store of the scales"
+    assert not re.search(r"st\.global(\.\w+)*\.[bu]8", ptx), "byte stores: no alignment hint"

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import config
+from .. import _triton, config
 from .._dist import cpu_group
 from .._timing import time_eager, time_graph
 
@@ -28,17 +28,12 @@ def meta(device: str, world_size: int, **extra) -> dict:
     gpu = None
     if device == "cuda" and torch.cuda.is_available():
         gpu = torch.cuda.get_device_name(0)
-    try:
-        import triton
-        triton_version = triton.__version__
-    except Exception:  # noqa: BLE001 - triton is optional on CPU
-        triton_version = None
     out = {
         "gpu": gpu,
         "device": device,
         "world_size": world_size,
         "torch": torch.__version__,
-        "triton": triton_version,
+        "triton": _triton.VERSION,
         "cuda": torch.version.cuda,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpu else None,
         "date": datetime.date.today().isoformat(),

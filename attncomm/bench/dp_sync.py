@@ -8,11 +8,14 @@ in blocks of ``--block`` steps, their blocks alternating so that both see the sa
 per-step time of a block is block time / block size (steady state: each step needs every rank's
 row, so this is the rate at which ranks can agree), median over blocks of the slowest rank. The
 difference is the call's own work (a few µs); where the transport varies by more than that (gloo
-on a busy host), ``exchange_us`` can come out above ``sync_us``. Gathers: eager, every DP rank
-holding ``tokens`` rows of ``[hidden]`` (balanced, so MAX_LEN has no padding), median over
-iterations of the slowest rank (CUDA events on GPU).
-JSON: ``{"meta": {...}, "records": [{"sync", "world_size", "sync_us", "exchange_us"}, {"op",
-"mode", "tokens", "world_size", "time_us"}, ...]}``.
+on a busy host), ``exchange_us`` can come out above ``sync_us``. ``--hosts H`` makes consecutive
+ranks act as H hosts (CPU only, through the test-only ``ATTNCOMM_TEST_HOST``): ``shm`` cannot
+run there, ``hier`` (shared memory inside each host, gloo between host leaders) and ``cpu``
+(gloo over every rank) can. Gathers: eager, every DP rank holding ``tokens`` rows of
+``[hidden]`` (balanced, so MAX_LEN has no padding), median over iterations of the slowest rank
+(CUDA events on GPU).
+JSON: ``{"meta": {...}, "records": [{"sync", "world_size", "hosts", "sync_us", "exchange_us"},
+{"op", "mode", "tokens", "world_size", "time_us"}, ...]}``.
 """
 from __future__ import annotations
 
@@ -35,14 +38,17 @@ from ..dp_attention.sync import MLPSyncBatchInfo, exchange_rows, resolve_sync
 
 __all__ = ["add_arguments", "main", "run_rank", "markdown_tables", "with_speedups"]
 
-_SYNCS = ("shm", "cpu", "device")
+_SYNCS = ("shm", "hier", "cpu", "device")
+_DEFAULT_SYNCS = ("shm", "cpu", "device")  # one host; on several: hier, cpu, device
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     # --backends: the sync paths (--syncs, its older name, still works)
-    add_common_arguments(p, backends=_SYNCS, default_backends=" ".join(_SYNCS),
-                         aliases=("--syncs",))
+    add_common_arguments(p, backends=_SYNCS, default_backends=" ".join(_DEFAULT_SYNCS) + \
+                         " (with --hosts > 1: hier cpu device)", aliases=("--syncs",))
+    p.add_argument("--hosts", type=int, default=1,
+                   help="consecutive ranks act as this many hosts (CPU; default 1)")
     p.add_argument("--steps", type=int, default=2000,
                    help="sync steps timed per path (default 2000)")
     p.add_argument("--block", type=int, default=50,
@@ -63,7 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _config(args) -> dict:
     cpu = args.device == "cpu"
-    cfg = dict(device=args.device, syncs=list(args.backends or _SYNCS), steps=args.steps,
+    hosts = getattr(args, "hosts", 1)
+    default = _DEFAULT_SYNCS if hosts == 1 else ("hier", "cpu", "device")
+    cfg = dict(device=args.device, syncs=list(args.backends or default), steps=args.steps,
+               hosts=hosts,
                block=args.block, hidden=args.hidden, dtype=args.dtype, ops=list(args.ops),
                warmup=args.warmup,
                tokens=list(args.tokens or ([1, 16, 128] if cpu else [1, 8, 32, 128, 512, 2048])),
@@ -73,6 +82,12 @@ def _config(args) -> dict:
     bad += [f"--tokens must be ≥ 1, got {t}" for t in cfg["tokens"] if t < 1]
     if args.world_size < 1:
         bad.append(f"--world-size must be ≥ 1, got {args.world_size}")
+    if not 1 <= hosts <= max(1, args.world_size):
+        bad.append(f"--hosts must be in [1, --world-size], got {hosts}")
+    if hosts > 1 and args.device != "cpu":
+        bad.append("--hosts > 1 simulates hosts on CPU ranks only (--device cpu)")
+    if hosts > 1 and "shm" in cfg["syncs"]:
+        bad.append("shm cannot run on ranks of several hosts (--hosts > 1): leave it out")
     if bad:
         raise ValueError("; ".join(bad))
     return cfg
@@ -109,7 +124,7 @@ def _time_sync(path: str, world: int, rank: int, cfg: dict, device, cg) -> dict:
         exchange_rows(row, None, sync=path, device=device)
 
     us = _per_step({"sync_us": step, "exchange_us": exchange}, cfg, cg)
-    return {"sync": path, "world_size": world, **us}
+    return {"sync": path, "world_size": world, "hosts": cfg["hosts"], **us}
 
 
 def _time_gathers(world: int, rank: int, cfg: dict, device, cg, bar) -> list[dict]:
@@ -146,6 +161,8 @@ def run_rank(rank: int, world: int, cfg: dict) -> list[dict] | None:
     threads = torch.get_num_threads()
     if device.type == "cpu":  # ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if cfg["hosts"] > 1:  # before the first host check: the layout is cached per group
+        config.set_var("ATTNCOMM_TEST_HOST", f"sim{rank * cfg['hosts'] // world}")
     cg = cpu_group(None)
     total = len(cfg["syncs"]) + len(cfg["tokens"]) * 2 * len(cfg["ops"])
     bar = progress(total, "dp-sync", enabled=cfg["progress"] and rank == 0)
@@ -172,7 +189,8 @@ def markdown_tables(records: list[dict], cfg: dict, world: int) -> str:
     """The sync table (µs per step, speedup over ``device``) and, per op, one row per token
     count with one column per padding mode (µs)."""
     syncs = with_speedups([r for r in records if "sync" in r])
-    lines = [f"DP-attention sync per step, W={world}, {cfg['device']}: the whole "
+    hosts = f" as {cfg['hosts']} simulated hosts" if cfg.get("hosts", 1) > 1 else ""
+    lines = [f"DP-attention sync per step, W={world}{hosts}, {cfg['device']}: the whole "
              "`MLPSyncBatchInfo.all_gather`, and its transport alone (`exchange_rows`), timed in "
              "alternating blocks", ""]
     lines += markdown_lines(
@@ -202,6 +220,7 @@ def main(args) -> int:
         return usage_error("dp-sync", f"--device cuda with --world-size {args.world_size} "
                                       f"needs {args.world_size} GPUs, found "
                                       f"{torch.cuda.device_count()}")
+    load_before = os.getloadavg()
     records = launch(run_rank, args.world_size, device=cfg["device"], args=(cfg,))[0]
     syncs = [r for r in records if "sync" in r]
     ops = [r for r in records if "op" in r]
@@ -213,12 +232,15 @@ def main(args) -> int:
     print_table(ops, ["op", "mode", "tokens", "world_size", "time_us"],
                 title=f"\ngather / scatter / reduce_scatter (µs), hidden {cfg['hidden']} "
                       f"{cfg['dtype']}, tokens per DP rank")
-    m = meta(cfg["device"], args.world_size, bench="dp-sync", hidden=cfg["hidden"],
+    m = meta(cfg["device"], args.world_size, bench="dp-sync", hosts=cfg["hosts"],
+             hidden=cfg["hidden"],
              dtype=cfg["dtype"], steps=cfg["steps"], block=cfg["block"],
              iters=cfg["iters"], tokens_are="per DP rank (balanced)",
              sync_measures="sync_us: MLPSyncBatchInfo.all_gather per step, back to back; "
                            "exchange_us: its transport (exchange_rows) alone; the two in "
-                           "alternating blocks")
+                           "alternating blocks",
+             cpu_count=os.cpu_count(),
+             load_average={"before": list(load_before), "after": list(os.getloadavg())})
     series: dict = {}
     for r in ops:
         xs, ys = series.setdefault(f"{r['op']} ({r['mode']})", ([], []))

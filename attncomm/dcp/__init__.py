@@ -6,10 +6,11 @@ symmetric memory, CUDA only), ``auto``. Before attention, the query-head all-gat
 ``gather_heads`` / ``DcpQueryGather`` (backends ``all_gather``, ``symm``, ``auto``), with RoPE on
 the last R dims fused into the producer. Each exchange has its folder (``lse_merge/``,
 ``query_gather/``) with one interface module its facade and backends import; ``attention``
-chains them.
+chains them; ``ops`` registers the custom ops a ``torch.compile`` trace calls instead.
 """
 from __future__ import annotations
 
+from . import ops  # noqa: F401 - registers the attncomm::dcp_* custom ops
 from .attention import DcpAttention
 from .lse_merge import (BACKENDS, DcpMerger, available_backends, merge, merge_states,
                         shard_kv_interleaved)

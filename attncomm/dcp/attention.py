@@ -23,13 +23,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .query_gather import DcpQueryGather
+from .._dist import Lifecycle, resolve_group
 from .lse_merge import DcpMerger
+from .query_gather import DcpQueryGather
 
 __all__ = ["DcpAttention"]
 
 
-class DcpAttention(torch.nn.Module):
+class DcpAttention(Lifecycle, torch.nn.Module):
     """Gather → the caller's attention over the local KV shard → merge (see the module doc).
 
     Arguments:
@@ -47,7 +48,9 @@ class DcpAttention(torch.nn.Module):
     ``forward(q [T, H/W, D], *args, rope=None, **kwargs)`` → ``[T, H/W, Dv]`` in ``out_dtype``
     (a view valid until the next call when the merge backend returns views), heads
     ``[r·H/W, (r+1)·H/W)`` of attention over the whole (sharded) KV cache. CUDA-graph
-    capturable when ``attn_fn`` is.
+    capturable when ``attn_fn`` is; under ``torch.compile`` the gather and the merge are their
+    objects' custom ops and ``attn_fn`` is traced between them. ``close()`` (or the end of a
+    ``with`` block) frees both exchanges' buffers, collectively.
 
     Raises:
         ValueError: bad arguments (every rank), or ``attn_fn`` returning wrong shapes.
@@ -61,7 +64,7 @@ class DcpAttention(torch.nn.Module):
                  timeout_s: float | None = None):
         super().__init__()
         self.attn_fn = attn_fn
-        self.group = group
+        self.group = group = resolve_group(group, "DcpAttention")
         self.world_size = dist.get_world_size(group)
         self.num_heads = num_heads
         self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
@@ -84,7 +87,12 @@ class DcpAttention(torch.nn.Module):
         self.gather.check()
         self.merger.check()
 
+    def _release(self) -> None:
+        self.gather.close()
+        self.merger.close()
+
     def forward(self, q: torch.Tensor, *args, rope=None, **kwargs) -> torch.Tensor:
+        self._ensure_open()
         q_all = self.gather(q, rope=rope)
         T, H = q_all.shape[0], self.num_heads
         out, lse = self.attn_fn(q_all, *args, **kwargs)

@@ -39,6 +39,8 @@ MODES = {
     "decode": "attncomm.demo.decode",
     "ulysses": "attncomm.demo.ulysses",
     "dp_attention": "attncomm.demo.dp_attention",
+    "ring": "attncomm.demo.ring",
+    "usp": "attncomm.demo.usp",
 }
 
 

@@ -1,19 +1,23 @@
-"""The DP sync's row exchange: one small interface (``RowExchange``), three paths.
+"""The DP sync's row exchange: one small interface (``RowExchange``), four paths.
 
 Every path moves one int64 row of ``ROW`` values per rank and hands back every rank's row back to
 back (rank r's field f at ``ROW·r + f``):
 
 - ``shm``: host shared memory (``ShmRowExchange``), for groups on one host;
+- ``hier``: shared memory inside each host and one gloo all_gather between host leaders
+  (``hier.HierExchange``), for groups that span hosts;
 - ``cpu``: an all_gather over the group's gloo twin;
 - ``device``: an all_gather over the device group, with at most one device→host copy (which
   also carries a device-resident active mask).
 
 ``resolve_sync`` decides which path a ``sync`` argument means on a group (once per group and
-value, agreed across ranks); ``rows_for(plan, path, device)`` is the exchange object the caller
-uses, the same way for every path.
+value, agreed across ranks; ``sync_decision`` also says why ``auto`` did not take ``shm``);
+``rows_for(plan, path, device)`` is the exchange object the caller uses, the same way for every
+path.
 """
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from collections.abc import Sequence
@@ -24,19 +28,21 @@ import torch.distributed as dist
 from .. import config
 from .._dist import (agree, agree_reason, all_gather_tensor, cpu_group, group_device, guard_timeout,
                      wait)
-from ..capability import same_host
+from ..capability import HostLayout, group_hosts
 from ..errors import PeerTimeoutError
+from ..select import Decision, build_agreed
+from . import hier as _hier
 from . import shm as _shm
+from .hier import UNSENT
 
-__all__ = ["RowExchange", "ShmRows", "GatherRows", "resolve_sync", "exchange_rows",
-           "close_shm_channels", "rows_for", "plan_for", "SYNC_CHOICES", "ROW", "UNSENT"]
+__all__ = ["RowExchange", "ShmRows", "HierRows", "GatherRows", "resolve_sync", "sync_decision",
+           "auto_path", "exchange_rows", "close_shm_channels", "rows_for", "plan_for",
+           "SYNC_CHOICES", "ROW", "UNSENT"]
 
-SYNC_CHOICES = ("auto", "shm", "cpu", "device")
+log = logging.getLogger("attncomm.dp_attention")
+
+SYNC_CHOICES = ("auto", "shm", "cpu", "device", "hier")
 ROW = 6
-# Fills the receive buffer of the cpu/device paths before the exchange: no rank sends it in the
-# last field (a sent mode is a ForwardMode or a negative marker > -2**63), so a row still holding
-# it after the wait never arrived.
-UNSENT = -(1 << 63)
 
 
 class RowExchange(ABC):
@@ -72,6 +78,23 @@ class ShmRows(RowExchange):
 
     def close(self) -> None:
         self.channel.close()
+
+
+class HierRows(RowExchange):
+    """The ``hier`` path: each host's shared memory plus the host leaders' gloo group
+    (``hier.HierExchange``; collective construction over the group's members)."""
+
+    path = "hier"
+
+    def __init__(self, group, timeout_s: float | None):
+        self.ex = _hier.HierExchange(group, ROW, timeout_s=timeout_s)
+
+    def exchange(self, row, timeout_s, mask=None):
+        vals = self.ex.exchange_flat(row, timeout_s)
+        return vals, (None if mask is None else [int(v) for v in mask.view(-1).tolist()])
+
+    def close(self) -> None:
+        self.ex.close()
 
 
 class GatherRows(RowExchange):
@@ -116,8 +139,11 @@ class SyncPlan:
     world: int
     cg: object
     device: torch.device
-    auto: str | None = None
-    why: str | None = None
+    auto: str | None = None        # the path "auto" takes, once decided
+    why: str | None = None         # why "auto" did not take "shm" (None when it did)
+    layout: HostLayout | None = None
+    shm_why: str | None = None     # why some rank cannot run the shm protocol at all
+    hier_why: str | None = None    # why the hier path failed to set up
     rows: dict = field(default_factory=dict)     # (path, device) → RowExchange
     paths: dict = field(default_factory=dict)    # sync argument → path it resolved to
     per_dp: dict = field(default_factory=dict)   # valid (dp, tp, cp) → tp·cp
@@ -135,14 +161,51 @@ def plan_for(group) -> SyncPlan:
     return p
 
 
-def _one_host(cg, timeout_s: float | None) -> tuple[bool, str | None]:
-    """Collective over ``cg``: do all ranks share this host (``capability.same_host``) and can
-    every rank run the shm protocol? The same answer on every rank."""
-    with guard_timeout(cg, "dp_attention sync (host check)", timeout_s):
-        if not same_host(cg):
-            return False, "the group's ranks are on more than one host"
-        why = agree_reason(cg, _shm.shm_supported()[1], "dp_attention shm sync")
-    return why is None, why
+def auto_path(layout: HostLayout, shm_reason: str | None) -> tuple[str, str | None]:
+    """The rule of ``sync="auto"``, pure: ``(path, why not "shm")``.
+
+    One host: "shm" when every rank can run the shm protocol (``shm_reason`` None), else "cpu".
+    Several hosts: "shm" never (its segment lives in one host's memory); "hier" when every rank
+    can run the shm protocol and some host holds two ranks or more, else "cpu"."""
+    hosts = layout.reason()
+    if shm_reason is not None:
+        return "cpu", "; ".join(w for w in (hosts, shm_reason) if w)
+    if hosts is None:
+        return "shm", None
+    if max(len(r) for r in layout.ranks) == 1:
+        return "cpu", (f"{hosts}; every host holds one rank of the group, so no rows meet in "
+                       f"shared memory")
+    return "hier", hosts
+
+
+def _plan_auto(p: SyncPlan, timeout_s: float | None) -> None:
+    """Collective over the group: where its ranks are (``group_hosts``), whether every rank can
+    run the shm protocol, and the path "auto" takes (building the hier path, agreed, when it is
+    the one); the same on every rank."""
+    with guard_timeout(p.cg, "dp_attention sync (host check)", timeout_s):
+        p.layout = group_hosts(p.group)
+        p.shm_why = agree_reason(p.cg, _shm.shm_supported()[1], "dp_attention shm sync")
+    path, why = auto_path(p.layout, p.shm_why)
+    if path == "hier":
+        failed = _build_hier(p, timeout_s)
+        if failed is not None:
+            path, why = "cpu", f"{why}; the hier path could not be set up: {failed}"
+    p.auto, p.why = path, why
+    if why is not None:
+        log.info("dp_attention sync: auto takes %s on this group, not shm: %s", path, why)
+
+
+def _build_hier(p: SyncPlan, timeout_s: float | None) -> str | None:
+    """Build the hier exchange on every rank (agreed: every rank keeps it or none does); None
+    when it runs, else why not (the same on every rank)."""
+    if ("hier", None) in p.rows:
+        return None
+    if p.hier_why is None:
+        impl, p.hier_why = build_agreed(p.cg, lambda: HierRows(p.group, timeout_s),
+                                        "dp_attention hier sync setup")
+        if impl is not None:
+            p.rows[("hier", None)] = impl
+    return p.hier_why
 
 
 def resolve(p: SyncPlan, sync: str, timeout_s: float | None) -> str:
@@ -173,41 +236,67 @@ def _decide(p: SyncPlan, sync: str, timeout_s: float | None) -> str:
     if sync == "cpu" or sync == "device":
         return sync
     if p.auto is None:
-        ok, p.why = _one_host(p.cg, timeout_s)
-        p.auto = "shm" if ok else "cpu"
+        _plan_auto(p, timeout_s)
     if sync == "shm" and p.auto != "shm":
         raise ValueError(f"sync='shm' cannot run on this group: {p.why}")
+    if sync == "hier":
+        why = p.shm_why or _build_hier(p, timeout_s)
+        if why is not None:
+            raise ValueError(f"sync='hier' cannot run on this group: {why}")
+        return "hier"
     return p.auto
 
 
 def resolve_sync(sync: str, group=None, *, timeout_s: float | None = None) -> str:
-    """The sync path ``sync`` means on ``group``: "shm", "cpu" or "device".
+    """The sync path ``sync`` means on ``group``: "shm", "hier", "cpu" or "device".
 
-    "auto" → "shm" when every rank of the group is on this host (decided once per group, by one
-    collective over its gloo twin), else "cpu". An explicit "shm" that cannot run raises
-    ``ValueError`` on every rank, saying why (the decision is shared, so it is the same
-    everywhere). Collective on a value's first use on a group (every rank must call it then; a
-    value that is invalid or differs between ranks raises ``ValueError`` on every rank).
+    "auto" (``auto_path``) → "shm" when every rank of the group is on this host; on a group
+    that spans hosts, "hier" (shared memory inside each host, gloo between host leaders) when
+    some host holds two ranks or more, else "cpu"; decided once per group by collectives over
+    its gloo twin (``sync_decision`` says why "shm" was not taken). An explicit "shm" or "hier"
+    that cannot run raises ``ValueError`` on every rank, saying why (the decision is shared, so
+    it is the same everywhere). Collective on a value's first use on a group (every rank must
+    call it then; a value that is invalid or differs between ranks raises ``ValueError`` on
+    every rank).
     """
     return resolve(plan_for(group), sync, timeout_s)
 
 
+def sync_decision(sync: str = "auto", group=None, *,
+                  timeout_s: float | None = None) -> Decision:
+    """``resolve_sync`` with its reason: ``Decision(path, fallback_reason)``, where
+    ``fallback_reason`` says why "auto" did not take "shm" (the group spans hosts, or a rank
+    cannot run the shm protocol); None when it did, or for an explicit path. Collective as
+    ``resolve_sync``."""
+    p = plan_for(group)
+    path = resolve(p, sync, timeout_s)
+    return Decision(path, p.why if sync == "auto" else None)
+
+
 def close_shm_channels() -> None:
-    """Unmap every cached shm segment (they are also released at exit) and forget the plans."""
+    """Unmap every cached shm segment (they are also released at exit), forget the plans and
+    the hier path's per-host and leader groups (call it on every rank: the next use builds them
+    anew, collectively)."""
     for p in _PLANS.values():
         for ex in p.rows.values():
             ex.close()
     _PLANS.clear()
+    _hier.forget_groups()
 
 
 def rows_for(p: SyncPlan, path: str, device=None, timeout_s: float | None = None) -> RowExchange:
-    """The exchange object of ``path`` ("shm", "cpu" or "device") on plan ``p`` (built on first
-    use: the shm path maps its segment then, collectively; ``device`` only for "device", None
-    → the group's device)."""
+    """The exchange object of ``path`` ("shm", "hier", "cpu" or "device") on plan ``p`` (built
+    on first use: the shm path maps its segment then, collectively; the hier path is built when
+    it is decided; ``device`` only for "device", None → the group's device)."""
     dev = None if path != "device" else (torch.device(device) if device is not None
                                          else p.device)
     ex = p.rows.get((path, dev))
     if ex is None:
+        if path == "hier":
+            why = _build_hier(p, timeout_s)
+            if why is not None:
+                raise ValueError(f"sync='hier' cannot run on this group: {why}")
+            return p.rows[(path, dev)]
         if path == "shm":
             ex = ShmRows(p.cg, timeout_s)
         elif path == "cpu":
@@ -221,12 +310,12 @@ def rows_for(p: SyncPlan, path: str, device=None, timeout_s: float | None = None
 def exchange_rows(row: Sequence[int], group=None, *, sync: str, device=None,
                   timeout_s: float | None = None) -> list[list[int]]:
     """Every group rank's row (``W`` lists of 6 ints, rank order) through path ``sync``
-    ("auto", "shm", "cpu" or "device"); at most one device→host copy.
+    ("auto", "shm", "hier", "cpu" or "device"); at most one device→host copy.
 
     A low-level helper, collective like every exchange (a ``sync`` value's first use on the
     group adds a check that every rank passed the same one). A row that is not 6 ints in the
     int64 range raises ``ValueError`` on this rank only (before the exchange); field 5 must not
-    be ``-2**63`` (on the cpu/device paths that value marks a row that did not arrive →
+    be ``-2**63`` (on the gloo/NCCL paths that value marks a row that did not arrive →
     ``PeerTimeoutError``).
     """
     vals = [int(v) for v in row]

@@ -45,7 +45,6 @@ import os
 import platform
 import struct
 import tempfile
-import time
 import uuid
 import weakref
 from collections.abc import Sequence
@@ -55,6 +54,7 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import guard_timeout, wait
+from .._wait import poll_until
 from ..errors import PeerTimeoutError
 
 __all__ = ["ShmRowExchange", "shm_supported", "bad_value_message", "SLOT_WORDS"]
@@ -150,8 +150,12 @@ class ShmRowExchange:
         self._views.append(self._words)
         self._prepare_step_path()
 
+    def _segment_words(self) -> int:
+        """The segment's size in int64 words (a subclass may add an area after the slots)."""
+        return _HEADER_WORDS + 2 * self.world_size * SLOT_WORDS
+
     def _setup(self, timeout_s: float) -> None:
-        nbytes = 8 * (_HEADER_WORDS + 2 * self.world_size * SLOT_WORDS)
+        nbytes = 8 * self._segment_words()
         path, err = None, None
         if self.rank == 0:
             path = os.path.join(_shm_dir(), f"attncomm-dp-{os.getpid()}-{uuid.uuid4().hex}")
@@ -298,33 +302,20 @@ class ShmRowExchange:
         return rows
 
     def _wait(self, base: int, step: int, timeout_s: float | None) -> None:
-        # one read of every rank's seq word per poll (a single unpack_from)
+        # one read of every rank's seq word per poll (a single unpack_from); the budget is
+        # read after the spin phase (reading the env costs polls)
         mm, w, seqs = self._mm, self.world_size, self._seq_fmt.unpack_from
-        start = time.perf_counter()
-        t, deadline = None, None  # found after the spin phase: reading the env costs polls
-        sleep = 20e-6
-        while True:
-            if seqs(mm, base).count(step) == w:
-                return
-            now = time.perf_counter()
-            waited = now - start
-            if waited < _SPIN_S:
-                continue
-            if deadline is None:
-                t = config.timeout_s(timeout_s)
-                deadline = start + t
-            if now > deadline:
-                missing = [r for r, q in enumerate(seqs(mm, base)) if q != step]
-                if not missing:  # the last row arrived just now
-                    return
-                raise PeerTimeoutError(
-                    f"dp_attention sync (shm): no step-{step} row from rank(s) {missing} within "
-                    f"{t:g} s", peer_ranks=missing, timeout_s=t, op="dp_attention sync (shm)")
-            if waited < _YIELD_S:
-                os.sched_yield()
-            else:
-                time.sleep(sleep)
-                sleep = min(sleep * 2, _MAX_SLEEP_S)
+        if poll_until(lambda: seqs(mm, base).count(step) == w,
+                      lambda: config.timeout_s(timeout_s), interval_s=20e-6,
+                      max_interval_s=_MAX_SLEEP_S, spin_s=_SPIN_S, yield_s=_YIELD_S):
+            return
+        t = config.timeout_s(timeout_s)
+        missing = [r for r, q in enumerate(seqs(mm, base)) if q != step]
+        if not missing:  # the last row arrived just now
+            return
+        raise PeerTimeoutError(
+            f"dp_attention sync (shm): no step-{step} row from rank(s) {missing} within "
+            f"{t:g} s", peer_ranks=missing, timeout_s=t, op="dp_attention sync (shm)")
 
     def close(self) -> None:
         """Unmap the segment (idempotent). Calls after this raise."""

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .._dist import resolve_group
 from .rows import (ROW as _ROW, SYNC_CHOICES, SyncPlan, close_shm_channels, exchange_rows,
                    plan_for, resolve, resolve_sync, rows_for)
 
@@ -261,7 +262,8 @@ class MLPSyncBatchInfo:
             active_ranks: one entry per group rank (list or tensor); an inactive rank counts as
                 ``[0, 0, 1, 0, 1, IDLE]`` whatever it sent (it still takes part in the exchange).
             enable_tbo: whether two-batch overlap may run at all.
-            sync: "auto", "shm", "cpu" or "device" (see ``resolve_sync``), the same on every
+            sync: "auto", "shm", "hier", "cpu" or "device" (see ``resolve_sync``; "auto" is
+                "shm" on one host and "hier" on a group that spans hosts), the same on every
                 rank (checked by one collective on a value's first use on the group).
             timeout_s: wait bound (None → ``ATTNCOMM_TIMEOUT_S``).
 
@@ -273,7 +275,7 @@ class MLPSyncBatchInfo:
             what was wrong, and this rank's own problem in full.
             PeerTimeoutError when a rank's row does not arrive in time.
         """
-        p = plan_for(group)
+        p = plan_for(resolve_group(group, "MLPSyncBatchInfo.all_gather"))
         path = resolve(p, sync, timeout_s)
         code, why = 0, None
         try:

@@ -5,10 +5,15 @@ Faults, always on the last rank (the "peer"; rank 0 survives):
 - ``kill``: the peer process exits (``os._exit``) at the last collective of the call, so rank 0
   is inside the call when its peer goes (the count comes from a warm-up call);
 - ``skip``: the peer never makes the call (it sleeps past the budget, then leaves);
-- ``shape``: the peer makes the call with another shape (or, for the DP sync, other sizes).
+- ``shape``: the peer makes the call with another shape (or, for the DP sync, other sizes);
+- ``slip``: with the default first-sight validation, both ranks have made the call (its
+  signature is seen), then rank 0 repeats it while the peer brings another shape: rank 0 skips
+  the check and enters the exchange, the peer enters the check. Both must raise
+  (``PeerTimeoutError`` or ``ValueError``) within the budget, never hang or return.
 
-Each cell runs with validation on and off (``validate=`` / ``ATTNCOMM_VALIDATE``), the call's
-budget ``timeout_s`` small and the process group's own timeout at the 60 s default, so a wait
+Each cell of the first three runs with validation on and off (``validate=`` /
+``ATTNCOMM_VALIDATE``); ``slip`` with the default (``validate=None``, the variable unset). The
+call's budget ``timeout_s`` small and the process group's own timeout at the 60 s default, so a wait
 that ignores the call's budget shows. The rule checked (issue 14): every surviving rank raises
 within ``timeout_s + 5`` s — ``PeerTimeoutError`` naming the peer, or ``ValueError`` naming the
 values — and nothing hangs or returns silently wrong. A rank that a C++ check aborts is not a
@@ -35,7 +40,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from attncomm import config, dcp, ulysses
+from attncomm import config, dcp, ring, ulysses, usp
+from attncomm._wait import poll_until
 from attncomm.dp_attention import (
     BatchView,
     DpPaddingMode,
@@ -50,15 +56,15 @@ from attncomm.launch import init_distributed
 
 __all__ = ["EXCHANGES", "FAULTS", "Cell", "main", "run_cell", "run_matrix"]
 
-FAULTS = ("kill", "skip", "shape")
+FAULTS = ("kill", "skip", "shape", "slip")
 KILL_EXIT_CODE = 17
 # The collectives a call can go through (patched on the peer to count and to kill).
 _COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "all_to_all_single",
                 "all_reduce", "reduce_scatter_tensor", "reduce_scatter_single",
                 "all_gather_object", "broadcast", "barrier", "all_gather", "send", "recv",
-                "isend", "irecv", "broadcast_object_list")
+                "isend", "irecv", "broadcast_object_list", "batch_isend_irecv")
 _PRELOAD = ["torch", "torch.distributed", "attncomm", "attncomm.dcp", "attncomm.ulysses",
-            "attncomm.dp_attention", "attncomm.launch"]
+            "attncomm.dp_attention", "attncomm.launch", "attncomm.ring", "attncomm.usp"]
 
 
 # ------------------------------------------------------------------------------ exchanges
@@ -90,6 +96,35 @@ def _ulysses_attention(rank, world, bad, validate, timeout_s):
     attn = ulysses.UlyssesAttention(backend="all_to_all", timeout_s=timeout_s,
                                     validate=validate)
     attn(q, k, v, seq_lens=[3] * world)
+
+
+def _ring(layout):
+    def call(rank, world, bad, validate, timeout_s):
+        d = 16 if bad else 8
+        q, kv = torch.randn(1, 4, 2, d), torch.randn(1, 4, 1, d)
+        ring.ring_attention(q, kv, kv, causal=True, layout=layout, validate=validate,
+                            timeout_s=timeout_s)
+    return call
+
+
+_USP: dict = {}  # this world's grids and modules, built in the warm-up calls
+
+
+def _usp(ulysses_degree):
+    # U = 1: the Ulysses groups are single ranks and the exchanges are the ring's; U = W: the
+    # ring groups are single ranks and the exchanges are Ulysses'.
+    def call(rank, world, bad, validate, timeout_s):
+        u = min(ulysses_degree, world)
+        key = (u, validate, timeout_s)
+        if key not in _USP:
+            ug, rg = _USP.get(u) or _USP.setdefault(u, usp.make_groups(u, world // u))
+            _USP[key] = usp.USPAttention(ulysses_group=ug, ring_group=rg, backend="all_to_all",
+                                         timeout_s=timeout_s, validate=validate,
+                                         layout="zigzag")
+        d = 16 if bad else 8
+        q, kv = torch.randn(1, 4, 2, d), torch.randn(1, 4, 2, d)
+        _USP[key](q, kv, kv, causal=True)
+    return call
 
 
 def _dp_sync(sync):
@@ -127,6 +162,10 @@ EXCHANGES = {
     "seq_to_head[all_to_all]": Exchange(_seq_to_head, ("D", "8", "16")),
     "head_to_seq[all_to_all]": Exchange(_head_to_seq, ("D", "8", "16")),
     "UlyssesAttention[all_to_all]": Exchange(_ulysses_attention, ("D", "8", "16")),
+    "ring_attention[contiguous]": Exchange(_ring("contiguous"), ("D", "8", "16")),
+    "ring_attention[zigzag]": Exchange(_ring("zigzag"), ("D", "8", "16")),
+    "USPAttention[U=1,R=2]": Exchange(_usp(1), ("D", "8", "16")),
+    "USPAttention[U=2,R=1]": Exchange(_usp(2), ("D", "8", "16")),
     "dp sync[shm]": Exchange(_dp_sync("shm"), ("dp_size·tp_size·cp_size", "1·2·1")),
     "dp sync[cpu]": Exchange(_dp_sync("cpu"), ("dp_size·tp_size·cp_size", "1·2·1")),
     "dp_gather": Exchange(_dp_gather, ("shape[1]", "4", "8")),
@@ -171,7 +210,7 @@ def _outcome(exc: BaseException | None, t0: float) -> dict:
 
 
 def _rank_main(rank, world, path, exchange, fault, validate, timeout_s, results):
-    config.set_var("ATTNCOMM_VALIDATE", 1 if validate else 0)
+    config.set_var("ATTNCOMM_VALIDATE", None if validate is None else 1 if validate else 0)
     config.set_var("ATTNCOMM_TIMEOUT_S", None)  # the group keeps the 60 s default
     try:
         init_distributed(rank, world, "cpu", f"file://{path}")
@@ -190,7 +229,7 @@ def _rank_main(rank, world, path, exchange, fault, validate, timeout_s, results)
             _patch_collectives(max(1, steps))
         t0, exc = time.monotonic(), None
         try:
-            call(rank, world, peer and fault == "shape", validate, timeout_s)
+            call(rank, world, peer and fault in ("shape", "slip"), validate, timeout_s)
         except BaseException as e:  # noqa: BLE001 - reported to the parent
             exc = e
         results.put((rank, _outcome(exc, t0)))
@@ -205,14 +244,14 @@ def _rank_main(rank, world, path, exchange, fault, validate, timeout_s, results)
 class Cell:
     exchange: str
     fault: str
-    validate: bool
+    validate: bool | None  # None: the default (first sight of a signature)
     ranks: dict = field(default_factory=dict)   # rank → outcome dict
     exit_codes: dict = field(default_factory=dict)
     failures: list = field(default_factory=list)
 
     @property
     def label(self) -> str:
-        return f"{self.exchange} × {self.fault} × validate={'on' if self.validate else 'off'}"
+        return f"{self.exchange} × {self.fault} × validate={_mode(self.validate)}"
 
 
 _CTX = None
@@ -226,7 +265,11 @@ def _context():
     return _CTX
 
 
-def run_cell(exchange: str, fault: str, validate: bool, timeout_s: float = 2.0,
+def _mode(validate: bool | None) -> str:
+    return "first" if validate is None else "on" if validate else "off"
+
+
+def run_cell(exchange: str, fault: str, validate: bool | None, timeout_s: float = 2.0,
              world: int = 2) -> Cell:
     """Run one cell on a fresh ``world``-rank gloo world and judge it (``Cell.failures``)."""
     ctx = _context()
@@ -241,14 +284,14 @@ def run_cell(exchange: str, fault: str, validate: bool, timeout_s: float = 2.0,
     for p in procs:
         p.start()
     hang_deadline = time.monotonic() + timeout_s + 60  # far past every bound checked below
-    while len(cell.ranks) < world and time.monotonic() < hang_deadline:
-        if not results.empty():
+
+    def collected() -> bool:  # every rank reported, or every process is gone
+        while not results.empty():
             rank, outcome = results.get()
             cell.ranks[rank] = outcome
-            continue
-        if all(p.exitcode is not None for p in procs) and results.empty():
-            break
-        time.sleep(0.02)
+        return len(cell.ranks) >= world or all(p.exitcode is not None for p in procs)
+
+    poll_until(collected, timeout_s + 60, interval_s=0.02)
     for r, p in enumerate(procs):
         p.join(timeout=max(0.0, hang_deadline - time.monotonic()) if r not in cell.ranks
                else 10)
@@ -281,6 +324,12 @@ def _judge(cell: Cell, timeout_s: float, world: int) -> None:
             f.append(f"rank {r}: {o['message']}")
             continue
         if o["kind"] == "skipped":
+            continue
+        if cell.fault == "slip":
+            if o["kind"] not in ("PeerTimeoutError", "ValueError") or o["elapsed_s"] > bound:
+                f.append(f"rank {r}: a slipped mismatch must raise PeerTimeoutError or "
+                         f"ValueError within {bound:g} s; got {o['kind']} after "
+                         f"{o.get('elapsed_s', 0):.1f} s: {o['message'][:200]}")
             continue
         if o["kind"] == "returned":
             # Without validation a shape mismatch is the caller's bug: gloo aborts the rank that
@@ -328,7 +377,8 @@ def run_matrix(exchanges=None, *, timeout_s: float = 2.0, jobs: int = 4) -> list
     """Every cell of ``exchanges`` (default: all) × ``FAULTS`` × validation on/off, ``jobs``
     worlds at a time (the cells mostly wait)."""
     names = list(exchanges or EXCHANGES)
-    todo = [(e, f, v) for e in names for f in FAULTS for v in (True, False)]
+    todo = [(e, f, v) for e in names for f in FAULTS
+            for v in ((None,) if f == "slip" else (True, False))]
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(lambda c: run_cell(*c, timeout_s=timeout_s), todo))
 
@@ -359,7 +409,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for c in cells:
         verdict = "pass" if not c.failures else "FAIL: " + "; ".join(c.failures)
-        print(f"| {c.exchange} | {c.fault} | {'on' if c.validate else 'off'} | "
+        print(f"| {c.exchange} | {c.fault} | {_mode(c.validate)} | "
               f"{_describe(c)} | {verdict} |")
     bad = sum(1 for c in cells if c.failures)
     print(f"\n{len(cells)} cells, {bad} failed, {time.monotonic() - t0:.0f} s "

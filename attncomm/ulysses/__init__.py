@@ -8,12 +8,15 @@
   ``ce`` (copy-engine copies into torch SymmetricMemory staging slots); ``auto`` picks
   (``attncomm.select``), and ``UlyssesAttention.fallback_reason`` says why it did not take
   ``ce`` (``backend_availability()`` for ``attncomm env``).
+- ``torch.compile`` and CUDA graphs: while torch.compile traces, each exchange is one custom op
+  (``ops``); a shape that one eager call has seen can be captured in a CUDA graph or compiled.
 """
 from __future__ import annotations
 
 from .api import backend_availability, head_to_seq, seq_to_head
 from .attention import UlyssesAttention, rms_norm_rope, sdpa_attention
 from .layout import head_split
+from . import ops  # noqa: F401  (registers the custom ops torch.compile traces)
 
 __all__ = ["head_split", "seq_to_head", "head_to_seq", "UlyssesAttention", "sdpa_attention",
            "rms_norm_rope", "backend_availability"]

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .. import _dist
 from .layout import ExchangePlan
 from .transport import (Exchange, SendBuffer, Transport, dense_send_buffer, fill_send_buffer,
-                        source_view)
+                        send_views, source_view)
 
 __all__ = ["AllToAllTransport"]
 
@@ -33,7 +33,15 @@ class _A2AExchange(Exchange):
         if self._result is not None:
             return self._result
         if self.work is not None:
-            _dist.wait(self.work, self.t.group, "ulysses all_to_all", self.t.timeout_s)
+            if self.t.gloo:  # the host waits, bounded by timeout_s
+                _dist.wait(self.work, self.t.group, "ulysses all_to_all", self.t.timeout_s)
+            else:  # NCCL: the stream waits (graph-capturable), bounded by the group's timeout
+                try:
+                    self.work.wait()
+                except RuntimeError:
+                    with _dist.guard_timeout(self.t.group, "ulysses all_to_all",
+                                             self.t.timeout_s):
+                        raise
         r, plan = self.t.rank, self.plan
         if plan.tiled:
             if self.out is not None and self.out.data_ptr() != self.recv.data_ptr():
@@ -63,10 +71,16 @@ class AllToAllTransport(Transport):
 
     name = "all_to_all"
 
+    def __init__(self, group, rank: int, world_size: int, timeout_s: float):
+        super().__init__(group, rank, world_size, timeout_s)
+        self.gloo = dist.get_backend(group) == "gloo"
+
     def start(self, plan: ExchangePlan, parts: Sequence[torch.Tensor], dtype: torch.dtype,
               device: torch.device, out: torch.Tensor | None = None, *,
               send: SendBuffer | None = None) -> Exchange:
         r, w = self.rank, self.world_size
+        if w == 1:
+            return self._local(plan, parts, dtype, device, out, send)
         if send is not None:
             self._check_send(plan, dtype, send)
             send = send.flat
@@ -75,19 +89,36 @@ class AllToAllTransport(Transport):
         if plan.tiled and out is not None and plan.covers(r):
             recv = out
         else:
-            recv = torch.empty(sum(plan.numel[s][r] for s in range(w)), dtype=dtype,
-                               device=device)
-        if w == 1:
-            recv.copy_(send)
-            return _A2AExchange(self, None, plan, recv, out, dtype, device)
-        item = torch.empty((), dtype=dtype).element_size()
-        send_splits = [plan.numel[r][p] * item for p in range(w)]
+            recv = torch.empty(plan.recv_count(r), dtype=dtype, device=device)
+        item = dtype.itemsize
+        send_splits = [n * item for n in plan.numel[r]]
         recv_splits = [plan.numel[s][r] * item for s in range(w)]
-        with _dist.guard_timeout(self.group, "ulysses all_to_all", self.timeout_s):
+        try:
             work = dist.all_to_all_single(_dist.as_bits(recv), _dist.as_bits(send),
                                           recv_splits, send_splits, group=self.group,
                                           async_op=True)
+        except RuntimeError:
+            with _dist.guard_timeout(self.group, "ulysses all_to_all", self.timeout_s):
+                raise
         return _A2AExchange(self, work, plan, recv, out, dtype, device)
+
+    def _local(self, plan, parts, dtype, device, out, send) -> Exchange:
+        """A group of one: nothing to exchange. The caller's send buffer (fresh) is the final
+        buffer of a tiled plan; otherwise each piece is copied to its final place once."""
+        if send is not None:
+            self._check_send(plan, dtype, send)
+            if plan.tiled and out is None:
+                return _A2AExchange(self, None, plan, send.flat, None, dtype, device)
+        final = out if out is not None else torch.empty(plan.recv_numel[0], dtype=dtype,
+                                                        device=device)
+        srcs = (send_views(send, 0) if send is not None else
+                [(x, source_view(parts, x)) for x in plan.pieces[0][0]])
+        for x, src in srcs:
+            final.as_strided((x.rows, x.cols), (x.dst_pitch, 1),
+                             final.storage_offset() + x.dst_offset).copy_(src)
+        done = _A2AExchange(self, None, plan, final, None, dtype, device)
+        done._result = out if out is not None else final
+        return done
 
     def _pack(self, plan: ExchangePlan, parts, dtype, device) -> torch.Tensor:
         r = self.rank

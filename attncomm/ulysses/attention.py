@@ -1,30 +1,32 @@
 """``UlyssesAttention``: sequence-sharded q/k/v → head-sharded attention over the whole sequence →
 sequence-sharded output, with GQA/MQA, optional RMSNorm + RoPE and head-group pipelining.
 
-Schedule of a forward with G head groups (one stream; the exchanges run on the transport's
-streams or copy engines)::
-
-    fill(0) send(0) | fill(1) send(1) wait(0) attend(0) out(0) | fill(2) send(2) wait(1) ...
-
-Group g+1's fill (norm + RoPE + pack, ``ulysses/fill.py``) and exchange are enqueued before
-group g's wait and attention, so the fill runs while group g's data is in flight and the
-exchange under group g's attention; this module only enqueues (no event polling, ``.item()``
-or synchronize in it), so the host can run ahead of the GPU.
+Hot path: the first forward with a new shape checks its arguments across ranks (first sight
+per group, ``validate``), decides the head groups and every exchange's transport and builds a
+``ForwardPlan`` (``ulysses/forward_plan.py``, which also has the schedule); a later forward with
+that shape finds its plan by a key of its arguments and runs it. The plan is what a CUDA graph
+of the forward records; under ``torch.compile`` the forward is one custom op
+(``attncomm::ulysses_attention``, ``ulysses/ops.py``) that runs the plan an eager forward of
+the shape made.
 """
 from __future__ import annotations
 
+import collections
+import itertools
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
 
 from .. import _dist, config
 from .._dist import cpu_group, group_key
-from .api import (_BACKEND_CODES, _norm_seq_lens, _seq_lens_error, check_call, dense, get_transport,
-                  resolve_backend, seq_lens_hash)
-from .fill import FillPart, fill, rms_norm_rope
-from .layout import (group_head_ranges, head_offsets, head_split, head_to_seq_plan, kv_head_range,
-                     seq_to_head_plan, uniform_group)
+from . import policy
+from .fill import rms_norm_rope
+from .forward_plan import ForwardPlan
+from .layout import head_split
+from .policy import (_BACKEND_CODES, _norm_seq_lens, _seq_lens_error, check_call,
+                     env_key, on_forget, resolve_backend, seq_key, seq_lens_hash, warm_up_error)
 
 __all__ = ["UlyssesAttention", "sdpa_attention", "rms_norm_rope", "auto_groups",
            "AUTO_PIPELINE", "MAX_GROUPS", "MIN_WAVES"]
@@ -86,14 +88,15 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.transpose(1, 2)
 
 
-class UlyssesAttention(torch.nn.Module):
+class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
     """Attention over the whole sequence on sequence-sharded inputs (DeepSpeed-Ulysses).
 
     Arguments:
         attn_fn: ``attn_fn(q [B, S, h, D], k [B, S, g, D], v [B, S, g, Dv], causal) →
             [B, S, h, Dv]`` with ``h % g == 0`` and query head i using KV head ``i // (h/g)``
             (default: ``sdpa_attention``).
-        group: process group (None: default).
+        group: process group (None: default) or an engine's group coordinator (``device_group``
+            + ``cpu_group``).
         backend: ``"all_to_all"``, ``"ce"`` or ``"auto"`` (env ``ATTNCOMM_ULYSSES_BACKEND``).
         pipeline_groups: −1 automatic (env ``ATTNCOMM_ULYSSES_PIPELINE_GROUPS``): sequential
             while ``AUTO_PIPELINE`` is off (no two-GPU measurement has shown head groups to
@@ -109,7 +112,8 @@ class UlyssesAttention(torch.nn.Module):
         fill_impl: the fill's implementation: ``"auto"`` (the Triton kernel for CUDA tensors
             with a power-of-two head_dim, else torch ops), ``"triton"`` or ``"torch"``; the
             same bits either way.
-        validate: cross-rank argument check (None: env, default on outside graph capture).
+        validate: cross-rank argument check (None → env ``ATTNCOMM_VALIDATE``: unset, on the
+            first forward with a new signature per group; True every forward; False never).
 
     ``forward(q [B, S_r, Hq, D], k [B, S_r, Hkv, D], v [B, S_r, Hkv, Dv], *, seq_lens=None,
     causal=False, rope=None) → [B, S_r, Hq, Dv]``; ``rope=(cos, sin)`` each ``[S, D]`` over
@@ -117,12 +121,24 @@ class UlyssesAttention(torch.nn.Module):
     the KV heads its query heads use and expands them locally when its grouping is not
     uniform.
 
-    Attributes:
-        fallback_reason: why the last ``forward`` with ``backend="auto"`` did not take ``ce``
-            for some exchange (None when every exchange that could use ``ce`` did, or the
-            message was small enough for ``all_to_all`` to be the choice).
-        last_backends: the transports the last ``forward`` used, e.g.
-            ``{"in": "ce", "out": "ce"}``.
+    Attributes (of the last forward):
+        fallback_reason: why it did not take ``ce`` for some exchange with ``backend="auto"``
+            (None when every exchange that could use ``ce`` did, or the message was small
+            enough for ``all_to_all`` to be the choice).
+        last_backends: the transports it used, e.g. ``{"in": "ce", "out": "ce"}``.
+        last_pipeline_groups: its head groups (1: sequential).
+        last_in_exchanges: input exchanges per head group (1 when q, k, v share dtype and
+            head_dim and so travel together).
+
+    CUDA graphs and torch.compile: after one eager forward of a shape (on every rank), a forward
+    of that shape can be captured in a CUDA graph (sequential or pipelined, either transport,
+    the fill included); replays give the eager result bit for bit with no host work. Under
+    ``torch.compile(fullgraph=True)`` the forward is one custom op that runs the plan of that
+    eager forward (``attn_fn`` runs inside it, uncompiled). A shape first seen inside a capture
+    or a trace raises ``ValueError`` saying to warm it up eagerly. The module owns no memory of
+    its own: its ``ce`` staging is the process-wide transport's, shared with every module and
+    functional call on the group (one set of slots per shape bucket, not one per layer), freed
+    by ``attncomm.release(group)``; ``close()`` drops its per-shape plans (nothing collective).
 
     Raises:
         ValueError (every rank): not 4-D tensors, ``Hq % Hkv != 0``, mismatched shapes across
@@ -153,22 +169,55 @@ class UlyssesAttention(torch.nn.Module):
         self.timeout_s = timeout_s
         self.fuse_qk_norm_rope = fuse_qk_norm_rope
         self.fill_impl = fill_impl
-        self._idx: dict = {}  # (device, q_lo, q_hi, m) → KV head index for non-uniform groups
         self.validate = validate
-        #: The transports the last forward used, e.g. ``{"in": "ce", "out": "ce"}``.
-        self.last_backends: dict = {}
-        #: Head groups and input exchanges per group of the last forward (1 when q, k, v share
-        #: dtype and head_dim and so travel together).
-        self.last_pipeline_groups = 0
-        self.last_in_exchanges = 0
-        #: Why the last ``auto`` forward did not take ``ce`` (see the class docstring).
-        self.fallback_reason: str | None = None
+        self.__dict__["_pg"] = _UNRESOLVED  # the resolved process group, on the first forward
+        self.__dict__["_plans"] = collections.OrderedDict()   # plan key → ForwardPlan
+        self.__dict__["_last"] = None      # the last forward's plan
+        _LIVE.add(self)
+
+    def __setattr__(self, name, value) -> None:
+        super().__setattr__(name, value)
+        if name in _PLAN_INPUTS:  # a setting a plan was made from: plan again
+            self.__dict__.get("_plans", {}).clear()
+            if name == "group":
+                self.__dict__["_pg"] = _UNRESOLVED
+
+    @property
+    def fallback_reason(self) -> str | None:
+        return self._last.fallback_reason if self._last is not None else None
+
+    @property
+    def last_backends(self) -> dict:
+        return dict(self._last.backends) if self._last is not None else {}
+
+    @property
+    def last_pipeline_groups(self) -> int:
+        return self._last.n_groups if self._last is not None else 0
+
+    @property
+    def last_in_exchanges(self) -> int:
+        return self._last.in_exchanges if self._last is not None else 0
+
+    def _release(self) -> None:
+        self._plans.clear()
+        self.__dict__["_last"] = None
+
+    def __getstate__(self) -> dict:
+        # A copy (deepcopy, pickle) plans anew: plans hold transports and device tensors.
+        state = dict(self.__dict__)
+        state.update(_plans=collections.OrderedDict(), _last=None, _pg=_UNRESOLVED)
+        state.pop("_op_name", None)
+        return state
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        _LIVE.add(self)
 
     # ----------------------------------------------------------------------------- checks
     def _check(self, q, k, v, seq, rope, error):
         """Local checks (no communication): ``(error or None, (B, S_r, Hq, Hkv, D, Dv), seq)``,
         the dims all 0 when q/k/v are not 4-D tensors."""
-        group = self.group
+        group = self._pg
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         tens = [t for t in (q, k, v) if isinstance(t, torch.Tensor)]
         if len(tens) != 3 or any(t.dim() != 4 for t in tens):
@@ -236,7 +285,7 @@ class UlyssesAttention(torch.nn.Module):
         agreed): −1 → ``auto_groups`` when ``AUTO_PIPELINE`` is on, else 1; N ≥ 2 → N if every
         rank has room for two groups' working sets (``_agree_fits``, before any allocation)."""
         b, hq, hkv, d, dv = dims
-        world = dist.get_world_size(self.group)
+        world = dist.get_world_size(self._pg)
         if g == -1:
             g = 1
             if AUTO_PIPELINE and device.type == "cuda":
@@ -244,19 +293,46 @@ class UlyssesAttention(torch.nn.Module):
                 g = auto_groups(head_split(hq, world), b, sum(seq), sms)
         if g < 2:
             return 1
-        rank = dist.get_rank(self.group)
+        rank = dist.get_rank(self._pg)
         h_r = head_split(hq, world)[rank]
         item = 4  # an upper bound for fp16/bf16/fp32
         work = b * (seq[rank] * (hq + 2 * hkv) * d          # fill send buffer
                     + sum(seq) * (h_r + 2 * hkv) * d        # receive buffer (≤ all KV heads)
                     + sum(seq) * h_r * dv) * item           # attention output
         key = (dims, tuple(seq), g)
-        return g if _agree_fits(self.group, device, key, 2 * -(-work // g)) else 1
+        return g if _agree_fits(self._pg, device, key, 2 * -(-work // g)) else 1
 
     # ----------------------------------------------------------------------------- forward
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_lens=None,
                 causal: bool = False, rope=None) -> torch.Tensor:
-        group = self.group
+        if torch.compiler.is_compiling():
+            return self._traced_forward(q, k, v, seq_lens, causal, rope)
+        return self._forward(q, k, v, seq_lens, causal, rope)
+
+    def _forward(self, q, k, v, seq_lens, causal, rope):
+        """The eager forward: the plan of this shape (made on its first forward), run."""
+        if self._closed:
+            self._ensure_open()
+        try:
+            key = self._plan_key((q.shape, q.dtype, q.device), (k.shape, k.dtype, k.device),
+                                 (v.shape, v.dtype, v.device), seq_lens, causal,
+                                 None if rope is None else (rope[0].shape, rope[1].shape))
+            plan = self._plans.get(key)
+        except (AttributeError, TypeError, IndexError):  # the checks name what is wrong
+            key, plan = None, None
+        if plan is None:
+            plan = self._make_plan(q, k, v, seq_lens, causal, rope, key)
+        elif plan.every:
+            check_call(self._pg, "UlyssesAttention", self.validate, *plan.check)
+        self.__dict__["_last"] = plan
+        return plan.run(q, k, v, rope)
+
+    def _make_plan(self, q, k, v, seq_lens, causal, rope, key) -> ForwardPlan:
+        """The checks (local, then across ranks on a new signature), the head groups and the
+        transports of a new forward shape: its ``ForwardPlan``."""
+        if self._pg is _UNRESOLVED:  # a coordinator's device_group; the check once
+            self.__dict__["_pg"] = _dist.resolve_group(self.group, "UlyssesAttention")
+        group = self._pg
         timeout = config.timeout_s(self.timeout_s)
         error = None
         try:
@@ -280,145 +356,90 @@ class UlyssesAttention(torch.nn.Module):
         labels = ["B", "Hq", "Hkv", "D", "Dv", "q dtype", "k dtype", "v dtype", "CUDA",
                   "backend", "causal", "rope given", "qk_norm given", "S_r (seq_lens=None)",
                   "sum(seq_lens)", "seq_lens (hash)", "pipeline_groups"]
-        capturing = (isinstance(q, torch.Tensor) and q.is_cuda
-                     and torch.cuda.is_current_stream_capturing())
-        validate = config.validate_enabled(self.validate, default=not capturing)
-        check_call(group, "UlyssesAttention", validate, sig, labels, error, timeout,
-                   seq_lens=seq)
-        self.fallback_reason = None
-        return self._run(q, k, v, seq, causal, rope, backend, timeout, groups,
-                         (b, hq, hkv, d, dv))
-
-    def _norm_rope(self, q, k, rope, cos_sin):
-        """RMSNorm + RoPE of q and k (``cos_sin`` rows for their sequence positions)."""
-        if self.qk_norm is None and rope is None:
-            return q, k
-        qw, kw, eps = self.qk_norm if self.qk_norm is not None else (None, None, 0.0)
-        cs, sn = cos_sin if rope is not None else (None, None)
-        return (rms_norm_rope(q, qw, float(eps), cs, sn),
-                rms_norm_rope(k, kw, float(eps), cs, sn))
-
-    def _run(self, q, k, v, seq, causal, rope, backend, timeout, groups, dims):
-        """Group g+1's fill and exchange are enqueued before group g's attention; each group's
-        output reaches the final tensor through the transport (a copy out of its staging or
-        receive buffer, docs/DESIGN.md). Pipelined and sequential runs give the same bits.
-        Nothing here waits for the GPU on the host."""
-        b, hq, hkv, d, dv = dims
-        group = self.group
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        s_total, m = sum(seq), hq // hkv
+        if ok and policy.capturing(q):
+            raise warm_up_error("UlyssesAttention", f"the forward shape q {list(q.shape)}, "
+                                f"k {list(k.shape)}, v {list(v.shape)}, {q.dtype}")
+        check = (sig, labels, error, timeout)
+        check_call(group, "UlyssesAttention", self.validate, *check, seq_lens=seq)
+        dims = (b, hq, hkv, d, dv)
         n_groups = self._pipeline_groups(groups, q.device, dims, seq)
-        self.last_pipeline_groups = n_groups
-        qranges = group_head_ranges(hq, world, n_groups)
-        off = head_offsets(seq)[rank]
-        rows = None if rope is None else (rope[0][off:off + seq[rank]],
-                                          rope[1][off:off + seq[rank]])
-        if not self.fuse_qk_norm_rope:  # norm/rope as their own pass over the local shard
-            q, k = self._norm_rope(q, k, rope, rows)
-            q, k, v = dense(q), dense(k), dense(v)
-        out = torch.empty(b, seq[rank], hq, dv, dtype=q.dtype, device=q.device)
-        ctx = dict(group=group, backend=backend, timeout=timeout, seq=seq, b=b, m=m,
-                   rows=rows)
-        pending_out = []
-        ex_in = self._start_in(ctx, q, k, v, qranges[0])
-        for g in range(n_groups):
-            # group g+1's fill and exchange first: the fill runs while group g's data is in
-            # flight, its exchange under group g's attention
-            nxt = self._start_in(ctx, q, k, v, qranges[g + 1]) if g + 1 < n_groups else None
-            bufs = [(e, e.wait()) for e in ex_in[1]]
-            qg, kg, vg = self._views(ctx, ex_in[0], bufs)
-            q_lo, q_hi = qranges[g][rank]
-            og = self._attend(qg, kg, vg, q_lo, q_hi, m, causal, s_total, dv)
-            for e, _ in bufs:
-                e.release()
-            pending_out.append(self._start_out(ctx, og, qranges[g], hq, dv, out.view(-1)))
-            if len(pending_out) > 1:  # at most two output exchanges in flight (two slots)
-                done = pending_out.pop(0)
-                done.wait()
-                done.release()
-            ex_in = nxt
-        for e in pending_out:
-            e.wait()
-            e.release()
-        return out
+        plan = ForwardPlan(self, group, dist.get_rank(group), dist.get_world_size(group), dims,
+                           seq, backend, timeout, n_groups, q, k, v, rope is not None, causal)
+        plan.every = config.validation_mode(self.validate) == "every"
+        plan.check = check
+        if key is not None:
+            plans = self._plans
+            plans[key] = plan
+            while len(plans) > PLANS_PER_MODULE:
+                plans.popitem(last=False)
+        return plan
 
-    def _attend(self, qg, kg, vg, q_lo, q_hi, m, causal, s_total, dv):
-        """``attn_fn`` on this rank's heads ``[q_lo, q_hi)`` of one group, with the KV heads
-        expanded to one per query head when the rank's grouping is not uniform."""
-        if q_hi <= q_lo or s_total == 0:
-            return qg.new_empty(qg.shape[0], s_total, q_hi - q_lo, dv)
-        if not uniform_group(q_lo, q_hi, m):
-            key = (kg.device, q_lo, q_hi, m)
-            idx = self._idx.get(key)
-            if idx is None:  # built once: a host → device copy per forward would block
-                kv_lo = kv_head_range(q_lo, q_hi, m)[0]
-                idx = torch.tensor([h // m - kv_lo for h in range(q_lo, q_hi)],
-                                   device=kg.device)
-                self._idx[key] = idx
-            kg, vg = kg.index_select(2, idx), vg.index_select(2, idx)
-        return dense(self.attn_fn(qg, kg, vg, causal))
+    def _plan_key(self, qd, kd, vd, seq_lens, causal, rope_shapes) -> tuple:
+        """A forward's plan key from its tensors' (shape, dtype, device), ``seq_lens``, causal,
+        the rope tensors' shapes and the call-time variables: the same for an eager forward and
+        a traced one of the same shape."""
+        return (qd, kd, vd, seq_key(seq_lens), bool(causal), rope_shapes,
+                env_key(self.backend, self.timeout_s, self.validate, self.pipeline_groups))
 
-    def _start_in(self, ctx, q, k, v, qr):
-        """Start the exchanges of one head group: q, k, v in one exchange when their dtype and
-        head_dim agree (else one per (dtype, D)). With ``fuse_qk_norm_rope`` the fill packs
-        each exchange's send buffer (norm + RoPE on the way) and the transport sends it as
-        it is; otherwise the transport packs from q, k, v."""
-        kvr = tuple(kv_head_range(lo, hi, ctx["m"]) for lo, hi in qr)
-        qr = tuple(qr)
-        keyed: dict = {}
-        for name, t, ranges in (("q", q, qr), ("k", k, kvr), ("v", v, kvr)):
-            keyed.setdefault((t.dtype, t.shape[3]), []).append((name, t, ranges))
-        layout, exs = [], []
-        for (dtype, dd), items in keyed.items():
-            ranges = tuple(r for _, _, r in items)
-            plan = seq_to_head_plan(ctx["b"], ctx["seq"], dd, ranges)
-            t = get_transport(ctx["group"], ctx["backend"], q.device, ctx["timeout"], plan,
-                              dtype, "UlyssesAttention", owner=self)
-            self.last_backends["in"] = t.name
-            if self.fuse_qk_norm_rope:
-                send = t.send_buffer(plan, dtype, q.device)
-                self._fill(ctx, items, send)
-                exs.append(t.start(plan, [], dtype, q.device, send=send))
-            else:
-                exs.append(t.start(plan, [x for _, x, _ in items], dtype, q.device))
-            layout.append(([(name, r) for name, _, r in items], dd))
-        self.last_in_exchanges = len(exs)
-        return layout, exs
+    def _traced_forward(self, q, k, v, seq_lens, causal, rope):
+        """The forward under torch.compile: one custom op (``ulysses/ops.py``) that runs the
+        plan an eager forward of this shape made (the warm-up error when there is none)."""
+        name = _traced_plan(self, (tuple(q.shape), q.dtype, q.device),
+                            (tuple(k.shape), k.dtype, k.device),
+                            (tuple(v.shape), v.dtype, v.device), seq_lens, causal,
+                            None if rope is None else (tuple(rope[0].shape),
+                                                       tuple(rope[1].shape)))
+        cos, sin = rope if rope is not None else (None, None)
+        seq = None if seq_lens is None else [int(s) for s in seq_lens]
+        return torch.ops.attncomm.ulysses_attention(q, k, v, cos, sin, name, bool(causal), seq)
 
-    def _fill(self, ctx, items, send):
-        """Fill the transport's send buffer of one exchange (``ulysses/fill.py``): region p
-        holds this rank's rows of p's heads, q and k normed and rotated on the way."""
-        qw, kw, eps = self.qk_norm if self.qk_norm is not None else (None, None, 0.0)
-        rows = ctx["rows"]
-        weights = {"q": qw, "k": kw}
-        parts = [FillPart(x, r, weights.get(name), rows is not None and name != "v")
-                 for name, x, r in items]
-        cos, sin = rows if rows is not None else (None, None)
-        out = send.flat if send.flat is not None else send.regions
-        fill(parts, float(eps), cos, sin, out=out, impl=self.fill_impl)
 
-    def _views(self, ctx, layout, bufs):
-        rank = dist.get_rank(ctx["group"])
-        s_total, b = sum(ctx["seq"]), ctx["b"]
-        views = {}
-        for (items, dd), (_, buf) in zip(layout, bufs):
-            htot = sum(r[rank][1] - r[rank][0] for _, r in items)
-            full = buf.view(s_total, b, htot, dd)
-            col = 0
-            for name, r in items:
-                n = r[rank][1] - r[rank][0]
-                views[name] = full[:, :, col:col + n].permute(1, 0, 2, 3)
-                col += n
-        return views["q"], views["k"], views["v"]
+_UNRESOLVED = object()
+#: Settings a plan is made from: setting one of them drops the module's plans.
+_PLAN_INPUTS = frozenset({"attn_fn", "group", "backend", "pipeline_groups", "qk_norm",
+                          "timeout_s", "fuse_qk_norm_rope", "fill_impl", "validate"})
+#: Forward shapes a module keeps plans for (least recently made dropped first).
+PLANS_PER_MODULE = 64
+#: Live modules, whose plans ``reset_transports`` / ``attncomm.release`` drop with the group's
+#: transports; and the names the custom op finds a module by (``module_by_name``).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+_NAMES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_NAME_IDS = itertools.count()
 
-    def _start_out(self, ctx, og, qr, hq, dv, flat_out):
-        src_heads = tuple(hi - lo for lo, hi in qr)
-        offs = tuple(lo for lo, _ in qr)
-        plan = head_to_seq_plan(ctx["b"], ctx["seq"], dv, src_heads, offs, hq)
-        t = get_transport(ctx["group"], ctx["backend"], og.device, ctx["timeout"], plan,
-                          og.dtype, "UlyssesAttention", owner=self)
-        self.last_backends["out"] = t.name
-        return t.start(plan, [og], og.dtype, og.device, out=flat_out)
+
+@on_forget
+def _forget(key) -> None:
+    for mod in list(_LIVE):
+        if mod._pg is not _UNRESOLVED and group_key(mod._pg) == key:
+            mod._plans.clear()
+            mod.__dict__["_last"] = None
+
+
+@torch.compiler.assume_constant_result
+def _traced_plan(mod, qd, kd, vd, seq_lens, causal, rope_shapes) -> str:
+    """The name the custom op finds ``mod`` by, after checking that an eager forward planned
+    this shape (the warm-up error otherwise). Run by torch.compile while it traces; its result
+    is a constant of the graph."""
+    mod._ensure_open()
+    key = mod._plan_key(qd, kd, vd, seq_lens, causal, rope_shapes)
+    if key not in mod._plans:
+        shapes = ", ".join(f"{n} {list(d[0])}" for n, d in zip("qkv", key[:3]))
+        raise warm_up_error("UlyssesAttention", f"the forward shape {shapes}, {key[0][1]}")
+    name = mod.__dict__.get("_op_name")
+    if name is None or _NAMES.get(name) is not mod:  # a copy of a module gets its own name
+        name = f"UlyssesAttention#{next(_NAME_IDS)}"
+        mod.__dict__["_op_name"] = name
+        _NAMES[name] = mod
+    return name
+
+
+def module_by_name(name: str) -> UlyssesAttention:
+    """The module a traced ``attncomm::ulysses_attention`` call names."""
+    mod = _NAMES.get(name)
+    if mod is None:
+        raise RuntimeError(f"UlyssesAttention {name!r} no longer exists (the compiled graph "
+                           f"outlived the module it was traced from)")
+    return mod
 
 
 def _pipeline_groups_error(g) -> str | None:

@@ -15,13 +15,23 @@ rank makes the same calls), a ``SymmWorkspace`` of the substrate::
                            A[k][p] (set by destination p: it is done reading slot k from me)
     slot 0, slot 1         the final receive buffer (bytes), double-buffered by parity k
 
-Protocol for an exchange with parity ``k`` (flags only ever hold 0 or 1, so CUDA graph replays
-repeat the same values):
+Protocol for an exchange with parity ``k`` (flag layout and peer orders: ``ce_flags``):
 
 - sender ``r`` → ``p`` (on a copy stream): wait ``A[k][p] == 1`` (local), set it 0, copy the
   pieces into ``p``'s slot ``k``, write ``F[k][r] = 1`` into ``p``'s flags.
 - receiver ``r``: wait ``F[k][s] == 1`` for every peer, set it 0, read the slot, then
   ``release()`` writes ``A[k][r] = 1`` into every source's flags.
+
+CUDA graphs: an exchange captured after one eager call of its shape (staging allocated, kernels
+compiled) replays with no host step. The flags need none: every wait resets the flag it waited
+for, so after each complete exchange (started, waited and released in the same graph, as every
+caller does) the block is back to its initial values — the counterpart, for flags that are
+reset, of ``symm_a2a``'s device-side epochs, whose flags are never reset. A replay uses the
+slots chosen at capture; an eager call after it uses the host's parity and may pick the same
+slot: the A flags order every peer's write after this rank's release, and this rank's own
+writes follow the replay on its stream. Inside a capture every flag operation is a Triton
+kernel with a device deadline (no watchdog), and nothing is allocated: a new size raises
+``ValueError`` (warm the shape up eagerly).
 
 The host never waits for the GPU inside an exchange: every order lives on the device (stream
 memory ops or flag kernels, events between the copy streams and the caller's stream), so a
@@ -44,10 +54,11 @@ import torch
 import torch.distributed as dist
 
 from .. import capability, config
-from .._dist import agree_reason, cpu_group, group_key
+from .._dist import agree_reason, cpu_group, group_key, on_release, wait
 from ..errors import PeerTimeoutError
-from ..symm import PeerErrors, PendingWait, SymmWorkspace, watchdog
-from .ce_flags import Flags, ok, runtime, triton_reason
+from ..symm import PeerErrors, PendingWait, watchdog
+from .ce_flags import Flags, ok, recv_order, runtime, send_order, triton_reason
+from .ce_staging import Staging as _Staging, align as _align
 from .layout import ExchangePlan
 from .transport import Exchange, SendBuffer, Transport, send_views, source_view
 
@@ -56,13 +67,6 @@ __all__ = ["CopyEngineTransport", "local_unavailable_reason", "host_unavailable_
 
 #: Staging buffers kept per transport (least recently used evicted first).
 CACHE_ENTRIES = config.get("ATTNCOMM_ULYSSES_CE_CACHE")
-_ALIGN = 256
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
 # ------------------------------------------------------------------------------ eligibility
 def local_unavailable_reason(group, device: torch.device) -> str | None:
     """Local facts only (no communication): CUDA tensors, torch SymmetricMemory, a flag
@@ -97,6 +101,12 @@ def host_unavailable_reason() -> str | None:
 _AGREED: dict = {}
 
 
+@on_release
+def _forget_agreement(key) -> None:
+    for k in [k for k in _AGREED if k[0] == key]:
+        del _AGREED[k]
+
+
 def agreed_unavailable_reason(group, device: torch.device) -> str | None:
     """Why ``ce`` cannot run on ``group`` for ``device`` tensors, the same on every rank (None if
     it can). Collective on first use per (group, device type), cached: local facts, one host,
@@ -119,80 +129,6 @@ def probe_stream_mem_ops(device: torch.device) -> str | None:
 
 
 # ------------------------------------------------------------------------------ staging
-class _Staging:
-    """One staging entry: a ``SymmWorkspace`` of flags + two slots of ``cap`` bytes, and (for
-    ``send_buffer``) a local send staging per parity.
-
-    Built in two collective steps, each agreed across ranks by the caller: the constructor
-    allocates and initialises (local; may fail, e.g. OOM), ``rendezvous()`` exchanges handles
-    (every rank must reach it, so it runs only once every rank has allocated)."""
-
-    def __init__(self, group, rank, world, cap: int, device, *, failures=None):
-        self.world = world
-        self.cap = cap
-        self.device = device
-        self.flags_bytes = _align(16 * world)
-        self.ws = SymmWorkspace(group, self.flags_bytes + 2 * cap, device, op="ulysses ce",
-                                rendezvous=False, errors=failures)
-        self.buf = self.ws.slab
-        flags = self.buf[:16 * world].view(torch.int32).view(4, world)
-        flags[2:].fill_(1)          # A[k][p] = 1: every slot starts free
-        flags[2:, rank].zero_()
-        self.ptrs: list = []
-        self.parity = 0
-        self.pinned = False
-        self.send_bufs = [None, None]  # local send staging per parity (send_buffer), lazily
-        # Host bookkeeping of slot k: held from start() to release(); a held slot is never
-        # handed out again (the transport takes another entry), because this rank's own
-        # region is written on the caller's stream, which no flag orders.
-        self.held = [False, False]
-        # Events, all of one capture mode (``_mode``): after the copies that last read send
-        # staging k, and at the last release of slot k (its readers are done).
-        self.mode = None
-        self.send_done: list = [[], []]
-        self.released: list = [None, None]
-
-    def marks(self, mode) -> _Staging:
-        """The event lists for ``mode``, emptied when the mode changed: an event recorded
-        eagerly must not be waited inside a capture, nor one of a capture outside it or in
-        another; across a mode change the work is stream-ordered anyway (capture starts after
-        a synchronize, replays run on the caller's stream)."""
-        if mode != self.mode:
-            self.mode = mode
-            self.send_done = [[], []]
-            self.released = [None, None]
-        return self
-
-    def await_slot(self, stream, k: int, mode) -> None:
-        """Order ``stream`` after the last release of slot ``k`` (device-side)."""
-        ev = self.marks(mode).released[k]
-        if ev is not None:
-            stream.wait_event(ev)
-
-    def rendezvous(self) -> None:
-        """Collective: exchange buffer handles with every rank (host-blocking)."""
-        self.ws.rendezvous()
-        self.ptrs = self.ws.peer_ptrs
-
-    def release(self) -> None:
-        self.ws.release()
-        self.buf = None
-
-    def f_addr(self, owner: int, k: int, src: int) -> int:
-        return self.ptrs[owner] + 4 * (k * self.world + src)
-
-    def a_addr(self, owner: int, k: int, dst: int) -> int:
-        return self.ptrs[owner] + 4 * ((2 + k) * self.world + dst)
-
-    def slot_addr(self, owner: int, k: int) -> int:
-        return self.ptrs[owner] + self.flags_bytes + k * self.cap
-
-    def slot_view(self, k: int, numel: int, dtype) -> torch.Tensor:
-        start = self.flags_bytes + k * self.cap
-        item = torch.empty((), dtype=dtype).element_size()
-        return self.buf[start:start + numel * item].view(dtype)
-
-
 def _mode(stream):
     """None outside CUDA graph capture, else a tag of the capture ``stream`` belongs to
     (its capture id where ``cudaStreamGetCaptureInfo`` answers)."""
@@ -273,13 +209,26 @@ class CopyEngineTransport(Transport):
     def broken(self) -> PeerTimeoutError | None:
         return self.failures.broken
 
+    def close(self) -> None:
+        """Collective: free every staging buffer once every rank got here (no peer still
+        copies into one). The transport can allocate again afterwards."""
+        if not self.cache:
+            return
+        torch.cuda.synchronize(self.device)
+        g = cpu_group(self.group)
+        if self.world_size > 1:
+            wait(dist.barrier(group=g, async_op=True), g, "ulysses ce (close)", self.timeout_s)
+        for st in self.cache.values():
+            st.release()
+        self.cache.clear()
+
     # -------------------------------------------------------------------------- cache
     def _key(self, plan: ExchangePlan, dtype) -> tuple:
         """``(tiled, size bucket, n)``: the first entry of that shape whose next slot is not
         held (every rank makes the same calls, so every rank picks the same entry). Two
         exchanges in flight per shape fit one entry; more in flight (a pipeline's q/k and v
         exchanges of the same bucket, two head groups ahead) take further entries."""
-        item = torch.empty((), dtype=dtype).element_size()
+        item = dtype.itemsize
         base = (plan.tiled, _bucket(max(plan.recv_numel) * item))
         n = 0
         while (st := self.cache.get(base + (n,))) is not None and st.held[st.parity]:
@@ -288,13 +237,17 @@ class CopyEngineTransport(Transport):
 
     def prepare(self, plan: ExchangePlan, dtype) -> str | None:
         """None if ``start`` can run this plan now (allocating its staging buffer if needed,
-        collectively), else why not (the same on every rank)."""
+        collectively), else why not (the same on every rank). Raises ``ValueError`` when a new
+        buffer would be needed inside CUDA graph capture (warm the shape up eagerly)."""
         self.check()
         key = self._key(plan, dtype)
         if key in self.cache:
             return None
         if torch.cuda.is_current_stream_capturing():
-            return "a new shape during CUDA graph capture (run it once before capturing)"
+            raise ValueError(
+                "ulysses ce: a staging buffer for a new message size is needed inside CUDA "
+                "graph capture, where it cannot be allocated (collective): run this call "
+                "shape once eagerly on every rank before capturing")
         return self._allocate(key)
 
     def _allocate(self, key) -> str | None:
@@ -339,8 +292,11 @@ class CopyEngineTransport(Transport):
                 raise ValueError(f"ulysses ce: {why}")
         return key, self.cache[key]
 
-    def send_buffer(self, plan: ExchangePlan, dtype: torch.dtype,
-                    device: torch.device) -> SendBuffer:
+    def send_storage(self, plan: ExchangePlan) -> int:
+        return 0  # its own staging: the slot and a send staging buffer per parity
+
+    def send_buffer(self, plan: ExchangePlan, dtype: torch.dtype, device: torch.device,
+                    storage: torch.Tensor | None = None) -> SendBuffer:
         """Views of this transport's staging for the next ``start(plan, ..., send=)``: for a
         tiled plan ``regions[rank]`` is this rank's own region of its receive slot (written in
         place, never copied), the peers' regions lie in a local send staging buffer that the
@@ -348,7 +304,7 @@ class CopyEngineTransport(Transport):
         release of that slot and the copies that last read that buffer are done."""
         key, st = self._entry(plan, dtype)
         k, r = st.parity, self.rank
-        item = torch.empty((), dtype=dtype).element_size()
+        item = dtype.itemsize
         own_in_slot = plan.tiled
         need = sum(n for p, n in enumerate(plan.numel[r]) if p != r or not own_in_slot) * item
         cur = torch.cuda.current_stream(self.device)
@@ -359,8 +315,8 @@ class CopyEngineTransport(Transport):
         buf = st.send_bufs[k]
         if buf is None or buf.numel() < need:
             if torch.cuda.is_current_stream_capturing():
-                raise ValueError("ulysses ce: a new send buffer size during CUDA graph capture "
-                                 "(run it once before capturing)")
+                raise ValueError("ulysses ce: a new send buffer size inside CUDA graph "
+                                 "capture: run this call shape once eagerly before capturing")
             if buf is not None:
                 for cs in self.streams:
                     buf.record_stream(cs)
@@ -390,18 +346,15 @@ class CopyEngineTransport(Transport):
         capturing = torch.cuda.is_current_stream_capturing()
         if capturing:
             st.pinned = True
-        k = st.parity
-        st.parity ^= 1
-        st.held[k] = True
-        item = torch.empty((), dtype=dtype).element_size()
+        k = st.take()
+        item = dtype.itemsize
         r, w = self.rank, self.world_size
         cur = torch.cuda.current_stream(self.device)
         mode = _mode(cur)
         ready = _record(cur)
         done, a_waits = {}, []
-        for i in range(1, w):
-            p = (r + i) % w
-            cs = self.streams[(i - 1) % len(self.streams)]
+        for i, p in enumerate(send_order(r, w)):
+            cs = self.streams[i % len(self.streams)]
             cs.wait_event(ready)
             a_waits.append(self._bounded_wait(cs, st.a_addr(r, k, p), p, capturing))
             self._copy_to(cs, st.slot_addr(p, k), plan, p, parts, send, item)
@@ -521,9 +474,8 @@ class _CEExchange(Exchange):
             return self._result
         t, st, k, r = self.t, self.st, self.k, self.t.rank
         cur = torch.cuda.current_stream(t.device)
-        f_waits = [t._bounded_wait(cur, st.f_addr(r, k, (r - i) % t.world_size),
-                                   (r - i) % t.world_size, self.capturing)
-                   for i in range(1, t.world_size)]
+        f_waits = [t._bounded_wait(cur, st.f_addr(r, k, s), s, self.capturing)
+                   for s in recv_order(r, t.world_size)]
         for ev in self.done.values():
             cur.wait_event(ev)
         t._watch(f_waits, self.capturing, lambda s: [st.f_addr(r, k, s)])
@@ -556,10 +508,9 @@ class _CEExchange(Exchange):
         t, st, k, r = self.t, self.st, self.k, self.t.rank
         cur = torch.cuda.current_stream(t.device)
         kernel = torch.cuda.is_current_stream_capturing()
-        for i in range(1, t.world_size):
-            s = (r - i) % t.world_size
+        for s in recv_order(r, t.world_size):
             t.flags.write(cur, st.a_addr(s, k, r), 1, kernel=kernel)
         # The caller's reads of slot k are enqueued before this point: the next user of the
         # slot writes its own region only after this event (``_Staging.await_slot``).
-        st.held[k] = False
+        st.put(k)
         st.marks(_mode(cur)).released[k] = _record(cur)

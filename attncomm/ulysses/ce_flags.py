@@ -1,6 +1,8 @@
 """Flag writes and waits on a CUDA stream for the ``ce`` transport: stream memory ops
 (``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` from ``cuda.bindings.driver``) or one-block
-Triton kernels (release store / acquire spin with a device-side deadline).
+Triton kernels (release store / acquire spin with a device-side deadline: ``ce_flag_kernels``);
+and the protocol's flag layout and peer orders as pure functions (``f_word``, ``a_word``,
+``initial_flags``, ``send_order``, ``recv_order``), which the transport addresses its flags by.
 
 A kernel wait that runs past its deadline stores 1 into the error word of the peer it waited
 for (``PeerErrors.words``, mapped host memory: a system-scope store), releases its stream and
@@ -12,10 +14,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Flags", "driver", "runtime", "triton_reason", "ok"]
+from .. import _triton
+
+if _triton.REASON is None:
+    from . import ce_flag_kernels as _k
+else:
+    _k = None
+
+__all__ = ["Flags", "driver", "runtime", "triton_reason", "ok", "f_word", "a_word",
+           "initial_flags", "send_order", "recv_order"]
 
 _WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
-_KERNELS = None
 
 
 def driver():
@@ -35,49 +44,14 @@ def runtime():
 
 
 def triton_reason() -> str | None:
-    """None when Triton is importable, else why not."""
-    try:
-        import triton  # noqa: F401
-        return None
-    except Exception as exc:  # noqa: BLE001
-        return str(exc)
+    """None when Triton is importable, else the import's error."""
+    return _triton.ERROR
 
 
 def ok(res) -> bool:
     """Whether a ``cuda.bindings`` call returned success."""
     err = res[0] if isinstance(res, tuple) else res
     return int(getattr(err, "value", err)) == 0
-
-
-def _kernels():
-    """The one-block Triton flag kernels (compiled lazily: Triton is optional)."""
-    global _KERNELS
-    if _KERNELS is None:
-        import triton
-        import triton.language as tl
-        from triton.language.extra import cuda as tlcuda
-
-        @triton.jit
-        def signal_kernel(addr, value):
-            ptr = addr.to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(ptr, value, sem="release", scope="sys")
-
-        @triton.jit
-        def wait_kernel(addr, expect, err_ptr, peer, timeout_ns):
-            # spin (acquire) until *addr == expect, then reset it; past the deadline record
-            # the timeout in errors[peer] (host-visible) and give up
-            ptr = addr.to(tl.pointer_type(tl.int32))
-            t0 = tlcuda.globaltimer()
-            val = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-            while (val != expect) & ((tlcuda.globaltimer() - t0) < timeout_ns):
-                val = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-            if val == expect:
-                tl.atomic_xchg(ptr, 0, sem="relaxed", scope="sys")
-            else:
-                tl.atomic_xchg(err_ptr + peer, 1, sem="relaxed", scope="sys")
-
-        _KERNELS = (signal_kernel, wait_kernel)
-    return _KERNELS
 
 
 class Flags:
@@ -104,7 +78,7 @@ class Flags:
                 raise RuntimeError(f"cuStreamWriteValue32 at {addr:#x} failed")
             return
         with torch.cuda.stream(stream):
-            _kernels()[0][(1,)](addr, value)
+            _k.signal_kernel[(1,)](addr, value)
 
     def wait(self, stream: torch.cuda.Stream, addr: int, value: int, peer: int,
              bounded: bool) -> None:
@@ -117,7 +91,7 @@ class Flags:
             self.write(stream, addr, 0)
             return
         with torch.cuda.stream(stream):
-            _kernels()[1][(1,)](addr, value, self.errors, peer, self.timeout_ns)
+            _k.wait_kernel[(1,)](addr, value, self.errors, peer, self.timeout_ns)
 
     def warm(self, device: torch.device) -> None:
         """Compile the flag kernels now (never during graph capture): a write and a wait on a
@@ -129,3 +103,35 @@ class Flags:
         kern.write(s, word.data_ptr(), 1)
         kern.wait(s, word.data_ptr(), 1, 0, bounded=True)
         torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------ the protocol
+# One staging entry's flags block: int32 [4, W]. Row k (0, 1): F[k][s], set to 1 by source s
+# once slot k holds its data; row 2 + k: A[k][p], set to 1 by destination p once it is done
+# reading slot k (its data from this rank). A wait resets the flag it waited for, so the block
+# returns to ``initial_flags`` after every complete exchange (tests/test_ulysses_ce_protocol.py
+# runs the protocol over eager calls, captures and replays).
+def f_word(k: int, src: int, world: int) -> int:
+    """Word index of ``F[k][src]`` in a flags block."""
+    return k * world + src
+
+
+def a_word(k: int, dst: int, world: int) -> int:
+    """Word index of ``A[k][dst]`` in a flags block."""
+    return (2 + k) * world + dst
+
+
+def initial_flags(rank: int, world: int) -> list[int]:
+    """``rank``'s flags block when its entry is allocated, flat ``[4 · W]``: no slot holds data
+    (F = 0) and every slot is free for every peer (``A[k][p] = 1``, p ≠ rank)."""
+    return [int(row >= 2 and p != rank) for row in range(4) for p in range(world)]
+
+
+def send_order(rank: int, world: int) -> list[int]:
+    """The peers a sender copies to, in order: ``rank + 1, rank + 2, ...`` (mod W)."""
+    return [(rank + i) % world for i in range(1, world)]
+
+
+def recv_order(rank: int, world: int) -> list[int]:
+    """The sources a receiver waits for and releases, in order: ``rank − 1, rank − 2, ...``."""
+    return [(rank - i) % world for i in range(1, world)]

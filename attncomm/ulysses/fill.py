@@ -15,11 +15,20 @@ order, in fp32, rounded once):
 
 - ``fill_torch`` (CPU tensors, any head_dim, and the reference): ``rms_norm_rope`` per part,
   then strided copies into the regions.
-- ``fill_triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``; head_dim a power of two): one
+- ``fill_triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``; head_dim a power of two; the
+  kernel is ``fill_kernels``'s, its geometry in a descriptor built once per layout): one
   program per (block of rows, run of consecutive heads of one part bound for one destination,
   batch) loads ``[rows, heads, D]`` once, 16-byte vectors in and out, and stores it into that
   destination's region (a KV head shared by several ranks under GQA is in one run per rank),
   with FMA contraction off so that ``a * b + c`` rounds twice as in torch.
+
+FP8 payload (``payload_dtype=torch.float8_e4m3fn``, issue 22 item 2): each part's rows are
+normed and rotated as above and rounded to the parts' dtype (the bits the bf16 path sends), then
+quantized by ``fp8``'s rule (one fp32 scale per (token, head) row, amax / 448) and written in its
+wire layout: elements are bytes and a row is ``fp8.row_bytes(D) = D + 4`` of them (the ``D``
+e4m3 bytes, then the scale), so region ``p`` is ``[S_r, B, htot_p, D + 4]`` uint8 and
+``send_layout(B, S_r, D + 4, ranges)`` gives its size. ``fill_torch`` calls
+``fp8.quantize_pack``; the kernel quantizes in its epilogue (one pass: no extra read).
 
 RMSNorm (Zhang & Sennrich, 2019) over ``D``: ``x · (1 / sqrt(mean(x²) + eps)) · w`` with the
 mean a pairwise sum in a fixed order (adjacent elements added, recursively) and IEEE-rounded
@@ -34,12 +43,23 @@ import collections
 import dataclasses
 import functools
 import os
+import struct
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["FillPart", "rms_norm_rope", "send_layout", "fill_torch", "fill_triton", "fill",
-           "triton_fill_reason", "default_block_s", "LAUNCH_OPTIONS"]
+from .. import _triton
+from ..compiled_launch import hooked
+from . import fp8 as _fp8
+
+if _triton.REASON is None:
+    from . import fill_kernels as _fk
+else:
+    _fk = None
+
+__all__ = ["FillPart", "FillPlan", "rms_norm_rope", "send_layout", "fill_torch", "fill_triton",
+           "fill", "triton_fill_reason", "default_block_s", "LAUNCH_OPTIONS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +138,10 @@ def send_layout(batch: int, s_r: int, head_dim: int, ranges: Sequence[tuple]):
     return htot, starts + [acc]
 
 
-def _check_parts(parts: Sequence[FillPart], out):
-    """``((B, S_r, D), htot, starts, regions or None)``; ``out`` is None, a flat send buffer
-    or one flat tensor per destination region."""
+def _check_parts(parts: Sequence[FillPart], out, payload_dtype=None):
+    """``((B, S_r, row), htot, starts, regions or None, fp8)``; ``out`` is None, a flat send
+    buffer or one flat tensor per destination region; ``row``: elements per (token, head) in
+    the send buffer (``D``, or ``D + 4`` bytes for the FP8 payload)."""
     x0 = parts[0].x
     b, s_r, _, d = x0.shape
     for p in parts:
@@ -129,31 +150,34 @@ def _check_parts(parts: Sequence[FillPart], out):
                              f"{list(x0.shape)}")
         if p.x.dtype != x0.dtype:
             raise ValueError(f"fill: parts disagree on dtype: {p.x.dtype} vs {x0.dtype}")
-    htot, starts = send_layout(b, s_r, d, [p.ranges for p in parts])
+    fp8 = _fp8.is_fp8_payload(payload_dtype, x0.dtype)
+    row, wire = (_fp8.row_bytes(d), _fp8.WIRE_DTYPE) if fp8 else (d, x0.dtype)
+    htot, starts = send_layout(b, s_r, row, [p.ranges for p in parts])
     if out is None:
-        return (b, s_r, d), htot, starts, None
+        return (b, s_r, row), htot, starts, None, fp8
     if isinstance(out, torch.Tensor):
-        if out.dim() != 1 or out.numel() != starts[-1] or out.dtype != x0.dtype \
+        if out.dim() != 1 or out.numel() != starts[-1] or out.dtype != wire \
                 or not out.is_contiguous():
-            raise ValueError(f"fill: out must be a contiguous flat {x0.dtype} tensor of "
+            raise ValueError(f"fill: out must be a contiguous flat {wire} tensor of "
                              f"{starts[-1]} elements, got {list(out.shape)} {out.dtype}")
-        return (b, s_r, d), htot, starts, None
+        return (b, s_r, row), htot, starts, None, fp8
     sizes = [starts[p + 1] - starts[p] for p in range(len(htot))]
     got = [(tuple(r.shape), r.dtype, r.is_contiguous()) for r in out]
-    if got != [((n,), x0.dtype, True) for n in sizes]:
-        raise ValueError(f"fill: regions must be contiguous flat {x0.dtype} tensors of "
+    if got != [((n,), wire, True) for n in sizes]:
+        raise ValueError(f"fill: regions must be contiguous flat {wire} tensors of "
                          f"{sizes} elements, got {got}")
-    return (b, s_r, d), htot, starts, list(out)
+    return (b, s_r, row), htot, starts, list(out), fp8
 
 
-def _regions(out, starts, htot, b, s_r, d):
+def _regions(out, starts, htot, b, s_r, row):
     if not isinstance(out, torch.Tensor):
-        return [r.view(s_r, b, htot[p], d) for p, r in enumerate(out)]
-    return [out[starts[p]:starts[p + 1]].view(s_r, b, htot[p], d) for p in range(len(htot))]
+        return [r.view(s_r, b, htot[p], row) for p, r in enumerate(out)]
+    return [out[starts[p]:starts[p + 1]].view(s_r, b, htot[p], row) for p in range(len(htot))]
 
 
 def fill_torch(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | None = None,
-               sin: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+               sin: torch.Tensor | None = None, out: torch.Tensor | None = None, *,
+               payload_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The fill in torch ops (the reference; see the module docstring).
 
     Arguments:
@@ -165,20 +189,26 @@ def fill_torch(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | 
             elements, the parts' dtype), or one flat tensor per destination region (e.g. a
             transport's ``SendBuffer.regions``, which may lie in different allocations), or
             None (a new flat buffer).
+        payload_dtype: None (or the parts' dtype): the parts' values; ``torch.float8_e4m3fn``:
+            the FP8 payload (``fp8``'s rule and wire layout; ``out`` and the regions are then
+            uint8, ``D + 4`` bytes per (token, head)).
 
     Returns ``out`` (the new flat buffer when None). Raises ``ValueError`` for inconsistent
-    parts or ``out``.
+    parts, ``out`` or ``payload_dtype``.
     """
-    (b, s_r, d), htot, starts, _ = _check_parts(parts, out)
+    (b, s_r, row), htot, starts, _, fp8 = _check_parts(parts, out, payload_dtype)
     if out is None:
-        out = torch.empty(starts[-1], dtype=parts[0].x.dtype, device=parts[0].x.device)
-    regions = _regions(out, starts, htot, b, s_r, d)
+        out = torch.empty(starts[-1], dtype=_fp8.WIRE_DTYPE if fp8 else parts[0].x.dtype,
+                          device=parts[0].x.device)
+    regions = _regions(out, starts, htot, b, s_r, row)
     cols = [0] * len(htot)
     for part in parts:
         y = part.x
         if part.weight is not None or part.rope:
             y = rms_norm_rope(y, part.weight, eps, cos if part.rope else None,
                               sin if part.rope else None)
+        if fp8:  # every row once, then its bytes copied to each destination that takes it
+            y = _fp8.quantize_pack(y)
         for p, (lo, hi) in enumerate(part.ranges):
             if hi > lo:
                 regions[p][:, :, cols[p]:cols[p] + hi - lo].copy_(y[:, :, lo:hi].transpose(0, 1))
@@ -187,130 +217,21 @@ def fill_torch(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | 
 
 
 # ------------------------------------------------------------------------------ Triton path
-def triton_fill_reason(parts: Sequence[FillPart], device: torch.device) -> str | None:
+def triton_fill_reason(parts: Sequence[FillPart], device: torch.device,
+                       payload_dtype: torch.dtype | None = None) -> str | None:
     """Why ``fill_triton`` cannot run these parts (None when it can)."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return f"tensors are on {device.type} (the kernel needs CUDA or TRITON_INTERPRET=1)"
-    try:
-        import triton  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
-        return f"Triton is not importable: {exc}"
+    if _fk is None:
+        return _triton.REASON
     d = parts[0].x.shape[3]
     if d < 2 or d & (d - 1):
         return f"head_dim {d} is not a power of two ≥ 2"
     if parts[0].x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {parts[0].x.dtype} is not fp16/bf16/fp32"
+    if payload_dtype is not None and payload_dtype == _fp8.FP8_DTYPE and d % 4:
+        return f"head_dim {d} is not a multiple of 4 (the FP8 row's fp32 scale is stored aligned)"
     return None
-
-
-@functools.cache
-def _kernel():
-    import triton
-    import triton.language as tl
-
-    global _halves, _adjacent_sum  # module globals: the interpreter resolves calls there
-
-    @triton.jit
-    def _halves(x, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF: tl.constexpr):
-        """Rows ``[BLOCK_S, HB, D]`` of heads ``h0 + hh`` as two fp32 halves (one load site
-        per part, so the strides' specialization, e.g. ``sd == 1``, vectorizes it)."""
-        src = (x + b * sb + rows[:, None, None] * ss + (h0 + hh)[None, :, None] * sh
-               + cols[None, None, :] * sd)
-        f1 = tl.load(src, mask=mask).to(tl.float32)
-        f2 = tl.load(src + HALF * sd, mask=mask).to(tl.float32)
-        return f1, f2
-
-    @triton.jit
-    def _adjacent_sum(t, BLOCK_S: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr,
-                      LEVELS: tl.constexpr):
-        """``_tree_sum``'s order over the last dim (adjacent pairs, recursively) →
-        ``[BLOCK_S, HB]``; the first levels are register-local (a thread holds adjacent
-        elements)."""
-        for j in tl.static_range(LEVELS):
-            ta, tb = tl.split(tl.reshape(t, (BLOCK_S, HB, HALF >> (j + 1), 2)))
-            t = ta + tb
-        return tl.reshape(t, (BLOCK_S, HB))
-
-    @triton.jit
-    def fill_kernel(x0, x1, x2, out_ptr, tbl_ptr, w0, w1, w2, cos_ptr, sin_ptr, S, eps, flags,
-                    s0b, s0s, s0h, s0d, s1b, s1s, s1h, s1d, s2b, s2s, s2h, s2d,
-                    scs, scd, sss, ssd,
-                    HALF: tl.constexpr, LEVELS: tl.constexpr, BLOCK_S: tl.constexpr,
-                    HB: tl.constexpr, ANY_NORM: tl.constexpr, ANY_ROPE: tl.constexpr,
-                    ALIGNED: tl.constexpr, ROPE_BCAST: tl.constexpr):
-        pid_s = tl.program_id(0)
-        ent = tbl_ptr + tl.program_id(1) * 6
-        b = tl.program_id(2).to(tl.int64)
-        part = tl.load(ent)
-        h0 = tl.load(ent + 1)
-        nh = tl.load(ent + 2)
-        base = tl.load(ent + 3)
-        pitch = tl.load(ent + 4)
-        bpitch = tl.load(ent + 5)
-        if ALIGNED:  # the host checked: every base and pitch a multiple of 16 elements
-            base = tl.multiple_of(base, 16)
-            pitch = tl.multiple_of(pitch, 16)
-            bpitch = tl.multiple_of(bpitch, 16)
-        rows = (pid_s * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
-        hh = tl.arange(0, HB)
-        cols = tl.arange(0, HALF)
-        mask = (rows[:, None, None] < S) & (hh[None, :, None] < nh)
-        if part == 0:
-            f1, f2 = _halves(x0, b, h0, rows, hh, cols, s0b, s0s, s0h, s0d, mask, HALF)
-        elif part == 1:
-            f1, f2 = _halves(x1, b, h0, rows, hh, cols, s1b, s1s, s1h, s1d, mask, HALF)
-        else:
-            f1, f2 = _halves(x2, b, h0, rows, hh, cols, s2b, s2s, s2h, s2d, mask, HALF)
-        if ANY_NORM:  # rms_norm_rope's order: the adjacent-pair tree, sqrt, reciprocal
-            if (flags >> (2 * part)) & 1:
-                wp = w0
-                if part == 1:
-                    wp = w1
-                elif part == 2:
-                    wp = w2
-                t = (_adjacent_sum(f1 * f1, BLOCK_S, HB, HALF, LEVELS)
-                     + _adjacent_sum(f2 * f2, BLOCK_S, HB, HALF, LEVELS))
-                ms = tl.div_rn(t, tl.full((BLOCK_S, HB), 2 * HALF, tl.float32))
-                inv = tl.div_rn(tl.full((BLOCK_S, HB), 1.0, tl.float32), tl.sqrt_rn(ms + eps))
-                if ROPE_BCAST:  # as cos/sin below: loaded in the rows' layout
-                    wo = rows[:, None, None] * 0 + hh[None, :, None] * 0 + cols[None, None, :]
-                    wa = tl.load(wp + wo).to(tl.float32)
-                    wb = tl.load(wp + HALF + wo).to(tl.float32)
-                else:
-                    wa = tl.load(wp + cols).to(tl.float32)[None, None, :]
-                    wb = tl.load(wp + HALF + cols).to(tl.float32)[None, None, :]
-                f1 = f1 * inv[:, :, None] * wa
-                f2 = f2 * inv[:, :, None] * wb
-        if ANY_ROPE:  # cos/sin of the block's rows: loaded once for the program's HB heads
-            if (flags >> (2 * part + 1)) & 1:
-                if ROPE_BCAST:  # pointers broadcast over the heads: f1's layout, no shuffle
-                    rmask = (rows[:, None, None] < S) & (hh[None, :, None] >= 0)
-                    cr = (cos_ptr + rows[:, None, None] * scs + hh[None, :, None] * 0
-                          + cols[None, None, :] * scd)
-                    sr = (sin_ptr + rows[:, None, None] * sss + hh[None, :, None] * 0
-                          + cols[None, None, :] * ssd)
-                    c1 = tl.load(cr, mask=rmask).to(tl.float32)
-                    c2 = tl.load(cr + HALF * scd, mask=rmask).to(tl.float32)
-                    s1 = tl.load(sr, mask=rmask).to(tl.float32)
-                    s2 = tl.load(sr + HALF * ssd, mask=rmask).to(tl.float32)
-                else:
-                    rmask = rows[:, None] < S
-                    cr = cos_ptr + rows[:, None] * scs + cols[None, :] * scd
-                    sr = sin_ptr + rows[:, None] * sss + cols[None, :] * ssd
-                    c1 = tl.load(cr, mask=rmask).to(tl.float32)[:, None, :]
-                    c2 = tl.load(cr + HALF * scd, mask=rmask).to(tl.float32)[:, None, :]
-                    s1 = tl.load(sr, mask=rmask).to(tl.float32)[:, None, :]
-                    s2 = tl.load(sr + HALF * ssd, mask=rmask).to(tl.float32)[:, None, :]
-                g1 = f1 * c1 + (-f2) * s1
-                g2 = f2 * c2 + f1 * s2
-                f1 = g1
-                f2 = g2
-        dst = (out_ptr + base + b * bpitch + rows[:, None, None] * pitch
-               + hh[None, :, None] * (2 * HALF) + cols[None, None, :])
-        tl.store(dst, f1.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF, f2.to(out_ptr.dtype.element_ty), mask=mask)
-
-    return fill_kernel
 
 
 #: Launch options of the fill kernel: FMA contraction off (torch rounds ``a * b`` and ``+ c``
@@ -324,36 +245,60 @@ HEADS_PER_PROGRAM = 2
 #: (a layout conversion through shared memory): see benchmarks/results/ulysses-fill-*.md.
 ROPE_BCAST = True
 
-#: ``(device, layout key, heads per program) → (int64 table [entries, 6], aligned)`` on the
-#: device, built once per layout, so a steady-state fill uploads nothing (no host↔device copy
-#: in a forward).
+#: ``layout key → _Desc`` (the kernel's int64 descriptor on the device), built once per layout,
+#: so a steady-state fill uploads nothing (no host↔device copy in a forward).
 _TABLES: collections.OrderedDict = collections.OrderedDict()
 
 
-def _table(device, ranges, htot, starts, batch, d, hb):
-    """One entry per (part, destination, run of up to ``hb`` consecutive heads of the part that
-    the destination takes): ``part, first head, heads, base element, row pitch, batch pitch``
-    (``starts[p]``: region p's first element from the kernel's base pointer). A KV head that
-    several destinations take (GQA) is in one entry per destination: read once for each.
-    ``aligned``: every base and pitch a multiple of 16 elements."""
-    key = (str(device), tuple(ranges), tuple(htot), tuple(starts), batch, d, hb)
-    tbl = _TABLES.get(key)
-    if tbl is not None:
+class _Desc(NamedTuple):
+    table: torch.Tensor   # the descriptor (fill_kernels' module docstring)
+    entries: int          # programs along the grid's second axis
+    aligned: bool         # every base and pitch a multiple of 16 elements
+    spec: int             # the kernel's SPEC
+
+
+def _spec_code(stride: int) -> int:
+    """What the launcher finds for an integer argument: 1 (it is 1), 2 (a multiple of 16), 0."""
+    return 1 if stride == 1 else 2 if stride % 16 == 0 else 0
+
+
+def _descriptor(device, ranges, htot, starts, batch, row, hb, s_r, eps, flags, strides,
+                rope_strides) -> _Desc:
+    """The fill kernel's descriptor (``fill_kernels``): a header (``s_r``, ``eps``'s fp32 bits,
+    ``flags``, cos/sin ``rope_strides``), then one entry per (part, destination, run of up to
+    ``hb`` consecutive heads of the part that the destination takes): ``part, first head,
+    heads, base element, row pitch, batch pitch`` (``starts[p]``: region p's first element
+    from the kernel's base pointer; ``row`` elements per (token, head): ``D``, or ``D + 4``
+    bytes for the FP8 payload) and the part's ``strides`` (batch, row, head, element). A
+    KV head that several destinations take (GQA) is in one entry per destination: read once
+    for each. Cached per layout."""
+    key = (device, ranges, htot, starts, batch, row, hb, s_r, eps, flags, strides, rope_strides)
+    desc = _TABLES.get(key)
+    if desc is not None:
         _TABLES.move_to_end(key)
-        return tbl
+        return desc
     ents, cols = [], [0] * len(htot)
     for i, rng in enumerate(ranges):
         for p, (lo, hi) in enumerate(rng):
             for h in range(lo, hi, hb):
-                ents.append((i, h, min(hb, hi - h), starts[p] + (cols[p] + h - lo) * d,
-                             batch * htot[p] * d, htot[p] * d))
+                ents.append((i, h, min(hb, hi - h), starts[p] + (cols[p] + h - lo) * row,
+                             batch * htot[p] * row, htot[p] * row, *strides[i]))
             cols[p] += max(0, hi - lo)
-    aligned = all(v % 16 == 0 for e in ents for v in e[3:])
-    tbl = (torch.tensor(ents, dtype=torch.int64).reshape(len(ents), 6).to(device), aligned)
-    _TABLES[key] = tbl
+    head = [0] * _fk.HEADER
+    head[_fk.H_S], head[_fk.H_FLAGS] = s_r, flags
+    head[_fk.H_EPS] = struct.unpack("<i", struct.pack("<f", eps))[0]
+    head[_fk.H_COS_S:_fk.H_SIN_D + 1] = rope_strides
+    # one code per stride position, shared by the parts (where they differ: nothing known)
+    codes = [c.pop() if len(c := {_spec_code(st[k]) for st in strides}) == 1 else 0
+             for k in range(4)] + [_spec_code(v) for v in rope_strides]
+    words = head + [v for e in ents for v in e]
+    desc = _Desc(torch.tensor(words, dtype=torch.int64).to(device), len(ents),
+                 all(v % 16 == 0 for e in ents for v in e[3:6]),
+                 sum(c << (2 * k) for k, c in enumerate(codes)))
+    _TABLES[key] = desc
     while len(_TABLES) > 256:
         _TABLES.popitem(last=False)
-    return tbl
+    return desc
 
 
 def default_block_s(head_dim: int) -> int:
@@ -363,57 +308,164 @@ def default_block_s(head_dim: int) -> int:
 
 def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | None = None,
                 sin: torch.Tensor | None = None, out=None, *, block_s: int | None = None,
-                heads_per_program: int | None = None,
-                num_warps: int | None = None, _checked: bool = False) -> torch.Tensor:
+                heads_per_program: int | None = None, num_warps: int | None = None,
+                payload_dtype: torch.dtype | None = None,
+                _checked: bool = False) -> torch.Tensor:
     """The fill as one Triton launch (for up to three parts), bitwise equal to ``fill_torch``
-    (same arguments and result). A program covers ``block_s`` rows (a power of two) of up to
-    ``heads_per_program`` (a power of two) consecutive heads of one part bound for one
-    destination, ``[block_s, heads, D]`` loaded at once and cos/sin loaded once for them;
-    ``block_s``, ``heads_per_program`` and ``num_warps`` override the launch shape, which never
-    changes the bits. With ``out`` given as regions, the destination table is cached per
-    region address: pass stable buffers (a transport's staging is) or one flat buffer. Raises
+    (same arguments and result, ``payload_dtype`` included). A program covers ``block_s`` rows
+    (a power of two) of up to ``heads_per_program`` (a power of two) consecutive heads of one
+    part bound for one destination, ``[block_s, heads, D]`` loaded at once and cos/sin loaded
+    once for them; ``block_s``, ``heads_per_program`` and ``num_warps`` override the launch
+    shape, which never changes the bits. With the FP8 payload the same program quantizes the
+    rows it holds and stores their bytes and scales (every region must start on a 4-byte
+    boundary). With ``out`` given as regions, the destination table is cached per region
+    address: pass stable buffers (a transport's staging is) or one flat buffer. Raises
     ``ValueError`` when ``triton_fill_reason`` names a reason."""
-    (b, s_r, d), htot, starts, regions = _check_parts(parts, out)
+    _, _, starts, regions, fp8 = _check_parts(parts, out, payload_dtype)
     x0 = parts[0].x
-    why = None if _checked else triton_fill_reason(parts, x0.device)
+    why = None if _checked else triton_fill_reason(parts, x0.device, payload_dtype)
     if why:
         raise ValueError(f"fill_triton: {why}")
     if out is None:
-        out = torch.empty(starts[-1], dtype=x0.dtype, device=x0.device)
+        out = torch.empty(starts[-1], dtype=_fp8.WIRE_DTYPE if fp8 else x0.dtype,
+                          device=x0.device)
     if len(parts) > 3:
         raise ValueError(f"fill_triton: at most 3 parts per exchange, got {len(parts)}")
+    base, starts = _base_pointer(out, regions, starts, fp8)
+    lay = _Layout(parts, eps, cos is not None, block_s, heads_per_program, num_warps,
+                  payload_dtype, reused=False)
+    _launch(lay, [p.x for p in parts], base, tuple(starts), cos, sin)
+    return out
+
+
+class _Layout:
+    """What a fill launch keeps for one layout (the parts' shapes, dtype, head ranges, norm
+    weights, RoPE, eps, payload, launch shape): everything but the tensors' addresses and
+    strides."""
+
+    def __init__(self, parts: Sequence[FillPart], eps: float, rope: bool,
+                 block_s: int | None = None, heads_per_program: int | None = None,
+                 num_warps: int | None = None, payload_dtype: torch.dtype | None = None,
+                 reused: bool = True):
+        x0 = parts[0].x
+        (self.b, self.s_r, self.row), htot, _, _, self.fp8 = _check_parts(parts, None,
+                                                                          payload_dtype)
+        d = x0.shape[3]
+        self.device = x0.device
+        self.ranges = tuple(p.ranges for p in parts)
+        self.htot = tuple(htot)
+        self.hb = heads_per_program or HEADS_PER_PROGRAM
+        self.eps = float(eps)
+        self.rope = rope
+        self.flags = sum(((p.weight is not None) << (2 * i)) | ((p.rope and rope) << (2 * i + 1))
+                         for i, p in enumerate(parts))
+        self.ws = _kernel_weights(parts, x0.device)
+        self.pad = 3 - len(parts)
+        self.block_s = block_s or default_block_s(d)
+        half = d // 2
+        self.consts = dict(LAUNCH_OPTIONS, num_warps=num_warps or LAUNCH_OPTIONS["num_warps"],
+                           HALF=half, LEVELS=half.bit_length() - 1, BLOCK_S=self.block_s,
+                           HB=self.hb, ANY_NORM=any(p.weight is not None for p in parts),
+                           ANY_ROPE=rope and any(p.rope for p in parts), ROPE_BCAST=ROPE_BCAST,
+                           FP8=self.fp8)
+        self._descs: dict = {}
+        #: compiled-kernel handles by specialization (CUDA, a layout launched again; ``_launch``)
+        self.handles = {} if CACHED_LAUNCH and reused and x0.is_cuda else None
+
+    def desc(self, starts: tuple, strides: tuple, rope_strides: tuple) -> _Desc:
+        """The descriptor for regions at ``starts`` and these strides (kept per layout: a
+        transport hands out a few buffers in turn, a caller passes a few layouts)."""
+        key = (starts, strides, rope_strides)
+        desc = self._descs.get(key)
+        if desc is None:
+            desc = _descriptor(self.device, self.ranges, self.htot, starts, self.b, self.row,
+                               self.hb, self.s_r, self.eps, self.flags, strides, rope_strides)
+            if len(self._descs) > 16:
+                self._descs.clear()
+            self._descs[key] = desc
+        return desc
+
+
+def _launch(lay: _Layout, xs: list, base: torch.Tensor, starts: tuple, cos, sin) -> None:
+    """One launch of the fill kernel for ``lay`` with sources ``xs`` (``[B, S_r, H, D]``, any
+    strides), destination ``base`` (regions at ``starts`` elements from it): through Triton's
+    JIT the first time a specialization is seen, then through the compiled kernel it returned
+    (``CACHED_LAUNCH``)."""
+    if lay.s_r == 0 or lay.b == 0:
+        return
+    xs = xs + [xs[0]] * lay.pad
+    c, s = (cos, sin) if lay.rope else (xs[0], xs[0])
+    desc = lay.desc(starts, (xs[0].stride(), xs[1].stride(), xs[2].stride()),
+                    (*c.stride(), *s.stride()) if lay.rope else (0, 0, 0, 0))
+    if desc.entries == 0:
+        return
+    args = (*xs, base, desc.table, *lay.ws, c, s)
+    grid = (triton_cdiv(lay.s_r, lay.block_s), desc.entries, lay.b)
+    aligned = desc.aligned and base.data_ptr() % 16 == 0
+    key = None
+    if lay.handles is not None:
+        # what Triton specializes the changing arguments on: each changing pointer's dtype and
+        # 16-byte alignment (the descriptor and weights are fixed per key), and the constexprs
+        key = (desc.spec, aligned, base.data_ptr() % 16, xs[0].data_ptr() % 16,
+               xs[1].data_ptr() % 16, xs[2].data_ptr() % 16, c.data_ptr() % 16,
+               s.data_ptr() % 16, desc.table.data_ptr() % 16, xs[0].dtype, xs[1].dtype,
+               xs[2].dtype, c.dtype, s.dtype, base.dtype)
+        h = lay.handles.get(key)
+        if h is not None and not hooked():  # a profiler's hook is called by the JIT path
+            h.run(*grid, torch._C._cuda_getCurrentRawStream(h.device), h.function, h.meta,
+                  None, None, None, *args, *h.tail)
+            return
+    kernel = _fk.fill_kernel[grid](*args, ALIGNED=aligned, SPEC=desc.spec, **lay.consts)
+    if key is not None:
+        h = _handle(kernel, len(args), dict(lay.consts, ALIGNED=aligned, SPEC=desc.spec))
+        if h is not None:
+            lay.handles[key] = h
+
+
+#: Launch the fill through the compiled kernel Triton returned for a specialization, once it
+#: has compiled it (the same kernel and bits; skips the JIT's per-launch argument binding,
+#: cache key and option checks). Off: every launch goes through the JIT.
+CACHED_LAUNCH = True
+
+
+class _Handle:
+    """A compiled fill kernel and what its launcher takes besides the arguments."""
+
+    __slots__ = ("run", "function", "meta", "tail", "device")
+
+    def __init__(self, kernel, tail, device):
+        self.run, self.function = kernel.run, kernel.function
+        self.meta, self.tail, self.device = kernel.packed_metadata, tail, device
+
+
+def _handle(kernel, n_args: int, consts: dict) -> _Handle | None:
+    """The compiled kernel's handle, or None where launching it directly is not safe (a Triton
+    without these attributes, launch hooks installed, e.g. a profiler's)."""
+    try:
+        if hooked():  # a profiler's hook: launches go through the JIT, which calls it
+            return None
+        names = _fk.fill_kernel.arg_names
+        tail = tuple(consts[n] for n in names[n_args:])  # the constexprs, in signature order
+        return _Handle(kernel, tail, torch.cuda.current_device())
+    except Exception:  # noqa: BLE001 - the JIT path stays
+        return None
+
+
+def _base_pointer(out, regions, starts, fp8: bool):
+    """``(base, starts)``: the tensor the kernel writes through and each region's first
+    element from it (regions in separate allocations: the lowest one, the others at their
+    offsets). FP8: every region starts on a 4-byte boundary (its rows' scales are stored as
+    fp32), else ``ValueError``."""
     base, starts = out, list(starts[:-1])
-    if regions is not None:  # one pointer for all regions: the lowest, others at offsets
+    if regions is not None:
         live = [r for r in regions if r.numel()] or [regions[0]]
         base = min(live, key=lambda r: r.data_ptr())
-        item = x0.element_size()
+        item = base.element_size()
         starts = [(r.data_ptr() - base.data_ptr()) // item for r in regions]
-    if s_r == 0 or b == 0:
-        return out
-    hb = heads_per_program or HEADS_PER_PROGRAM
-    tbl, aligned = _table(x0.device, [p.ranges for p in parts], htot, starts, b, d, hb)
-    if tbl.shape[0] == 0:
-        return out
-    rope = cos is not None
-    flags = sum(((p.weight is not None) << (2 * i)) | ((p.rope and rope) << (2 * i + 1))
-                for i, p in enumerate(parts))
-    xs = [p.x for p in parts] + [x0] * (3 - len(parts))
-    ws = _kernel_weights(parts, x0.device)
-    c, s = (cos, sin) if rope else (x0, x0)
-    block_s = block_s or default_block_s(d)
-    opts = dict(LAUNCH_OPTIONS, num_warps=num_warps or LAUNCH_OPTIONS["num_warps"])
-    half = d // 2
-    grid = (triton_cdiv(s_r, block_s), tbl.shape[0], b)
-    _kernel()[grid](*xs, base, tbl, *ws, c, s, s_r, float(eps), flags,
-                    *[st for x in xs for st in x.stride()],
-                    c.stride(0) if rope else 0, c.stride(1) if rope else 0,
-                    s.stride(0) if rope else 0, s.stride(1) if rope else 0,
-                    HALF=half, LEVELS=half.bit_length() - 1, BLOCK_S=block_s, HB=hb,
-                    ANY_NORM=any(p.weight is not None for p in parts),
-                    ANY_ROPE=rope and any(p.rope for p in parts),
-                    ALIGNED=aligned and base.data_ptr() % 16 == 0, ROPE_BCAST=ROPE_BCAST,
-                    **opts)
-    return out
+    if fp8 and (base.data_ptr() % 4 or any(st % 4 for st in starts)):
+        raise ValueError(f"fill_triton: FP8 regions must start on 4-byte boundaries, got base "
+                         f"address {base.data_ptr()} and offsets {starts}")
+    return base, starts
 
 
 def _kernel_weights(parts: Sequence[FillPart], device) -> list:
@@ -445,14 +497,64 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def fill(parts: Sequence[FillPart], eps: float = 0.0, cos=None, sin=None, out=None,
-         impl: str = "auto") -> torch.Tensor:
+         impl: str = "auto", *, payload_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``fill_triton`` when it can run (``impl="auto"`` or ``"triton"``), else ``fill_torch``
-    (``"auto"`` or ``"torch"``). The two give the same bits."""
+    (``"auto"`` or ``"torch"``). The two give the same bits (``payload_dtype`` as there)."""
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"fill: impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-    why = None if impl == "torch" else triton_fill_reason(parts, parts[0].x.device)
+    dev = parts[0].x.device
+    why = None if impl == "torch" else triton_fill_reason(parts, dev, payload_dtype)
     if impl == "torch" or (impl == "auto" and why is not None):
-        return fill_torch(parts, eps, cos, sin, out)
+        return fill_torch(parts, eps, cos, sin, out, payload_dtype=payload_dtype)
     if why is not None:
         raise ValueError(f"fill_triton: {why}")
-    return fill_triton(parts, eps, cos, sin, out, _checked=True)
+    return fill_triton(parts, eps, cos, sin, out, payload_dtype=payload_dtype, _checked=True)
+
+
+class FillPlan:
+    """``fill`` prepared once for one layout, for a caller that fills many times (a forward per
+    layer and step): the checks, the implementation choice, the norm weights and the kernel's
+    descriptors are worked out here, so a call only passes the tensors.
+
+    Arguments:
+        parts: the exchange's parts as ``fill`` takes them; their ``x`` fix the layout (shapes
+            and dtype); later calls pass tensors of the same shapes and dtype, any strides.
+        eps, rope: RMSNorm epsilon; whether cos/sin are passed (the parts' ``rope`` apply).
+        impl, payload_dtype: as ``fill``.
+
+    ``plan(xs, cos, sin, out)``: ``xs`` one tensor per part; ``out`` a flat buffer or one flat
+    tensor per region (as ``fill``; descriptors are kept per region address, so pass stable
+    buffers). Raises ``ValueError`` as ``fill`` does, at construction.
+    """
+
+    def __init__(self, parts: Sequence[FillPart], eps: float = 0.0, rope: bool = False,
+                 impl: str = "auto", payload_dtype: torch.dtype | None = None):
+        if impl not in ("auto", "triton", "torch"):
+            raise ValueError(f"fill: impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+        _, _, starts, _, _ = _check_parts(parts, None, payload_dtype)
+        why = (None if impl == "torch" else
+               triton_fill_reason(parts, parts[0].x.device, payload_dtype))
+        if impl == "triton" and why is not None:
+            raise ValueError(f"fill_triton: {why}")
+        if why is None and impl != "torch" and len(parts) > 3:
+            raise ValueError(f"fill_triton: at most 3 parts per exchange, got {len(parts)}")
+        self.templates = [dataclasses.replace(p, x=None) for p in parts]
+        self.eps = float(eps)
+        self.payload_dtype = payload_dtype
+        self.starts = list(starts)
+        self.flat_starts = tuple(starts[:-1])
+        self.layout = (_Layout(parts, eps, rope, payload_dtype=payload_dtype)
+                       if why is None and impl != "torch" else None)
+
+    def __call__(self, xs: Sequence[torch.Tensor], cos=None, sin=None, out=None) -> None:
+        lay = self.layout
+        if lay is None:
+            parts = [dataclasses.replace(t, x=x) for t, x in zip(self.templates, xs)]
+            fill_torch(parts, self.eps, cos, sin, out, payload_dtype=self.payload_dtype)
+            return
+        if isinstance(out, torch.Tensor) and not lay.fp8:
+            _launch(lay, list(xs), out, self.flat_starts, cos, sin)
+            return
+        regions = None if isinstance(out, torch.Tensor) else out
+        base, starts = _base_pointer(out, regions, self.starts, lay.fp8)
+        _launch(lay, list(xs), base, tuple(starts), cos, sin)

@@ -151,9 +151,18 @@ class ExchangePlan:
                 acc += self.numel[s][p]
         return out
 
+    @functools.cached_property
+    def _recv_counts(self) -> tuple:
+        return tuple(sum(self.numel[s][p] for s in range(self.world_size))
+                     for p in range(self.world_size))
+
+    def recv_count(self, p: int) -> int:
+        """Elements the pieces sent to ``p`` hold in all (its receive order)."""
+        return self._recv_counts[p]
+
     def covers(self, p: int) -> bool:
         """Whether the pieces sent to ``p`` fill its whole final buffer."""
-        return sum(self.numel[s][p] for s in range(self.world_size)) == self.recv_numel[p]
+        return self._recv_counts[p] == self.recv_numel[p]
 
 
 @functools.lru_cache(maxsize=256)

@@ -23,11 +23,10 @@ def source_view(parts: Sequence[torch.Tensor], piece: Piece) -> torch.Tensor:
     """The ``[rows, cols]`` view of ``parts[piece.part]`` (``[B, S, H, D]``, last two dims
     dense) that ``piece`` sends: rows are sequence positions, columns ``heads × D``."""
     x = parts[piece.part]
-    d = x.shape[3]
-    heads = piece.cols // d
-    v = x[piece.b, piece.src_row0:piece.src_row0 + piece.rows,
-          piece.src_head0:piece.src_head0 + heads]
-    return v.reshape(piece.rows, piece.cols)
+    st = x.stride()
+    # heads × D of one row are contiguous (last two dims dense): one strided view
+    return x.as_strided((piece.rows, piece.cols), (st[1], 1), x.storage_offset() + piece.b * st[0]
+                        + piece.src_row0 * st[1] + piece.src_head0 * st[2])
 
 
 def region_view(plan: ExchangePlan, src: int, dst: int, piece: Piece,
@@ -80,14 +79,13 @@ class SendBuffer:
 
 
 def dense_send_buffer(plan: ExchangePlan, dtype: torch.dtype, device: torch.device,
-                      rank: int, token: object = None) -> SendBuffer:
-    """A fresh destination-major buffer: the regions are consecutive slices of one tensor."""
-    flat = torch.empty(sum(plan.numel[rank]), dtype=dtype, device=device)
-    regions, base = [], 0
-    for n in plan.numel[rank]:
-        regions.append(flat[base:base + n])
-        base += n
-    return SendBuffer(plan, dtype, rank, tuple(regions), flat, token)
+                      rank: int, token: object = None,
+                      storage: torch.Tensor | None = None) -> SendBuffer:
+    """A destination-major buffer (``storage`` when given, else a fresh tensor): the regions are
+    consecutive slices of one tensor."""
+    flat = storage if storage is not None else torch.empty(sum(plan.numel[rank]), dtype=dtype,
+                                                           device=device)
+    return SendBuffer(plan, dtype, rank, flat.split(plan.numel[rank]), flat, token)
 
 
 def fill_send_buffer(send: SendBuffer, parts: Sequence[torch.Tensor]) -> None:
@@ -154,12 +152,19 @@ class Transport(ABC):
         on every rank). Call it before CUDA graph capture. Default: always ready."""
         return None
 
-    def send_buffer(self, plan: ExchangePlan, dtype: torch.dtype,
-                    device: torch.device) -> SendBuffer:
+    def send_storage(self, plan: ExchangePlan) -> int:
+        """Elements of caller-provided memory ``send_buffer(..., storage=)`` would use for
+        ``plan`` (0: this transport stages elsewhere and ignores ``storage``). A caller with
+        several exchanges to fill can take one allocation for all of them."""
+        return sum(plan.numel[self.rank])
+
+    def send_buffer(self, plan: ExchangePlan, dtype: torch.dtype, device: torch.device,
+                    storage: torch.Tensor | None = None) -> SendBuffer:
         """Where a producer writes this rank's outgoing data for the next ``start(plan, ...,
         send=buf)`` of this transport (at most one buffer outstanding per plan: take it right
-        before that ``start``). Default: a fresh dense buffer."""
-        return dense_send_buffer(plan, dtype, device, self.rank)
+        before that ``start``). ``storage``: a flat ``dtype`` tensor of ``send_storage(plan)``
+        elements to use (else the transport allocates). Default: a dense buffer."""
+        return dense_send_buffer(plan, dtype, device, self.rank, storage=storage)
 
     @abstractmethod
     def start(self, plan: ExchangePlan, parts: Sequence[torch.Tensor], dtype: torch.dtype,
@@ -170,6 +175,11 @@ class Transport(ABC):
     def check(self) -> None:
         """Raise any timeout recorded since the last check (default: none). Never waits for
         the GPU."""
+        return None
+
+    def close(self) -> None:
+        """Free the transport's buffers (collective when peers write into them: a barrier
+        first). Default: nothing to free."""
         return None
 
     def _check_send(self, plan: ExchangePlan, dtype: torch.dtype, send: SendBuffer) -> None:

@@ -12,6 +12,7 @@ import torch
 
 import attncomm
 from attncomm import PeerTimeoutError
+from attncomm._wait import poll_until
 
 pytestmark = pytest.mark.gpu
 
@@ -173,8 +174,7 @@ def test_watchdog_releases_an_unanswered_stream_wait():
                                lambda blocked: flags.write(side, word.data_ptr(), 1),
                                dev.index))
     t0 = time.monotonic()
-    while not after.query() and time.monotonic() - t0 < 20:  # bounded: never hang the suite
-        time.sleep(0.01)
+    poll_until(after.query, 20, interval_s=0.01)  # bounded: never hang the suite
     waited = time.monotonic() - t0
     if not after.query():
         dog = watchdog()

@@ -73,6 +73,73 @@ def test_fill_kernel_bitwise_on_cuda(case, seed):
         assert err < (2e-6 if dtype == torch.float32 else 0.1), f"seed {seed}: {err}"
 
 
+def test_prepared_fill_cached_launch_bitwise(seed):
+    """``FillPlan`` on CUDA launches through the compiled kernel once Triton compiled a
+    specialization (``fill.CACHED_LAUNCH``): calls that alternate layouts (dense, transposed,
+    sliced, 2-byte misaligned views), cos/sin dtypes and destinations each equal the torch
+    path bit for bit, and so do the same calls with every launch through the JIT."""
+    _need_gpu()
+    from attncomm.ulysses import fill as fill_mod
+    g = torch.Generator().manual_seed(seed)
+    w, hq, hkv, d, s_r = 2, 8, 2, 64, 77
+    qr = tuple(group_head_ranges(hq, w, 2)[1])
+    kr = tuple(kv_head_range(lo, hi, hq // hkv) for lo, hi in qr)
+    norm = (torch.randn(d, generator=g).cuda(), torch.randn(d, generator=g).cuda())
+
+    def inputs(layout, shift):
+        big = [_make(g, (1, s_r + 1, h, d), torch.bfloat16, layout) for h in (hq, hkv, hkv)]
+        return [x[:, shift:shift + s_r] for x in big]  # shift 1: misaligned base pointers
+
+    calls = [(lay, shift, cdt) for lay in ("dense", "transposed", "sliced") for shift in (0, 1)
+             for cdt in (torch.float32, torch.bfloat16)] * 2
+    for cached in (True, False):
+        fill_mod.CACHED_LAUNCH = cached
+        try:
+            q, k, v = inputs("dense", 0)
+            parts = [FillPart(q, qr, norm[0], True), FillPart(k, kr, norm[1], True),
+                     FillPart(v, kr)]
+            plan = fill_mod.FillPlan(parts, 1e-6, rope=True, impl="triton")
+            for i, (lay, shift, cdt) in enumerate(calls):
+                xs = inputs(lay, shift)
+                cos, sin = (torch.randn((s_r, d), generator=g).to(cdt).cuda() for _ in "cs")
+                want = fill_torch([FillPart(x, p.ranges, p.weight, p.rope)
+                                   for x, p in zip(xs, parts)], 1e-6, cos, sin)
+                out = torch.full_like(want, float("nan"))
+                plan(xs, cos, sin, out)
+                assert torch.equal(out, want), f"seed {seed}: cached={cached} call {i}"
+        finally:
+            fill_mod.CACHED_LAUNCH = True
+
+@pytest.mark.parametrize("case", [
+    (2, 56, 56, 128, 1, 4096, torch.bfloat16, True, "dense"),
+    (3, 8, 2, 64, 2, 333, torch.float16, True, "sliced"),        # GQA, odd rows
+    (2, 12, 4, 128, 1, 1000, torch.bfloat16, False, "transposed"),
+])
+def test_fill_kernel_fp8_bitwise_on_cuda(case, seed):
+    """The FP8 payload (ulysses/fp8.py): the kernel's bytes and scales equal the torch path's,
+    with zero, NaN, inf and tiny rows among the random ones."""
+    _need_gpu()
+    w, hq, hkv, d, b, s_r, dtype, norm, layout = case
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (_make(g, (b, s_r, h, d), dtype, layout) for h in (hq, hkv, hkv))
+    q[0, 1, 0] = 0.0
+    k[0, 2, 0, 3] = float("nan")
+    v[0, 3, 0, 5] = float("inf")
+    q[0, 4, 1] *= 2.0 ** -20
+    qw = torch.randn(d, generator=g).cuda() if norm else None
+    kw = torch.randn(d, generator=g).to(dtype).cuda() if norm else None
+    cos, sin = torch.randn((s_r, d), generator=g).cuda(), torch.randn((s_r, d), generator=g).cuda()
+    for groups in (1, 2):
+        qr = tuple(group_head_ranges(hq, w, groups)[groups - 1])
+        kr = tuple(kv_head_range(lo, hi, hq // hkv) for lo, hi in qr)
+        for rope in (True, False):
+            parts = [FillPart(q, qr, qw, rope), FillPart(k, kr, kw, rope), FillPart(v, kr)]
+            want = fill_torch(parts, 1e-6, cos, sin, payload_dtype=torch.float8_e4m3fn)
+            got = fill_triton(parts, 1e-6, cos, sin, out=torch.full_like(want, 0xA5),
+                              payload_dtype=torch.float8_e4m3fn)
+            assert torch.equal(want, got), f"seed {seed} groups {groups} rope {rope}"
+
+
 @pytest.fixture(scope="module")
 def one_rank_group():
     _need_gpu()
@@ -102,13 +169,14 @@ def test_attention_fused_grouped_bitwise(one_rank_group, seed):
                 assert torch.equal(out, ref), f"seed {seed}: G={groups} fused={fused} {call}"
 
 
-def test_forward_has_no_host_sync(one_rank_group):
-    """A steady-state forward (7 head groups, fused fill, qk_norm + RoPE) makes no
-    synchronizing CUDA call: none reported by torch's sync debug mode, none in the profiler's
-    runtime calls."""
+@pytest.mark.parametrize("groups", [0, 7])
+def test_forward_has_no_host_sync(one_rank_group, groups):
+    """A steady-state forward (sequential and 7 head groups, fused fill, qk_norm + RoPE) makes
+    no synchronizing CUDA call: none reported by torch's sync debug mode, none in the
+    profiler's runtime calls."""
     from torch.profiler import ProfilerActivity, profile, record_function
     q, k, v, norm, rope = _layer_inputs(1, 2048, 28, 28)
-    mod = UlyssesAttention(pipeline_groups=7, qk_norm=norm)
+    mod = UlyssesAttention(pipeline_groups=groups, qk_norm=norm)
     for _ in range(2):
         mod(q, k, v, rope=rope)
     torch.cuda.synchronize()
@@ -131,7 +199,7 @@ def test_forward_has_no_host_sync(one_rank_group):
                if ("Synchronize" in e.name or e.name in ("cudaMemcpy", "cudaMemcpy2D"))
                and fwd.start <= e.time_range.start <= fwd.end]
     assert not runtime, runtime
-    assert mod.last_pipeline_groups == 7
+    assert mod.last_pipeline_groups == max(groups, 1)
 
 
 def _rehearsal():
@@ -160,3 +228,10 @@ def test_rehearsal_bitwise_and_host_ahead(tmp_path, seed):
     summary = reh.profile(sim, 4, 2, str(tmp_path / "t.json"))
     assert summary["host_syncs_in_window"] == 0
     assert summary["host"]["lead_us"] > 0
+    # the layer captured in a CUDA graph (--graph): replays equal the eager layer
+    graph, outs = reh.captured(sim, 4)
+    for o in outs:
+        o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(outs, seq))

@@ -1,5 +1,6 @@
-"""Ulysses on 2 GPUs: ce vs all_to_all bitwise, slot alternation, cache eviction, fallback during
-capture, the flag-kernel path, the timeout path."""
+"""Ulysses on 2 GPUs: ce vs all_to_all bitwise, slot alternation, cache eviction, the warm-up
+error during capture and graph replays (functional and UlyssesAttention), the flag-kernel path,
+the timeout path."""
 from __future__ import annotations
 
 import time
@@ -117,37 +118,75 @@ def test_ce_flag_modes_and_cache_eviction(gpu_pool, flag_mode, seed):
 
 
 def _capture(rank, world, seed):
+    """A shape first seen inside the capture raises the warm-up error (no fallback to a
+    transport nobody asked for); warmed-up shapes (ce) replay bit for bit."""
     from attncomm import ulysses
     dev = torch.device("cuda", rank)
     x = _data(seed + rank, (1, 1024, 16, 128), torch.bfloat16, dev)
     seen = _data(seed + 7 + rank, (1, 2048, 16, 128), torch.bfloat16, dev)
-    ulysses.seq_to_head(seen, backend="auto")  # this shape is known to ce now
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
+    ulysses.seq_to_head(seen, backend="auto")  # the warm-up: this shape takes ce
+    torch.cuda.synchronize()
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            ulysses.seq_to_head(x, backend="auto", validate=False)
+        new_shape = "NO ERROR"
+    except ValueError as exc:
+        new_shape = str(exc)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(graph):
-            y_new = ulysses.seq_to_head(x, backend="auto", validate=False)
-            y_seen = ulysses.seq_to_head(seen, backend="auto", validate=False)
-            y_seen2 = ulysses.seq_to_head(seen, backend="auto", validate=False)
-    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        y_seen = ulysses.seq_to_head(seen, backend="auto", validate=False)
+        y_seen2 = ulysses.seq_to_head(seen, backend="auto", validate=False)
     bad = []
     for rep in range(3):
-        x.copy_(_data(seed + 100 * rep + rank, x.shape, x.dtype, dev))
         seen.copy_(_data(seed + 100 * rep + 50 + rank, seen.shape, seen.dtype, dev))
         graph.replay()
         torch.cuda.synchronize()
-        want_new = ulysses.seq_to_head(x, backend="all_to_all")
-        want_seen = ulysses.seq_to_head(seen, backend="all_to_all")
-        if not (torch.equal(y_new, want_new) and torch.equal(y_seen, want_seen)
-                and torch.equal(y_seen2, want_seen)):
+        want = ulysses.seq_to_head(seen, backend="all_to_all")
+        if not (torch.equal(y_seen, want) and torch.equal(y_seen2, want)):
             bad.append(rep)
+    return new_shape, bad
+
+
+def test_warm_up_error_during_capture_and_graph_replays(gpu_pool, seed):
+    for new_shape, bad in gpu_pool.run(_capture, seed, timeout_s=240):
+        assert "first time inside CUDA graph capture" in new_shape, new_shape
+        assert not bad, f"seed {seed}: replays {bad} differ"
+
+
+def _attention_capture(rank, world, seed):
+    """UlyssesAttention captured after one eager forward, both transports, sequential and
+    G = 4, the fill with norm + RoPE: replays with new inputs equal eager bit for bit (ce's
+    flags and slots across replays)."""
+    from attncomm.ulysses import UlyssesAttention
+    dev = torch.device("cuda", rank)
+    q, k, v = (_data(seed + 3 * rank + i, (1, 1024, h, 128), torch.bfloat16, dev)
+               for i, h in enumerate((16, 4, 4)))
+    norm = (torch.ones(128, device=dev), torch.ones(128, device=dev) * 1.5, 1e-6)
+    rope = tuple(_data(seed + 9 + i, (2048, 128), torch.float32, dev) for i in range(2))
+    bad = []
+    for backend in ("ce", "all_to_all"):
+        for groups in (0, 4):
+            mod = UlyssesAttention(backend=backend, pipeline_groups=groups, qk_norm=norm)
+            mod(q, k, v, rope=rope)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = mod(q, k, v, rope=rope)
+            for rep in range(3):
+                for i, t in enumerate((q, k, v)):
+                    t.copy_(_data(seed + 1000 * rep + 10 * rank + i, t.shape, t.dtype, dev))
+                graph.replay()
+                torch.cuda.synchronize()
+                if not torch.equal(out, mod(q, k, v, rope=rope)):
+                    bad.append((backend, groups, rep))
+            mod.close()
+    torch.cuda.synchronize()
     return bad
 
 
-def test_fallback_during_capture_and_graph_replays(gpu_pool, seed):
-    for bad in gpu_pool.run(_capture, seed, timeout_s=240):
-        assert not bad, f"seed {seed}: replays {bad} differ"
+def test_attention_capture_replays_two_gpus(gpu_pool, seed):
+    for bad in gpu_pool.run(_attention_capture, seed, timeout_s=240):
+        assert not bad, f"seed {seed}: {bad}"
 
 
 def _timeout(rank, world, mode):

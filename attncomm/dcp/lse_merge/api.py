@@ -1,4 +1,5 @@
-"""The public DCP merge: ``merge_states``, ``merge``, ``DcpMerger``, ``shard_kv_interleaved``.
+"""The DCP merge's objects: ``merge_states`` (one process), ``DcpMerger``, ``shard_kv_interleaved``,
+and the local checks ``dcp.merge`` (``functional``) shares with them.
 
 Decode context parallelism (DCP) shards the KV cache along the sequence (position p on rank
 p % W, as in SGLang's and vLLM's DCP); every rank attends all heads of the query over its shard,
@@ -14,20 +15,21 @@ import torch
 import torch.distributed as dist
 
 from ... import config, select
-from ..._dist import DTYPE_CODES, agree, group_device, group_lru_get
-from ...errors import PeerTimeoutError
+from ..._dist import DTYPE_CODES, Lifecycle, agree, group_device, resolve_group
+from .. import tracing
 from . import collective, symm_a2a  # noqa: F401 - each registers its backend class
 from .backend import BACKENDS, backend_class
 from .combine import combine
 
-__all__ = ["merge_states", "merge", "DcpMerger", "shard_kv_interleaved", "available_backends",
-           "BACKENDS"]
+__all__ = ["merge_states", "DcpMerger", "shard_kv_interleaved", "available_backends",
+           "BACKENDS", "check_local", "lse_to_e", "empty_result", "LN2"]
 
 log = logging.getLogger("attncomm.dcp")
 
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_LN2 = math.log(2.0)
-_CACHE_SIZE = 8
+LN2 = math.log(2.0)
+#: Signatures a ``DcpMerger`` remembers as checked (it forgets them all past this many).
+_ACCEPTED_SIZE = 4096
 #: What ``auto`` takes when nothing is measured (CPU groups): one collective (a2a) before two
 #: (ag_rs); ``reference`` is never chosen automatically.
 RULE_OF_THUMB = ("symm_a2a", "a2a", "ag_rs", "reference")
@@ -58,15 +60,17 @@ def shard_kv_interleaved(seq_len: int, world_size: int, rank: int) -> torch.Tens
     return torch.arange(rank, max(rank, seq_len), world_size, dtype=torch.int64)
 
 
-def _lse_to_e(lse: torch.Tensor, lse_base: str) -> torch.Tensor:
+def lse_to_e(lse: torch.Tensor, lse_base: str) -> torch.Tensor:
+    """``lse`` as contiguous fp32 in base e (``lse`` itself when it already is; else a new
+    tensor: the input is never modified)."""
     lse = lse.float()
     if lse_base == "2":
-        lse = lse * _LN2  # a new tensor: the input is never modified
+        lse = lse * LN2
     return lse.contiguous()
 
 
 def _lse_from_e(lse: torch.Tensor, lse_base: str) -> torch.Tensor:
-    return lse / _LN2 if lse_base == "2" else lse
+    return lse / LN2 if lse_base == "2" else lse
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, lse_base: str = "e",
@@ -106,11 +110,11 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, lse_base: str = "e",
         err = f"lses must be floating point, got {lses.dtype}"
     if err:
         raise ValueError(f"merge_states: {err}")
-    out, lse = combine(outs, _lse_to_e(lses, lse_base), outs.dtype)
+    out, lse = combine(outs, lse_to_e(lses, lse_base), outs.dtype)
     return (out, _lse_from_e(lse, lse_base)) if return_lse else out
 
 
-def _check_local(out, lse, world_size: int, lse_base: str, backend: str) -> str | None:
+def check_local(out, lse, world_size: int, lse_base: str, backend: str) -> str | None:
     """This rank's argument errors, or None (no communication)."""
     if backend not in BACKENDS:
         return f"backend={backend!r} is not one of {list(BACKENDS)}"
@@ -136,102 +140,13 @@ def _check_local(out, lse, world_size: int, lse_base: str, backend: str) -> str 
     return None
 
 
-def merge(out: torch.Tensor, lse: torch.Tensor, group=None, *, backend: str = "auto",
-          lse_base: str = "e", return_lse: bool = False, validate: bool | None = None,
-          timeout_s: float | None = None):
-    """Merge this rank's partial attention with every other rank's; keep this rank's head slice.
-
-    Arguments:
-        out: ``[T, H, D]`` fp16/bf16/fp32, this rank's partial attention over its KV shard.
-        lse: ``[T, H]`` fp32 (fp16/bf16 accepted), its log-sum-exp in base ``lse_base``; −inf,
-            +inf or NaN for an empty shard (its ``out`` rows are then never read).
-        group: process group of W ranks (None: the default group).
-        backend: "reference", "ag_rs", "a2a", "symm_a2a" or "auto" (env
-            ``ATTNCOMM_DCP_BACKEND`` names a preferred backend for "auto", taken when it can run
-            here).
-        lse_base: "e" or "2".
-        return_lse: also return the merged LSE.
-        validate: check on every rank that all ranks passed the same shapes/arguments (None →
-            env ``ATTNCOMM_VALIDATE``, default on). One small all_gather.
-        timeout_s: wait budget (None → ``ATTNCOMM_TIMEOUT_S``, 60 s).
-
-    Returns:
-        ``[T, H/W, D]`` in ``out.dtype``: heads ``[r·H/W, (r+1)·H/W)`` merged over all ranks (and
-        ``[T, H/W]`` fp32 LSE in ``lse_base``). Inputs are never modified. ``T == 0`` works.
-
-    Raises:
-        ValueError: bad arguments (``H % W != 0``, shapes, dtypes, unknown backend, a named
-            backend that cannot run here), on every rank alike when validation is on.
-        PeerTimeoutError: a peer did not answer within ``timeout_s``.
-    """
-    W = dist.get_world_size(group)
-    budget = config.timeout_s(timeout_s)
-    local_error = _check_local(out, lse, W, lse_base, backend)
-    if config.validate_enabled(validate):
-        sig, labels = _signature(out, lse, backend, lse_base, return_lse)
-        agree(group, "dcp.merge", sig, labels, local_error, budget)
-    elif local_error:
-        raise ValueError(f"dcp.merge: {local_error}")
-    T, H, D = out.shape
-    if T == 0:
-        return _empty(out, H // W, return_lse)
-    merger = _cached_merger(group, T, H, D, out.dtype, backend, lse_base, budget)
-    o, l = merger(out, lse, return_lse=True)
-    if merger.returns_views:
-        o, l = o.clone(), l.clone()
-    return (o, l) if return_lse else o
-
-
-def _signature(out, lse, backend, lse_base, return_lse):
-    shape = list(out.shape) if out.dim() == 3 else [-1, -1, -1]
-    sig = shape + [DTYPE_CODES.get(out.dtype, 0), DTYPE_CODES.get(lse.dtype, 0),
-                   BACKENDS.index(backend) if backend in BACKENDS else -1,
-                   1 if lse_base == "2" else 0, int(bool(return_lse))]
-    labels = ["T (tokens)", "H (heads)", "D (head_dim)", "out dtype", "lse dtype", "backend",
-              "lse_base", "return_lse"]
-    return sig, labels
-
-
-def _empty(out, hs, return_lse):
-    o = torch.empty((0, hs, out.shape[2]), dtype=out.dtype, device=out.device)
-    lse = torch.empty((0, hs), dtype=torch.float32, device=out.device)
-    return (o, lse) if return_lse else o
-
-
-_MERGERS: dict = {}  # per group: an LRU of mergers (_dist.group_lru_get)
-
-
-def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget) -> DcpMerger:
-    # One merger per shape, backend and power-of-two token bucket.
-    bucket = max(16, 1 << (T - 1).bit_length())
-
-    def make() -> DcpMerger:
-        try:
-            return DcpMerger(group, max_tokens=bucket, num_heads=H, head_dim=D, dtype=dtype,
-                             backend=backend, lse_base=lse_base, timeout_s=budget)
-        except (PeerTimeoutError, ValueError) as exc:
-            raise _as_merge_error(exc) from exc
-
-    return group_lru_get(_MERGERS, group, (bucket, H, D, dtype, backend, lse_base, budget), make,
-                         _CACHE_SIZE)
-
-
-def _as_merge_error(exc):
-    # The caller called dcp.merge: its errors name dcp.merge, not the merger it builds inside.
-    msg = str(exc)
-    msg = ("dcp.merge" + msg[len("DcpMerger"):] if msg.startswith("DcpMerger")
-           else f"dcp.merge: {msg}")
-    if isinstance(exc, PeerTimeoutError):
-        return PeerTimeoutError(msg, peer_ranks=exc.peer_ranks, timeout_s=exc.timeout_s,
-                                op="dcp.merge")
-    return ValueError(msg)
-
-
-class DcpMerger:
+class DcpMerger(Lifecycle):
     """A preallocated, CUDA-graph-capturable DCP merge for up to ``max_tokens`` tokens.
 
     Arguments:
-        group: process group of W ranks (None: default group). Construction is collective.
+        group: process group of W ranks (None: default group) or an engine's group coordinator
+            (``device_group`` + ``cpu_group``). Construction is collective; so is ``close()``
+            (or the end of a ``with`` block), which frees the buffers after a barrier.
         max_tokens: largest T a call may pass (≥ 1).
         num_heads: H, divisible by W. head_dim: D. dtype: fp16/bf16/fp32 of ``out``.
         backend: "reference", "ag_rs", "a2a", "symm_a2a" or "auto" (decided here, eagerly, before
@@ -240,8 +155,11 @@ class DcpMerger:
         lse_base: "e" or "2". timeout_s: wait budget (None → ``ATTNCOMM_TIMEOUT_S``).
 
     ``merger(out [T, H, D], lse [T, H], return_lse=False)`` → ``[T, H/W, D]`` (+ ``[T, H/W]`` fp32
-    LSE). Per-call checks are local only (no collective), so calls can be captured. Outputs of a
-    backend with ``returns_views`` alias internal buffers until the next call.
+    LSE). Per-call checks are local only (no collective; once per signature of shapes, dtypes
+    and devices), so calls can be captured. Outputs of a backend with ``returns_views`` alias
+    internal buffers until the next call. Under ``torch.compile`` a call is the custom op
+    ``attncomm::dcp_merger`` (``dcp/ops.py``), which finds this merger by ``op_name`` and
+    returns new tensors of the graph.
 
     Attributes:
         backend: the backend used for ``max_tokens``; ``backend_for(T)`` for a token count.
@@ -254,7 +172,7 @@ class DcpMerger:
     def __init__(self, group=None, *, max_tokens: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, backend: str = "auto", lse_base: str = "e",
                  timeout_s: float | None = None):
-        self.group = group
+        self.group = group = resolve_group(group, "DcpMerger")
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.timeout_s = config.timeout_s(timeout_s)
@@ -281,6 +199,10 @@ class DcpMerger:
         self.fallback_reason: str | None = self.decision.fallback_reason
         self.backend = self._impl.name
         self.returns_views = self._impl.returns_views
+        self.hs = num_heads // self.world_size
+        self._accepted: set = set()
+        #: The name a compiled graph's custom op finds this merger by (``dcp.tracing``).
+        self.op_name = tracing.register(self)
 
     @staticmethod
     def _check_args(max_tokens, num_heads, head_dim, dtype, backend, lse_base, world_size):
@@ -322,21 +244,78 @@ class DcpMerger:
         """The backend a call with ``num_tokens`` tokens uses."""
         return self._impl.backend_for(num_tokens)
 
+    def _release(self) -> None:
+        self._impl.close()
+
     def check(self) -> None:
         """Raise ``PeerTimeoutError`` for any timeout the device recorded since the last check."""
         self._impl.check()
 
     def __call__(self, out: torch.Tensor, lse: torch.Tensor, return_lse: bool = False):
-        err = _check_local(out, lse, self.world_size, self.lse_base, "auto")
+        self._ensure_open()
+        if torch.compiler.is_compiling():
+            return self._traced(out, lse, return_lse)
+        self.accept(out, lse)
+        if out.shape[0] == 0:
+            return empty_result(out, self.hs, return_lse)
+        o, l = self._impl(out.contiguous(), lse_to_e(lse, self.lse_base))
+        return (o, _lse_from_e(l, self.lse_base)) if return_lse else o
+
+    def local_error(self, out, lse) -> str | None:
+        """Why this rank cannot merge ``out``/``lse`` with this merger (None if it can)."""
+        err = check_local(out, lse, self.world_size, self.lse_base, "auto")
         if err is None:
             T, H, D = out.shape
             if T > self.max_tokens or H != self.num_heads or D != self.head_dim \
-                    or out.dtype != self.dtype:
-                err = (f"got out {tuple(out.shape)} {out.dtype}; this merger takes T ≤ "
-                       f"{self.max_tokens}, H={self.num_heads}, D={self.head_dim}, {self.dtype}")
+                    or out.dtype != self.dtype or out.device != self.device:
+                err = (f"got out {tuple(out.shape)} {out.dtype} on {out.device}; this merger "
+                       f"takes T ≤ {self.max_tokens}, H={self.num_heads}, D={self.head_dim}, "
+                       f"{self.dtype} on {self.device}")
+        return err
+
+    def accept(self, out, lse) -> None:
+        """The local checks of a call, run once per signature (shapes, dtypes, devices): a
+        signature seen before passed them. Raises ``ValueError`` naming the merger."""
+        try:
+            key = (out.shape, out.dtype, lse.shape, lse.dtype, out.device, lse.device)
+        except AttributeError:  # not tensors: the checks say so
+            key = None
+        if key is not None and key in self._accepted:
+            return
+        err = self.local_error(out, lse)
         if err:
             raise ValueError(f"DcpMerger: {err}")
+        if len(self._accepted) >= _ACCEPTED_SIZE:
+            self._accepted.clear()
+        self._accepted.add(key)
+
+    def into(self, out: torch.Tensor, lse: torch.Tensor, res: torch.Tensor,
+             res_lse: torch.Tensor | None = None):
+        """Merge into caller-owned destinations (the call's arguments already ``accept``-ed):
+        ``res`` contiguous ``[T, H/W, D]`` in ``dtype``, ``res_lse`` contiguous ``[T, H/W]`` fp32
+        in base ``lse_base``, or None when the LSE is not wanted (it goes to a scratch or
+        internal buffer). Returns ``(res, res_lse)``."""
         if out.shape[0] == 0:
-            return _empty(out, self.num_heads // self.world_size, return_lse)
-        o, l = self._impl(out.contiguous(), _lse_to_e(lse, self.lse_base))
-        return (o, _lse_from_e(l, self.lse_base)) if return_lse else o
+            return res, res_lse
+        lse_e = lse_to_e(lse, self.lse_base)
+        if self.lse_base == "e" or res_lse is None:
+            self._impl(out.contiguous(), lse_e, res, res_lse)
+            return res, res_lse
+        _, l = self._impl(out.contiguous(), lse_e, res, None)
+        return res, torch.div(l, LN2, out=res_lse)
+
+    def _traced(self, out, lse, return_lse):
+        # torch.compile: one custom op (attncomm/dcp/ops.py) that runs ``into`` on this merger,
+        # found by name; its fake implementation runs the local checks.
+        T = out.shape[0]
+        res = out.new_empty((T, self.hs, self.head_dim))
+        res_lse = out.new_empty((T, self.hs), dtype=torch.float32)
+        torch.ops.attncomm.dcp_merger(out, lse, res, res_lse, self.op_name)
+        return (res, res_lse) if return_lse else res
+
+
+def empty_result(out: torch.Tensor, hs: int, return_lse: bool):
+    """The result of a merge of ``T == 0`` tokens: ``[0, H/W, D]`` (and ``[0, H/W]`` fp32)."""
+    o = torch.empty((0, hs, out.shape[2]), dtype=out.dtype, device=out.device)
+    lse = torch.empty((0, hs), dtype=torch.float32, device=out.device)
+    return (o, lse) if return_lse else o

@@ -9,6 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["DcpBackend", "BACKENDS", "REGISTRY", "backend_class", "register"]
 
@@ -22,12 +23,15 @@ REGISTRY: dict[str, type] = {}
 class DcpBackend(ABC):
     """A preallocated merge of ``out [T, H, D]`` / ``lse [T, H]`` over a group.
 
-    Constructed collectively (every rank of ``group``, same arguments). ``__call__`` takes this
-    rank's partial output (dtype ``dtype``, contiguous, ``T ≤ max_tokens``) and its LSE (fp32,
-    base e, contiguous) and returns this rank's head slice: ``([T, H/W, D]`` in ``dtype``,
-    ``[T, H/W]`` fp32 base-e LSE)``. Inputs are never modified. Backends that allocate per call
-    may return fresh tensors; preallocated backends may return views of internal buffers that are
-    valid until the next call (the caller copies when needed).
+    Constructed collectively (every rank of ``group``, same arguments). ``__call__(out, lse,
+    res=None, res_lse=None)`` takes this rank's partial output (dtype ``dtype``, contiguous,
+    ``T ≤ max_tokens``) and its LSE (fp32, base e, contiguous) and returns this rank's head
+    slice: ``([T, H/W, D]`` in ``dtype``, ``[T, H/W]`` fp32 base-e LSE)``. ``res`` /
+    ``res_lse``, when given (contiguous, exactly those shapes and dtypes, on the backend's
+    device), receive the result and are returned: a caller-owned destination, written with
+    the bits a fresh result would hold. Without them, backends that allocate per call return
+    fresh tensors; preallocated backends may return views of internal buffers that are valid
+    until the next call (the caller copies when needed). Inputs are never modified.
     """
 
     name: str = "?"
@@ -38,6 +42,8 @@ class DcpBackend(ABC):
     def __init__(self, group, *, max_tokens: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, timeout_s: float):
         self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         self.max_tokens = max_tokens
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -53,7 +59,8 @@ class DcpBackend(ABC):
         return None
 
     @abstractmethod
-    def __call__(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, out: torch.Tensor, lse: torch.Tensor, res: torch.Tensor | None = None,
+                 res_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         ...
 
     def backend_for(self, num_tokens: int) -> str:
@@ -62,6 +69,10 @@ class DcpBackend(ABC):
 
     def check(self) -> None:
         """Raise any timeout recorded on the device since the last check (default: none)."""
+
+    def close(self) -> None:
+        """Free what the backend holds (collective when it holds symmetric memory: a barrier
+        first, so no peer still writes into it). Default: nothing to free."""
 
 
 def register(cls: type[DcpBackend]) -> type[DcpBackend]:

@@ -25,8 +25,8 @@ class ReferenceBackend(DcpBackend):
 
     name = "reference"
 
-    def __call__(self, out, lse):
-        W, r = dist.get_world_size(self.group), dist.get_rank(self.group)
+    def __call__(self, out, lse, res=None, res_lse=None):
+        W, r = self.world_size, self.rank
         T, H, D = out.shape
         hs = H // W
         outs = torch.empty((W * T, H, D), dtype=out.dtype, device=out.device)
@@ -36,7 +36,8 @@ class ReferenceBackend(DcpBackend):
         wait(all_gather_tensor(lses, lse, self.group, async_op=True), self.group,
              "dcp.merge[reference] all_gather LSE", self.timeout_s)
         sl = slice(r * hs, (r + 1) * hs)
-        return combine(outs.view(W, T, H, D)[:, :, sl], lses.view(W, T, H)[:, :, sl], out.dtype)
+        return combine(outs.view(W, T, H, D)[:, :, sl], lses.view(W, T, H)[:, :, sl], out.dtype,
+                       res, res_lse)
 
 
 @register
@@ -46,8 +47,8 @@ class AgRsBackend(DcpBackend):
 
     name = "ag_rs"
 
-    def __call__(self, out, lse):
-        W, r = dist.get_world_size(self.group), dist.get_rank(self.group)
+    def __call__(self, out, lse, res=None, res_lse=None):
+        W, r = self.world_size, self.rank
         T, H, D = out.shape
         hs = H // W
         lses = torch.empty((W * T, H), dtype=torch.float32, device=out.device)
@@ -58,7 +59,9 @@ class AgRsBackend(DcpBackend):
         merged = torch.empty((T, hs, D), dtype=torch.float32, device=out.device)
         work = reduce_scatter_tensor(merged, dest.view(W * T, hs, D), self.group, async_op=True)
         wait(work, self.group, "dcp.merge[ag_rs] reduce_scatter", self.timeout_s)
-        return merged.to(out.dtype), lse_all[:, r * hs:(r + 1) * hs]
+        mine = lse_all[:, r * hs:(r + 1) * hs]
+        return (merged.to(out.dtype) if res is None else res.copy_(merged),  # one rounding
+                mine if res_lse is None else res_lse.copy_(mine))
 
 
 @register
@@ -68,8 +71,8 @@ class A2ABackend(DcpBackend):
 
     name = "a2a"
 
-    def __call__(self, out, lse):
-        W = dist.get_world_size(self.group)
+    def __call__(self, out, lse, res=None, res_lse=None):
+        W = self.world_size
         T, H, D = out.shape
         hs = H // W
         k = 4 // out.element_size()  # elements of out.dtype holding one fp32 LSE
@@ -82,5 +85,5 @@ class A2ABackend(DcpBackend):
                                       async_op=True)
         wait(work, self.group, "dcp.merge[a2a] all_to_all", self.timeout_s)
         lses = recv[..., D:].contiguous().view(torch.float32).squeeze(-1)
-        return combine(recv[..., :D], lses, out.dtype)
+        return combine(recv[..., :D], lses, out.dtype, res, res_lse)
 

@@ -21,22 +21,20 @@ from __future__ import annotations
 
 import torch
 
-from ... import config
+from ... import _triton, config
 
 __all__ = ["combine", "combine_torch", "scale_own", "scale_own_torch", "use_triton"]
 
-try:  # Triton is optional on CPU machines
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001
-    triton = None
-    tl = None
+if _triton.REASON is None:
+    from . import combine_kernels as _k
+else:
+    _k = None
 
 
 def use_triton(t: torch.Tensor) -> bool:
     """Whether the Triton path handles tensor ``t`` (CUDA, or forced for interpreter tests)."""
     forced = config.get("ATTNCOMM_COMBINE_IMPL")
-    if forced == "torch" or triton is None:
+    if forced == "torch" or _k is None:
         return False
     if forced == "triton":
         return True
@@ -100,112 +98,51 @@ def _no_sources(outs: torch.Tensor, out_dtype: torch.dtype):
 
 
 # --------------------------------------------------------------------------------------------
-# Triton path
+# Triton path (the kernels: combine_kernels)
 # --------------------------------------------------------------------------------------------
 
-if triton is not None:
-
-    @triton.jit
-    def _live_lse(l):
-        # A non-finite LSE (−inf, +inf, NaN) marks an empty source: −inf. NaN < inf and
-        # inf < inf are False.
-        return tl.where(l < float("inf"), l, float("-inf"))
-
-    @triton.jit
-    def _row_stats(lse_ptr, stride_ln, row_off, N: tl.constexpr):
-        # max over sources (non-finite → −inf), then the sum of exp(L − m); m := 0 if all are
-        # −inf.
-        m = float("-inf")
-        for n in range(N):
-            l = _live_lse(tl.load(lse_ptr + n * stride_ln + row_off))
-            m = tl.maximum(m, l)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        s = 0.0
-        for n in range(N):
-            l = _live_lse(tl.load(lse_ptr + n * stride_ln + row_off))
-            s += tl.exp(l - m)
-        return m, s
-
-    @triton.jit
-    def _combine_kernel(o_ptr, lse_ptr, out_ptr, lse_out_ptr, N: tl.constexpr, H, D,
-                        s_on, s_ot, s_oh, s_ln, s_lt, s_lh, s_dt, s_dh,
-                        BLOCK_D: tl.constexpr):
-        row = tl.program_id(0)  # one (token, head) row
-        t = row // H
-        h = row % H
-        offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        dmask = offs < D
-        m, s = _row_stats(lse_ptr, s_ln, t * s_lt + h * s_lh, N)
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for n in range(N):
-            l = _live_lse(tl.load(lse_ptr + n * s_ln + t * s_lt + h * s_lh))
-            w = tl.exp(l - m)
-            # A zero-weight source is never read: its payload may be garbage or NaN.
-            live = dmask & ((tl.zeros([BLOCK_D], dtype=tl.float32) + w) > 0)
-            o = tl.load(o_ptr + n * s_on + t * s_ot + h * s_oh + offs, mask=live, other=0.0)
-            acc += w * o.to(tl.float32)
-        s_safe = tl.where(s > 0, s, 1.0)
-        res = acc / s_safe
-        tl.store(out_ptr + t * s_dt + h * s_dh + offs, res.to(out_ptr.dtype.element_ty),
-                 mask=dmask)
-        if tl.program_id(1) == 0:
-            lse = tl.where(s > 0, tl.log(s_safe) + m, float("-inf"))
-            tl.store(lse_out_ptr + row, lse)
-
-    @triton.jit
-    def _scale_own_kernel(o_ptr, lse_ptr, dest_ptr, lse_out_ptr, rank, N: tl.constexpr, H, HS, D,
-                          s_ot, s_oh, s_ln, s_lt, s_lh, s_dw, s_dt, s_dh,
-                          BLOCK_D: tl.constexpr):
-        row = tl.program_id(0)
-        t = row // H
-        h = row % H
-        offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        dmask = offs < D
-        m, s = _row_stats(lse_ptr, s_ln, t * s_lt + h * s_lh, N)
-        l = _live_lse(tl.load(lse_ptr + rank * s_ln + t * s_lt + h * s_lh))
-        s_safe = tl.where(s > 0, s, 1.0)
-        w = tl.exp(l - m) / s_safe
-        live = dmask & ((tl.zeros([BLOCK_D], dtype=tl.float32) + w) > 0)
-        o = tl.load(o_ptr + t * s_ot + h * s_oh + offs, mask=live, other=0.0)
-        dst = dest_ptr + (h // HS) * s_dw + t * s_dt + (h % HS) * s_dh + offs
-        tl.store(dst, w * o.to(tl.float32), mask=dmask)
-        if tl.program_id(1) == 0:
-            tl.store(lse_out_ptr + row, tl.where(s > 0, tl.log(s_safe) + m, float("-inf")))
-
-
 def _block_d(D: int) -> int:
-    return min(1024, triton.next_power_of_2(max(D, 16)))
+    return min(1024, 1 << (max(D, 16) - 1).bit_length())
 
 
-def combine(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype):
+def combine(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype,
+            out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None):
     """Merge ``N`` partial results.
 
     Arguments:
         outs: ``[N, T, H, D]`` fp16/bf16/fp32, any strides with a unit stride on D.
         lses: ``[N, T, H]`` fp32, base e, any strides.
         out_dtype: dtype of the merged output.
+        out, lse_out: contiguous ``[T, H, D]`` ``out_dtype`` / ``[T, H]`` fp32 destinations
+            (None: new tensors), written with exactly the bits a fresh result would hold.
 
     Returns:
-        ``([T, H, D]`` in ``out_dtype``, ``[T, H]`` fp32 base-e LSE)``, both fresh and contiguous.
+        ``([T, H, D]`` in ``out_dtype``, ``[T, H]`` fp32 base-e LSE)``: the destinations, or
+        fresh contiguous tensors.
     """
-    if not use_triton(outs):
-        return combine_torch(outs, lses, out_dtype)
+    if not use_triton(outs) or outs.shape[0] == 0:
+        o, lse = combine_torch(outs, lses, out_dtype)  # N == 0 included
+        return _into(o, out), _into(lse, lse_out)
     N, T, H, D = outs.shape
-    if N == 0:
-        return _no_sources(outs, out_dtype)
-    out = torch.empty((T, H, D), dtype=out_dtype, device=outs.device)
-    lse_out = torch.empty((T, H), dtype=torch.float32, device=outs.device)
+    if out is None:
+        out = torch.empty((T, H, D), dtype=out_dtype, device=outs.device)
+    if lse_out is None:
+        lse_out = torch.empty((T, H), dtype=torch.float32, device=outs.device)
     if T * H == 0:
         return out, lse_out
     if outs.stride(3) != 1:
         outs = outs.contiguous()
     bd = _block_d(D)
-    grid = (T * H, triton.cdiv(D, bd))
-    _combine_kernel[grid](outs, lses, out, lse_out, N, H, D,
-                          outs.stride(0), outs.stride(1), outs.stride(2),
-                          lses.stride(0), lses.stride(1), lses.stride(2),
-                          out.stride(0), out.stride(1), BLOCK_D=bd)
+    grid = (T * H, -(-D // bd))
+    _k.combine_kernel[grid](outs, lses, out, lse_out, N, H, D,
+                            outs.stride(0), outs.stride(1), outs.stride(2),
+                            lses.stride(0), lses.stride(1), lses.stride(2),
+                            out.stride(0), out.stride(1), BLOCK_D=bd)
     return out, lse_out
+
+
+def _into(t: torch.Tensor, dest: torch.Tensor | None) -> torch.Tensor:
+    return t if dest is None else dest.copy_(t)
 
 
 def scale_own(out: torch.Tensor, lses: torch.Tensor, rank: int, dest: torch.Tensor):
@@ -231,9 +168,9 @@ def scale_own(out: torch.Tensor, lses: torch.Tensor, rank: int, dest: torch.Tens
     if out.stride(2) != 1:
         out = out.contiguous()
     bd = _block_d(D)
-    grid = (T * H, triton.cdiv(D, bd))
-    _scale_own_kernel[grid](out, lses, dest, lse_out, rank, W, H, H // W, D,
-                            out.stride(0), out.stride(1),
-                            lses.stride(0), lses.stride(1), lses.stride(2),
-                            dest.stride(0), dest.stride(1), dest.stride(2), BLOCK_D=bd)
+    grid = (T * H, -(-D // bd))
+    _k.scale_own_kernel[grid](out, lses, dest, lse_out, rank, W, H, H // W, D,
+                              out.stride(0), out.stride(1),
+                              lses.stride(0), lses.stride(1), lses.stride(2),
+                              dest.stride(0), dest.stride(1), dest.stride(2), BLOCK_D=bd)
     return lse_out

@@ -13,26 +13,24 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from ... import capability
+from ... import _triton, capability
 from ... import config as env
 from ...symm import (
-    LL_MAX_BYTES,
     SymmWorkspace,
     agreed_min,
+    grid_bound,
     ll_rows_for,
-    peer_deltas,
+    num_warps,
     plan_blocks,
     use_ll,
 )
+from ...compiled_launch import LaunchCache, alignment_key
 from .backend import DcpBackend, register
-from .symm_layout import SlabLayout, SlabRegions
+from .symm_layout import SlabLayout
 
-try:
-    import triton
-
+if _triton.REASON is None:
     from . import symm_kernels as _k
-except Exception:  # noqa: BLE001 - the backend reports itself unavailable
-    triton = None
+else:
     _k = None
 
 __all__ = [
@@ -46,8 +44,13 @@ __all__ = [
     "use_ll",
 ]
 
-_WIDE_BYTES = 32 * 1024     # blocks from this size take SymmConfig.wide_warps
-_BYTES_PER_THREAD = 32 * 16  # about one 16-byte vector per thread and row chunk
+
+def _default(field: str):
+    """A ``SymmConfig`` field's default: the ``ATTNCOMM_SYMM_<FIELD>`` row of
+    ``attncomm.config.VARS`` (read when a config is built)."""
+    name = f"ATTNCOMM_SYMM_{field}"
+    env.VARS[name]  # noqa: B018 - a KeyError at import for a field without a row
+    return dataclasses.field(default_factory=lambda: env.VARS[name].default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,20 +74,21 @@ class SymmConfig:
             capability ≥ 9.0). It pays when merges follow merges or kernels that trigger
             their dependents early; after a producer that does not, it can cost a little.
 
-    Defaults are the best measured on 2× H200 (64 heads × 512, bf16;
-    ``benchmarks/results/symm-a2a-tuning.md``). ``from_env()`` reads them from the private
-    ``ATTNCOMM_SYMM_*`` variables (how ``DcpMerger`` builds the backend); tests and tools pass
-    a config object instead.
+    The defaults are the ``ATTNCOMM_SYMM_*`` rows' defaults in ``attncomm.config.VARS`` (the
+    best measured on 2× H200, 64 heads × 512, bf16; ``benchmarks/results/symm-a2a-tuning.md``),
+    except ``enable_pdl``'s None (the row's "unset: on where supported"). ``from_env()``
+    reads the variables that are set (how ``DcpMerger`` builds the backend); tests and tools
+    pass a config object instead.
     """
 
-    max_block_rows: int = 64
-    programs_per_sm: int = 1
-    max_warps: int = 16
-    wide_warps: int = 32
-    max_programs: int = 0
-    ll_max_bytes: int = LL_MAX_BYTES
-    stagger_min_bytes: int = 1 << 20
-    stagger_split: int = 50
+    max_block_rows: int = _default("MAX_BLOCK_ROWS")
+    programs_per_sm: int = _default("PROGRAMS_PER_SM")
+    max_warps: int = _default("MAX_WARPS")
+    wide_warps: int = _default("WIDE_WARPS")
+    max_programs: int = _default("MAX_PROGRAMS")
+    ll_max_bytes: int = _default("LL_MAX_BYTES")
+    stagger_min_bytes: int = _default("STAGGER_MIN_BYTES")
+    stagger_split: int = _default("STAGGER_SPLIT")
     enable_pdl: bool | None = None
 
     def __post_init__(self):
@@ -116,13 +120,6 @@ class SymmConfig:
 _DEFAULT = SymmConfig()
 
 
-def num_warps(nbytes: int, config: SymmConfig = _DEFAULT) -> int:
-    """Warps for a block of ``nbytes`` (about one 16-byte vector per thread and row chunk)."""
-    if config.wide_warps > 0 and nbytes >= _WIDE_BYTES:
-        return config.wide_warps
-    return max(1, min(config.max_warps, nbytes // _BYTES_PER_THREAD))
-
-
 def stagger(n_rows: int, n_blocks: int, grid: int, head_dim: int, itemsize: int,
             config: SymmConfig = _DEFAULT) -> int:
     """The flag kernel's STAGGER: the percent of the grid in the first group, or 0 (off).
@@ -134,31 +131,36 @@ def stagger(n_rows: int, n_blocks: int, grid: int, head_dim: int, itemsize: int,
 
 @dataclasses.dataclass(frozen=True)
 class MergeSlab:
-    """What every launch on one rank's slab takes, computed once: the region base pointers,
-    the peer offset tables (``[W]`` int64, in ``DELTA_UNIT`` elements of the payload dtype,
-    of 4-byte and of 8-byte words), the epoch word ``state [4] int32`` and the error word
-    ``errors [W] int32`` (device or mapped host memory)."""
+    """What every launch on one rank's slab takes, built once: the slab (``[bytes] uint8``),
+    its descriptor (``SlabLayout.descriptor``: region bases and cells, the wait budget, the
+    peer offsets), the epoch words ``state [4] int32`` and the error words ``errors [W]
+    int32`` (device or mapped host memory)."""
 
-    regions: SlabRegions
-    delta_o: torch.Tensor
-    delta_w: torch.Tensor
-    delta_q: torch.Tensor
+    slab: torch.Tensor
+    desc: torch.Tensor
     state: torch.Tensor
     errors: torch.Tensor
 
     @classmethod
-    def build(cls, layout: SlabLayout, slab: torch.Tensor, dtype: torch.dtype,
-              peer_ptrs, rank: int, state: torch.Tensor, errors: torch.Tensor) -> MergeSlab:
-        """``peer_ptrs``: every rank's slab address (group rank order). Raises RuntimeError
-        when the peers' slabs are not ``DELTA_UNIT · 8``-byte aligned relative to this one."""
-        d_o, d_w, d_q = peer_deltas(peer_ptrs, rank, layout.itemsize, slab.device,
-                                    op="symm_a2a")
-        return cls(layout.regions(slab, dtype), d_o, d_w, d_q, state, errors)
+    def build(cls, layout: SlabLayout, slab: torch.Tensor, peer_ptrs, rank: int,
+              state: torch.Tensor, errors: torch.Tensor, timeout_ns: int) -> MergeSlab:
+        """``peer_ptrs``: every rank's slab address (group rank order); ``timeout_ns``: the
+        waits' budget. Raises ValueError for a slab smaller than the layout, RuntimeError when
+        the peers' slabs are not ``DELTA_UNIT · 8``-byte aligned relative to this one."""
+        if slab.dtype != torch.uint8 or slab.numel() < layout.total_bytes:
+            raise ValueError(f"MergeSlab: slab must be ≥ {layout.total_bytes} uint8 bytes, got "
+                             f"{slab.numel()} {slab.dtype}")
+        desc = layout.descriptor(peer_ptrs, rank, timeout_ns, slab.device)
+        return cls(slab, desc, state, errors)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def launch_merge(out, lse, res, res_lse, *, slab: MergeSlab, rank: int, world_size: int,
-                 num_heads: int, layout: SlabLayout, n_programs_max: int, timeout_ns: int,
-                 pdl: bool = False, config: SymmConfig = _DEFAULT) -> None:
+                 num_heads: int, layout: SlabLayout, n_programs_max: int, pdl: bool = False,
+                 config: SymmConfig = _DEFAULT) -> None:
     """Launch one merge (no host sync). ``out [T, H, D]`` (the merger's dtype) and
     ``lse [T, H]`` (fp32), contiguous; ``res``/``res_lse`` contiguous, at least
     ``[T, H/W, D]``/``[T, H/W]``; ``slab`` this rank's ``MergeSlab``. ``pdl``: launch with
@@ -169,41 +171,21 @@ def launch_merge(out, lse, res, res_lse, *, slab: MergeSlab, rank: int, world_si
     br, n_blocks, grid = plan_blocks(n_rows, n_programs_max, config.max_block_rows)
     if grid == 0:
         return
-    g = slab.regions
-    common = dict(state_ptr=slab.state.view(torch.int64), err_ptr=slab.errors,
-                  n_rows=n_rows, n_blocks=n_blocks, grid_size=grid, timeout_ns=timeout_ns,
-                  H=H, HS=hs, slab_f=g.f, slab_llo=g.llo, slab_lll=g.lll, f_cell=g.f_cell,
-                  llo_cell=g.llo_cell, lll_cell=g.lll_cell, RANK=rank, W=world_size, BR=br,
-                  PDL=pdl, launch_pdl=pdl)
+    args = (out, lse, res, res_lse, slab.slab, slab.desc, slab.state, slab.errors, n_rows)
     if use_ll(n_rows, layout):
-        dw = layout.row_words
-        bw = triton.next_power_of_2(dw)
+        bw = _pow2(layout.row_words)
         _k.merge_ll_kernel[(grid,)](
-            out_w=out.view(torch.int32), lse_ptr=lse, lse_w=lse.view(torch.int32),
-            res_w=res.view(torch.int32), res_lse_ptr=res_lse, delta_q=slab.delta_q, DW=dw,
-            BW=bw, PACK=4 // out.element_size(), DTYPE=_TL_DTYPES[out.dtype],
-            num_warps=num_warps(br * bw * 8, config), **common)
+            *args, RANK=rank, W=world_size, H=H, HS=hs, D=D, BR=br, BW=bw, PDL=pdl,
+            num_warps=num_warps(br * bw * 8, config.max_warps, config.wide_warps),
+            launch_pdl=pdl)
         return
-    bd = triton.next_power_of_2(D)
+    bd = _pow2(D)
+    item = out.element_size()
     _k.merge_flag_kernel[(grid,)](
-        out_ptr=out, lse_ptr=lse, res_ptr=res, res_lse_ptr=res_lse, slab_o=g.o, slab_l=g.l,
-        delta_o=slab.delta_o, delta_w=slab.delta_w, D=D, o_cell=g.o_cell, l_cell=g.l_cell,
-        BD=bd, STAGGER=stagger(n_rows, n_blocks, grid, D, out.element_size(), config),
-        num_warps=num_warps(br * bd * out.element_size(), config), **common)
-
-
-_TL_DTYPES = {}
-if triton is not None:
-    import triton.language as tl
-
-    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
-                  torch.float32: tl.float32}
-
-
-def _n_programs_max(device: torch.device, config: SymmConfig = _DEFAULT) -> int:
-    props = torch.cuda.get_device_properties(device)
-    n = max(1, props.multi_processor_count * config.programs_per_sm)
-    return min(n, config.max_programs) if config.max_programs > 0 else n
+        *args, RANK=rank, W=world_size, H=H, HS=hs, D=D, BR=br, BD=bd,
+        STAGGER=stagger(n_rows, n_blocks, grid, D, item, config), PDL=pdl,
+        num_warps=num_warps(br * bd * item, config.max_warps, config.wide_warps),
+        launch_pdl=pdl)
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -244,8 +226,8 @@ class SymmA2ABackend(DcpBackend):
                  config: SymmConfig | None = None, enable_pdl: bool | None = None):
         super().__init__(group, max_tokens=max_tokens, num_heads=num_heads, head_dim=head_dim,
                          dtype=dtype, device=device, timeout_s=timeout_s)
-        if triton is None:
-            raise RuntimeError("symm_a2a needs Triton")
+        if _k is None:
+            raise RuntimeError(f"symm_a2a needs Triton: {_triton.REASON}")
         self.config = config if config is not None else SymmConfig.from_env()
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -263,23 +245,25 @@ class SymmA2ABackend(DcpBackend):
         self.pdl = pdl_supported(device) if pdl is None else bool(pdl and pdl_supported(device))
         self.ws = ws = SymmWorkspace.agreed(group, self.layout, device,
                                             op="dcp.merge[symm_a2a]", timeout_s=timeout_s)
-        self.slab = MergeSlab.build(self.layout, ws.slab, dtype, ws.peer_ptrs,
-                                    self.rank, ws.state, ws.errors)
+        self.slab = MergeSlab.build(self.layout, ws.slab, ws.peer_ptrs, self.rank, ws.state,
+                                    ws.errors, self.timeout_ns)
         self.n_programs_max = self._agree_grid_bound()
         self.res = torch.empty((max_tokens, self.hs, head_dim), dtype=dtype, device=device)
         self.res_lse = torch.empty((max_tokens, self.hs), dtype=torch.float32, device=device)
+        self._launches = LaunchCache((_k.merge_ll_kernel, _k.merge_flag_kernel))
         self._warm_up()
 
     @classmethod
     def collective_unavailable_reason(cls, group, device: torch.device) -> str | None:
         reason = capability.symm_unavailable_reason(group, device)  # collective: always call
-        if reason is None and triton is None:
-            return "Triton is not importable"
+        if reason is None and _k is None:
+            return _triton.REASON
         return reason
 
     def _agree_grid_bound(self) -> int:
         # Grid bound agreed across ranks: block plans must match everywhere.
-        return agreed_min(self.group, _n_programs_max(self.device, self.config))
+        return agreed_min(self.group, grid_bound(self.device, self.config.programs_per_sm,
+                                                 self.config.max_programs))
 
     def _warm_up(self) -> None:
         # One merge per kernel variant (block size, protocol, staggering) up to max_tokens:
@@ -302,9 +286,11 @@ class SymmA2ABackend(DcpBackend):
             self(out, lse)
         self.ws.sync_check()
 
-    def __call__(self, out: torch.Tensor, lse: torch.Tensor):
+    def __call__(self, out: torch.Tensor, lse: torch.Tensor, res: torch.Tensor | None = None,
+                 res_lse: torch.Tensor | None = None):
         """``out [T, H, D]`` (``dtype``, contiguous, CUDA), ``lse [T, H]`` fp32 base e →
-        (``[T, H/W, D]``, ``[T, H/W]`` fp32) views, valid until the next call.
+        (``[T, H/W, D]``, ``[T, H/W]`` fp32): ``res`` / ``res_lse`` when given (the kernel
+        stores there), else views of internal buffers, valid until the next call.
 
         Raises ``PeerTimeoutError`` when an earlier call's wait timed out (the workspace is
         unusable from then on: its ranks' epochs no longer agree)."""
@@ -314,13 +300,24 @@ class SymmA2ABackend(DcpBackend):
             raise ValueError(f"symm_a2a: T={T} exceeds max_tokens={self.max_tokens}")
         if lse.dtype != torch.float32 or not lse.is_contiguous():
             lse = lse.float().contiguous()
-        launch_merge(out.contiguous(), lse, self.res, self.res_lse, slab=self.slab,
-                     rank=self.rank, world_size=self.world_size, num_heads=self.num_heads,
-                     layout=self.layout, n_programs_max=self.n_programs_max,
-                     timeout_ns=self.timeout_ns, pdl=self.pdl, config=self.config)
-        return self.res[:T], self.res_lse[:T]
+        o = self.res if res is None else res
+        l = self.res_lse if res_lse is None else res_lse
+        dyn = (out.contiguous(), lse, o, l)
+        # The first call of a token count and alignment launches through ``launch_merge`` and
+        # Triton's JIT; later ones through the kernel it compiled (``compiled_launch``).
+        self._launches.launch(
+            (T, *alignment_key(dyn)),
+            lambda: launch_merge(*dyn, slab=self.slab, rank=self.rank,
+                                 world_size=self.world_size, num_heads=self.num_heads,
+                                 layout=self.layout, n_programs_max=self.n_programs_max,
+                                 pdl=self.pdl, config=self.config), dyn)
+        return (o[:T] if res is None else o), (l[:T] if res_lse is None else l)
 
     def check(self) -> None:
         """Raise ``PeerTimeoutError`` for a wait that timed out since the last check (reads
         the error word; no CUDA call)."""
         self.ws.check()
+
+    def close(self) -> None:
+        """Collective: free the slab once every rank got here (``SymmWorkspace.close``)."""
+        self.ws.close()

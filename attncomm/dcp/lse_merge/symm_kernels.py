@@ -50,15 +50,16 @@ substrate's, ``attncomm.symm_device``, shared with the query gather's kernels):
   at a program that waits for nothing before it signals), so no spinning program waits on a
   program that cannot become resident. With PDL the next merge's programs are launched only
   once all of this merge's programs run, and they wait in ``gdc_wait()`` (no spinning).
-- Timeouts: a wait past ``timeout_ns`` sets ``errors[src] = 1`` (a system-scope store: the
-  word may live in mapped host memory, read by the host without a CUDA call) and the program
-  skips that block; the workspace turns that into ``PeerTimeoutError`` naming ``src``.
+- Timeouts: a wait past the descriptor's budget sets ``errors[src] = 1`` (a system-scope
+  store: the word may live in mapped host memory, read by the host without a CUDA call) and the
+  program skips that block; the workspace turns that into ``PeerTimeoutError`` naming ``src``.
 
-Pointers: ``slab_o``, ``slab_l``, ``slab_f``, ``slab_llo``, ``slab_lll`` point at the bases of
-this rank's slab regions (``SlabLayout``), typed as the region; cell ``c`` of a region starts
-``c · *_cell`` elements further. The same region on peer ``q`` is ``delta[q] · DELTA_UNIT``
-elements away (``delta_o`` in payload elements, ``delta_w`` in 4-byte words, ``delta_q`` in
-8-byte words).
+Arguments: pointers (the inputs, the results, the slab, its descriptor, the epoch word, the
+error words), the call's row count, constexprs. The kernel reads the slab's region bases and
+cell strides (``SlabLayout``: regions ``O``, ``L``, ``F``, ``LLO``, ``LLL``), the wait budget and
+the peer offsets from the descriptor (``attncomm.symm_regions``), built once per merger; the
+same region on peer ``q`` is ``peer_delta(desc, q, k, W)`` elements away (k = 0: payload
+elements, 1: 4-byte, 2: 8-byte words).
 
 The merge rule is the one in ``combine`` beside it (a non-finite LSE — −inf, +inf, NaN — is
 an empty source, ``m := 0`` when all are −inf, guarded divide, fp32 accumulation, one rounding;
@@ -73,33 +74,39 @@ import triton.language as tl
 from triton.language.extra import cuda as tl_cuda
 
 from ...symm_device import (
-    DELTA_UNIT,
-    SCRUB_PERIOD,
+    budget,
     count_in,
     epoch_of,
     ll_ready,
     ll_word,
     pack16,
+    peer_delta,
     record_timeout,
+    region,
     scrub_due,
     scrub_fence,
     timed_out,
+    typed,
     wait_word,
     zero,
 )
+from . import symm_layout as _lay
 
-__all__ = ["DELTA_UNIT", "SCRUB_PERIOD", "merge_flag_kernel", "merge_ll_kernel"]
-
-_DELTA_UNIT = tl.constexpr(DELTA_UNIT)
+__all__ = ["merge_flag_kernel", "merge_ll_kernel"]
 
 
 @triton.jit
-def _scrub(slab_f, slab_llo, slab_lll, f_cell, llo_cell, lll_cell, state64_ptr, e, pid,
-           grid_size, RANK: tl.constexpr, W: tl.constexpr):
+def _scrub(slab, desc, state64_ptr, e, pid, grid_size, RANK: tl.constexpr, W: tl.constexpr):
     # Rare path (see the module docstring): zero the other slot's flag and LL cells from every
     # peer, split over the grid; then the fence (on the unused word state[2:4], which stays 0)
     # so that the zeros are in place before any store of this call reaches a peer.
     if scrub_due(e):
+        f_base, f_cell = region(desc, _lay.R_F)
+        llo_base, llo_cell = region(desc, _lay.R_LLO)
+        lll_base, lll_cell = region(desc, _lay.R_LLL)
+        slab_f = typed(slab, tl.int32) + f_base
+        slab_llo = typed(slab, tl.int64) + llo_base
+        slab_lll = typed(slab, tl.int64) + lll_base
         for q in tl.static_range(W):
             if q != RANK:
                 cell = (1 - (e & 1)) * W + q
@@ -110,9 +117,10 @@ def _scrub(slab_f, slab_llo, slab_lll, f_cell, llo_cell, lll_cell, state64_ptr, 
 
 
 @triton.jit
-def _wait_go(ptr, e, deadline, timeout_ns):
+def _wait_go(ptr, e, deadline, desc):
     # Wait until a local cell holds e. Timing only (no data depends on it): past the timeout
     # the program just goes on.
+    timeout_ns = budget(desc)
     v = tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu")
     while v != e:
         deadline, expired = timed_out(deadline, timeout_ns)
@@ -203,40 +211,42 @@ def _load_rows(out_ptr, lse_ptr, b, q, n_rows, H, HS, D, BR: tl.constexpr, BD: t
 
 
 @triton.jit
-def _store_rows(vals, lv, slab_o, slab_l, delta_oq, delta_wq, slot, b, n_rows, D, o_cell,
+def _store_rows(vals, lv, slab_o, slab_l, off_o, off_w, slot, b, n_rows, D, o_cell,
                 l_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
                 BD: tl.constexpr):
-    # ... stored into cell (slot, RANK) of peer q's slab (delta_oq, delta_wq: q's offsets).
+    # ... stored into cell (slot, RANK) of peer q's slab (off_o, off_w: q's offsets in
+    # payload elements and 4-byte words).
     rows = b * BR + tl.arange(0, BR)
     rmask = rows < n_rows
     d = tl.arange(0, BD)
     cell = slot * W + RANK
-    po = slab_o + delta_oq * _DELTA_UNIT + cell * o_cell
+    po = slab_o + off_o + cell * o_cell
     tl.store(po + rows[:, None] * D + d[None, :], vals, mask=rmask[:, None] & (d < D)[None, :])
-    pl = slab_l + delta_wq * _DELTA_UNIT + cell * l_cell
+    pl = slab_l + off_w + cell * l_cell
     tl.store(pl + rows, lv, mask=rmask)
 
 
 @triton.jit
-def _send_block(out_ptr, lse_ptr, slab_o, slab_l, delta_o, delta_w, slot, b, n_rows, H, HS,
-                D, o_cell, l_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
+def _send_block(out_ptr, lse_ptr, slab_o, slab_l, desc, slot, b, n_rows, H, HS, D, o_cell,
+                l_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
                 BD: tl.constexpr, SKIP: tl.constexpr):
     # Store block b of this rank's rows for every peer's head slice (but SKIP) into that
     # peer's slab.
     for q in tl.static_range(W):
         if q != RANK and q != SKIP:
             vals, lv = _load_rows(out_ptr, lse_ptr, b, q, n_rows, H, HS, D, BR, BD)
-            _store_rows(vals, lv, slab_o, slab_l, tl.load(delta_o + q), tl.load(delta_w + q),
-                        slot, b, n_rows, D, o_cell, l_cell, RANK, W, BR, BD)
+            _store_rows(vals, lv, slab_o, slab_l, peer_delta(desc, q, 0, W),
+                        peer_delta(desc, q, 1, W), slot, b, n_rows, D, o_cell, l_cell, RANK, W,
+                        BR, BD)
 
 
 @triton.jit
-def _publish(slab_f, delta_w, e, slot, b, f_cell, RANK: tl.constexpr, W: tl.constexpr):
+def _publish(slab_f, desc, e, slot, b, f_cell, RANK: tl.constexpr, W: tl.constexpr):
     # Called after a block barrier: one release (fence + store) covers every thread's
     # earlier stores; the same thread's later flag stores are ordered after it.
     for q in tl.static_range(W):
         if q != RANK:
-            pf = slab_f + tl.load(delta_w + q) * _DELTA_UNIT + (slot * W + RANK) * f_cell + b
+            pf = slab_f + peer_delta(desc, q, 1, W) + (slot * W + RANK) * f_cell + b
             if q == (RANK + 1) % W:
                 tl.atomic_xchg(pf, e, sem="release", scope="sys")
             else:
@@ -245,7 +255,7 @@ def _publish(slab_f, delta_w, e, slot, b, f_cell, RANK: tl.constexpr, W: tl.cons
 
 @triton.jit
 def _receive_block(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slab_f, err_ptr,
-                   e, slot, b, deadline, timeout_ns, bad, n_rows, H, HS, D, o_cell, l_cell,
+                   e, slot, b, deadline, desc, bad, n_rows, H, HS, D, o_cell, l_cell,
                    f_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
                    BD: tl.constexpr):
     # Fold this rank's own rows of block b, wait (acquire, bounded) for every source's flag
@@ -256,7 +266,7 @@ def _receive_block(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slab_
     for q in tl.static_range(W):
         if q != RANK:
             deadline, bad = wait_word(slab_f + (slot * W + q) * f_cell + b, e, deadline,
-                                      timeout_ns, err_ptr + q, bad, "acquire")
+                                      desc, err_ptr + q, bad, "acquire")
     tl.debug_barrier()
     if bad == 0:
         _combine_rows(m, s, acc, res_ptr, res_lse_ptr, slab_o, slab_l, slot, rows, rmask, D,
@@ -264,15 +274,15 @@ def _receive_block(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slab_
     return deadline, bad
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_blocks", "grid_size", "timeout_ns"])
-def merge_flag_kernel(out_ptr, lse_ptr, res_ptr, res_lse_ptr,
-                      slab_o, slab_l, slab_f, slab_llo, slab_lll, delta_o, delta_w,
-                      state_ptr, err_ptr, n_rows, n_blocks, grid_size, timeout_ns, H, HS, D,
-                      o_cell, l_cell, f_cell, llo_cell, lll_cell,
-                      RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+@triton.jit(do_not_specialize=["n_rows"])
+def merge_flag_kernel(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab, desc, state_ptr, err_ptr,
+                      n_rows, RANK: tl.constexpr, W: tl.constexpr, H: tl.constexpr,
+                      HS: tl.constexpr, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
                       STAGGER: tl.constexpr, PDL: tl.constexpr):
     """One merge, flag protocol. ``out [T, H, D]``, ``lse [T, H]`` fp32 → ``res [T, HS, D]``,
-    ``res_lse [T, HS]`` fp32; a row is a ``(t, h_local)`` pair, ``n_rows = T·HS``.
+    ``res_lse [T, HS]`` fp32; a row is a ``(t, h_local)`` pair, ``n_rows = T·HS``; ``slab``
+    the slab's bytes, ``desc`` its descriptor, ``state_ptr`` the ``[4]`` int32 epoch words,
+    ``err_ptr`` the ``[W]`` int32 error words.
 
     Program p handles blocks p, p+G, ... (G = grid size ≤ #SMs, so all are resident),
     software-pipelined: block k+1 is sent before block k is waited for and combined, and
@@ -283,14 +293,22 @@ def merge_flag_kernel(out_ptr, lse_ptr, res_ptr, res_lse_ptr,
     for its partner of the group before, so every chain of local waits starts at a program
     of the first group, which waits for nothing before it signals."""
     pid = tl.program_id(0)
-    old = count_in(state_ptr)
+    grid_size = tl.num_programs(0)
+    n_blocks = tl.cdiv(n_rows, BR)
+    state64 = typed(state_ptr, tl.int64)
+    old = count_in(state64)
     if PDL:  # the previous kernel's writes are complete and visible from here on
         tl_cuda.gdc_wait()
-    e = epoch_of(old, state_ptr, grid_size, PDL)
-    _scrub(slab_f, slab_llo, slab_lll, f_cell, llo_cell, lll_cell, state_ptr, e, pid,
-           grid_size, RANK, W)
+    o_base, o_cell = region(desc, _lay.R_O)
+    l_base, l_cell = region(desc, _lay.R_L)
+    f_base, f_cell = region(desc, _lay.R_F)
+    slab_o = typed(slab, out_ptr.dtype.element_ty) + o_base
+    slab_l = typed(slab, tl.float32) + l_base
+    slab_f = typed(slab, tl.int32) + f_base
+    e = epoch_of(old, state64, grid_size, PDL)
+    _scrub(slab, desc, state64, e, pid, grid_size, RANK, W)
     slot = e & 1
-    deadline = timeout_ns.to(tl.int64) * 0
+    deadline = tl.zeros([], tl.int64)
     bad = tl.full([], 0, tl.int32)
     # STAGGER (percent of the grid per group, the last group takes the rest; one block per
     # program): this rank's own flag cell, unused by the peers, holds "program p has
@@ -303,37 +321,37 @@ def merge_flag_kernel(out_ptr, lse_ptr, res_ptr, res_lse_ptr,
     Q0: tl.constexpr = (RANK + 1) % W
     if Q0 != RANK:
         vals, lv = _load_rows(out_ptr, lse_ptr, pid, Q0, n_rows, H, HS, D, BR, BD)
-        delta_o0 = tl.load(delta_o + Q0)
-        delta_w0 = tl.load(delta_w + Q0)
+        off_o0 = peer_delta(desc, Q0, 0, W)
+        off_w0 = peer_delta(desc, Q0, 1, W)
     if STAGGER > 0:
         if pid >= first:  # its own deadline: a slow partner is no peer's timeout
-            _wait_go(go + pid - first, e, deadline, timeout_ns)
+            _wait_go(go + pid - first, e, deadline, desc)
     if Q0 != RANK:
-        _store_rows(vals, lv, slab_o, slab_l, delta_o0, delta_w0, slot, pid, n_rows, D,
-                    o_cell, l_cell, RANK, W, BR, BD)
-    _send_block(out_ptr, lse_ptr, slab_o, slab_l, delta_o, delta_w, slot, pid, n_rows, H, HS,
-                D, o_cell, l_cell, RANK, W, BR, BD, Q0)
+        _store_rows(vals, lv, slab_o, slab_l, off_o0, off_w0, slot, pid, n_rows, D, o_cell,
+                    l_cell, RANK, W, BR, BD)
+    _send_block(out_ptr, lse_ptr, slab_o, slab_l, desc, slot, pid, n_rows, H, HS, D, o_cell,
+                l_cell, RANK, W, BR, BD, Q0)
     tl.debug_barrier()
     if STAGGER > 0:
         if pid < grid_size - first:
             tl.atomic_xchg(go + pid, e, sem="relaxed", scope="gpu")
-    _publish(slab_f, delta_w, e, slot, pid, f_cell, RANK, W)
+    _publish(slab_f, desc, e, slot, pid, f_cell, RANK, W)
     prev = pid
     b = pid + grid_size  # a while loop: the interpreter cannot range() over a program id
     while b < n_blocks:
-        _send_block(out_ptr, lse_ptr, slab_o, slab_l, delta_o, delta_w, slot, b, n_rows, H,
-                    HS, D, o_cell, l_cell, RANK, W, BR, BD, RANK)
+        _send_block(out_ptr, lse_ptr, slab_o, slab_l, desc, slot, b, n_rows, H, HS, D, o_cell,
+                    l_cell, RANK, W, BR, BD, RANK)
         deadline, bad = _receive_block(
             out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slab_f, err_ptr, e, slot,
-            prev, deadline, timeout_ns, bad, n_rows, H, HS, D, o_cell, l_cell, f_cell, RANK, W,
-            BR, BD)
+            prev, deadline, desc, bad, n_rows, H, HS, D, o_cell, l_cell, f_cell, RANK, W, BR,
+            BD)
         tl.debug_barrier()
-        _publish(slab_f, delta_w, e, slot, b, f_cell, RANK, W)
+        _publish(slab_f, desc, e, slot, b, f_cell, RANK, W)
         prev = b
         b += grid_size
     _receive_block(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slab_f, err_ptr, e,
-                   slot, prev, deadline, timeout_ns, bad, n_rows, H, HS, D, o_cell, l_cell,
-                   f_cell, RANK, W, BR, BD)
+                   slot, prev, deadline, desc, bad, n_rows, H, HS, D, o_cell, l_cell, f_cell,
+                   RANK, W, BR, BD)
 
 
 # -------------------------------------------------------------------- LL protocol (small T)
@@ -376,14 +394,14 @@ def _ll_load(out_w, lse_w, b, q, n_rows, H, HS, DW, BR: tl.constexpr, BW: tl.con
 
 
 @triton.jit
-def _ll_store(x, xl, tag, slab_llo, slab_lll, delta_q, slot, b, q, n_rows, DW, llo_cell,
+def _ll_store(x, xl, tag, slab_llo, slab_lll, desc, slot, b, q, n_rows, DW, llo_cell,
               lll_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
               BW: tl.constexpr):
     # ... stored as (epoch << 32) | word into cell (slot, RANK) of peer q's LL regions.
     rows = b * BR + tl.arange(0, BR)
     rmask = rows < n_rows
     c = tl.arange(0, BW)
-    dq = tl.load(delta_q + q) * _DELTA_UNIT
+    dq = peer_delta(desc, q, 2, W)
     cell = slot * W + RANK
     tl.store(slab_llo + dq + cell * llo_cell + rows[:, None] * DW + c[None, :],
              ll_word(tag, x), mask=rmask[:, None] & (c < DW)[None, :])
@@ -392,61 +410,73 @@ def _ll_store(x, xl, tag, slab_llo, slab_lll, delta_q, slot, b, q, n_rows, DW, l
 
 
 @triton.jit
-def _ll_send(x0, xl0, out_w, lse_w, tag, slab_llo, slab_lll, delta_q, slot, pid, grid_size,
+def _ll_send(x0, xl0, out_w, lse_w, tag, slab_llo, slab_lll, desc, slot, pid, grid_size,
              n_rows, n_blocks, H, HS, DW, llo_cell, lll_cell, RANK: tl.constexpr,
              W: tl.constexpr, BR: tl.constexpr, BW: tl.constexpr):
     # Every block of this program for every peer: the first block for (RANK + 1) % W from
     # the words loaded ahead (x0, xl0), then the others.
     Q0: tl.constexpr = (RANK + 1) % W
     if Q0 != RANK:
-        _ll_store(x0, xl0, tag, slab_llo, slab_lll, delta_q, slot, pid, Q0, n_rows, DW,
+        _ll_store(x0, xl0, tag, slab_llo, slab_lll, desc, slot, pid, Q0, n_rows, DW,
                   llo_cell, lll_cell, RANK, W, BR, BW)
     for q in tl.static_range(W):
         if q != RANK and q != Q0:
             x, xl = _ll_load(out_w, lse_w, pid, q, n_rows, H, HS, DW, BR, BW)
-            _ll_store(x, xl, tag, slab_llo, slab_lll, delta_q, slot, pid, q, n_rows, DW,
+            _ll_store(x, xl, tag, slab_llo, slab_lll, desc, slot, pid, q, n_rows, DW,
                       llo_cell, lll_cell, RANK, W, BR, BW)
     b = pid + grid_size
     while b < n_blocks:
         for q in tl.static_range(W):
             if q != RANK:
                 x, xl = _ll_load(out_w, lse_w, b, q, n_rows, H, HS, DW, BR, BW)
-                _ll_store(x, xl, tag, slab_llo, slab_lll, delta_q, slot, b, q, n_rows, DW,
+                _ll_store(x, xl, tag, slab_llo, slab_lll, desc, slot, b, q, n_rows, DW,
                           llo_cell, lll_cell, RANK, W, BR, BW)
         b += grid_size
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_blocks", "grid_size", "timeout_ns"])
-def merge_ll_kernel(out_w, lse_ptr, lse_w, res_w, res_lse_ptr, slab_f, slab_llo, slab_lll,
-                    delta_q, state_ptr, err_ptr, n_rows, n_blocks, grid_size, timeout_ns, H, HS,
-                    DW, f_cell, llo_cell, lll_cell, RANK: tl.constexpr, W: tl.constexpr,
-                    BR: tl.constexpr, BW: tl.constexpr, PACK: tl.constexpr,
-                    DTYPE: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["n_rows"])
+def merge_ll_kernel(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab, desc, state_ptr, err_ptr,
+                    n_rows, RANK: tl.constexpr, W: tl.constexpr, H: tl.constexpr,
+                    HS: tl.constexpr, D: tl.constexpr, BR: tl.constexpr, BW: tl.constexpr,
+                    PDL: tl.constexpr):
     """One merge, LL protocol: every 8-byte word sent is ``(epoch << 32) | 32 payload bits``,
-    so no fence and no separate flag; the receiver polls the words themselves.
-    ``out_w [T, H, DW]`` / ``res_w [T, HS, DW]`` are the payloads viewed as int32."""
+    so no fence and no separate flag; the receiver polls the words themselves. Arguments as
+    ``merge_flag_kernel``'s; the payloads are read and written as int32 words (``DW`` per row,
+    ``BW`` its power-of-two cover)."""
+    DTYPE: tl.constexpr = out_ptr.dtype.element_ty
+    PACK: tl.constexpr = 32 // DTYPE.primitive_bitwidth
+    DW: tl.constexpr = D // PACK
+    out_w = typed(out_ptr, tl.int32)
+    lse_w = typed(lse_ptr, tl.int32)
+    res_w = typed(res_ptr, tl.int32)
     pid = tl.program_id(0)
+    grid_size = tl.num_programs(0)
+    n_blocks = tl.cdiv(n_rows, BR)
+    state64 = typed(state_ptr, tl.int64)
     r = tl.arange(0, BR)
     c = tl.arange(0, BW)
     # The first block's words for the next rank are loaded before the epoch is known: the
     # loads overlap the epoch atomic's round trip.
     Q0: tl.constexpr = (RANK + 1) % W
     if PDL:  # count in while the previous merge runs; read the inputs only after gdc_wait
-        old = count_in(state_ptr)
+        old = count_in(state64)
         tl_cuda.gdc_wait()
         x0, xl0 = _ll_load(out_w, lse_w, pid, Q0, n_rows, H, HS, DW, BR, BW)
     else:
         x0, xl0 = _ll_load(out_w, lse_w, pid, Q0, n_rows, H, HS, DW, BR, BW)
-        old = count_in(state_ptr)
-    e = epoch_of(old, state_ptr, grid_size, PDL)
-    _scrub(slab_f, slab_llo, slab_lll, f_cell, llo_cell, lll_cell, state_ptr, e, pid,
-           grid_size, RANK, W)
+        old = count_in(state64)
+    llo_base, llo_cell = region(desc, _lay.R_LLO)
+    lll_base, lll_cell = region(desc, _lay.R_LLL)
+    slab_llo = typed(slab, tl.int64) + llo_base
+    slab_lll = typed(slab, tl.int64) + lll_base
+    e = epoch_of(old, state64, grid_size, PDL)
+    _scrub(slab, desc, state64, e, pid, grid_size, RANK, W)
     slot = e & 1
     tag = e.to(tl.int64) << 32
     cmask = c < DW
-    _ll_send(x0, xl0, out_w, lse_w, tag, slab_llo, slab_lll, delta_q, slot, pid, grid_size,
+    _ll_send(x0, xl0, out_w, lse_w, tag, slab_llo, slab_lll, desc, slot, pid, grid_size,
              n_rows, n_blocks, H, HS, DW, llo_cell, lll_cell, RANK, W, BR, BW)
-    deadline = timeout_ns.to(tl.int64) * 0
+    deadline = tl.zeros([], tl.int64)
     bad = tl.full([], 0, tl.int32)
     b = pid
     while b < n_blocks:
@@ -467,6 +497,7 @@ def merge_ll_kernel(out_w, lse_ptr, lse_w, res_w, res_lse_ptr, slab_f, slab_llo,
                 cell = slot * W + q
                 po = slab_llo + cell * llo_cell + rows[:, None] * DW + c[None, :]
                 pl = slab_lll + cell * lll_cell + rows
+                timeout_ns = budget(desc)  # beside the first poll (symm_device)
                 y = tl.load(po, mask=m2, other=tag, volatile=True)
                 yl = tl.load(pl, mask=rmask, other=tag, volatile=True)
                 ready = _ll_ready(y, yl, e)

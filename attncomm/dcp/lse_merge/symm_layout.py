@@ -19,18 +19,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
-from typing import NamedTuple
 from collections.abc import Mapping
 
 import torch
 
-__all__ = ["SlabLayout", "SlabRegions", "ALIGN"]
+from ...symm_regions import ALIGN, Region, RegionLayout, descriptor
 
-ALIGN = 128
+__all__ = ["SlabLayout", "ALIGN", "R_O", "R_L", "R_F", "R_LLO", "R_LLL"]
 
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+#: The regions' positions in the slab and in the kernels' descriptor (``attncomm.symm_regions``).
+R_O, R_L, R_F, R_LLO, R_LLL = range(5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +46,8 @@ class SlabLayout:
             ``head_dim · itemsize / 4`` payload words plus one LSE word.
 
     Regions, in order, each cell 128-byte aligned: ``o`` (payload dtype), ``l`` (fp32), ``f``
-    (int32 flags), ``llo`` (int64 ``[ll_rows, row_words]``), ``lll`` (int64 ``[ll_rows]``).
+    (int32 flags), ``llo`` (int64 ``[ll_rows, row_words]``), ``lll`` (int64 ``[ll_rows]``);
+    ``2·W`` cells each (slot-major).
     """
 
     world_size: int
@@ -84,13 +83,21 @@ class SlabLayout:
     def cells(self) -> int:
         return 2 * self.world_size
 
+    @functools.cached_property
+    def region_layout(self) -> RegionLayout:
+        """The regions (``attncomm.symm_regions``), in the order of ``R_O`` … ``R_LLL``."""
+        c = self.cells
+        return RegionLayout([
+            Region("o", c, self.max_rows * self.head_dim * self.itemsize, self.itemsize),
+            Region("l", c, self.max_rows * 4, 4),
+            Region("f", c, self.max_blocks * 4, 4),
+            Region("llo", c, self.ll_rows * self.row_words * 8, 8),
+            Region("lll", c, self.ll_rows * 8, 8)])
+
     def cell_bytes(self) -> dict[str, int]:
         """Bytes of one (slot, source) cell of each region (128-byte aligned)."""
-        return {"o": _align(self.max_rows * self.head_dim * self.itemsize),
-                "l": _align(self.max_rows * 4),
-                "f": _align(self.max_blocks * 4),
-                "llo": _align(self.ll_rows * self.row_words * 8),
-                "lll": _align(self.ll_rows * 8)}
+        lay = self.region_layout
+        return {r.name: lay.cell(r.name) for r in lay.regions}
 
     def _cell(self, slot: int, src: int) -> int:
         if slot not in (0, 1) or not 0 <= src < self.world_size:
@@ -100,12 +107,10 @@ class SlabLayout:
 
     def region_base(self, region: str) -> int:
         """Byte offset where ``region`` starts."""
-        off = 0
-        for name, nbytes in self.cell_bytes().items():
-            if name == region:
-                return off
-            off += self.cells * nbytes
-        raise ValueError(f"SlabLayout: no region {region!r}")
+        try:
+            return self.region_layout.base(region)
+        except ValueError:
+            raise ValueError(f"SlabLayout: no region {region!r}") from None
 
     def offset(self, region: str, slot: int, src: int) -> int:
         """Byte offset of cell ``(slot, src)`` of ``region``."""
@@ -125,59 +130,24 @@ class SlabLayout:
 
     @property
     def total_bytes(self) -> int:
-        return self.cells * sum(self.cell_bytes().values())
-
-    def regions(self, slab: torch.Tensor, dtype: torch.dtype) -> SlabRegions:
-        """The region views of ``slab`` (``[total_bytes] uint8``) for payload ``dtype``."""
-        if slab.numel() < self.total_bytes or slab.dtype != torch.uint8:
-            raise ValueError(f"SlabLayout: slab must be ≥ {self.total_bytes} uint8 bytes, got "
-                             f"{slab.numel()} {slab.dtype}")
-        if torch.empty((), dtype=dtype).element_size() != self.itemsize:
-            raise ValueError(f"SlabLayout: dtype {dtype} is not {self.itemsize} bytes")
-        st = self.kernel_strides()
-        slab = slab[:self.total_bytes]
-        return SlabRegions(
-            _region(slab, dtype, 0, st["o_cell"]),
-            _region(slab, torch.float32, st["l_base"], st["l_cell"]),
-            _region(slab, torch.int32, st["f_base"], st["f_cell"]),
-            _region(slab, torch.int64, st["llo_base"], st["llo_cell"]),
-            _region(slab, torch.int64, st["lll_base"], st["lll_cell"]),
-            st["o_cell"], st["l_cell"], st["f_cell"], st["llo_cell"], st["lll_cell"])
+        return self.region_layout.total_bytes
 
     @functools.cache  # noqa: B019 - a few frozen layouts per process
     def kernel_strides(self) -> Mapping[str, int]:
         """Region bases and cell strides in elements of each region's type, as kernels index
-        them: ``o`` in payload elements (base 0), ``l``/``f`` in 4-byte words, ``llo``/``lll``
-        in 8-byte words. Every region is 128-byte aligned, so each base is a whole number of
-        its elements."""
-        cb = self.cell_bytes()
-        return types.MappingProxyType({
-            "o_cell": cb["o"] // self.itemsize,
-            "l_base": self.region_base("l") // 4, "l_cell": cb["l"] // 4,
-            "f_base": self.region_base("f") // 4, "f_cell": cb["f"] // 4,
-            "llo_base": self.region_base("llo") // 8, "llo_cell": cb["llo"] // 8,
-            "lll_base": self.region_base("lll") // 8, "lll_cell": cb["lll"] // 8,
-        })
+        them (the descriptor's region words): ``o`` in payload elements, ``l``/``f`` in 4-byte
+        words, ``llo``/``lll`` in 8-byte words. Every region is 128-byte aligned, so each base
+        is a whole number of its elements."""
+        lay = self.region_layout
+        out = {}
+        for r in lay.regions:
+            out[f"{r.name}_base"] = lay.base(r.name) // r.unit
+            out[f"{r.name}_cell"] = lay.cell(r.name) // r.unit
+        return types.MappingProxyType(out)
 
-
-class SlabRegions(NamedTuple):
-    """Typed views of one slab at each region's base, and each region's cell stride in
-    elements of its type (what the kernels take: base pointers, computed once)."""
-
-    o: torch.Tensor     # payload dtype
-    l: torch.Tensor     # fp32
-    f: torch.Tensor     # int32
-    llo: torch.Tensor   # int64
-    lll: torch.Tensor   # int64
-    o_cell: int
-    l_cell: int
-    f_cell: int
-    llo_cell: int
-    lll_cell: int
-
-
-def _region(slab: torch.Tensor, dtype: torch.dtype, base: int, cell: int) -> torch.Tensor:
-    # An empty region points at the slab's start (never accessed): a pointer one past the end
-    # of the allocation may be refused by the launcher.
-    typed = slab.view(dtype)
-    return typed[base:] if cell else typed
+    def descriptor(self, peer_ptrs, rank: int, timeout_ns: int, device) -> torch.Tensor:
+        """The kernels' descriptor of this layout for ``rank`` (``attncomm.symm_regions``):
+        region words, the wait budget ``timeout_ns``, the peer offsets from ``peer_ptrs``
+        (every rank's slab address). RuntimeError when the slabs are misaligned."""
+        return descriptor(self.region_layout, peer_ptrs, rank, self.itemsize, timeout_ns,
+                          device, op="symm_a2a")

@@ -13,7 +13,9 @@ __all__ = ["AllGatherBackend"]
 @register
 class AllGatherBackend(QueryGatherBackend):
     """Rotate into a send buffer, ``all_gather_into_tensor`` into ``[W, T, H/W, D]`` staging
-    (payload as bytes: every process-group backend moves uint8), permute into ``out``.
+    (payload as bytes: every process-group backend moves uint8), permute into ``out`` (or the
+    caller's ``into``). One token gathers straight into the result (its rank order is the
+    result's layout); one rank rotates straight into it.
 
     The result is a view of ``out [max_tokens, H, D]``, local memory that only this rank's
     stream writes: valid until this rank's next call. Graph-capturable on NCCL. FP8: the slice
@@ -47,18 +49,20 @@ class AllGatherBackend(QueryGatherBackend):
         else:
             send.copy_(q)
 
-    def __call__(self, q, cos, sin):
+    def __call__(self, q, cos, sin, into=None):
         T, h, D = q.shape
         W = self.world_size
+        out = self.out[:T] if into is None else into
+        if W == 1:  # the slice is the whole result: rotated (or copied) straight into it
+            self._fill_send(q, cos, sin, out)
+            return out
         send = self.send[:T]
         self._fill_send(q, cos, sin, send)
-        out = self.out[:T]
-        if W == 1:
-            out.copy_(send)
-            return out
-        stage = self.stage[:W * T * h * D]
+        # One token: rank order [W, 1, H/W, D] is already [1, H, D]: no staging, no permute.
+        stage = out.view(-1) if T == 1 else self.stage[:W * T * h * D]
         work = all_gather_tensor(as_bits(stage), as_bits(send.view(-1)), self.group,
                                  async_op=True)
         wait(work, self.group, "dcp.gather[all_gather]", self.timeout_s)
-        out.view(T, W, h, D).copy_(stage.view(W, T, h, D).transpose(0, 1))
+        if T > 1:
+            out.view(T, W, h, D).copy_(stage.view(W, T, h, D).transpose(0, 1))
         return out

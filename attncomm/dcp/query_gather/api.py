@@ -1,4 +1,5 @@
-"""DCP's query-head all-gather: ``gather_heads``, ``DcpQueryGather``, ``rotate_tail``.
+"""DCP's query-head all-gather: ``DcpQueryGather`` and the checks ``gather_heads``
+(``functional``) shares with it.
 
 In DCP decode each rank holds the query heads of its slice ``[r·H/W, (r+1)·H/W)`` (its share of
 the head-sharded q projection) but attends all heads over its own KV shard, so before attention
@@ -28,18 +29,20 @@ import torch
 import torch.distributed as dist
 
 from ... import config, select
-from ..._dist import DTYPE_CODES, agree, group_device, group_lru_get
+from ..._dist import DTYPE_CODES, Lifecycle, agree, group_device, resolve_group
+from .. import tracing
 from . import all_gather, symm  # noqa: F401 - each registers its backend class
 from .backend import GATHER_BACKENDS, backend_class
 from .query_math import FP8_DTYPE, FP8_MAX, _scale_error, _scale_f32, quantize_e4m3, rotate_tail
 
-__all__ = ["gather_heads", "DcpQueryGather", "rotate_tail", "quantize_e4m3", "GATHER_BACKENDS",
-           "FP8_DTYPE", "FP8_MAX"]
+__all__ = ["DcpQueryGather", "rotate_tail", "quantize_e4m3", "GATHER_BACKENDS", "FP8_DTYPE",
+           "FP8_MAX", "check_q", "rope_key"]
 
 log = logging.getLogger("attncomm.dcp")
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_CACHE_SIZE = 8
+#: Signatures a ``DcpQueryGather`` remembers as checked (it forgets them all past this many).
+_ACCEPTED_SIZE = 4096
 #: What ``auto`` takes when nothing is measured (CPU groups, one candidate).
 RULE_OF_THUMB = ("symm", "all_gather")
 
@@ -62,7 +65,7 @@ def _rope_error(rope, T: int, D: int, device) -> str | None:
     return None
 
 
-def _check_q(q, world_size: int, rope, backend: str) -> str | None:
+def check_q(q, world_size: int, rope, backend: str) -> str | None:
     """This rank's argument errors for ``gather_heads`` (no communication), or None."""
     if backend not in GATHER_BACKENDS:
         return f"backend={backend!r} is not one of {list(GATHER_BACKENDS)}"
@@ -77,76 +80,16 @@ def _check_q(q, world_size: int, rope, backend: str) -> str | None:
     return None
 
 
-def _signature(q, rope, backend):
-    shape = list(q.shape) if isinstance(q, torch.Tensor) and q.dim() == 3 else [-1, -1, -1]
-    r = -1
-    if rope is not None:
-        try:
-            r = int(rope[0].shape[-1])
-        except Exception:  # noqa: BLE001 - a bad rope is a local error already
-            r = -2
-    sig = shape + [DTYPE_CODES.get(getattr(q, "dtype", None), 0),
-                   0 if rope is None else 1, r if rope is not None else 0,
-                   GATHER_BACKENDS.index(backend) if backend in GATHER_BACKENDS else -1]
-    return sig, ["T (tokens)", "H/W (heads per rank)", "D (head_dim)", "dtype", "rope",
-                 "rope dim R", "backend"]
+def rope_key(rope):
+    """What the checks of ``rope`` depend on (None for no rope), hashable; raises
+    ``AttributeError``/``TypeError``/``IndexError``/``ValueError`` for a malformed ``rope``."""
+    if rope is None:
+        return None
+    cos, sin = rope
+    return (cos.shape, cos.dtype, cos.device, sin.shape, sin.dtype, sin.device)
 
 
-def gather_heads(q: torch.Tensor, group=None, *, backend: str = "auto", rope=None,
-                 validate: bool | None = None, timeout_s: float | None = None) -> torch.Tensor:
-    """All-gather this rank's query heads with every other rank's (DCP's query gather).
-
-    Arguments:
-        q: ``[T, H/W, D]`` fp16/bf16/fp32, this rank's heads ``[r·H/W, (r+1)·H/W)``.
-        group: process group of W ranks (None: the default group).
-        backend: "all_gather", "symm" or "auto" (env ``ATTNCOMM_DCP_GATHER_BACKEND`` names a
-            preferred backend for "auto", taken when it can run here).
-        rope: ``(cos, sin)``, each ``[T, R]``, R even, R ≤ D: rotate the last R dims of every
-            head first (``rotate_tail``: rotate-half, fp32, one rounding), as MLA rotates only
-            ``q_pe``. None: no rotation.
-        validate: check that every rank passed the same T, H/W, D, dtype and rope dim (None →
-            env ``ATTNCOMM_VALIDATE``, default on). One small all_gather.
-        timeout_s: wait budget (None → ``ATTNCOMM_TIMEOUT_S``, 60 s).
-
-    Returns:
-        ``[T, H, D]`` in ``q.dtype`` (a new tensor): every rank's slice in rank order, bit for bit
-        what the ranks passed (rotated when ``rope`` is given: equal to ``rotate_tail`` then the
-        gather). ``q`` is never modified. ``T == 0`` works.
-
-    Raises:
-        ValueError: bad arguments, or ranks that disagree on them (on every rank alike when
-            validation is on); a named backend that cannot run here.
-        PeerTimeoutError: a peer did not answer within ``timeout_s``.
-    """
-    W = dist.get_world_size(group)
-    budget = config.timeout_s(timeout_s)
-    local_error = _check_q(q, W, rope, backend)
-    if config.validate_enabled(validate):
-        sig, labels = _signature(q, rope, backend)
-        agree(group, "dcp.gather_heads", sig, labels, local_error, budget)
-    elif local_error:
-        raise ValueError(f"dcp.gather_heads: {local_error}")
-    T, h, D = q.shape
-    if T == 0:
-        return torch.empty((0, h * W, D), dtype=q.dtype, device=q.device)
-    R = 0 if rope is None else rope[0].shape[-1]
-    gatherer = _cached_gatherer(group, T, h * W, D, q.dtype, backend, R, budget)
-    return gatherer(q, rope=rope).clone()
-
-
-_GATHERERS: dict = {}  # per group: an LRU of gatherers (_dist.group_lru_get)
-
-
-def _cached_gatherer(group, T, H, D, dtype, backend, R, budget) -> DcpQueryGather:
-    # One gatherer per geometry and power-of-two token bucket.
-    bucket = max(16, 1 << (T - 1).bit_length())
-    return group_lru_get(
-        _GATHERERS, group, (bucket, H, D, dtype, backend, R, budget),
-        lambda: DcpQueryGather(group, max_tokens=bucket, num_heads=H, head_dim=D, dtype=dtype,
-                               backend=backend, rope_dim=R, timeout_s=budget), _CACHE_SIZE)
-
-
-class DcpQueryGather:
+class DcpQueryGather(Lifecycle):
     """A preallocated, CUDA-graph-capturable query-head all-gather for up to ``max_tokens``.
 
     Arguments:
@@ -176,7 +119,9 @@ class DcpQueryGather:
 
     ``gather(q [T, H/W, D], rope=None)`` → ``[T, H, D]`` in ``out_dtype``, a view of a
     persistent buffer; ``rope=(cos, sin)`` each ``[T, rope_dim]`` is required iff ``rope_dim >
-    0``. Per-call checks are local (no collective), so calls can be captured.
+    0``. Per-call checks are local (no collective; once per signature), so calls can be
+    captured. Under ``torch.compile`` a call is the custom op ``attncomm::dcp_query_gather``
+    (``dcp/ops.py``): a new tensor of the graph, copied from the buffer.
 
     Ordering rule (the view is valid until this rank's next call is enqueued): enqueue every
     reader of a result on the gather's stream before the next call. The ``symm`` backend keeps
@@ -192,6 +137,9 @@ class DcpQueryGather:
             every call reads (pass it to the attention kernel; rewriting it in place between
             calls, with the same values on every rank, changes the scale of later calls).
 
+    ``close()`` (or the end of a ``with`` block) frees the buffers, collectively (a barrier
+    first: peers store into them).
+
     Raises:
         ValueError (every rank): bad arguments, or a named backend that cannot run here.
     """
@@ -200,7 +148,7 @@ class DcpQueryGather:
                  dtype: torch.dtype, backend: str = "auto", rope_dim: int = 0,
                  out_dtype: torch.dtype | None = None, timeout_s: float | None = None,
                  ordered_by_caller: bool = False, q_scale=None):
-        self.group = group
+        self.group = group = resolve_group(group, "DcpQueryGather")
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.timeout_s = config.timeout_s(timeout_s)
@@ -235,6 +183,9 @@ class DcpQueryGather:
             prepare=self._timing_case, env_var="ATTNCOMM_DCP_GATHER_BACKEND")
         self.fallback_reason: str | None = self.decision.fallback_reason
         self.backend = self._impl.name
+        self._accepted: set = set()
+        #: The name a compiled graph's custom op finds this object by (``dcp.tracing``).
+        self.op_name = tracing.register(self)
 
     @staticmethod
     def _check_args(max_tokens, num_heads, head_dim, dtype, backend, rope_dim, out_dtype,
@@ -282,27 +233,74 @@ class DcpQueryGather:
         """Raise ``PeerTimeoutError`` for any timeout the device recorded since the last check."""
         self._impl.check()
 
+    def _release(self) -> None:
+        self._impl.close()
+
     def __call__(self, q: torch.Tensor, rope=None) -> torch.Tensor:
-        err = _check_q(q, self.world_size, rope, "auto")
+        self._ensure_open()
+        if torch.compiler.is_compiling():
+            return self._traced(q, rope)
+        self.accept(q, rope)
+        if q.shape[0] == 0:
+            return self._empty(q)
+        return self._impl(q.contiguous(), *self._rope_f32(rope))
+
+    def local_error(self, q, rope) -> str | None:
+        """Why this rank cannot gather ``q`` (with ``rope``) with this object (None if it can)."""
+        err = check_q(q, self.world_size, rope, "auto")
         if err is None:
             T, h, D = q.shape
             if T > self.max_tokens or h * self.world_size != self.num_heads \
-                    or D != self.head_dim or q.dtype != self.dtype:
-                err = (f"got q {tuple(q.shape)} {q.dtype}; this gather takes T ≤ "
-                       f"{self.max_tokens}, H/W={self.num_heads // self.world_size}, "
-                       f"D={self.head_dim}, {self.dtype}")
+                    or D != self.head_dim or q.dtype != self.dtype or q.device != self.device:
+                err = (f"got q {tuple(q.shape)} {q.dtype} on {q.device}; this gather takes "
+                       f"T ≤ {self.max_tokens}, H/W={self.num_heads // self.world_size}, "
+                       f"D={self.head_dim}, {self.dtype} on {self.device}")
             elif (rope is None) != (self.rope_dim == 0) or (
                     rope is not None and rope[0].shape[-1] != self.rope_dim):
                 got = "none" if rope is None else f"R={rope[0].shape[-1]}"
                 err = f"rope_dim={self.rope_dim} needs (cos, sin) of [T, {self.rope_dim}]; " \
                       f"got {got}"
+        return err
+
+    def accept(self, q, rope) -> None:
+        """The local checks of a call, run once per signature (shapes, dtypes, devices of ``q``
+        and ``rope``): a signature seen before passed them. Raises ``ValueError``."""
+        try:
+            key = (q.shape, q.dtype, q.device, rope_key(rope))
+        except (AttributeError, TypeError, IndexError, ValueError):  # the checks say why
+            key = None
+        if key is not None and key in self._accepted:
+            return
+        err = self.local_error(q, rope)
         if err:
             raise ValueError(f"DcpQueryGather: {err}")
+        if len(self._accepted) >= _ACCEPTED_SIZE:
+            self._accepted.clear()
+        self._accepted.add(key)
+
+    def into(self, q: torch.Tensor, rope, dest: torch.Tensor) -> torch.Tensor:
+        """Gather into ``dest``, a caller-owned contiguous ``[T, H, D]`` tensor of ``out_dtype``
+        (the call's arguments already ``accept``-ed); returns it. Bit for bit the view a call
+        returns."""
         if q.shape[0] == 0:
-            return torch.empty((0, self.num_heads, self.head_dim), dtype=self.out_dtype,
-                               device=q.device)
-        cos = sin = None
-        if rope is not None:
-            cos = rope[0].to(torch.float32).contiguous()
-            sin = rope[1].to(torch.float32).contiguous()
-        return self._impl(q.contiguous(), cos, sin)
+            return dest
+        return self._impl(q.contiguous(), *self._rope_f32(rope), into=dest)
+
+    @staticmethod
+    def _rope_f32(rope):
+        if rope is None:
+            return None, None
+        return (rope[0].to(torch.float32).contiguous(), rope[1].to(torch.float32).contiguous())
+
+    def _empty(self, q):
+        return torch.empty((0, self.num_heads, self.head_dim), dtype=self.out_dtype,
+                           device=q.device)
+
+    def _traced(self, q, rope):
+        # torch.compile: one custom op (attncomm/dcp/ops.py) that runs ``into`` on this object,
+        # found by name, into a tensor of the graph (never a view of the persistent buffer);
+        # its fake implementation runs the local checks.
+        dest = q.new_empty((q.shape[0], self.num_heads, self.head_dim), dtype=self.out_dtype)
+        cos, sin = (None, None) if rope is None else rope
+        torch.ops.attncomm.dcp_query_gather(q, cos, sin, dest, self.op_name)
+        return dest

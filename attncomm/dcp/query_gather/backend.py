@@ -25,14 +25,16 @@ class QueryGatherBackend(ABC):
     """The one interface every query-gather backend implements.
 
     Constructed collectively (every rank of ``group``, same arguments). ``__call__(q, cos,
-    sin)`` takes this rank's ``[T, H/W, D]`` slice (``dtype``, contiguous, ``T ≤ max_tokens``)
-    and, when ``rope_dim > 0``, fp32 contiguous ``cos, sin [T, rope_dim]``; it returns
-    ``[T, H, D]`` in ``out_dtype``, a view of a persistent buffer (see each backend for how long
-    it stays valid). ``q`` is never modified. With ``out_dtype == FP8_DTYPE``, ``q_scale`` is
-    the ``[H]`` fp32 device tensor of per-head scales and the result is ``quantize_e4m3`` of
-    the rotated fp32 query, bit for bit. ``ordered_by_caller``: the caller promises a cross-rank
-    dependency between a result's readers and the next call on every rank (``DcpQueryGather``
-    says what that allows); a backend whose results are local memory ignores it.
+    sin, into=None)`` takes this rank's ``[T, H/W, D]`` slice (``dtype``, contiguous,
+    ``T ≤ max_tokens``) and, when ``rope_dim > 0``, fp32 contiguous ``cos, sin [T, rope_dim]``;
+    it returns ``[T, H, D]`` in ``out_dtype``, a view of a persistent buffer (see each backend
+    for how long it stays valid), or ``into`` (a caller-owned contiguous ``[T, H, D]`` tensor of
+    ``out_dtype``) written with the same bits. ``q`` is never modified. With ``out_dtype ==
+    FP8_DTYPE``, ``q_scale`` is the ``[H]`` fp32 device tensor of per-head scales and the
+    result is ``quantize_e4m3`` of the rotated fp32 query, bit for bit. ``ordered_by_caller``:
+    the caller promises a cross-rank dependency between a result's readers and the next call on
+    every rank (``DcpQueryGather`` says what that allows); a backend whose results are local
+    memory ignores it.
     """
 
     name: str = "?"
@@ -63,12 +65,16 @@ class QueryGatherBackend(ABC):
         return None
 
     @abstractmethod
-    def __call__(self, q: torch.Tensor, cos: torch.Tensor | None,
-                 sin: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                 into: torch.Tensor | None = None) -> torch.Tensor:
         ...
 
     def check(self) -> None:
         """Raise any timeout recorded on the device since the last check (default: none)."""
+
+    def close(self) -> None:
+        """Free what the backend holds (collective when it holds symmetric memory: a barrier
+        first, so no peer still writes into it). Default: nothing to free."""
 
 
 def register(cls: type[QueryGatherBackend]) -> type[QueryGatherBackend]:

@@ -1,0 +1,82 @@
+"""Call plans: what a functional call's checked signature needs on its later calls.
+
+The first call of a signature (per group) resolves the group, checks its arguments and makes its
+decisions; it keeps a plan under a key of the call's arguments (``CallPlans``), and a later call
+with that key runs the plan alone. A plan that runs on a preallocated object (a DCP merger or
+gatherer, kept in a per-group LRU by ``_dist.group_lru_get``) holds it through ``Cached``, which
+keeps the LRU's order that of the calls and finds the object again, built anew on every rank
+alike, when the LRU evicted (closed) it. ``attncomm.release(group)`` drops a group's plans.
+"""
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+
+import torch
+
+from ._dist import group_key, group_lru_get, on_release
+
+__all__ = ["CallPlans", "Cached"]
+
+
+class CallPlans:
+    """Per group argument (as callers pass it: None, a process group or a coordinator), an LRU
+    of ``size`` plans by call key. Plans own no buffers: dropping one costs its next call the
+    checks again (no collective when the signature was seen: ``_dist.check_args``)."""
+
+    def __init__(self, size: int = 1024):
+        self.size = size
+        #: group argument → (``group_key`` of the resolved group, {call key → plan})
+        self._by_group: dict = {}
+        on_release(self.forget)
+
+    def get(self, group, key):
+        """The plan of ``key`` on ``group`` (None: none, or ``key`` is None)."""
+        entry = self._by_group.get(group)
+        return entry[1].get(key) if entry is not None and key is not None else None
+
+    def put(self, group, resolved, key, plan) -> None:
+        """Keep ``plan`` for ``key`` on ``group`` (``resolved``: the process group it runs on)."""
+        entry = self._by_group.get(group)
+        if entry is None:
+            entry = self._by_group[group] = (group_key(resolved), collections.OrderedDict())
+        entry[1][key] = plan
+        while len(entry[1]) > self.size:
+            entry[1].popitem(last=False)
+
+    def forget(self, key) -> None:
+        """Drop the plans of the group whose ``group_key`` is ``key``."""
+        for group in [g for g, (k, _) in self._by_group.items() if k == key]:
+            del self._by_group[group]
+
+
+class Cached:
+    """The object a plan runs on: the entry ``key`` of ``store``'s LRU for ``group``, built by
+    ``build()`` when missing (``size`` entries per group). ``capture_error()``: the exception
+    to raise when it must be built while the current CUDA stream is capturing a graph."""
+
+    __slots__ = ("store", "group", "key", "build", "size", "capture_error", "obj", "lru")
+
+    def __init__(self, store: dict, group, key, build: Callable, size: int,
+                 capture_error: Callable[[], Exception]):
+        self.store, self.group, self.key, self.build = store, group, key, build
+        self.size, self.capture_error = size, capture_error
+        self.obj = self._make()
+
+    def get(self):
+        """The object, moved to the LRU's recent end; built again if it was evicted."""
+        obj = self.obj
+        try:
+            self.lru.move_to_end(self.key)
+        except KeyError:  # evicted (closed) by a newer entry: every rank builds it again
+            obj = None
+        if obj is None or obj._closed:
+            obj = self.obj = self._make()
+        return obj
+
+    def _make(self):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise self.capture_error()
+        obj = group_lru_get(self.store, self.group, self.key, self.build, self.size)
+        self.lru = self.store[group_key(self.group)]
+        return obj

@@ -1,0 +1,158 @@
+"""Launching a wrapper's Triton kernel again through the kernel Triton compiled for it.
+
+Triton's JIT spends most of a launch's host time before the launch itself: binding the
+arguments, specializing each one, building the cache key, checking its options. For a launch
+whose every argument but a few tensors is fixed (the symmetric-memory merge and gather: the
+layout, the descriptor, the slab and the block plan are fixed per token count), that work gives
+the same answer every time. ``LaunchCache`` lets the wrapper (``launch_merge``,
+``launch_gather``) launch the first time a key is seen, through the JIT, records the compiled
+kernel and the arguments the wrapper passed, and launches later calls with the same key through
+the compiled kernel's launcher, with the call's tensors in place of the recorded ones: the same
+kernel, the same bits, the JIT's per-launch work left out (as the Ulysses fill does).
+
+The caller's key must fix everything the wrapper derives from the call besides the changing
+tensors' addresses (the token count) and what Triton specializes those tensors on (each one's
+16-byte alignment; their dtypes are fixed by the caller's object). Launches are replayed only
+when it is safe to: the wrapper launched exactly one kernel, its leading positional arguments
+were exactly the changing tensors, every other parameter was given, no launch hook (a
+profiler's) is installed at the call, and the kernel is a compiled one (not Triton's
+interpreter, which CPU tests run). Anything else launches through the wrapper every time.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["LaunchCache", "alignment_key", "hooked"]
+
+_MAX_KEYS = 1024
+
+
+def alignment_key(tensors: Sequence[torch.Tensor]) -> tuple:
+    """Whether each tensor's address is 16-byte aligned (what Triton specializes pointers on)."""
+    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+class _Recorder:
+    """While the wrapper runs: every launch of the watched kernels, with its compiled kernel."""
+
+    def __init__(self, kernels):
+        self.kernels, self.launches = kernels, []
+
+    def __enter__(self):
+        for k in self.kernels:
+            # ``kernel[grid](...)`` calls ``kernel.run(...)``: an instance attribute shadows
+            # the method for this one wrapper call.
+            k.run = self._wrap(k)
+        return self
+
+    def _wrap(self, k):
+        real = type(k).run
+
+        def run(*args, grid, warmup, **kwargs):
+            compiled = real(k, *args, grid=grid, warmup=warmup, **kwargs)
+            self.launches.append((k, grid, args, kwargs, compiled))
+            return compiled
+        return run
+
+    def __exit__(self, *exc):
+        for k in self.kernels:
+            k.__dict__.pop("run", None)
+
+
+class _Handle:
+    """One recorded launch: the compiled kernel's launcher and its fixed arguments."""
+
+    __slots__ = ("run", "function", "meta", "grid", "tail", "device")
+
+    def __init__(self, compiled, grid, tail, device):
+        self.run = compiled.run  # loads the binary on first access
+        self.function, self.meta = compiled.function, compiled.packed_metadata
+        self.grid, self.tail, self.device = (tuple(grid) + (1, 1))[:3], tail, device
+
+    def __call__(self, dynamic) -> None:
+        stream = _current_stream(self.device)
+        self.run(*self.grid, stream, self.function, self.meta, None, None, None, *dynamic,
+                 *self.tail)
+
+
+def hooked() -> bool:
+    """Whether a launch hook (a profiler's) is installed: launches then go through the JIT,
+    which calls it. Triton 3.6 keeps the hooks in chains (empty: none), older ones as None."""
+    rt = _runtime_knobs()
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    return (enter is not None and bool(getattr(enter, "calls", True))) or \
+        (leave is not None and bool(getattr(leave, "calls", True)))
+
+
+@functools.cache
+def _runtime_knobs():
+    from triton import knobs  # optional: only reached once a kernel was recorded
+    return knobs.runtime
+
+
+def _current_stream(device_index: int) -> int:
+    """The current CUDA stream of the device, as the launcher takes it."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+def _no_launch(dynamic) -> None:
+    return None
+
+
+class LaunchCache:
+    """Per key, how the wrapper launched its kernel, replayed through the compiled kernel.
+
+    Arguments:
+        kernels: the ``triton.jit`` functions the wrapper may launch (one per call).
+    """
+
+    def __init__(self, kernels: Sequence):
+        self.kernels = tuple(k for k in kernels if k is not None)
+        self._handles: dict = {}
+
+    def launch(self, key, wrapper: Callable[[], None], dynamic: Sequence[torch.Tensor]) -> None:
+        """Launch: through ``wrapper()`` the first time ``key`` is seen (recording it), else
+        through the recorded handle with ``dynamic`` (the call's changing tensors, in the order
+        of the kernel's leading parameters) in place of the recorded ones."""
+        handle = self._handles.get(key)
+        if handle is not None and not hooked():
+            handle(dynamic)
+            return
+        if key in self._handles or not dynamic[0].is_cuda or not self.kernels:
+            wrapper()
+            return
+        with _Recorder(self.kernels) as rec:
+            wrapper()
+        if len(self._handles) >= _MAX_KEYS:
+            self._handles.clear()
+        self._handles[key] = self._handle(rec.launches, dynamic)
+
+    def _handle(self, launches, dynamic):
+        """The replay of ``launches`` (None: replay is not safe, the wrapper launches)."""
+        if not launches:
+            return _no_launch  # nothing to launch for this key (an empty call)
+        if len(launches) > 1:
+            return None
+        k, grid, args, kwargs, compiled = launches[0]
+        n = len(dynamic)
+        if compiled is None or len(args) < n or any(a is not d for a, d in zip(args, dynamic)):
+            return None
+        try:
+            tail = list(args[n:])
+            for p in k.params[len(args):]:
+                if p.name in kwargs:
+                    tail.append(kwargs[p.name])
+                elif p.has_default:
+                    tail.append(p.default)
+                else:
+                    return None
+            return _Handle(compiled, grid, tuple(tail), dynamic[0].device.index)
+        except Exception:  # noqa: BLE001 - a Triton without these attributes: the JIT path
+            return None
+
+    def replayable(self, key) -> bool:
+        """Whether calls with ``key`` go through a recorded handle (for tests and benches)."""
+        return self._handles.get(key) is not None

@@ -1,0 +1,165 @@
+"""The ring's default ``attn_fn``: attention of one block that also returns its log-sum-exp.
+
+``attn_fn(q, k, v, causal) -> (out, lse)`` is the contract (docs/API.md, ring attention):
+``q [B, Sq, Hq, D]``, ``k [B, Sk, Hkv, D]``, ``v [B, Sk, Hkv, Dv]`` with ``Hq % Hkv == 0``
+(query head h uses KV head ``h // (Hq / Hkv)``; the KV heads are expanded here, never on the
+wire) → ``out [B, Sq, Hq, Dv]`` (q's dtype, or fp32) and ``lse [B, Sq, Hq]`` fp32, base e,
+scale ``1/√D``. ``causal`` is only asked for square blocks (``Sq == Sk``): query i sees keys ≤ i.
+
+- CPU (and any case the fused kernels do not take): ``reference_attention``, fp32 math; its
+  output stays fp32 (the ring merges in fp32, so a block's output is rounded only once, at the
+  end).
+- CUDA: the kernel PyTorch's SDPA itself would pick for these tensors
+  (``torch._fused_sdp_choice``), called through its ATen op with the log-sum-exp requested:
+  ``_scaled_dot_product_flash_attention`` (FlashAttention-2, returns ``logsumexp`` always),
+  ``_scaled_dot_product_efficient_attention`` (``compute_log_sumexp=True``; its LSE is padded to
+  a multiple of 32 rows) or ``_scaled_dot_product_cudnn_attention`` (``compute_log_sumexp=True``).
+  So the ring's attention costs what ``scaled_dot_product_attention`` costs on the same shapes
+  (measured: benchmarks/results/ring-one-gpu-*.md). A kernel that raises for a shape is not
+  asked again for that (kernel, dtype, D, Dv) in this process; the next one in the order flash →
+  efficient → math is used, and ``last_kernel()`` says which ran.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["attention_with_lse", "reference_attention", "last_kernel", "KERNELS"]
+
+#: Names ``last_kernel()`` reports.
+KERNELS = ("math", "flash", "efficient", "cudnn")
+_FUSED_ORDER = ("flash", "efficient")
+_BROKEN: set = set()  # (kernel, dtype, D, Dv) whose ATen op raised here
+_LAST = ["math"]
+
+
+def last_kernel() -> str:
+    """The kernel the last ``attention_with_lse`` call in this process ran (one of
+    ``KERNELS``)."""
+    return _LAST[0]
+
+
+def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``x [B, H, S, D]`` with ``Hkv`` heads → ``heads`` heads (KV head j serves query heads
+    ``[j·m, (j+1)·m)``)."""
+    hkv = x.shape[1]
+    return x if hkv == heads else x.repeat_interleave(heads // hkv, dim=1)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                        scale: float | None = None):
+    """Attention with LSE in fp32 math (any device).
+
+    Arguments:
+        q: ``[B, Sq, Hq, D]``; k: ``[B, Sk, Hkv, D]``; v: ``[B, Sk, Hkv, Dv]``; any float dtype,
+            ``Hq % Hkv == 0``.
+        causal: mask key j > query i (needs ``Sq == Sk``).
+        scale: score scale (None: ``1/√D``).
+
+    Returns:
+        ``out [B, Sq, Hq, Dv]`` fp32, ``lse [B, Sq, Hq]`` fp32 (base e). A row with no
+        key (``Sk == 0``) gets ``out = 0`` and ``lse = −inf``; a key whose score is −inf
+        (e.g. a −inf bias carried in k) weighs exactly 0.
+
+    Every operand is copied to a dense ``[B, H, S, D]`` fp32 tensor first, so the bits depend on
+    the values and shapes only, not on the inputs' strides.
+    """
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    if causal and sq != sk:
+        raise ValueError(f"causal attention needs a square block, got Sq = {sq}, Sk = {sk}")
+    qf = q.transpose(1, 2).to(torch.float32).contiguous()
+    kf = _expand_kv(k.transpose(1, 2).to(torch.float32), hq).contiguous()
+    vf = _expand_kv(v.transpose(1, 2).to(torch.float32), hq).contiguous()
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * (scale if scale is not None
+                                                 else 1.0 / math.sqrt(d))
+    if causal:
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
+        s = s.masked_fill(mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [B, H, Sq]; −inf for a row without a key
+    # A finite stand-in on empty rows: exp(−inf − 0) = 0, no NaN from −inf − (−inf).
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
+    out = torch.matmul(p, vf)
+    return out.transpose(1, 2), lse.transpose(1, 2)
+
+
+def _fused_choice(qt, kt, vt, causal: bool) -> str:
+    """The kernel SDPA would pick for ``[B, H, S, D]`` operands (``"math"`` when none fits)."""
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None:
+        return "flash"
+    try:
+        code = int(choose(qt, kt, vt, None, 0.0, causal))
+    except Exception:  # noqa: BLE001 - a torch whose signature differs: try the fused order
+        return "flash"
+    backend = getattr(torch.nn.attention, "SDPBackend", None)
+    names = {}
+    if backend is not None:
+        names = {int(backend.FLASH_ATTENTION): "flash",
+                 int(backend.EFFICIENT_ATTENTION): "efficient",
+                 int(getattr(backend, "CUDNN_ATTENTION", -99)): "cudnn"}
+    return names.get(code, "math")
+
+
+def _run_fused(kind: str, qt, kt, vt, causal: bool):
+    """``out [B, H, Sq, Dv]``, ``lse [B, H, Sq]`` fp32 from the ATen op of ``kind``."""
+    aten = torch.ops.aten
+    sq = qt.shape[2]
+    if kind == "flash":
+        res = aten._scaled_dot_product_flash_attention.default(qt, kt, vt, 0.0, causal, False)
+        return res[0], res[1]
+    if kind == "efficient":
+        res = aten._scaled_dot_product_efficient_attention.default(qt, kt, vt, None, True, 0.0,
+                                                                   causal)
+        return res[0], res[1][..., :sq]
+    res = aten._scaled_dot_product_cudnn_attention.default(qt, kt, vt, None, True, 0.0, causal,
+                                                           False)
+    lse = res[1]
+    return res[0], lse.reshape(lse.shape[0], lse.shape[1], -1)[..., :sq]
+
+
+#: (device, dtype, [B, H, Sq, D], Sk, Dv, causal) → the kernels to try, in order (SDPA's choice
+#: first); asked once per shape, so a steady-state call does not pay ``_fused_sdp_choice``.
+_ORDER: dict = {}
+
+
+def _order(qt, kt, vt, causal: bool) -> tuple:
+    key = (qt.device, qt.dtype, tuple(qt.shape), kt.shape[2], vt.shape[3], causal)
+    order = _ORDER.get(key)
+    if order is None:
+        first = _fused_choice(qt, kt, vt, causal)
+        order = tuple(([first] if first != "math" else [])
+                      + [x for x in _FUSED_ORDER if x != first])
+        if len(_ORDER) > 256:
+            _ORDER.clear()
+        _ORDER[key] = order
+    return order
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    """The default ``attn_fn`` of ``ring_attention``: ``(out [B, Sq, Hq, Dv], lse [B, Sq, Hq]
+    fp32)``, ``out`` in q's dtype from a fused kernel, fp32 from the math path — see the module
+    docstring for the kernel it runs."""
+    if not q.is_cuda or q.shape[1] == 0 or k.shape[1] == 0:
+        _LAST[0] = "math"
+        return reference_attention(q, k, v, causal)
+    hq = q.shape[2]
+    qt = q.transpose(1, 2)
+    kt = _expand_kv(k.transpose(1, 2), hq)
+    vt = _expand_kv(v.transpose(1, 2), hq)
+    key = (q.dtype, q.shape[3], v.shape[3])
+    for kind in _order(qt, kt, vt, causal):
+        if (kind, *key) in _BROKEN:
+            continue
+        try:
+            out, lse = _run_fused(kind, qt, kt, vt, causal)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:  # this kernel does not take these tensors: never ask again
+            _BROKEN.add((kind, *key))
+            continue
+        _LAST[0] = kind
+        return out.transpose(1, 2), lse.transpose(1, 2)
+    _LAST[0] = "math"
+    return reference_attention(q, k, v, causal)

@@ -1,0 +1,235 @@
+"""The Ulysses fill kernel (Triton); the host side, the torch reference and the rules it follows
+are ``attncomm.ulysses.fill``'s.
+
+One program per (block of ``BLOCK_S`` rows, entry, batch): an entry is a run of up to ``HB``
+consecutive heads of one part bound for one destination region. The kernel takes the parts'
+pointers, the weights', cos/sin, the send buffer's, the descriptor and its constexprs. The
+descriptor (int64, built once per layout by ``fill._descriptor``, cached on the device)::
+
+    [H_S]                 S_r, the shard's rows
+    [H_EPS]               the RMSNorm epsilon's fp32 bits
+    [H_FLAGS]             bit 2·i: part i has a norm weight; bit 2·i + 1: part i takes RoPE
+    [H_COS_S .. H_SIN_D]  cos and sin strides (row, element)
+    [HEADER + ENTRY·k + E_*]  entry k: part, first head, heads, base element, row pitch,
+                          batch pitch, and the part's strides (batch, row, head, element)
+
+``SPEC`` holds 2 bits per stride, what the launcher would have found for an integer argument:
+1: the stride is 1 (a constant), 2: a multiple of 16 (the compiler is told), 0: neither; so the
+loads vectorise as with strides as arguments. Bits 0-7: the parts' batch, row, head and element
+strides (the code all parts share, else 0), bits 8-15: cos's and sin's row and element
+strides.
+
+``FP8`` (the FP8 payload, ``attncomm.ulysses.fp8``'s rule): the output pointer is the uint8
+send buffer, a row is ``2·HALF + 4`` bytes (the descriptor's bases and pitches count bytes), and
+the epilogue, on the values the program already holds, rounds them to the parts' dtype (the bits
+the bf16 path stores), takes each row's amax over its finite values, the scale ``amax / 448``
+(IEEE division), and stores the e4m3 bytes (``_e4m3``: integer arithmetic, the same bits on the
+GPU and under the interpreter) and the scale as an fp32 word after them.
+"""
+from __future__ import annotations
+
+import sys
+
+import triton
+import triton.language as tl
+
+__all__ = ["fill_kernel", "e4m3_kernel", "HEADER", "ENTRY", "H_S", "H_EPS", "H_FLAGS",
+           "H_COS_S", "H_COS_D", "H_SIN_S", "H_SIN_D", "E_PART", "E_HEAD", "E_HEADS", "E_BASE",
+           "E_PITCH", "E_BPITCH", "E_STRIDES"]
+
+H_S, H_EPS, H_FLAGS, H_COS_S, H_COS_D, H_SIN_S, H_SIN_D = range(7)
+#: Descriptor words before the first entry.
+HEADER = 8
+E_PART, E_HEAD, E_HEADS, E_BASE, E_PITCH, E_BPITCH, E_STRIDES = range(7)
+#: Words per entry (the last four: the part's strides).
+ENTRY = E_STRIDES + 4
+_c = sys.modules[__name__]  # constants read as attributes (see attncomm.symm_device)
+_E4M3_MAX_BITS = 0x43E00000         # 448.0, the largest finite e4m3fn, as fp32 bits
+_E4M3_MIN_NORMAL_BITS = 121 << 23   # 2**-6
+_SUB_MAGIC_BITS = 141 << 23         # 2**14: its fp32 ulp is 2**-9, e4m3's subnormal step
+_REBIAS = 120 << 23                 # fp32 exponent bias 127 → e4m3's 7
+_F32_MAX = 3.4028234663852886e38    # the largest finite fp32
+
+
+@triton.jit
+def _stride(ptr, CODE: tl.constexpr):
+    # A stride from the descriptor with what the host found about it (module docstring); the
+    # hint must sit on the load itself (a hint on a function argument is lost when inlined).
+    if CODE == 1:
+        return 1
+    else:
+        v = tl.load(ptr)
+        if CODE == 2:
+            v = tl.multiple_of(v, 16)
+        return v
+
+
+@triton.jit
+def _halves(x, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF: tl.constexpr):
+    """Rows ``[BLOCK_S, HB, D]`` of heads ``h0 + hh`` as two fp32 halves (one load site per
+    part)."""
+    src = (x + b * sb + rows[:, None, None] * ss + (h0 + hh)[None, :, None] * sh
+           + cols[None, None, :] * sd)
+    f1 = tl.load(src, mask=mask).to(tl.float32)
+    f2 = tl.load(src + HALF * sd, mask=mask).to(tl.float32)
+    return f1, f2
+
+
+@triton.jit
+def _adjacent_sum(t, BLOCK_S: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr,
+                  LEVELS: tl.constexpr):
+    """``_tree_sum``'s order over the last dim (adjacent pairs, recursively) →
+    ``[BLOCK_S, HB]``; the first levels are register-local (a thread holds adjacent
+    elements)."""
+    for j in tl.static_range(LEVELS):
+        ta, tb = tl.split(tl.reshape(t, (BLOCK_S, HB, HALF >> (j + 1), 2)))
+        t = ta + tb
+    return tl.reshape(t, (BLOCK_S, HB))
+
+
+@triton.jit
+def _e4m3(g, finite, dv):
+    # e4m3fn bytes of clamp(g / dv, -448, 448), round to nearest even, subnormals as torch's
+    # conversion (one fp32 add of 2**14 rounds at 2**-9); a non-finite g gives 0x7F.
+    u = tl.div_rn(g, dv).to(tl.int32, bitcast=True)
+    a = tl.minimum(u & 0x7FFFFFFF, _c._E4M3_MAX_BITS)
+    sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) \
+        - _c._SUB_MAGIC_BITS
+    nrm = (a - _c._REBIAS + 0x7FFFF + ((a >> 20) & 1)) >> 20
+    r = tl.where(a < _c._E4M3_MIN_NORMAL_BITS, sub, nrm) | ((u >> 24) & 0x80)
+    return tl.where(finite, r, 0x7F).to(tl.uint8)
+
+
+@triton.jit
+def _store_fp8(out_ptr, row0, cols, f1, f2, mask, DTYPE: tl.constexpr, BLOCK_S: tl.constexpr,
+               HB: tl.constexpr, HALF: tl.constexpr):
+    """The FP8 epilogue: rows ``[BLOCK_S, HB, D]`` (two fp32 halves) → e4m3 bytes at byte
+    offsets ``row0 [BLOCK_S, HB, 1]`` and each row's fp32 scale after its ``2·HALF`` bytes."""
+    g1 = f1.to(DTYPE).to(tl.float32)  # the bits the unquantized fill stores
+    g2 = f2.to(DTYPE).to(tl.float32)
+    ok1 = tl.abs(g1) <= _c._F32_MAX  # NaN compares false
+    ok2 = tl.abs(g2) <= _c._F32_MAX
+    amax = tl.maximum(tl.max(tl.where(ok1, tl.abs(g1), 0.0), axis=2),
+                      tl.max(tl.where(ok2, tl.abs(g2), 0.0), axis=2))
+    scale = tl.div_rn(amax, tl.full((BLOCK_S, HB), 448.0, tl.float32))
+    dv = tl.where(scale > 0, scale, 1.0)[:, :, None]
+    dst = out_ptr + row0 + cols[None, None, :]
+    tl.store(dst, _e4m3(g1, ok1, dv), mask=mask)
+    tl.store(dst + HALF, _e4m3(g2, ok2, dv), mask=mask)
+    sp = (out_ptr + row0 + 2 * HALF).to(tl.pointer_type(tl.float32), bitcast=True)
+    tl.store(sp, scale[:, :, None], mask=mask)
+
+
+@triton.jit
+def e4m3_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """``out[i] = _e4m3(x[i], finite, 1)`` (fp32 → e4m3fn bytes): the epilogue's conversion
+    alone, for tests against torch's."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    x = tl.load(x_ptr + i, mask=m, other=0.0)
+    tl.store(out_ptr + i, _e4m3(x, tl.abs(x) <= _c._F32_MAX, tl.full((BLOCK,), 1.0, tl.float32)),
+             mask=m)
+
+
+@triton.jit
+def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
+                HALF: tl.constexpr, LEVELS: tl.constexpr, BLOCK_S: tl.constexpr,
+                HB: tl.constexpr, ANY_NORM: tl.constexpr, ANY_ROPE: tl.constexpr,
+                ALIGNED: tl.constexpr, ROPE_BCAST: tl.constexpr, SPEC: tl.constexpr,
+                FP8: tl.constexpr = False):
+    pid_s = tl.program_id(0)
+    ent = desc + _c.HEADER + tl.program_id(1) * _c.ENTRY
+    b = tl.program_id(2).to(tl.int64)
+    S = tl.load(desc + _c.H_S)
+    flags = tl.load(desc + _c.H_FLAGS)
+    part = tl.load(ent + _c.E_PART)
+    h0 = tl.load(ent + _c.E_HEAD)
+    nh = tl.load(ent + _c.E_HEADS)
+    base = tl.load(ent + _c.E_BASE)
+    pitch = tl.load(ent + _c.E_PITCH)
+    bpitch = tl.load(ent + _c.E_BPITCH)
+    # Every word a program reads is loaded here, up front (no load waits on another); a
+    # stride SPEC makes constant is never read.
+    sb = _stride(ent + _c.E_STRIDES, SPEC & 3)
+    ss = _stride(ent + _c.E_STRIDES + 1, (SPEC >> 2) & 3)
+    sh = _stride(ent + _c.E_STRIDES + 2, (SPEC >> 4) & 3)
+    sd = _stride(ent + _c.E_STRIDES + 3, (SPEC >> 6) & 3)
+    if ANY_NORM:
+        eps = tl.load(desc + _c.H_EPS).to(tl.int32).to(tl.float32, bitcast=True)
+    if ANY_ROPE:
+        scs = _stride(desc + _c.H_COS_S, (SPEC >> 8) & 3)
+        scd = _stride(desc + _c.H_COS_D, (SPEC >> 10) & 3)
+        sss = _stride(desc + _c.H_SIN_S, (SPEC >> 12) & 3)
+        ssd = _stride(desc + _c.H_SIN_D, (SPEC >> 14) & 3)
+    if ALIGNED:  # the host checked: every base and pitch a multiple of 16 elements
+        base = tl.multiple_of(base, 16)
+        pitch = tl.multiple_of(pitch, 16)
+        bpitch = tl.multiple_of(bpitch, 16)
+    elif FP8:  # always so: rows of D + 4 bytes with D % 4 == 0, regions 4-byte aligned
+        base = tl.multiple_of(base, 4)
+        pitch = tl.multiple_of(pitch, 4)
+        bpitch = tl.multiple_of(bpitch, 4)
+    rows = (pid_s * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
+    hh = tl.arange(0, HB)
+    cols = tl.arange(0, HALF)
+    mask = (rows[:, None, None] < S) & (hh[None, :, None] < nh)
+    if part == 0:
+        f1, f2 = _halves(x0, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF)
+    elif part == 1:
+        f1, f2 = _halves(x1, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF)
+    else:
+        f1, f2 = _halves(x2, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF)
+    if ANY_NORM:  # rms_norm_rope's order: the adjacent-pair tree, sqrt, reciprocal
+        if (flags >> (2 * part)) & 1:
+            wp = w0
+            if part == 1:
+                wp = w1
+            elif part == 2:
+                wp = w2
+            t = (_adjacent_sum(f1 * f1, BLOCK_S, HB, HALF, LEVELS)
+                 + _adjacent_sum(f2 * f2, BLOCK_S, HB, HALF, LEVELS))
+            ms = tl.div_rn(t, tl.full((BLOCK_S, HB), 2 * HALF, tl.float32))
+            inv = tl.div_rn(tl.full((BLOCK_S, HB), 1.0, tl.float32), tl.sqrt_rn(ms + eps))
+            if ROPE_BCAST:  # as cos/sin below: loaded in the rows' layout
+                wo = rows[:, None, None] * 0 + hh[None, :, None] * 0 + cols[None, None, :]
+                wa = tl.load(wp + wo).to(tl.float32)
+                wb = tl.load(wp + HALF + wo).to(tl.float32)
+            else:
+                wa = tl.load(wp + cols).to(tl.float32)[None, None, :]
+                wb = tl.load(wp + HALF + cols).to(tl.float32)[None, None, :]
+            f1 = f1 * inv[:, :, None] * wa
+            f2 = f2 * inv[:, :, None] * wb
+    if ANY_ROPE:  # cos/sin of the block's rows: loaded once for the program's HB heads
+        if (flags >> (2 * part + 1)) & 1:
+            if ROPE_BCAST:  # pointers broadcast over the heads: f1's layout, no shuffle
+                rmask = (rows[:, None, None] < S) & (hh[None, :, None] >= 0)
+                cr = (cos_ptr + rows[:, None, None] * scs + hh[None, :, None] * 0
+                      + cols[None, None, :] * scd)
+                sr = (sin_ptr + rows[:, None, None] * sss + hh[None, :, None] * 0
+                      + cols[None, None, :] * ssd)
+                c1 = tl.load(cr, mask=rmask).to(tl.float32)
+                c2 = tl.load(cr + HALF * scd, mask=rmask).to(tl.float32)
+                s1 = tl.load(sr, mask=rmask).to(tl.float32)
+                s2 = tl.load(sr + HALF * ssd, mask=rmask).to(tl.float32)
+            else:
+                rmask = rows[:, None] < S
+                cr = cos_ptr + rows[:, None] * scs + cols[None, :] * scd
+                sr = sin_ptr + rows[:, None] * sss + cols[None, :] * ssd
+                c1 = tl.load(cr, mask=rmask).to(tl.float32)[:, None, :]
+                c2 = tl.load(cr + HALF * scd, mask=rmask).to(tl.float32)[:, None, :]
+                s1 = tl.load(sr, mask=rmask).to(tl.float32)[:, None, :]
+                s2 = tl.load(sr + HALF * ssd, mask=rmask).to(tl.float32)[:, None, :]
+            # x1·c − x2·s is torch's x1·c + (−x2)·s bit for bit (IEEE a − b ≡ a + (−b));
+            # Triton's unary minus is 0 − x, which turns +0 into +0, not −0
+            g1 = f1 * c1 - f2 * s1
+            g2 = f2 * c2 + f1 * s2
+            f1 = g1
+            f2 = g2
+    if FP8:
+        row0 = base + b * bpitch + rows[:, None, None] * pitch + hh[None, :, None] * (2 * HALF + 4)
+        _store_fp8(out_ptr, row0, cols, f1, f2, mask, x0.dtype.element_ty, BLOCK_S, HB, HALF)
+    else:
+        dst = (out_ptr + base + b * bpitch + rows[:, None, None] * pitch
+               + hh[None, :, None] * (2 * HALF) + cols[None, None, :])
+        tl.store(dst, f1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, f2.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,184 @@
+"""``pipeline_groups=-1`` decided by measurement (issue 22 item 3).
+
+Head-group pipelining (``UlyssesAttention``, G ≥ 2) overlaps group g+1's exchange with group
+g's attention; whether that beats one sequential exchange depends on the shape, the transport
+and the machine, so it is measured on the machine itself, once per shape, as the DCP merge's
+``auto`` measures its backends (``attncomm.select``):
+
+1. On CPU (or with ``measured=False``) nothing is timed: sequential, reason
+   ``"CPU: not measured"``.
+2. ``auto_groups``' count G < 2: sequential (nothing to pipeline).
+3. One sequential and one pipelined forward, their outputs compared bit for bit (pipelined and
+   sequential compute the same attention; a difference means the pipelined path is wrong for
+   this shape) and the verdict agreed across ranks: a mismatch on any rank keeps sequential,
+   naming the ranks and what differed.
+4. Both timed on every rank (``timer``: by default a warm-up, then a few forwards between CUDA
+   events, median), through ``select.measure``: an all_reduce(MAX) over the group's gloo twin,
+   so every rank sees the slowest rank's figures and ``select.fastest`` picks the same one
+   everywhere (a tie keeps sequential; a forward that raised on any rank counts as inf).
+5. The ``PipelineDecision`` is cached per (group, signature): the next call with that
+   signature returns it without running anything. ``attncomm.release(group)`` drops the
+   group's decisions.
+
+Every rank must call ``decide_pipeline`` at the same point with the same signature (the
+caller's agreed signature) and ``groups``: it is collective whenever it is not cached.
+Dependency direction: this module imports ``select`` and the substrate, never the attention
+module that calls it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import statistics
+from collections.abc import Callable, Hashable
+
+import torch
+import torch.distributed as dist
+
+from .. import _dist
+from .._timing import time_eager
+from ..select import fastest, measure
+
+__all__ = ["PipelineDecision", "decide_pipeline", "cached_decision", "event_timer",
+           "CACHE_SIZE", "NOT_MEASURED"]
+
+#: Decisions kept per group (least recently used dropped first).
+CACHE_SIZE = 64
+#: ``fallback_reason`` of a decision taken without measuring on CPU.
+NOT_MEASURED = "CPU: not measured"
+_DECISIONS: dict = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineDecision:
+    """What ``pipeline_groups=-1`` runs for one signature, the same on every rank.
+
+    Attributes:
+        groups: head groups to run: 1 (sequential) or ``candidate_groups``.
+        candidate_groups: ``auto_groups``' count, the pipelined variant considered.
+        sequential_us, pipelined_us: the slowest rank's median µs per forward of each
+            (``inf``: it raised on some rank), or None when nothing was timed.
+        fallback_reason: why sequential was kept (not measured on CPU, no split, the outputs
+            differ, measured slower, a failure while timing); None when pipelined won.
+    """
+
+    groups: int
+    candidate_groups: int
+    sequential_us: float | None = None
+    pipelined_us: float | None = None
+    fallback_reason: str | None = None
+
+    @property
+    def pipelined(self) -> bool:
+        return self.groups > 1
+
+
+def event_timer(fn: Callable[[], object], *, warmup: int = 2, iters: int = 5,
+                barrier: Callable[[], None] | None = None) -> float:
+    """µs per call of ``fn``: ``warmup`` calls, then ``iters`` calls each between two CUDA
+    events (after ``barrier``, so ranks start each forward together), median."""
+    return statistics.median(time_eager(fn, warmup=warmup, iters=iters, device="cuda",
+                                        barrier=barrier))
+
+
+def cached_decision(group, signature: Hashable) -> PipelineDecision | None:
+    """The decision cached for (``group``, ``signature``), or None (no collective)."""
+    return _DECISIONS.get(_dist.group_key(group), {}).get(signature)
+
+
+def decide_pipeline(group, signature: Hashable, sequential: Callable[[], object],
+                    pipelined: Callable[[], object], groups: int, *,
+                    timer: Callable[[Callable[[], object]], float] | None = None,
+                    measured: bool | None = None,
+                    device: torch.device | None = None) -> PipelineDecision:
+    """Choose sequential or ``groups`` head groups for ``signature`` (the module docstring).
+
+    Arguments:
+        group: the Ulysses process group (collective over it unless cached).
+        signature: hashable, equal on every rank: what the decision is for (shapes, dtypes,
+            sequence lengths, transport...).
+        sequential, pipelined: ``() -> output`` (a tensor or a tuple/list of tensors): one
+            forward each, on the caller's inputs; pipelined with ``groups`` head groups.
+        groups: ``auto_groups``' count.
+        timer: ``timer(fn) -> µs`` (default ``event_timer`` with a barrier on the group's gloo
+            twin); tests inject their own.
+        measured: time the variants (default: when ``device`` is CUDA).
+        device: where the forwards run (default: the group's device).
+
+    Returns the ``PipelineDecision`` (cached per (group, signature)).
+    """
+    key = _dist.group_key(group)
+    lru = _DECISIONS.setdefault(key, {})
+    hit = lru.pop(signature, None)
+    if hit is None:
+        if measured is None:
+            measured = (device or _dist.group_device(group)).type == "cuda"
+        hit = _decide(group, sequential, pipelined, groups, timer, measured)
+    lru[signature] = hit  # most recent last
+    while len(lru) > CACHE_SIZE:
+        lru.pop(next(iter(lru)))
+    return hit
+
+
+def _decide(group, sequential, pipelined, groups, timer, measured) -> PipelineDecision:
+    if not measured:
+        return PipelineDecision(1, groups, fallback_reason=NOT_MEASURED)
+    if groups < 2:
+        return PipelineDecision(1, groups, fallback_reason=f"auto_groups found no split "
+                                                           f"(G = {groups})")
+    why = _agreed_mismatch(group, sequential, pipelined, groups)
+    if why is not None:
+        return PipelineDecision(1, groups, fallback_reason=why)
+    if timer is None:
+        g = _dist.cpu_group(group)
+        timer = functools.partial(event_timer, barrier=lambda: dist.barrier(group=g))
+    impls = {"sequential": sequential, "pipelined": pipelined}
+    times = measure(group, impls, [None], lambda fn, _case: fn, timer=timer)
+    best, _ = fastest(times)
+    seq_us, pipe_us = times["sequential"][0], times["pipelined"][0]  # one case each
+    figures = f"sequential {seq_us:.1f} µs, pipelined (G = {groups}) {pipe_us:.1f} µs"
+    if best == "pipelined":
+        return PipelineDecision(groups, groups, seq_us, pipe_us)
+    if math.isinf(pipe_us):
+        reason = f"the pipelined forward failed while timing on some rank ({figures})"
+    else:
+        reason = f"measured slower or equal ({figures})"
+    return PipelineDecision(1, groups, seq_us, pipe_us, reason)
+
+
+def _agreed_mismatch(group, sequential, pipelined, groups) -> str | None:
+    """Run each forward once and compare the outputs bit for bit; the verdict (None: equal on
+    every rank) agreed over the group, naming each rank's difference."""
+    try:
+        local = _bits_differ(sequential(), pipelined())
+    except Exception as exc:  # noqa: BLE001 - agreed below: every rank keeps sequential
+        local = f"a forward raised {type(exc).__name__}: {exc}"
+    why = _dist.agree_reason(group, local, "pipeline check")
+    if why is None:
+        return None
+    return f"pipelined (G = {groups}) and sequential outputs differ: {why}"
+
+
+def _bits_differ(a, b) -> str | None:
+    """Why ``a`` and ``b`` (tensors, or tuples/lists of them) are not the same bits."""
+    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
+        if not isinstance(a, (tuple, list)) or not isinstance(b, (tuple, list)) \
+                or len(a) != len(b):
+            return "the outputs have different structures"
+        for i, (x, y) in enumerate(zip(a, b)):
+            why = _bits_differ(x, y)
+            if why is not None:
+                return f"output {i}: {why}"
+        return None
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"{list(a.shape)} {a.dtype} vs {list(b.shape)} {b.dtype}"
+    xa = a.detach().reshape(-1).contiguous().view(torch.uint8)
+    xb = b.detach().reshape(-1).contiguous().view(torch.uint8)
+    n = int((xa != xb).sum().item())
+    return None if n == 0 else f"{n} of {xa.numel()} bytes differ"
+
+
+@_dist.on_release
+def _release(key) -> None:
+    _DECISIONS.pop(key, None)

@@ -1,0 +1,262 @@
+"""What ``seq_to_head``, ``head_to_seq`` and ``UlyssesAttention`` share: the transport policy
+(``all_to_all``, ``ce``, ``auto``), the process-wide transports, the argument checks, and the
+rules for calls inside CUDA graph capture.
+
+Decisions are made once per call shape, outside any traced or captured region: the functional
+calls keep a plan per shape (``api``), ``UlyssesAttention`` one per forward shape
+(``forward_plan``); both are dropped with the group's transports (``reset_transports``,
+``attncomm.release``).
+"""
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import _dist, config
+from ..select import Decision
+from .._dist import group_key
+from . import ce
+from .all_to_all import AllToAllTransport
+from .ce import CopyEngineTransport
+from .transport import Transport
+
+__all__ = ["BACKENDS", "AUTO_CE_MIN_BYTES", "ce_reason", "backend_availability",
+           "decide_transport", "get_transport", "reset_transports", "resolve_backend",
+           "seq_lens_hash", "dense", "check_call", "capturing", "warm_up_error", "env_key",
+           "on_forget"]
+
+BACKENDS = ("all_to_all", "ce", "auto")
+_BACKEND_CODES = {"all_to_all": 1, "ce": 2, "auto": 3}
+#: ``auto`` takes ``ce`` (when eligible) from this many bytes sent per rank; below it the NCCL
+#: kernel's lower fixed cost wins.
+AUTO_CE_MIN_BYTES = 1 << 20
+
+#: ``(group_key(group), transport name, device type, timeout_s, ce flags) → Transport``; keyed
+#: by the group object itself (``_dist.group_key``), never by ``id(group)``, which a later group
+#: can reuse.
+_TRANSPORTS: dict = {}
+#: Callbacks ``fn(key)`` that drop what was planned for the group whose ``group_key`` is
+#: ``key`` (the call plans, the modules' forward plans): they hold its transports.
+_FORGET: list = []
+
+def env_key(backend: str = "auto", timeout_s=None, validate=None, groups: int = 0) -> tuple:
+    """The text of the call-time ``ATTNCOMM_*`` variables a call's plan depends on, for its
+    key (so a change takes effect at the next call): the backend override for ``auto``, the
+    timeout and validation defaults when the call gives none, the head groups for
+    ``pipeline_groups=-1``, the ``ce`` flag mode when ``ce`` may be chosen."""
+    raw = config.raw
+    return (raw("ATTNCOMM_ULYSSES_BACKEND") if backend == "auto" else "",
+            raw("ATTNCOMM_TIMEOUT_S") if timeout_s is None else "",
+            raw("ATTNCOMM_VALIDATE") if validate is None else "",
+            raw("ATTNCOMM_ULYSSES_PIPELINE_GROUPS") if groups == -1 else "",
+            raw("ATTNCOMM_ULYSSES_CE_FLAGS") if backend != "all_to_all" else "")
+
+
+def on_forget(fn):
+    """Register ``fn(key)``: drop plans made for the group with ``group_key`` ``key``."""
+    _FORGET.append(fn)
+    return fn
+
+
+def capturing(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a CUDA tensor and the current stream is capturing a CUDA graph."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def warm_up_error(op: str, what: str) -> ValueError:
+    """The error for a call shape first seen where no decision can be made (CUDA graph capture,
+    torch.compile tracing): ``what`` names the shape."""
+    return ValueError(
+        f"{op}: {what} is seen for the first time inside CUDA graph capture or torch.compile "
+        f"tracing, where its transport and plan cannot be decided (that takes collectives and "
+        f"may allocate): run {op} once eagerly with this shape on every rank first (a warm-up "
+        f"call), then capture or compile")
+
+
+def ce_reason(group, device: torch.device) -> str | None:
+    """Why the ``ce`` transport cannot run for ``device`` tensors on ``group`` (None if it can),
+    agreed across ranks (collective on first use per group and device type; cached)."""
+    return ce.agreed_unavailable_reason(group, device)
+
+
+def backend_availability(group=None) -> dict:
+    """``{backend name: None if it can run here, else the reason}`` for the Ulysses transports,
+    for CUDA tensors on ``group`` (collective over ``group`` when torch.distributed is
+    initialised; a local check otherwise)."""
+    out = {"all_to_all": None if dist.is_available() else "torch.distributed is unavailable"}
+    if dist.is_initialized():
+        dev = (torch.device("cuda", torch.cuda.current_device())
+               if torch.cuda.is_available() else torch.device("cpu"))
+        out["ce"] = ce.agreed_unavailable_reason(group, dev)
+    else:
+        out["ce"] = ce.host_unavailable_reason()
+    return out
+
+
+def decide_transport(requested: str, ce_reason: str | None, nbytes: int) -> Decision:
+    """The transport policy, pure (no communication; the same inputs on every rank give the
+    same answer). ``requested`` is ``"ce"`` or ``"auto"``; ``ce_reason`` why ``ce`` cannot run
+    (agreed, None if it can); ``nbytes`` the most bytes any rank sends. ``auto`` takes ``ce``
+    from ``AUTO_CE_MIN_BYTES`` on (below it NCCL's lower fixed cost wins: a choice, not a
+    fallback). Raises ``ValueError`` for an explicit ``ce`` that cannot run."""
+    if ce_reason is not None:
+        if requested == "ce":
+            raise ValueError(f"backend='ce' cannot run here: {ce_reason}")
+        return Decision("all_to_all", f"ce not used: {ce_reason}")
+    if requested == "auto" and nbytes < AUTO_CE_MIN_BYTES:
+        return Decision("all_to_all")
+    return Decision("ce")
+
+
+def get_transport(group, backend: str, device: torch.device, timeout_s: float,
+                  plan=None, dtype=None, op: str = "ulysses") -> tuple[Transport, Decision]:
+    """The transport for an exchange of ``plan`` and the ``Decision`` behind it. ``backend``
+    is already validated and agreed. Called when a plan is made (eagerly, never while tracing
+    or capturing: the callers raise ``warm_up_error`` first).
+
+    ``decide_transport`` chooses from the agreed ``ce`` eligibility (``ce_reason``) and the
+    message size; ``ce`` then prepares its staging for ``plan`` (collective when it allocates);
+    an allocation that fails on some rank is an agreed reason like any other. An explicit
+    ``ce`` that cannot run raises ``ValueError`` naming ``op``.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    decision = Decision("all_to_all")
+    if backend != "all_to_all":
+        nbytes = _max_bytes(plan, dtype) if plan is not None else AUTO_CE_MIN_BYTES
+        try:
+            decision = decide_transport(backend, ce_reason(group, device), nbytes)
+            if decision.backend == "ce" and plan is not None:
+                t = _cached(group, "ce", device, timeout_s, rank, world)
+                why = t.prepare(plan, dtype)  # allocates (collectively) if new
+                if why is None:
+                    return t, decision
+                decision = decide_transport(backend, why, nbytes)
+        except ValueError as exc:
+            raise ValueError(f"{op}: {exc}") from None
+    return _cached(group, decision.backend, device, timeout_s, rank, world), decision
+
+
+def _max_bytes(plan, dtype) -> int:
+    return max(sum(row) for row in plan.numel) * dtype.itemsize
+
+
+def reset_transports(group=None) -> None:
+    """Forget this process's transports for ``group`` (e.g. after a ``PeerTimeoutError`` left
+    a ``ce`` transport unusable), and the plans that use them. Call on every rank; the next
+    call builds them anew."""
+    key = group_key(group)
+    for fn in _FORGET:
+        fn(key)
+    for k in [k for k in _TRANSPORTS if k[0] == key]:
+        del _TRANSPORTS[k]
+
+
+@_dist.on_release
+def _release_transports(key) -> None:
+    for fn in _FORGET:
+        fn(key)
+    for k in [k for k in _TRANSPORTS if k[0] == key]:
+        _TRANSPORTS.pop(k).close()
+
+
+def _cached(group, name, device, timeout_s, rank, world) -> Transport:
+    flags = config.raw("ATTNCOMM_ULYSSES_CE_FLAGS") if name == "ce" else ""
+    key = (group_key(group), name, device.type, timeout_s, flags)
+    t = _TRANSPORTS.get(key)
+    if t is None:
+        if name == "ce":
+            t = CopyEngineTransport(group, rank, world, timeout_s, device=device)
+        else:
+            t = AllToAllTransport(group, rank, world, timeout_s)
+        _TRANSPORTS[key] = t
+    t.check()
+    return t
+
+
+def resolve_backend(backend: str) -> str:
+    """Apply ``ATTNCOMM_ULYSSES_BACKEND`` to ``auto``; ValueError for an unknown name."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    return config.env_backend("ATTNCOMM_ULYSSES_BACKEND", backend, BACKENDS)
+
+
+def seq_lens_hash(seq_lens: Sequence[int]) -> int:
+    return zlib.crc32(",".join(map(str, seq_lens)).encode()) & 0x7FFFFFFF
+
+
+def dense(x: torch.Tensor) -> torch.Tensor:
+    """``x [B, S, H, D]`` with its last two dims dense (a copy only when they are not)."""
+    if x.dim() == 4 and x.stride(3) == 1 and (x.shape[2] <= 1 or x.stride(2) == x.shape[3]):
+        return x
+    return x.contiguous()
+
+
+#: seq_lens disagreements print every rank's list up to this many entries (else the hash).
+_PRINT_SEQ_LENS = 16
+
+
+def check_call(group, op, validate, signature, labels, error, timeout_s,
+               seq_lens=None) -> None:
+    """The argument check (``_dist.check_args``: by default on the first call with a new
+    signature per group). A local error with checks off, or on one rank, raises there; with
+    checks on every rank raises the same ValueError. When the ranks disagree on ``seq_lens``
+    (a hash in the signature) and the lists are short, one more gather puts every rank's list
+    in the message (on the error path only)."""
+    if dist.get_world_size(group) == 1 or config.validation_mode(validate) == "never":
+        if error:
+            raise ValueError(f"{op}: invalid arguments — rank {dist.get_rank(group)}: {error}")
+        return
+    try:
+        _dist.check_args(group, op, signature, labels, local_error=error, timeout_s=timeout_s,
+                         validate=validate)
+    except ValueError as exc:
+        msg = str(exc)
+        if seq_lens is None or "disagree" not in msg or "seq_lens (hash) =" not in msg:
+            raise
+        raise ValueError(_with_seq_lens(group, msg, list(seq_lens), timeout_s)) from None
+
+
+def _with_seq_lens(group, msg: str, seq_lens: list, timeout_s) -> str:
+    # Every rank is here (agree raised the same "disagree" message everywhere).
+    g = _dist.cpu_group(group)
+    lists: list = [None] * dist.get_world_size(g)
+    with _dist.guard_timeout(g, "seq_lens check", timeout_s):
+        dist.all_gather_object(lists, seq_lens, group=g)
+    if max(len(x) for x in lists) > _PRINT_SEQ_LENS:
+        return msg
+    shown = "seq_lens = " + ", ".join(f"{x} (rank {r})" for r, x in enumerate(lists))
+    return re.sub(r"seq_lens \(hash\) = [^;]*", lambda _: shown, msg)
+
+
+def _seq_lens_error(seq_lens, world) -> str | None:
+    if len(seq_lens) != world:
+        return f"seq_lens has {len(seq_lens)} entries, the group has {world} ranks"
+    if any((not isinstance(s, int)) or s < 0 for s in seq_lens):
+        return f"seq_lens must be ints ≥ 0, got {list(seq_lens)}"
+    return None
+
+
+def _norm_seq_lens(seq_lens):
+    """``seq_lens`` as a tuple (ints where they are integral); raises ``TypeError`` when it is
+    not a sequence."""
+    if seq_lens is None:
+        return None
+    if isinstance(seq_lens, torch.Tensor):
+        seq_lens = seq_lens.tolist()
+    return tuple(int(s) if isinstance(s, (int,)) or hasattr(s, "__index__") else s
+                 for s in seq_lens)
+
+
+def seq_key(seq_lens):
+    """``seq_lens`` as it enters a plan key: None, or a tuple (a list or tensor converted;
+    anything else as it is, for the checks to name)."""
+    if seq_lens is None or type(seq_lens) is tuple:
+        return seq_lens
+    try:
+        return _norm_seq_lens(seq_lens)
+    except TypeError:
+        return ("<not a sequence>", repr(seq_lens))

@@ -1,0 +1,103 @@
+"""Ring attention on one CUDA GPU: the default ``attn_fn`` (SDPA's kernel with its LSE) and the
+Triton merge step against fp64, and ``ring_attention`` on a one-rank NCCL group. Run on the
+device: ``pytest -m gpu tests/gpu/test_ring_gpu.py``. Two or more GPUs (a real ring) are the
+multi-GPU issue's."""
+from __future__ import annotations
+
+import pytest
+import torch
+from _ring_helpers import gen, max_err, rand, ref_attention_lse, special_blocks
+
+import attncomm
+from attncomm.ring import attn as ring_attn
+from attncomm.ring import attention_with_lse, positions, ring_attention
+from attncomm.ring.merge import merge_block_torch, merge_block_triton, new_state
+
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
+
+def _need_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+
+# (B, S, Hq, Hkv, D, Dv, dtype)
+_CASES = [
+    (2, 256, 8, 8, 64, 64, torch.bfloat16),
+    (1, 384, 8, 2, 128, 128, torch.bfloat16),   # GQA, expanded inside attn_fn
+    (2, 200, 4, 4, 64, 64, torch.float16),      # S not a multiple of the kernel's tiles
+    (1, 256, 4, 4, 64, 32, torch.bfloat16),     # D ≠ Dv: not flash
+    (1, 128, 4, 2, 32, 32, torch.float32),      # fp32: efficient or math
+]
+
+
+@pytest.mark.parametrize("case", _CASES, ids=lambda c: f"{c[6]}-D{c[4]}-Dv{c[5]}-Hkv{c[3]}")
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_with_lse_matches_fp64(case, causal, seed):
+    _need_gpu()
+    b, s, hq, hkv, d, dv, dtype = case
+    g = gen(seed)
+    q, k, v = (rand(g, (b, s, h, dd), dtype) for h, dd in ((hq, d), (hkv, d), (hkv, dv)))
+    out, lse = attention_with_lse(q.cuda(), k.cuda(), v.cuda(), causal)
+    kernel = ring_attn.last_kernel()
+    ref, ref_lse = ref_attention_lse(q, k, v, causal)
+    where = f"seed {seed}, {case}, causal={causal}, kernel {kernel}"
+    assert tuple(out.shape) == (b, s, hq, dv) and lse.dtype == torch.float32, where
+    err = _excess(out, ref, v, dtype)
+    assert err <= 0, f"{where}: out err over the tolerance by {err}"
+    assert max_err(lse.cpu(), ref_lse) < 1e-3, f"{where}: lse err"
+    if dtype != torch.float32:
+        assert kernel in ("flash", "efficient", "cudnn"), where
+
+
+def _excess(out, ref, v, dtype):
+    """How far ``out`` is beyond the tolerance (≤ 0: within). Fused kernels round the softmax
+    weights to the input dtype before P·V (FlashAttention, cuDNN), so an element may be off by
+    about eps/2 of max|v| besides its own rounding; fp32 by accumulation only."""
+    if dtype == torch.float32:
+        tol = 2e-5 + 1e-5 * ref.abs()
+    else:
+        eps = torch.finfo(dtype).eps
+        tol = eps / 2 * (ref.abs() + v.double().abs().max())
+    return ((out.cpu().double() - ref).abs() - tol).max().item()
+
+
+def test_merge_step_cuda_matches_torch_path(seed):
+    _need_gpu()
+    blocks = special_blocks(seed, (2, 37, 5, 96), torch.bfloat16)
+    states = []
+    for device, merge in (("cpu", merge_block_torch), ("cuda", merge_block_triton)):
+        acc, acc_lse = new_state(2, 37, 5, 96, device)
+        for lo, hi, out, lse in blocks:
+            merge(acc[:, lo:hi], acc_lse[:, lo:hi], out.to(device), lse.to(device))
+        states.append((acc.cpu(), acc_lse.cpu()))
+    (a, al), (t, tl) = states
+    empty = torch.isneginf(al)
+    assert torch.equal(torch.isneginf(tl), empty), f"seed {seed}"
+    assert torch.equal(t[empty], torch.zeros_like(t[empty])), f"seed {seed}"
+    assert not bool(t.isnan().any()) and not bool(tl.isnan().any()), f"seed {seed}"
+    # fp32 on both; the GPU may fuse a multiply-add (one rounding less)
+    assert max_err(t[~empty], a[~empty]) < 1e-5, f"seed {seed}"
+    assert max_err(tl[~empty], al[~empty]) < 1e-5, f"seed {seed}"
+
+
+def _ring_one_rank(rank, world, seed):
+    g = gen(seed)
+    res = []
+    for layout in ("contiguous", "zigzag"):
+        for causal in (False, True):
+            q, k, v = (rand(g, (1, 512, h, 64), torch.bfloat16) for h in (8, 2, 2))
+            ref = ref_attention_lse(q, k, v, causal)[0]
+            pos = positions(512, world, rank, layout)
+            out = ring_attention(*(t[:, pos].cuda() for t in (q, k, v)), causal=causal,
+                                 layout=layout)
+            res.append((layout, causal, _excess(out, ref[:, pos], v, torch.bfloat16),
+                        ring_attn.last_kernel()))
+    return res
+
+
+def test_ring_attention_one_rank_cuda(seed):
+    _need_gpu()
+    with attncomm.RankPool(1, device="cuda") as pool:
+        res = pool.run(_ring_one_rank, seed, timeout_s=300)[0]
+    for layout, causal, err, kernel in res:
+        assert err <= 0, f"seed {seed}: {layout} causal={causal} over by {err} ({kernel})"

@@ -1,0 +1,176 @@
+"""The Ulysses hot path on gloo CPU ranks: plans made once per shape and reused, the caller-owned
+destination (``output=``), the warm-up error for a shape first seen inside CUDA graph capture
+(the capture state mocked), and what drops plans (a setting changed, ``close()``,
+``attncomm.release``, ``reset_transports``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attncomm
+from attncomm import config, ulysses
+from attncomm.ulysses import UlyssesAttention, api, head_split, policy
+from attncomm.ulysses.layout import head_offsets
+
+
+def _shard(seed, b, lens, h, d, rank):
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn((b, sum(lens), h, d), generator=g)
+    o = head_offsets(lens)[rank]
+    return full, full[:, o:o + lens[rank]].clone()
+
+
+def _output(rank, world, seed):
+    """``output=``: the result lands in the caller's tensor (poisoned first), which comes back;
+    contiguous and strided destinations, B = 1 and B = 2; equal bit for bit to the call without
+    it; a wrong destination raises the same ValueError on every rank."""
+    res = {}
+    for b, lens in ((1, (3,) * world), (2, tuple(range(2, 2 + world)))):
+        full, x = _shard(seed + b, b, lens, 5, 4, rank)
+        h_r = head_split(5, world)[rank]
+        want = ulysses.seq_to_head(x, seq_lens=lens)
+        ok = torch.equal(want, full[:, :, head_offsets(head_split(5, world))[rank]:][:, :, :h_r])
+        for strided in (False, True):
+            shape = (b, sum(lens), h_r, 4)
+            dest = (torch.full((b, sum(lens), h_r, 8), float("nan"))[..., ::2] if strided
+                    else torch.full(shape, float("nan")))
+            got = ulysses.seq_to_head(x, seq_lens=lens, output=dest)
+            ok = ok and got is dest and torch.equal(dest, want)
+            back = torch.full((b, lens[rank], 10, 4), float("nan"))
+            back = back[:, :, ::2] if strided else back[:, :, :5].contiguous()
+            got = ulysses.head_to_seq(want, num_heads=5, seq_lens=lens, output=back)
+            ok = ok and got is back and torch.equal(back, x)
+        res[b] = ok
+    bad = torch.empty(1, 3 * world, 2 + (rank == 1), 4)  # rank 1's is wrong
+    try:
+        ulysses.seq_to_head(torch.randn(1, 3, 2 * world, 4), output=bad)
+        res["bad"] = "NO ERROR"
+    except ValueError as exc:
+        res["bad"] = str(exc)
+    return res
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_output_is_the_callers_tensor(pools, world, seed):
+    results = pools.run(world, _output, seed)
+    for res in results:
+        assert res[1] and res[2], f"seed {seed}: {res}"
+        assert "output must be [1, " in res["bad"] and "rank 1" in res["bad"], res["bad"]
+    assert len({r["bad"] for r in results}) == 1
+
+
+def _plans(rank, world):
+    """A steady-state call builds nothing (the plan of its shape is reused); a new shape, a
+    changed setting or env variable, close() and attncomm.release() plan anew."""
+    made = []
+    real_fp, real_cp = api._plan_seq_to_head, UlyssesAttention._make_plan
+
+    def count_fp(*a, **kw):
+        made.append("seq_to_head")
+        return real_fp(*a, **kw)
+
+    def count_cp(self, *a, **kw):
+        made.append("attention")
+        return real_cp(self, *a, **kw)
+
+    api._plan_seq_to_head, UlyssesAttention._make_plan = count_fp, count_cp
+    try:
+        attncomm.release()  # plans earlier tests on these ranks made
+        x = torch.randn(1, 2, 2 * world, 4)
+        mod = UlyssesAttention(backend="all_to_all", pipeline_groups=2)
+        steps = {}
+        for name, call in (
+                ("first", lambda: (ulysses.seq_to_head(x), mod(x, x, x))),
+                ("again", lambda: (ulysses.seq_to_head(x), mod(x, x, x))),
+                ("seq_lens list", lambda: ulysses.seq_to_head(x, seq_lens=[2] * world)),
+                ("same list", lambda: ulysses.seq_to_head(x, seq_lens=[2] * world)),
+                ("new shape", lambda: mod(x[:, :1], x[:, :1], x[:, :1]))):
+            made.clear()
+            call()
+            steps[name] = list(made)
+        made.clear()
+        mod.pipeline_groups = 0  # a setting a plan was made from
+        mod(x, x, x)
+        steps["setting"] = list(made) + [mod.last_pipeline_groups]
+        made.clear()
+        with config.setting(ATTNCOMM_ULYSSES_BACKEND="all_to_all"):
+            ulysses.seq_to_head(x)
+        steps["env"] = list(made)
+        made.clear()
+        attncomm.release()
+        ulysses.seq_to_head(x)
+        mod(x, x, x)
+        steps["release"] = list(made)
+        mod.close()
+        try:
+            mod(x, x, x)
+            steps["closed"] = "NO ERROR"
+        except RuntimeError as exc:
+            steps["closed"] = str(exc)
+        steps["closed plans"] = len(mod._plans)
+    finally:
+        api._plan_seq_to_head, UlyssesAttention._make_plan = real_fp, real_cp
+    return steps
+
+
+def test_plans_are_made_once_per_shape(pools):
+    for steps in pools.run(2, _plans):
+        assert steps["first"] == ["seq_to_head", "attention"], steps
+        assert steps["again"] == [] and steps["same list"] == [], steps
+        assert steps["seq_lens list"] == ["seq_to_head"] and steps["new shape"] == ["attention"]
+        assert steps["setting"] == ["attention", 1] and steps["env"] == ["seq_to_head"]
+        assert steps["release"] == ["seq_to_head", "attention"], steps
+        assert "UlyssesAttention is closed" in steps["closed"] and steps["closed plans"] == 0
+
+
+def _capture(rank, world):
+    """Inside (mocked) CUDA graph capture: a warmed-up shape runs and gives the eager bits; a
+    new shape raises the warm-up error on every rank, with no collective started."""
+    attncomm.release()  # no plans from earlier tests on these ranks
+    x = torch.randn(1, 4, 2 * world, 4, generator=torch.Generator().manual_seed(rank))
+    mod = UlyssesAttention(pipeline_groups=2)
+    want = (ulysses.seq_to_head(x), ulysses.head_to_seq(x), mod(x, x, x))
+    real = policy.capturing
+    policy.capturing = lambda t: True
+    msgs = {}
+    try:
+        got = (ulysses.seq_to_head(x), ulysses.head_to_seq(x), mod(x, x, x))
+        same = all(torch.equal(a, b) for a, b in zip(want, got))
+        new = x[:, :2]
+        for name, fn in (("seq_to_head", lambda: ulysses.seq_to_head(new)),
+                         ("head_to_seq", lambda: ulysses.head_to_seq(new)),
+                         ("UlyssesAttention", lambda: mod(new, new, new))):
+            try:
+                fn()
+                msgs[name] = "NO ERROR"
+            except ValueError as exc:
+                msgs[name] = str(exc)
+    finally:
+        policy.capturing = real
+    after = torch.equal(ulysses.seq_to_head(x), want[0])  # the group still works
+    return same, msgs, after
+
+
+def test_shape_first_seen_during_capture_raises_warm_up_error(pools):
+    for same, msgs, after in pools.run(2, _capture):
+        assert same and after
+        for name, msg in msgs.items():
+            assert msg.startswith(name) or msg.startswith(f"ulysses.{name}"), msg
+            assert "first time inside CUDA graph capture" in msg and "eagerly" in msg, msg
+
+
+def test_no_fallback_decision_while_tracing():
+    """The traced decision of ``auto`` is the eager call's, looked up, never made: a shape no
+    eager call has decided raises the warm-up error (``_traced_decision`` is what torch.compile
+    runs while tracing)."""
+    key = ("no group", "seq_to_head", (1, 2, 3, 4), torch.float32, "cpu", None, "auto", None)
+    assert key not in api._DECISIONS
+    with pytest.raises(ValueError, match="first time inside CUDA graph capture or torch.compile"):
+        api._traced_decision("seq_to_head", _Group(), (1, 2, 3, 4), torch.float32, "cpu",
+                             None, "auto", None)
+
+
+class _Group:
+    """A stand-in group coordinator (the lookup needs no process group)."""
+
+    device_group = cpu_group = None
