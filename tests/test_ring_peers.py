@@ -146,6 +146,7 @@ def _yunchang(rank, world, seed):
             for i, (b, s, h, d, causal, layout, grid) in enumerate(_YUNCHANG)]
 
 
+@pytest.mark.slow
 def test_yunchang_cases(pools, seed):
     res = pools.run(WORLD, _yunchang, seed)
     for i, case in enumerate(_YUNCHANG):
