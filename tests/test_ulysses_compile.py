@@ -70,6 +70,7 @@ def _functional(rank, world, seed, backends):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_round_trip_compiles_without_graph_breaks(pools, seed):
     for res in pools.run(2, _functional, seed, ("aot_eager", "inductor")):
         assert "first time inside CUDA graph capture or torch.compile tracing" in res["cold"] \
@@ -111,6 +112,7 @@ def _attention(rank, world, seed, backends):
     return res
 
 
+@pytest.mark.slow
 @pytest.mark.slow
 def test_attention_compiles_without_graph_breaks(pools, seed):
     for res in pools.run(2, _attention, seed, ("aot_eager", "inductor")):
