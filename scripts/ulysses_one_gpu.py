@@ -25,9 +25,19 @@ same timeline figures for back-to-back replays. These overlap figures come from 
 copies go over PCIe to host memory, with scaled bytes, and W ranks' attention sharing its SMs:
 they are NOT NVLink figures.
 
+DiT options (issue 22): ``--joint S_j`` gives every simulated rank ``S_j`` joint rows (a DiT's
+text tokens, the same on every rank): each rank copies its heads of them into the first ``S_j``
+rows of its receive buffers (the fill writes the exchanged rows after them), attention runs
+over ``[joint; sequence]``, the joint rows' output lands in ``joint_out`` (``[1, S_j, H, D]``,
+every head) and the head gather's stand-in copies ``S_j × heads`` rows to each peer.
+``--payload none fp8`` runs each geometry with each q/k/v payload: with ``fp8`` the fill writes
+the FP8 wire rows (``D + 4`` bytes per (token, head), ``ulysses/fp8.py``), the input stand-in
+copies move those bytes (about half the bf16 ones, so half the scaled copy time, which the
+budget shows) and each group's rows are dequantized into bf16 before its attention.
+
     python scripts/ulysses_one_gpu.py [--world-size 2] [--seq 8192 32768] [--heads 56]
-        [--groups -1] [--nvlink-gbps 393] [--graph] [--json PATH] [--markdown PATH]
-        [--trace-dir DIR]
+        [--groups -1] [--nvlink-gbps 393] [--graph] [--joint S_j] [--payload none fp8]
+        [--json PATH] [--markdown PATH] [--trace-dir DIR]
 """
 from __future__ import annotations
 
@@ -44,6 +54,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 
 from attncomm.bench import ulysses_timeline as timeline  # noqa: E402
+from attncomm.ulysses import fp8  # noqa: E402
 from attncomm.ulysses.attention import auto_groups, sdpa_attention  # noqa: E402
 from attncomm.ulysses.fill import FillPart, FillPlan  # noqa: E402
 from attncomm.ulysses.layout import group_head_ranges, head_offsets, head_split  # noqa: E402
@@ -73,10 +84,13 @@ def host_copy_gbps(device, nbytes=256 << 20) -> float:
 
 
 class Rehearsal:
-    """W simulated ranks of one Ulysses layer (H query = KV heads, D, bf16) on this GPU."""
+    """W simulated ranks of one Ulysses layer (H query = KV heads, D, bf16) on this GPU, with
+    ``joint`` joint rows and the ``payload`` ("none" or "fp8") of the q/k/v exchange."""
 
-    def __init__(self, world, seq_total, heads, head_dim=128, norm=True, scale=1.0, seed=0):
+    def __init__(self, world, seq_total, heads, head_dim=128, norm=True, scale=1.0, seed=0,
+                 joint=0, payload="none"):
         self.W, self.S, self.H, self.D = world, seq_total, heads, head_dim
+        self.S_j, self.fp8 = joint, payload == "fp8"
         self.dev = torch.device("cuda")
         self.seq = head_split(seq_total, world)
         self.off = head_offsets(self.seq)
@@ -93,12 +107,15 @@ class Rehearsal:
         ang = torch.cat((ang, ang), dim=-1)
         self.rope = norm
         self.cos, self.sin = ang.cos().float().to(self.dev), ang.sin().float().to(self.dev)
-        most = max(self.seq) * heads * head_dim * 2 * 3
+        self.joint = [torch.randn((1, joint, heads, head_dim), generator=g).to(dt).to(self.dev)
+                      for _ in range(3)]
+        most = max(self.seq) * heads * 2 * head_dim * 3 + joint * heads * head_dim * 2
         self.slots = [torch.empty(max(256, int(most * scale) + 256), dtype=torch.uint8,
                                   pin_memory=True) for _ in range(world)]
         self.copy_in = torch.cuda.Stream(self.dev)
         self.copy_out = torch.cuda.Stream(self.dev)
         self.out = torch.empty(1, seq_total, heads, head_dim, dtype=dt, device=self.dev)
+        self.joint_out = torch.empty(1, joint, heads, head_dim, dtype=dt, device=self.dev)
         self._bufs: dict = {}
         self.host = collections.Counter()  # host seconds per phase of layer()
 
@@ -120,8 +137,12 @@ class Rehearsal:
             return self._bufs[key]
         W, ranges = self.W, group_head_ranges(self.H, self.W, groups)[g]
         n = [hi - lo for lo, hi in ranges]
-        recv = [torch.empty(self.S, 1, 3 * n[p], self.D, dtype=torch.bfloat16, device=self.dev)
-                for p in range(W)]
+        s_j, row = self.S_j, fp8.row_bytes(self.D) if self.fp8 else self.D
+        # the landing buffer attention reads: [S_j + S, 1, 3n, D], joint rows first
+        land = [torch.empty(s_j + self.S, 1, 3 * n[p], self.D, dtype=torch.bfloat16,
+                            device=self.dev) for p in range(W)]
+        wire = ([torch.empty(self.S, 1, 3 * n[p], row, dtype=torch.uint8, device=self.dev)
+                 for p in range(W)] if self.fp8 else [x[s_j:] for x in land])
         fills = []
         for s in range(W):
             q, k, v = self.qkv[s]
@@ -129,33 +150,44 @@ class Rehearsal:
             parts = [FillPart(q, tuple(ranges), self.w[0], self.rope),
                      FillPart(k, tuple(ranges), self.w[1], self.rope),
                      FillPart(v, tuple(ranges))]
-            fills.append((FillPlan(parts, self.eps, self.rope, "triton"), (q, k, v),
-                          self.cos[o:o + ln], self.sin[o:o + ln],
-                          [recv[p][o:o + ln].view(-1) for p in range(W)]))
-        ins = [self._stand_in(recv[p][self.off[s]:self.off[s] + self.seq[s]].view(-1),
-                              self.seq[s] * 3 * n[p] * self.D * 2, p)
+            fills.append((FillPlan(parts, self.eps, self.rope, "triton",
+                                   payload_dtype=fp8.FP8_DTYPE if self.fp8 else None),
+                          (q, k, v), self.cos[o:o + ln], self.sin[o:o + ln],
+                          [wire[p][o:o + ln].view(-1) for p in range(W)]))
+        item = 1 if self.fp8 else 2
+        ins = [self._stand_in(wire[p][self.off[s]:self.off[s] + self.seq[s]].reshape(-1),
+                              self.seq[s] * 3 * n[p] * row * item, p)
                for s in range(W) for p in range(W) if p != s]
-        attn, outs = [], []
+        attn, outs, joints, deq = [], [], [], []
         for p, (lo, hi) in enumerate(ranges):
             if hi > lo:
-                buf = recv[p].permute(1, 0, 2, 3)
                 m = hi - lo
+                buf = land[p].permute(1, 0, 2, 3)
                 attn.append((buf[:, :, :m], buf[:, :, m:2 * m], buf[:, :, 2 * m:],
-                             self.out[:, :, lo:hi]))
-                outs += [self._stand_in(recv[p].view(-1), self.seq[s] * m * self.D * 2, s)
+                             self.out[:, :, lo:hi], self.joint_out[:, :, lo:hi]))
+                joints += [(land[p][:s_j, 0, i * m:(i + 1) * m], x[0, :, lo:hi])
+                           for i, x in enumerate(self.joint) if s_j]
+                if self.fp8:
+                    deq.append((wire[p], land[p][s_j:]))
+                outs += [self._stand_in(land[p].view(-1), self.seq[s] * m * self.D * 2, s)
                          for s in range(W) if s != p]
+                outs += [self._stand_in(land[p].view(-1), s_j * m * self.D * 2, s)
+                         for s in range(W) if s != p and s_j]  # the joint rows' head gather
         plan = (fills, [x for x in ins if x], attn, [x for x in outs if x],
-                torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event())
+                torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event(), joints, deq)
         self._bufs[key] = plan
         return plan
 
     def _fill_group(self, plan, cur):
-        """Every rank's fill of a group into every destination's receive buffer, then the
-        input exchange's stand-in copies; returns the event after the copies."""
-        fills, ins, _, _, ready, done, _ = plan
+        """Every rank's fill of a group into every destination's receive buffer (and its heads
+        of the joint rows into their rows), then the input exchange's stand-in copies; returns
+        the event after the copies."""
+        fills, ins, _, _, ready, done, _, joints, _ = plan
         t0 = time.perf_counter()
         for prepared, xs, cos, sin, regions in fills:
             prepared(xs, cos, sin, regions)
+        for dst, src in joints:
+            dst.copy_(src)
         t1 = time.perf_counter()
         ready.record(cur)
         self.copy_in.wait_event(ready)
@@ -180,8 +212,14 @@ class Rehearsal:
                 nxt = self._fill_group(plans[g + 1], cur)
             t0 = time.perf_counter()
             cur.wait_event(arrived)
-            for q, k, v, dst in plans[g][2]:
-                dst.copy_(sdpa_attention(q, k, v, False))
+            for src, dst in plans[g][8]:  # FP8 rows → bf16, before attention
+                fp8.dequantize_packed(src, torch.bfloat16, out=dst)
+            s_j = self.S_j
+            for q, k, v, dst, jdst in plans[g][2]:
+                o = sdpa_attention(q, k, v, False)
+                dst.copy_(o[:, s_j:])
+                if s_j:
+                    jdst.copy_(o[:, :s_j])
             t1 = time.perf_counter()
             finished = plans[g][6]
             finished.record(cur)
@@ -290,7 +328,7 @@ def captured(sim, groups):
     return graph, outs
 
 
-def graph_record(sim, groups, layers, trace_dir, seq_total, name) -> dict:
+def graph_record(sim, groups, layers, trace_dir, tag, name) -> dict:
     """The captured layer: bitwise against the eager one, host µs per replayed layer, and the
     timeline of back-to-back replays."""
     graph, outs = captured(sim, groups)
@@ -299,7 +337,7 @@ def graph_record(sim, groups, layers, trace_dir, seq_total, name) -> dict:
         o.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    path = os.path.join(trace_dir, f"ulysses-rehearsal-{name}-graph-S{seq_total}.json")
+    path = os.path.join(trace_dir, f"ulysses-rehearsal-{name}-graph-{tag}.json")
     rec = profile(sim, groups, layers, path, step=graph.replay)
     rec.update(host_cost(sim, groups, step=graph.replay))
     rec["bitwise_equal_to_eager"] = all(torch.equal(a, b) for a, b in zip(outs, eager))
@@ -307,33 +345,36 @@ def graph_record(sim, groups, layers, trace_dir, seq_total, name) -> dict:
 
 
 def run(world, seq_total, heads, groups, nvlink_gbps, trace_dir, layers=3, norm=True,
-        cpu_ops=False, graph=False):
+        cpu_ops=False, graph=False, joint=0, payload="none"):
     """One geometry: bitwise check, then the traced pipelined and sequential schedules."""
     dev = torch.device("cuda")
     host_gbps = host_copy_gbps(dev)
     scale = min(1.0, host_gbps / nvlink_gbps)
-    sim = Rehearsal(world, seq_total, heads, norm=norm, scale=scale, seed=seq_total)
+    sim = Rehearsal(world, seq_total, heads, norm=norm, scale=scale, seed=seq_total,
+                    joint=joint, payload=payload)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    g = groups if groups > 0 else auto_groups(head_split(heads, world), 1, seq_total, sms)
-    seq_out = [o.clone() for o in sim.layer(1)]
-    pipe_out = sim.layer(max(g, 1))
+    g = groups if groups > 0 else auto_groups(head_split(heads, world), 1, seq_total + joint,
+                                              sms)
+    seq_out = [o.clone() for o in sim.layer(1)] + [sim.joint_out.clone()]
+    pipe_out = sim.layer(max(g, 1)) + [sim.joint_out]
     torch.cuda.synchronize()
     rec = {"world_size": world, "seq": seq_total, "heads": heads, "head_dim": 128,
-           "qk_norm": norm, "groups": g, "host_copy_gbps": host_gbps,
-           "nvlink_gbps": nvlink_gbps, "bytes_scale": scale,
+           "qk_norm": norm, "groups": g, "joint": joint, "payload": payload,
+           "host_copy_gbps": host_gbps, "nvlink_gbps": nvlink_gbps, "bytes_scale": scale,
            "bitwise_equal_to_sequential": all(torch.equal(a, b)
                                               for a, b in zip(seq_out, pipe_out))}
     os.makedirs(trace_dir, exist_ok=True)
+    tag = f"S{seq_total}-J{joint}-{payload}"
     for name, gg in (("pipelined", max(g, 1)), ("sequential", 1)):
-        path = os.path.join(trace_dir, f"ulysses-rehearsal-{name}-S{seq_total}.json")
+        path = os.path.join(trace_dir, f"ulysses-rehearsal-{name}-{tag}.json")
         rec[name] = profile(sim, gg, layers, path, cpu_ops)
         rec[name].update(host_cost(sim, gg))
     if cpu_ops is False:  # the pipelined trace again with every host op recorded, for scale
-        path = os.path.join(trace_dir, f"ulysses-rehearsal-pipelined-cpuops-S{seq_total}.json")
+        path = os.path.join(trace_dir, f"ulysses-rehearsal-pipelined-cpuops-{tag}.json")
         rec["pipelined_cpu_ops_traced"] = profile(sim, max(g, 1), layers, path, True)
     if graph:
         for name, gg in (("pipelined", max(g, 1)), ("sequential", 1)):
-            rec[f"{name}_graph"] = graph_record(sim, gg, layers, trace_dir, seq_total, name)
+            rec[f"{name}_graph"] = graph_record(sim, gg, layers, trace_dir, tag, name)
     rec["note"] = NOT_NVLINK
     return rec
 
@@ -343,10 +384,11 @@ def markdown(records, meta) -> str:
              "Gaps: GPU idle between compute kernels; 'between groups' counts those inside a "
              "layer's span from its first attention kernel to its last, 'all' adds the layer "
              "edges (the first group's input and the last group's output exchange).", "",
-             "| S | groups | schedule | wall ms | compute ms | exposed exch. ms | idle ms | "
-             "max gap between groups µs | > 20 µs | max gap all µs | > 20 µs | host lead ms | "
-             "host syncs | host µs / group | bitwise |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| S | joint | payload | groups | schedule | wall ms | compute ms | "
+             "exposed exch. ms | idle ms | max gap between groups µs | > 20 µs | "
+             "max gap all µs | > 20 µs | host lead ms | host syncs | host µs / group | "
+             "bitwise |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         for name in ("pipelined", "sequential", "pipelined_cpu_ops_traced", "pipelined_graph",
                      "sequential_graph"):
@@ -355,7 +397,8 @@ def markdown(records, meta) -> str:
             x, b = r[name], r[name]["budget"]
             hu = x.get("host_us_per_group")
             lines.append(
-                f"| {r['seq']} | {1 if name.startswith('sequential') else r['groups']} | "
+                f"| {r['seq']} | {r.get('joint', 0)} | {r.get('payload', 'none')} | "
+                f"{1 if name.startswith('sequential') else r['groups']} | "
                 f"{name} | "
                 f"{b['wall_us'] / 1e3:.3f} | {b['compute_us'] / 1e3:.3f} | "
                 f"{b['exposed_exchange_us'] / 1e3:.3f} | {b['idle_us'] / 1e3:.3f} | "
@@ -365,8 +408,10 @@ def markdown(records, meta) -> str:
                 f"{'-' if hu is None else f'{hu:.0f}'} | {r['bitwise_equal_to_sequential']} |")
     for r in records:
         ov = r["pipelined"]["overlap_next_copies_under_attention"]
-        lines.append(f"\nS={r['seq']}: bytes scaled by {r['bytes_scale']:.3f} (host copy "
-                     f"{r['host_copy_gbps']:.1f} GB/s vs NVLink {r['nvlink_gbps']:.0f} GB/s); "
+        lines.append(f"\nS={r['seq']} joint={r.get('joint', 0)} payload="
+                     f"{r.get('payload', 'none')}: bytes scaled by {r['bytes_scale']:.3f} "
+                     f"(host copy {r['host_copy_gbps']:.1f} GB/s vs NVLink "
+                     f"{r['nvlink_gbps']:.0f} GB/s); "
                      "share of group g+1's input copies under group g's attention: "
                      + ", ".join("-" if v is None else f"{v:.2f}" for v in ov))
         by = r["pipelined"].get("host_us_per_group_by_phase", {})
@@ -397,16 +442,23 @@ def main(argv=None) -> int:
                    help="trace every host op too (the profiler's host cost slows the enqueue)")
     p.add_argument("--graph", action="store_true",
                    help="also capture each schedule's layer in a CUDA graph and replay it")
+    p.add_argument("--joint", type=int, default=0, metavar="S_j",
+                   help="joint rows per simulated rank (a DiT's text tokens; default 0)")
+    p.add_argument("--payload", nargs="+", choices=("none", "fp8"), default=["none"],
+                   help="q/k/v payloads to run (default none)")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     p.add_argument("--trace-dir", default="rehearsal-traces")
     args = p.parse_args(argv)
+    if args.joint < 0:
+        p.error(f"--joint must be ≥ 0, got {args.joint}")
     if not torch.cuda.is_available():
         print("ulysses_one_gpu: needs a CUDA GPU", file=sys.stderr)
         return 2
     records = [run(args.world_size, s, args.heads, args.groups, args.nvlink_gbps,
-                   args.trace_dir, args.layers, cpu_ops=args.cpu_ops, graph=args.graph)
-               for s in args.seq]
+                   args.trace_dir, args.layers, cpu_ops=args.cpu_ops, graph=args.graph,
+                   joint=args.joint, payload=payload)
+               for s in args.seq for payload in args.payload]
     from attncomm.bench import common
     meta = common.meta("cuda", args.world_size, bench="ulysses-rehearsal", dtype="bf16",
                        note=NOT_NVLINK)

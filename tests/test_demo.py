@@ -174,7 +174,8 @@ def test_cli_json_and_exit_codes(tmp_path, capsys):
     assert [r["backend"] for r in doc["runs"]] == dcp.available_backends("cpu")
     for r in doc["runs"]:
         assert set(r) == {"mode", "backend", "world_size", "min_cosine", "max_abs_err",
-                          "seconds", "verdict", "error"}
+                          "seconds", "threshold", "verdict", "error"}
+        assert r["threshold"] == 0.99999
         assert r["verdict"] == "pass" and r["error"] is None
         assert r["mode"] == "context_parallel" and r["min_cosine"] >= 1 - 1e-9
         assert r["world_size"] == 1 and r["max_abs_err"] < 2e-5 and r["seconds"] > 0
@@ -208,6 +209,10 @@ def test_row_verdicts():
     assert _verdict([good], cfg) == "pass"
     assert _verdict([good, low], cfg) == "fail" and _verdict([good, err], cfg) == "fail"
     assert _verdict([], cfg) == "fail"
+    # a lossy row passes at its own bound, not the dtype's
+    own = DemoRow("dit", "all_to_all fp8", 2, 0.999, 1e-3, 0.1, threshold=0.995)
+    under = DemoRow("dit", "all_to_all fp8", 2, 0.99, 1e-2, 0.1, threshold=0.995)
+    assert _verdict([good, own], cfg) == "pass" and _verdict([own, under], cfg) == "fail"
 
 
 def _args(argv):

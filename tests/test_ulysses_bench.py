@@ -5,6 +5,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from attncomm.bench import ulysses as bench
 
@@ -89,6 +90,40 @@ def test_bench_ulysses_layer_cpu_smoke(pools, tmp_path, capsys):
     assert "Ulysses attention layer" in capsys.readouterr().out
 
 
+def test_bench_ulysses_layer_dit_options_cpu_smoke(pools, tmp_path, capsys):
+    """--joint and --payload none fp8: every variant with each payload, joint rows in every
+    forward, summaries bitwise equal within each payload, the FP8 error records (a tiny case)
+    within the payload's row bound, and their Markdown section."""
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--device", "cpu", "--layer-only", "--layer-seq", "24",
+                         "--layer-heads", "6", "--layer-kv-heads", "2", "--iters", "2",
+                         "--joint", "5", "--payload", "none", "fp8", "--layer-qk-norm", "on",
+                         "--layer-variants", "attention_only,sequential_all_to_all,pipelined_g2",
+                         "--no-progress", "--json", str(tmp_path / "d.json"),
+                         "--markdown", str(tmp_path / "d.md")])
+    opts = bench._defaults(args)
+    assert opts["joint"] == 5 and opts["payloads"] == ["none", "fp8"]
+    opts.update(fp8_cases=[(32, 4, 2, 16)], fp8_seeds=(0,))
+    result = pools.run(2, _run_rank, opts)[0]
+    assert bench.report(result["records"], result["skipped"], args, opts) == 0
+    recs = json.loads((tmp_path / "d.json").read_text())["records"]
+    timed = [r for r in recs if r["geometry"] == "layer" and r["variant"] != "summary"]
+    assert [(r["variant"], r["payload"]) for r in timed] == [
+        ("attention_only", "none"), ("sequential_all_to_all", "none"), ("pipelined_g2", "none"),
+        ("sequential_all_to_all", "fp8"), ("pipelined_g2", "fp8")]
+    assert all(r["joint"] == 5 and r["time_us"] > 0 for r in timed)
+    summaries = [r for r in recs if r.get("variant") == "summary"]
+    assert [s["payload"] for s in summaries] == ["none", "fp8"]
+    assert all(s["bitwise_equal"] for s in summaries)
+    errs = [r for r in recs if r["geometry"] == "fp8_error"]
+    assert [r["kind"] for r in errs] == ["normal", "outliers"]
+    for r in errs:
+        assert 0 < r["payload_rel_max"] <= 1 / 28 + 2 ** -8  # fp8.py's per-row bound (bf16)
+        assert r["fp8_vs_plain"]["max_abs"] > 0 and 0.5 < r["fp8_vs_fp64"]["min_cos"] <= 1
+    md = (tmp_path / "d.md").read_text()
+    assert "## FP8 payload error" in md and md.count("| 32 | 4 | 2 | 16 |") == 2
+    assert "| 24 | 5 | 1 | fp8 | pipelined_g2 |" in md
 
 
 def test_bench_fill_records_cpu_smoke():
@@ -109,3 +144,31 @@ def test_bench_fill_records_cpu_smoke():
     assert by[("bf16", False)]["bytes_moved"] == 2 * x_bytes
     assert by[("fp8", False)]["bytes_moved"] == x_bytes + 3 * 8 * 4 * (16 + 4)
     assert "triton" in extra["skipped"] and extra["copy_bandwidth_gbps"] > 0
+
+
+@pytest.mark.slow
+def test_bench_dit_model_cpu(pools, tmp_path):
+    """--dit-model on 2 CPU ranks (a tiny Flux): attncomm's sharded forward equals the one
+    process bit for bit (fp32 on CPU), its FP8 row close, diffusers' context parallelism run
+    on the same model and checked, and why enable_parallelism itself could not run here."""
+    pytest.importorskip("diffusers")
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--device", "cpu", "--layer-only", "--layer-variants",
+                         "attention_only", "--dit-model", "--iters", "1", "--no-progress",
+                         "--markdown", str(tmp_path / "m.md")])
+    opts = bench._defaults(args)
+    opts["dit_geometry"] = (4, 4, 4, 1, 1, 2, 16, (4, 6, 6))
+    result = pools.run(2, _run_rank, opts)[0]
+    opts["diffusers_cp_note"] = result["diffusers_cp_note"]
+    assert bench.report(result["records"], result["skipped"], args, opts) == 0
+    recs = {r["impl"]: r for r in result["records"] if r["geometry"] == "dit_model"}
+    assert list(recs) == ["one_process", "attncomm", "attncomm fp8", "diffusers_cp"]
+    assert recs["attncomm"]["max_abs_err"] == 0.0
+    assert 0.995 <= recs["attncomm fp8"]["min_cos"] < 1
+    assert recs["diffusers_cp"]["min_cos"] > 0.99999
+    assert all(r["time_us"] > 0 for r in recs.values())
+    if not torch.cuda.is_available():
+        assert "ZeroDivisionError" in result["diffusers_cp_note"]
+    md = (tmp_path / "m.md").read_text()
+    assert "attncomm vs diffusers' context parallelism" in md and "| diffusers_cp |" in md

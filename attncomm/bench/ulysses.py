@@ -12,6 +12,12 @@ Two geometries:
   ``--trace DIR`` adds a profiler trace and the per-layer budget of each variant).
 - ``--fill``: the fill kernel against torch ops and its floor, one GPU
   (``bench/ulysses_fill.py``).
+- DiT (issue 22): ``--joint S_j`` gives the layer's forwards ``S_j`` joint rows (a DiT's text
+  tokens), ``--payload none fp8`` runs the layer's variants with each q/k/v payload and, with
+  ``fp8``, records the FP8 payload's error on random data from fixed seeds against fp64 and
+  against the plain exchange (``bench/ulysses_fp8.py``); ``--dit-model`` times a Flux
+  transformer sharded by attncomm (text tokens as joint rows) and by diffusers' own context
+  parallelism on the same model (``bench/ulysses_dit.py``).
 
 The time is the slowest rank's median per exchange (data landed in the receiver's final
 buffer); bus bandwidth = bytes sent to peers per rank / time.
@@ -30,6 +36,8 @@ from .._dist import cpu_group
 from . import common
 from .report import NameList, Report, add_common_arguments, default_device, emit
 from ..launch import launch
+from . import ulysses_dit as bench_dit
+from . import ulysses_fp8 as bench_fp8
 from . import ulysses_layer as bench_layer
 from . import ulysses_timeline as timeline
 from ..ulysses.api import _cached, ce_reason
@@ -75,6 +83,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="layer: write a torch.profiler trace per variant into DIR and print "
                         "the per-layer budget (CUDA)")
+    p.add_argument("--joint", type=int, default=0, metavar="S_j",
+                   help="layer: joint rows per forward (a DiT's text tokens; default 0)")
+    p.add_argument("--payload", action=NameList, names=tuple(bench_layer.PAYLOADS),
+                   default=None, metavar="PAYLOAD",
+                   help="layer: the q/k/v payloads to run, space separated: none fp8 "
+                        "(default none; fp8 also records its error against fp64)")
+    p.add_argument("--dit-model", action="store_true",
+                   help="also time a Flux transformer sharded by attncomm and by diffusers' "
+                        "context parallelism (needs diffusers; --layer-only skips the sweep)")
     p.add_argument("--fill", action="store_true",
                    help="run only the fill benchmark (one GPU: triton vs torch vs floor)")
     p.add_argument("--fill-seq", default="8192,32768",
@@ -212,7 +229,7 @@ def run_rank(rank: int, world: int, opts: dict) -> list[dict] | None:
     bar = common.progress(len(work) * len(transports) * len(modes)
                           + (len(opts["layer_variants"]) * len(transports)
                              * len(opts["layer_seqs"]) * len(opts["layer_norms"])
-                             if layer else 0),
+                             * len(opts.get("payloads") or ["none"]) if layer else 0),
                           "bench ulysses", enabled=rank == 0 and not opts["no_progress"])
     records = []
     for geometry, n in work:
@@ -241,9 +258,18 @@ def run_rank(rank: int, world: int, opts: dict) -> list[dict] | None:
                     rec["bitwise_equal"] = bool(flag.item())
     if layer:
         records += _layer(rank, world, opts, transports, dtype, device, cpu_g, bar)
+        if "fp8" in opts.get("payloads", ()):
+            records += bench_fp8.fp8_error_records(rank, world, device, cpu_g,
+                                                   opts.get("fp8_cases"),
+                                                   opts.get("fp8_seeds", bench_fp8.SEEDS))
+    note = None
+    if opts.get("dit_model"):
+        recs, note = bench_dit.dit_model_records(rank, world, device, dtype, opts["iters"],
+                                                 cpu_g, opts.get("dit_geometry"))
+        records += recs
     bar.close()
     if rank == 0:
-        return {"records": records, "skipped": skipped}
+        return {"records": records, "skipped": skipped, "diffusers_cp_note": note}
     return None
 
 
@@ -290,6 +316,9 @@ def _defaults(args) -> dict:
         "layer_norms": {"both": [True, False], "on": [True], "off": [False]}[
             getattr(args, "layer_qk_norm", "both")],
         "trace": getattr(args, "trace", None),
+        "joint": getattr(args, "joint", 0) or 0,
+        "payloads": list(getattr(args, "payload", None) or ["none"]),
+        "dit_model": bool(getattr(args, "dit_model", False)),
         "fill": bool(getattr(args, "fill", False)),
         "fill_seqs": _ints(getattr(args, "fill_seq", "8192,32768")),
         "fill_heads": getattr(args, "fill_heads", 56),
@@ -339,7 +368,16 @@ def main(args) -> int:
             print(f"bench ulysses: --layer-kv-heads {kv} must divide --layer-heads "
                   f"{opts['layer_heads']}", file=sys.stderr)
             return 2
+    if opts["joint"] < 0:
+        print(f"bench ulysses: --joint must be ≥ 0, got {opts['joint']}", file=sys.stderr)
+        return 2
+    if opts["dit_model"]:
+        why = bench_dit.flux.unavailable_reason()
+        if why:
+            print(f"bench ulysses: --dit-model: {why}", file=sys.stderr)
+            return 2
     result = launch(run_rank, args.world_size, device=opts["device"], args=(opts,))[0]
+    opts["diffusers_cp_note"] = result.get("diffusers_cp_note")
     return report(result["records"], result["skipped"], args, opts)
 
 
@@ -347,7 +385,7 @@ def report(records: list, skipped: dict, args, opts: dict) -> int:
     """Print the table; write ``--json`` / ``--plot``; 1 if the transports disagreed."""
     for name, why in skipped.items():
         print(f"bench ulysses: transport {name} skipped: {why}")
-    rows = [r for r in records if r["geometry"] != "layer"]
+    rows = [r for r in records if r["geometry"] in ("sweep", "dit")]
     if rows:
         common.print_table(rows, ["geometry", "transport", "mode", "world_size", "bytes_per_rank",
                                   "time_us", "busbw_gbps", "bitwise_equal"],
@@ -355,8 +393,8 @@ def report(records: list, skipped: dict, args, opts: dict) -> int:
     layer_rows = [r for r in records if r.get("geometry") == "layer"
                   and r["variant"] != "summary"]
     if layer_rows:
-        common.print_table(layer_rows, ["seq", "qk_norm", "variant", "transport", "groups",
-                                        "fused_fill", "time_us"],
+        common.print_table(layer_rows, ["seq", "joint", "qk_norm", "payload", "variant",
+                                        "transport", "groups", "fused_fill", "time_us"],
                            title=f"Ulysses attention layer (UlyssesAttention, eager), "
                                  f"W={args.world_size}, {opts['device']}")
         for r in layer_rows:
@@ -365,13 +403,23 @@ def report(records: list, skipped: dict, args, opts: dict) -> int:
                       f"qk_norm={int(r['qk_norm'])}: {timeline.format_budget(r['budget'])}")
         for r in records:
             if r.get("variant") == "summary":
-                print(f"  S={r['seq']} qk_norm={int(r['qk_norm'])}: bitwise equal "
-                      f"{r['bitwise_equal']}, hidden {r['hidden_vs_sequential_all_to_all']}")
+                print(f"  S={r['seq']} qk_norm={int(r['qk_norm'])} payload={r['payload']}: "
+                      f"bitwise equal {r['bitwise_equal']}, hidden "
+                      f"{r['hidden_vs_sequential_all_to_all']}")
+    fp8_md = bench_fp8.markdown_rows(records)
+    if fp8_md:
+        print("\n".join(fp8_md))
+    dit_md = bench_dit.markdown_rows(records, opts.get("diffusers_cp_note"))
+    if dit_md:
+        print("\n".join(dit_md))
     extra = {}
     if opts.get("layer") or opts.get("layer_only"):
         extra["layer_geometry"] = (f"B=1 S={opts['layer_seqs']} H={opts['layer_heads']} "
                                    f"Hkv={opts['layer_kv_heads'] or opts['layer_heads']} "
-                                   "D=128 non-causal SDPA")
+                                   f"D=128 non-causal SDPA, joint rows {opts['joint']}, "
+                                   f"payloads {opts['payloads']}")
+    if opts.get("diffusers_cp_note"):
+        extra["diffusers_cp_note"] = opts["diffusers_cp_note"]
     meta = common.meta(opts["device"], args.world_size, bench="ulysses",
                        dtype="bf16" if opts["device"] == "cuda" else "fp32",
                        sweep_geometry="seq_to_head x[1, S_r, 8W, 128]",
@@ -386,11 +434,13 @@ def report(records: list, skipped: dict, args, opts: dict) -> int:
     plot = dict(series=series, xlabel="bytes sent to peers per rank",
                 ylabel="bus bandwidth (GB/s)", logx=True,
                 title=f"Ulysses seq_to_head, W={args.world_size}, {meta.get('gpu') or 'cpu'}")
-    emit(args, Report(meta=meta, records=records, markdown=markdown_report(meta, records),
-                      plot=plot))
+    md = markdown_report(meta, records)
+    md += "\n".join(bench_fp8.markdown_rows(records)
+                    + bench_dit.markdown_rows(records, opts.get("diffusers_cp_note")))
+    emit(args, Report(meta=meta, records=records, markdown=md.rstrip("\n") + "\n", plot=plot))
     bad = [r for r in records if r.get("bitwise_equal") is False]
     if bad:
-        if any(r["geometry"] != "layer" for r in bad):
+        if any(r["geometry"] in ("sweep", "dit") for r in bad):
             print("bench ulysses: transports disagree bitwise!", file=sys.stderr)
         if any(r["geometry"] == "layer" for r in bad):
             print("bench ulysses: layer outputs differ bitwise (sequential vs pipelined or "
@@ -403,7 +453,7 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
     """A Markdown page: the run's facts and one row per (geometry, size, mode) with each
     transport's time and bus bandwidth and ce's speedup over all_to_all."""
     layer = markdown_rows(records)
-    records = [r for r in records if r["geometry"] != "layer"]
+    records = [r for r in records if r["geometry"] in ("sweep", "dit")]
     keyed = {(r["geometry"], r["bytes_per_rank"], r["mode"], r["transport"]): r for r in records}
     transports = list(dict.fromkeys(r["transport"] for r in records))
     header = ["geometry", "bytes sent per rank", "mode",

@@ -8,7 +8,9 @@ all-to-all (12 heads over W=5 ranks → 3, 3, 2, 2, 2), each rank attends its he
 sequence (padding keys masked), and the output comes back sequence-sharded. At the end the
 hidden states are gathered and mean-pooled. Compared: the sentence embeddings against the
 one-process model. Backends (the ``backend`` column): ``all_to_all``, and ``ce`` on CUDA when
-every pair of GPUs has P2P access.
+every pair of GPUs has P2P access; each also as ``<transport> fp8``, the q/k/v exchange with
+the FP8 payload (``payload_dtype=torch.float8_e4m3fn``: lossy, so that row passes at
+``base.FP8_THRESHOLD``).
 """
 from __future__ import annotations
 
@@ -18,9 +20,11 @@ from .. import _dist
 from .models import MiniLMInfo, full_attention, mean_pool
 from ..ulysses import UlyssesAttention, head_split
 from ..ulysses.layout import head_offsets
-from .base import DemoConfig, DemoRow, RankContext, sentence_reference
+from ..ulysses.fp8 import FP8_DTYPE
+from .base import FP8_THRESHOLD, DemoConfig, DemoRow, RankContext, sentence_reference
 
-__all__ = ["NAME", "skip_reason", "backends", "run", "gather_sequence"]
+__all__ = ["NAME", "skip_reason", "backends", "run", "gather_sequence", "transports",
+           "parse_backend"]
 
 NAME = "ulysses"
 
@@ -36,11 +40,26 @@ def _all_pairs_p2p(world_size: int) -> bool:
                for a in range(world_size) for b in range(world_size) if a != b)
 
 
-def backends(cfg: DemoConfig) -> list[str]:
+def transports(cfg: DemoConfig) -> list[str]:
+    """The Ulysses transports a demo row can ask for at ``cfg``."""
     names = ["all_to_all"]
     if cfg.device == "cuda" and cfg.world_size > 1 and _all_pairs_p2p(cfg.world_size):
         names.append("ce")
     return names
+
+
+def backends(cfg: DemoConfig) -> list[str]:
+    return [f"{t}{suffix}" for suffix in ("", " fp8") for t in transports(cfg)]
+
+
+def parse_backend(backend: str):
+    """``(transport, payload_dtype, threshold)`` of a row's backend name (``"<transport>"`` or
+    ``"<transport> fp8"``): the FP8 rows pass at ``FP8_THRESHOLD``, the others at the dtype's
+    (None)."""
+    transport, _, payload = backend.partition(" ")
+    if payload == "fp8":
+        return transport, FP8_DTYPE, FP8_THRESHOLD
+    return transport, None, None
 
 
 def gather_sequence(x: torch.Tensor, seq_lens: list[int], group=None) -> torch.Tensor:
@@ -77,7 +96,9 @@ def _attention(ctx: RankContext, module: UlyssesAttention, mask: torch.Tensor,
 def run(ctx: RankContext, backend: str) -> DemoRow | None:
     """Embed the corpus with Ulysses attention in every layer; rank 0 returns the row."""
     ref = sentence_reference(ctx)
-    module = UlyssesAttention(group=ctx.group, backend=backend, pipeline_groups=0)
+    transport, payload, threshold = parse_backend(backend)
+    module = UlyssesAttention(group=ctx.group, backend=transport, pipeline_groups=0,
+                              payload_dtype=payload)
     embs: list[torch.Tensor] = []
 
     def work():
@@ -94,6 +115,6 @@ def run(ctx: RankContext, backend: str) -> DemoRow | None:
 
     seconds = ctx.timed(work)
     used = set(module.last_backends.values())
-    if used and used != {backend}:
-        raise ValueError(f"ulysses demo: asked for backend {backend!r}, ran {sorted(used)}")
-    return ctx.row(NAME, backend, torch.cat(embs), ref, seconds)
+    if used and used != {transport}:
+        raise ValueError(f"ulysses demo: asked for backend {transport!r}, ran {sorted(used)}")
+    return ctx.row(NAME, backend, torch.cat(embs), ref, seconds, threshold)

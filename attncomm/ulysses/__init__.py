@@ -3,7 +3,10 @@
 - ``head_split(H, W)``: heads per rank (uneven allowed: 7 over 4 → 2, 2, 2, 1).
 - ``seq_to_head`` / ``head_to_seq``: the two exchanges, any head count, any sequence split.
 - ``UlyssesAttention``: attention over the whole sequence on sequence-sharded q/k/v, with
-  GQA/MQA, RMSNorm + RoPE and head-group pipelining.
+  GQA/MQA, RMSNorm + RoPE and head-group pipelining (``pipeline_groups=-1``: decided by
+  measurement on CUDA, ``pipeline_choice``); for diffusion transformers, joint rows
+  (``forward(..., joint=(q_j, k_j, v_j))``: rows every rank holds, e.g. text tokens, kept out of
+  the exchange and attended with the sequence) and the FP8 payload (``payload_dtype``, ``fp8``).
 - Transports: ``all_to_all`` (the process group's ``all_to_all_single`` with split sizes) and
   ``ce`` (copy-engine copies into torch SymmetricMemory staging slots); ``auto`` picks
   (``attncomm.select``), and ``UlyssesAttention.fallback_reason`` says why it did not take

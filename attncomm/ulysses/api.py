@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from .. import _dist, config
 from .._dist import group_key
-from . import policy
+from . import fp8, policy
+from .fill import FillPart, FillPlan
 from .layout import ExchangePlan, head_offsets, head_split, head_to_seq_plan, seq_to_head_plan
 from .policy import (AUTO_CE_MIN_BYTES, BACKENDS, _BACKEND_CODES, _TRANSPORTS, _cached,
                      _norm_seq_lens, _seq_lens_error, backend_availability,
@@ -66,6 +67,8 @@ class _CallPlan:
     direct: bool            # the final buffer is the result (B = 1 / output contiguous)
     every: bool             # validate on every call
     check: tuple            # check_call's arguments after group and op
+    fill: FillPlan | None = None    # the FP8 payload's quantizing fill (seq_to_head)
+    wire: tuple | None = None       # the FP8 final buffer's shape [S, B, H_r, D + 4]
 
 
 def _out_key(output):
@@ -107,7 +110,8 @@ def _output_error(output, shape, dtype, device) -> str | None:
 
 def seq_to_head(x: torch.Tensor, group=None, *, seq_lens=None, backend: str = "auto",
                 validate: bool | None = None, timeout_s: float | None = None,
-                output: torch.Tensor | None = None) -> torch.Tensor:
+                output: torch.Tensor | None = None,
+                payload_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Sequence-sharded → head-sharded.
 
     Arguments:
@@ -118,30 +122,37 @@ def seq_to_head(x: torch.Tensor, group=None, *, seq_lens=None, backend: str = "a
         backend: ``"all_to_all"``, ``"ce"`` or ``"auto"`` (env ``ATTNCOMM_ULYSSES_BACKEND``).
         output: where to write the result (``[B, S, H_r, D]``, ``x``'s dtype and device, any
             strides); None: a new tensor.
+        payload_dtype: None (or ``x.dtype``): ``x`` travels as it is; ``torch.float8_e4m3fn``:
+            as e4m3 rows with one fp32 scale per (token, head) (``ulysses/fp8.py``: ``D + 4``
+            bytes a row, quantized by the fill while it packs), dequantized to ``x.dtype`` on
+            arrival (lossy: within ``fp8.roundtrip_bound``). Needs fp16/bf16/fp32 ``x``.
 
     Returns:
         ``[B, S, H_r, D]`` with ``S = Σ seq_lens`` and ``H_r = head_split(H, W)[r]`` (rank r's
         contiguous heads): ``output`` when given, else a new tensor (bitwise copies of the
-        inputs).
+        inputs; with the FP8 payload their dequantized rows).
 
     Raises:
         ValueError (on every rank): not 4-D, ``H < 1``, ``seq_lens`` of the wrong length or
-        disagreeing with ``x``, ranks disagreeing on shapes/dtype/backend, a wrong ``output``;
-        under CUDA graph capture or torch.compile, a shape no eager call has seen (the
-        warm-up error).
+        disagreeing with ``x``, ranks disagreeing on shapes/dtype/backend/payload, a wrong
+        ``output`` or ``payload_dtype``; under CUDA graph capture or torch.compile, a shape no
+        eager call has seen (the warm-up error).
         PeerTimeoutError: a peer did not take part within ``timeout_s``.
     """
     if torch.compiler.is_compiling():
-        return _traced("seq_to_head", x, group, seq_lens, backend, validate, timeout_s, output)
+        return _traced("seq_to_head", x, group, seq_lens, backend, validate, timeout_s, output,
+                       payload_dtype=payload_dtype)
     group = _dist.resolve_group(group, "ulysses.seq_to_head")
     try:
         key = ("seq_to_head", x.shape, x.dtype, x.device, seq_key(seq_lens), backend, validate,
-               timeout_s, env_key(backend, timeout_s, validate), _out_key(output))
+               timeout_s, env_key(backend, timeout_s, validate), _out_key(output),
+               payload_dtype)
         c = _lookup("seq_to_head", group, key)
     except (AttributeError, TypeError):  # not a tensor, unhashable seq_lens: the checks say
         key, c = None, None
     if c is None:
-        c = _plan_seq_to_head(x, group, seq_lens, backend, validate, timeout_s, output, key)
+        c = _plan_seq_to_head(x, group, seq_lens, backend, validate, timeout_s, output, key,
+                              payload_dtype)
     elif c.every:
         check_call(c.group, c.op, validate, *c.check)
     return _run(c, x, output)
@@ -153,6 +164,8 @@ def _run(c: _CallPlan, x, output):
     new tensor)."""
     x = dense(x)
     t, dev = c.transport, x.device
+    if c.fill is not None:
+        return _run_fp8(c, x, output)
     if c.op == "head_to_seq":
         res = (output if output is not None and c.direct else
                torch.empty(c.shape, dtype=c.dtype, device=dev))
@@ -178,13 +191,34 @@ def _run(c: _CallPlan, x, output):
     return res
 
 
-def _plan_seq_to_head(x, group, seq_lens, backend, validate, timeout_s, output, key):
+def _run_fp8(c: _CallPlan, x, output):
+    """``seq_to_head`` with the FP8 payload: the fill quantizes ``x`` into the transport's send
+    buffer, the bytes travel, the final buffer ``[S, B, H_r, D + 4]`` is dequantized into the
+    result (``output`` when given)."""
+    t, dev = c.transport, x.device
+    send = t.send_buffer(c.plan, fp8.WIRE_DTYPE, dev)
+    c.fill([x], None, None, send.flat if send.flat is not None else send.regions)
+    ex = t.start(c.plan, (), fp8.WIRE_DTYPE, dev, send=send)
+    res = output if output is not None else torch.empty(c.shape, dtype=c.dtype, device=dev)
+    fp8.dequantize_packed(ex.wait().view(c.wire), c.dtype, out=res.permute(1, 0, 2, 3))
+    ex.release()
+    return res
+
+
+def _plan_seq_to_head(x, group, seq_lens, backend, validate, timeout_s, output, key,
+                      payload_dtype=None):
     """Checks (agreed across ranks on a new signature), decision and plan of a new call
     shape."""
     c = _prologue(x, group, seq_lens, backend, timeout_s, "B, S_r, H, D")
     rank, world, error, seq, shape = c.rank, c.world, c.error, c.seq, c.shape
     if error is None and shape[2] < 1:
         error = f"x has {shape[2]} heads; at least one is needed"
+    use_fp8 = False
+    if error is None:
+        try:
+            use_fp8 = fp8.is_fp8_payload(payload_dtype, x.dtype)
+        except ValueError as exc:
+            error = str(exc)
     if seq is None:
         seq = (shape[1],) * world
         default_len = shape[1]
@@ -200,26 +234,33 @@ def _plan_seq_to_head(x, group, seq_lens, backend, validate, timeout_s, output, 
         error = _output_error(output, res_shape, x.dtype, x.device)
     sig = [shape[0], shape[2], shape[3], c.dcode, c.dev, _BACKEND_CODES[c.backend], default_len,
            sum(seq) if error is None else -1, seq_lens_hash(seq) if error is None else -1,
-           0 if output is None else 1 + int(output.is_contiguous())]
+           0 if output is None else 1 + int(output.is_contiguous()), int(use_fp8)]
     labels = ["B", "H", "D", "dtype", "device is CUDA", "backend", "S_r (seq_lens=None)",
-              "sum(seq_lens)", "seq_lens (hash)", "output (1: strided, 2: contiguous)"]
+              "sum(seq_lens)", "seq_lens (hash)", "output (1: strided, 2: contiguous)",
+              "payload_dtype fp8"]
     if policy.capturing(x):
         raise warm_up_error("ulysses.seq_to_head", f"x {list(shape)} {x.dtype}")
     check = (sig, labels, error, c.timeout)
     check_call(group, "seq_to_head", validate, *check, seq_lens=seq)
     offs = head_offsets(heads)
     ranges = (tuple((offs[p], offs[p] + heads[p]) for p in range(world)),)
-    plan = seq_to_head_plan(b, seq, d, ranges)
-    t, _ = get_transport(group, c.backend, x.device, c.timeout, plan, x.dtype, "seq_to_head")
+    if use_fp8:
+        plan, wire = fp8.payload_plan(b, seq, d, ranges), fp8.WIRE_DTYPE
+    else:
+        plan, wire = seq_to_head_plan(b, seq, d, ranges), x.dtype
+    t, _ = get_transport(group, c.backend, x.device, c.timeout, plan, wire, "seq_to_head")
     direct = b == 1 and not t.result_aliases_staging
     if output is not None:
         direct = b == 1 and output.is_contiguous()
     cp = _CallPlan("seq_to_head", group, c.timeout, plan, t, x.dtype, res_shape,
                    (sum(seq), b, heads[rank], d), direct,
                    config.validation_mode(validate) == "every", check)
+    if use_fp8:
+        cp.fill = FillPlan([FillPart(x, ranges[0])], payload_dtype=payload_dtype)
+        cp.wire = (sum(seq), b, heads[rank], fp8.row_bytes(d))
     if key is not None:
         _store(cp, key, (group_key(group), "seq_to_head", tuple(shape), x.dtype,
-                         x.device.type, seq_key(seq_lens), c.backend, None))
+                         x.device.type, seq_key(seq_lens), c.backend, None, payload_dtype))
     return cp
 
 
@@ -304,7 +345,7 @@ def _plan_head_to_seq(x, group, num_heads, seq_lens, backend, validate, timeout_
                    direct, config.validation_mode(validate) == "every", check)
     if key is not None:
         _store(cp, key, (group_key(group), "head_to_seq", tuple(c.shape), x.dtype,
-                         x.device.type, seq_key(seq_lens), c.backend, num_heads))
+                         x.device.type, seq_key(seq_lens), c.backend, num_heads, None))
     return cp
 
 
@@ -351,7 +392,7 @@ def _prologue(x, group, seq_lens, backend: str, timeout_s, dims: str) -> _Args:
 # ------------------------------------------------------------------------------ traced path
 @torch.compiler.assume_constant_result
 def _traced_decision(op: str, group, shape: tuple, dtype, device_type: str, seq_lens,
-                     backend: str, num_heads) -> tuple:
+                     backend: str, num_heads, payload_dtype=None) -> tuple:
     """``(group name, rank, transport)`` for a traced call: run by torch.compile while it traces and
     taken as a constant, so the graph holds the decision an eager call of this shape made (an
     explicit ``all_to_all`` needs none). Raises the warm-up error when there is none: nothing
@@ -361,7 +402,7 @@ def _traced_decision(op: str, group, shape: tuple, dtype, device_type: str, seq_
     name = backend
     if backend != "all_to_all":
         name = _DECISIONS.get((group_key(group), op, shape, dtype, device_type,
-                               seq_key(seq_lens), backend, num_heads))
+                               seq_key(seq_lens), backend, num_heads, payload_dtype))
         if name is None:
             raise warm_up_error(f"ulysses.{op}",
                                 f"x {list(shape)} {dtype} with backend={backend!r}")
@@ -371,15 +412,18 @@ def _traced_decision(op: str, group, shape: tuple, dtype, device_type: str, seq_
 _VALIDATE_CODES = {None: -1, False: 0, True: 1}
 
 
-def _traced(op, x, group, seq_lens, backend, validate, timeout_s, output, num_heads=None):
+def _traced(op, x, group, seq_lens, backend, validate, timeout_s, output, num_heads=None,
+            payload_dtype=None):
     """The traced call: one custom op (``ulysses/ops.py``) with the decided transport."""
     name, rank, transport = _traced_decision(op, group, tuple(x.shape), x.dtype, x.device.type,
-                                             seq_lens, backend, num_heads)
+                                             seq_lens, backend, num_heads, payload_dtype)
     seq = None if seq_lens is None else [int(s) for s in seq_lens]
     args = (name, rank, seq, transport, -1.0 if timeout_s is None else float(timeout_s),
             _VALIDATE_CODES[validate])
     if op == "head_to_seq":
         args = args + (-1 if num_heads is None else int(num_heads),)
+    else:
+        args = args + (payload_dtype == fp8.FP8_DTYPE,)
     ops = torch.ops.attncomm
     if output is None:
         fn = ops.ulysses_seq_to_head if op == "seq_to_head" else ops.ulysses_head_to_seq

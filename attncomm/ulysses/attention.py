@@ -22,19 +22,19 @@ import torch.distributed as dist
 from .. import _dist, config
 from .._dist import cpu_group, group_key
 from . import policy
+from . import fp8
 from .fill import rms_norm_rope
+from .forward_checks import (JOINT_POSITIONS, check_joint, check_qkv, joint_checksum, joint_key,
+                             payload_error)
 from .forward_plan import ForwardPlan
 from .layout import head_split
-from .policy import (_BACKEND_CODES, _norm_seq_lens, _seq_lens_error, check_call,
-                     env_key, on_forget, resolve_backend, seq_key, seq_lens_hash, warm_up_error)
+from .pipeline_choice import PipelineDecision, cached_decision, decide_pipeline
+from .policy import (_BACKEND_CODES, _norm_seq_lens, check_call, env_key, on_forget,
+                     resolve_backend, seq_key, seq_lens_hash, warm_up_error)
 
 __all__ = ["UlyssesAttention", "sdpa_attention", "rms_norm_rope", "auto_groups",
-           "AUTO_PIPELINE", "MAX_GROUPS", "MIN_WAVES"]
+           "MAX_GROUPS", "MIN_WAVES"]
 
-#: Whether ``pipeline_groups=-1`` pipelines (with ``auto_groups``'s count) or runs sequentially.
-#: Off until a two-GPU timeline shows head groups winning over the sequential forward: the
-#: one-GPU rehearsal (scripts/ulysses_one_gpu.py) shows the schedule's overlap, not NVLink's.
-AUTO_PIPELINE = False
 #: ``auto_groups`` bounds: at most this many groups (each adds launches and flag waits)...
 MAX_GROUPS = 8
 #: ... and each group's attention at least this many waves of 128-row query blocks over the
@@ -98,12 +98,12 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         group: process group (None: default) or an engine's group coordinator (``device_group``
             + ``cpu_group``).
         backend: ``"all_to_all"``, ``"ce"`` or ``"auto"`` (env ``ATTNCOMM_ULYSSES_BACKEND``).
-        pipeline_groups: −1 automatic (env ``ATTNCOMM_ULYSSES_PIPELINE_GROUPS``): sequential
-            while ``AUTO_PIPELINE`` is off (no two-GPU measurement has shown head groups to
-            win yet), else ``auto_groups``'s count; 0 or 1 (one head group) sequential; N ≥ 2
-            forces N head groups (group g+1's fill and exchange issued before group g's
-            attention). Any G ≥ 2 runs only when every rank has room for two groups' working
-            sets (agreed before any allocation), else every rank runs sequentially.
+        pipeline_groups: −1 automatic (env ``ATTNCOMM_ULYSSES_PIPELINE_GROUPS``): decided per
+            forward shape by measurement on CUDA (``pipeline_decision``), sequential on CPU;
+            0 or 1 (one head group) sequential; N ≥ 2 forces N head groups (group g+1's fill
+            and exchange issued before group g's attention). Any G ≥ 2 runs only when every
+            rank has room for two groups' working sets (agreed before any allocation), else
+            every rank runs sequentially.
         qk_norm: ``(q_weight [D], k_weight [D], eps)`` RMSNorm for q and k, or None.
         timeout_s: wait budget (None: ``ATTNCOMM_TIMEOUT_S``).
         fuse_qk_norm_rope: norm + RoPE inside the fill that packs the send buffer (True: one
@@ -114,18 +114,46 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
             same bits either way.
         validate: cross-rank argument check (None → env ``ATTNCOMM_VALIDATE``: unset, on the
             first forward with a new signature per group; True every forward; False never).
+        payload_dtype: None (q, k, v travel in their dtype) or ``torch.float8_e4m3fn``: they
+            travel as e4m3 rows with one fp32 scale per (token, head) (``ulysses/fp8.py``: the
+            rule, its error bound and the ``D + 4``-byte wire rows; the fill quantizes while it
+            packs) and are dequantized to their dtype on arrival, before attention; the output
+            exchange stays in the input dtype. Lossy, so off by default. Needs fp16/bf16/fp32.
 
     ``forward(q [B, S_r, Hq, D], k [B, S_r, Hkv, D], v [B, S_r, Hkv, Dv], *, seq_lens=None,
-    causal=False, rope=None) → [B, S_r, Hq, Dv]``; ``rope=(cos, sin)`` each ``[S, D]`` over
-    global positions. Query head h attends with KV head ``h // (Hq / Hkv)``; each rank receives
-    the KV heads its query heads use and expands them locally when its grouping is not
-    uniform.
+    causal=False, rope=None, joint=None, joint_position="front") → [B, S_r, Hq, Dv]``;
+    ``rope=(cos, sin)`` each ``[S, D]`` over global positions. Query head h attends with KV head
+    ``h // (Hq / Hkv)``; each rank receives the KV heads its query heads use and expands them
+    locally when its grouping is not uniform.
+
+    Joint rows (MMDiT joint attention: a DiT's text tokens beside its sequence-sharded image
+    tokens): ``joint=(q_j [B, S_j, Hq, D], k_j [B, S_j, Hkv, D], v_j [B, S_j, Hkv, Dv])``, the
+    same on every rank (q, k, v's dtypes and device), stay out of the exchange: each rank takes
+    its own heads of them locally and attention runs, non-causal, over the concatenation
+    ``[joint; sequence]`` (``joint_position="front"``) or ``[sequence; joint]`` (``"back"``):
+    ``attn_fn`` receives q, k, v of ``S_j + S`` rows in that order (the joint rows' heads copied
+    into the rows of the buffer the exchange lands in, so no concatenation pass). The joint
+    rows' output is then gathered over heads (one exchange of the same transport), and the call
+    returns ``(out [B, S_r, Hq, Dv], joint_out [B, S_j, Hq, Dv])`` with every head of
+    ``joint_out`` on every rank. ``qk_norm``, ``rope`` and the FP8 payload apply to the
+    sequence rows only: joint rows enter as passed (models norm and rotate their streams with
+    their own weights).
 
     Attributes (of the last forward):
         fallback_reason: why it did not take ``ce`` for some exchange with ``backend="auto"``
             (None when every exchange that could use ``ce`` did, or the message was small
             enough for ``all_to_all`` to be the choice).
-        last_backends: the transports it used, e.g. ``{"in": "ce", "out": "ce"}``.
+        last_backends: the transports it used, e.g. ``{"in": "ce", "out": "ce"}`` (and
+            ``"joint"``: the joint rows' head gather).
+        pipeline_decision: with ``pipeline_groups=-1``, the ``PipelineDecision`` of the
+            forward's shape (``groups``, ``candidate_groups``, ``sequential_us``,
+            ``pipelined_us``: the slowest rank's median µs per forward, and
+            ``fallback_reason`` when sequential was kept: not measured on CPU, no split, the
+            outputs differed, measured slower); None otherwise. On the first CUDA forward with
+            a new agreed signature, the sequential forward and the pipelined one with
+            ``auto_groups``' count are each run and compared bit for bit, then timed (median
+            of a few forwards), and the faster is kept for that shape (cached per group and
+            signature: the other modules of a model with the same shapes reuse it).
         last_pipeline_groups: its head groups (1: sequential).
         last_in_exchanges: input exchanges per head group (1 when q, k, v share dtype and
             head_dim and so travel together).
@@ -143,14 +171,20 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
     Raises:
         ValueError (every rank): not 4-D tensors, ``Hq % Hkv != 0``, mismatched shapes across
         tensors or ranks, bad ``seq_lens``/``rope``/``qk_norm``/``pipeline_groups`` (also from
-        env ``ATTNCOMM_ULYSSES_PIPELINE_GROUPS``); PeerTimeoutError when a peer does not answer.
+        env ``ATTNCOMM_ULYSSES_PIPELINE_GROUPS``), joint rows with ``causal=True``, of the wrong
+        shapes, dtypes or device, or (when the call is checked) with different bits on
+        different ranks, a bad ``joint_position``, an FP8 payload with inputs that are not
+        fp16/bf16/fp32; PeerTimeoutError when a peer does not answer.
     """
 
     def __init__(self, attn_fn=None, group=None, *, backend: str = "auto",
                  pipeline_groups: int = -1, qk_norm=None, timeout_s: float | None = None,
                  fuse_qk_norm_rope: bool = True, validate: bool | None = None,
-                 fill_impl: str = "auto"):
+                 fill_impl: str = "auto", payload_dtype: torch.dtype | None = None):
         super().__init__()
+        if payload_dtype is not None and payload_dtype != fp8.FP8_DTYPE:
+            raise ValueError(f"payload_dtype must be None or torch.float8_e4m3fn, got "
+                             f"{payload_dtype!r}")
         if fill_impl not in ("auto", "triton", "torch"):
             raise ValueError(f"fill_impl must be 'auto', 'triton' or 'torch', got {fill_impl!r}")
         why = _pipeline_groups_error(pipeline_groups)
@@ -170,6 +204,7 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         self.fuse_qk_norm_rope = fuse_qk_norm_rope
         self.fill_impl = fill_impl
         self.validate = validate
+        self.payload_dtype = payload_dtype
         self.__dict__["_pg"] = _UNRESOLVED  # the resolved process group, on the first forward
         self.__dict__["_plans"] = collections.OrderedDict()   # plan key → ForwardPlan
         self.__dict__["_last"] = None      # the last forward's plan
@@ -198,6 +233,10 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
     def last_in_exchanges(self) -> int:
         return self._last.in_exchanges if self._last is not None else 0
 
+    @property
+    def pipeline_decision(self) -> PipelineDecision | None:
+        return self._last.decision if self._last is not None else None
+
     def _release(self) -> None:
         self._plans.clear()
         self.__dict__["_last"] = None
@@ -214,58 +253,6 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         _LIVE.add(self)
 
     # ----------------------------------------------------------------------------- checks
-    def _check(self, q, k, v, seq, rope, error):
-        """Local checks (no communication): ``(error or None, (B, S_r, Hq, Hkv, D, Dv), seq)``,
-        the dims all 0 when q/k/v are not 4-D tensors."""
-        group = self._pg
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        tens = [t for t in (q, k, v) if isinstance(t, torch.Tensor)]
-        if len(tens) != 3 or any(t.dim() != 4 for t in tens):
-            got = ", ".join(
-                f"{n} {list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
-                for n, t in zip("qkv", (q, k, v)))
-            error = error or f"q, k, v must be 4-D tensors [B, S_r, H, D], got {got}"
-            return error, (0,) * 6, seq
-        b, s_r, hq, d = q.shape
-        hkv, dv = k.shape[2], v.shape[3]
-        if error is None:
-            if hq < 1 or hkv < 1:
-                error = f"need at least one head: Hq = {hq}, Hkv = {hkv}"
-            elif hq % hkv:
-                error = f"Hq % Hkv != 0: Hq = {hq}, Hkv = {hkv}"
-            elif k.shape[:2] != (b, s_r) or v.shape[:3] != k.shape[:3]:
-                error = (f"shapes disagree: q {list(q.shape)}, k {list(k.shape)}, "
-                         f"v {list(v.shape)} (need the same B, S_r; k, v the same Hkv)")
-            elif k.shape[3] != d:
-                error = f"q has D = {d} but k has D = {k.shape[3]}"
-            elif len({t.device for t in tens}) != 1:
-                error = f"q, k, v are on different devices: {[str(t.device) for t in tens]}"
-        if seq is None:
-            seq = (s_r,) * world
-        elif error is None:
-            error = _seq_lens_error(seq, world)
-            if error is None and seq[rank] != s_r:
-                error = f"seq_lens[{rank}] = {seq[rank]} but q has S_r = {s_r}"
-        if error is None and self.qk_norm is not None:
-            qw, kw, _ = self.qk_norm
-            if tuple(qw.shape) != (d,) or tuple(kw.shape) != (d,):
-                error = (f"qk_norm weights must be [D] = [{d}], got {list(qw.shape)} and "
-                         f"{list(kw.shape)}")
-        if error is None and rope is not None:
-            want = (sum(seq), d)
-            try:
-                cos, sin = rope
-                shapes = (tuple(cos.shape), tuple(sin.shape))
-            except (TypeError, ValueError, AttributeError):
-                return (f"rope must be (cos, sin) tensors [S, D] = {list(want)}, got "
-                        f"{type(rope).__name__}"), (b, s_r, hq, hkv, d, dv), seq
-            if shapes != (want, want):
-                error = (f"rope cos/sin must be [S, D] = {list(want)}, got {list(cos.shape)} "
-                         f"and {list(sin.shape)}")
-            elif d % 2:
-                error = f"rope needs an even head_dim, got D = {d}"
-        return error, (b, s_r, hq, hkv, d, dv), seq
-
     def _requested_groups(self) -> tuple[int, str | None]:
         """``pipeline_groups`` with env ``ATTNCOMM_ULYSSES_PIPELINE_GROUPS`` applied to −1, and
         the error (or None) for a bad env value."""
@@ -280,59 +267,83 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         why = _pipeline_groups_error(val)
         return (-1, f"ATTNCOMM_ULYSSES_PIPELINE_GROUPS={raw!r}: {why}") if why else (val, None)
 
-    def _pipeline_groups(self, g, device, dims, seq) -> int:
-        """Head groups for this forward (1 = sequential) from the requested ``g`` (checked and
-        agreed): −1 → ``auto_groups`` when ``AUTO_PIPELINE`` is on, else 1; N ≥ 2 → N if every
-        rank has room for two groups' working sets (``_agree_fits``, before any allocation)."""
+    def _fits(self, g, device, dims, seq, rows) -> bool:
+        """Whether every rank has room for two of ``g`` head groups' working sets (agreed by
+        ``_agree_fits``, before any allocation); ``rows``: the rows attention runs over."""
         b, hq, hkv, d, dv = dims
-        world = dist.get_world_size(self._pg)
-        if g == -1:
-            g = 1
-            if AUTO_PIPELINE and device.type == "cuda":
-                sms = torch.cuda.get_device_properties(device).multi_processor_count
-                g = auto_groups(head_split(hq, world), b, sum(seq), sms)
-        if g < 2:
-            return 1
         rank = dist.get_rank(self._pg)
-        h_r = head_split(hq, world)[rank]
+        h_r = head_split(hq, dist.get_world_size(self._pg))[rank]
         item = 4  # an upper bound for fp16/bf16/fp32
         work = b * (seq[rank] * (hq + 2 * hkv) * d          # fill send buffer
-                    + sum(seq) * (h_r + 2 * hkv) * d        # receive buffer (≤ all KV heads)
-                    + sum(seq) * h_r * dv) * item           # attention output
-        key = (dims, tuple(seq), g)
-        return g if _agree_fits(self._pg, device, key, 2 * -(-work // g)) else 1
+                    + rows * (h_r + 2 * hkv) * d            # receive buffer (≤ all KV heads)
+                    + rows * h_r * dv) * item               # attention output
+        return _agree_fits(self._pg, device, (dims, tuple(seq), rows, g), 2 * -(-work // g))
+
+    def _measured(self, build, signature, run, device, dims, rows, seq):
+        """``pipeline_groups=-1``: ``(plan, PipelineDecision)`` for a new forward shape. The
+        decision cached for ``signature`` (this group's, from any module) is taken as it is;
+        otherwise, where ``_measurement`` says to measure (CUDA), ``auto_groups``' count (from
+        the SM count agreed across ranks) is checked for memory and ``decide_pipeline`` runs
+        ``run(plan)`` of the sequential and the pipelined plan, compares and times them; on CPU
+        it decides sequential without running anything."""
+        group = self._pg
+        hit = cached_decision(group, signature)
+        if hit is not None:
+            return build(hit.groups), hit
+        measured, timer = _measurement(device)
+        cand = 1
+        if measured:
+            sms = _agreed_min(group, _sm_count(device))
+            cand = auto_groups(head_split(dims[1], dist.get_world_size(group)), dims[0], rows,
+                               sms)
+            if cand >= 2 and not self._fits(cand, device, dims, seq, rows):
+                return build(1), PipelineDecision(
+                    1, cand, fallback_reason=f"some rank lacks memory for two of {cand} head "
+                                             f"groups' working sets")
+        seq_plan = build(1)
+        pipe_plan = build(cand) if measured and cand >= 2 else None
+        decision = decide_pipeline(group, signature, lambda: run(seq_plan),
+                                   lambda: run(pipe_plan), cand, timer=timer, measured=measured,
+                                   device=device)
+        return (pipe_plan if decision.pipelined else seq_plan), decision
 
     # ----------------------------------------------------------------------------- forward
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_lens=None,
-                causal: bool = False, rope=None) -> torch.Tensor:
+                causal: bool = False, rope=None, joint=None, joint_position: str = "front"):
         if torch.compiler.is_compiling():
-            return self._traced_forward(q, k, v, seq_lens, causal, rope)
-        return self._forward(q, k, v, seq_lens, causal, rope)
+            return self._traced_forward(q, k, v, seq_lens, causal, rope, joint, joint_position)
+        return self._forward(q, k, v, seq_lens, causal, rope, joint, joint_position)
 
-    def _forward(self, q, k, v, seq_lens, causal, rope):
+    def _forward(self, q, k, v, seq_lens, causal, rope, joint=None, joint_position="front"):
         """The eager forward: the plan of this shape (made on its first forward), run."""
         if self._closed:
             self._ensure_open()
         try:
             key = self._plan_key((q.shape, q.dtype, q.device), (k.shape, k.dtype, k.device),
                                  (v.shape, v.dtype, v.device), seq_lens, causal,
-                                 None if rope is None else (rope[0].shape, rope[1].shape))
+                                 None if rope is None else (rope[0].shape, rope[1].shape),
+                                 None if joint is None else joint_key(joint), joint_position)
             plan = self._plans.get(key)
-        except (AttributeError, TypeError, IndexError):  # the checks name what is wrong
+        except (AttributeError, TypeError, IndexError, ValueError):  # the checks say what
             key, plan = None, None
         if plan is None:
-            plan = self._make_plan(q, k, v, seq_lens, causal, rope, key)
+            plan = self._make_plan(q, k, v, seq_lens, causal, rope, joint, joint_position, key)
         elif plan.every:
-            check_call(self._pg, "UlyssesAttention", self.validate, *plan.check)
+            sig, labels, error, timeout = plan.check
+            if sig[-1] != -1:  # the joint rows' checksum: of this call's rows
+                sig = sig[:-1] + [joint_checksum(joint)]
+            check_call(self._pg, "UlyssesAttention", self.validate, sig, labels, error, timeout)
         self.__dict__["_last"] = plan
-        return plan.run(q, k, v, rope)
+        return plan.run(q, k, v, rope, joint)
 
-    def _make_plan(self, q, k, v, seq_lens, causal, rope, key) -> ForwardPlan:
-        """The checks (local, then across ranks on a new signature), the head groups and the
-        transports of a new forward shape: its ``ForwardPlan``."""
+    def _make_plan(self, q, k, v, seq_lens, causal, rope, joint, position, key) -> ForwardPlan:
+        """The checks (local, then across ranks on a new signature), the head groups (measured
+        for ``pipeline_groups=-1`` on CUDA) and the transports of a new forward shape: its
+        ``ForwardPlan``."""
         if self._pg is _UNRESOLVED:  # a coordinator's device_group; the check once
             self.__dict__["_pg"] = _dist.resolve_group(self.group, "UlyssesAttention")
         group = self._pg
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
         timeout = config.timeout_s(self.timeout_s)
         error = None
         try:
@@ -345,27 +356,39 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
             seq_in = _norm_seq_lens(seq_lens)
         except TypeError:
             seq_in, error = None, error or f"seq_lens must be a sequence of ints, got {seq_lens!r}"
-        error, (b, s_r, hq, hkv, d, dv), seq = self._check(q, k, v, seq_in, rope, error)
-        ok = error is None
-        codes = [_dist.DTYPE_CODES.get(t.dtype, 0) if isinstance(t, torch.Tensor) else 0
-                 for t in (q, k, v)]
-        sig = [b, hq, hkv, d, dv, *codes, int(bool(q.is_cuda)) if ok else -1,
-               _BACKEND_CODES[backend], int(bool(causal)), int(rope is not None),
-               int(self.qk_norm is not None), s_r if seq_in is None else -1,
-               sum(seq) if ok else -1, seq_lens_hash(seq) if ok else -1, groups]
-        labels = ["B", "Hq", "Hkv", "D", "Dv", "q dtype", "k dtype", "v dtype", "CUDA",
-                  "backend", "causal", "rope given", "qk_norm given", "S_r (seq_lens=None)",
-                  "sum(seq_lens)", "seq_lens (hash)", "pipeline_groups"]
-        if ok and policy.capturing(q):
+        error, dims6, seq = check_qkv(q, k, v, seq_in, rope, self.qk_norm, world, rank, error)
+        j_err, s_j = check_joint(joint, position, causal, dims6, (q, k, v))
+        error = error or j_err or payload_error(self.payload_dtype, (q, k, v))
+        mode = config.validation_mode(self.validate)
+        checksum = (joint_checksum(joint) if error is None and joint is not None and world > 1
+                    and mode != "never" else -1)
+        sig, labels = self._signature(q, k, v, joint, error, dims6, seq_in, seq, backend, causal,
+                                      rope, groups, s_j, position, checksum)
+        b, s_r, hq, hkv, d, dv = dims6
+        if error is None and policy.capturing(q):
             raise warm_up_error("UlyssesAttention", f"the forward shape q {list(q.shape)}, "
                                 f"k {list(k.shape)}, v {list(v.shape)}, {q.dtype}")
         check = (sig, labels, error, timeout)
         check_call(group, "UlyssesAttention", self.validate, *check, seq_lens=seq)
         dims = (b, hq, hkv, d, dv)
-        n_groups = self._pipeline_groups(groups, q.device, dims, seq)
-        plan = ForwardPlan(self, group, dist.get_rank(group), dist.get_world_size(group), dims,
-                           seq, backend, timeout, n_groups, q, k, v, rope is not None, causal)
-        plan.every = config.validation_mode(self.validate) == "every"
+        jspec = None if joint is None else (s_j, position == "front")
+        rows = sum(seq) + max(s_j, 0)
+
+        def build(n: int) -> ForwardPlan:
+            return ForwardPlan(self, group, rank, world, dims, seq, backend, timeout, n, q, k, v,
+                               rope is not None, causal, jspec, self.payload_dtype)
+
+        if groups == -1:
+            signature = ("UlyssesAttention", *sig[:-1], bool(self.fuse_qk_norm_rope),
+                         self.fill_impl, _fn_name(self.attn_fn))  # sig[-1]: data, not shape
+            plan, decision = self._measured(build, signature,
+                                            lambda p: p.run(q, k, v, rope, joint), q.device,
+                                            dims, rows, seq)
+            plan.decision = decision
+        else:
+            plan = build(1 if groups < 2 or not self._fits(groups, q.device, dims, seq, rows)
+                         else groups)
+        plan.every = mode == "every"
         plan.check = check
         if key is not None:
             plans = self._plans
@@ -374,30 +397,62 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
                 plans.popitem(last=False)
         return plan
 
-    def _plan_key(self, qd, kd, vd, seq_lens, causal, rope_shapes) -> tuple:
+    def _signature(self, q, k, v, joint, error, dims6, seq_in, seq, backend, causal, rope,
+                   groups, s_j, position, checksum) -> tuple[list, list]:
+        """The forward's signature (ints every rank must agree on) and its labels; the joint
+        rows' checksum is the last entry."""
+        ok = error is None
+        b, s_r, hq, hkv, d, dv = dims6
+        codes = [_dist.DTYPE_CODES.get(t.dtype, 0) if isinstance(t, torch.Tensor) else 0
+                 for t in (q, k, v)]
+        jcodes = ([_dist.DTYPE_CODES.get(t.dtype, 0) for t in joint] if ok and joint is not None
+                  else [0, 0, 0])
+        pos = JOINT_POSITIONS.index(position) if position in JOINT_POSITIONS else -1
+        sig = [b, hq, hkv, d, dv, *codes, int(bool(q.is_cuda)) if ok else -1,
+               _BACKEND_CODES[backend], int(bool(causal)), int(rope is not None),
+               int(self.qk_norm is not None), s_r if seq_in is None else -1,
+               sum(seq) if ok else -1, seq_lens_hash(seq) if ok else -1, groups,
+               int(self.payload_dtype is not None), s_j, *jcodes, pos, checksum]
+        labels = ["B", "Hq", "Hkv", "D", "Dv", "q dtype", "k dtype", "v dtype", "CUDA",
+                  "backend", "causal", "rope given", "qk_norm given", "S_r (seq_lens=None)",
+                  "sum(seq_lens)", "seq_lens (hash)", "pipeline_groups", "payload_dtype fp8",
+                  "S_j (joint rows, -1: none)", "q_j dtype", "k_j dtype", "v_j dtype",
+                  "joint_position (0: front, 1: back)", "joint rows (CRC-32 of their bytes)"]
+        return sig, labels
+
+    def _plan_key(self, qd, kd, vd, seq_lens, causal, rope_shapes, jkey=None,
+                  position="front") -> tuple:
         """A forward's plan key from its tensors' (shape, dtype, device), ``seq_lens``, causal,
-        the rope tensors' shapes and the call-time variables: the same for an eager forward and
-        a traced one of the same shape."""
-        return (qd, kd, vd, seq_key(seq_lens), bool(causal), rope_shapes,
+        the rope tensors' shapes, the joint rows' (shape, dtype, device) and position and the
+        call-time variables: the same for an eager forward and a traced one of the same
+        shape."""
+        return (qd, kd, vd, seq_key(seq_lens), bool(causal), rope_shapes, jkey, position,
                 env_key(self.backend, self.timeout_s, self.validate, self.pipeline_groups))
 
-    def _traced_forward(self, q, k, v, seq_lens, causal, rope):
+    def _traced_forward(self, q, k, v, seq_lens, causal, rope, joint, position):
         """The forward under torch.compile: one custom op (``ulysses/ops.py``) that runs the
         plan an eager forward of this shape made (the warm-up error when there is none)."""
+        jkey = None if joint is None else tuple((tuple(t.shape), t.dtype, t.device)
+                                                for t in joint)
         name = _traced_plan(self, (tuple(q.shape), q.dtype, q.device),
                             (tuple(k.shape), k.dtype, k.device),
                             (tuple(v.shape), v.dtype, v.device), seq_lens, causal,
                             None if rope is None else (tuple(rope[0].shape),
-                                                       tuple(rope[1].shape)))
+                                                       tuple(rope[1].shape)), jkey, position)
         cos, sin = rope if rope is not None else (None, None)
         seq = None if seq_lens is None else [int(s) for s in seq_lens]
-        return torch.ops.attncomm.ulysses_attention(q, k, v, cos, sin, name, bool(causal), seq)
+        if joint is None:
+            return torch.ops.attncomm.ulysses_attention(q, k, v, cos, sin, name, bool(causal),
+                                                        seq)
+        return torch.ops.attncomm.ulysses_attention_joint(q, k, v, cos, sin, *joint, name,
+                                                          bool(causal), seq, position == "front")
 
 
 _UNRESOLVED = object()
 #: Settings a plan is made from: setting one of them drops the module's plans.
 _PLAN_INPUTS = frozenset({"attn_fn", "group", "backend", "pipeline_groups", "qk_norm",
-                          "timeout_s", "fuse_qk_norm_rope", "fill_impl", "validate"})
+                          "timeout_s", "fuse_qk_norm_rope", "fill_impl", "validate",
+                          "payload_dtype"})
 #: Forward shapes a module keeps plans for (least recently made dropped first).
 PLANS_PER_MODULE = 64
 #: Live modules, whose plans ``reset_transports`` / ``attncomm.release`` drop with the group's
@@ -416,12 +471,12 @@ def _forget(key) -> None:
 
 
 @torch.compiler.assume_constant_result
-def _traced_plan(mod, qd, kd, vd, seq_lens, causal, rope_shapes) -> str:
+def _traced_plan(mod, qd, kd, vd, seq_lens, causal, rope_shapes, jkey, position) -> str:
     """The name the custom op finds ``mod`` by, after checking that an eager forward planned
     this shape (the warm-up error otherwise). Run by torch.compile while it traces; its result
     is a constant of the graph."""
     mod._ensure_open()
-    key = mod._plan_key(qd, kd, vd, seq_lens, causal, rope_shapes)
+    key = mod._plan_key(qd, kd, vd, seq_lens, causal, rope_shapes, jkey, position)
     if key not in mod._plans:
         shapes = ", ".join(f"{n} {list(d[0])}" for n, d in zip("qkv", key[:3]))
         raise warm_up_error("UlyssesAttention", f"the forward shape {shapes}, {key[0][1]}")
@@ -440,6 +495,35 @@ def module_by_name(name: str) -> UlyssesAttention:
         raise RuntimeError(f"UlyssesAttention {name!r} no longer exists (the compiled graph "
                            f"outlived the module it was traced from)")
     return mod
+
+
+def _measurement(device) -> tuple[bool, object]:
+    """``(measure, timer)`` for ``pipeline_groups=-1`` on ``device``: measured on CUDA with
+    ``pipeline_choice``'s default timer (None); on CPU not measured. Tests replace it to drive
+    the measured decision on CPU ranks with a fake timer."""
+    return device.type == "cuda", None
+
+
+def _sm_count(device) -> int:
+    """The device's SM count (0 on CPU: ``auto_groups`` then finds no split)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _agreed_min(group, value: int) -> int:
+    """``value``'s minimum over the ranks (all_reduce(MIN) over the gloo twin of ``group``)."""
+    g = cpu_group(group)
+    if dist.get_world_size(g) == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=g)
+    return int(t.item())
+
+
+def _fn_name(fn) -> str:
+    """A name of ``attn_fn`` that is the same on every rank (its qualified name)."""
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def _pipeline_groups_error(g) -> str | None:

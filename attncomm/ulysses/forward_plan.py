@@ -16,6 +16,17 @@ Group g+1's fill (norm + RoPE + pack, ``ulysses/fill.py``) and exchange are enqu
 group g's wait and attention, so the fill runs while group g's data is in flight and the
 exchange under group g's attention; nothing here waits for the GPU on the host (no event
 polling, ``.item()`` or synchronize), so the host can run ahead of the GPU.
+
+Landing buffer. With joint rows (``S_j`` replicated rows, e.g. a DiT's text tokens) or the FP8
+payload, an input exchange's rows land in a buffer of the parts' dtype, ``[S_j + S, B, htot,
+D]`` (``[S, B, htot, D]`` without joint rows), that attention reads: the exchanged rows at
+``[S_j, S_j + S)`` (``"front"``) or ``[0, S)`` (``"back"``), a contiguous range of the buffer
+because its layout is sequence-major, so ``all_to_all`` receives straight into it (``ce``
+copies its slot there); the joint rows' heads this rank owns are copied into the other ``S_j``
+rows from the caller's tensors; FP8 rows arrive as bytes and are dequantized into place
+(``fp8.dequantize_packed``). Attention then runs over the concatenation with no further copy,
+and its output's joint rows (``[B, S_j, h_r, Dv]`` on each rank) are gathered over heads in one
+exchange (``layout.head_gather_plan``) after the last group, so every rank returns all heads.
 """
 from __future__ import annotations
 
@@ -23,9 +34,10 @@ import dataclasses
 
 import torch
 
+from . import fp8 as _fp8
 from .fill import FillPart, FillPlan, rms_norm_rope
-from .layout import (ExchangePlan, group_head_ranges, head_offsets, head_to_seq_plan,
-                     kv_head_range, seq_to_head_plan, uniform_group)
+from .layout import (ExchangePlan, group_head_ranges, head_gather_plan, head_offsets, head_split,
+                     head_to_seq_plan, kv_head_range, seq_to_head_plan, uniform_group)
 from .policy import dense, get_transport
 from .transport import Transport
 
@@ -39,11 +51,15 @@ class _In:
     """One input exchange of a head group: q, k, v parts that share dtype and head_dim."""
 
     plan: ExchangePlan
-    dtype: torch.dtype
+    dtype: torch.dtype  # what the transport moves: the parts' dtype, or uint8 (FP8 payload)
+    src_dtype: torch.dtype      # the parts' dtype (what attention reads)
     transport: Transport
     parts: tuple        # indices into (q, k, v)
     views: tuple        # per part: (size, stride, offset) of its view of the receive buffer
     fill: FillPlan | None
+    heads: tuple        # per part: this rank's heads (lo, hi) of it
+    land: tuple | None  # (rows, B, htot, D) of the landing buffer, or None (no joint, no FP8)
+    wire: tuple | None  # the FP8 receive buffer's shape (S, B, htot, D + 4), or None
     store: tuple | None = None   # (storage index, first element, elements) of its send buffer
 
 
@@ -67,20 +83,30 @@ class ForwardPlan:
         n_groups: head groups (1: sequential), agreed.
         q, k, v: tensors of the shape (their shapes, dtypes and device fix the plan).
         rope: whether cos/sin are passed; ``causal``: for ``attn_fn``.
+        joint: ``(S_j, front)`` for joint rows (``S_j`` ≥ 0 rows at the front or the back), or
+            None.
+        payload_dtype: the module's ``payload_dtype`` (None, or ``torch.float8_e4m3fn``).
 
     Attributes:
-        fallback_reason, backends, in_exchanges, n_groups: what the module reports.
+        fallback_reason, backends, in_exchanges, n_groups: what the module reports;
+        decision: the ``PipelineDecision`` behind ``n_groups`` (``pipeline_groups=-1``) or None.
     """
 
     def __init__(self, mod, group, rank, world, dims, seq, backend, timeout, n_groups,
-                 q, k, v, rope: bool, causal: bool):
+                 q, k, v, rope: bool, causal: bool, joint: tuple | None = None,
+                 payload_dtype=None):
         b, hq, hkv, d, dv = dims
         self.attn_fn = mod.attn_fn
         self.qk_norm = mod.qk_norm
         self.fuse = mod.fuse_qk_norm_rope
+        self.payload_dtype = payload_dtype
         self.causal = bool(causal)
         self.n_groups = n_groups
+        self.decision = None
         self.s_total = sum(seq)
+        self.s_j, self.front = joint if joint is not None else (0, True)
+        self.joint = joint is not None
+        self.rows = self.s_j + self.s_total  # the rows attention runs over
         self.off, self.s_r = head_offsets(seq)[rank], seq[rank]
         self.out_shape = (b, seq[rank], hq, dv)
         self.dv = dv
@@ -109,6 +135,15 @@ class ForwardPlan:
             self.groups.append(_Group(ins, out_plan, t, q_hi - q_lo, idx))
         self.in_exchanges = len(self.groups[0].ins)
         self.stores = self._stores()
+        self.h_r = head_split(hq, world)[rank]
+        self.joint_plan = self.joint_transport = None
+        if self.joint and self.s_j > 0:
+            self.joint_plan = head_gather_plan(b, self.s_j, dv, tuple(head_split(hq, world)))
+            self.joint_transport, dec = get_transport(group, backend, q.device, timeout,
+                                                      self.joint_plan, q.dtype,
+                                                      "UlyssesAttention")
+            self._note(dec, "joint", self.joint_transport)
+        self.joint_shape = (b, self.s_j, hq, dv)
 
     def _stores(self) -> list:
         """One allocation per dtype per forward for every input exchange's send buffer whose
@@ -132,76 +167,87 @@ class ForwardPlan:
 
     def _ins(self, ctx, qkv, ranges, fill_impl, rope, eps) -> list:
         """The input exchanges of one head group: q, k, v in one exchange when their dtype and
-        head_dim agree (else one per (dtype, D)), each with its prepared fill."""
+        head_dim agree (else one per (dtype, D)), each with its prepared fill (the fused fill,
+        or the FP8 payload's, which also packs the unfused path's normed rows)."""
         group, backend, timeout, b, seq, rank, device = ctx
         keyed: dict = {}
         for i, (t, r) in enumerate(zip(qkv, ranges)):
             keyed.setdefault((t.dtype, t.shape[3]), []).append((i, r))
         qw, kw = (self.qk_norm[0], self.qk_norm[1]) if self.qk_norm is not None else (None, None)
-        weights = (qw, kw, None)
+        weights = (qw, kw, None) if self.fuse else (None, None, None)
         out = []
         for (dtype, dd), items in keyed.items():
-            plan = seq_to_head_plan(b, seq, dd, tuple(r for _, r in items))
-            t, dec = get_transport(group, backend, device, timeout, plan, dtype,
+            fp8 = _fp8.is_fp8_payload(self.payload_dtype, dtype)
+            part_ranges = tuple(r for _, r in items)
+            if fp8:
+                plan, wire = _fp8.payload_plan(b, seq, dd, part_ranges), _fp8.WIRE_DTYPE
+            else:
+                plan, wire = seq_to_head_plan(b, seq, dd, part_ranges), dtype
+            t, dec = get_transport(group, backend, device, timeout, plan, wire,
                                    "UlyssesAttention")
             self._note(dec, "in", t)
             fill = None
-            if self.fuse:
-                parts = [FillPart(qkv[i], r, weights[i], rope and i < 2) for i, r in items]
-                fill = FillPlan(parts, eps, rope, fill_impl)
+            if self.fuse or fp8:
+                parts = [FillPart(qkv[i], r, weights[i], self.fuse and rope and i < 2)
+                         for i, r in items]
+                fill = FillPlan(parts, eps, self.fuse and rope, fill_impl,
+                                payload_dtype=self.payload_dtype if fp8 else None)
             htot = sum(r[rank][1] - r[rank][0] for _, r in items)
             views, col = [], 0
             for _, r in items:
                 n = r[rank][1] - r[rank][0]
-                views.append(((b, self.s_total, n, dd), (htot * dd, b * htot * dd, dd, 1),
+                views.append(((b, self.rows, n, dd), (htot * dd, b * htot * dd, dd, 1),
                               col * dd))
                 col += n
-            out.append(_In(plan, dtype, t, tuple(i for i, _ in items), tuple(views), fill))
+            land = (self.rows, b, htot, dd) if self.joint or fp8 else None
+            out.append(_In(plan, wire, dtype, t, tuple(i for i, _ in items), tuple(views), fill,
+                           tuple(r[rank] for _, r in items), land,
+                           (self.s_total, b, htot, _fp8.row_bytes(dd)) if fp8 else None))
         return out
 
     # ------------------------------------------------------------------------------ run
-    def run(self, q, k, v, rope):
-        """One forward: ``[B, S_r, Hq, Dv]``, a new tensor. Group g+1's fill and exchange are
-        enqueued before group g's attention; each group's output reaches the final tensor
-        through the transport (a copy out of its staging or receive buffer, docs/DESIGN.md).
-        Pipelined and sequential runs give the same bits."""
+    def run(self, q, k, v, rope, joint=None):
+        """One forward: ``[B, S_r, Hq, Dv]``, a new tensor; with joint rows (``joint=(q_j, k_j,
+        v_j)``, required when the plan has them) ``(out, joint_out [B, S_j, Hq, Dv])``. Group
+        g+1's fill and exchange are enqueued before group g's attention; each group's output
+        reaches the final tensor through the transport (a copy out of its staging or receive
+        buffer, docs/DESIGN.md). Pipelined and sequential runs give the same bits."""
         rows = self._rows(rope)
         if not self.fuse:  # norm/rope as their own pass over the local shard
             q, k = self._norm_rope(q, k, rows)
             q, k, v = dense(q), dense(k), dense(v)
+            rows = None
         qkv = (q, k, v)
         dev = q.device
         out = torch.empty(self.out_shape, dtype=q.dtype, device=dev)
         flat = out.view(-1)
         stores = [torch.empty(n, dtype=dt, device=dev) for dt, n in self.stores]
         groups, n = self.groups, self.n_groups
+        joint_parts = []
         pending = []
-        ex_in = self._start_in(groups[0], qkv, rows, stores)
+        ex_in = self._start_in(groups[0], qkv, rows, stores, joint)
         for g in range(n):
             # group g+1's fill and exchange first: the fill runs while group g's data is in
             # flight, its exchange under group g's attention
-            nxt = self._start_in(groups[g + 1], qkv, rows, stores) if g + 1 < n else None
+            nxt = self._start_in(groups[g + 1], qkv, rows, stores, joint) if g + 1 < n else None
             grp = groups[g]
-            views = [None, None, None]
-            for e, ex in zip(grp.ins, ex_in):
-                buf = ex.wait()
-                base = buf.storage_offset()
-                for i, (size, stride, off) in zip(e.parts, e.views):
-                    views[i] = buf.as_strided(size, stride, base + off)
-            og = self._attend(grp, *views)
-            for ex in ex_in:
+            o = self._attend(grp, *self._arrived(grp, ex_in))
+            for ex, _ in ex_in:
                 ex.release()
-            pending.append(grp.out_transport.start(grp.out_plan, [og], og.dtype, og.device,
-                                                   out=flat))
+            if self.joint:
+                o, oj = self._split(o)
+                joint_parts.append(oj)
+            pending.append(grp.out_transport.start(grp.out_plan, [o], o.dtype, dev, out=flat))
             if len(pending) > 1:  # at most two output exchanges in flight (two slots)
                 done = pending.pop(0)
                 done.wait()
                 done.release()
             ex_in = nxt
+        joint_out = self._gather_joint(joint_parts, q) if self.joint else None
         for ex in pending:
             ex.wait()
             ex.release()
-        return out
+        return out if joint_out is None else (out, joint_out)
 
     def _rows(self, rope):
         """cos/sin rows of this rank's positions (kept while the same tensors come back)."""
@@ -222,30 +268,97 @@ class ForwardPlan:
         cs, sn = rows if rows is not None else (None, None)
         return (rms_norm_rope(q, qw, self.eps, cs, sn), rms_norm_rope(k, kw, self.eps, cs, sn))
 
-    def _start_in(self, grp: _Group, qkv, rows, stores) -> list:
-        """Start the input exchanges of one head group: with the fused fill, the fill packs
-        each exchange's send buffer (norm + RoPE on the way) and the transport sends it as it
-        is; otherwise the transport packs from q, k, v."""
+    def _start_in(self, grp: _Group, qkv, rows, stores, joint) -> list:
+        """Start the input exchanges of one head group: ``[(exchange, landing buffer or
+        None)]``. With a fill, the fill packs each exchange's send buffer (norm + RoPE on the
+        way when fused, FP8 rows for that payload) and the transport sends it as it is;
+        otherwise the transport packs from q, k, v. With a landing buffer, the exchange of
+        plain rows receives into its rows and the joint rows' heads are copied in."""
         exs = []
         cos, sin = rows if rows is not None else (None, None)
+        dev = qkv[0].device
         for e in grp.ins:
-            t, dev = e.transport, qkv[0].device
+            t = e.transport
             xs = [qkv[i] for i in e.parts]
+            land = into = None
+            if e.land is not None:
+                land = torch.empty(e.land, dtype=e.src_dtype, device=dev)
+                if e.wire is None:  # plain rows: received in place
+                    into = self._seq_rows(land).view(-1)
             if e.fill is not None:
                 st = e.store
                 mem = None if st is None else stores[st[0]][st[1]:st[1] + st[2]]
                 send = t.send_buffer(e.plan, e.dtype, dev, mem)
                 e.fill(xs, cos, sin, send.flat if send.flat is not None else send.regions)
-                exs.append(t.start(e.plan, (), e.dtype, dev, send=send))
+                ex = t.start(e.plan, (), e.dtype, dev, into, send=send)
             else:
-                exs.append(t.start(e.plan, xs, e.dtype, dev))
+                ex = t.start(e.plan, xs, e.dtype, dev, into)
+            if joint is not None and self.s_j:
+                self._put_joint(e, land, joint)
+            exs.append((ex, land))
         return exs
 
+    def _seq_rows(self, land):
+        """The exchanged rows of a landing buffer ``[S_j + S, B, htot, D]``."""
+        return land[self.s_j:] if self.front else land[:self.s_total]
+
+    def _put_joint(self, e: _In, land, joint) -> None:
+        """This rank's heads of the joint rows into the landing buffer's joint rows."""
+        rows = land[:self.s_j] if self.front else land[self.s_total:]
+        col = 0
+        for i, (lo, hi) in zip(e.parts, e.heads):
+            if hi > lo:
+                rows[:, :, col:col + hi - lo].copy_(joint[i][:, :, lo:hi].transpose(0, 1))
+                col += hi - lo
+
+    def _arrived(self, grp: _Group, flights) -> list:
+        """Wait for a group's input exchanges: ``[q, k, v]`` views ``[B, rows, h, D]`` of the
+        receive buffers (or landing buffers; FP8 rows dequantized into theirs first)."""
+        views = [None, None, None]
+        for e, (ex, land) in zip(grp.ins, flights):
+            buf = ex.wait()
+            if e.wire is not None:
+                _fp8.dequantize_packed(buf.view(e.wire), e.src_dtype, out=self._seq_rows(land))
+            if land is not None:
+                buf = land
+            base = buf.storage_offset()
+            for i, (size, stride, off) in zip(e.parts, e.views):
+                views[i] = buf.as_strided(size, stride, base + off)
+        return views
+
     def _attend(self, grp: _Group, qg, kg, vg):
-        """``attn_fn`` on this rank's heads of one group, with the KV heads expanded to one per
-        query head when the rank's grouping is not uniform."""
-        if grp.heads == 0 or self.s_total == 0:
-            return qg.new_empty(qg.shape[0], self.s_total, grp.heads, self.dv)
+        """``attn_fn`` on this rank's heads of one group (``[B, rows, h, Dv]``), with the KV heads
+        expanded to one per query head when the rank's grouping is not uniform."""
+        if grp.heads == 0 or self.rows == 0:
+            return qg.new_empty(qg.shape[0], self.rows, grp.heads, self.dv)
         if grp.idx is not None:
             kg, vg = kg.index_select(2, grp.idx), vg.index_select(2, grp.idx)
         return dense(self.attn_fn(qg, kg, vg, self.causal))
+
+    def _split(self, o):
+        """A group's attention output over the concatenation → (the sequence rows, the joint
+        rows)."""
+        if self.front:
+            return o[:, self.s_j:], o[:, :self.s_j]
+        return o[:, :self.s_total], o[:, self.s_total:]
+
+    def _gather_joint(self, parts, q):
+        """The joint rows' output with every head on every rank, ``[B, S_j, Hq, Dv]``: this
+        rank's groups' parts side by side (``[B, S_j, h_r, Dv]``), gathered over heads."""
+        res = torch.empty(self.joint_shape, dtype=q.dtype, device=q.device)
+        if self.joint_plan is None:  # S_j == 0
+            return res
+        if len(parts) == 1:
+            src = parts[0]
+        else:
+            src = torch.empty(self.joint_shape[0], self.s_j, self.h_r, self.dv, dtype=q.dtype,
+                              device=q.device)
+            col = 0
+            for p in parts:
+                src[:, :, col:col + p.shape[2]].copy_(p)
+                col += p.shape[2]
+        ex = self.joint_transport.start(self.joint_plan, [src], q.dtype, q.device,
+                                        out=res.view(-1))
+        ex.wait()
+        ex.release()
+        return res

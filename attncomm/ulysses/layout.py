@@ -15,6 +15,11 @@ Two plans cover Ulysses:
   lands the data in its final place with no unpack ("tiled" plan).
 - ``head_to_seq_plan``: head-sharded ``[B, S, h_s, D]`` → sequence-sharded final buffer
   ``[B, S_p, H_total, D]`` with source ``s``'s heads at a given head offset.
+
+And one for the joint rows of ``UlyssesAttention`` (replicated rows, e.g. a DiT's text tokens):
+
+- ``head_gather_plan``: an all-gather over heads, ``[B, R, h_s, D]`` on source ``s`` → every
+  rank's final buffer ``[B, R, H, D]`` (source ``s``'s heads at their global offset).
 """
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ import functools
 from collections.abc import Sequence
 
 __all__ = ["head_split", "head_offsets", "kv_head_range", "group_head_ranges", "Piece",
-           "ExchangePlan", "seq_to_head_plan", "head_to_seq_plan", "uniform_group"]
+           "ExchangePlan", "seq_to_head_plan", "head_to_seq_plan", "head_gather_plan",
+           "uniform_group"]
 
 
 def head_split(num_heads: int, world_size: int) -> list[int]:
@@ -234,6 +240,29 @@ def head_to_seq_plan(batch: int, seq_lens: tuple, head_dim: int, src_heads: tupl
                     dst_pitch=dst_num_heads * head_dim))
     recv = tuple(batch * seq_lens[p] * dst_num_heads * head_dim for p in range(w))
     plan = ExchangePlan(w, _freeze(pieces), recv, tiled=False)
+    return dataclasses.replace(plan, tiled=_is_concatenation(plan))
+
+
+@functools.lru_cache(maxsize=256)
+def head_gather_plan(batch: int, rows: int, head_dim: int, src_heads: tuple) -> ExchangePlan:
+    """Plan for an all-gather over heads: source ``s`` holds ``[B, rows, h_s, D]`` (its heads
+    ``head_offsets(src_heads)[s] …``); every rank's final buffer is ``[B, rows, H, D]`` with
+    ``H = Σ h_s``, source ``s``'s heads at their offset (each source sends the same pieces to
+    every rank, itself included)."""
+    w = len(src_heads)
+    h = sum(src_heads)
+    offs = head_offsets(src_heads)
+    pieces = [[[] for _ in range(w)] for _ in range(w)]
+    for s in range(w):
+        if src_heads[s] == 0 or rows == 0:
+            continue
+        for p in range(w):
+            for b in range(batch):
+                pieces[s][p].append(Piece(
+                    part=0, b=b, src_row0=0, src_head0=0, rows=rows,
+                    cols=src_heads[s] * head_dim, dst_offset=(b * rows * h + offs[s]) * head_dim,
+                    dst_pitch=h * head_dim))
+    plan = ExchangePlan(w, _freeze(pieces), (batch * rows * h * head_dim,) * w, tiled=False)
     return dataclasses.replace(plan, tiled=_is_concatenation(plan))
 
 

@@ -14,7 +14,8 @@ its fake implementation gives the result's shape. Eager calls never go through t
   write nothing their caller passed in (the transports' staging is their own).
 
 Ops: ``attncomm::ulysses_seq_to_head``, ``ulysses_seq_to_head_out``, ``ulysses_head_to_seq``,
-``ulysses_head_to_seq_out``, ``ulysses_attention``.
+``ulysses_head_to_seq_out``, ``ulysses_attention``, ``ulysses_attention_joint`` (with joint rows:
+two results).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from . import api, attention
 from .layout import head_split
 
 __all__ = ["seq_to_head_op", "seq_to_head_out_op", "head_to_seq_op", "head_to_seq_out_op",
-           "attention_op"]
+           "attention_op", "attention_joint_op"]
 
 _VALIDATE = {-1: None, 0: False, 1: True}
 
@@ -36,15 +37,20 @@ def _kw(seq_lens, backend, timeout_s, validate) -> dict:
                 timeout_s=None if timeout_s < 0 else timeout_s, validate=_VALIDATE[validate])
 
 
+def _payload(fp8: bool):
+    return torch.float8_e4m3fn if fp8 else None
+
+
 # ------------------------------------------------------------------------------ seq_to_head
 @torch.library.custom_op("attncomm::ulysses_seq_to_head", mutates_args=())
 def seq_to_head_op(x: torch.Tensor, group_name: str, rank: int, seq_lens: list[int] | None,
-                   backend: str, timeout_s: float, validate: int) -> torch.Tensor:
+                   backend: str, timeout_s: float, validate: int,
+                   fp8: bool = False) -> torch.Tensor:
     """``ulysses.seq_to_head(x, group, ...)`` with the group by name, this rank (the result's
     shape depends on it, so it is part of the graph: compiled graphs cached by their content
     are never shared between ranks) and the transport decided (``timeout_s < 0``: None;
-    ``validate`` -1/0/1: None/False/True)."""
-    return api.seq_to_head(x, group_from_name(group_name),
+    ``validate`` -1/0/1: None/False/True; ``fp8``: the FP8 payload)."""
+    return api.seq_to_head(x, group_from_name(group_name), payload_dtype=_payload(fp8),
                            **_kw(seq_lens, backend, timeout_s, validate))
 
 
@@ -56,21 +62,21 @@ def _seq_to_head_shape(x, group_name, rank, seq_lens):
 
 
 @seq_to_head_op.register_fake
-def _(x, group_name, rank, seq_lens, backend, timeout_s, validate):
+def _(x, group_name, rank, seq_lens, backend, timeout_s, validate, fp8=False):
     return x.new_empty(_seq_to_head_shape(x, group_name, rank, seq_lens))
 
 
 @torch.library.custom_op("attncomm::ulysses_seq_to_head_out", mutates_args=("output",))
 def seq_to_head_out_op(x: torch.Tensor, output: torch.Tensor, group_name: str, rank: int,
                        seq_lens: list[int] | None, backend: str, timeout_s: float,
-                       validate: int) -> None:
+                       validate: int, fp8: bool = False) -> None:
     """``ulysses.seq_to_head(x, group, ..., output=output)``."""
-    api.seq_to_head(x, group_from_name(group_name), output=output,
+    api.seq_to_head(x, group_from_name(group_name), output=output, payload_dtype=_payload(fp8),
                     **_kw(seq_lens, backend, timeout_s, validate))
 
 
 @seq_to_head_out_op.register_fake
-def _(x, output, group_name, rank, seq_lens, backend, timeout_s, validate):
+def _(x, output, group_name, rank, seq_lens, backend, timeout_s, validate, fp8=False):
     return None
 
 
@@ -127,3 +133,24 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
 @attention_op.register_fake
 def _(q, k, v, cos, sin, module, causal, seq_lens):
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
+
+
+@torch.library.custom_op("attncomm::ulysses_attention_joint", mutates_args=())
+def attention_joint_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       cos: torch.Tensor | None, sin: torch.Tensor | None, q_j: torch.Tensor,
+                       k_j: torch.Tensor, v_j: torch.Tensor, module: str, causal: bool,
+                       seq_lens: list[int] | None, front: bool) -> tuple[torch.Tensor,
+                                                                          torch.Tensor]:
+    """The forward of ``module`` with joint rows ``(q_j, k_j, v_j)`` at the front (``front``)
+    or the back: ``(out, joint_out)``."""
+    rope = None if cos is None else (cos, sin)
+    seq = None if seq_lens is None else tuple(seq_lens)
+    return attention.module_by_name(module)._forward(q, k, v, seq, causal, rope,
+                                                     (q_j, k_j, v_j),
+                                                     "front" if front else "back")
+
+
+@attention_joint_op.register_fake
+def _(q, k, v, cos, sin, q_j, k_j, v_j, module, causal, seq_lens, front):
+    return (q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3])),
+            q.new_empty((q.shape[0], q_j.shape[1], q.shape[2], v.shape[3])))
