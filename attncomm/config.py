@@ -55,8 +55,8 @@ _TABLE = (
         "Transport the Ulysses exchanges take for backend='auto' (empty: choose): all_to_all "
         "or ce."),
     Var("ATTNCOMM_ULYSSES_PIPELINE_GROUPS", int, -1, True, "call",
-        "Head groups of UlyssesAttention(pipeline_groups=-1): 0 sequential, N >= 2 forces N "
-        "(-1: automatic)."),
+        "Head groups of UlyssesAttention(pipeline_groups=-1): 0 or 1 sequential, N >= 2 forces "
+        "N (-1: automatic)."),
     Var("ATTNCOMM_MACHINE", str, "", True, "call",
         "The machine's name recorded in benchmark JSON (meta.machine)."),
     # Private: tuning and test hooks, may change without notice.

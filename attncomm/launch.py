@@ -30,12 +30,19 @@ from .errors import PeerTimeoutError
 
 __all__ = ["launch", "RankPool", "init_distributed"]
 
-# How long the other ranks get to finish after one rank failed, before the pool is torn down.
-FAILURE_GRACE_S = 30.0
+# How long the other ranks get to report after one rank failed (their errors become notes on
+# the failure) before they are stopped and the pool is torn down. Ranks that fail alike (an
+# argument check) report together; a rank that is still running after that is waiting for the
+# failed one, which will not come. Ranks a PeerTimeoutError names as silent are not waited for.
+FAILURE_GRACE_S = 3.0
 # After a rank process died: how long the others get to report (their errors are notes on the
 # failure) before the pool is torn down.
 DEATH_GRACE_S = 3.0
 EXIT_REPORT_S = 1.0  # how long a cleanly exited rank's last report may take to arrive
+# Exit code of a rank process that, while it imported the main module (what the spawn start
+# method does in every rank), reached launch / RankPool: the script calls them outside
+# ``if __name__ == "__main__":``. The launcher turns it into a one-line error.
+MAIN_REIMPORT_EXIT = 86
 
 def _timedelta(timeout: float | None = None) -> datetime.timedelta:
     return datetime.timedelta(seconds=config.timeout_s(timeout))
@@ -218,9 +225,31 @@ def _exit_text(code: int) -> str:
     return str(code)
 
 
+def _refuse_in_rank_bootstrap() -> None:
+    """In a spawned process that is importing the main module (its parent's script, re-run at
+    top level), exit with ``MAIN_REIMPORT_EXIT`` instead of starting ranks of its own: the
+    script calls launch outside ``if __name__ == "__main__":`` and every rank would end in
+    multiprocessing's bootstrapping error; the launcher reports the exit code in one line."""
+    if getattr(mp.current_process(), "_inheriting", False):  # set by spawn while it imports
+        raise SystemExit(MAIN_REIMPORT_EXIT)
+
+
+def _reimport_error() -> RuntimeError:
+    return RuntimeError(
+        "the rank processes re-ran this script's top level and reached attncomm.launch again "
+        "(each rank is a spawned process that imports the main module): call launch under "
+        "`if __name__ == \"__main__\":`")
+
+
 def _death_error(deaths: dict, failure: BaseException | None) -> RuntimeError:
     """The failure for rank processes that died during a task: each rank and exit code, the
-    hint about disagreeing arguments, and the other ranks' errors as a note."""
+    hint about disagreeing arguments, and the other ranks' errors as a note (or, when a
+    rank exited with ``MAIN_REIMPORT_EXIT``, the missing ``__main__`` guard: the one cause)."""
+    reimported = sorted(r for r, c in deaths.items() if c == MAIN_REIMPORT_EXIT)
+    if reimported:
+        err = _reimport_error()
+        err.rank, err.exitcode = reimported[0], MAIN_REIMPORT_EXIT
+        return err
     try:
         validation_off = not config.validate_enabled(None)
     except ValueError:  # a malformed ATTNCOMM_VALIDATE: say both
@@ -252,11 +281,13 @@ class RankPool:
 
     ``run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and returns the list of
     return values in rank order. If a rank raises, the first failure is re-raised here with the
-    rank named; ranks that do not return within 30 s after that are stopped and the pool is
-    closed (``alive`` turns False).
+    rank named; ranks that do not return within ``FAILURE_GRACE_S`` (3 s) after that, or that a
+    ``PeerTimeoutError`` names as silent, are stopped and the pool is closed (``alive`` turns
+    False).
     """
 
     def __init__(self, world_size: int, device: str = "cpu", timeout_s: float | None = None):
+        _refuse_in_rank_bootstrap()
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int ≥ 1, got {world_size!r}")
         if device not in ("cpu", "cuda"):
@@ -317,9 +348,10 @@ class RankPool:
         failure: BaseException | None = None
         deaths: dict[int, int] = {}
         exited_at: dict[int, float] = {}
+        silent: set[int] = set()  # ranks a PeerTimeoutError named: not waited for
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         grace_deadline = None
-        while len(set(values) | set(deaths)) < self.world_size:
+        while len(set(values) | set(deaths) | silent) < self.world_size:
             now = time.monotonic()
             for r, p in enumerate(self._procs):
                 if r not in values and r not in deaths and p.exitcode is not None:
@@ -351,6 +383,8 @@ class RankPool:
             else:
                 err = _rebuild(rank, payload)
             values[rank] = None
+            if isinstance(err, PeerTimeoutError):
+                silent.update(r for r in (err.peer_ranks or ()) if r not in values)
             if failure is None:
                 failure = err
                 grace_deadline = grace_deadline or time.monotonic() + FAILURE_GRACE_S
@@ -363,6 +397,9 @@ class RankPool:
         if missing:
             self.close(force=True)
             if failure is not None:
+                if hasattr(failure, "add_note"):
+                    failure.add_note(f"rank(s) {missing} had not returned when the failure was "
+                                     f"raised; they were stopped")
                 raise failure
             raise PeerTimeoutError(
                 f"launch: rank(s) {missing} did not return within {timeout_s} s",
@@ -428,7 +465,10 @@ def launch(fn: Callable, world_size: int, *, device: str = "cpu", args: tuple = 
         ValueError naming what cannot be pickled (``fn``, ``args[i]``), before any rank starts;
         a rank's return value that cannot be pickled fails that rank (``TypeError``).
         The first rank's exception (same type where it can be rebuilt, else ``RuntimeError``) with
-        ``"rank r: "`` in front of its message; the other ranks are stopped within 30 s.
+        ``"rank r: "`` in front of its message; the other ranks are stopped within
+        ``FAILURE_GRACE_S`` (3 s), at once when a ``PeerTimeoutError`` names them as silent.
+        ``RuntimeError`` saying so when the ranks re-ran the script's top level and reached
+        ``launch`` again (the call is not under ``if __name__ == "__main__":``).
         ``RuntimeError`` naming each rank process that died (exit code, signal; e.g. a C++ abort
         in gloo on mismatched sizes) and saying that the ranks' arguments may disagree when
         validation is off; the others are stopped within seconds.
@@ -437,6 +477,7 @@ def launch(fn: Callable, world_size: int, *, device: str = "cpu", args: tuple = 
     The ranks watch this process: when it is killed they exit too and remove the rendezvous
     directory.
     """
+    _refuse_in_rank_bootstrap()
     _check_picklable(fn, tuple(args))  # before spawning anything: fails in milliseconds
     pool = RankPool(world_size, device=device)
     try:

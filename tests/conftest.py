@@ -54,6 +54,37 @@ def pools():
     p.close()
 
 
+#: The seed every randomized test draws its data from: fixed, so that CI is deterministic (random
+#: exploration is ``python -m attncomm.testing.fuzz``); ``--seed N`` runs the tests with another.
+SEED = 1
+
+
+def pytest_addoption(parser):
+    parser.addoption("--seed", type=int, default=None,
+                     help=f"seed of the randomized tests (the `seed` fixture; default {SEED})")
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """The seed of a randomized test (``SEED`` or ``--seed``); every failure report of a test
+    that takes it names it (``pytest_runtest_makereport``)."""
+    value = request.config.getoption("--seed")
+    return SEED if value is None else value
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    value = getattr(item, "funcargs", {}).get("seed")
+    if rep.failed and value is not None:
+        text = f"seed {value} (again: python -m pytest '{item.nodeid}' --seed {value})"
+        if hasattr(rep.longrepr, "addsection"):
+            rep.longrepr.addsection("seed", text)
+        else:
+            rep.sections.append(("seed", text))
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpus(n): the test needs n CUDA GPUs (default 1 for "
                                        "a gpu-marked test); skipped on a machine with fewer")

@@ -46,6 +46,7 @@ def _tree(path, flip, dump_capable=True):
     return str(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flip,want", [(0, 0), (1, 1), (-1, 1)])
 def test_ab_compares_bits_and_times(tmp_path, capsys, flip, want):
     base = _tree(tmp_path / "base", 0)

@@ -9,6 +9,7 @@ import pytest
 
 from attncomm import cli
 from attncomm.bench import report
+from attncomm.bench.common import markdown_lines, print_table
 from attncomm.bench import dcp as dcp_bench
 from attncomm.bench import dp_sync as dp_bench
 from attncomm.bench import ring as ring_bench
@@ -86,3 +87,26 @@ def test_emit_writes_what_was_asked(tmp_path, capsys):
     assert capsys.readouterr().out.count("wrote ") == 2
     assert report.usage_error("dcp", "bad --tokens") == 2
     assert capsys.readouterr().err == "attncomm bench dcp: error: bad --tokens\n"
+
+
+def test_table_columns_share_one_format(capsys):
+    # What a user saw: `8436` beside `1.559e+04` in one column, and `0.0` for every busbw up to
+    # 16 KiB. Each column now has one format, with the digits its smallest value needs.
+    rows = [dict(backend="a2a", tokens=1, latency_us=8436.2, busbw_gbps=0.0021, note=None),
+            dict(backend="symm", tokens=64, latency_us=15590.4, busbw_gbps=0.0163, note="x"),
+            dict(backend="ce", tokens=128, latency_us=3.05, busbw_gbps=12.5, note=None)]
+    cols = ["backend", "tokens", "latency_us", "busbw_gbps", "note"]
+    text = print_table(rows, cols)
+    assert text in capsys.readouterr().out
+    body = [line.split() for line in text.splitlines()[2:]]
+    md = [line.strip("| ").split(" | ") for line in markdown_lines(cols, [
+        [r[c] for c in cols] for r in rows])[2:]]
+    for cells in (body, md):
+        assert [c[1] for c in cells] == ["1", "64", "128"]
+        assert [c[4] for c in cells] == ["-", "x", "-"]
+        for i, key in ((2, "latency_us"), (3, "busbw_gbps")):
+            shown = [c[i] for c in cells]
+            assert len({s.index(".") - len(s) for s in shown}) == 1, shown  # same decimals
+            assert not any("e" in s for s in shown), shown
+            for s, r in zip(shown, rows):  # every value to 0.5 %
+                assert abs(float(s) - r[key]) <= 0.005 * r[key], (shown, r[key])

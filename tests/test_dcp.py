@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 
 import pytest
 import torch
@@ -69,8 +68,7 @@ def assert_close_to_ref(got_out, got_lse, ref_out, ref_lse, dtype, what):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("spread", [1.0, 1e4])
-def test_merge_states_matches_fp64(dtype, spread):
-    seed = random.randrange(1 << 30)
+def test_merge_states_matches_fp64(dtype, spread, seed):
     for N, T, H, D in [(1, 3, 2, 8), (3, 7, 4, 64), (4, 64, 3, 512), (2, 0, 2, 8)]:
         outs, lses = make_case(seed, N, T, H, D, dtype, spread)
         before = (bits(outs).clone(), bits(lses).clone())
@@ -80,8 +78,7 @@ def test_merge_states_matches_fp64(dtype, spread):
         assert torch.equal(bits(outs), before[0]) and torch.equal(bits(lses), before[1])
 
 
-def test_merge_states_base2_and_lse_dtypes():
-    seed = random.randrange(1 << 30)
+def test_merge_states_base2_and_lse_dtypes(seed):
     outs, lses = make_case(seed, 3, 9, 4, 16, torch.float32)
     ref_out, ref_lse = ref_merge(outs, lses)
     out2, lse2 = dcp.merge_states(outs, lses / math.log(2), lse_base="2", return_lse=True)
@@ -111,11 +108,10 @@ def test_shard_kv_interleaved():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_combine_kernels_match_torch_path(dtype, monkeypatch):
+def test_triton_combine_kernels_match_torch_path(dtype, monkeypatch, seed):
     """The Triton kernels (interpreted on CPU) against the torch path and the fp64 formula."""
     if _triton.REASON:
         pytest.skip("triton is not installed")
-    seed = random.randrange(1 << 30)
     for N, T, H, D in [(2, 5, 4, 8), (3, 3, 2, 40)]:
         outs, lses = make_case(seed, N, T, H, D, dtype, 8.0)
         monkeypatch.setenv("ATTNCOMM_COMBINE_IMPL", "torch")
@@ -193,17 +189,15 @@ def _merge_sweep(rank, W, seed, impl):
 
 
 @pytest.mark.parametrize("W", [1, 2, 3, 4])
-def test_merge_every_backend(pools, W):
-    seed = random.randrange(1 << 30)
+def test_merge_every_backend(pools, W, seed):
     failures = sum(pools.run(W, _merge_sweep, seed, "torch"), [])
     assert not failures, "\n".join(failures[:20])
 
 
 @pytest.mark.parametrize("W", [2])
-def test_merge_triton_path_on_ranks(pools, W):
+def test_merge_triton_path_on_ranks(pools, W, seed):
     if _triton.REASON:
         pytest.skip("triton is not installed")
-    seed = random.randrange(1 << 30)
     failures = sum(pools.run(W, _merge_sweep, seed, "triton"), [])
     assert not failures, "\n".join(failures[:20])
 
@@ -238,8 +232,8 @@ def _merger_calls(rank, W, seed):
 
 
 @pytest.mark.parametrize("W", [1, 3])
-def test_dcp_merger(pools, W):
-    failures = sum(pools.run(W, _merger_calls, random.randrange(1 << 30)), [])
+def test_dcp_merger(pools, W, seed):
+    failures = sum(pools.run(W, _merger_calls, seed), [])
     assert not failures, "\n".join(failures)
 
 

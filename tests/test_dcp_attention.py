@@ -3,8 +3,6 @@ R dims), attention over an interleaved KV shard, merged — against attention ov
 cache in one process (fp64), empty shards included."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -68,6 +66,6 @@ def _run(rank, W, seed):
 
 
 @pytest.mark.parametrize("W", [1, 2, 3, 4])
-def test_dcp_attention_matches_one_process(pools, W):
-    failures = sum(pools.run(W, _run, random.randrange(1 << 30)), [])
+def test_dcp_attention_matches_one_process(pools, W, seed):
+    failures = sum(pools.run(W, _run, seed), [])
     assert not failures, "\n".join(failures)

@@ -115,6 +115,7 @@ def _check_rows(rows, plan, cfg):
         assert r.seconds > 0
 
 
+@pytest.mark.slow
 def test_demo_end_to_end(pools, loaded):
     """Both DCP modes, every CPU backend, at W=2; context_parallel at W=4 with a 3-token
     sentence (ranks holding only padding keys: empty shards)."""

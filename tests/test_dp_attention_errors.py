@@ -4,8 +4,6 @@ named. Gloo CPU ranks (the session pool); every case ends with a normal step to 
 are still in step."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -142,12 +140,13 @@ def _bad_idle_batch(rank, world, sync):
     return got
 
 
-def test_bad_idle_batch_raises_on_its_rank_only(pools):
+@pytest.mark.parametrize("sync", ["shm", "cpu"])
+def test_bad_idle_batch_raises_on_its_rank_only(pools, sync):
     """Documented: ``get_idle_batch`` runs after the exchange, only where API.md says; a bad
     result raises on that rank alone, and nothing collective follows, so the ranks stay in
     step."""
     world = 3
-    res = pools.run(world, _bad_idle_batch, random.choice(["shm", "cpu"]))
+    res = pools.run(world, _bad_idle_batch, sync)
     for r, out in enumerate(res):
         for i in range(3):
             if r == 1:

@@ -5,33 +5,55 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 
 import pytest
 import torch
 
 from attncomm.dp_attention import DpPaddingMode
+from attncomm.dp_attention.sync import BatchView, ForwardMode
 from attncomm.demo.dp_simulate import (SimConfig, SimulationError, _check_decisions,
                                             _check_slots, default_tokens, simulate_rank,
                                             summarize)
 
 
+def _opening(dp: int) -> list[list[BatchView | None]]:
+    """Four steps that exercise every rule: all idle; one extend beside empty ranks (SUM_LEN,
+    idle batches, TBO); decode everywhere (MAX_LEN, a graph size, TBO); a prebuilt batch beside
+    decodes (its inner idle batch)."""
+    extend = BatchView(ForwardMode.EXTEND, batch_size=2, extend_num_tokens=8,
+                       extend_lens=[3, 5], extend_logprob_start_lens=None, return_logprob=False)
+    return [[None] * dp,
+            [extend] + [None] * (dp - 1),
+            [BatchView(ForwardMode.DECODE, batch_size=2 + d) for d in range(dp)],
+            [BatchView(ForwardMode.PREBUILT, batch_size=1)]
+            + [BatchView(ForwardMode.DECODE, batch_size=1)] * (dp - 1)]
+
+
 @pytest.mark.parametrize("world,atp,sync", [(2, 1, "cpu"), (4, 2, "shm"), (3, 1, "device")])
-def test_simulation_200_steps(pools, world, atp, sync):
-    cfg = SimConfig(steps=200, attn_tp_size=atp, sync=sync, seed=random.randrange(1 << 20),
-                    hidden=32, ffn=64, timeout_s=60)
-    res = pools.run(world, simulate_rank, cfg)
+def test_simulation_200_steps(pools, world, atp, sync, seed):
+    cfg = SimConfig(steps=200, attn_tp_size=atp, sync=sync, seed=seed, hidden=32, ffn=64,
+                    timeout_s=60)
+    res = pools.run(world, simulate_rank, cfg, opening=_opening(world // atp))
     s = summarize(res)
     counts = s["counts"]
     assert counts["steps_run"] + counts["all_idle"] == 200
-    # the run exercised every rule: idle steps, extends (SUM_LEN), decode-only steps (MAX_LEN),
-    # graph steps, TBO, idle batches for empty ranks
+    # the run exercised every rule (the opening makes sure): idle steps, extends (SUM_LEN),
+    # decode-only steps (MAX_LEN), graph steps, TBO, idle batches for empty ranks, prebuilt
     for key in ("all_idle", "extend", "sum_len", "max_len", "graph", "tbo", "idle_batches"):
         assert counts[key] > 0, (key, counts)
     assert sum(r["stats"]["prebuilt"] for r in res) > 0
     assert all(r["stats"]["steps_run"] == counts["steps_run"] for r in res)
     assert s["sync"] == sync
     assert s["min_cosine"] > 0.99999 and s["max_abs_err"] < 1e-4, s
+
+
+def test_opening_alone_exercises_every_rule(pools):
+    # The four steps on their own, without the seeded scheduler: each rule counted on rank 0.
+    cfg = SimConfig(steps=4, sync="cpu", hidden=16, ffn=32, timeout_s=60)
+    counts = summarize(pools.run(2, simulate_rank, cfg, opening=_opening(2)))["counts"]
+    # step 3: rank 1 decodes one request, so no TBO; counts [0, 1] pad to MAX_LEN
+    assert counts == dict(steps_run=3, all_idle=1, extend=1, sum_len=1, max_len=2, graph=2,
+                          tbo=2, idle_batches=1, prebuilt=1), counts
 
 
 def test_checks_fail_loudly():

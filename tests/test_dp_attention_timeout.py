@@ -9,6 +9,8 @@ import glob
 import os
 import time
 
+import pytest
+
 import attncomm
 from attncomm import PeerTimeoutError
 from attncomm.dp_attention import BatchView, ForwardMode, prepare_mlp_sync_batch, resolve_sync
@@ -50,6 +52,7 @@ def _rank_goes_silent_mid_run(rank, world, timeout_s):
     return out
 
 
+@pytest.mark.slow
 def test_silent_rank_mid_run_raises_within_timeout():
     world = 3
     res = attncomm.launch(_rank_goes_silent_mid_run, world, args=(TIMEOUT_S,), timeout_s=120)
@@ -77,6 +80,7 @@ def _rank_misses_setup(rank, world, timeout_s):
     return res, _segments(os.getpid())
 
 
+@pytest.mark.slow
 def test_silent_rank_during_setup_leaves_no_segment():
     world = 2
     res = attncomm.launch(_rank_misses_setup, world, args=(TIMEOUT_S,), timeout_s=120)

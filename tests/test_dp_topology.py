@@ -199,17 +199,16 @@ def _hier_matches_flat(rank, world, hosts, seed, cases):
 
 
 @pytest.mark.parametrize("layout", ["2x2", "interleaved", "3+1"])
-def test_hier_decisions_equal_the_flat_path(pools, layout):
+def test_hier_decisions_equal_the_flat_path(pools, layout, seed):
     hosts = HOST_MAPS[layout]
-    seed = random.randrange(1 << 30)
     res = pools.run(len(hosts), _hier_matches_flat, hosts, seed, 40)
     assert all(r == res[0] for r in res), f"seed {seed}: ranks disagree"
     assert len(res[0]) == 42
 
 
 @pytest.mark.slow
-def test_hier_decisions_equal_the_flat_path_w8(pools):
-    seed = random.randrange(1 << 30)
+@pytest.mark.slow
+def test_hier_decisions_equal_the_flat_path_w8(pools, seed):
     res = pools.run(8, _hier_matches_flat, HOST_MAPS["2x4"], seed, 24)
     assert all(r == res[0] for r in res), f"seed {seed}: ranks disagree"
 
@@ -378,6 +377,7 @@ def test_env_lists_the_hosts_of_a_live_group(tmp_path, capsys):
         envinfo.main(argparse.Namespace(json=None, world_size=2, hosts=3))
 
 
+@pytest.mark.slow
 @pytest.mark.slow
 def test_bench_dp_sync_on_simulated_hosts(tmp_path):
     import argparse

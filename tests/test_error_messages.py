@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 import attncomm
@@ -53,6 +54,7 @@ def _merge_peer_absent(rank, world, budget):
     return "no error"
 
 
+@pytest.mark.slow
 def test_timeout_inside_merge_names_merge():
     budget = 2.0
     msg, op, peers, waited = attncomm.launch(_merge_peer_absent, 2, args=(budget,),

@@ -23,6 +23,7 @@ def matrix():
             for c in faults.run_matrix(timeout_s=TIMEOUT_S, jobs=8)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("exchange", list(faults.EXCHANGES))
 def test_fault_matrix(matrix, exchange):
     bad = []

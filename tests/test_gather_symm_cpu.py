@@ -45,6 +45,7 @@ def test_ll_threshold():
         GatherLayout(2, 4, 3, 8, 2)  # H not divisible by W
 
 
+@pytest.mark.slow
 def test_symm_gather_kernels_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))

@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 import attncomm
 import attncomm._dist
-from attncomm import PeerTimeoutError
+from attncomm import PeerTimeoutError, dcp
 from attncomm._dist import guard_timeout
-from attncomm.launch import _death_error
+from attncomm.launch import FAILURE_GRACE_S, _death_error
 
 
 def _sum_ranks(rank, world_size, offset):
@@ -46,6 +46,7 @@ def _rank1_skips_collective(rank, world_size, timeout_s):
     return "no error"
 
 
+@pytest.mark.slow
 def test_launch_returns_per_rank_values():
     out = attncomm.launch(_sum_ranks, 3, args=(10,))
     assert out == [33, 33, 33]
@@ -65,6 +66,7 @@ def test_pool_reused_and_failure_does_not_poison_it(pools):
     assert pools.run(2, _sum_ranks, 0) == [1, 1]
 
 
+@pytest.mark.slow
 def test_missing_peer_raises_peer_timeout_within_budget():
     budget = 3.0
     out = attncomm.launch(_rank1_skips_collective, 2, args=(budget,), timeout_s=120)
@@ -72,6 +74,46 @@ def test_missing_peer_raises_peer_timeout_within_budget():
     assert kind == "timeout"
     assert peers == [1]
     assert waited < budget + 5
+
+
+def _rank1_silent_in_merge(rank, world_size, budget):
+    if rank == 1:
+        time.sleep(600)  # never joins: rank 0's argument check times out
+    return dcp.merge(torch.randn(3, 2 * world_size, 8), torch.randn(3, 2 * world_size),
+                     timeout_s=budget)
+
+
+def test_peer_timeout_stops_the_silent_rank_within_seconds():
+    # Rank 0 raises PeerTimeoutError naming rank 1 after `budget`; rank 1 would sleep on: it is
+    # stopped at once (it was waited for 30 s more before), and the error says so.
+    budget = 2.0
+    with attncomm.RankPool(2) as pool:
+        pool.run(_sum_ranks, 0)  # started: what follows is timed without the spawn
+        t0 = time.monotonic()
+        with pytest.raises(PeerTimeoutError, match="rank 0: ") as info:
+            pool.run(_rank1_silent_in_merge, budget, timeout_s=None)
+        took = time.monotonic() - t0
+        assert not pool.alive
+    assert info.value.peer_ranks == [1]
+    assert "rank(s) [1] had not returned" in "\n".join(getattr(info.value, "__notes__", []))
+    assert took < budget + FAILURE_GRACE_S + 10, f"raised after {took:.1f} s"  # was 32 s
+
+
+@pytest.mark.slow
+def test_launch_without_main_guard_says_so(tmp_path):
+    # The README example without `if __name__ == "__main__":`: every spawned rank re-runs the
+    # script and reaches launch again. One line says that, not the validation hint.
+    script = tmp_path / "no_guard.py"
+    script.write_text("import attncomm\n\n\ndef rank_fn(rank, world_size):\n    return rank\n\n\n"
+                      "print(attncomm.launch(rank_fn, 2))\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode != 0, proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: the rank processes re-ran this script's top level"), \
+        proc.stderr[-3000:]
+    assert 'if __name__ == "__main__":' in last
+    assert "validation" not in proc.stderr and "bootstrapping" not in proc.stderr, proc.stderr
 
 
 def test_launch_bad_arguments():
@@ -151,11 +193,13 @@ def test_rank_killed_by_abort_is_reported_with_rank_and_code(monkeypatch):
     assert "if a call ran with validation off" in msg and "arguments may disagree" in msg
 
 
+@pytest.mark.slow
 def test_gloo_size_mismatch_abort_is_reported():
     with pytest.raises(RuntimeError, match=r"process exited with code -6 \(SIGABRT\)"):
         attncomm.launch(_mismatched_all_gather, 2, timeout_s=120)
 
 
+@pytest.mark.slow
 def test_gone_rank_with_no_timeout_never_waits_forever():
     with attncomm.RankPool(2) as pool:
         pool.run(_sum_ranks, 0)
@@ -192,6 +236,7 @@ def _spawned_children(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["running", "starting"])
 def test_killed_launcher_leaves_no_ranks_and_no_rendezvous_file(tmp_path, when):
     # "running": killed while the ranks run fn; "starting": killed as soon as the rank

@@ -24,7 +24,6 @@ with a whole rank's K/V block missing; each case checks that such an answer fail
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
@@ -120,8 +119,7 @@ def _rfa(rank, world, seed):
             for i, (b, s, h, d, causal, layout) in enumerate(_RFA)]
 
 
-def test_ring_flash_attention_cases(pools):
-    seed = random.randrange(1 << 30)
+def test_ring_flash_attention_cases(pools, seed):
     res = pools.run(WORLD, _rfa, seed)
     for i, case in enumerate(_RFA):
         ours = max(r[i][0] for r in res)
@@ -148,8 +146,8 @@ def _yunchang(rank, world, seed):
             for i, (b, s, h, d, causal, layout, grid) in enumerate(_YUNCHANG)]
 
 
-def test_yunchang_cases(pools):
-    seed = random.randrange(1 << 30)
+@pytest.mark.slow
+def test_yunchang_cases(pools, seed):
     res = pools.run(WORLD, _yunchang, seed)
     for i, case in enumerate(_YUNCHANG):
         ours = max(r[i][0] for r in res)

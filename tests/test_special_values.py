@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import os
-import random
+import warnings
 
 import pytest
 import torch
@@ -16,12 +16,22 @@ from attncomm.dcp.lse_merge import combine as combine_mod
 from attncomm.testing.special import bitwise_equal, check_merge, special_table
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# The Triton interpreter runs the kernels in numpy, which warns where the table's ±inf meet in
+# an add (inf + −inf); the kernels' rule for non-finite values covers those lanes and the results
+# are checked, so here the warning is expected.
+INTERPRETER_NAN = "ignore:invalid value encountered in add:RuntimeWarning"
+
+
+def _without_interpreter_nan_warning(rank, W, fn, *args):
+    """``fn(rank, W, *args)`` on a rank with the warning of ``INTERPRETER_NAN`` filtered."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "invalid value encountered in add", RuntimeWarning)
+        return fn(rank, W, *args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N", [1, 2, 3])
-def test_merge_states_special_table(N, dtype):
-    seed = random.randrange(1 << 30)
+def test_merge_states_special_table(N, dtype, seed):
     outs, lses = special_table(N, dtype=dtype, seed=seed)
     out, lse = dcp.merge_states(outs, lses, return_lse=True)
     bad = check_merge(out, lse, outs, lses, what=f"merge_states N={N} seed={seed}")
@@ -31,11 +41,12 @@ def test_merge_states_special_table(N, dtype):
     assert not bad, "\n".join(bad[:10])
 
 
-def test_plus_inf_lse_is_an_empty_shard():
+def test_plus_inf_lse_is_an_empty_shard(seed):
     # The reported defect: LSE +inf (FlashAttention's keyless row) gave NaN on reference/a2a
     # and a finite wrong 0.0 on ag_rs. It is an empty shard: the other shard's row, exactly.
-    outs = torch.randn(2, 48, 64, 16).to(torch.bfloat16)
-    lses = torch.randn(2, 48, 64) * 3
+    g = torch.Generator().manual_seed(seed)
+    outs = torch.randn(2, 48, 64, 16, generator=g).to(torch.bfloat16)
+    lses = torch.randn(2, 48, 64, generator=g) * 3
     lses[0, :, ::2] = math.inf
     out, lse = dcp.merge_states(outs, lses, return_lse=True)
     assert bitwise_equal(out[:, ::2], outs[1, :, ::2])
@@ -57,12 +68,12 @@ def test_merge_states_no_sources(dtype):
     assert empty.shape == (0, 4, 5)
 
 
+@pytest.mark.filterwarnings(INTERPRETER_NAN)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_kernels_special_table(dtype, monkeypatch):
+def test_triton_kernels_special_table(dtype, monkeypatch, seed):
     """Both Triton kernels (interpreted) on the table: combine and the ag_rs scale step."""
     if _triton.REASON:
         pytest.skip("triton is not installed")
-    seed = random.randrange(1 << 30)
     N = 2
     outs, lses = special_table(N, dtype=dtype, seed=seed, max_rows=48)
     monkeypatch.setenv("ATTNCOMM_COMBINE_IMPL", "triton")
@@ -127,20 +138,18 @@ def _special_on_ranks(rank, W, seed, impl, max_rows, dtypes=DTYPES, bases=("e", 
 
 
 @pytest.mark.parametrize("W", [2, 3])
-def test_every_backend_special_table(pools, W):
-    seed = random.randrange(1 << 30)
+def test_every_backend_special_table(pools, W, seed):
     bad = [m for per_rank in pools.run(W, _special_on_ranks, seed, "torch", 1400)
            for m in per_rank]
     assert not bad, "\n".join(bad[:20])
 
 
-def test_every_backend_special_table_triton(pools):
+def test_every_backend_special_table_triton(pools, seed):
     if _triton.REASON:
         pytest.skip("triton is not installed")
-    seed = random.randrange(1 << 30)
     # The interpreter runs each (token, head) program in Python: a sampled table, base e (the
     # base conversion happens before the kernels).
-    per_rank = pools.run(2, _special_on_ranks, seed, "triton", 40,
-                         [torch.float32, torch.bfloat16], ("e",))
+    per_rank = pools.run(2, _without_interpreter_nan_warning, _special_on_ranks, seed, "triton",
+                         40, [torch.float32, torch.bfloat16], ("e",))
     bad = [m for msgs in per_rank for m in msgs]
     assert not bad, "\n".join(bad[:20])

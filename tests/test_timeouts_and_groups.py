@@ -29,6 +29,7 @@ def _rank1_absent_from_merge(rank, world_size, budget):
     return ("no error", None, time.monotonic() - t0)
 
 
+@pytest.mark.slow
 def test_call_timeout_bounds_the_argument_check():
     budget = 2.0
     kind, peers, waited = attncomm.launch(_rank1_absent_from_merge, 2, args=(budget,),
@@ -54,6 +55,7 @@ def _rank1_dies(rank, world_size):
     return ("no error", None)
 
 
+@pytest.mark.slow
 def test_dead_peer_raises_peer_timeout_error():
     kind, detail = attncomm.launch(_rank1_dies, 2, timeout_s=120)[0]
     assert kind == "PeerTimeoutError", (kind, detail)
@@ -81,8 +83,8 @@ def _subgroup_merges(rank, world_size, seed):
     return float((got - ref).abs().max())
 
 
-def test_merger_cache_is_per_group(pools):
-    errs = pools.run(4, _subgroup_merges, int(time.time()) % 10000)
+def test_merger_cache_is_per_group(pools, seed):
+    errs = pools.run(4, _subgroup_merges, seed)
     assert max(errs) < 1e-5
 
 
@@ -150,6 +152,7 @@ def _twin_layouts(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_gloo_twin_of_asymmetric_subgroups():
     res = attncomm.launch(_twin_layouts, 4, timeout_s=180)
     for rank, out in enumerate(res):

@@ -74,7 +74,6 @@ def _send_buffer_cases(rank, world, seed):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_send_buffer_equals_start_from_parts(pools, world):
-    seed = random.randrange(1 << 30)
+def test_send_buffer_equals_start_from_parts(pools, world, seed):
     for res in pools.run(world, _send_buffer_cases, seed):
         assert all(res), (seed, res)

@@ -24,6 +24,7 @@ def _run_rank(rank, world, opts):
     return bench.run_rank(rank, world, opts)
 
 
+@pytest.mark.slow
 def test_bench_ulysses_cpu_smoke(pools, tmp_path, capsys):
     args = _args(tmp_path)
     opts = bench._defaults(args)
@@ -46,6 +47,7 @@ def test_bench_ulysses_cpu_smoke(pools, tmp_path, capsys):
     assert "Ulysses exchange" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bench_ulysses_layer_cpu_smoke(pools, tmp_path, capsys):
     """--layer-only on 2 CPU ranks: every variant that runs on all_to_all, with and without
     qk_norm + RoPE, the issue's record fields, groups as the module ran them, one summary per

@@ -179,8 +179,7 @@ class _Sim:
 
 
 @pytest.mark.parametrize("world,groups", [(2, 1), (2, 4), (3, 4), (3, 7)])
-def test_flags_return_to_their_initial_values_across_replays(world, groups):
-    seed = random.randrange(1 << 30)
+def test_flags_return_to_their_initial_values_across_replays(world, groups, seed):
     progs = _programs(world, groups, replays=3)
     for trial in range(20):
         rng = random.Random(seed + trial)

@@ -6,8 +6,6 @@ decided (no decision, and no fallback, while tracing); a shape no eager call has
 the warm-up error."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -72,8 +70,8 @@ def _functional(rank, world, seed, backends):
 
 
 @pytest.mark.slow
-def test_round_trip_compiles_without_graph_breaks(pools):
-    seed = random.randrange(1 << 30)
+@pytest.mark.slow
+def test_round_trip_compiles_without_graph_breaks(pools, seed):
     for res in pools.run(2, _functional, seed, ("aot_eager", "inductor")):
         assert "first time inside CUDA graph capture or torch.compile tracing" in res["cold"] \
             and "ValueError" in res["cold"], res["cold"]
@@ -115,8 +113,8 @@ def _attention(rank, world, seed, backends):
 
 
 @pytest.mark.slow
-def test_attention_compiles_without_graph_breaks(pools):
-    seed = random.randrange(1 << 30)
+@pytest.mark.slow
+def test_attention_compiles_without_graph_breaks(pools, seed):
     for res in pools.run(2, _attention, seed, ("aot_eager", "inductor")):
         for groups in (0, 2):
             cold = res[(groups, "cold")]

@@ -26,6 +26,7 @@ def _sentences():
     return lines[:3] + [max(lines, key=len), "Yes"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 5])
 def test_demo_ulysses(pools, loaded, world):
     cfg = DemoConfig(world_size=world, max_len=37, modes=("ulysses",), batch_size=3)

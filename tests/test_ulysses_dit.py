@@ -103,8 +103,7 @@ def _joint_vs_fp64(rank, world, seed):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_joint_attention_against_fp64(pools, world):
-    seed = random.randrange(1 << 30)
+def test_joint_attention_against_fp64(pools, world, seed):
     res = pools.run(world, _joint_vs_fp64, seed)
     for err, bad, _ in res:
         assert not bad, f"seed {seed}: {bad}"
@@ -143,8 +142,7 @@ def _joint_pipelined_bitwise(rank, world, seed):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_joint_pipelined_bitwise_equals_sequential(pools, world):
-    seed = random.randrange(1 << 30)
+def test_joint_pipelined_bitwise_equals_sequential(pools, world, seed):
     for bad in pools.run(world, _joint_pipelined_bitwise, seed):
         assert not bad, f"seed {seed}: (fused, payload, groups, call) differing: {bad}"
 
@@ -185,8 +183,7 @@ def _fp8_seq_to_head(rank, world, seed):
     return res
 
 
-def test_fp8_seq_to_head(pools):
-    seed = random.randrange(1 << 30)
+def test_fp8_seq_to_head(pools, seed):
     for res in pools.run(3, _fp8_seq_to_head, seed):
         for exact, within, differs, output in res:
             assert exact and within and differs and output, f"seed {seed}: {res}"
@@ -221,8 +218,7 @@ def _fp8_module(rank, world, seed):
     return exact, against_fp64, not torch.equal(out, plain), not torch.equal(jout, pjout)
 
 
-def test_fp8_module_is_attention_over_the_dequantized_rows(pools):
-    seed = random.randrange(1 << 30)
+def test_fp8_module_is_attention_over_the_dequantized_rows(pools, seed):
     for exact, against_fp64, differs, jdiffers in pools.run(3, _fp8_module, seed):
         assert exact < 2e-5, f"seed {seed}: {exact:.3e} from attention over dequantized rows"
         # the rows move by ≤ 3.6 % of their amax (fp8.py's bound); attention outputs move
@@ -412,8 +408,7 @@ def _compiled(rank, world, seed):
 
 
 @pytest.mark.slow
-def test_joint_and_fp8_compile_without_graph_breaks(pools):
-    seed = random.randrange(1 << 30)
+def test_joint_and_fp8_compile_without_graph_breaks(pools, seed):
     for same, breaks in pools.run(2, _compiled, seed):
         assert same and breaks == 0, f"seed {seed}: {same}, {breaks}"
 

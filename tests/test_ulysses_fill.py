@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import subprocess
 import sys
@@ -30,8 +29,7 @@ def _ref64(x, w, eps, cos, sin):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 8e-3)])
-def test_rms_norm_rope_matches_fp64(dtype, tol):
-    seed = random.randrange(1 << 30)
+def test_rms_norm_rope_matches_fp64(dtype, tol, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn((2, 9, 3, 16), generator=g).to(dtype)
     w = torch.randn(16, generator=g)
@@ -46,9 +44,9 @@ def test_rms_norm_rope_matches_fp64(dtype, tol):
     assert torch.equal(rms_norm_rope(x, w, 1e-6, cos, sin), f32.to(dtype))
 
 
-def test_fill_torch_layout_is_destination_major():
+def test_fill_torch_layout_is_destination_major(seed):
     """Region p of the send buffer is ``[S_r, B, htot_p, D]``: q heads, then k, then v."""
-    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    g = torch.Generator().manual_seed(seed)
     b, s, d = 2, 5, 4
     q, k, v = (torch.randn((b, s, h, d), generator=g) for h in (6, 2, 2))
     qr, kr = ((0, 2), (2, 4), (4, 6)), ((0, 1), (0, 2), (1, 2))
@@ -71,10 +69,10 @@ def test_fill_rejects_bad_parts():
         fill([FillPart(x, ((0, 2),))], impl="cuda")
 
 
-def test_fill_kernel_under_interpreter():
+@pytest.mark.slow
+def test_fill_kernel_under_interpreter(seed):
     """Uneven heads, GQA with Hkv < W, MQA, non-contiguous q/k/v, with and without norm and
     RoPE, fp32/fp16/bf16, one and two head groups: bitwise equal to the torch path."""
-    seed = random.randrange(1 << 30)
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
     proc = subprocess.run([sys.executable, os.path.join(HERE, "_fill_interp.py"), str(seed)],
@@ -84,12 +82,12 @@ def test_fill_kernel_under_interpreter():
 
 
 @pytest.mark.slow
-def test_fill_kernel_fp8_under_interpreter():
+@pytest.mark.slow
+def test_fill_kernel_fp8_under_interpreter(seed):
     """The FP8 payload: the kernel's epilogue (round to the dtype, row amax, scale, e4m3 bytes
     and the scale after them) bitwise equal to ``fill_torch`` with norm/no norm, RoPE/no RoPE,
     GQA ranges, odd row counts, regions in separate allocations and zero, NaN, ±inf, huge and
     tiny rows; and the e4m3 conversion alone against torch's."""
-    seed = random.randrange(1 << 30)
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
     proc = subprocess.run([sys.executable, os.path.join(HERE, "_fill_interp.py"), str(seed),

@@ -4,7 +4,6 @@ dynamic range, tiny and huge rows), special values, the wire layout bit-exact, a
 torch path as the bf16 fill quantized."""
 from __future__ import annotations
 
-import random
 import struct
 
 import pytest
@@ -39,11 +38,10 @@ def _rne_bytes(v: torch.Tensor) -> torch.Tensor:
     return code | torch.where(torch.signbit(v), 0x80, 0)
 
 
-def test_e4m3_rounding_matches_the_format():
+def test_e4m3_rounding_matches_the_format(seed):
     """A row whose amax is 448 has scale 1 and divisor 1: its bytes are the values' own e4m3
     rounding. Random values over every binade up to 448, the exact midpoints between
     neighbours (ties) and subnormals (saturation: tests/_fill_interp.py's conversion check)."""
-    seed = random.randrange(1 << 30)
     g = torch.Generator().manual_seed(seed)
     vals, _ = _grid()
     mids = (vals[1:] + vals[:-1]) / 2  # exact in fp32: 5 significant bits at most
@@ -84,10 +82,9 @@ def _check_bound(x, seed, what):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_roundtrip_within_bound(dtype):
+def test_roundtrip_within_bound(dtype, seed):
     """Element-wise bound, the amax form (a/28 + the output rounding) and that the bound is
     tight (the largest ratio near 1) and the path lossy."""
-    seed = random.randrange(1 << 30)
     g = torch.Generator().manual_seed(seed)
     x = _rows(g, dtype)
     ratio, err, _ = _check_bound(x, seed, "random rows")
@@ -99,11 +96,10 @@ def test_roundtrip_within_bound(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_roundtrip_tiny_and_huge_rows(dtype):
+def test_roundtrip_tiny_and_huge_rows(dtype, seed):
     """Rows whose scale is subnormal or 0 in fp32 (amax < 448·2⁻¹²⁶), and rows at the top of
     the dtype's range, the largest finite value in each (the one amax whose dequantized value
     could round past it): the bound holds, nothing becomes inf or NaN."""
-    seed = random.randrange(1 << 30)
     g = torch.Generator().manual_seed(seed)
     tiny_exp = -133 if dtype == torch.bfloat16 else -149
     k = torch.randint(tiny_exp, -110, (256, 1), generator=g).double()
@@ -145,10 +141,9 @@ def test_special_values():
 
 
 @pytest.mark.parametrize("d", [8, 6, 128])
-def test_wire_layout_bit_exact(d):
+def test_wire_layout_bit_exact(d, seed):
     """``[..., D + 4]`` bytes: the e4m3 bytes then the scale's little-endian fp32 bytes; unpack
     gives the same bits, as views of the buffer when D % 4 == 0 (a copy otherwise)."""
-    seed = random.randrange(1 << 30)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn((3, 2, 5, d), generator=g).bfloat16()
     q, scale = fp8.quantize_rows(x)
@@ -192,12 +187,11 @@ def test_bad_input():
                    out=torch.empty(24))
 
 
-def test_fp8_fill_is_the_bf16_fill_quantized():
+def test_fp8_fill_is_the_bf16_fill_quantized(seed):
     """The FP8 fill's region p, viewed ``[S_r, B, htot_p, D + 4]``, is ``quantize_pack`` of the
     bf16 fill's region ``[S_r, B, htot_p, D]`` (norm + RoPE bits of the bf16 path, then
     quantized); its size is ``send_layout`` with ``D + 4``; ``fill`` with impl torch agrees;
     the plan over bytes moves exactly that buffer."""
-    seed = random.randrange(1 << 30)
     g = torch.Generator().manual_seed(seed)
     w, hq, hkv, d, b, s_r = 3, 8, 2, 16, 2, 5
     q, k, v = (torch.randn((b, s_r, h, d), generator=g).bfloat16() for h in (hq, hkv, hkv))

@@ -4,8 +4,6 @@ destination (``output=``), the warm-up error for a shape first seen inside CUDA 
 ``attncomm.release``, ``reset_transports``)."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -53,8 +51,7 @@ def _output(rank, world, seed):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_output_is_the_callers_tensor(pools, world):
-    seed = random.randrange(1 << 30)
+def test_output_is_the_callers_tensor(pools, world, seed):
     results = pools.run(world, _output, seed)
     for res in results:
         assert res[1] and res[2], f"seed {seed}: {res}"

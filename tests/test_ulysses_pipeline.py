@@ -72,9 +72,9 @@ def _grouped_vs_sequential(rank, world, seed):
     return bad
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_grouped_bitwise_equals_sequential(pools, world):
-    seed = random.randrange(1 << 30)
+def test_grouped_bitwise_equals_sequential(pools, world, seed):
     for bad in pools.run(world, _grouped_vs_sequential, seed):
         assert not bad, f"seed {seed}: (case, groups, fused, call) differing: {bad}"
 

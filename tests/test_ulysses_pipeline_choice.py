@@ -5,7 +5,6 @@ measuring, failures while timing."""
 from __future__ import annotations
 
 import itertools
-import random
 
 import torch
 
@@ -17,7 +16,7 @@ _SIG = itertools.count()
 
 def _sig(name: str) -> tuple:
     """A signature no earlier test in the (reused) rank pool has seen."""
-    return (name, next(_SIG), random.randrange(1 << 30))
+    return (name, next(_SIG), __name__)
 
 
 class _Fake:

@@ -3,7 +3,6 @@
 ring_attention bit for bit, make_groups, bad inputs raised on every rank of the grid."""
 from __future__ import annotations
 
-import random
 import warnings
 
 import pytest
@@ -94,8 +93,7 @@ def _usp_cases(rank, world, seed):
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_usp_matches_fp64(pools, world):
-    seed = random.randrange(1 << 30)
+def test_usp_matches_fp64(pools, world, seed):
     for rank, res in enumerate(pools.run(world, _usp_cases, seed)):
         for grid, case, err, shape in res:
             assert err < 5e-5, f"seed {seed}: W={world} rank {rank} grid {grid} case {case}: " \
@@ -138,8 +136,7 @@ def _degenerate(rank, world, seed):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_degenerate_grids_are_ulysses_and_ring_bit_for_bit(pools, world):
-    seed = random.randrange(1 << 30)
+def test_degenerate_grids_are_ulysses_and_ring_bit_for_bit(pools, world, seed):
     for rank, res in enumerate(pools.run(world, _degenerate, seed)):
         for label, same in res:
             assert same, f"seed {seed}: rank {rank}: {label}"

@@ -3,8 +3,8 @@ this is where W=8 logic is exercised). One pool of 8 ranks, one call, many cases
 from __future__ import annotations
 
 import math
-import random
 
+import pytest
 import torch
 
 from attncomm import dcp, ulysses
@@ -53,7 +53,7 @@ def _world8(rank, world_size, seed):
     return failures
 
 
-def test_all_exchanges_at_world_size_8(pools):
-    seed = random.randrange(1 << 20)
+@pytest.mark.slow
+def test_all_exchanges_at_world_size_8(pools, seed):
     failures = sum(pools.run(8, _world8, seed, timeout_s=600), [])
     assert not failures, f"seed {seed}:\n" + "\n".join(failures)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -18,7 +19,8 @@ from .._dist import cpu_group
 from .._timing import time_eager, time_graph
 
 __all__ = ["meta", "time_eager", "time_graph", "max_over_ranks", "slowest_rank_median",
-           "print_table", "write_json", "plot_lines", "progress"]
+           "format_column", "format_rows", "markdown_lines", "print_table", "write_json",
+           "plot_lines", "progress"]
 
 
 def meta(device: str, world_size: int, **extra) -> dict:
@@ -55,22 +57,74 @@ def slowest_rank_median(times_us: Sequence[float], group=None) -> float:
     return float(statistics.median(max_over_ranks(times_us, group)))
 
 
-def print_table(rows: Sequence[dict], columns: Sequence[str], title: str | None = None,
-                fmt: dict | None = None) -> str:
-    """Print (and return) a plain-text table of ``rows`` (dicts) over ``columns``."""
-    fmt = fmt or {}
+#: Significant digits the smallest nonzero number of a column keeps (``format_column``).
+SIGNIFICANT = 3
+_MAX_DECIMALS = 6  # past this (or from 1e9 up) a column is written in scientific notation
 
-    def cell(row, col):
-        v = row.get(col, "")
+
+def _decimals_carried(v: float) -> int:
+    """Decimals of ``v``'s shortest repr (a figure rounded to 2 decimals carries 2)."""
+    text = repr(float(v))
+    if "e" in text:  # below 1e-4 or from 1e16 up: more than a column shows in fixed point
+        return _MAX_DECIMALS + 1
+    return len(text.split(".")[1].rstrip("0"))
+
+
+def format_column(values: Sequence) -> list[str]:
+    """One format for every number of a table column: all ints → as they are; otherwise fixed
+    point with the decimals that give the smallest nonzero magnitude ``SIGNIFICANT`` digits
+    (no more than the values carry), or scientific notation for the whole column when that
+    needs more than 6 decimals or a value reaches 1e9. None → ``-``; bools and strings as they
+    are."""
+    nums = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if all(isinstance(v, int) for v in nums):
+        fmt = "{}"
+    else:
+        mags = [abs(float(v)) for v in nums if math.isfinite(v) and v != 0]
+        if not mags:
+            fmt = "{:.1f}"
+        else:
+            decimals = max(0, SIGNIFICANT - 1 - math.floor(math.log10(min(mags))))
+            decimals = min(decimals, max(_decimals_carried(v) for v in mags))
+            fmt = (f"{{:.{SIGNIFICANT - 1}e}}" if decimals > _MAX_DECIMALS or max(mags) >= 1e9
+                   else f"{{:.{decimals}f}}")
+
+    def cell(v) -> str:
         if v is None:
             return "-"
-        if col in fmt:
-            return fmt[col].format(v)
-        if isinstance(v, float):
-            return f"{v:.4g}"
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return fmt.format(v)
         return str(v)
 
-    body = [[cell(r, c) for c in columns] for r in rows]
+    return [cell(v) for v in values]
+
+
+def format_rows(rows: Sequence[Sequence]) -> list[list[str]]:
+    """``rows`` (lists of cells) as strings, each column through ``format_column``."""
+    cols = [format_column(col) for col in zip(*rows)] if rows else []
+    return [list(r) for r in zip(*cols)] if cols else [[] for _ in rows]
+
+
+def markdown_lines(header: Sequence[str], rows: Sequence[Sequence]) -> list[str]:
+    """The lines of a Markdown table, each column's numbers in one format
+    (``format_column``); a cell that is already a string stays as it is."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in format_rows(rows)]
+    return lines
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[str], title: str | None = None,
+                fmt: dict | None = None) -> str:
+    """Print (and return) a plain-text table of ``rows`` (dicts) over ``columns``: each
+    column's numbers in one format (``format_column``), or ``fmt[column]`` (a ``str.format``
+    pattern) where given."""
+    fmt = fmt or {}
+    cols = []
+    for c in columns:
+        vals = [r.get(c, "") for r in rows]
+        cols.append(["-" if v is None else fmt[c].format(v) for v in vals] if c in fmt
+                    else format_column(vals))
+    body = [list(b) for b in zip(*cols)] if rows else []
     widths = [max([len(c)] + [len(b[i]) for b in body]) for i, c in enumerate(columns)]
     lines = []
     if title:

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import cpu_group
-from .common import (max_over_ranks, meta, print_table, progress, slowest_rank_median,
-                            time_eager, time_graph)
+from .common import (format_rows, markdown_lines, max_over_ranks, meta, print_table, progress,
+                     slowest_rank_median, time_eager, time_graph)
 from .report import Report, add_common_arguments, emit, usage_error
 from ..launch import launch
 from . import dcp_gather as bench_gather
@@ -189,19 +189,19 @@ def markdown_table(records: list[dict]) -> str:
     with ``ʰ`` and a note under the table."""
     backends = list(dict.fromkeys(r["backend"] for r in records))
     keyed = {(r["mode"], r["tokens"], r["backend"]): r for r in add_speedups(records)}
-    head = "| mode | tokens | " + " | ".join(f"{b} (µs)" for b in backends) + \
-        " | symm_a2a speedup vs best NCCL |"
-    lines = [head, "|" + "---|" * (len(backends) + 3)]
-    for mode in dict.fromkeys(r["mode"] for r in records):
-        for T in sorted({r["tokens"] for r in records if r["mode"] == mode}):
-            cells = []
-            for b in backends:
-                r = keyed.get((mode, T, b))
-                cells.append((f"{r['latency_us']:.1f}" + ("ʰ" if host_bound(r, records) else ""))
-                             if r else "-")
-            s = keyed.get((mode, T, "symm_a2a"))
-            sp = f"{s['speedup']:.2f}×" if s and s["speedup"] else "-"
-            lines.append(f"| {mode} | {T} | " + " | ".join(cells) + f" | {sp} |")
+    keys = [(mode, T) for mode in dict.fromkeys(r["mode"] for r in records)
+            for T in sorted({r["tokens"] for r in records if r["mode"] == mode})]
+    rows = format_rows([[mode, T, *((keyed.get((mode, T, b)) or {}).get("latency_us")
+                                    for b in backends),
+                         (keyed.get((mode, T, "symm_a2a")) or {}).get("speedup")]
+                        for mode, T in keys])
+    for row, (mode, T) in zip(rows, keys):  # mark the host-bound figures
+        for i, b in enumerate(backends):
+            r = keyed.get((mode, T, b))
+            if r and host_bound(r, records):
+                row[2 + i] += "ʰ"
+    lines = markdown_lines(["mode", "tokens", *(f"{b} (µs)" for b in backends),
+                            "symm_a2a speedup vs best NCCL (×)"], rows)
     if any(host_bound(r, records) for r in records):
         lines.append("\nʰ host-bound: between graph replays a rank's GPU sat idle longer than "
                      "the run's smallest gap by ≥ 10 % of this time (`gpu_idle_us` in the JSON), "

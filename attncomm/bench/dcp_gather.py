@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import cpu_group
-from .common import (max_over_ranks, meta, plot_lines, print_table, progress,
+from .common import (markdown_lines, max_over_ranks, meta, plot_lines, print_table, progress,
                             slowest_rank_median, time_eager, time_graph, write_json)
 from ..launch import launch
 from ..dcp.lse_merge import DcpMerger
@@ -149,16 +149,12 @@ def markdown_table(records: list[dict]) -> str:
     op = records[0]["op"]
     backends = list(dict.fromkeys(r["backend"] for r in records))
     keyed = {(r["mode"], r["tokens"], r["backend"]): r for r in add_speedups(records)}
-    lines = ["| mode | tokens | " + " | ".join(f"{b} (µs)" for b in backends)
-             + f" | {_FAST[op]} speedup vs best NCCL |", "|" + "---|" * (len(backends) + 3)]
-    for mode in dict.fromkeys(r["mode"] for r in records):
-        for T in sorted({r["tokens"] for r in records if r["mode"] == mode}):
-            cells = [f"{keyed[(mode, T, b)]['latency_us']:.1f}" if (mode, T, b) in keyed
-                     else "-" for b in backends]
-            s = keyed.get((mode, T, _FAST[op]))
-            sp = f"{s['speedup']:.2f}×" if s and s["speedup"] else "-"
-            lines.append(f"| {mode} | {T} | " + " | ".join(cells) + f" | {sp} |")
-    return "\n".join(lines)
+    rows = [[mode, T, *((keyed.get((mode, T, b)) or {}).get("latency_us") for b in backends),
+             (keyed.get((mode, T, _FAST[op])) or {}).get("speedup")]
+            for mode in dict.fromkeys(r["mode"] for r in records)
+            for T in sorted({r["tokens"] for r in records if r["mode"] == mode})]
+    return "\n".join(markdown_lines(["mode", "tokens", *(f"{b} (µs)" for b in backends),
+                                     f"{_FAST[op]} speedup vs best NCCL (×)"], rows))
 
 
 def main(args) -> int:

@@ -1,18 +1,21 @@
 """``attncomm bench dp-sync``: per-step DP-attention sync latency per sync path, and
 dp_gather / dp_scatter / dp_reduce_scatter time per padding mode over token counts.
 
-Sync: ``MLPSyncBatchInfo.all_gather`` (the whole call a scheduler makes each step: six int64 per
-rank, one exchange, the min/max/TBO reduction; ``sync_us``) and the transport alone
-(``exchange_us``) run back to back in blocks of ``--block`` steps;
-the per-step time of a block is block time / block size (steady state: each step needs every
-rank's row, so this is the rate at which ranks can agree), median over blocks of the slowest
-rank. ``--hosts H`` makes consecutive ranks act as H hosts (CPU only, through the test-only
-``ATTNCOMM_TEST_HOST``): ``shm`` cannot run there, ``hier`` (shared memory inside each host, gloo
-between host leaders) and ``cpu`` (gloo over every rank) can. Gathers: eager, every DP rank
-holding ``tokens`` rows of ``[hidden]`` (balanced, so MAX_LEN has no padding), median over
-iterations of the slowest rank (CUDA events on GPU).
-JSON: ``{"meta": {...}, "records": [{"sync", "world_size", "sync_us"}, {"op", "mode", "tokens",
-"world_size", "time_us"}, ...]}``.
+Sync: ``sync_us`` is ``MLPSyncBatchInfo.all_gather``, the whole call a scheduler makes each
+step (six int64 per rank, one exchange, the checks and the min/max/TBO reduction);
+``exchange_us`` is the transport alone (``exchange_rows``), a part of it. Both run back to back
+in blocks of ``--block`` steps, their blocks alternating so that both see the same machine; the
+per-step time of a block is block time / block size (steady state: each step needs every rank's
+row, so this is the rate at which ranks can agree), median over blocks of the slowest rank. The
+difference is the call's own work (a few µs); where the transport varies by more than that (gloo
+on a busy host), ``exchange_us`` can come out above ``sync_us``. ``--hosts H`` makes consecutive
+ranks act as H hosts (CPU only, through the test-only ``ATTNCOMM_TEST_HOST``): ``shm`` cannot
+run there, ``hier`` (shared memory inside each host, gloo between host leaders) and ``cpu``
+(gloo over every rank) can. Gathers: eager, every DP rank holding ``tokens`` rows of
+``[hidden]`` (balanced, so MAX_LEN has no padding), median over iterations of the slowest rank
+(CUDA events on GPU).
+JSON: ``{"meta": {...}, "records": [{"sync", "world_size", "hosts", "sync_us", "exchange_us"},
+{"op", "mode", "tokens", "world_size", "time_us"}, ...]}``.
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import cpu_group
-from .common import meta, print_table, progress, slowest_rank_median, time_eager
+from .common import (markdown_lines, meta, print_table, progress, slowest_rank_median,
+                     time_eager)
 from .report import Report, add_common_arguments, emit, usage_error
 from ..launch import launch
 from ..dp_attention.gather import (DpPaddingMode, dp_gather, dp_reduce_scatter, dp_scatter,
@@ -89,23 +93,26 @@ def _config(args) -> dict:
     return cfg
 
 
-def _per_step(fn, cfg: dict, cg) -> float:
-    """Median over blocks (slowest rank) of block time / block size, in µs."""
-    for _ in range(max(cfg["block"], 20)):
-        fn()
-    blocks = []
-    for _ in range(max(1, cfg["steps"] // cfg["block"])):
-        dist.barrier(group=cg)
-        t0 = time.perf_counter()
-        for _ in range(cfg["block"]):
+def _per_step(fns: dict, cfg: dict, cg) -> dict:
+    """``{name: µs per step}`` for each function of ``fns``: median over blocks (slowest rank)
+    of block time / block size, the functions' blocks alternating (one of each in turn)."""
+    for fn in fns.values():
+        for _ in range(max(cfg["block"], 20)):
             fn()
-        blocks.append((time.perf_counter() - t0) / cfg["block"] * 1e6)
-    return slowest_rank_median(blocks, None)
+    blocks: dict = {name: [] for name in fns}
+    for _ in range(max(1, cfg["steps"] // cfg["block"])):
+        for name, fn in fns.items():
+            dist.barrier(group=cg)
+            t0 = time.perf_counter()
+            for _ in range(cfg["block"]):
+                fn()
+            blocks[name].append((time.perf_counter() - t0) / cfg["block"] * 1e6)
+    return {name: slowest_rank_median(b, None) for name, b in blocks.items()}
 
 
 def _time_sync(path: str, world: int, rank: int, cfg: dict, device, cg) -> dict:
     """``sync_us``: the whole ``MLPSyncBatchInfo.all_gather``; ``exchange_us``: the transport
-    alone (``exchange_rows``: rows in, every rank's rows out as ints)."""
+    alone (``exchange_rows``: rows in, every rank's rows out as ints), timed alike."""
     resolve_sync(path)  # one-time setup (host check, shm segment) outside the timing
     row = [rank + 1, rank + 1, 1, 0, 1, 2]
 
@@ -113,10 +120,11 @@ def _time_sync(path: str, world: int, rank: int, cfg: dict, device, cg) -> dict:
         MLPSyncBatchInfo(world, 1, 1, rank + 1, rank + 1, True, False, True, 2).all_gather(
             device, None, sync=path)
 
-    return {"sync": path, "world_size": world, "hosts": cfg["hosts"],
-            "sync_us": _per_step(step, cfg, cg),
-            "exchange_us": _per_step(lambda: exchange_rows(row, None, sync=path,
-                                                           device=device), cfg, cg)}
+    def exchange():
+        exchange_rows(row, None, sync=path, device=device)
+
+    us = _per_step({"sync_us": step, "exchange_us": exchange}, cfg, cg)
+    return {"sync": path, "world_size": world, "hosts": cfg["hosts"], **us}
 
 
 def _time_gathers(world: int, rank: int, cfg: dict, device, cg, bar) -> list[dict]:
@@ -182,22 +190,21 @@ def markdown_tables(records: list[dict], cfg: dict, world: int) -> str:
     count with one column per padding mode (µs)."""
     syncs = with_speedups([r for r in records if "sync" in r])
     hosts = f" as {cfg['hosts']} simulated hosts" if cfg.get("hosts", 1) > 1 else ""
-    lines = [f"DP-attention sync per step, W={world}{hosts}, {cfg['device']}", "",
-             "| sync | µs / step (all_gather) | µs / step (transport only) | speedup vs device |",
-             "|---|---|---|---|"]
-    for r in syncs:
-        sp = f"{r['speedup_vs_device']:.1f}×" if r["speedup_vs_device"] else "-"
-        lines.append(f"| {r['sync']} | {r['sync_us']:.1f} | {r['exchange_us']:.1f} | {sp} |")
+    lines = [f"DP-attention sync per step, W={world}{hosts}, {cfg['device']}: the whole "
+             "`MLPSyncBatchInfo.all_gather`, and its transport alone (`exchange_rows`), timed in "
+             "alternating blocks", ""]
+    lines += markdown_lines(
+        ["sync", "µs / step (all_gather)", "µs / step (transport only)", "speedup vs device (×)"],
+        [[r["sync"], r["sync_us"], r["exchange_us"], r["speedup_vs_device"]] for r in syncs])
     ops = [r for r in records if "op" in r]
     keyed = {(r["op"], r["mode"], r["tokens"]): r["time_us"] for r in ops}
     modes = list(dict.fromkeys(r["mode"] for r in ops))
     lines += ["", f"gather / scatter / reduce_scatter, hidden {cfg['hidden']} {cfg['dtype']}, "
-              f"tokens per DP rank, W={world} (µs)", "",
-              "| op | tokens | " + " | ".join(modes) + " |", "|---|---|" + "---|" * len(modes)]
-    for op in dict.fromkeys(r["op"] for r in ops):
-        for t in sorted({r["tokens"] for r in ops if r["op"] == op}):
-            cells = [f"{keyed[(op, m, t)]:.1f}" if (op, m, t) in keyed else "-" for m in modes]
-            lines.append(f"| {op} | {t} | " + " | ".join(cells) + " |")
+              f"tokens per DP rank, W={world} (µs)", ""]
+    lines += markdown_lines(["op", "tokens", *modes],
+                            [[op, t, *(keyed.get((op, m, t)) for m in modes)]
+                             for op in dict.fromkeys(r["op"] for r in ops)
+                             for t in sorted({r["tokens"] for r in ops if r["op"] == op})])
     return "\n".join(lines) + "\n"
 
 
@@ -219,16 +226,19 @@ def main(args) -> int:
     ops = [r for r in records if "op" in r]
     print_table(with_speedups(syncs), ["sync", "world_size", "sync_us", "exchange_us",
                                        "speedup_vs_device"],
-                title=f"\nDP-attention sync per step (µs), {cfg['device']}, W={args.world_size}",
-                fmt={"sync_us": "{:.1f}"})
+                title=f"\nDP-attention sync per step (µs), {cfg['device']}, W={args.world_size} "
+                      f"(sync_us: the whole MLPSyncBatchInfo.all_gather; exchange_us: its "
+                      f"transport alone; alternating blocks)")
     print_table(ops, ["op", "mode", "tokens", "world_size", "time_us"],
                 title=f"\ngather / scatter / reduce_scatter (µs), hidden {cfg['hidden']} "
-                      f"{cfg['dtype']}, tokens per DP rank", fmt={"time_us": "{:.1f}"})
+                      f"{cfg['dtype']}, tokens per DP rank")
     m = meta(cfg["device"], args.world_size, bench="dp-sync", hosts=cfg["hosts"],
              hidden=cfg["hidden"],
              dtype=cfg["dtype"], steps=cfg["steps"], block=cfg["block"],
              iters=cfg["iters"], tokens_are="per DP rank (balanced)",
-             sync_measures="MLPSyncBatchInfo.all_gather per step, back to back",
+             sync_measures="sync_us: MLPSyncBatchInfo.all_gather per step, back to back; "
+                           "exchange_us: its transport (exchange_rows) alone; the two in "
+                           "alternating blocks",
              cpu_count=os.cpu_count(),
              load_average={"before": list(load_before), "after": list(os.getloadavg())})
     series: dict = {}

@@ -195,16 +195,12 @@ def report(records: list, args, opts: dict) -> int:
         _table(ex, ["seq", "causal", "variant", "time_us", "compute_us",
                                 "transfer_us", "per_step_compute_us", "per_step_transfer_us",
                                 "exposed_us"],
-                           title=f"ring / Ulysses / USP, W={args.world_size}, {opts['device']}",
-                           fmt={k: "{:.1f}" for k in ("time_us", "compute_us", "transfer_us",
-                                                       "per_step_compute_us",
-                                                       "per_step_transfer_us", "exposed_us")})
+                           title=f"ring / Ulysses / USP, W={args.world_size}, {opts['device']}")
     kern = [r for r in records if r.get("section") == "kernel"]
     if kern:
         _table(kern, ["seq", "causal", "op", "kernel", "gpu_us", "host_us", "ratio"],
                            title=f"one ring step, [1, {opts['kernel_seq']}, {opts['heads']}, "
-                                 f"{opts['head_dim']}], {opts['device']}",
-                           fmt={"gpu_us": "{:.1f}", "host_us": "{:.1f}", "ratio": "{:.3f}"})
+                                 f"{opts['head_dim']}], {opts['device']}")
     meta = common.meta(opts["device"], args.world_size, bench="ring",
                        dtype="bf16" if opts["device"] == "cuda" else "fp32",
                        geometry=f"q [1, S/W, {opts['heads']}, {opts['head_dim']}], "
@@ -232,23 +228,18 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
              "Time: slowest-rank median per forward.", ""]
     ex = [r for r in records if r.get("section") == "exchange"]
     if ex:
-        lines += ["| S | causal | variant | µs | compute µs | transfer µs | per step compute | "
-                  "per step transfer | exposed µs |", "|---|---|---|---|---|---|---|---|---|"]
-        for r in ex:
-            cells = [f"{r[k]:.1f}" if k in r else "-" for k in (
-                "time_us", "compute_us", "transfer_us", "per_step_compute_us",
-                "per_step_transfer_us", "exposed_us")]
-            lines.append(f"| {r['seq']} | {int(r['causal'])} | {r['variant']} | "
-                         + " | ".join(cells) + " |")
+        lines += common.markdown_lines(
+            ["S", "causal", "variant", "µs", "compute µs", "transfer µs", "per step compute",
+             "per step transfer", "exposed µs"],
+            [[r["seq"], int(r["causal"]), r["variant"],
+              *(r.get(k) for k in ("time_us", "compute_us", "transfer_us", "per_step_compute_us",
+                                   "per_step_transfer_us", "exposed_us"))] for r in ex])
     kern = [r for r in records if r.get("section") == "kernel"]
     if kern:
-        lines += ["", "| S_r | causal | op | kernel | GPU µs | host µs | ratio |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in kern:
-            cells = [f"{r[k]:{f}}" if k in r else "-"
-                     for k, f in (("gpu_us", ".1f"), ("host_us", ".1f"), ("ratio", ".3f"))]
-            lines.append(f"| {r['seq']} | {int(r['causal'])} | {r['op']} | {r['kernel']} | "
-                         + " | ".join(cells) + " |")
+        lines += [""] + common.markdown_lines(
+            ["S_r", "causal", "op", "kernel", "GPU µs", "host µs", "ratio"],
+            [[r["seq"], int(r["causal"]), r["op"], r["kernel"],
+              *(r.get(k) for k in ("gpu_us", "host_us", "ratio"))] for r in kern])
     return "\n".join(lines) + "\n"
 
 

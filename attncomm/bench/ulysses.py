@@ -334,8 +334,7 @@ def _fill_main(args, opts) -> int:
     records, extra = fill_records(opts["fill_seqs"], opts["fill_heads"], 128,
                                   args.world_size, opts["iters"])
     common.print_table(records, ["impl", "seq", "qk_norm", "time_us", "floor_us", "vs_floor"],
-                       title=f"Ulysses fill, one rank's shard at W={args.world_size}",
-                       fmt={"time_us": "{:.1f}", "floor_us": "{:.1f}", "vs_floor": "{:.2f}"})
+                       title=f"Ulysses fill, one rank's shard at W={args.world_size}")
     meta = common.meta("cuda", 1, bench="ulysses-fill", dtype="bf16", **extra)
     if args.json:
         common.write_json(args.json, meta, records)
@@ -386,19 +385,16 @@ def report(records: list, skipped: dict, args, opts: dict) -> int:
     """Print the table; write ``--json`` / ``--plot``; 1 if the transports disagreed."""
     for name, why in skipped.items():
         print(f"bench ulysses: transport {name} skipped: {why}")
-    rows = [dict(r, MB=r["bytes_per_rank"] / 1e6) for r in records
-            if r["geometry"] in ("sweep", "dit")]
+    rows = [r for r in records if r["geometry"] in ("sweep", "dit")]
     if rows:
-        common.print_table(rows, ["geometry", "transport", "mode", "world_size", "MB",
+        common.print_table(rows, ["geometry", "transport", "mode", "world_size", "bytes_per_rank",
                                   "time_us", "busbw_gbps", "bitwise_equal"],
-                           title=f"Ulysses exchange, W={args.world_size}, {opts['device']}",
-                           fmt={"MB": "{:.3f}", "time_us": "{:.1f}", "busbw_gbps": "{:.1f}"})
+                           title=f"Ulysses exchange, W={args.world_size}, {opts['device']}")
     layer_rows = [r for r in records if r.get("geometry") == "layer"
                   and r["variant"] != "summary"]
     if layer_rows:
         common.print_table(layer_rows, ["seq", "joint", "qk_norm", "payload", "variant",
                                         "transport", "groups", "fused_fill", "time_us"],
-                           fmt={"time_us": "{:.1f}"},
                            title=f"Ulysses attention layer (UlyssesAttention, eager), "
                                  f"W={args.world_size}, {opts['device']}")
         for r in layer_rows:
@@ -460,8 +456,8 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
     records = [r for r in records if r["geometry"] in ("sweep", "dit")]
     keyed = {(r["geometry"], r["bytes_per_rank"], r["mode"], r["transport"]): r for r in records}
     transports = list(dict.fromkeys(r["transport"] for r in records))
-    head = ("| geometry | MB sent per rank | mode | "
-            + " | ".join(f"{t} µs | {t} GB/s" for t in transports) + " | ce ÷ all_to_all |")
+    header = ["geometry", "bytes sent per rank", "mode",
+              *(f"{t} {u}" for t in transports for u in ("µs", "GB/s")), "ce ÷ all_to_all (×)"]
     where = meta.get("machine") or meta.get("host")
     lines = [f"# Ulysses all-to-all — {meta.get('date')}, {where}",
              "",
@@ -470,17 +466,17 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
              f"{meta.get('nccl')}. Sweep: {meta.get('sweep_geometry')}; DiT: "
              f"{meta.get('dit_geometry')}. Time: slowest-rank median per exchange (graph: 10 "
              "exchanges per graph, replay ÷ 10); bus bandwidth = bytes sent to peers per rank "
-             "÷ time.", "", head, "|" + "---|" * (3 + 2 * len(transports) + 1)]
-    seen = dict.fromkeys((r["geometry"], r["bytes_per_rank"], r["mode"]) for r in records)
-    for geo, nbytes, mode in seen:
+             "÷ time.", ""]
+    rows = []
+    for geo, nbytes, mode in dict.fromkeys((r["geometry"], r["bytes_per_rank"], r["mode"])
+                                           for r in records):
         cells = []
         for t in transports:
             r = keyed.get((geo, nbytes, mode, t))
-            cells += [f"{r['time_us']:.1f}", f"{r['busbw_gbps']:.1f}"] if r else ["-", "-"]
+            cells += [r["time_us"], r["busbw_gbps"]] if r else [None, None]
         a, c = keyed.get((geo, nbytes, mode, "all_to_all")), keyed.get((geo, nbytes, mode, "ce"))
-        sp = f"{a['time_us'] / c['time_us']:.2f}×" if a and c and c["time_us"] else "-"
-        lines.append(f"| {geo} | {nbytes / 1e6:.1f} | {mode} | " + " | ".join(cells)
-                     + f" | {sp} |")
-    if not records:  # --layer-only: no exchange table
-        lines = lines[:-2]
+        rows.append([geo, nbytes, mode, *cells,
+                     round(a["time_us"] / c["time_us"], 2) if a and c and c["time_us"] else None])
+    if records:  # --layer-only: no exchange table
+        lines += common.markdown_lines(header, rows)
     return "\n".join(lines + layer) + "\n"

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from . import ulysses_timeline as timeline
+from .common import markdown_lines
 from ..ulysses.api import dense
 from ..ulysses.attention import UlyssesAttention, auto_groups, sdpa_attention
 from ..ulysses.fp8 import FP8_DTYPE
@@ -201,15 +202,13 @@ def markdown_rows(records: list[dict]) -> list[str]:
     lines = ["", "## Attention layer: sequential vs pipelined", "",
              "Slowest-rank median per forward, eager. groups: head groups the forward used; "
              "fused: norm + RoPE inside the fill kernel; payload: the q/k/v exchange's (fp8: "
-             "e4m3 rows + fp32 scale); joint: joint rows per forward.", "",
-             "| S | joint | qk_norm | payload | variant | transport | groups | fused | time µs | "
-             "budget |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        b = r.get("budget")
-        lines.append(f"| {r['seq']} | {r.get('joint', 0)} | {int(r['qk_norm'])} | "
-                     f"{r.get('payload', 'none')} | {r['variant']} | {r['transport']} | "
-                     f"{r.get('groups') or '-'} | {int(bool(r.get('fused_fill')))} | "
-                     f"{r['time_us']:.1f} | {timeline.format_budget(b) if b else '-'} |")
+             "e4m3 rows + fp32 scale); joint: joint rows per forward.", ""]
+    lines += markdown_lines(
+        ["S", "joint", "qk_norm", "payload", "variant", "transport", "groups", "fused",
+         "time µs", "budget"],
+        [[r["seq"], r.get("joint", 0), int(r["qk_norm"]), r.get("payload", "none"), r["variant"],
+          r["transport"], r.get("groups") or None, int(bool(r.get("fused_fill"))), r["time_us"],
+          timeline.format_budget(r["budget"]) if r.get("budget") else None] for r in rows])
     for r in rows:
         d = r.get("decision")
         if d:

@@ -16,12 +16,13 @@ Every wait has a timeout, so a disagreement fails loudly (``SimulationError``,
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 import random
 import time
 from dataclasses import dataclass, field
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -120,10 +121,13 @@ class _Request:
 @dataclass
 class _Scheduler:
     """One DP rank's scheduler: arrivals in busy stretches, none in idle stretches, and none
-    on any rank in steps 140..199 of every 200 (so that every rank goes idle together)."""
+    on any rank in steps 140..199 of every 200 (so that every rank goes idle together). Steps
+    ``0..len(opening)-1`` run ``opening[step][dp_rank]`` instead (a copy; no requests)."""
 
     rng: random.Random
     cfg: SimConfig
+    dp_rank: int = 0
+    opening: Sequence = ()
     waiting: list = field(default_factory=list)
     running: list = field(default_factory=list)
     prebuilt: list = field(default_factory=list)
@@ -147,6 +151,9 @@ class _Scheduler:
 
     def next_batch(self, step: int) -> tuple[BatchView | None, list]:
         """This step's batch and the requests it carries (for ``commit``)."""
+        if step < len(self.opening):
+            batch = self.opening[step][self.dp_rank]
+            return (None if batch is None else copy.copy(batch)), []
         self._arrivals(step)
         rng = self.rng
         if self.prebuilt and rng.random() < 0.5:
@@ -308,13 +315,17 @@ def _mlp_step(step, rank, world, cfg, gnt, mode, tokens, mlp, weights, stats, ti
 
 def simulate_rank(rank: int, world_size: int, cfg: SimConfig, weights: MlpWeights | None = None,
                   tokens: Callable | None = None,
-                  progress: Callable[[float], None] | None = None) -> dict:
+                  progress: Callable[[float], None] | None = None,
+                  opening: Sequence[Sequence[BatchView | None]] = ()) -> dict:
     """Run the simulation on this rank (collective over the default group).
 
     Arguments:
         cfg: the settings. weights: the MLP (default: random with ``cfg.seed``).
         tokens: ``(step, dp_rank, n) → [n, E]`` tensor on this rank's device, the same on every
             rank (default: seeded random). progress: called with a fraction after each step.
+        opening: the batches of the first steps, ``opening[step][dp_rank]`` (a ``BatchView``
+            or None), the same on every rank; the seeded scheduler runs the steps after them
+            (a test builds an opening that exercises every rule).
 
     Returns:
         ``{"rank", "dp_rank", "sync", "seconds", "stats": {...}}`` where stats counts the steps
@@ -328,13 +339,13 @@ def simulate_rank(rank: int, world_size: int, cfg: SimConfig, weights: MlpWeight
         threads = torch.get_num_threads()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         try:
-            return _simulate(rank, world_size, cfg, weights, tokens, progress)
+            return _simulate(rank, world_size, cfg, weights, tokens, progress, opening)
         finally:
             torch.set_num_threads(threads)
-    return _simulate(rank, world_size, cfg, weights, tokens, progress)
+    return _simulate(rank, world_size, cfg, weights, tokens, progress, opening)
 
 
-def _simulate(rank, world_size, cfg, weights, tokens, progress) -> dict:
+def _simulate(rank, world_size, cfg, weights, tokens, progress, opening) -> dict:
     atp = cfg.attn_tp_size
     if world_size % atp:
         raise ValueError(f"world_size={world_size} is not divisible by attn_tp_size={atp}")
@@ -346,7 +357,11 @@ def _simulate(rank, world_size, cfg, weights, tokens, progress) -> dict:
     tokens = tokens or default_tokens(cfg.seed, weights.w1.shape[0], dtype, device)
     mlp = weights.shard(rank, world_size, dtype, device)
     timeout_s = config.timeout_s(cfg.timeout_s)
-    sched = _Scheduler(random.Random(cfg.seed * 7919 + d), cfg, stretch=d * 7)
+    if any(len(batches) != dp for batches in opening):
+        raise ValueError(f"opening: each step needs one batch per DP rank ({dp}), got "
+                         f"{[len(batches) for batches in opening]}")
+    sched = _Scheduler(random.Random(cfg.seed * 7919 + d), cfg, dp_rank=d, opening=opening,
+                       stretch=d * 7)
     stats, cg, path = _Stats(), cpu_group(None), None
     idle = BatchView(ForwardMode.IDLE)
     t0 = time.perf_counter()

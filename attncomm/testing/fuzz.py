@@ -22,6 +22,7 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -72,8 +73,10 @@ def _merge(per_rank: list, seeds: list) -> tuple[dict, list, bool]:
 
 
 def run(cases: int, seed: int, *, worlds=range(1, 9), time_budget_s: float | None = None,
-        pool_for=None, timeout_s: float = 60.0, log=print) -> dict:
-    """Run ``cases`` cases of seed ``seed`` whose world size is in ``worlds`` (others skipped).
+        pool_for=None, timeout_s: float = 60.0, log=print,
+        case_seeds: Sequence[int] | None = None) -> dict:
+    """Run ``cases`` cases of seed ``seed`` whose world size is in ``worlds`` (others skipped),
+    or, with ``case_seeds``, exactly those cases (``cases`` and ``worlds`` unused).
 
     ``pool_for(W)`` gives a ``RankPool`` (e.g. the test session's pools): batches then go round
     the world sizes, so a time budget covers all of them. Default: one new pool per world size
@@ -81,11 +84,13 @@ def run(cases: int, seed: int, *, worlds=range(1, 9), time_budget_s: float | Non
     ``time_budget_s``. Returns the summary (see ``main``)."""
     t0 = time.monotonic()
     queues: dict = collections.defaultdict(list)
-    for i in range(cases):
-        s = case_seed(seed, i)
-        w = spec(s)["W"]
-        if w in worlds:
-            queues[w].append(s)
+    if case_seeds is None:
+        case_seeds = [s for s in (case_seed(seed, i) for i in range(cases))
+                      if spec(s)["W"] in worlds]
+    else:
+        cases = len(case_seeds)
+    for s in case_seeds:
+        queues[spec(s)["W"]].append(s)
     interleave = pool_for is not None
     pool_for = pool_for or (lambda w: RankPool(w, device="cpu"))
     pools: dict = {}

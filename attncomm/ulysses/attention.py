@@ -100,10 +100,10 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         backend: ``"all_to_all"``, ``"ce"`` or ``"auto"`` (env ``ATTNCOMM_ULYSSES_BACKEND``).
         pipeline_groups: −1 automatic (env ``ATTNCOMM_ULYSSES_PIPELINE_GROUPS``): decided per
             forward shape by measurement on CUDA (``pipeline_decision``), sequential on CPU;
-            0 sequential; N ≥ 2 forces N head groups (group g+1's fill and exchange issued
-            before group g's attention). Any G ≥ 2 runs only when every rank has room for two
-            groups' working sets (agreed before any allocation), else every rank runs
-            sequentially.
+            0 or 1 (one head group) sequential; N ≥ 2 forces N head groups (group g+1's fill
+            and exchange issued before group g's attention). Any G ≥ 2 runs only when every
+            rank has room for two groups' working sets (agreed before any allocation), else
+            every rank runs sequentially.
         qk_norm: ``(q_weight [D], k_weight [D], eps)`` RMSNorm for q and k, or None.
         timeout_s: wait budget (None: ``ATTNCOMM_TIMEOUT_S``).
         fuse_qk_norm_rope: norm + RoPE inside the fill that packs the send buffer (True: one
@@ -527,8 +527,8 @@ def _fn_name(fn) -> str:
 
 
 def _pipeline_groups_error(g) -> str | None:
-    if isinstance(g, bool) or not isinstance(g, int) or g < -1 or g == 1:
-        return "must be -1 (auto), 0 (sequential) or N ≥ 2 (head groups)"
+    if isinstance(g, bool) or not isinstance(g, int) or g < -1:
+        return "must be -1 (auto), 0 or 1 (sequential) or N ≥ 2 (head groups)"
     return None
 
 

@@ -88,21 +88,20 @@ def _unsent_on_device(rank, world, dev):
         sync_mod.all_gather_tensor = real
 
 
-def test_nccl_sync_and_gathers():
+def test_nccl_sync_and_gathers(seed):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    res = attncomm.launch(_nccl_checks, 2, device="cuda", args=(random.randrange(1 << 20),),
-                          timeout_s=240)
+    res = attncomm.launch(_nccl_checks, 2, device="cuda", args=(seed,), timeout_s=240)
     assert [r.pop("unsent") for r in res] == [[1], [1]]
     assert res[0] == {"device": "device", "cpu": "cpu", "shm": "shm", "auto": "shm"}
 
 
 @pytest.mark.parametrize("sync,dtype", [("device", "bf16"), ("auto", "fp32")])
-def test_simulation_on_cuda(sync, dtype):
+def test_simulation_on_cuda(sync, dtype, seed):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     cfg = SimConfig(steps=300, sync=sync, dtype=dtype, device="cuda", hidden=256, ffn=1024,
-                    seed=random.randrange(1 << 20))
+                    seed=seed)
     s = summarize(attncomm.launch(simulate_rank, 2, device="cuda", args=(cfg,), timeout_s=240))
     assert s["counts"]["steps_run"] > 0 and s["counts"]["all_idle"] > 0
     assert s["min_cosine"] > (0.999 if dtype == "bf16" else 0.99999), s

@@ -4,8 +4,6 @@ device: ``pytest -m gpu tests/gpu/test_ring_gpu.py``. Two or more GPUs (a real r
 multi-GPU issue's."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from _ring_helpers import gen, max_err, rand, ref_attention_lse, special_blocks
@@ -34,10 +32,9 @@ _CASES = [
 
 @pytest.mark.parametrize("case", _CASES, ids=lambda c: f"{c[6]}-D{c[4]}-Dv{c[5]}-Hkv{c[3]}")
 @pytest.mark.parametrize("causal", [False, True])
-def test_attention_with_lse_matches_fp64(case, causal):
+def test_attention_with_lse_matches_fp64(case, causal, seed):
     _need_gpu()
     b, s, hq, hkv, d, dv, dtype = case
-    seed = random.randrange(1 << 30)
     g = gen(seed)
     q, k, v = (rand(g, (b, s, h, dd), dtype) for h, dd in ((hq, d), (hkv, d), (hkv, dv)))
     out, lse = attention_with_lse(q.cuda(), k.cuda(), v.cuda(), causal)
@@ -64,9 +61,8 @@ def _excess(out, ref, v, dtype):
     return ((out.cpu().double() - ref).abs() - tol).max().item()
 
 
-def test_merge_step_cuda_matches_torch_path():
+def test_merge_step_cuda_matches_torch_path(seed):
     _need_gpu()
-    seed = random.randrange(1 << 30)
     blocks = special_blocks(seed, (2, 37, 5, 96), torch.bfloat16)
     states = []
     for device, merge in (("cpu", merge_block_torch), ("cuda", merge_block_triton)):
@@ -99,9 +95,8 @@ def _ring_one_rank(rank, world, seed):
     return res
 
 
-def test_ring_attention_one_rank_cuda():
+def test_ring_attention_one_rank_cuda(seed):
     _need_gpu()
-    seed = random.randrange(1 << 30)
     with attncomm.RankPool(1, device="cuda") as pool:
         res = pool.run(_ring_one_rank, seed, timeout_s=300)[0]
     for layout, causal, err, kernel in res:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import random
 
 import pytest
 import torch
@@ -43,8 +42,7 @@ def _inputs(seed, s=1024, s_j=77, hq=24, hkv=8, d=128, device="cuda"):
     return (q, k, v), joint, norm, rope
 
 
-def test_joint_fp8_one_gpu(one_rank_group):
-    seed = random.randrange(1 << 30)
+def test_joint_fp8_one_gpu(one_rank_group, seed):
     (q, k, v), joint, norm, rope = _inputs(seed)
     ref = None
     for groups in (0, 2, 4):
@@ -138,7 +136,6 @@ def _ce_vs_a2a(rank, world, seed):
 
 
 @pytest.mark.gpus(2)
-def test_ce_joint_fp8_bitwise_equals_all_to_all(gpu_pool):
-    seed = random.randrange(1 << 30)
+def test_ce_joint_fp8_bitwise_equals_all_to_all(gpu_pool, seed):
     for bad in gpu_pool.run(_ce_vs_a2a, seed, timeout_s=240):
         assert not bad, f"seed {seed}: {bad}"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import random
 import warnings
 
 import pytest
@@ -44,10 +43,9 @@ def _make(g, shape, dtype, layout):
     (4, 6, 1, 64, 1, 100, torch.float32, False, "dense"),        # MQA, plain pack
     (2, 12, 4, 128, 1, 1000, torch.bfloat16, False, "dense"),
 ])
-def test_fill_kernel_bitwise_on_cuda(case):
+def test_fill_kernel_bitwise_on_cuda(case, seed):
     _need_gpu()
     w, hq, hkv, d, b, s_r, dtype, norm, layout = case
-    seed = random.randrange(1 << 30)
     g = torch.Generator().manual_seed(seed)
     q, k, v = (_make(g, (b, s_r, h, d), dtype, layout) for h in (hq, hkv, hkv))
     qw = torch.randn(d, generator=g).cuda() if norm else None
@@ -75,14 +73,13 @@ def test_fill_kernel_bitwise_on_cuda(case):
         assert err < (2e-6 if dtype == torch.float32 else 0.1), f"seed {seed}: {err}"
 
 
-def test_prepared_fill_cached_launch_bitwise():
+def test_prepared_fill_cached_launch_bitwise(seed):
     """``FillPlan`` on CUDA launches through the compiled kernel once Triton compiled a
     specialization (``fill.CACHED_LAUNCH``): calls that alternate layouts (dense, transposed,
     sliced, 2-byte misaligned views), cos/sin dtypes and destinations each equal the torch
     path bit for bit, and so do the same calls with every launch through the JIT."""
     _need_gpu()
     from attncomm.ulysses import fill as fill_mod
-    seed = random.randrange(1 << 30)
     g = torch.Generator().manual_seed(seed)
     w, hq, hkv, d, s_r = 2, 8, 2, 64, 77
     qr = tuple(group_head_ranges(hq, w, 2)[1])
@@ -118,12 +115,11 @@ def test_prepared_fill_cached_launch_bitwise():
     (3, 8, 2, 64, 2, 333, torch.float16, True, "sliced"),        # GQA, odd rows
     (2, 12, 4, 128, 1, 1000, torch.bfloat16, False, "transposed"),
 ])
-def test_fill_kernel_fp8_bitwise_on_cuda(case):
+def test_fill_kernel_fp8_bitwise_on_cuda(case, seed):
     """The FP8 payload (ulysses/fp8.py): the kernel's bytes and scales equal the torch path's,
     with zero, NaN, inf and tiny rows among the random ones."""
     _need_gpu()
     w, hq, hkv, d, b, s_r, dtype, norm, layout = case
-    seed = random.randrange(1 << 30)
     g = torch.Generator().manual_seed(seed)
     q, k, v = (_make(g, (b, s_r, h, d), dtype, layout) for h in (hq, hkv, hkv))
     q[0, 1, 0] = 0.0
@@ -161,8 +157,7 @@ def _layer_inputs(seed, s, hq, hkv, d=128):
     return q, k, v, norm, rope
 
 
-def test_attention_fused_grouped_bitwise(one_rank_group):
-    seed = random.randrange(1 << 30)
+def test_attention_fused_grouped_bitwise(one_rank_group, seed):
     q, k, v, norm, rope = _layer_inputs(seed, 1024, 28, 4)
     ref = None
     for groups in (0, 2, 7):
@@ -215,10 +210,10 @@ def _rehearsal():
     return mod
 
 
-def test_rehearsal_bitwise_and_host_ahead(tmp_path):
+def test_rehearsal_bitwise_and_host_ahead(tmp_path, seed):
     _need_gpu()
     reh = _rehearsal()
-    sim = reh.Rehearsal(2, 2048, 8, norm=True, scale=0.1, seed=random.randrange(1 << 30))
+    sim = reh.Rehearsal(2, 2048, 8, norm=True, scale=0.1, seed=seed)
     seq = [o.clone() for o in sim.layer(1)]
     for groups in (2, 4):
         assert all(torch.equal(a, b) for a, b in zip(seq, sim.layer(groups))), groups

@@ -3,7 +3,6 @@ error during capture and graph replays (functional and UlyssesAttention), the fl
 the timeout path."""
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
@@ -70,8 +69,7 @@ def _ce_vs_a2a(rank, world, seed):
     return bad
 
 
-def test_ce_bitwise_equals_all_to_all(gpu_pool):
-    seed = random.randrange(1 << 30)
+def test_ce_bitwise_equals_all_to_all(gpu_pool, seed):
     for bad in gpu_pool.run(_ce_vs_a2a, seed, timeout_s=240):
         assert not bad, f"seed {seed}: {bad}"
 
@@ -109,8 +107,7 @@ def _transport_cases(rank, world, seed, flag_mode, cache_entries):
 
 
 @pytest.mark.parametrize("flag_mode", ["auto", "kernel"])
-def test_ce_flag_modes_and_cache_eviction(gpu_pool, flag_mode):
-    seed = random.randrange(1 << 30)
+def test_ce_flag_modes_and_cache_eviction(gpu_pool, flag_mode, seed):
     results = gpu_pool.run(_transport_cases, seed, flag_mode, 2, timeout_s=240)
     for bad, mode, evictions, entries in results:
         assert not bad, f"seed {seed}: {bad}"
@@ -150,8 +147,7 @@ def _capture(rank, world, seed):
     return new_shape, bad
 
 
-def test_warm_up_error_during_capture_and_graph_replays(gpu_pool):
-    seed = random.randrange(1 << 30)
+def test_warm_up_error_during_capture_and_graph_replays(gpu_pool, seed):
     for new_shape, bad in gpu_pool.run(_capture, seed, timeout_s=240):
         assert "first time inside CUDA graph capture" in new_shape, new_shape
         assert not bad, f"seed {seed}: replays {bad} differ"
@@ -188,8 +184,7 @@ def _attention_capture(rank, world, seed):
     return bad
 
 
-def test_attention_capture_replays_two_gpus(gpu_pool):
-    seed = random.randrange(1 << 30)
+def test_attention_capture_replays_two_gpus(gpu_pool, seed):
     for bad in gpu_pool.run(_attention_capture, seed, timeout_s=240):
         assert not bad, f"seed {seed}: {bad}"
 

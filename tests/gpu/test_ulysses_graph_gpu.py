@@ -5,8 +5,6 @@ raises the warm-up error; ``torch.compile(mode="reduce-overhead")`` (inductor's 
 the round trip and of ``UlyssesAttention``, bit for bit equal to eager."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -45,8 +43,7 @@ def _refill(seed, *tensors):
 
 
 @pytest.mark.parametrize("groups", [0, 4])
-def test_attention_capture_replays_bitwise(one_rank_group, groups):
-    seed = random.randrange(1 << 30)
+def test_attention_capture_replays_bitwise(one_rank_group, groups, seed):
     q, k, v, norm, rope = _layer(seed)
     mod = UlyssesAttention(pipeline_groups=groups, qk_norm=norm)
     mod(q, k, v, rope=rope, causal=True)  # the eager warm-up of the shape
@@ -64,8 +61,7 @@ def test_attention_capture_replays_bitwise(one_rank_group, groups):
         assert torch.equal(out, want), f"seed {seed}: G={groups} replay {rep}"
 
 
-def test_round_trip_capture_and_warm_up_error(one_rank_group):
-    seed = random.randrange(1 << 30)
+def test_round_trip_capture_and_warm_up_error(one_rank_group, seed):
     g = torch.Generator().manual_seed(seed)
     x = _rand(g, (1, 512, 24, 128))
     dest = torch.empty_like(x)
@@ -93,8 +89,7 @@ def test_round_trip_capture_and_warm_up_error(one_rank_group):
     assert torch.equal(ulysses.seq_to_head(new), new)  # the stream works afterwards
 
 
-def test_reduce_overhead_compile_bitwise(one_rank_group):
-    seed = random.randrange(1 << 30)
+def test_reduce_overhead_compile_bitwise(one_rank_group, seed):
     torch._dynamo.reset()
     q, k, v, norm, rope = _layer(seed, s=512)
     mod = UlyssesAttention(pipeline_groups=2, qk_norm=norm)

@@ -4,7 +4,6 @@ decline), Dv != D (two input exchanges of one size bucket) over ce vs all_to_all
 that stops mid-forward → PeerTimeoutError on the other rank."""
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
@@ -72,8 +71,7 @@ def _pipelined_vs_sequential(rank, world, seed):
     return bad
 
 
-def test_pipelined_bitwise_equals_sequential(gpu_pool):
-    seed = random.randrange(1 << 30)
+def test_pipelined_bitwise_equals_sequential(gpu_pool, seed):
     for bad in gpu_pool.run(_pipelined_vs_sequential, seed):
         assert not bad, f"seed {seed}: {bad}"
 
@@ -144,7 +142,6 @@ def _dv_differs(rank, world, seed):
     return bad
 
 
-def test_pipelined_dv_differs_ce_bitwise(gpu_pool):
-    seed = random.randrange(1 << 30)
+def test_pipelined_dv_differs_ce_bitwise(gpu_pool, seed):
     for bad in gpu_pool.run(_dv_differs, seed):
         assert not bad, f"seed {seed}: {bad}"

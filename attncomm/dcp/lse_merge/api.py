@@ -77,6 +77,11 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, lse_base: str = "e",
                  return_lse: bool = False):
     """Merge ``N`` partial attention results of the same queries over disjoint key sets.
 
+    The sources are the first axis. FlashInfer's function of the same name,
+    ``flashinfer.merge_states(v, s)`` (``flashinfer/cascade.py``), takes them on the second:
+    ``v [T, N, H, D]``, ``s [T, N, H]`` fp32, and always returns ``(v, s)``; to call this one
+    with such tensors, pass ``v.transpose(0, 1), s.transpose(0, 1)`` (any strides work).
+
     Arguments:
         outs: ``[N, T, H, D]`` fp16/bf16/fp32 partial outputs.
         lses: ``[N, T, H]`` their log-sum-exps (any float dtype), base ``lse_base``.
