@@ -174,3 +174,32 @@ class _Group:
     """A stand-in group coordinator (the lookup needs no process group)."""
 
     device_group = cpu_group = None
+
+
+def _no_reference_kept(rank, world, seed):
+    """After a forward, no plan holds the caller's cos/sin (or views of them): inductor's CUDA
+    graphs copy a graph's inputs into their pool and refuse a graph whose copies outlive it.
+    W ranks slice their positions (views); the whole tables at W=1."""
+    import gc
+    import weakref
+    g = torch.Generator().manual_seed(seed + rank)
+    s_r, d = 4, 8
+    x = torch.randn((1, s_r, 2 * world, d), generator=g)
+    norm = (torch.randn(d, generator=g), torch.randn(d, generator=g), 1e-6)
+    mod = UlyssesAttention(pipeline_groups=2, qk_norm=norm)
+    refs = []
+    outs = []
+    for _ in range(2):  # the first forward plans, the second reuses the plan
+        cos, sin = torch.randn((s_r * world, d), generator=g), torch.randn((s_r * world, d),
+                                                                          generator=g)
+        outs.append(mod(x, x, x, rope=(cos, sin)))
+        refs += [weakref.ref(cos), weakref.ref(sin)]
+        del cos, sin
+    gc.collect()
+    return [r() is None for r in refs], all(torch.isfinite(o).all().item() for o in outs)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_forward_keeps_no_reference_to_the_rope_tables(pools, world, seed):
+    for freed, finite in pools.run(world, _no_reference_kept, seed):
+        assert all(freed) and finite, f"seed {seed}: {freed}"

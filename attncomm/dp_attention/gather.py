@@ -65,8 +65,10 @@ def _counts(global_num_tokens, name: str = "global_num_tokens") -> list[int]:
 def _mode(mode) -> DpPaddingMode:
     if isinstance(mode, DpPaddingMode):
         return mode
-    if isinstance(mode, str) and mode.upper() in DpPaddingMode.__members__:
-        return DpPaddingMode[mode.upper()]
+    # a plain dict, not DpPaddingMode.__members__ (torch 2.11's dynamo cannot trace `in` on it)
+    by_name = {"MAX_LEN": DpPaddingMode.MAX_LEN, "SUM_LEN": DpPaddingMode.SUM_LEN}
+    if isinstance(mode, str) and mode.upper() in by_name:
+        return by_name[mode.upper()]
     raise ValueError(f"mode must be a DpPaddingMode (MAX_LEN or SUM_LEN), got {mode!r}")
 
 

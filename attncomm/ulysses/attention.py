@@ -208,6 +208,7 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         self.__dict__["_pg"] = _UNRESOLVED  # the resolved process group, on the first forward
         self.__dict__["_plans"] = collections.OrderedDict()   # plan key → ForwardPlan
         self.__dict__["_last"] = None      # the last forward's plan
+        self.__dict__["_op_name"] = None   # the name traced graphs call it by (first plan)
         _LIVE.add(self)
 
     def __setattr__(self, name, value) -> None:
@@ -244,8 +245,8 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
     def __getstate__(self) -> dict:
         # A copy (deepcopy, pickle) plans anew: plans hold transports and device tensors.
         state = dict(self.__dict__)
-        state.update(_plans=collections.OrderedDict(), _last=None, _pg=_UNRESOLVED)
-        state.pop("_op_name", None)
+        state.update(_plans=collections.OrderedDict(), _last=None, _pg=_UNRESOLVED,
+                     _op_name=None)
         return state
 
     def __setstate__(self, state) -> None:
@@ -342,6 +343,10 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         ``ForwardPlan``."""
         if self._pg is _UNRESOLVED:  # a coordinator's device_group; the check once
             self.__dict__["_pg"] = _dist.resolve_group(self.group, "UlyssesAttention")
+        if self._op_name is None:
+            name = f"UlyssesAttention#{next(_NAME_IDS)}"
+            self.__dict__["_op_name"] = name
+            _NAMES[name] = self
         group = self._pg
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         timeout = config.timeout_s(self.timeout_s)
@@ -434,7 +439,7 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         plan an eager forward of this shape made (the warm-up error when there is none)."""
         jkey = None if joint is None else tuple((tuple(t.shape), t.dtype, t.device)
                                                 for t in joint)
-        name = _traced_plan(self, (tuple(q.shape), q.dtype, q.device),
+        name = _traced_plan(self._op_name, (tuple(q.shape), q.dtype, q.device),
                             (tuple(k.shape), k.dtype, k.device),
                             (tuple(v.shape), v.dtype, v.device), seq_lens, causal,
                             None if rope is None else (tuple(rope[0].shape),
@@ -471,20 +476,19 @@ def _forget(key) -> None:
 
 
 @torch.compiler.assume_constant_result
-def _traced_plan(mod, qd, kd, vd, seq_lens, causal, rope_shapes, jkey, position) -> str:
-    """The name the custom op finds ``mod`` by, after checking that an eager forward planned
-    this shape (the warm-up error otherwise). Run by torch.compile while it traces; its result
-    is a constant of the graph."""
-    mod._ensure_open()
-    key = mod._plan_key(qd, kd, vd, seq_lens, causal, rope_shapes, jkey, position)
-    if key not in mod._plans:
-        shapes = ", ".join(f"{n} {list(d[0])}" for n, d in zip("qkv", key[:3]))
-        raise warm_up_error("UlyssesAttention", f"the forward shape {shapes}, {key[0][1]}")
-    name = mod.__dict__.get("_op_name")
-    if name is None or _NAMES.get(name) is not mod:  # a copy of a module gets its own name
-        name = f"UlyssesAttention#{next(_NAME_IDS)}"
-        mod.__dict__["_op_name"] = name
-        _NAMES[name] = mod
+def _traced_plan(name, qd, kd, vd, seq_lens, causal, rope_shapes, jkey, position) -> str:
+    """``name`` (the module's, given by its first eager plan), after checking that an eager
+    forward planned this shape (the warm-up error otherwise). Run by torch.compile while it
+    traces; its result is a constant of the graph. Its arguments are constants (a string and
+    tuples), never the module: torch 2.11's dynamo cannot pass a module to a constant function."""
+    mod = _NAMES.get(name) if name is not None else None
+    if mod is not None:
+        mod._ensure_open()  # a closed module says so (its plans are gone)
+    key = None if mod is None else mod._plan_key(qd, kd, vd, seq_lens, causal, rope_shapes,
+                                                 jkey, position)
+    if mod is None or key not in mod._plans:
+        shapes = ", ".join(f"{n} {list(d[0])}" for n, d in zip("qkv", (qd, kd, vd)))
+        raise warm_up_error("UlyssesAttention", f"the forward shape {shapes}, {qd[1]}")
     return name
 
 

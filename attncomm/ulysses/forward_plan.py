@@ -112,7 +112,6 @@ class ForwardPlan:
         self.dv = dv
         self.fallback_reason = None
         self.backends: dict = {}
-        self._rope_src = self._rope_rows = None
         m = hq // hkv
         eps = float(self.qk_norm[2]) if self.qk_norm is not None else 0.0
         self.eps = eps
@@ -250,15 +249,16 @@ class ForwardPlan:
         return out if joint_out is None else (out, joint_out)
 
     def _rows(self, rope):
-        """cos/sin rows of this rank's positions (kept while the same tensors come back)."""
+        """cos/sin rows of this rank's positions: views made on every call. A plan keeps no
+        reference to a caller's tensor past the call (inductor's CUDA graphs refuse a graph
+        whose inputs, copied into their pool, stay alive after it)."""
         if rope is None:
             return None
         cos, sin = rope
-        src = self._rope_src
-        if src is None or src[0] is not cos or src[1] is not sin:
-            lo, hi = self.off, self.off + self.s_r
-            self._rope_src, self._rope_rows = (cos, sin), (cos[lo:hi], sin[lo:hi])
-        return self._rope_rows
+        lo, hi = self.off, self.off + self.s_r
+        if lo == 0 and hi == cos.shape[0] == sin.shape[0]:
+            return cos, sin
+        return cos[lo:hi], sin[lo:hi]
 
     def _norm_rope(self, q, k, rows):
         """RMSNorm + RoPE of q and k (``rows``: cos/sin for their sequence positions)."""

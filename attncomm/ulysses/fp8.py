@@ -125,7 +125,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.to(torch.float32)
     finite = torch.isfinite(xf)
     amax = torch.where(finite, xf.abs(), 0.0).amax(dim=-1)
-    scale = amax / FP8_MAX
+    # A tensor divisor: torch's CUDA division by a Python scalar multiplies by its reciprocal
+    # (amax · fl(1/448) is not amax / 448 rounded once); tensor / tensor divides on every device.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     div = torch.where(scale > 0, scale, 1.0)
     v = (xf / div.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
     q = v.to(FP8_DTYPE)

@@ -235,3 +235,29 @@ def test_rehearsal_bitwise_and_host_ahead(tmp_path, seed):
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(outs, seq))
+
+
+@pytest.mark.parametrize("d", [128, 96, 80])
+def test_torch_path_rounds_alike_on_cuda_and_cpu(d, seed):
+    """``fp8.quantize_rows`` and ``rms_norm_rope`` give the same bits on CUDA as on the CPU
+    (and so as the kernel's IEEE divisions): torch's CUDA division by a Python scalar multiplies
+    by its reciprocal, which differs in the last bit (amax / 448; the mean over a D that is not a
+    power of two)."""
+    _need_gpu()
+    from attncomm.ulysses import fp8
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((2, 333, 6, d), generator=g).to(torch.bfloat16) * 3
+    x[0, 1, 0] = 0.0
+    x[0, 2, 0, 3] = float("nan")
+    w = torch.randn(d, generator=g)
+    cos, sin = torch.randn((333, d), generator=g), torch.randn((333, d), generator=g)
+    cpu = rms_norm_rope(x, w, 1e-6, cos, sin)
+    gpu = rms_norm_rope(x.cuda(), w.cuda(), 1e-6, cos.cuda(), sin.cuda()).cpu()
+    nan = cpu.isnan()  # NaN rows: NaN on both (their sign and payload bits may differ)
+    assert torch.equal(nan, gpu.isnan()), f"seed {seed} d {d}"
+    assert torch.equal(cpu[~nan].view(torch.int16), gpu[~nan].view(torch.int16)), \
+        f"seed {seed} d {d}"
+    qc, sc = fp8.quantize_rows(cpu)
+    qg, sg = fp8.quantize_rows(cpu.cuda())
+    assert torch.equal(sc.view(torch.int32), sg.cpu().view(torch.int32)), f"seed {seed} d {d}"
+    assert torch.equal(qc.view(torch.uint8), qg.cpu().view(torch.uint8)), f"seed {seed} d {d}"
