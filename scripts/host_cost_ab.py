@@ -1,14 +1,16 @@
 """Host µs of one eager call of attncomm's public exchanges, for an A/B of two trees in one
 device call: run it once per tree (``PYTHONPATH=<tree> python3 scripts/host_cost_ab.py``), in
-alternation, on one GPU, W=1 (one NCCL rank: the exchange is trivial, what is left is the
-library's own host work).
+alternation, on one GPU, W=1 (one NCCL rank: the exchange is trivial). W=1 is not the whole
+host path of W>1: the cross-rank check, the ``ce`` transport and parts of the gather are skipped
+at W=1; the figures are issue 20's W=1 rows.
 
 It uses only names both trees export (``dcp.merge``, ``DcpMerger``, ``dcp.gather_heads``,
 ``ulysses.seq_to_head``, ``UlyssesAttention``, ``sdpa_attention``), so an older tree without
 ``attncomm bench overhead`` can be measured against the current one. Each row: synchronize,
 then time the call on the host (median over ``--repeats``); the unit is one ``torch.add`` of
-two small CUDA tensors timed the same way in the same process (issue 20's unit). Shapes are
-issue 20's table. Writes one JSON line per run to ``--json`` (appended).
+two small CUDA tensors timed the same way in the same process (issue 20's unit; it varies
+from one process to the next, so compare trees in µs as well as in units). Shapes are issue 20's
+table. Writes one JSON line per run to ``--json`` (appended).
 """
 from __future__ import annotations
 
@@ -90,6 +92,8 @@ def main() -> None:
         except Exception as e:  # a row the tree cannot run is named, the others still run
             res[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
     unit = res["torch.add (unit)"]
+    if not isinstance(unit, float):
+        raise SystemExit(f"the unit row failed: {unit}")
     line = {"label": args.label, "tree": os.path.dirname(attncomm.__file__),
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
             "repeats": args.repeats, "host_us": res,

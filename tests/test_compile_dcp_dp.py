@@ -93,7 +93,6 @@ def _aot_eager(rank, world, seed):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_every_exchange_compiles_fullgraph_bit_for_bit(pools, world):
     seed = 2100 + world

@@ -207,7 +207,6 @@ def test_hier_decisions_equal_the_flat_path(pools, layout, seed):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_hier_decisions_equal_the_flat_path_w8(pools, seed):
     res = pools.run(8, _hier_matches_flat, HOST_MAPS["2x4"], seed, 24)
     assert all(r == res[0] for r in res), f"seed {seed}: ranks disagree"
@@ -377,7 +376,6 @@ def test_env_lists_the_hosts_of_a_live_group(tmp_path, capsys):
         envinfo.main(argparse.Namespace(json=None, world_size=2, hosts=3))
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_bench_dp_sync_on_simulated_hosts(tmp_path):
     import argparse

@@ -361,7 +361,6 @@ def _silent_peer(rank, world, timeout_s):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_silent_peer_is_named_by_its_ring_neighbours():
     # W = 3, rank 2 skips the call: rank 1 (whose send to rank 2 is never received) and rank 0
     # (waiting for rank 2's block) both name rank 2, within the budget.

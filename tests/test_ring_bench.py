@@ -22,7 +22,6 @@ def _args(tmp_path, *extra):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_bench_ring_cpu_smoke(pools, tmp_path, capsys):
     args = _args(tmp_path)
     opts = bench._defaults(args)

@@ -25,7 +25,6 @@ def _sentences():
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 @pytest.mark.parametrize("world,modes", [(2, ("ring",)), (4, ("ring", "usp"))])
 def test_demo_ring_and_usp(pools, loaded, world, modes):
     cfg = DemoConfig(world_size=world, max_len=37, modes=modes, batch_size=3)

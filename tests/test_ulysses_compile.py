@@ -70,7 +70,6 @@ def _functional(rank, world, seed, backends):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_round_trip_compiles_without_graph_breaks(pools, seed):
     for res in pools.run(2, _functional, seed, ("aot_eager", "inductor")):
         assert "first time inside CUDA graph capture or torch.compile tracing" in res["cold"] \
@@ -109,10 +108,13 @@ def _attention(rank, world, seed, backends):
     mod.close()
     torch._dynamo.reset()
     res["closed"] = _warm_up_error(mod, q, k, v)
+    never_run = UlyssesAttention(pipeline_groups=0)
+    never_run.close()
+    torch._dynamo.reset()
+    res["closed cold"] = _warm_up_error(never_run, q, k, v)  # closed before any plan
     return res
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_attention_compiles_without_graph_breaks(pools, seed):
     for res in pools.run(2, _attention, seed, ("aot_eager", "inductor")):
@@ -122,3 +124,4 @@ def test_attention_compiles_without_graph_breaks(pools, seed):
             assert res[(groups, "breaks")] == 0
             assert res[(groups, "aot_eager")] and res[(groups, "inductor")], f"seed {seed}"
         assert "UlyssesAttention is closed" in res["closed"], res["closed"]
+        assert "UlyssesAttention is closed" in res["closed cold"], res["closed cold"]

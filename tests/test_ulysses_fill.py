@@ -82,7 +82,6 @@ def test_fill_kernel_under_interpreter(seed):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_fill_kernel_fp8_under_interpreter(seed):
     """The FP8 payload: the kernel's epilogue (round to the dtype, row amax, scale, e4m3 bytes
     and the scale after them) bitwise equal to ``fill_torch`` with norm/no norm, RoPE/no RoPE,

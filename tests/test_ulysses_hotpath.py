@@ -203,3 +203,27 @@ def _no_reference_kept(rank, world, seed):
 def test_forward_keeps_no_reference_to_the_rope_tables(pools, world, seed):
     for freed, finite in pools.run(world, _no_reference_kept, seed):
         assert all(freed) and finite, f"seed {seed}: {freed}"
+
+
+def _copies(rank, world, seed):
+    """``copy.deepcopy`` and a pickle round trip of a module that has run: the copy plans anew
+    (its own group resolution, plans and traced-graph name) and gives the original's bits."""
+    import copy
+    import pickle
+    g = torch.Generator().manual_seed(seed + rank)
+    x = torch.randn((1, 3, 2 * world, 8), generator=g)
+    norm = (torch.randn(8, generator=g), torch.randn(8, generator=g), 1e-6)
+    mod = UlyssesAttention(pipeline_groups=2, qk_norm=norm)
+    want = mod(x, x, x)
+    res = {}
+    for name, make in (("deepcopy", lambda: copy.deepcopy(mod)),
+                       ("pickle", lambda: pickle.loads(pickle.dumps(mod)))):
+        twin = make()
+        fresh = len(twin._plans) == 0 and twin._op_name is None
+        res[name] = fresh and torch.equal(twin(x, x, x), want) and twin._op_name != mod._op_name
+    return res
+
+
+def test_copies_of_a_used_module_plan_anew(pools, seed):
+    for res in pools.run(2, _copies, seed):
+        assert all(res.values()), f"seed {seed}: {res}"

@@ -245,12 +245,15 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
     def __getstate__(self) -> dict:
         # A copy (deepcopy, pickle) plans anew: plans hold transports and device tensors.
         state = dict(self.__dict__)
-        state.update(_plans=collections.OrderedDict(), _last=None, _pg=_UNRESOLVED,
-                     _op_name=None)
+        for name in ("_plans", "_last", "_pg", "_op_name"):
+            state.pop(name, None)
         return state
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
+        # Set here, not carried in the state: a copied _UNRESOLVED would be another object.
+        self.__dict__.update(_plans=collections.OrderedDict(), _last=None, _pg=_UNRESOLVED,
+                             _op_name=None)
         _LIVE.add(self)
 
     # ----------------------------------------------------------------------------- checks
@@ -439,7 +442,8 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         plan an eager forward of this shape made (the warm-up error when there is none)."""
         jkey = None if joint is None else tuple((tuple(t.shape), t.dtype, t.device)
                                                 for t in joint)
-        name = _traced_plan(self._op_name, (tuple(q.shape), q.dtype, q.device),
+        name = _traced_plan(self._op_name, bool(self._closed),
+                            (tuple(q.shape), q.dtype, q.device),
                             (tuple(k.shape), k.dtype, k.device),
                             (tuple(v.shape), v.dtype, v.device), seq_lens, causal,
                             None if rope is None else (tuple(rope[0].shape),
@@ -476,14 +480,16 @@ def _forget(key) -> None:
 
 
 @torch.compiler.assume_constant_result
-def _traced_plan(name, qd, kd, vd, seq_lens, causal, rope_shapes, jkey, position) -> str:
+def _traced_plan(name, closed, qd, kd, vd, seq_lens, causal, rope_shapes, jkey,
+                 position) -> str:
     """``name`` (the module's, given by its first eager plan), after checking that an eager
     forward planned this shape (the warm-up error otherwise). Run by torch.compile while it
     traces; its result is a constant of the graph. Its arguments are constants (a string and
     tuples), never the module: torch 2.11's dynamo cannot pass a module to a constant function."""
+    if closed:  # a closed module says so (its plans are gone), warmed up or not
+        raise RuntimeError("UlyssesAttention is closed (close() or the end of its with-block "
+                           "freed its buffers); build a new one")
     mod = _NAMES.get(name) if name is not None else None
-    if mod is not None:
-        mod._ensure_open()  # a closed module says so (its plans are gone)
     key = None if mod is None else mod._plan_key(qd, kd, vd, seq_lens, causal, rope_shapes,
                                                  jkey, position)
     if mod is None or key not in mod._plans:

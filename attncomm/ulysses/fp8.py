@@ -126,7 +126,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     finite = torch.isfinite(xf)
     amax = torch.where(finite, xf.abs(), 0.0).amax(dim=-1)
     # A tensor divisor: torch's CUDA division by a Python scalar multiplies by its reciprocal
-    # (amax · fl(1/448) is not amax / 448 rounded once); tensor / tensor divides on every device.
+    # (amax · fl(1/448) is not amax / 448 rounded once); tensor / tensor divides on every device
+    # in eager mode (inductor may turn a division by a constant back into a product).
     scale = amax / torch.full_like(amax, FP8_MAX)
     div = torch.where(scale > 0, scale, 1.0)
     v = (xf / div.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
