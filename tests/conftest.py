@@ -94,7 +94,7 @@ def gpu_skip_reason(need: int, count: int, cuda: bool) -> str | None:
     """Why a test that needs ``need`` GPUs cannot run on a machine with ``count`` (None: it
     can)."""
     if not cuda:
-        return "needs CUDA GPUs (run scripts/gpu_check.sh on the device)"
+        return "needs CUDA GPUs (run them on a CUDA machine: bash scripts/gpu_check.sh)"
     if count < need:
         return f"needs {need} CUDA GPUs, this machine has {count}"
     return None
