@@ -33,6 +33,9 @@ import sys
 import triton
 import triton.language as tl
 
+from .. import fp8_device as _e4
+from ..fp8_device import fp8_magnitude
+
 __all__ = ["fill_kernel", "e4m3_kernel", "HEADER", "ENTRY", "H_S", "H_EPS", "H_FLAGS",
            "H_COS_S", "H_COS_D", "H_SIN_S", "H_SIN_D", "E_PART", "E_HEAD", "E_HEADS", "E_BASE",
            "E_PITCH", "E_BPITCH", "E_STRIDES"]
@@ -44,10 +47,6 @@ E_PART, E_HEAD, E_HEADS, E_BASE, E_PITCH, E_BPITCH, E_STRIDES = range(7)
 #: Words per entry (the last four: the part's strides).
 ENTRY = E_STRIDES + 4
 _c = sys.modules[__name__]  # constants read as attributes (see attncomm.symm_device)
-_E4M3_MAX_BITS = 0x43E00000         # 448.0, the largest finite e4m3fn, as fp32 bits
-_E4M3_MIN_NORMAL_BITS = 121 << 23   # 2**-6
-_SUB_MAGIC_BITS = 141 << 23         # 2**14: its fp32 ulp is 2**-9, e4m3's subnormal step
-_REBIAS = 120 << 23                 # fp32 exponent bias 127 → e4m3's 7
 _F32_MAX = 3.4028234663852886e38    # the largest finite fp32
 
 
@@ -92,11 +91,7 @@ def _e4m3(g, finite, dv):
     # e4m3fn bytes of clamp(g / dv, -448, 448), round to nearest even, subnormals as torch's
     # conversion (one fp32 add of 2**14 rounds at 2**-9); a non-finite g gives 0x7F.
     u = tl.div_rn(g, dv).to(tl.int32, bitcast=True)
-    a = tl.minimum(u & 0x7FFFFFFF, _c._E4M3_MAX_BITS)
-    sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) \
-        - _c._SUB_MAGIC_BITS
-    nrm = (a - _c._REBIAS + 0x7FFFF + ((a >> 20) & 1)) >> 20
-    r = tl.where(a < _c._E4M3_MIN_NORMAL_BITS, sub, nrm) | ((u >> 24) & 0x80)
+    r = fp8_magnitude(tl.minimum(u & 0x7FFFFFFF, _e4.E4M3_MAX_BITS)) | ((u >> 24) & 0x80)
     return tl.where(finite, r, 0x7F).to(tl.uint8)
 
 

@@ -51,11 +51,11 @@ from the descriptor (``attncomm.symm_regions``), built once per backend; the sam
 """
 from __future__ import annotations
 
-import sys
-
 import triton
 import triton.language as tl
 
+from ... import fp8_device as _e4
+from ...fp8_device import fp8_magnitude
 from ...symm import plan_blocks
 from ...symm_device import (
     budget,
@@ -82,12 +82,6 @@ __all__ = ["MAX_BLOCK_ROWS", "e4m3_kernel", "gather_flag_kernel", "gather_ll_ker
 #: Rows per block at most (``plan_blocks``'s default bound).
 MAX_BLOCK_ROWS = 64
 
-_E4M3_MAX_BITS = 0x43E00000         # 448.0, the largest finite e4m3fn
-_F32_INF_BITS = 0x7F800000
-_E4M3_MIN_NORMAL_BITS = 121 << 23   # 2**-6
-_SUB_MAGIC_BITS = 141 << 23         # 2**14: its ulp is 2**-9
-_REBIAS = 120 << 23                 # fp32 exponent bias 127 → e4m3's 7
-_c = sys.modules[__name__]  # constants read as attributes (see attncomm.symm_device)
 
 
 @triton.jit
@@ -145,12 +139,9 @@ def _e4m3(v):
     u = v.to(tl.int32, bitcast=True)
     a = u & 0x7FFFFFFF
     sign = (u >> 24) & 0x80
-    a = tl.where((a > _c._E4M3_MAX_BITS) & (a <= _c._F32_INF_BITS), _c._E4M3_MAX_BITS, a)
-    sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) \
-        - _c._SUB_MAGIC_BITS
-    nrm = (a - _c._REBIAS + 0x7FFFF + ((a >> 20) & 1)) >> 20
-    r = tl.where(a < _c._E4M3_MIN_NORMAL_BITS, sub, nrm) | sign
-    r = tl.where(a > _c._F32_INF_BITS, 0x7F, r)
+    a = tl.where((a > _e4.E4M3_MAX_BITS) & (a <= _e4.F32_INF_BITS), _e4.E4M3_MAX_BITS, a)
+    r = fp8_magnitude(a) | sign  # NaN's byte (a > F32_INF_BITS) is replaced below
+    r = tl.where(a > _e4.F32_INF_BITS, 0x7F, r)
     return r.to(tl.uint8)
 
 
