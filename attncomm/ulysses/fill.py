@@ -112,7 +112,7 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     d = xf.shape[-1]
     if weight is not None:
         t = _tree_sum(xf * xf)
-        ms = t / torch.full_like(t, d)  # a tensor divisor: see fp8.quantize_rows
+        ms = t / torch.full((), d, dtype=t.dtype, device=t.device)  # see fp8.quantize_rows
         # fp32 sqrt correctly rounded on every device: torch's CPU fp32 sqrt is not (its
         # vector path differs in the last bit); an fp64 sqrt rounded once to fp32 is.
         inv = torch.reciprocal(torch.sqrt((ms + eps).double()).float())

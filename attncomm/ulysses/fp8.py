@@ -125,10 +125,11 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.to(torch.float32)
     finite = torch.isfinite(xf)
     amax = torch.where(finite, xf.abs(), 0.0).amax(dim=-1)
-    # A tensor divisor: torch's CUDA division by a Python scalar multiplies by its reciprocal
-    # (amax · fl(1/448) is not amax / 448 rounded once); tensor / tensor divides on every device
-    # in eager mode (inductor may turn a division by a constant back into a product).
-    scale = amax / torch.full_like(amax, FP8_MAX)
+    # A 0-dim tensor divisor on amax's device: torch's CUDA division by a Python scalar (a CPU
+    # scalar) multiplies by its reciprocal (amax · fl(1/448) is not amax / 448 rounded once);
+    # by a device tensor it divides, on every device, in eager mode (inductor may turn a
+    # division by a constant back into a product).
+    scale = amax / torch.full((), FP8_MAX, dtype=torch.float32, device=amax.device)
     div = torch.where(scale > 0, scale, 1.0)
     v = (xf / div.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
     q = v.to(FP8_DTYPE)
