@@ -10,7 +10,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from attncomm.testing.reference import ref_attention
 from attncomm.ulysses import UlyssesAttention, fp8
@@ -19,15 +18,6 @@ from attncomm.ulysses.fill import rms_norm_rope
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FP8 = torch.float8_e4m3fn
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield None
 
 
 def _inputs(seed, s=1024, s_j=77, hq=24, hkv=8, d=128, device="cuda"):

@@ -9,7 +9,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from attncomm.ulysses import UlyssesAttention
 from attncomm.ulysses.fill import (FillPart, fill_torch, fill_triton, rms_norm_rope,
@@ -138,14 +137,6 @@ def test_fill_kernel_fp8_bitwise_on_cuda(case, seed):
             got = fill_triton(parts, 1e-6, cos, sin, out=torch.full_like(want, 0xA5),
                               payload_dtype=torch.float8_e4m3fn)
             assert torch.equal(want, got), f"seed {seed} groups {groups} rope {rope}"
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    _need_gpu()
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield None
 
 
 def _layer_inputs(seed, s, hq, hkv, d=128):

@@ -7,21 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from attncomm import ulysses
 from attncomm.ulysses import UlyssesAttention
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield None
 
 
 def _rand(g, shape, dtype=torch.bfloat16):
