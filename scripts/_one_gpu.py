@@ -38,6 +38,20 @@ def use_tree(argv: list[str]) -> str:
     return root
 
 
+def add_run_arguments(p, dump_help: str) -> None:
+    """The options every one-GPU script takes for its runs and their A/B: ``--label``,
+    ``--json``, ``--dump`` (what ``dump_help`` says), ``--tree`` (``use_tree``), ``--ab``,
+    ``--rounds``, ``--out`` (``ab_tree.main``)."""
+    p.add_argument("--label", default="current")
+    p.add_argument("--json", default=None, help="write the records here")
+    p.add_argument("--dump", default=None, help=dump_help)
+    p.add_argument("--tree", default=None, help="run this tree's attncomm (a git archive)")
+    p.add_argument("--ab", default=None, metavar="REV|PATH",
+                   help="A/B: this tree against REV's (git archive) or an extracted tree")
+    p.add_argument("--rounds", type=int, default=2, help="A/B rounds (alternating)")
+    p.add_argument("--out", default=None, help="A/B: where the runs' files go")
+
+
 def device() -> str:
     """``"cuda"``, or ``"cpu"`` for a dry run under the Triton interpreter; SystemExit (2)
     otherwise."""

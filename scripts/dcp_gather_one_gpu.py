@@ -187,17 +187,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rope-dim", type=int, default=64)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     p.add_argument("--replays", type=int, default=100, help="checked graph replays per T")
-    p.add_argument("--label", default="current")
     p.add_argument("--fp8", action="store_true", help="FP8 (e4m3fn) output with per-head scales")
     p.add_argument("--column-block", type=int, default=None,
                    help="force the flag kernel's column block (a power of two; tuning A/Bs)")
-    p.add_argument("--json", default=None, help="write the records here")
-    p.add_argument("--dump", default=None, help="write every checked output here (torch.save)")
-    p.add_argument("--tree", default=None, help="run this tree's attncomm (a git archive)")
-    p.add_argument("--ab", default=None, metavar="REV|PATH",
-                   help="A/B: this tree against REV's (git archive) or an extracted tree")
-    p.add_argument("--rounds", type=int, default=2, help="A/B rounds (alternating)")
-    p.add_argument("--out", default=None, help="A/B: where the runs' files go")
+    _one_gpu.add_run_arguments(p, "write every checked output here (torch.save)")
     return p
 
 

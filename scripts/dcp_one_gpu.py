@@ -136,14 +136,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=512)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128])
     p.add_argument("--pdl", action="store_true", help="launch with PDL (capability ≥ 9.0)")
-    p.add_argument("--label", default="current")
-    p.add_argument("--json", default=None, help="write the records here")
-    p.add_argument("--dump", default=None, help="write every result here (torch.save)")
-    p.add_argument("--tree", default=None, help="run this tree's attncomm (a git archive)")
-    p.add_argument("--ab", default=None, metavar="REV|PATH",
-                   help="A/B: this tree against REV's (git archive) or an extracted tree")
-    p.add_argument("--rounds", type=int, default=2, help="A/B rounds (alternating)")
-    p.add_argument("--out", default=None, help="A/B: where the runs' files go")
+    _one_gpu.add_run_arguments(p, "write every result here (torch.save)")
     return p
 
 

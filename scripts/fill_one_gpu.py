@@ -58,14 +58,7 @@ def case(seq: int, norm: bool, regions: bool, label: str, dump: _one_gpu.Dump) -
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq", type=int, nargs="+", default=[8192, 32768])
-    p.add_argument("--label", default="current")
-    p.add_argument("--json", default=None, help="write the records here")
-    p.add_argument("--dump", default=None, help="write every output (digests) here")
-    p.add_argument("--tree", default=None, help="run this tree's attncomm (a git archive)")
-    p.add_argument("--ab", default=None, metavar="REV|PATH",
-                   help="A/B: this tree against REV's (git archive) or an extracted tree")
-    p.add_argument("--rounds", type=int, default=2, help="A/B rounds (alternating)")
-    p.add_argument("--out", default=None, help="A/B: where the runs' files go")
+    _one_gpu.add_run_arguments(p, "write every output (digests) here")
     return p
 
 
