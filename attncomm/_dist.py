@@ -474,8 +474,13 @@ class Lifecycle:
 
     def _ensure_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"{type(self).__name__} is closed (close() or the end of its "
-                               f"with-block freed its buffers); build a new one")
+            raise self.closed_error(type(self).__name__)
+
+    @staticmethod
+    def closed_error(kind: str) -> RuntimeError:
+        """The error a call on a closed ``kind`` object raises."""
+        return RuntimeError(f"{kind} is closed (close() or the end of its with-block freed its "
+                            f"buffers); build a new one")
 
     def __enter__(self):
         return self

@@ -487,8 +487,7 @@ def _traced_plan(name, closed, qd, kd, vd, seq_lens, causal, rope_shapes, jkey,
     traces; its result is a constant of the graph. Its arguments are constants (a string and
     tuples), never the module: torch 2.11's dynamo cannot pass a module to a constant function."""
     if closed:  # a closed module says so (its plans are gone), warmed up or not
-        raise RuntimeError("UlyssesAttention is closed (close() or the end of its with-block "
-                           "freed its buffers); build a new one")
+        raise _dist.Lifecycle.closed_error("UlyssesAttention")
     mod = _NAMES.get(name) if name is not None else None
     key = None if mod is None else mod._plan_key(qd, kd, vd, seq_lens, causal, rope_shapes,
                                                  jkey, position)
