@@ -59,6 +59,18 @@ def pools():
 SEED = 1
 
 
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """For the one-GPU test files: a W=1 gloo default group in the test process (the module
+    API's group=None), on a machine with a CUDA GPU; skips without one."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield None
+
+
 def pytest_addoption(parser):
     parser.addoption("--seed", type=int, default=None,
                      help=f"seed of the randomized tests (the `seed` fixture; default {SEED})")
