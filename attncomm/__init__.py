@@ -16,11 +16,11 @@ from . import config
 config.default_safe_env()  # before anything below can start NCCL or symmetric memory
 
 from . import dcp, dp_attention, ring, ulysses, usp  # noqa: E402
-from ._dist import cpu_group, release  # noqa: E402
+from ._dist import cpu_group, release, set_group_device  # noqa: E402
 from .errors import PeerTimeoutError  # noqa: E402
 from .launch import RankPool, launch  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["launch", "RankPool", "cpu_group", "release", "PeerTimeoutError", "dcp", "ulysses",
-           "dp_attention", "ring", "usp", "__version__"]
+__all__ = ["launch", "RankPool", "cpu_group", "release", "set_group_device", "PeerTimeoutError",
+           "dcp", "ulysses", "dp_attention", "ring", "usp", "__version__"]
 

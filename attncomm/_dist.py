@@ -4,7 +4,6 @@
   coordinator (an object with ``device_group`` and ``cpu_group``, as vLLM's and SGLang's have)
   → the process group the exchange runs on; a coordinator's ``cpu_group`` serves the host side,
 - ``cpu_group``: the gloo twin of a process group (cached per group), for host-side agreement,
-- version shims for collectives renamed between torch 2.11 and 2.13,
 - ``agree``: the cross-rank argument check that raises the same ``ValueError`` on every rank;
   ``check_args``: when a functional call runs it (``config.validation_mode``: the first call
   with a new signature per group, every call, or never),
@@ -25,36 +24,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from . import config
+from . import collectives, config
+from .collectives import all_gather_tensor
 from .errors import PeerTimeoutError
 
-__all__ = ["cpu_group", "group_lru_get", "clear_cpu_groups", "all_gather_tensor",
-           "reduce_scatter_tensor", "group_key", "group_device", "agree", "guard_timeout", "wait",
-           "as_bits", "agree_reason", "DTYPE_CODES", "resolve_group", "check_group",
-           "check_args", "on_release", "release", "Lifecycle", "group_name", "group_from_name"]
+__all__ = ["cpu_group", "group_lru_get", "clear_cpu_groups", "group_key", "group_device",
+           "set_group_device", "as_device", "agree", "guard_timeout", "wait", "as_bits",
+           "agree_reason", "DTYPE_CODES", "resolve_group", "check_group", "check_args",
+           "on_release", "release", "Lifecycle", "group_name", "group_from_name"]
 
 DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
                torch.int64: 5, torch.int32: 6, torch.int16: 7, torch.int8: 8, torch.uint8: 9,
                torch.bool: 10}
 _SIG_LEN = 32
 _HEAD = 3  # error flag, signature length, op code
-
-
-def all_gather_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
-                      async_op: bool = False):
-    """``output [W·n, ...]`` ← every rank's ``input [n, ...]`` in rank order (torch 2.13 calls
-    it ``all_gather_single``, torch 2.11 ``all_gather_into_tensor``). Returns the work handle
-    when ``async_op``."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group, async_op=async_op)
-
-
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
-                          async_op: bool = False):
-    """``output [n, ...]`` ← rank r's chunk of the sum over ranks of ``input [W·n, ...]``
-    (``reduce_scatter_single`` / ``reduce_scatter_tensor``)."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, group=group, async_op=async_op)
 
 
 def group_key(group=None):
@@ -86,11 +69,46 @@ def _close(value) -> None:
         close()
 
 
+#: The device this process's gloo groups carry exchange tensors on (``set_group_device``).
+_GLOO_DEVICE: torch.device | None = None
+
+
+def set_group_device(device) -> None:
+    """Declare where this process's gloo groups keep the exchange objects' tensors.
+
+    Ranks that share a GPU run on a gloo group (NCCL refuses two ranks on one device) with CUDA
+    tensors: call ``set_group_device("cuda")`` (or ``torch.device("cuda", i)``) on every rank
+    after ``init_process_group("gloo", ...)`` and ``torch.cuda.set_device``, and
+    ``DcpMerger``, ``DcpQueryGather``, ``MLPSyncBatchInfo`` and the other objects built without
+    a device allocate there; collectives of their CUDA tensors go through host copies
+    (``attncomm.collectives``). ``attncomm.launch`` does this for the ranks it places on shared
+    GPUs. ``None`` (the default) means CPU. A device without an index means the current one.
+
+    Raises ValueError for a device that is neither CPU nor CUDA.
+    """
+    global _GLOO_DEVICE
+    dev = None if device is None else as_device(device)
+    if dev is not None and dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"set_group_device: device must be CPU or CUDA, got {dev}")
+    _GLOO_DEVICE = None if dev is None or dev.type == "cpu" else dev
+
+
+def as_device(device) -> torch.device:
+    """``device`` as a ``torch.device``; a CUDA device without an index is the current one."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def group_device(group=None) -> torch.device:
-    """The device a collective on ``group`` takes: CUDA for NCCL groups, else CPU."""
+    """The device an exchange object on ``group`` allocates on: the current CUDA device for
+    NCCL groups; for gloo groups the device ``set_group_device`` declared (CPU unless set)."""
     backend = dist.get_backend(group)
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
+    if backend == "gloo" and _GLOO_DEVICE is not None:
+        return _GLOO_DEVICE
     return torch.device("cpu")
 
 
@@ -157,7 +175,7 @@ def group_from_name(name: str):
     return c10d._resolve_process_group(name)
 
 
-def cpu_group(group=None, *, world_collective: bool = False):
+def cpu_group(group=None, *, world_collective: bool = False, timeout_s: float | None = None):
     """The gloo group over the same ranks as ``group`` (``None``: the default group).
 
     On a gloo group this is the group itself. Otherwise the first call creates the gloo twin
@@ -172,6 +190,10 @@ def cpu_group(group=None, *, world_collective: bool = False):
     - a subgroup, ``world_collective=True``: call it on every rank of the default group (members
       or not, in the same order, like ``dist.new_group``) right after creating the subgroup;
       works for any layout. Non-members get None.
+
+    ``timeout_s`` bounds the creation (None: ``ATTNCOMM_TIMEOUT_S``): a member that does not
+    arrive raises ``PeerTimeoutError`` within it. The group's collectives keep the default
+    timeout afterwards.
     """
     group = resolve_group(group, "attncomm.cpu_group") if _is_coordinator(group) else group
     g = group if group is not None else dist.group.WORLD
@@ -182,11 +204,11 @@ def cpu_group(group=None, *, world_collective: bool = False):
     key = group_key(group)
     pg = _CPU_GROUPS.get(key)
     if pg is None:
-        pg = _CPU_GROUPS[key] = _gloo_twin(group, g, world_collective)
+        pg = _CPU_GROUPS[key] = _gloo_twin(group, g, world_collective, timeout_s)
     return pg
 
 
-def check_group(group=None):
+def check_group(group=None, timeout_s: float | None = None):
     """The gloo group the cross-rank argument checks run on: never the exchange's own group.
 
     A rank whose check was skipped (its signature seen before) may already be inside the
@@ -194,43 +216,59 @@ def check_group(group=None):
     collectives would meet each other (a size mismatch aborts the process inside gloo). On two
     groups each waits for the other until its timeout and raises ``PeerTimeoutError``. For a
     device group this is its gloo twin (``cpu_group``); for a gloo group a second gloo group over
-    the same ranks, created on first use like a twin (collective over the group's members).
+    the same ranks, created on first use like a twin (collective over the group's members;
+    ``timeout_s`` bounds the creation as ``cpu_group``'s).
     """
     g = group if group is not None else dist.group.WORLD
     if dist.get_backend(g) != "gloo":
-        return cpu_group(group)
+        return cpu_group(group, timeout_s=timeout_s)
     key = group_key(group)
     pg = _CHECK_GROUPS.get(key)
     if pg is None:
-        pg = _CHECK_GROUPS[key] = _gloo_twin(group, g, False)
+        pg = _CHECK_GROUPS[key] = _gloo_twin(group, g, False, timeout_s)
     return pg
 
 
-def _gloo_twin(group, g, world_collective: bool):
-    # Collective over the group's members: a member that never arrives is a peer timeout.
-    with guard_timeout(g, "attncomm: creating a gloo group over the ranks of a process group"):
-        return _new_gloo_twin(group, g, world_collective)
+def _gloo_twin(group, g, world_collective: bool, timeout_s: float | None):
+    # Collective over the group's members: a member that never arrives is a peer timeout
+    # within the caller's budget (every step of a first call honours it; the group then gets
+    # the default timeout for its life).
+    budget = config.timeout_s(timeout_s)
+    op = "attncomm: creating a gloo group over the ranks of a process group"
+    with guard_timeout(g, op, budget):
+        pg = _new_gloo_twin(group, g, world_collective, budget)
+    set_timeout = getattr(pg, "set_timeout", None)
+    if set_timeout is not None and budget != config.timeout_s():
+        set_timeout(_default_timeout())
+    return pg
 
 
-def _new_gloo_twin(group, g, world_collective: bool):
+def _new_gloo_twin(group, g, world_collective: bool, budget: float):
+    timeout = datetime.timedelta(seconds=budget)
     if group is None:
-        return dist.new_group(backend="gloo", timeout=_default_timeout())
+        return dist.new_group(backend="gloo", timeout=timeout)
     if world_collective:
         return dist.new_group(ranks=dist.get_process_group_ranks(g), backend="gloo",
-                              timeout=_default_timeout())
-    _check_local_naming(g)
+                              timeout=timeout)
+    _check_local_naming(g, budget)
     return dist.new_group(ranks=dist.get_process_group_ranks(g), backend="gloo",
-                          timeout=_default_timeout(), use_local_synchronization=True)
+                          timeout=timeout, use_local_synchronization=True)
 
 
-def _check_local_naming(g) -> None:
+def _check_local_naming(g, budget: float) -> None:
     # A group made with use_local_synchronization=True is named sha1(ranks, number of groups
     # this rank has): members with different counts would rendezvous under different names.
     names = getattr(getattr(c10d, "_world", None), "pg_names", None)
     if names is None:  # a torch that names groups otherwise: nothing to check
         return
-    counts: list = [None] * dist.get_world_size(g)
-    dist.all_gather_object(counts, len(names), group=g)
+    world = dist.get_world_size(g)
+    dev = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend(g) == "nccl" else torch.device("cpu")
+    mine = torch.tensor([len(names)], dtype=torch.int64, device=dev)
+    out = torch.empty(world, dtype=torch.int64, device=dev)
+    wait(all_gather_tensor(out, mine, group=g, async_op=True), g,
+         "attncomm: creating a gloo group (group count check)", budget)
+    counts = out.tolist()
     if len(set(counts)) > 1:
         raise ValueError(
             f"attncomm.cpu_group: the members of group {dist.get_process_group_ranks(g)} belong "
@@ -305,7 +343,7 @@ def agree(group, op: str, signature: Sequence[int], labels: Sequence[str],
     if len(signature) > _SIG_LEN - _HEAD:
         raise ValueError(f"signature too long ({len(signature)} > {_SIG_LEN - _HEAD})")
     # Over a gloo group: host tensors, no device round trip, and a wait bounded by timeout_s.
-    g = check_group(group)
+    g = check_group(group, timeout_s)
     world = dist.get_world_size(g)
     row = torch.zeros(_SIG_LEN, dtype=torch.int64)
     row[0] = 1 if local_error else 0
@@ -422,7 +460,7 @@ def agree_reason(group, local_reason: str | None, what: str = "") -> str | None:
         return f"rank 0: {local_reason}" if local_reason else None
     flag = torch.tensor([0 if local_reason else 1], dtype=torch.int64)
     with guard_timeout(g, f"agree {what}".strip()):
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=g)
+        collectives.all_reduce(flag, op=dist.ReduceOp.MIN, group=g)
     if int(flag.item()) == 1:
         return None
     reasons: list = [None] * dist.get_world_size(g)

@@ -6,7 +6,10 @@ memory ops (``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` from ``cuda.bindi
 probed by a trial call because the V1 device attribute reads 0 on H200 although the calls work.
 
 Group facts: ``same_host``, ``group_hosts`` (which ranks share a host: the topology, cached per
-group) and ``peer_access`` gather the per-rank facts over the gloo twin of the group;
+group) and ``group_gpus`` (which GPU each rank uses, by device UUID: ranks may share one, cached
+per group) gather the per-rank facts over the gloo twin of the group; ``peer_mapping`` decides,
+once per group, how the ranks map each other's memory (torch SymmetricMemory, or CUDA IPC where
+ranks share a GPU, which torch's allocator refuses, or where torch's is unavailable);
 ``agree_reason`` turns per-rank reasons into one verdict that every rank shares (all_reduce(MIN)
 of an ok-flag); ``collective_try`` runs a step (allocation, rendezvous) on every rank, catches a
 failure and agrees on it, so every rank takes the same path. A group that spans hosts is refused
@@ -27,8 +30,10 @@ from . import config
 from ._dist import agree_reason, cpu_group, group_key
 
 __all__ = ["agree_reason", "hostname", "host_identity", "cuda_reason", "p2p_matrix",
-           "symm_mem_reason", "stream_mem_ops_reason", "same_host", "HostLayout", "group_hosts",
-           "peer_access_reason", "symm_unavailable_reason", "collective_try", "multicast_env"]
+           "symm_mem_reason", "ipc_reason", "stream_mem_ops_reason", "same_host", "HostLayout",
+           "group_hosts", "GpuLayout", "group_gpus", "device_uuid", "PeerMapping",
+           "peer_mapping", "unmeasured_reason", "symm_unavailable_reason", "collective_try",
+           "multicast_env", "MAPPINGS"]
 
 _TEST_HOST = "/test:"  # joins the machine's identity and the test-only host name
 
@@ -235,25 +240,156 @@ def same_host(group=None) -> bool:
     return len(set(_gather(group, host_identity()))) == 1
 
 
-def peer_access_reason(group=None) -> str | None:
-    """Collective. Local reason (None if fine) why this rank's GPU cannot reach every other
-    rank's GPU directly: the ranks must share the host, and P2P must work for every pair."""
-    info = (host_identity(), torch.cuda.current_device() if torch.cuda.is_available() else -1)
-    everyone = _gather(group, info)
-    hosts = {h for h, _ in everyone}
-    if len(hosts) != 1:
-        return f"ranks span {len(hosts)} hosts ({sorted(hosts)})"
-    if cuda_reason():
-        return cuda_reason()
-    mine = info[1]
-    for r, (_, dev) in enumerate(everyone):
-        if dev == mine:
-            if r != dist.get_rank(group):
-                return f"rank {r} uses the same GPU {dev} as this rank"
-            continue
-        if not torch.cuda.can_device_access_peer(mine, dev):
-            return f"no P2P access from GPU {mine} to GPU {dev} (rank {r})"
-    return None
+def ipc_reason() -> str | None:
+    """None when CUDA IPC (torch's own: ``torch.multiprocessing.reductions``) can map a peer
+    process's memory here, else why not."""
+    return cuda_reason()
+
+
+def device_uuid(index: int) -> str:
+    """A name of CUDA device ``index`` that is the same in every process of the machine,
+    whatever its ``CUDA_VISIBLE_DEVICES``: the device UUID (its PCI address, or lastly its
+    index, on a torch that reports no UUID)."""
+    props = torch.cuda.get_device_properties(index)
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None and str(uuid):
+        return f"GPU-{uuid}" if not str(uuid).startswith("GPU-") else str(uuid)
+    bus = getattr(props, "pci_bus_id", None)
+    if bus is not None:
+        return (f"pci:{getattr(props, 'pci_domain_id', 0)}:{bus}:"
+                f"{getattr(props, 'pci_device_id', 0)}")
+    return f"index:{index}"
+
+
+@dataclass(frozen=True)
+class GpuLayout:
+    """Which GPU each rank of a group uses, the same on every rank.
+
+    Attributes:
+        gpus: per group rank, ``(host identity, device UUID, device index)`` of its current
+            CUDA device (``(host identity, "", -1)`` for a rank without CUDA).
+    """
+
+    gpus: tuple[tuple[str, str, int], ...]
+
+    @property
+    def shared(self) -> tuple[tuple[int, ...], ...]:
+        """The sets of two or more ranks that use one GPU (in order of their lowest rank)."""
+        on: dict = {}
+        for r, (host, uuid, _) in enumerate(self.gpus):
+            if uuid:
+                on.setdefault((host, uuid), []).append(r)
+        return tuple(tuple(rs) for rs in on.values() if len(rs) > 1)
+
+    def shared_reason(self) -> str | None:
+        """``"ranks 0-3 share GPU 0"`` when some ranks use one GPU, else None."""
+        sets = self.shared
+        if not sets:
+            return None
+        return "; ".join(f"ranks {_ranges(rs)} share GPU {self.gpus[rs[0]][2]}" for rs in sets)
+
+    def p2p_reason(self, rank: int) -> str | None:
+        """Why ``rank``'s GPU cannot reach the GPU of some other rank directly (None if it can
+        reach all): ranks on one GPU need nothing; others need P2P access (local query)."""
+        _, mine, idx = self.gpus[rank]
+        if not mine:
+            return cuda_reason() or "this rank has no CUDA device"
+        for r, (_, uuid, other) in enumerate(self.gpus):
+            if r == rank or uuid == mine:
+                continue
+            if not uuid:
+                return f"rank {r} has no CUDA device"
+            if not torch.cuda.can_device_access_peer(idx, other):
+                return f"no P2P access from GPU {idx} to GPU {other} (rank {r})"
+        return None
+
+
+_GPUS: dict = {}  # group_key(group) → GpuLayout
+
+
+def group_gpus(group=None) -> GpuLayout:
+    """Which GPU each rank of ``group`` uses (``GpuLayout``), the same on every rank.
+
+    Collective over the group's gloo twin on its first use per group (every rank must call it
+    then), cached for the group's lifetime: a rank's device does not change under a group."""
+    key = group_key(group)
+    layout = _GPUS.get(key)
+    if layout is None:
+        if torch.cuda.is_available():
+            idx = torch.cuda.current_device()
+            mine = (host_identity(), device_uuid(idx), idx)
+        else:
+            mine = (host_identity(), "", -1)
+        layout = _GPUS[key] = GpuLayout(tuple(tuple(x) for x in _gather(group, mine)))
+    return layout
+
+
+#: The peer mappings a symmetric slab can use (``ATTNCOMM_PEER_MAPPING`` forces one).
+MAPPINGS = ("torch", "ipc")
+
+
+@dataclass(frozen=True)
+class PeerMapping:
+    """How the ranks of a group map each other's slabs, the same on every rank.
+
+    Attributes:
+        kind: ``"torch"`` (torch SymmetricMemory) or ``"ipc"`` (CUDA IPC handles of plain
+            allocations, exchanged over the gloo group).
+        why: the reason for that choice, for ``attncomm env`` and messages.
+        unavailable: why that mapping cannot serve the group (None if it can), agreed.
+    """
+
+    kind: str
+    why: str
+    unavailable: str | None = None
+
+
+_MAPPING: dict = {}  # group_key(group) → PeerMapping
+
+
+def peer_mapping(group=None) -> PeerMapping:
+    """Which peer mapping the symmetric slabs of ``group`` use (``PeerMapping``).
+
+    ``ATTNCOMM_PEER_MAPPING`` (``auto``: decide) forces one. ``auto`` takes CUDA IPC when some
+    ranks share a GPU (torch SymmetricMemory refuses allocations from overlapping devices of
+    different ranks) or when torch SymmetricMemory is unavailable on some rank, else torch
+    SymmetricMemory. Collective over the group's gloo twin on first use per group (the GPU
+    layout and the agreement on each mapping's local facts), cached for the group's lifetime
+    (the variable is read then)."""
+    key = group_key(group)
+    hit = _MAPPING.get(key)
+    if hit is not None:
+        return hit
+    shared = group_gpus(group).shared_reason()
+    torch_why = agree_reason(group, symm_mem_reason(), "torch SymmetricMemory")
+    ipc_why = agree_reason(group, ipc_reason(), "CUDA IPC")
+    if torch_why is None and shared is not None:
+        torch_why = f"{shared}: torch SymmetricMemory refuses ranks on one GPU"
+    forced = config.get("ATTNCOMM_PEER_MAPPING")
+    if forced == "torch":
+        m = PeerMapping("torch", "ATTNCOMM_PEER_MAPPING=torch", torch_why)
+    elif forced == "ipc":
+        m = PeerMapping("ipc", "ATTNCOMM_PEER_MAPPING=ipc", ipc_why)
+    elif shared is not None:
+        m = PeerMapping("ipc", f"{shared}: torch SymmetricMemory refuses ranks on one GPU",
+                        ipc_why)
+    elif torch_why is not None:
+        m = PeerMapping("ipc", f"torch SymmetricMemory is unavailable ({torch_why})", ipc_why)
+    else:
+        m = PeerMapping("torch", "every rank has a GPU of its own and torch SymmetricMemory")
+    _MAPPING[key] = m
+    return m
+
+
+def unmeasured_reason(group, device: torch.device) -> str | None:
+    """Why timing backends on ``group`` with ``device`` tensors would say nothing about their
+    speed (None: timings are meaningful): CPU tensors, or ranks that share a GPU (their
+    contexts run in time slices, so a peer-mapped exchange waits slices for its peers).
+    Collective on first use per group (``group_gpus``) for CUDA tensors."""
+    if torch.device(device).type != "cuda":
+        return "CPU: not measured"
+    shared = group_gpus(group).shared_reason()
+    return None if shared is None else f"shared GPU ({shared}): time-sliced, not measured"
 
 
 _PROBE_OVERRIDE: Callable | None = None
@@ -269,19 +405,21 @@ def _override_probe(fn: Callable | None) -> None:
 def symm_unavailable_reason(group, device: torch.device) -> str | None:
     """Collective over ``group`` (for every device type). This rank's reason against a
     symmetric-memory backend (None if it can run): one host (``group_hosts``; checked first, so
-    a group that spans hosts is told so whatever its device), CUDA tensors, symmetric memory
-    importable, P2P to every peer. The caller agrees the verdict across ranks
-    (``agree_reason``)."""
+    a group that spans hosts is told so whatever its device), CUDA tensors, a peer mapping that
+    can serve the group (``peer_mapping``), P2P between every pair of distinct GPUs. The caller
+    agrees the verdict across ranks (``agree_reason``)."""
     if _PROBE_OVERRIDE is not None:
         return _PROBE_OVERRIDE(group, device)
     hosts = group_hosts(group).reason()  # collective on first use per group: always call
     if hosts is not None:
         return hosts
-    # peer_access_reason is collective: every rank must call it, whatever its local verdict.
-    peer = peer_access_reason(group) if torch.device(device).type == "cuda" else None
     if torch.device(device).type != "cuda":
         return f"the group's tensors are on {torch.device(device).type}, not CUDA"
-    return symm_mem_reason() or peer
+    layout = group_gpus(group)  # collective on first use per group
+    mapping = peer_mapping(group)  # collective on first use per group
+    if mapping.unavailable is not None:
+        return f"peer mapping {mapping.kind}: {mapping.unavailable}"
+    return layout.p2p_reason(dist.get_rank(group))
 
 
 def collective_try(group, fn: Callable[[], object], what: str):

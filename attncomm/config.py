@@ -57,6 +57,12 @@ _TABLE = (
     Var("ATTNCOMM_ULYSSES_PIPELINE_GROUPS", int, -1, True, "call",
         "Head groups of UlyssesAttention(pipeline_groups=-1): 0 or 1 sequential, N >= 2 forces "
         "N (-1: automatic)."),
+    Var("ATTNCOMM_PEER_MAPPING", str, "auto", True, "call",
+        "How ranks map each other's symmetric slabs (symm_a2a, the gather's symm, Ulysses ce): "
+        "'torch' SymmetricMemory, 'ipc' (CUDA IPC handles exchanged over the gloo group), or "
+        "'auto': ipc where ranks share a GPU or torch's is unavailable, else torch. Read on a "
+        "group's first symmetric-memory eligibility check.",
+        choices=("auto", "torch", "ipc")),
     Var("ATTNCOMM_MACHINE", str, "", True, "call",
         "The machine's name recorded in benchmark JSON (meta.machine)."),
     # Private: tuning and test hooks, may change without notice.

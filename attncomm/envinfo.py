@@ -6,9 +6,11 @@ Alone, it reports local facts (no process group is formed). With a live group it
 the group's topology (``group_topology``): its hosts, and which exchanges can use their
 single-host transports on it. A live group is: torch.distributed already initialised in this
 process; torchrun's variables (``RANK``, ``WORLD_SIZE`` > 1, ``MASTER_ADDR``), where it joins a
-gloo group and rank 0 prints; or ``--world-size N`` (N local gloo ranks through
-``attncomm.launch``; ``--hosts H`` makes them act as H hosts through the test-only
-``ATTNCOMM_TEST_HOST``).
+gloo group and rank 0 prints; or ``--world-size N`` (N local ranks through ``attncomm.launch``:
+gloo CPU ranks, or with ``--device cuda`` CUDA ranks, sharing the GPUs when N exceeds them;
+``--hosts H`` makes them act as H hosts through the test-only ``ATTNCOMM_TEST_HOST``). On CUDA
+the group's facts include which GPU each rank uses and how peers map each other's memory
+(torch SymmetricMemory or CUDA IPC, and why).
 """
 from __future__ import annotations
 
@@ -36,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=None, metavar="N",
                    help="also report the topology of N local gloo ranks (default: only a group "
                         "that is already live, e.g. under torchrun)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="with --world-size: CPU ranks (gloo, default) or CUDA ranks (NCCL, or "
+                        "ranks sharing GPUs on gloo when N exceeds the GPUs)")
     p.add_argument("--hosts", type=int, default=1, metavar="H",
                    help="with --world-size: consecutive ranks act as H hosts (test-only "
                         "ATTNCOMM_TEST_HOST; default 1)")
@@ -100,7 +105,8 @@ def _symm_a2a_reason(p2p: list[list[bool]]) -> str | None:
     if _triton.REASON:
         return _triton.REASON
     if len(p2p) < 2:
-        return f"needs ≥ 2 GPUs on this host for W ≥ 2 (found {len(p2p)}); W=1 runs"
+        return (f"needs ≥ 2 GPUs on this host for W ≥ 2 (found {len(p2p)}); W=1 runs, and "
+                f"ranks that share a GPU run it through CUDA IPC (correctness, not speed)")
     missing = [f"{i}→{j}" for i, row in enumerate(p2p) for j, ok in enumerate(row) if not ok]
     return f"no P2P access between GPUs {', '.join(missing)}" if missing else None
 
@@ -145,10 +151,16 @@ def group_topology(group=None) -> dict:
     Collective over ``group`` (every rank calls it; the DP sync's "auto" path is decided, and
     built, as on its first use). Returns ``{"world_size", "backend", "device", "hosts": [{"host",
     "ranks"}], "single_host": [{"exchange", "backend", "available", "why_not"}], "dp_sync_auto":
-    {"path", "why_not_shm"}}``, the same on every rank.
+    {"path", "why_not_shm"}, "gpus": [{"rank", "gpu", "uuid"}] | None, "shared_gpu": str |
+    None, "peer_mapping": {"kind", "why", "unavailable"} | None}``, the same on every rank (the
+    GPU facts on CUDA groups only).
     """
     dev = group_device(group)
     layout = capability.group_hosts(group)
+    gpus = mapping = None
+    if dev.type == "cuda":
+        gpus = capability.group_gpus(group)  # collective on first use
+        mapping = capability.peer_mapping(group)  # collective on first use
     symm = capability.symm_unavailable_reason(group, dev) or _triton.REASON  # collective
     # the hosts' reason is the same on every rank (the layout is agreed): said once, not per rank
     symm = layout.reason() or agree_reason(group, symm, "symmetric memory")
@@ -167,6 +179,11 @@ def group_topology(group=None) -> dict:
                         row("ulysses", "ce", ce),
                         row("dp_sync", "shm", None if dp.backend == "shm" else dp.fallback_reason)],
         "dp_sync_auto": {"path": dp.backend, "why_not_shm": dp.fallback_reason},
+        "gpus": None if gpus is None else [{"rank": r, "gpu": idx, "uuid": uuid}
+                                           for r, (_, uuid, idx) in enumerate(gpus.gpus)],
+        "shared_gpu": None if gpus is None else gpus.shared_reason(),
+        "peer_mapping": None if mapping is None else {"kind": mapping.kind, "why": mapping.why,
+                                                      "unavailable": mapping.unavailable},
     }
 
 
@@ -238,6 +255,16 @@ def _print(info: dict) -> None:
             print(f"  {r['exchange'] + ' ' + r['backend']:<20} {mark}"
                   + (f"  {r['why_not']}" if r["why_not"] else ""))
         print(f"DP sync auto: {topo['dp_sync_auto']['path']}")
+        if topo.get("gpus"):
+            print("GPUs: " + ", ".join(f"rank {g['rank']} on GPU {g['gpu']}"
+                                       for g in topo["gpus"]))
+        if topo.get("shared_gpu"):
+            print(f"shared GPU: {topo['shared_gpu']} (time-sliced: correctness and fault tests, "
+                  f"not speed)")
+        m = topo.get("peer_mapping")
+        if m:
+            print(f"peer mapping: {m['kind']} ({m['why']})"
+                  + (f"; cannot serve the group: {m['unavailable']}" if m["unavailable"] else ""))
 
 
 def _torchrun_env() -> bool:
@@ -262,11 +289,12 @@ def _launched_rank(rank: int, world: int, hosts: int) -> dict | None:
 def main(args) -> int:
     config.force_safe_env()
     world, hosts = getattr(args, "world_size", None), getattr(args, "hosts", 1)
+    device = getattr(args, "device", "cpu")
     if world is not None or hosts != 1:
         if world is None or world < 1 or not 1 <= hosts <= world:
             raise ValueError(f"--world-size must be ≥ 1 and --hosts in [1, world size], got "
                              f"--world-size {world} --hosts {hosts}")
-        info = launch(_launched_rank, world, args=(hosts,))[0]
+        info = launch(_launched_rank, world, args=(hosts,), device=device)[0]
     else:
         if _torchrun_env() and not dist.is_initialized():
             dist.init_process_group("gloo", init_method="env://")
@@ -283,4 +311,4 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(argparse.Namespace(json=None, world_size=None, hosts=1)))
+    sys.exit(main(argparse.Namespace(json=None, world_size=None, hosts=1, device="cpu")))

@@ -2,6 +2,13 @@
 
 ``launch`` is the one-shot form; ``RankPool`` keeps the ranks (and their process group) alive so
 that many functions can run on the same world (tests spawn each world size once per session).
+
+On CUDA each rank gets a GPU of its own (NCCL), or, with more ranks than GPUs (or
+``ranks_per_gpu`` > 1), several ranks share a GPU (``gpu_placement``): NCCL refuses two ranks on
+one device, so their group is gloo, its collectives stage CUDA tensors through the host
+(``attncomm.collectives``) and peer-mapped memory is shared by CUDA IPC. The GPU then runs the
+ranks' contexts in time slices: a shared GPU is for development, CI, correctness and fault
+tests, never for speed figures.
 """
 from __future__ import annotations
 
@@ -24,11 +31,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import config
-from ._dist import check_group, clear_cpu_groups, cpu_group
+from ._dist import check_group, clear_cpu_groups, cpu_group, set_group_device
 from ._wait import poll_until
 from .errors import PeerTimeoutError
 
-__all__ = ["launch", "RankPool", "init_distributed"]
+__all__ = ["launch", "RankPool", "init_distributed", "gpu_placement"]
 
 # How long the other ranks get to report after one rank failed (their errors become notes on
 # the failure) before they are stopped and the pool is torn down. Ranks that fail alike (an
@@ -48,21 +55,59 @@ def _timedelta(timeout: float | None = None) -> datetime.timedelta:
     return datetime.timedelta(seconds=config.timeout_s(timeout))
 
 
+def gpu_placement(world_size: int, gpu_count: int,
+                  ranks_per_gpu: int | None = None) -> list[int]:
+    """The GPU of each rank: rank r on GPU ``r % n`` of the ``n = ceil(W / ranks_per_gpu)``
+    GPUs used (round-robin). ``ranks_per_gpu`` None: 1 when the GPUs suffice, else as few per
+    GPU as fit (``ceil(W / gpu_count)``).
+
+    Raises ValueError when there is no GPU, ``ranks_per_gpu`` is not an int ≥ 1, or the
+    placement needs more GPUs than ``gpu_count``."""
+    if gpu_count < 1:
+        raise ValueError(f"device='cuda' with world_size={world_size} needs a CUDA GPU, this "
+                         f"machine has none")
+    if ranks_per_gpu is None:
+        ranks_per_gpu = -(-world_size // gpu_count)
+    if isinstance(ranks_per_gpu, bool) or not isinstance(ranks_per_gpu, int) \
+            or ranks_per_gpu < 1:
+        raise ValueError(f"ranks_per_gpu must be an int ≥ 1, got {ranks_per_gpu!r}")
+    used = -(-world_size // ranks_per_gpu)
+    if used > gpu_count:
+        raise ValueError(f"device='cuda' with world_size={world_size} and ranks_per_gpu="
+                         f"{ranks_per_gpu} needs {used} GPUs, this machine has {gpu_count}")
+    return [r % used for r in range(world_size)]
+
+
 def init_distributed(rank: int, world_size: int, device: str, init_method: str,
-                     timeout_s: float | None = None) -> None:
-    """Initialise torch.distributed for one local rank (gloo on CPU, NCCL on CUDA).
+                     timeout_s: float | None = None, *, gpu: int | None = None,
+                     shared_gpu: bool = False) -> None:
+    """Initialise torch.distributed for one local rank (gloo on CPU, NCCL on CUDA, gloo with
+    CUDA tensors for ranks that share a GPU).
+
+    Arguments:
+        gpu: this rank's CUDA device (default ``rank``). shared_gpu: some ranks share a GPU:
+            the group is gloo (NCCL refuses two ranks on one device) and the exchange objects
+            allocate on ``gpu`` (``attncomm.set_group_device``).
 
     NCCL groups take their timeout from ``ATTNCOMM_TIMEOUT_S`` and abort the communicator on
     error (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``) so the failure surfaces as an exception in the
     caller instead of a watchdog killing the process.
     """
     config.force_safe_env()
-    if device == "cuda":
+    gpu = rank if gpu is None else gpu
+    if device == "cuda" and shared_gpu:
+        torch.cuda.set_device(gpu)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        dist.init_process_group("gloo", init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=_timedelta(timeout_s))
+        set_group_device(torch.device("cuda", gpu))
+        check_group(None)  # collective: the argument checks' own gloo group, on every rank now
+    elif device == "cuda":
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(gpu)
         dist.init_process_group("nccl", init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=_timedelta(timeout_s),
-                                device_id=torch.device("cuda", rank))
+                                device_id=torch.device("cuda", gpu))
         cpu_group(None)  # collective: create the gloo twin on every rank now
     elif device == "cpu":
         # W ranks share the host's cores: without a cap each rank's intra-op pool oversubscribes
@@ -133,7 +178,8 @@ def _orphaned_cleanup(launcher: int, store_dir: str) -> None:
             _remove_rendezvous(store_dir)
 
 
-def _worker(rank, world_size, device, store_path, timeout_s, tasks, results, launcher):
+def _worker(rank, world_size, device, store_path, timeout_s, tasks, results, launcher,
+            gpu=None, shared_gpu=False):
     store_dir = os.path.dirname(store_path)
     _watch_parent(launcher, store_dir)
     with _RENDEZVOUS_LOCK:
@@ -141,7 +187,8 @@ def _worker(rank, world_size, device, store_path, timeout_s, tasks, results, lau
             os._exit(3)  # the launcher is already gone: create nothing
         os.makedirs(store_dir, mode=0o700, exist_ok=True)
     try:
-        init_distributed(rank, world_size, device, f"file://{store_path}", timeout_s)
+        init_distributed(rank, world_size, device, f"file://{store_path}", timeout_s, gpu=gpu,
+                         shared_gpu=shared_gpu)
     except BaseException as exc:
         _orphaned_cleanup(launcher, store_dir)
         results.put((-1, rank, False, _pack_exc(exc)))
@@ -276,8 +323,15 @@ class RankPool:
 
     Arguments:
         world_size: number of ranks (processes), ≥ 1.
-        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, rank r on GPU r).
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, rank r on GPU r; more ranks than GPUs
+            share them, see ``ranks_per_gpu``).
         timeout_s: the process group's collective timeout (None → ``ATTNCOMM_TIMEOUT_S``, 60 s).
+        ranks_per_gpu: ranks per GPU on CUDA (None: 1 when there are enough GPUs, else as few
+            as fit); above 1 the ranks share GPUs round-robin (``gpu_placement``) on a gloo
+            group, their peers mapped by CUDA IPC: for correctness and fault tests, not speed.
+
+    Attributes:
+        gpus: each rank's CUDA device (None on CPU). shared_gpu: whether ranks share GPUs.
 
     ``run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and returns the list of
     return values in rank order. If a rank raises, the first failure is re-raised here with the
@@ -286,17 +340,21 @@ class RankPool:
     False).
     """
 
-    def __init__(self, world_size: int, device: str = "cpu", timeout_s: float | None = None):
+    def __init__(self, world_size: int, device: str = "cpu", timeout_s: float | None = None,
+                 *, ranks_per_gpu: int | None = None):
         _refuse_in_rank_bootstrap()
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int ≥ 1, got {world_size!r}")
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        self.gpus: list[int] | None = None
+        self.shared_gpu = False
         if device == "cuda":
             n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if n < world_size:
-                raise ValueError(f"device='cuda' with world_size={world_size} needs "
-                                 f"{world_size} GPUs, this machine has {n}")
+            self.gpus = gpu_placement(world_size, n, ranks_per_gpu)
+            self.shared_gpu = len(set(self.gpus)) < world_size
+        elif ranks_per_gpu is not None:
+            raise ValueError("ranks_per_gpu applies to device='cuda' only")
         self.world_size = world_size
         self.device = device
         self._ctx = mp.get_context("spawn")
@@ -313,7 +371,8 @@ class RankPool:
             p = self._ctx.Process(
                 target=_worker,
                 args=(rank, world_size, device, path, timeout_s, self._tasks[rank],
-                      self._results, os.getpid()),
+                      self._results, os.getpid(), None if self.gpus is None else self.gpus[rank],
+                      self.shared_gpu),
                 daemon=True, name=f"attncomm-rank{rank}")
             p.start()
             self._procs.append(p)
@@ -447,16 +506,18 @@ class RankPool:
 
 
 def launch(fn: Callable, world_size: int, *, device: str = "cpu", args: tuple = (),
-           timeout_s: float | None = None) -> list:
+           timeout_s: float | None = None, ranks_per_gpu: int | None = None) -> list:
     """Spawn ``world_size`` local ranks, run ``fn(rank, world_size, *args)`` on each, tear down.
 
     Arguments:
         fn: a picklable (module-level) function.
         world_size: number of ranks ≥ 1.
-        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one GPU per rank).
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one GPU per rank; with more ranks than
+            GPUs, or ``ranks_per_gpu`` > 1, ranks share GPUs on a gloo group: ``RankPool``).
         args: extra positional arguments for ``fn``.
         timeout_s: bound on the whole run in seconds (None: no bound on a rank that runs; a
             rank process that is gone is reported within seconds either way).
+        ranks_per_gpu: as ``RankPool``'s.
 
     Returns:
         The per-rank return values, in rank order.
@@ -479,7 +540,7 @@ def launch(fn: Callable, world_size: int, *, device: str = "cpu", args: tuple = 
     """
     _refuse_in_rank_bootstrap()
     _check_picklable(fn, tuple(args))  # before spawning anything: fails in milliseconds
-    pool = RankPool(world_size, device=device)
+    pool = RankPool(world_size, device=device, ranks_per_gpu=ranks_per_gpu)
     try:
         return pool.run(fn, *args, timeout_s=timeout_s)
     finally:

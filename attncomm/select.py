@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from . import config
+from . import collectives, config
 from ._dist import agree_reason, cpu_group
 from ._timing import time_graph
 
@@ -52,11 +52,15 @@ class Decision:
             None when it was, or when it was not asked for.
         times_us: per measured candidate, the slowest rank's geometric-mean µs over the cases
             (inf: failed on some rank); None when nothing was measured.
+        rule: why the choice followed the rule-of-thumb order instead of timings ("CPU: not
+            measured", "shared GPU: time-sliced, not measured"); None when timings could
+            decide.
     """
 
     backend: str
     fallback_reason: str | None = None
     times_us: Mapping[str, float] | None = None
+    rule: str | None = None
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -127,7 +131,7 @@ def measure(group, impls: Mapping[str, object], cases: Sequence,
             log.warning("timing %s failed: %s", name, exc)
             scores[i] = math.inf
     # inf (failed anywhere) survives MAX, so every rank drops the same candidates.
-    dist.all_reduce(scores, op=dist.ReduceOp.MAX, group=cpu_group(group))
+    collectives.all_reduce(scores, op=dist.ReduceOp.MAX, group=cpu_group(group))
     return {n: row for n, row in zip(names, scores.tolist())}
 
 
@@ -163,7 +167,7 @@ def resolve(group, *, op: str, requested: str, names: Sequence[str], preferred: 
             build: Callable[[str], object], measured: bool,
             cases: Sequence = (), prepare: Callable | None = None,
             env_var: str | None = None, auto_names: Sequence[str] | None = None,
-            timer: Callable | None = None) -> tuple[Decision, object]:
+            timer: Callable | None = None, rule: str | None = None) -> tuple[Decision, object]:
     """Choose and build a backend for one exchange object (collective over ``group``).
 
     Arguments:
@@ -176,7 +180,9 @@ def resolve(group, *, op: str, requested: str, names: Sequence[str], preferred: 
         local_reason: ``local_reason(name)`` → why ``name`` cannot run on this rank (may be
             collective: called on every rank for the same names).
         build: ``build(name)`` → a new instance (collective).
-        measured: time the candidates (the caller passes whether the group is on CUDA).
+        measured: time the candidates (the caller passes whether timings say anything here:
+            CUDA tensors on ranks with GPUs of their own, ``capability.unmeasured_reason``).
+        rule: why nothing is timed when ``measured`` is False (recorded in ``Decision.rule``).
         cases, prepare, timer: what ``measure`` times.
         env_var: a ``config`` variable naming a preferred backend for ``"auto"`` (taken when it
             can run here, else auto chooses and logs why).
@@ -215,7 +221,8 @@ def resolve(group, *, op: str, requested: str, names: Sequence[str], preferred: 
         for n in [n for n in rule_of_thumb if n in candidates] or candidates:
             impl, why = build_agreed(group, lambda n=n: build(n), f"{n} setup")
             if impl is not None:
-                return Decision(n, fallback if n != preferred else None), impl
+                return Decision(n, fallback if n != preferred else None,
+                                rule=None if measured else rule), impl
             log.warning("%s: %s setup failed (%s); trying the next backend", op, n, why)
             if n == preferred:
                 fallback = f"setup failed: {why}"

@@ -1,9 +1,14 @@
-"""The symmetric-memory substrate: what every exchange over torch SymmetricMemory shares.
+"""The symmetric-memory substrate: what every exchange over peer-mapped memory shares.
 
 - ``SymmWorkspace``: one symmetric slab (allocate, then rendezvous, each agreed across ranks by
   the caller through ``capability.collective_try``), the peers' slab addresses, a small device
-  word array for epochs, and ``release()``. Its layout belongs to its user (DCP's merge:
-  ``attncomm.dcp.lse_merge.symm_layout``; the Ulysses ``ce`` transport: flags + two slots).
+  word array for epochs, and ``close()`` / ``release()``. Its layout belongs to its user (DCP's
+  merge: ``attncomm.dcp.lse_merge.symm_layout``; the Ulysses ``ce`` transport: flags + two
+  slots). The peers' slabs are mapped one of two ways (``capability.peer_mapping``, the same on
+  every rank of a group): torch SymmetricMemory where every rank has a GPU of its own, or CUDA
+  IPC (torch's: ``torch.multiprocessing.reductions``; a plain allocation whose handle every
+  peer opens) where ranks share a GPU, which torch's allocator refuses, or where torch's is
+  unavailable. Above the mapping nothing differs: kernels and copies get peer addresses.
 - ``PeerErrors``: per-peer error words and the broken-after-timeout state of one exchange
   object. The words live in mapped pinned host memory: a kernel (or a stream memory op) that
   gave up waiting for peer ``p`` stores 1 at ``words[p]`` with a system-scope store, and the
@@ -37,9 +42,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import reduce_tensor
 
-from . import capability, config
-from ._dist import cpu_group, group_key, wait
+from . import capability, collectives, config
+from ._dist import cpu_group, group_key, guard_timeout, wait
 from ._wait import poll_until
 from .errors import PeerTimeoutError
 
@@ -117,7 +123,7 @@ def agreed_min(group, value: int) -> int:
     """The smallest ``value`` over the group's ranks (one gloo all_reduce): a launch bound
     every rank must plan with alike."""
     n = torch.tensor([int(value)], dtype=torch.int64)
-    dist.all_reduce(n, op=dist.ReduceOp.MIN, group=cpu_group(group))
+    collectives.all_reduce(n, op=dist.ReduceOp.MIN, group=cpu_group(group))
     return int(n.item())
 
 def ranks(peers: Sequence[int]) -> str:
@@ -235,6 +241,7 @@ class Watchdog:
         self._wake = threading.Event()
         self._start = start
         self._thread: threading.Thread | None = None
+        self._relaxed = False
 
     def watch(self, errors: PeerErrors) -> None:
         with self._lock:
@@ -313,11 +320,39 @@ class Watchdog:
         poll_until(self._pass, None, interval_s=self.interval_s)  # for the process's life
 
     def _pass(self) -> bool:
+        if not self._relaxed and torch.cuda.is_initialized():
+            # The thread's own CUDA calls (event queries, flag writes) must not break a graph
+            # another thread captures in torch's default global mode: relaxed mode for this
+            # thread only (CUDA's cudaThreadExchangeStreamCaptureMode). Tried once.
+            self._relaxed = True
+            if not relax_capture_mode():
+                warnings.warn("attncomm watchdog: could not set its thread's stream capture "
+                              "mode to relaxed (cuda.bindings missing?): a CUDA graph "
+                              "captured in global mode while a wait is watched may fail; "
+                              "capture with capture_error_mode='thread_local'", stacklevel=1)
         try:
             self.poll()
         except Exception as exc:  # noqa: BLE001 - a watchdog must not die; say why
             warnings.warn(f"attncomm watchdog: {type(exc).__name__}: {exc}", stacklevel=1)
         return False
+
+
+def relax_capture_mode() -> bool:
+    """Set the calling thread's stream capture mode to relaxed (the driver's
+    ``cuThreadExchangeStreamCaptureMode``): its CUDA calls are then allowed while another
+    thread captures a graph in global mode, and they do not invalidate that capture. For the
+    watchdog thread only, which never captures. True when set."""
+    try:
+        from cuda.bindings import driver
+    except Exception:  # noqa: BLE001 - optional dependency
+        return False
+    try:
+        res = driver.cuThreadExchangeStreamCaptureMode(
+            driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+    except Exception:  # noqa: BLE001
+        return False
+    err = res[0] if isinstance(res, tuple) else res
+    return int(getattr(err, "value", err)) == 0
 
 
 class _on_device:
@@ -382,8 +417,11 @@ class SymmWorkspace:
 
     Attributes:
         slab: the local ``[size] uint8`` symmetric tensor (zeroed before the rendezvous).
-        peer_ptrs: after ``rendezvous()``, every rank's slab address (group rank order).
-        handle: the torch SymmetricMemory handle (after ``rendezvous()``).
+        peer_ptrs: after ``rendezvous()``, every rank's slab address in this process (group
+            rank order).
+        mapping: ``"torch"`` or ``"ipc"`` (``capability.peer_mapping`` of the group, unless
+            ``mapping`` is given).
+        handle: the torch SymmetricMemory handle (after ``rendezvous()``; None with ipc).
         state: ``[4] int32`` device words for the user's epochs (zeroed).
         failures: the ``PeerErrors``; ``errors`` is its ``words`` tensor (kernel argument).
 
@@ -394,9 +432,7 @@ class SymmWorkspace:
 
     def __init__(self, group, size, device: torch.device, *, op: str = "symm",
                  timeout_s: float | None = None, rendezvous: bool = True,
-                 errors: PeerErrors | None = None):
-        import torch.distributed._symmetric_memory as symm_mem
-
+                 errors: PeerErrors | None = None, mapping: str | None = None):
         self.group = _group_or_world(group)
         self.device = torch.device(device)
         self.op, self.timeout_s = op, timeout_s
@@ -408,15 +444,14 @@ class SymmWorkspace:
             raise ValueError(f"{op}: layout for {want} ranks, group has {self.world_size}")
         self.layout = size if not isinstance(size, int) else None
         self.nbytes = int(nbytes)
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # deprecated (not needed) in newer torch
-                    enable(self.group.group_name)
-            except Exception:  # noqa: BLE001, S110 - already enabled
-                pass
-        self.slab = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        # Decided by the eligibility check that precedes every construction (cached then).
+        self.mapping = mapping or capability.peer_mapping(self.group).kind
+        if self.mapping not in capability.MAPPINGS:
+            raise ValueError(f"{op}: mapping must be one of {capability.MAPPINGS}, got "
+                             f"{self.mapping!r}")
+        self._peers: list = []  # the ipc mapping's views of every peer's slab
+        self.slab = (self._allocate_torch() if self.mapping == "torch" else
+                     torch.empty(self.nbytes, dtype=torch.uint8, device=self.device))
         self.slab.zero_()
         _LIVE.add(self)
         self.state = torch.zeros(4, dtype=torch.int32, device=self.device)
@@ -444,15 +479,45 @@ class SymmWorkspace:
             raise RuntimeError(f"{op}: rendezvous failed: {reason}")
         return ws
 
+    def _allocate_torch(self) -> torch.Tensor:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # deprecated (not needed) in newer torch
+                    enable(self.group.group_name)
+            except Exception:  # noqa: BLE001, S110 - already enabled
+                pass
+        return symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+
     def rendezvous(self) -> None:
         """Collective: exchange slab handles with every rank (host-blocking; before capture).
         Whatever the user wrote into the slab before it (zeros, initial flags) lands before
         any peer can write."""
+        torch.cuda.synchronize(self.device)
+        if self.mapping == "ipc":
+            self._rendezvous_ipc()
+            return
         import torch.distributed._symmetric_memory as symm_mem
 
-        torch.cuda.synchronize(self.device)
         self.handle = symm_mem.rendezvous(self.slab, self.group.group_name)
         self.peer_ptrs = [int(p) for p in self.handle.buffer_ptrs]
+
+    def _rendezvous_ipc(self) -> None:
+        # Every rank's CUDA IPC handle of its slab (torch's reduction: the allocation's handle,
+        # the slab's offset in it, a reference count the producer keeps the memory alive by)
+        # over the gloo group; each rank opens every peer's (its own slab it has).
+        g = cpu_group(self.group)
+        handles: list = [None] * self.world_size
+        with guard_timeout(g, f"{self.op} (CUDA IPC rendezvous)", self.timeout_s):
+            dist.all_gather_object(handles, reduce_tensor(self.slab), group=g)
+        peers = []
+        for q, (rebuild, args) in enumerate(handles):
+            peers.append(self.slab if q == self.rank else rebuild(*args))
+        self._peers = peers
+        self.peer_ptrs = [int(t.data_ptr()) for t in peers]
 
     @property
     def broken(self) -> PeerTimeoutError | None:
@@ -475,20 +540,38 @@ class SymmWorkspace:
     def close(self) -> None:
         """Collective end of life: finish this rank's device work, wait (bounded by the
         workspace's timeout) until every rank got here, so no peer still stores into the slab,
-        then ``release()``. Idempotent."""
+        then ``release()``: with the ipc mapping every rank first closes its views of the
+        peers' slabs, and a second barrier keeps each slab alive until no peer maps it.
+        Idempotent.
+
+        A broken workspace (a wait timed out: a peer may be gone) skips the barriers and only
+        releases: its peers' late stores still land in memory that no new tensor takes (torch
+        SymmetricMemory keeps the physical pages while a peer maps them; CUDA IPC keeps the
+        allocation while a peer's reference count is held)."""
         if self.slab is None:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         g = cpu_group(self.group)
-        if dist.get_world_size(g) > 1:
+        together = dist.get_world_size(g) > 1 and self.failures.broken is None
+        if together:
             wait(dist.barrier(group=g, async_op=True), g, f"{self.op} (close)", self.timeout_s)
+        if self._peers and together:
+            self._peers = []
+            torch.cuda.synchronize(self.device)
+            wait(dist.barrier(group=g, async_op=True), g, f"{self.op} (close: peers unmapped)",
+                 self.timeout_s)
         self.release()
 
     def release(self) -> None:
-        """Drop the slab and its handle (call on every rank, after every rank is done with
-        it: synchronise and barrier first when peers may still write; ``close()`` does)."""
+        """Drop the slab, its handle and (ipc) the views of the peers' slabs (call on every
+        rank, after every rank is done with it: synchronise and barrier first when peers may
+        still write; ``close()`` does)."""
         _LIVE.discard(self)
+        ipc = self.mapping == "ipc" and self.slab is not None
+        self._peers = []
         self.handle = None
         self.slab = None
         self.peer_ptrs = []
+        if ipc and torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # free what peers no longer hold

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import _dist, config
+from . import _dist, collectives, config
 from .capability import host_identity
 from .ring.api import local_error, ring_attention
 from .ring.checks import check_call, check_call_2d
@@ -147,7 +147,7 @@ def _gather_hosts(group, timeout_s: float | None = None) -> list[str]:
         row[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     rows = torch.empty(world * _HOST_BYTES, dtype=torch.uint8)
     budget = config.timeout_s(timeout_s)
-    _dist.wait(_dist.all_gather_tensor(rows, row, group=g, async_op=True), g,
+    _dist.wait(collectives.all_gather_tensor(rows, row, group=g, async_op=True), g,
                "usp host check", budget)
     return [bytes(r.tolist()).rstrip(b"\0").decode(errors="replace")
             for r in rows.view(world, _HOST_BYTES)]

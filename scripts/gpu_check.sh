@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # One device call that runs every GPU test and benchmark of attncomm and leaves the results under
-# $OUT (run from the repo root on the nvidia-h200-x2 machine through the device tool):
+# $OUT (run from the repo root on a device machine through the device tool):
 #
 #   [ATTNCOMM_WORLD_SIZE=W ATTNCOMM_MACHINE=kind] bash scripts/gpu_check.sh [steps...]
-#   steps: env tests dcp gather demo ulysses ulysses-layer dp-sync demo-bf16 (default all)
+#   steps: env smoke tests faults soak dcp gather demo ulysses ulysses-layer dp-sync demo-bf16
+#          (default all)
+#
+# On a machine with fewer GPUs than W (one H200), the multi-rank steps run as W processes
+# sharing the GPU (CUDA IPC peers, a gloo group): right for correctness and faults, never speed
+# (the benches say so on every table).
 #
 # Writes $OUT/gpu-check.log (everything printed) and $OUT/results.tgz (JSON, PNG, Markdown, junit),
 # to unpack into benchmarks/results/ (file names carry the date and the machine).
@@ -12,7 +17,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 RES=$(mktemp -d)
-MACHINE=${ATTNCOMM_MACHINE:-nvidia-h200-x2}
+MACHINE=${ATTNCOMM_MACHINE:-nvidia-h200}
 WS=${ATTNCOMM_WORLD_SIZE:-2}  # ranks for the benches and the demo (the GPU tests use W=2)
 DAY=$(date -u +%F)
 export ATTNCOMM_MACHINE=$MACHINE PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -22,7 +27,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/attncomm-triton}
 export ATTNCOMM_TIMEOUT_S=${ATTNCOMM_TIMEOUT_S:-30}
 mkdir -p "$OUT"
 LOG=$OUT/gpu-check.log
-STEPS=${*:-env tests dcp gather demo ulysses ulysses-layer dp-sync demo-bf16}
+STEPS=${*:-env smoke tests faults soak dcp gather demo ulysses ulysses-layer dp-sync demo-bf16}
 PY=python3
 AC="$PY -m attncomm.cli"
 status=0
@@ -47,10 +52,24 @@ print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.
 torch.cuda.nccl.version()); print(\"triton\", triton.__version__); \
 print(\"gpus\", torch.cuda.device_count())'"
   step attncomm-env 60 $AC env --json "$RES/env-$DAY-$MACHINE.json"
+  step attncomm-env-group 90 $AC env --world-size "$WS" --device cuda \
+    --json "$RES/env-group-$DAY-$MACHINE.json"
+fi
+if want smoke; then
+  step shared-gpu-smoke 240 $PY scripts/shared_gpu_smoke.py --world 2 3 \
+    --json "$RES/shared-gpu-smoke-$DAY-$MACHINE.json"
 fi
 if want tests; then
-  step gpu-tests 200 $PY -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
-    --junitxml="$RES/gpu-tests-$DAY-$MACHINE.xml"
+  step gpu-tests ${GPU_TESTS_LIMIT:-420} $PY -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
+    -rs --junitxml="$RES/gpu-tests-$DAY-$MACHINE.xml"
+fi
+if want faults; then
+  step gpu-faults 300 $PY -m attncomm.testing.gpu_faults --timeout 4 --jobs 4 --world 2 3 \
+    --json "$RES/gpu-faults-$DAY-$MACHINE.json"
+fi
+if want soak; then
+  step soak 240 $PY -m attncomm.testing.soak --merges 5000 --layers 500 \
+    --json "$RES/soak-$DAY-$MACHINE.json"
 fi
 if want dcp; then
   step bench-dcp 120 $AC bench dcp --device cuda --world-size "$WS" --no-progress \

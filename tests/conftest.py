@@ -27,18 +27,22 @@ config.force_safe_env()
 
 
 class _Pools:
-    def __init__(self):
+    """One reused ``RankPool`` per world size on ``device`` ("cpu": gloo ranks; "cuda": rank r
+    on GPU ``r % n``, one GPU each (NCCL) when there are enough, else sharing them (gloo))."""
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
         self._pools: dict[int, RankPool] = {}
 
     def get(self, world_size: int) -> RankPool:
         pool = self._pools.get(world_size)
         if pool is None or not pool.alive:
-            pool = RankPool(world_size, device="cpu")
+            pool = RankPool(world_size, device=self.device)
             self._pools[world_size] = pool
         return pool
 
     def run(self, world_size: int, fn, *args, timeout_s: float = 300, **kwargs) -> list:
-        """Run ``fn(rank, world_size, *args)`` on a (reused) pool of ``world_size`` gloo ranks."""
+        """Run ``fn(rank, world_size, *args)`` on a (reused) pool of ``world_size`` ranks."""
         return self.get(world_size).run(fn, *args, timeout_s=timeout_s, **kwargs)
 
     def close(self):
@@ -50,6 +54,19 @@ class _Pools:
 @pytest.fixture(scope="session")
 def pools():
     p = _Pools()
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="session")
+def cuda_pools():
+    """The GPU tests' ranks: ``cuda_pools.run(W, fn, *args, timeout_s=...)`` runs on a reused
+    ``RankPool(W, device="cuda")``. With at least W GPUs each rank has its own (NCCL); with
+    fewer, W processes share them (gloo group, CUDA tensors staged through the host, peers
+    mapped by CUDA IPC), so one GPU runs every world size. Skips without CUDA."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (cuda_pools)")
+    p = _Pools("cuda")
     yield p
     p.close()
 

@@ -248,3 +248,27 @@ def test_cli_forces_multicast_off(tmp_path):
                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert json.loads(out.read_text())["multicast"]["NCCL_NVLS_ENABLE"] == "0"
+
+
+#: torch.distributed's tensor collectives: library code calls them only through
+#: ``attncomm.collectives``, which stages CUDA tensors on gloo groups (gloo never sees a device
+#: pointer).
+_TENSOR_COLLECTIVES = {"all_gather", "all_gather_into_tensor", "all_gather_single",
+                       "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+                       "all_to_all", "all_to_all_single", "all_reduce", "broadcast", "isend",
+                       "irecv", "send", "recv", "batch_isend_irecv", "gather", "scatter", "reduce"}
+
+
+def test_tensor_collectives_only_through_the_staging_module():
+    bad = []
+    for mod, path in _modules().items():
+        if mod == "attncomm.collectives":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in _TENSOR_COLLECTIVES \
+                    and isinstance(node.func.value, ast.Name) \
+                    and node.func.value.id in ("dist", "c10d"):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.func.value.id}."
+                           f"{node.func.attr}")
+    assert not bad, "tensor collectives outside attncomm/collectives.py:\n" + "\n".join(bad)

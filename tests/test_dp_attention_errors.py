@@ -79,13 +79,13 @@ class _Done:
 
 def _drop_rows(missing, how):
     """A stand-in for the gather that returns without writing the rows of ``missing``."""
-    from attncomm import _dist
+    from attncomm import collectives
 
     def gather(output, input, group=None, async_op=False):
         if how == "nothing":
             return _Done()
         full = torch.empty_like(output)
-        _dist.all_gather_tensor(full, input, group)
+        collectives.all_gather_tensor(full, input, group)
         rows = full.view(-1, input.numel())
         keep = [r for r in range(rows.shape[0]) if r not in missing]
         output.view(-1, input.numel())[keep] = rows[keep]

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import attncomm
-import attncomm._dist
+import attncomm.collectives
 from attncomm import PeerTimeoutError, dcp
 from attncomm._dist import guard_timeout
 from attncomm.launch import FAILURE_GRACE_S, _death_error
@@ -141,7 +141,7 @@ def _abort_on_rank1(rank, world_size):
 def _mismatched_all_gather(rank, world_size):
     # Validation off and sizes that differ: gloo's own size check aborts a process in C++.
     out = torch.empty(world_size * (4 + rank))
-    attncomm._dist.all_gather_tensor(out, torch.ones(4 + rank))
+    attncomm.collectives.all_gather_tensor(out, torch.ones(4 + rank))
     return rank
 
 

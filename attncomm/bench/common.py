@@ -14,17 +14,41 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import _triton, config
+from .. import _triton, collectives, config
 from .._dist import cpu_group
 from .._timing import time_eager, time_graph
+from ..launch import launch
 
 __all__ = ["meta", "time_eager", "time_graph", "max_over_ranks", "slowest_rank_median",
            "format_column", "format_rows", "markdown_lines", "print_table", "write_json",
-           "plot_lines", "progress"]
+           "plot_lines", "progress", "shared_gpu", "run_ranks", "SHARED_GPU_NOTE"]
+
+#: What every time measured on ranks that share a GPU is marked with: their contexts run in
+#: time slices, so a wait on a peer costs slices, not NVLink time.
+SHARED_GPU_NOTE = "shared GPU: not a speed figure"
+#: Set by ``run_ranks`` when the bench's ranks share GPUs; tables, plots and meta say so.
+_SHARED = False
+
+
+def shared_gpu(device: str, world_size: int) -> bool:
+    """Whether ``world_size`` CUDA ranks share GPUs here (more ranks than GPUs:
+    ``attncomm.launch`` places them round-robin on a gloo group, peers mapped by CUDA IPC)."""
+    return device == "cuda" and torch.cuda.is_available() \
+        and torch.cuda.device_count() < world_size
+
+
+def run_ranks(fn, world_size: int, device: str, args: tuple = ()) -> list:
+    """``attncomm.launch(fn, world_size, device=device, args=args)`` for a bench: on ranks that
+    share a GPU every table, plot and meta block printed after it carries
+    ``SHARED_GPU_NOTE``."""
+    global _SHARED
+    _SHARED = shared_gpu(device, world_size)
+    return launch(fn, world_size, device=device, args=args)
 
 
 def meta(device: str, world_size: int, **extra) -> dict:
-    """The ``meta`` block of a benchmark JSON: gpu, world size, versions, date, host."""
+    """The ``meta`` block of a benchmark JSON: gpu, world size, versions, date, host, and
+    ``shared_gpu`` (``SHARED_GPU_NOTE`` when the ranks shared GPUs, else None)."""
     gpu = None
     if device == "cuda" and torch.cuda.is_available():
         gpu = torch.cuda.get_device_name(0)
@@ -39,6 +63,7 @@ def meta(device: str, world_size: int, **extra) -> dict:
         "date": datetime.date.today().isoformat(),
         "host": platform.node(),
         "machine": config.raw("ATTNCOMM_MACHINE") or None,
+        "shared_gpu": SHARED_GPU_NOTE if _SHARED or shared_gpu(device, world_size) else None,
     }
     out.update(extra)
     return out
@@ -48,7 +73,7 @@ def max_over_ranks(values: Sequence[float], group=None) -> list[float]:
     """Element-wise max of ``values`` over the ranks of ``group`` (through its gloo twin)."""
     t = torch.tensor(list(values), dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group(group))
+        collectives.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group(group))
     return t.tolist()
 
 
@@ -110,6 +135,8 @@ def markdown_lines(header: Sequence[str], rows: Sequence[Sequence]) -> list[str]
     (``format_column``); a cell that is already a string stays as it is."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in format_rows(rows)]
+    if _SHARED:
+        lines += ["", f"({SHARED_GPU_NOTE}: ranks time-slice one GPU)"]
     return lines
 
 
@@ -129,6 +156,8 @@ def print_table(rows: Sequence[dict], columns: Sequence[str], title: str | None 
     lines = []
     if title:
         lines.append(title)
+    if _SHARED:
+        lines.append(f"({SHARED_GPU_NOTE}: ranks time-slice one GPU)")
     lines.append("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     lines.append("  ".join("-" * w for w in widths))
     for b in body:
@@ -164,7 +193,7 @@ def plot_lines(path: str, series: dict[str, tuple[Sequence[float], Sequence[floa
         ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(title + (f"\n({SHARED_GPU_NOTE})" if _SHARED else ""))
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()

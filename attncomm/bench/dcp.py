@@ -24,9 +24,8 @@ import torch.distributed as dist
 from .. import config
 from .._dist import cpu_group
 from .common import (format_rows, markdown_lines, max_over_ranks, meta, print_table, progress,
-                     slowest_rank_median, time_eager, time_graph)
+                     run_ranks, slowest_rank_median, time_eager, time_graph)
 from .report import Report, add_common_arguments, emit, usage_error
-from ..launch import launch
 from . import dcp_gather as bench_gather
 from ..dcp.lse_merge import DcpMerger
 from ..dcp.lse_merge import BACKENDS
@@ -225,7 +224,7 @@ def main(args) -> int:
     except ValueError as exc:
         return usage_error("dcp", str(exc))
     t0 = time.monotonic()
-    results = launch(run_rank, args.world_size, device=cfg["device"], args=(cfg,))
+    results = run_ranks(run_rank, args.world_size, cfg["device"], (cfg,))
     records = results[0] or []
     rows = add_speedups(records)
     print_table(rows, ["backend", "mode", "tokens", "world_size", "latency_us", "speedup",

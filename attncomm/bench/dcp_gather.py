@@ -22,8 +22,7 @@ import torch.distributed as dist
 from .. import config
 from .._dist import cpu_group
 from .common import (markdown_lines, max_over_ranks, meta, plot_lines, print_table, progress,
-                            slowest_rank_median, time_eager, time_graph, write_json)
-from ..launch import launch
+                     run_ranks, slowest_rank_median, time_eager, time_graph, write_json)
 from ..dcp.lse_merge import DcpMerger
 from ..dcp.query_gather import DcpQueryGather
 
@@ -166,7 +165,7 @@ def main(args) -> int:
         print(f"attncomm bench dcp: {exc}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
-    records = launch(run_rank, args.world_size, device=cfg["device"], args=(cfg,))[0] or []
+    records = run_ranks(run_rank, args.world_size, cfg["device"], (cfg,))[0] or []
     what = "query gather" if cfg["op"] == "gather" else "gather + merge per decode layer"
     geo = (f"W={args.world_size}, H={cfg['heads']}, D={cfg['head_dim']}, R={cfg['rope_dim']}"
            + (f", Dv={cfg['v_head_dim']}" if cfg["op"] == "layer" else "") + f", {cfg['dtype']}")

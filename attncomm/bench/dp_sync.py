@@ -28,10 +28,9 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import cpu_group
-from .common import (markdown_lines, meta, print_table, progress, slowest_rank_median,
+from .common import (markdown_lines, meta, print_table, progress, run_ranks, slowest_rank_median,
                      time_eager)
 from .report import Report, add_common_arguments, emit, usage_error
-from ..launch import launch
 from ..dp_attention.gather import (DpPaddingMode, dp_gather, dp_reduce_scatter, dp_scatter,
                                    global_layout)
 from ..dp_attention.sync import MLPSyncBatchInfo, exchange_rows, resolve_sync
@@ -221,7 +220,7 @@ def main(args) -> int:
                                       f"needs {args.world_size} GPUs, found "
                                       f"{torch.cuda.device_count()}")
     load_before = os.getloadavg()
-    records = launch(run_rank, args.world_size, device=cfg["device"], args=(cfg,))[0]
+    records = run_ranks(run_rank, args.world_size, cfg["device"], (cfg,))[0]
     syncs = [r for r in records if "sync" in r]
     ops = [r for r in records if "op" in r]
     print_table(with_speedups(syncs), ["sync", "world_size", "sync_us", "exchange_us",

@@ -40,9 +40,8 @@ from ..dcp import DcpAttention, DcpMerger, DcpQueryGather, gather_heads, merge
 from ..dcp.lse_merge import functional as merge_fn
 from ..dcp.query_gather import functional as gather_fn
 from ..dp_attention import DpPaddingMode, dp_gather, dp_reduce_scatter
-from ..launch import launch
 from ..ulysses import UlyssesAttention, sdpa_attention, seq_to_head
-from .common import max_over_ranks, meta, print_table
+from .common import (max_over_ranks, meta, print_table, run_ranks)
 from .report import Report, emit, usage_error
 
 __all__ = ["OPS", "EXTRA_OPS", "TARGETS", "add_arguments", "main", "run_rank", "markdown_table",
@@ -392,7 +391,7 @@ def main(args) -> int:
     except ValueError as exc:
         return usage_error("overhead", str(exc))
     t0 = time.monotonic()
-    res = launch(run_rank, args.world_size, device=cfg["device"], args=(cfg,))[0]
+    res = run_ranks(run_rank, args.world_size, cfg["device"], (cfg,))[0]
     records = res["records"]
     for op, text in res["profiles"].items():
         print(f"===== host profile of {op} ({cfg['repeats']} calls, cProfile, own time)\n{text}")

@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import cpu_group
-from ..launch import launch
 from ..ring import attention_with_lse, ring_attention
 from ..ring.comm import RingComm
 from ..ring.layout import ring_block
@@ -256,7 +255,7 @@ def main(args) -> int:
         records += [dict(r, section="kernel") for r in kernel_records(
             device, opts["kernel_seq"], opts["heads"], opts["head_dim"], dtype, opts["iters"])]
     if not opts["kernels_only"]:
-        result = launch(run_rank, args.world_size, device=opts["device"], args=(opts,))[0]
+        result = common.run_ranks(run_rank, args.world_size, opts["device"], (opts,))[0]
         records += result["records"]
     if not records:
         print("bench ring: nothing to run", file=sys.stderr)

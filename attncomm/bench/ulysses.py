@@ -31,11 +31,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .. import config
+from .. import collectives, config
 from .._dist import cpu_group
 from . import common
 from .report import NameList, Report, add_common_arguments, default_device, emit
-from ..launch import launch
 from . import ulysses_dit as bench_dit
 from . import ulysses_fp8 as bench_fp8
 from . import ulysses_layer as bench_layer
@@ -252,7 +251,7 @@ def run_rank(rank: int, world: int, opts: dict) -> list[dict] | None:
         if len(finals) > 1:  # the transports must agree bit for bit
             vals = list(finals.values())
             flag = torch.tensor([int(all(torch.equal(vals[0], v) for v in vals[1:]))])
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_g)
+            collectives.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_g)
             for rec in records:
                 if rec["geometry"] == geometry and rec["bytes_per_rank"] == sent:
                     rec["bitwise_equal"] = bool(flag.item())
@@ -376,7 +375,7 @@ def main(args) -> int:
         if why:
             print(f"bench ulysses: --dit-model: {why}", file=sys.stderr)
             return 2
-    result = launch(run_rank, args.world_size, device=opts["device"], args=(opts,))[0]
+    result = common.run_ranks(run_rank, args.world_size, opts["device"], (opts,))[0]
     opts["diffusers_cp_note"] = result.get("diffusers_cp_note")
     return report(result["records"], result["skipped"], args, opts)
 

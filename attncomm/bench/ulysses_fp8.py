@@ -27,6 +27,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from .. import collectives
 from ..ulysses import UlyssesAttention, fp8
 from ..ulysses.layout import head_offsets, head_split
 
@@ -80,7 +81,7 @@ def _stats(a, b) -> list[float]:
 def _reduce(values: list[float], op, cpu_g) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     if dist.get_world_size(cpu_g) > 1:
-        dist.all_reduce(t, op=op, group=cpu_g)
+        collectives.all_reduce(t, op=op, group=cpu_g)
     return t.tolist()
 
 

@@ -36,6 +36,8 @@ import os
 
 import torch
 import torch.distributed as dist
+
+from .. import collectives
 from torch.profiler import ProfilerActivity, profile
 
 from . import ulysses_timeline as timeline
@@ -182,7 +184,7 @@ def _summary(base, outs, times, cpu_g) -> dict:
     vals = list(outs.values())
     same = all(torch.equal(vals[0], o) for o in vals[1:]) if vals else True
     flag = torch.tensor([int(same)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_g)
+    collectives.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_g)
     seq_a2a = times.get(("sequential_all_to_all", "all_to_all"))
     att = times.get(("attention_only", "none"))
     autos = {t: v for (name, t), v in times.items() if name == "pipelined_auto"}

@@ -44,6 +44,8 @@ class DcpAttention(Lifecycle, torch.nn.Module):
         rope_dim: R of ``DcpQueryGather`` (0: no rotation). lse_base: "e" or "2".
         gather_backend, merge_backend: "auto" or a named backend of each exchange.
         timeout_s: wait budget (None → ``ATTNCOMM_TIMEOUT_S``).
+        device: where both exchanges' buffers live (None: the group's device, as
+            ``DcpMerger``'s).
 
     ``forward(q [T, H/W, D], *args, rope=None, **kwargs)`` → ``[T, H/W, Dv]`` in ``out_dtype``
     (a view valid until the next call when the merge backend returns views), heads
@@ -61,7 +63,7 @@ class DcpAttention(Lifecycle, torch.nn.Module):
                  head_dim: int, dtype: torch.dtype, v_head_dim: int | None = None,
                  out_dtype: torch.dtype | None = None, rope_dim: int = 0, lse_base: str = "e",
                  gather_backend: str = "auto", merge_backend: str = "auto",
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, device=None):
         super().__init__()
         self.attn_fn = attn_fn
         self.group = group = resolve_group(group, "DcpAttention")
@@ -72,10 +74,11 @@ class DcpAttention(Lifecycle, torch.nn.Module):
         self.gather = DcpQueryGather(group, max_tokens=max_tokens, num_heads=num_heads,
                                      head_dim=head_dim, dtype=dtype, backend=gather_backend,
                                      rope_dim=rope_dim, timeout_s=timeout_s,
-                                     ordered_by_caller=True)
+                                     ordered_by_caller=True, device=device)
         self.merger = DcpMerger(group, max_tokens=max_tokens, num_heads=num_heads,
                                 head_dim=self.v_head_dim, dtype=self.out_dtype,
-                                backend=merge_backend, lse_base=lse_base, timeout_s=timeout_s)
+                                backend=merge_backend, lse_base=lse_base, timeout_s=timeout_s,
+                                device=device)
 
     @property
     def backends(self) -> tuple[str, str]:

@@ -45,6 +45,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from .. import collectives
 from .._dist import cpu_group
 from .models import MiniLM, MiniLMInfo, full_attention, mean_pool
 
@@ -249,7 +250,7 @@ class RankContext:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        collectives.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group)
         return float(t)
 
     def row(self, mode: str, backend: str, out: torch.Tensor, ref: torch.Tensor | None,
@@ -297,7 +298,7 @@ def sentence_reference(ctx: RankContext) -> torch.Tensor | None:
             hidden = ctx.model.forward(ids, attend)
             buf[c * bs:c * bs + ids.shape[0]] = mean_pool(hidden, mask).cpu()
         # Every row has exactly one non-zero contributor, so the sum is exact.
-        dist.all_reduce(buf, group=ctx.cpu_group)
+        collectives.all_reduce(buf, group=ctx.cpu_group)
         return buf if ctx.rank == 0 else None
 
     return ctx.memo("sentence_reference", compute, label="one-process reference")

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from .._dist import all_gather_tensor, cpu_group, wait
+from .._dist import cpu_group, wait
+from ..collectives import all_gather_tensor, all_reduce
 from ..launch import launch
 from ..dp_attention.gather import (DpPaddingMode, choose_padding_mode, dp_gather,
                                    dp_reduce_scatter, dp_scatter, select_cuda_graph_bs)
@@ -298,7 +299,7 @@ def _mlp_step(step, rank, world, cfg, gnt, mode, tokens, mlp, weights, stats, ti
     xs = _check_slots(buf, gnt, mode, tokens, step)
     partial = mlp(buf)
     full = partial.clone()
-    wait(dist.all_reduce(full, async_op=True), None, "simulation all_reduce",
+    wait(all_reduce(full, async_op=True), None, "simulation all_reduce",
          config.timeout_s(timeout_s))
     out_a = dp_scatter(full, gnt, d, mode=mode)
     out_b = dp_reduce_scatter(partial, gnt, None, mode=mode, attn_tp_size=atp, validate=False,

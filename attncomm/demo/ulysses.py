@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _dist
+from .. import collectives
 from .models import MiniLMInfo, full_attention, mean_pool
 from ..ulysses import UlyssesAttention, head_split
 from ..ulysses.layout import head_offsets
@@ -34,10 +34,13 @@ def skip_reason(cfg: DemoConfig, info: MiniLMInfo) -> str | None:
 
 
 def _all_pairs_p2p(world_size: int) -> bool:
-    if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
+    """Whether the ranks' GPUs reach each other: P2P between every pair, or ranks that share
+    GPUs (``attncomm.launch`` places them so when they outnumber the GPUs: CUDA IPC)."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
         return False
+    n = min(world_size, torch.cuda.device_count())
     return all(torch.cuda.can_device_access_peer(a, b)
-               for a in range(world_size) for b in range(world_size) if a != b)
+               for a in range(n) for b in range(n) if a != b)
 
 
 def transports(cfg: DemoConfig) -> list[str]:
@@ -73,7 +76,7 @@ def gather_sequence(x: torch.Tensor, seq_lens: list[int], group=None) -> torch.T
     pad = x.new_zeros(b, m, e)
     pad[:, :x.shape[1]] = x
     out = x.new_empty(w * b * m * e)
-    _dist.all_gather_tensor(out, pad.reshape(-1), group=group)
+    collectives.all_gather_tensor(out, pad.reshape(-1), group=group)
     out = out.view(w, b, m, e)
     return torch.cat([out[r, :, :seq_lens[r]] for r in range(w)], dim=1)
 

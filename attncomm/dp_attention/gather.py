@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from .._dist import (DTYPE_CODES, all_gather_tensor, check_args, group_name,
-                     reduce_scatter_tensor, resolve_group)
+from .._dist import DTYPE_CODES, check_args, group_name, resolve_group
+from ..collectives import all_gather_tensor, all_reduce, reduce_scatter_tensor
 from .._plans import CallPlans
 from .._dist import wait as _dist_wait
 
@@ -291,7 +291,7 @@ def _gather_sum(p: _Plan, local, output):
     if p.tp_rank == 0 and mine:
         out[off:off + mine].copy_(local)
     if out.numel():
-        _dist_wait(dist.all_reduce(out, group=p.group, async_op=True), p.group, "dp_gather",
+        _dist_wait(all_reduce(out, group=p.group, async_op=True), p.group, "dp_gather",
                    p.budget)
     return out if direct else output.copy_(out)
 
@@ -383,7 +383,7 @@ def dp_reduce_scatter(global_partial: torch.Tensor, global_num_tokens: Sequence[
             return out
         return out[:mine] if output is None else output.copy_(out[:mine])
     buf = global_partial.clone(memory_format=torch.contiguous_format)
-    _dist_wait(dist.all_reduce(buf, group=p.group, async_op=True), p.group, "dp_reduce_scatter",
+    _dist_wait(all_reduce(buf, group=p.group, async_op=True), p.group, "dp_reduce_scatter",
                p.budget)
     rows = buf[p.offsets[p.dp_rank]:p.offsets[p.dp_rank] + mine]
     return rows.clone() if output is None else output.copy_(rows)

@@ -47,7 +47,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from .. import config
-from .._dist import all_gather_tensor, cpu_group, group_key, guard_timeout, wait
+from .._dist import cpu_group, group_key, guard_timeout, wait
+from ..collectives import all_gather_tensor
 from ..capability import HostLayout, group_hosts
 from ..errors import PeerTimeoutError
 from . import shm as _shm

@@ -52,7 +52,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import config
+from .. import collectives, config
 from .._dist import guard_timeout, wait
 from .._wait import poll_until
 from ..errors import PeerTimeoutError
@@ -173,7 +173,7 @@ class ShmRowExchange:
                 err = f"could not map {path}: {exc}"
         flags = torch.zeros(self.world_size, dtype=torch.int64)
         flags[self.rank] = 1 if err else 0
-        wait(dist.all_reduce(flags, group=self.group, async_op=True), self.group,
+        wait(collectives.all_reduce(flags, group=self.group, async_op=True), self.group,
              "shm sync setup", timeout_s)
         if self._finalizer is not None:
             self._finalizer.detach()
@@ -192,7 +192,7 @@ class ShmRowExchange:
         if path is not None:
             raw = path.encode()
             buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-        work = dist.broadcast(buf, src=dist.get_global_rank(self.group, 0), group=self.group,
+        work = collectives.broadcast(buf, src=dist.get_global_rank(self.group, 0), group=self.group,
                               async_op=True)
         wait(work, self.group, "shm sync setup", timeout_s)
         raw = bytes(buf.tolist()).rstrip(b"\0")

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from .. import _dist
+from .. import _dist, collectives
 from ..errors import PeerTimeoutError
 
 __all__ = ["RingComm"]
@@ -53,7 +53,7 @@ class RingComm:
         ops = [dist.P2POp(c10d.isend, t, self._next_global, self.group) for t in send]
         ops += [dist.P2POp(c10d.irecv, t, self._prev_global, self.group) for t in recv]
         with _dist.guard_timeout(self.group, self.op + " (post K/V)", self.timeout_s):
-            works = dist.batch_isend_irecv(ops)
+            works = collectives.batch_isend_irecv(ops)
         n = len(send)
         if len(works) == len(ops):
             return [(w, "send" if i < n else "receive") for i, w in enumerate(works)]

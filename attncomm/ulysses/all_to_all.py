@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import _dist
+from .. import _dist, collectives
 from .layout import ExchangePlan
 from .transport import (Exchange, SendBuffer, Transport, dense_send_buffer, fill_send_buffer,
                         send_views, source_view)
@@ -94,9 +94,9 @@ class AllToAllTransport(Transport):
         send_splits = [n * item for n in plan.numel[r]]
         recv_splits = [plan.numel[s][r] * item for s in range(w)]
         try:
-            work = dist.all_to_all_single(_dist.as_bits(recv), _dist.as_bits(send),
-                                          recv_splits, send_splits, group=self.group,
-                                          async_op=True)
+            work = collectives.all_to_all_single(_dist.as_bits(recv), _dist.as_bits(send),
+                                                 recv_splits, send_splits, group=self.group,
+                                                 async_op=True)
         except RuntimeError:
             with _dist.guard_timeout(self.group, "ulysses all_to_all", self.timeout_s):
                 raise

@@ -19,7 +19,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .. import _dist, config
+from .. import _dist, capability, collectives, config
 from .._dist import cpu_group, group_key
 from . import policy
 from . import fp8
@@ -295,6 +295,11 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         if hit is not None:
             return build(hit.groups), hit
         measured, timer = _measurement(device)
+        rule = None
+        if measured and device.type == "cuda":
+            # Ranks that share a GPU time-slice it: their timings say nothing (by rule).
+            rule = capability.unmeasured_reason(group, device)
+            measured = rule is None
         cand = 1
         if measured:
             sms = _agreed_min(group, _sm_count(device))
@@ -308,7 +313,7 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         pipe_plan = build(cand) if measured and cand >= 2 else None
         decision = decide_pipeline(group, signature, lambda: run(seq_plan),
                                    lambda: run(pipe_plan), cand, timer=timer, measured=measured,
-                                   device=device)
+                                   device=device, rule=rule)
         return (pipe_plan if decision.pipelined else seq_plan), decision
 
     # ----------------------------------------------------------------------------- forward
@@ -526,7 +531,7 @@ def _agreed_min(group, value: int) -> int:
     if dist.get_world_size(g) == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=g)
+    collectives.all_reduce(t, op=dist.ReduceOp.MIN, group=g)
     return int(t.item())
 
 
@@ -564,7 +569,7 @@ def _agree_fits(group, device, key, need_bytes: int) -> bool:
         flag = torch.tensor([1 if free is None or free >= need_bytes else 0], dtype=torch.int64)
         g = cpu_group(group)
         if dist.get_world_size(g) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=g)
+            collectives.all_reduce(flag, op=dist.ReduceOp.MIN, group=g)
         if len(_FITS) > 256:
             _FITS.clear()
         _FITS[ck] = bool(flag.item())

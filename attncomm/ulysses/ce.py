@@ -1,4 +1,4 @@
-"""The ``ce`` transport: copy-engine copies into torch SymmetricMemory staging slots.
+"""The ``ce`` transport: copy-engine copies into peer-mapped staging slots.
 
 Each rank copies its pieces for peer ``p`` straight into ``p``'s staging slot (final layout, so
 strided rows use pitched 2D copies, ``cudaMemcpy2DAsync`` through ``cuda.bindings``; a
@@ -53,7 +53,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import capability, config
+from .. import capability, collectives, config
 from .._dist import agree_reason, cpu_group, group_key, on_release, wait
 from ..errors import PeerTimeoutError
 from ..symm import PeerErrors, PendingWait, watchdog
@@ -69,11 +69,12 @@ __all__ = ["CopyEngineTransport", "local_unavailable_reason", "host_unavailable_
 CACHE_ENTRIES = config.get("ATTNCOMM_ULYSSES_CE_CACHE")
 # ------------------------------------------------------------------------------ eligibility
 def local_unavailable_reason(group, device: torch.device) -> str | None:
-    """Local facts only (no communication): CUDA tensors, torch SymmetricMemory, a flag
-    mechanism (``cuda.bindings`` or Triton) and ``cuda.bindings`` for the copies."""
+    """Local facts only (no communication): CUDA tensors, a flag mechanism (``cuda.bindings``
+    or Triton) and ``cuda.bindings`` for the copies. (The peer mapping, torch SymmetricMemory
+    or CUDA IPC, is the group's: ``capability.symm_unavailable_reason``.)"""
     if device.type != "cuda":
         return f"tensors are not CUDA (they are on {device.type})"
-    why = capability.cuda_reason() or capability.symm_mem_reason()
+    why = capability.cuda_reason()
     if why:
         return why
     if runtime() is None:
@@ -85,13 +86,15 @@ def local_unavailable_reason(group, device: torch.device) -> str | None:
 
 def host_unavailable_reason() -> str | None:
     """For ``attncomm env`` without a process group: local facts plus P2P between every pair
-    of this host's GPUs."""
+    of this host's GPUs (one GPU: ranks that share it can run ``ce`` through CUDA IPC, for
+    correctness, not speed: not counted here)."""
     why = local_unavailable_reason(None, torch.device("cuda"))
     if why:
         return why
     m = capability.p2p_matrix()
     if len(m) < 2:
-        return f"needs ≥ 2 GPUs on this host (found {len(m)})"
+        return (f"needs ≥ 2 GPUs on this host for speed (found {len(m)}; ranks sharing one "
+                f"GPU run it through CUDA IPC, for correctness only)")
     missing = [f"{i}→{j}" for i, row in enumerate(m) for j, ok in enumerate(row) if not ok]
     return f"no P2P access between GPUs {', '.join(missing)}" if missing else None
 
@@ -197,7 +200,7 @@ class CopyEngineTransport(Transport):
         why = probe_stream_mem_ops(self.device)
         flag = torch.tensor([1 if why is None else 0], dtype=torch.int64)
         if self.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group(self.group))
+            collectives.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group(self.group))
         if int(flag.item()) == 1:
             return "stream"
         if mode == "stream":
@@ -211,12 +214,14 @@ class CopyEngineTransport(Transport):
 
     def close(self) -> None:
         """Collective: free every staging buffer once every rank got here (no peer still
-        copies into one). The transport can allocate again afterwards."""
+        copies into one). The transport can allocate again afterwards. A broken transport (a
+        wait timed out: a peer may be gone) frees without waiting for the peers, as
+        ``SymmWorkspace.close`` does."""
         if not self.cache:
             return
         torch.cuda.synchronize(self.device)
         g = cpu_group(self.group)
-        if self.world_size > 1:
+        if self.world_size > 1 and self.failures.broken is None:
             wait(dist.barrier(group=g, async_op=True), g, "ulysses ce (close)", self.timeout_s)
         for st in self.cache.values():
             st.release()
@@ -317,11 +322,17 @@ class CopyEngineTransport(Transport):
             if torch.cuda.is_current_stream_capturing():
                 raise ValueError("ulysses ce: a new send buffer size inside CUDA graph "
                                  "capture: run this call shape once eagerly before capturing")
-            if buf is not None:
-                for cs in self.streams:
-                    buf.record_stream(cs)
-            buf = st.send_bufs[k] = torch.empty(_bucket(need), dtype=torch.uint8,
-                                                device=self.device)
+            # Both parities at once: one eager call of a shape takes one parity, and the
+            # capture that follows it takes the other, where nothing may be allocated.
+            for j in (k, 1 - k):
+                old = st.send_bufs[j]
+                if old is None or old.numel() < need:
+                    if old is not None:
+                        for cs in self.streams:
+                            old.record_stream(cs)
+                    st.send_bufs[j] = torch.empty(_bucket(need), dtype=torch.uint8,
+                                                  device=self.device)
+            buf = st.send_bufs[k]
         flat = buf.view(dtype)
         regions, base = [], 0
         for p, n in enumerate(plan.numel[r]):

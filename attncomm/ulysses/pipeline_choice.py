@@ -1,12 +1,12 @@
-"""``pipeline_groups=-1`` decided by measurement (issue 22 item 3).
+"""``pipeline_groups=-1`` decided by measurement.
 
 Head-group pipelining (``UlyssesAttention``, G ≥ 2) overlaps group g+1's exchange with group
 g's attention; whether that beats one sequential exchange depends on the shape, the transport
 and the machine, so it is measured on the machine itself, once per shape, as the DCP merge's
 ``auto`` measures its backends (``attncomm.select``):
 
-1. On CPU (or with ``measured=False``) nothing is timed: sequential, reason
-   ``"CPU: not measured"``.
+1. On CPU, on ranks that share a GPU (time-sliced: ``capability.unmeasured_reason``), or with
+   ``measured=False``, nothing is timed: sequential, the reason in ``fallback_reason``.
 2. ``auto_groups``' count G < 2: sequential (nothing to pipeline).
 3. One sequential and one pipelined forward, their outputs compared bit for bit (pipelined and
    sequential compute the same attention; a difference means the pipelined path is wrong for
@@ -91,7 +91,8 @@ def decide_pipeline(group, signature: Hashable, sequential: Callable[[], object]
                     pipelined: Callable[[], object], groups: int, *,
                     timer: Callable[[Callable[[], object]], float] | None = None,
                     measured: bool | None = None,
-                    device: torch.device | None = None) -> PipelineDecision:
+                    device: torch.device | None = None,
+                    rule: str | None = None) -> PipelineDecision:
     """Choose sequential or ``groups`` head groups for ``signature`` (the module docstring).
 
     Arguments:
@@ -105,6 +106,8 @@ def decide_pipeline(group, signature: Hashable, sequential: Callable[[], object]
             twin); tests inject their own.
         measured: time the variants (default: when ``device`` is CUDA).
         device: where the forwards run (default: the group's device).
+        rule: why nothing is timed when ``measured`` is False (the decision's
+            ``fallback_reason``; default ``NOT_MEASURED``).
 
     Returns the ``PipelineDecision`` (cached per (group, signature)).
     """
@@ -114,16 +117,16 @@ def decide_pipeline(group, signature: Hashable, sequential: Callable[[], object]
     if hit is None:
         if measured is None:
             measured = (device or _dist.group_device(group)).type == "cuda"
-        hit = _decide(group, sequential, pipelined, groups, timer, measured)
+        hit = _decide(group, sequential, pipelined, groups, timer, measured, rule)
     lru[signature] = hit  # most recent last
     while len(lru) > CACHE_SIZE:
         lru.pop(next(iter(lru)))
     return hit
 
 
-def _decide(group, sequential, pipelined, groups, timer, measured) -> PipelineDecision:
+def _decide(group, sequential, pipelined, groups, timer, measured, rule) -> PipelineDecision:
     if not measured:
-        return PipelineDecision(1, groups, fallback_reason=NOT_MEASURED)
+        return PipelineDecision(1, groups, fallback_reason=rule or NOT_MEASURED)
     if groups < 2:
         return PipelineDecision(1, groups, fallback_reason=f"auto_groups found no split "
                                                            f"(G = {groups})")

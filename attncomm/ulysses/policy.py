@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import _dist, config
+from .. import _dist, capability, config
 from ..select import Decision
 from .._dist import group_key
 from . import ce
@@ -97,16 +97,21 @@ def backend_availability(group=None) -> dict:
     return out
 
 
-def decide_transport(requested: str, ce_reason: str | None, nbytes: int) -> Decision:
+def decide_transport(requested: str, ce_reason: str | None, nbytes: int,
+                     shared_gpu: str | None = None) -> Decision:
     """The transport policy, pure (no communication; the same inputs on every rank give the
     same answer). ``requested`` is ``"ce"`` or ``"auto"``; ``ce_reason`` why ``ce`` cannot run
-    (agreed, None if it can); ``nbytes`` the most bytes any rank sends. ``auto`` takes ``ce``
-    from ``AUTO_CE_MIN_BYTES`` on (below it NCCL's lower fixed cost wins: a choice, not a
+    (agreed, None if it can); ``nbytes`` the most bytes any rank sends; ``shared_gpu`` why
+    sizes say nothing here (ranks that share a GPU: ``all_to_all`` goes through host copies
+    there, so ``auto`` takes ``ce`` at every size, by rule). ``auto`` takes ``ce`` from
+    ``AUTO_CE_MIN_BYTES`` on (below it NCCL's lower fixed cost wins: a choice, not a
     fallback). Raises ``ValueError`` for an explicit ``ce`` that cannot run."""
     if ce_reason is not None:
         if requested == "ce":
             raise ValueError(f"backend='ce' cannot run here: {ce_reason}")
         return Decision("all_to_all", f"ce not used: {ce_reason}")
+    if shared_gpu is not None:
+        return Decision("ce", rule=shared_gpu)
     if requested == "auto" and nbytes < AUTO_CE_MIN_BYTES:
         return Decision("all_to_all")
     return Decision("ce")
@@ -128,7 +133,9 @@ def get_transport(group, backend: str, device: torch.device, timeout_s: float,
     if backend != "all_to_all":
         nbytes = _max_bytes(plan, dtype) if plan is not None else AUTO_CE_MIN_BYTES
         try:
-            decision = decide_transport(backend, ce_reason(group, device), nbytes)
+            why = ce_reason(group, device)
+            shared = None if why is not None else capability.unmeasured_reason(group, device)
+            decision = decide_transport(backend, why, nbytes, shared)
             if decision.backend == "ce" and plan is not None:
                 t = _cached(group, "ce", device, timeout_s, rank, world)
                 why = t.prepare(plan, dtype)  # allocates (collectively) if new

@@ -1,5 +1,8 @@
-"""DP attention on NCCL ranks (one GPU each): every sync path, gather / scatter /
-reduce_scatter in bf16 against fp64 references, and the simulation on CUDA."""
+"""DP attention on CUDA ranks (``cuda_pools``: a GPU each over NCCL where there are enough, else
+W processes sharing one GPU over gloo, where the "device" sync and the gathers run staged
+through the host): every sync path, a slot the gather left unwritten (the last of W ranks),
+gather / scatter / reduce_scatter in bf16 against fp64 references, and the simulation on
+CUDA."""
 from __future__ import annotations
 
 import random
@@ -12,7 +15,7 @@ from attncomm.dp_attention import (BatchView, DpPaddingMode, ForwardMode, dp_gat
                                    dp_reduce_scatter, dp_scatter, prepare_mlp_sync_batch)
 from attncomm.demo.dp_simulate import SimConfig, simulate_rank, summarize
 
-pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2)]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
 
 
 def _nccl_checks(rank, world, seed):
@@ -64,8 +67,10 @@ class _Done:
 
 
 def _unsent_on_device(rank, world, dev):
-    """The NCCL gather returns with the last rank's slot unwritten (as an aborted exchange can):
-    every rank raises PeerTimeoutError naming it, never reads a stale row."""
+    """The device gather returns with the last rank's slot unwritten (as an aborted NCCL
+    exchange can): every rank raises PeerTimeoutError naming it, never reads a stale row. The
+    gather is ``attncomm.collectives.all_gather_tensor`` as ``rows`` imported it (NCCL, or gloo
+    staged through the host)."""
     from attncomm.dp_attention import rows as sync_mod  # where the gather is called
 
     real = sync_mod.all_gather_tensor
@@ -88,18 +93,17 @@ def _unsent_on_device(rank, world, dev):
         sync_mod.all_gather_tensor = real
 
 
-def test_nccl_sync_and_gathers(seed):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    res = attncomm.launch(_nccl_checks, 2, device="cuda", args=(seed,), timeout_s=240)
-    assert [r.pop("unsent") for r in res] == [[1], [1]]
+@pytest.mark.parametrize("world", [2, 3])
+def test_nccl_sync_and_gathers(cuda_pools, world, seed):
+    res = cuda_pools.run(world, _nccl_checks, seed, timeout_s=240)
+    assert [r.pop("unsent") for r in res] == [[world - 1]] * world
+    assert all(r == res[0] for r in res), res
     assert res[0] == {"device": "device", "cpu": "cpu", "shm": "shm", "auto": "shm"}
 
 
 @pytest.mark.parametrize("sync,dtype", [("device", "bf16"), ("auto", "fp32")])
 def test_simulation_on_cuda(sync, dtype, seed):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+    # fresh ranks (a GPU each, or two processes sharing one), as the demo launches them
     cfg = SimConfig(steps=300, sync=sync, dtype=dtype, device="cuda", hidden=256, ffn=1024,
                     seed=seed)
     s = summarize(attncomm.launch(simulate_rank, 2, device="cuda", args=(cfg,), timeout_s=240))

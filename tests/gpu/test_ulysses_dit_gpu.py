@@ -1,8 +1,8 @@
 """Ulysses for DiT on GPUs (issue 22): on one GPU, joint rows with the FP8 payload through the
 Triton fill (pipelined bitwise equal to sequential, against attention over the dequantized rows),
 ``pipeline_groups=-1`` measured on CUDA, a CUDA-graph replay of a joint forward, the rehearsal
-with joint rows and FP8; on two GPUs, ``ce`` bitwise equal to ``all_to_all`` with joint rows and
-the FP8 payload."""
+with joint rows and FP8; on two CUDA ranks (``cuda_pools``: a GPU each, or two processes sharing
+one GPU), ``ce`` bitwise equal to ``all_to_all`` with joint rows and the FP8 payload."""
 from __future__ import annotations
 
 import importlib.util
@@ -14,6 +14,7 @@ import torch
 from attncomm.testing.reference import ref_attention
 from attncomm.ulysses import UlyssesAttention, fp8
 from attncomm.ulysses.fill import rms_norm_rope
+from _gpu_ranks import dev
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -93,18 +94,10 @@ def test_rehearsal_joint_fp8_bitwise():
             assert all(torch.equal(a, b) for a, b in zip(seq, got)), (payload, groups)
 
 
-@pytest.fixture(scope="module")
-def gpu_pool():
-    from attncomm.launch import RankPool
-    pool = RankPool(2, device="cuda")
-    yield pool
-    pool.close(force=not pool.alive)
-
-
 def _ce_vs_a2a(rank, world, seed):
     lens = (700, 324)
     (q, k, v), joint, norm, rope = _inputs(seed, s=sum(lens), hq=12, hkv=4, d=64,
-                                          device=f"cuda:{rank}")
+                                          device=dev())
     off = (0, lens[0])[rank]
     local = [t[:, off:off + lens[rank]] for t in (q, k, v)]
     outs, bad = {}, []
@@ -125,7 +118,7 @@ def _ce_vs_a2a(rank, world, seed):
     return bad
 
 
-@pytest.mark.gpus(2)
-def test_ce_joint_fp8_bitwise_equals_all_to_all(gpu_pool, seed):
-    for bad in gpu_pool.run(_ce_vs_a2a, seed, timeout_s=240):
+@pytest.mark.gpus(1)
+def test_ce_joint_fp8_bitwise_equals_all_to_all(cuda_pools, seed):
+    for bad in cuda_pools.run(2, _ce_vs_a2a, seed, timeout_s=240):
         assert not bad, f"seed {seed}: {bad}"

@@ -1,7 +1,10 @@
-"""Two GPUs: UlyssesAttention pipelined vs sequential bitwise (head-independent attn_fn, G in
-{2, 4, 7, auto}, three consecutive calls, GQA, uneven heads, both transports, the memory
-decline), Dv != D (two input exchanges of one size bucket) over ce vs all_to_all, and a peer
-that stops mid-forward → PeerTimeoutError on the other rank."""
+"""CUDA ranks (``cuda_pools``: a GPU each over NCCL where there are enough, else W processes
+sharing one GPU): UlyssesAttention pipelined vs sequential bitwise at W = 2, 3, 4
+(head-independent attn_fn, G in {2, 4, 7} forced and pipelined, auto: measured on GPUs of their
+own, sequential by rule on a shared GPU; three consecutive calls, GQA, uneven heads, both
+transports, the memory decline), Dv != D (two input exchanges of one size bucket) over ce vs
+all_to_all, and a peer that stops mid-forward → PeerTimeoutError naming it on every other
+rank."""
 from __future__ import annotations
 
 import time
@@ -9,18 +12,11 @@ import time
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+import attncomm
+from _gpu_ranks import dev, shared_gpu
+
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
 W = 2
-
-
-@pytest.fixture(scope="module")
-def gpu_pool():
-    if not torch.cuda.is_available() or torch.cuda.device_count() < W:
-        pytest.skip(f"needs {W} GPUs")
-    from attncomm.launch import RankPool
-    pool = RankPool(W, device="cuda")
-    yield pool
-    pool.close(force=not pool.alive)
 
 
 def _head_independent(q, k, v, causal):
@@ -34,16 +30,18 @@ def _pipelined_vs_sequential(rank, world, seed):
     from attncomm.ulysses import UlyssesAttention
     from attncomm.ulysses import attention as attn_mod
     from attncomm.ulysses.layout import head_offsets
-    dev = torch.device("cuda", rank)
+    d = dev()
+    shared = shared_gpu()
     bad = []
-    for hq, hkv, lens in ((56, 8, (512, 512)), (7, 7, (300, 211)), (12, 3, (0, 257))):
+    for hq, hkv, lens in ((56, 8, (512,) * world), (7, 7, (300, 211, 97, 150)[:world]),
+                          (12, 3, (0, 257, 31, 64)[:world])):
         g = torch.Generator().manual_seed(seed + hq)
         full = [torch.randn((1, sum(lens), h, 64), generator=g).to(torch.bfloat16)
                 for h in (hq, hkv, hkv)]
         o = head_offsets(lens)[rank]
-        q, k, v = (t[:, o:o + lens[rank]].to(dev) for t in full)
-        norm = (torch.randn(64, generator=g).to(dev), torch.randn(64, generator=g).to(dev), 1e-6)
-        rope = tuple(torch.randn((sum(lens), 64), generator=g).to(dev) for _ in range(2))
+        q, k, v = (t[:, o:o + lens[rank]].to(d) for t in full)
+        norm = (torch.randn(64, generator=g).to(d), torch.randn(64, generator=g).to(d), 1e-6)
+        rope = tuple(torch.randn((sum(lens), 64), generator=g).to(d) for _ in range(2))
         for backend in ("all_to_all", "ce"):
             ref = None
             for groups in (0, 2, 4, 7, -1):
@@ -54,6 +52,16 @@ def _pipelined_vs_sequential(rank, world, seed):
                     ref = out.clone() if ref is None else ref
                     if not torch.equal(out, ref):
                         bad.append((hq, backend, groups, call))
+                if groups >= 2 and mod.last_pipeline_groups != groups:  # forced: pipelined
+                    bad.append((hq, backend, groups, "ran", mod.last_pipeline_groups))
+                if groups == -1:
+                    why = mod.pipeline_decision.fallback_reason or ""
+                    if shared and not (why.startswith("shared GPU")
+                                       and mod.last_pipeline_groups == 1):
+                        bad.append((hq, backend, "auto on a shared GPU", why,
+                                    mod.last_pipeline_groups))
+                    if not shared and "shared GPU" in why:
+                        bad.append((hq, backend, "auto on GPUs of their own", why))
         # memory decline: this rank short of memory → every rank sequential, same bits
         orig = attn_mod._free_bytes
         attn_mod._FITS.clear()
@@ -71,37 +79,43 @@ def _pipelined_vs_sequential(rank, world, seed):
     return bad
 
 
-def test_pipelined_bitwise_equals_sequential(gpu_pool, seed):
-    for bad in gpu_pool.run(_pipelined_vs_sequential, seed):
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_pipelined_bitwise_equals_sequential(cuda_pools, world, seed):
+    for bad in cuda_pools.run(world, _pipelined_vs_sequential, seed, timeout_s=240):
         assert not bad, f"seed {seed}: {bad}"
 
 
 def _peer_stops(rank, world):
+    """The last rank stops answering mid-run: every other rank's forward raises
+    PeerTimeoutError naming it (in that call or the next)."""
     from attncomm.errors import PeerTimeoutError
     from attncomm.ulysses import UlyssesAttention
     from attncomm.ulysses.api import reset_transports
-    dev = torch.device("cuda", rank)
-    q = torch.randn(1, 2048, 8, 128, device=dev, dtype=torch.bfloat16)
+    silent = world - 1
+    q = torch.randn(1, 2048, 4 * world, 128, device=dev(), dtype=torch.bfloat16)
     mod = UlyssesAttention(backend="ce", pipeline_groups=4, timeout_s=3.0, validate=False)
-    mod(q, q, q)  # both ranks: staging allocated, kernels compiled
+    mod(q, q, q)  # every rank: staging allocated, kernels compiled
     torch.cuda.synchronize()
     got = None
-    if rank == 0:
+    if rank != silent:
         try:
             for _ in range(2):  # the timeout surfaces in this call or at the next
                 mod(q, q, q)
                 torch.cuda.synchronize()
         except PeerTimeoutError as exc:
-            got = str(exc)
+            got = (exc.peer_ranks, str(exc))
     else:
         time.sleep(8.0)  # stops answering mid-run
     reset_transports()
     return got
 
 
-def test_peer_that_stops_raises_peer_timeout(gpu_pool):
-    res = gpu_pool.run(_peer_stops)
-    assert res[0] is not None and "1" in res[0], res
+@pytest.mark.parametrize("world", [2, 3])
+def test_peer_that_stops_raises_peer_timeout(world):
+    res = attncomm.launch(_peer_stops, world, device="cuda", timeout_s=180)
+    assert res[-1] is None, res
+    for r in res[:-1]:
+        assert r is not None and world - 1 in r[0], res
 
 
 def _dv_differs(rank, world, seed):
@@ -110,16 +124,17 @@ def _dv_differs(rank, world, seed):
     the previous group has not read yet if the transport handed it out again."""
     from attncomm.ulysses import UlyssesAttention
     from attncomm.ulysses.layout import head_offsets
-    dev = torch.device("cuda", rank)
+    dev_ = dev()
     bad = []
     for hq, hkv, d, dv, lens in ((8, 4, 64, 32, (128, 96)), (12, 6, 32, 64, (64, 64))):
         g = torch.Generator().manual_seed(seed + hq)
         full = [torch.randn((1, sum(lens), h, e), generator=g).to(torch.bfloat16)
                 for h, e in ((hq, d), (hkv, d), (hkv, dv))]
         o = head_offsets(lens)[rank]
-        q, k, v = (t[:, o:o + lens[rank]].to(dev) for t in full)
-        norm = (torch.randn(d, generator=g).to(dev), torch.randn(d, generator=g).to(dev), 1e-6)
-        rope = tuple(torch.randn((sum(lens), d), generator=g).to(dev) for _ in range(2))
+        q, k, v = (t[:, o:o + lens[rank]].to(dev_) for t in full)
+        norm = (torch.randn(d, generator=g).to(dev_), torch.randn(d, generator=g).to(dev_),
+                1e-6)
+        rope = tuple(torch.randn((sum(lens), d), generator=g).to(dev_) for _ in range(2))
         for fuse in (True, False):
             ref = UlyssesAttention(_head_independent, backend="all_to_all", qk_norm=norm,
                                    pipeline_groups=1, fuse_qk_norm_rope=fuse)(
@@ -142,6 +157,6 @@ def _dv_differs(rank, world, seed):
     return bad
 
 
-def test_pipelined_dv_differs_ce_bitwise(gpu_pool, seed):
-    for bad in gpu_pool.run(_dv_differs, seed):
+def test_pipelined_dv_differs_ce_bitwise(cuda_pools, seed):
+    for bad in cuda_pools.run(W, _dv_differs, seed, timeout_s=240):
         assert not bad, f"seed {seed}: {bad}"

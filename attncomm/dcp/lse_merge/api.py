@@ -14,8 +14,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from ... import config, select
-from ..._dist import DTYPE_CODES, Lifecycle, agree, group_device, resolve_group
+from ... import capability, config, select
+from ..._dist import DTYPE_CODES, Lifecycle, agree, as_device, group_device, resolve_group
 from .. import tracing
 from . import collective, symm_a2a  # noqa: F401 - each registers its backend class
 from .backend import BACKENDS, backend_class
@@ -153,6 +153,9 @@ class DcpMerger(Lifecycle):
             any capture; env ``ATTNCOMM_DCP_BACKEND`` names a preferred backend for "auto", taken
             when it can run here, else auto chooses and logs why).
         lse_base: "e" or "2". timeout_s: wait budget (None → ``ATTNCOMM_TIMEOUT_S``).
+        device: where the buffers live and the calls' tensors must be (None: the group's
+            device, ``attncomm._dist.group_device``: CUDA for NCCL; for gloo CPU unless
+            ``attncomm.set_group_device`` says otherwise, as on ranks that share a GPU).
 
     ``merger(out [T, H, D], lse [T, H], return_lse=False)`` → ``[T, H/W, D]`` (+ ``[T, H/W]`` fp32
     LSE). Per-call checks are local only (no collective; once per signature of shapes, dtypes
@@ -171,8 +174,9 @@ class DcpMerger(Lifecycle):
 
     def __init__(self, group=None, *, max_tokens: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, backend: str = "auto", lse_base: str = "e",
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, device=None):
         self.group = group = resolve_group(group, "DcpMerger")
+        self.device = group_device(group) if device is None else as_device(device)
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.timeout_s = config.timeout_s(timeout_s)
@@ -182,19 +186,21 @@ class DcpMerger(Lifecycle):
                int(num_heads) if isinstance(num_heads, int) else -1,
                int(head_dim) if isinstance(head_dim, int) else -1,
                DTYPE_CODES.get(dtype, 0), BACKENDS.index(backend) if backend in BACKENDS else -1,
-               1 if lse_base == "2" else 0]
+               1 if lse_base == "2" else 0, int(self.device.type == "cuda")]
         agree(group, "DcpMerger", sig, ["max_tokens", "num_heads", "head_dim", "dtype",
-                                        "backend", "lse_base"], err, self.timeout_s)
+                                        "backend", "lse_base", "device is CUDA"], err,
+              self.timeout_s)
         self.max_tokens, self.num_heads, self.head_dim = max_tokens, num_heads, head_dim
         self.dtype, self.lse_base = dtype, lse_base
-        self.device = group_device(group)
         self.requested_backend = backend
+        unmeasured = capability.unmeasured_reason(group, self.device)  # collective on CUDA
         self.decision, self._impl = select.resolve(
             group, op="DcpMerger", requested=backend, names=BACKENDS[:-1],
             preferred="symm_a2a", rule_of_thumb=RULE_OF_THUMB, auto_names=AUTO_CANDIDATES,
             local_reason=self._local_reason,
             build=lambda name: backend_class(name)(group, **self._kwargs()),
-            measured=self.device.type == "cuda", cases=select.token_buckets(max_tokens),
+            measured=unmeasured is None, rule=unmeasured,
+            cases=select.token_buckets(max_tokens),
             prepare=self._timing_case, env_var="ATTNCOMM_DCP_BACKEND")
         self.fallback_reason: str | None = self.decision.fallback_reason
         self.backend = self._impl.name

@@ -7,9 +7,9 @@ and moves fp16/bf16/fp32 payloads as same-width integers, which every process-gr
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ..._dist import all_gather_tensor, as_bits, reduce_scatter_tensor, wait
+from ..._dist import as_bits, wait
+from ...collectives import all_gather_tensor, all_to_all_single, reduce_scatter_tensor
 from .backend import DcpBackend, register
 from .combine import combine, scale_own
 
@@ -81,8 +81,7 @@ class A2ABackend(DcpBackend):
         send[..., D:].copy_(lse.reshape(T, W, hs, 1).contiguous().view(out.dtype)
                             .permute(1, 0, 2, 3))
         recv = torch.empty_like(send)
-        work = dist.all_to_all_single(as_bits(recv), as_bits(send), group=self.group,
-                                      async_op=True)
+        work = all_to_all_single(as_bits(recv), as_bits(send), group=self.group, async_op=True)
         wait(work, self.group, "dcp.merge[a2a] all_to_all", self.timeout_s)
         lses = recv[..., D:].contiguous().view(torch.float32).squeeze(-1)
         return combine(recv[..., :D], lses, out.dtype, res, res_lse)

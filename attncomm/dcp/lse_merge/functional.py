@@ -154,7 +154,7 @@ def _new_plan(out, lse, group, backend, lse_base, return_lse, validate, timeout_
     check_args(g, "dcp.merge", sig, labels, local_error, budget, validate)
     T, H, D = out.shape
     plan = _Plan(out, H // W, None if T == 0 else _cached_merger(
-        g, T, H, D, out.dtype, backend, lse_base, budget))
+        g, T, H, D, out.dtype, backend, lse_base, budget, out.device))
     if key is not None and config.validation_mode(validate) != "every":
         _PLANS.put(group, g, key, plan)
     return plan
@@ -187,14 +187,16 @@ def _bucket(T: int) -> int:
     return max(16, 1 << (T - 1).bit_length())
 
 
-def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget) -> Cached:
-    """The merger of this shape and token bucket (built by the first call), as a plan holds it."""
-    mkey = (_bucket(T), H, D, dtype, backend, lse_base, budget)
+def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget, device) -> Cached:
+    """The merger of this shape and token bucket (built by the first call) on the call's
+    device, as a plan holds it."""
+    mkey = (_bucket(T), H, D, dtype, backend, lse_base, budget, device)
 
     def build() -> DcpMerger:
         try:
             return DcpMerger(group, max_tokens=mkey[0], num_heads=H, head_dim=D, dtype=dtype,
-                             backend=backend, lse_base=lse_base, timeout_s=budget)
+                             backend=backend, lse_base=lse_base, timeout_s=budget,
+                             device=device)
         except (PeerTimeoutError, ValueError) as exc:
             raise _as_merge_error(exc) from exc
 
@@ -228,7 +230,7 @@ def check_warm(group_name_: str, out, backend: str, lse_base: str, timeout_s) ->
     Nothing is decided, and nothing falls back, while tracing."""
     g = group_from_name(group_name_)
     T, H, D = (d if isinstance(d, int) else tracing.ANY for d in out.shape)
-    want = (H, D, out.dtype, backend, lse_base, config.timeout_s(timeout_s))
+    want = (H, D, out.dtype, backend, lse_base, config.timeout_s(timeout_s), out.device)
     if T == 0 or any(tracing.matches(key, (T if T is tracing.ANY else _bucket(T), *want))
                      for key in _MERGERS.get(group_key(g), {})):
         return

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..._dist import all_gather_tensor, as_bits, wait
+from ..._dist import as_bits, wait
+from ...collectives import all_gather_tensor
 from .backend import QueryGatherBackend, register
 from .query_math import quantize_e4m3, rotate_tail
 

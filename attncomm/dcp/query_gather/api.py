@@ -28,8 +28,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ... import config, select
-from ..._dist import DTYPE_CODES, Lifecycle, agree, group_device, resolve_group
+from ... import capability, config, select
+from ..._dist import DTYPE_CODES, Lifecycle, agree, as_device, group_device, resolve_group
 from .. import tracing
 from . import all_gather, symm  # noqa: F401 - each registers its backend class
 from .backend import GATHER_BACKENDS, backend_class
@@ -147,8 +147,9 @@ class DcpQueryGather(Lifecycle):
     def __init__(self, group=None, *, max_tokens: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, backend: str = "auto", rope_dim: int = 0,
                  out_dtype: torch.dtype | None = None, timeout_s: float | None = None,
-                 ordered_by_caller: bool = False, q_scale=None):
+                 ordered_by_caller: bool = False, q_scale=None, device=None):
         self.group = group = resolve_group(group, "DcpQueryGather")
+        self.device = group_device(group) if device is None else as_device(device)
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.timeout_s = config.timeout_s(timeout_s)
@@ -163,23 +164,26 @@ class DcpQueryGather(Lifecycle):
                                                           rope_dim)]
         sig = ints + [DTYPE_CODES.get(dtype, 0),
                       GATHER_BACKENDS.index(backend) if backend in GATHER_BACKENDS else -1,
-                      int(bool(ordered_by_caller)), int(fp8), scale_crc]
+                      int(bool(ordered_by_caller)), int(fp8), scale_crc,
+                      int(self.device.type == "cuda")]
         agree(group, "DcpQueryGather", sig, ["max_tokens", "num_heads", "head_dim", "rope_dim",
                                              "dtype", "backend", "ordered_by_caller",
-                                             "FP8 output", "q_scale (crc32 of its fp32 bits)"],
+                                             "FP8 output", "q_scale (crc32 of its fp32 bits)",
+                                             "device is CUDA"],
               err, self.timeout_s)
         self.max_tokens, self.num_heads, self.head_dim = max_tokens, num_heads, head_dim
         self.dtype, self.rope_dim = dtype, rope_dim
         self.out_dtype = FP8_DTYPE if fp8 else dtype
-        self.device = group_device(group)
         self.q_scale = _scale_f32(q_scale, num_heads).to(self.device) if fp8 else None
         self.ordered_by_caller = bool(ordered_by_caller)
         self.requested_backend = backend
+        unmeasured = capability.unmeasured_reason(group, self.device)  # collective on CUDA
         self.decision, self._impl = select.resolve(
             group, op="DcpQueryGather", requested=backend, names=GATHER_BACKENDS[:-1],
             preferred="symm", rule_of_thumb=RULE_OF_THUMB, local_reason=self._local_reason,
             build=lambda name: backend_class(name)(group, **self._kwargs()),
-            measured=self.device.type == "cuda", cases=select.token_buckets(max_tokens),
+            measured=unmeasured is None, rule=unmeasured,
+            cases=select.token_buckets(max_tokens),
             prepare=self._timing_case, env_var="ATTNCOMM_DCP_GATHER_BACKEND")
         self.fallback_reason: str | None = self.decision.fallback_reason
         self.backend = self._impl.name

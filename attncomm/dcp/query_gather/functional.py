@@ -120,7 +120,7 @@ def _new_plan(q, group, backend, rope, validate, timeout_s, output, key):
     shape = torch.Size((T, h * W, D))
     R = 0 if rope is None else rope[0].shape[-1]
     plan = _Plan(shape, q.dtype, q.device, None if T == 0 else _cached_gatherer(
-        g, T, h * W, D, q.dtype, backend, R, budget))
+        g, T, h * W, D, q.dtype, backend, R, budget, q.device))
     if key is not None and config.validation_mode(validate) != "every":
         _PLANS.put(group, g, key, plan)
     return plan
@@ -156,14 +156,14 @@ def _bucket(T: int) -> int:
     return max(16, 1 << (T - 1).bit_length())
 
 
-def _cached_gatherer(group, T, H, D, dtype, backend, R, budget) -> Cached:
-    """The gatherer of this shape and token bucket (built by the first call), as a plan holds
-    it."""
-    mkey = (_bucket(T), H, D, dtype, backend, R, budget)
+def _cached_gatherer(group, T, H, D, dtype, backend, R, budget, device) -> Cached:
+    """The gatherer of this shape and token bucket (built by the first call) on the call's
+    device, as a plan holds it."""
+    mkey = (_bucket(T), H, D, dtype, backend, R, budget, device)
     return Cached(
         _GATHERERS, group, mkey,
         lambda: DcpQueryGather(group, max_tokens=mkey[0], num_heads=H, head_dim=D, dtype=dtype,
-                               backend=backend, rope_dim=R, timeout_s=budget),
+                               backend=backend, rope_dim=R, timeout_s=budget, device=device),
         _CACHE_SIZE, lambda: tracing.warm_up_error(
             "dcp.gather_heads", f"the token bucket of T={T} (H={H}, D={D}, {dtype})"))
 
@@ -186,7 +186,7 @@ def check_warm(group_name_: str, q, cos, backend: str, timeout_s) -> None:
     R = R if isinstance(R, int) else tracing.ANY
     H = tracing.ANY if h is tracing.ANY else h * W
     pattern = (T if T is tracing.ANY else _bucket(T), H, D, q.dtype, backend, R,
-               config.timeout_s(timeout_s))
+               config.timeout_s(timeout_s), q.device)
     if T == 0 or any(tracing.matches(key, pattern) for key in _GATHERERS.get(group_key(g), {})):
         return
     shape = ", ".join("?" if d is tracing.ANY else str(d) for d in (T, h, D))

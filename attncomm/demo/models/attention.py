@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ... import _dist, dcp
+from ... import collectives, dcp
 
 __all__ = ["partial_attention", "full_attention", "dcp_attention", "gather_heads"]
 
@@ -56,7 +56,7 @@ def gather_heads(part: torch.Tensor, group=None) -> torch.Tensor:
     if W == 1:
         return part
     buf = torch.empty(W * h, T, D, dtype=part.dtype, device=part.device)
-    _dist.all_gather_tensor(buf, part.transpose(0, 1).contiguous(), group=group)
+    collectives.all_gather_tensor(buf, part.transpose(0, 1).contiguous(), group=group)
     return buf.transpose(0, 1)
 
 
