@@ -334,3 +334,25 @@ def test_bench_tables_say_shared_gpu(capsys):
     assert any(bench_common.SHARED_GPU_NOTE in line for line in lines)
     assert block["shared_gpu"] == bench_common.SHARED_GPU_NOTE
     assert bench_common.meta("cpu", 2)["shared_gpu"] is None
+
+
+# ------------------------------------------------------------------------------ fault judge
+def test_gpu_fault_judge_catches_a_silent_fault():
+    from attncomm.testing import gpu_faults as gf
+    ok = {"kind": "PeerTimeoutError", "peers": [1], "message": "", "seconds": 4.1,
+          "closed": True, "context_ok": True}
+    rec = gf.judge(gf.Record("ce", "graph", "kill_inside", 2, 4.0, ranks={0: dict(ok)},
+                             exit_codes={0: 0, 1: -9}))
+    assert rec.failures == [] and rec.outcome == "PeerTimeoutError" and rec.seconds == 4.1
+    wrong = dict(ok, kind="wrong_row", peers=None)
+    rec = gf.judge(gf.Record("ce", "graph", "shape", 3, 4.0, ranks={0: dict(ok, peers=[2]),
+                                                                     1: wrong},
+                             exit_codes={0: 0, 1: 0, 2: 0}))
+    assert rec.outcome == "wrong_row" and any("wrong_row" in m for m in rec.failures)
+    late = dict(ok, seconds=30.0, closed="PeerTimeoutError: close")
+    rec = gf.judge(gf.Record("symm_a2a", "eager", "skip", 2, 4.0, ranks={0: late},
+                             exit_codes={0: 0, 1: 0}))
+    assert any("took" in m for m in rec.failures) and any("free" in m for m in rec.failures)
+    rec = gf.judge(gf.Record("symm_a2a", "eager", "kill_before", 2, 4.0,
+                             exit_codes={0: 0, 1: -9}))
+    assert rec.outcome == "hang" and any("never reported" in m for m in rec.failures)

@@ -18,8 +18,11 @@ rank makes the same calls), a ``SymmWorkspace`` of the substrate::
 Protocol for an exchange with parity ``k`` (flag layout and peer orders: ``ce_flags``):
 
 - sender ``r`` → ``p`` (on a copy stream): wait ``A[k][p] == 1`` (local), set it 0, copy the
-  pieces into ``p``'s slot ``k``, write ``F[k][r] = 1`` into ``p``'s flags.
-- receiver ``r``: wait ``F[k][s] == 1`` for every peer, set it 0, read the slot, then
+  pieces into ``p``'s slot ``k``, write ``F[k][r] = tag`` into ``p``'s flags, where ``tag``
+  (``ExchangePlan.tag``, nonzero) names the exchange's layout: a peer that runs another plan
+  (a replay of a graph captured for another shape) never satisfies the wait below, which
+  times out instead of handing back rows laid out for another call.
+- receiver ``r``: wait ``F[k][s] == tag`` for every peer, set it 0, read the slot, then
   ``release()`` writes ``A[k][r] = 1`` into every source's flags.
 
 CUDA graphs: an exchange captured after one eager call of its shape (staging allocated, kernels
@@ -369,7 +372,7 @@ class CopyEngineTransport(Transport):
             cs.wait_event(ready)
             a_waits.append(self._bounded_wait(cs, st.a_addr(r, k, p), p, capturing))
             self._copy_to(cs, st.slot_addr(p, k), plan, p, parts, send, item)
-            self.flags.write(cs, st.f_addr(p, k, r), 1, kernel=capturing)
+            self.flags.write(cs, st.f_addr(p, k, r), plan.tag, kernel=capturing)
             done[p] = _record(cs)
         if send is not None:
             st.marks(mode).send_done[k] = list(done.values())
@@ -377,7 +380,7 @@ class CopyEngineTransport(Transport):
             for x in parts:  # the copy streams read them: keep their memory until then
                 for cs in self.streams:
                     x.record_stream(cs)
-        self._watch(a_waits, capturing, lambda p: [st.a_addr(r, k, p)])
+        self._watch(a_waits, capturing, lambda p: [(st.a_addr(r, k, p), 1)])
         local = st.slot_view(k, plan.recv_numel[r], dtype)
         if send is None or not plan.tiled:
             st.await_slot(cur, k, mode)  # this rank's own pieces, written on its stream
@@ -389,7 +392,7 @@ class CopyEngineTransport(Transport):
                 dst.copy_(src)
         return _CEExchange(self, st, k, plan, local, out, done, capturing)
 
-    def _bounded_wait(self, stream, addr: int, peer: int, capturing: bool):
+    def _bounded_wait(self, stream, addr: int, peer: int, capturing: bool, value: int = 1):
         """Enqueue the wait for ``peer``'s flag at ``addr`` on ``stream``; returns ``(peer,
         started, passed)``: events right before and right after that wait (None when the
         watchdog will not watch it), so that on a shared stream the budget of a peer runs
@@ -397,21 +400,22 @@ class CopyEngineTransport(Transport):
         did not answer, not those queued behind it."""
         watched = not capturing and self.flags.unbounded
         started = _record(stream) if watched else None
-        self.flags.wait(stream, addr, 1, peer, bounded=capturing)
+        self.flags.wait(stream, addr, value, peer, bounded=capturing)
         return peer, started, _record(stream) if watched else None
 
     def _watch(self, waits: list, capturing: bool, addrs) -> None:
         """Hand the waits that have no device deadline to the watchdog, one per peer
         (``_bounded_wait``): past ``timeout_s`` from when the stream reached it, the watchdog
-        writes the awaited flags (``addrs(peer)``) locally on the side stream, and the
+        writes the awaited flags (``addrs(peer)``: ``(address, value)`` pairs) locally on the
+        side stream, and the
         stream goes on to the next wait, which has a budget of its own."""
         if capturing or not waits or not self.flags.unbounded:
             return
 
         def release(blocked):
             for p in blocked:
-                for addr in addrs(p):
-                    self.flags.write(self.side, addr, 1)
+                for addr, value in addrs(p):
+                    self.flags.write(self.side, addr, value)
 
         index = self.device.index if self.device.index is not None else \
             torch.cuda.current_device()
@@ -485,11 +489,12 @@ class _CEExchange(Exchange):
             return self._result
         t, st, k, r = self.t, self.st, self.k, self.t.rank
         cur = torch.cuda.current_stream(t.device)
-        f_waits = [t._bounded_wait(cur, st.f_addr(r, k, s), s, self.capturing)
+        tag = self.plan.tag
+        f_waits = [t._bounded_wait(cur, st.f_addr(r, k, s), s, self.capturing, tag)
                    for s in recv_order(r, t.world_size)]
         for ev in self.done.values():
             cur.wait_event(ev)
-        t._watch(f_waits, self.capturing, lambda s: [st.f_addr(r, k, s)])
+        t._watch(f_waits, self.capturing, lambda s: [(st.f_addr(r, k, s), tag)])
         result = self.local
         if self.out is not None:
             self._copy_out()

@@ -106,11 +106,12 @@ class Flags:
 
 
 # ------------------------------------------------------------------------------ the protocol
-# One staging entry's flags block: int32 [4, W]. Row k (0, 1): F[k][s], set to 1 by source s
-# once slot k holds its data; row 2 + k: A[k][p], set to 1 by destination p once it is done
-# reading slot k (its data from this rank). A wait resets the flag it waited for, so the block
-# returns to ``initial_flags`` after every complete exchange (tests/test_ulysses_ce_protocol.py
-# runs the protocol over eager calls, captures and replays).
+# One staging entry's flags block: int32 [4, W]. Row k (0, 1): F[k][s], set by source s to
+# the exchange's plan tag (nonzero) once slot k holds its data; row 2 + k: A[k][p], set to 1 by
+# destination p once it is done reading slot k (its data from this rank). A wait resets the
+# flag it waited for, so the block returns to ``initial_flags`` after every complete exchange
+# (tests/test_ulysses_ce_protocol.py runs the protocol over eager calls, captures and
+# replays).
 def f_word(k: int, src: int, world: int) -> int:
     """Word index of ``F[k][src]`` in a flags block."""
     return k * world + src

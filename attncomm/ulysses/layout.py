@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import zlib
 from collections.abc import Sequence
 
 __all__ = ["head_split", "head_offsets", "kv_head_range", "group_head_ranges", "Piece",
@@ -144,6 +145,14 @@ class ExchangePlan:
         """``numel[s][p]`` — elements ``s`` sends to ``p``."""
         return [[sum(x.numel for x in self.pieces[s][p]) for p in range(self.world_size)]
                 for s in range(self.world_size)]
+
+    @functools.cached_property
+    def tag(self) -> int:
+        """A nonzero 31-bit word naming this plan's layout (what every source sends every
+        destination, tiled or not). The ``ce`` transport's data flags carry it, so a peer that
+        runs another plan (a graph captured for another shape) never satisfies a wait: the
+        waiting rank times out instead of reading rows laid out for another call."""
+        return (zlib.crc32(repr((self.tiled, self.numel)).encode()) & 0x3FFFFFFF) | 1
 
     @functools.cached_property
     def region_start(self) -> list[list[int]]:

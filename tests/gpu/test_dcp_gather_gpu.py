@@ -254,7 +254,9 @@ def _timeout_path(rank, world_size):
         if rank != silent:
             t0 = time.monotonic()
             try:
-                g(q)
+                g(q)  # no host sync: the timeout shows at check() once the kernel gave up
+                torch.cuda.synchronize()
+                g.check()
                 result = "no error"
             except PeerTimeoutError as exc:
                 waited = time.monotonic() - t0
@@ -270,8 +272,8 @@ def _timeout_path(rank, world_size):
                 result += "; reuse allowed"
             except RuntimeError as exc:
                 assert "unusable" in str(exc)
+        torch.cuda.synchronize()  # before the barrier: the next gatherer's check is bounded
         dist.barrier(group=cpu_group())
-        torch.cuda.synchronize()
         results.append(result)
     return results
 
