@@ -144,3 +144,22 @@ def test_fill_kernel_fp8_ptx():
     assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx
     assert re.search(r"st\.global(\.\w+)*\.b32", ptx), "no 32-bit store of the scales"
     assert not re.search(r"st\.global(\.\w+)*\.[bu]8", ptx), "byte stores: no alignment hint"
+
+
+def test_descriptor_derived_on_the_device_equals_the_uploaded_one():
+    """Inside CUDA graph capture a new region layout's descriptor is derived from a cached one
+    (``fill.derived_table``: no host-to-device copy): the same words as the one uploaded."""
+    from attncomm.ulysses import fill as fill_mod
+    dev = torch.device("cpu")
+    common = dict(ranges=(((0, 3), (3, 5)), ((0, 1), (1, 2))), htot=(4, 3), batch=2, row=64,
+                  hb=2, s_r=7, eps=1e-6, flags=1, strides=((896, 320, 64, 1),) * 2,
+                  rope_strides=(0, 0, 0, 0))
+    a = fill_mod._descriptor(dev, starts=(0, 4096), **common)
+    b = fill_mod._descriptor(dev, starts=(8192, 12288 + 64), **common)
+    assert a.words != b.words
+    fill_mod._TABLES.pop(next(k for k, v in fill_mod._TABLES.items() if v is b))
+    derived = fill_mod.derived_table(b.words, dev)  # from a: the most recent of that length
+    assert torch.equal(derived, b.table) and derived.data_ptr() != a.table.data_ptr()
+    assert torch.equal(a.table, torch.tensor(a.words))  # the source is left as it was
+    with pytest.raises(ValueError, match="inside CUDA graph capture"):
+        fill_mod.derived_table(list(b.words) + [0], dev)

@@ -256,6 +256,7 @@ class _Desc(NamedTuple):
     entries: int          # programs along the grid's second axis
     aligned: bool         # every base and pitch a multiple of 16 elements
     spec: int             # the kernel's SPEC
+    words: tuple          # the same words on the host (``derived_table`` reads them)
 
 
 def _spec_code(stride: int) -> int:
@@ -293,13 +294,43 @@ def _descriptor(device, ranges, htot, starts, batch, row, hb, s_r, eps, flags, s
     codes = [c.pop() if len(c := {_spec_code(st[k]) for st in strides}) == 1 else 0
              for k in range(4)] + [_spec_code(v) for v in rope_strides]
     words = head + [v for e in ents for v in e]
-    desc = _Desc(torch.tensor(words, dtype=torch.int64).to(device), len(ents),
+    desc = _Desc(_device_table(words, device), len(ents),
                  all(v % 16 == 0 for e in ents for v in e[3:6]),
-                 sum(c << (2 * k) for k, c in enumerate(codes)))
+                 sum(c << (2 * k) for k, c in enumerate(codes)), tuple(words))
     _TABLES[key] = desc
     while len(_TABLES) > 256:
         _TABLES.popitem(last=False)
     return desc
+
+
+def _device_table(words: list, device) -> torch.Tensor:
+    """``words`` as an int64 tensor on ``device``: uploaded, or inside CUDA graph capture
+    (where no host-to-device copy can run) derived from a cached table of the same length."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return derived_table(words, device)
+    return torch.tensor(words, dtype=torch.int64).to(device)
+
+
+def derived_table(words, device) -> torch.Tensor:
+    """A descriptor holding ``words``, made on the device from the most recent cached
+    descriptor of the same length (the same layout at other region starts: a transport hands
+    out its send buffers by parity, and the capture after one eager call takes the other):
+    a copy of it with each word that differs set by a fill of a constant, so it needs no
+    host-to-device copy and can be captured (the graph repeats the fills on every replay).
+
+    Raises ValueError when no such descriptor is cached (warm the shape up eagerly)."""
+    device = torch.device(device)
+    for d in reversed(list(_TABLES.values())):
+        if d.table.device == device and len(d.words) == len(words):
+            table = d.table.clone()
+            for i, (old, new) in enumerate(zip(d.words, words)):
+                if old != new:
+                    table[i].fill_(new)
+            return table
+    raise ValueError("ulysses fill: a new layout first seen inside CUDA graph capture, where "
+                     "its descriptor cannot be uploaded: run this call shape eagerly before "
+                     "capturing")
 
 
 def default_block_s(head_dim: int) -> int:
