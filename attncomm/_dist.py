@@ -29,9 +29,10 @@ from .collectives import all_gather_tensor
 from .errors import PeerTimeoutError
 
 __all__ = ["cpu_group", "group_lru_get", "clear_cpu_groups", "group_key", "group_device",
-           "set_group_device", "as_device", "agree", "guard_timeout", "wait", "as_bits",
-           "agree_reason", "DTYPE_CODES", "resolve_group", "check_group", "check_args",
-           "on_release", "release", "Lifecycle", "group_name", "group_from_name"]
+           "set_group_device", "as_device", "device_error", "agree", "guard_timeout", "wait",
+           "as_bits", "agree_reason", "DTYPE_CODES", "resolve_group", "check_group", "check_args",
+           "on_release", "release", "Lifecycle", "group_name", "group_from_name",
+           "on_forget_groups"]
 
 DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
                torch.int64: 5, torch.int32: 6, torch.int16: 7, torch.int8: 8, torch.uint8: 9,
@@ -91,6 +92,20 @@ def set_group_device(device) -> None:
     if dev is not None and dev.type not in ("cpu", "cuda"):
         raise ValueError(f"set_group_device: device must be CPU or CUDA, got {dev}")
     _GLOO_DEVICE = None if dev is None or dev.type == "cpu" else dev
+
+
+def device_error(group, device: torch.device) -> str | None:
+    """Why an exchange object on ``group`` cannot keep its tensors on ``device`` (None: it
+    can): an NCCL group takes the rank's current CUDA device only; a gloo group takes CPU or
+    CUDA tensors (the latter through host copies, ``attncomm.collectives``)."""
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        want = torch.device("cuda", torch.cuda.current_device())
+        if device != want:
+            return f"an NCCL group takes tensors on this rank's current device {want}, not {device}"
+    elif backend == "gloo" and device.type not in ("cpu", "cuda"):
+        return f"a gloo group takes CPU or CUDA tensors, not {device}"
+    return None
 
 
 def as_device(device) -> torch.device:
@@ -192,8 +207,9 @@ def cpu_group(group=None, *, world_collective: bool = False, timeout_s: float | 
       works for any layout. Non-members get None.
 
     ``timeout_s`` bounds the creation (None: ``ATTNCOMM_TIMEOUT_S``): a member that does not
-    arrive raises ``PeerTimeoutError`` within it. The group's collectives keep the default
-    timeout afterwards.
+    arrive raises ``PeerTimeoutError`` within it. The group's collectives get the default
+    timeout afterwards where torch can set a group's timeout (``ProcessGroup.set_timeout``);
+    elsewhere they keep the creating call's budget.
     """
     group = resolve_group(group, "attncomm.cpu_group") if _is_coordinator(group) else group
     g = group if group is not None else dist.group.WORLD
@@ -261,9 +277,11 @@ def _check_local_naming(g, budget: float) -> None:
     names = getattr(getattr(c10d, "_world", None), "pg_names", None)
     if names is None:  # a torch that names groups otherwise: nothing to check
         return
+    # One int per member over the group itself, bounded by the budget: on NCCL a CUDA tensor
+    # (the group's own device: not group_device, which for gloo is the declared device).
     world = dist.get_world_size(g)
     dev = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend(g) == "nccl" else torch.device("cpu")
+        if dist.get_backend(g) == "nccl" and torch.cuda.is_available() else torch.device("cpu")
     mine = torch.tensor([len(names)], dtype=torch.int64, device=dev)
     out = torch.empty(world, dtype=torch.int64, device=dev)
     wait(all_gather_tensor(out, mine, group=g, async_op=True), g,
@@ -277,12 +295,26 @@ def _check_local_naming(g, budget: float) -> None:
             f"rank right after creating the group")
 
 
+#: Callbacks ``fn()`` that forget what a module caches per process group (``on_forget_groups``).
+_FORGETTERS: list = []
+
+
+def on_forget_groups(fn):
+    """Register ``fn()``: forget every per-group fact a module keeps (``clear_cpu_groups``
+    calls it; the default group's key, ``"world"``, names a new group after a re-init)."""
+    _FORGETTERS.append(fn)
+    return fn
+
+
 def clear_cpu_groups() -> None:
-    """Forget every cached gloo twin and check group (a rank calls it before destroying its
-    process groups)."""
+    """Forget every cached gloo twin and check group, and every per-group fact modules keep
+    (a rank calls it before destroying its process groups)."""
     _CPU_GROUPS.clear()
     _CHECK_GROUPS.clear()
     _SEEN.clear()
+    collectives._GLOO.clear()
+    for fn in _FORGETTERS:
+        fn()
 
 
 def _default_timeout() -> datetime.timedelta:

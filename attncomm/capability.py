@@ -27,13 +27,14 @@ import torch
 import torch.distributed as dist
 
 from . import config
-from ._dist import agree_reason, cpu_group, group_key
+from ._dist import agree_reason, cpu_group, group_key, on_forget_groups
 
-__all__ = ["agree_reason", "hostname", "host_identity", "cuda_reason", "p2p_matrix",
-           "symm_mem_reason", "ipc_reason", "stream_mem_ops_reason", "same_host", "HostLayout",
-           "group_hosts", "GpuLayout", "group_gpus", "device_uuid", "PeerMapping",
-           "peer_mapping", "unmeasured_reason", "symm_unavailable_reason", "collective_try",
-           "multicast_env", "MAPPINGS"]
+__all__ = ["agree_reason", "hostname", "host_identity", "cuda_reason", "cuda_driver",
+           "cuda_runtime", "cuda_ok", "p2p_matrix", "symm_mem_reason", "ipc_reason",
+           "stream_mem_ops_reason", "same_host", "HostLayout", "group_hosts", "GpuLayout",
+           "group_gpus", "device_uuid", "PeerMapping", "peer_mapping", "known_peer_mapping",
+           "unmeasured_reason", "symm_unavailable_reason", "collective_try", "multicast_env",
+           "MAPPINGS"]
 
 _TEST_HOST = "/test:"  # joins the machine's identity and the test-only host name
 
@@ -148,6 +149,30 @@ def group_hosts(group=None) -> HostLayout:
     return layout
 
 
+def cuda_driver():
+    """``cuda.bindings.driver``, or None where it is not importable (an optional dependency)."""
+    try:
+        from cuda.bindings import driver
+        return driver
+    except Exception:  # noqa: BLE001 - optional dependency
+        return None
+
+
+def cuda_runtime():
+    """``cuda.bindings.runtime``, or None where it is not importable."""
+    try:
+        from cuda.bindings import runtime
+        return runtime
+    except Exception:  # noqa: BLE001 - optional dependency
+        return None
+
+
+def cuda_ok(res) -> bool:
+    """Whether a ``cuda.bindings`` call returned success (its result, or its first item)."""
+    err = res[0] if isinstance(res, tuple) else res
+    return int(getattr(err, "value", err)) == 0
+
+
 def cuda_reason() -> str | None:
     """None when CUDA is usable, else why not."""
     if not torch.cuda.is_available():
@@ -241,15 +266,16 @@ def same_host(group=None) -> bool:
 
 
 def ipc_reason() -> str | None:
-    """None when CUDA IPC (torch's own: ``torch.multiprocessing.reductions``) can map a peer
-    process's memory here, else why not."""
+    """This rank's local reason against CUDA IPC (torch's own,
+    ``torch.multiprocessing.reductions``): CUDA must be there; whether a handle opens is
+    only known by opening it (the rendezvous, agreed through ``collective_try``)."""
     return cuda_reason()
 
 
 def device_uuid(index: int) -> str:
     """A name of CUDA device ``index`` that is the same in every process of the machine,
-    whatever its ``CUDA_VISIBLE_DEVICES``: the device UUID (its PCI address, or lastly its
-    index, on a torch that reports no UUID)."""
+    whatever its ``CUDA_VISIBLE_DEVICES``: the device UUID, else its PCI address (on a torch
+    that reports neither, its index: right only when every process sees the same devices)."""
     props = torch.cuda.get_device_properties(index)
     uuid = getattr(props, "uuid", None)
     if uuid is not None and str(uuid):
@@ -347,22 +373,37 @@ class PeerMapping:
 _MAPPING: dict = {}  # group_key(group) → PeerMapping
 
 
+@on_forget_groups
+def _forget_groups() -> None:
+    _HOSTS.clear()
+    _GPUS.clear()
+    _MAPPING.clear()
+
+
 def peer_mapping(group=None) -> PeerMapping:
     """Which peer mapping the symmetric slabs of ``group`` use (``PeerMapping``).
 
     ``ATTNCOMM_PEER_MAPPING`` (``auto``: decide) forces one. ``auto`` takes CUDA IPC when some
     ranks share a GPU (torch SymmetricMemory refuses allocations from overlapping devices of
     different ranks) or when torch SymmetricMemory is unavailable on some rank, else torch
-    SymmetricMemory. Collective over the group's gloo twin on first use per group (the GPU
-    layout and the agreement on each mapping's local facts), cached for the group's lifetime
-    (the variable is read then)."""
+    SymmetricMemory. CUDA IPC serves only a group whose ranks all use one GPU
+    (``unavailable`` says so otherwise). Collective over the group's gloo twin on first use
+    per group (the GPU layout and the agreement on each mapping's local facts), cached for the
+    group's lifetime (the variable is read then)."""
     key = group_key(group)
     hit = _MAPPING.get(key)
     if hit is not None:
         return hit
-    shared = group_gpus(group).shared_reason()
+    layout = group_gpus(group)
+    shared = layout.shared_reason()
     torch_why = agree_reason(group, symm_mem_reason(), "torch SymmetricMemory")
     ipc_why = agree_reason(group, ipc_reason(), "CUDA IPC")
+    gpus = len({(h, u) for h, u, _ in layout.gpus if u})
+    if ipc_why is None and gpus > 1:
+        # Opening a peer's handle maps it under the peer's device index, without peer access
+        # from this rank's GPU: kernels would fault on it. One GPU for the whole group only.
+        ipc_why = (f"CUDA IPC serves a group whose ranks all share one GPU; these ranks use "
+                   f"{gpus} GPUs")
     if torch_why is None and shared is not None:
         torch_why = f"{shared}: torch SymmetricMemory refuses ranks on one GPU"
     forced = config.get("ATTNCOMM_PEER_MAPPING")
@@ -379,6 +420,11 @@ def peer_mapping(group=None) -> PeerMapping:
         m = PeerMapping("torch", "every rank has a GPU of its own and torch SymmetricMemory")
     _MAPPING[key] = m
     return m
+
+
+def known_peer_mapping(group=None) -> PeerMapping | None:
+    """The group's ``peer_mapping`` when it has been decided (no communication), else None."""
+    return _MAPPING.get(group_key(group))
 
 
 def unmeasured_reason(group, device: torch.device) -> str | None:

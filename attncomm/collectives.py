@@ -3,17 +3,18 @@
 The one place attncomm calls torch.distributed's tensor collectives (``all_gather``,
 ``reduce_scatter``, ``all_to_all_single``, ``all_reduce``, ``broadcast``, point-to-point), so
 that one rule holds everywhere: **gloo never sees a device pointer.** A gloo group takes CPU
-tensors only; handed a CUDA tensor it passes the device address to TCP (measured on one H200:
-the process crashed, "writev ... Bad address"). Ranks that share a GPU have a gloo group (NCCL
-refuses two ranks on one device), and their CUDA tensors travel through the host: each input is
-copied into a CPU tensor, gloo runs on the copies, and each output is copied back when the work
-is waited for (``StagedWork``). The copies move bytes, so every collective that moves data
-(all_gather, all_to_all, broadcast, point-to-point) gives the bits the NCCL path gives; a
-reduction sums in gloo's order.
+tensors only; handed a CUDA tensor it passes the device address to its TCP writes, which fault
+on it and bring the process down ("writev ... Bad address"). Ranks that share a GPU have a
+gloo group (NCCL refuses two ranks on one device), and their CUDA tensors travel through the
+host: each input is copied into a CPU tensor, gloo runs on the copies, and each output is
+copied back when the work is waited for (``StagedWork``). The copies move bytes, so every
+collective that moves data (all_gather, all_to_all, broadcast, point-to-point) gives the bits
+the NCCL path gives; a reduction sums in gloo's order.
 
 Staging makes the host wait for the GPU (the device-to-host copy), so it cannot be captured in
-a CUDA graph: inside a capture it raises ``RuntimeError`` (on shared-GPU ranks the peer-mapped
-backends, ``symm_a2a``, the gather's ``symm`` and Ulysses ``ce``, are the ones to capture).
+a CUDA graph: every function here raises ``RuntimeError`` when it would stage inside a capture
+(on shared-GPU ranks the peer-mapped backends, ``symm_a2a``, the gather's ``symm`` and Ulysses
+``ce``, are the ones to capture).
 
 Also the version shims for collectives renamed between torch 2.11 and 2.13
 (``all_gather_single`` / ``all_gather_into_tensor``, ``reduce_scatter_single`` /
@@ -37,18 +38,28 @@ __all__ = ["needs_host", "StagedWork", "all_gather_tensor", "reduce_scatter_tens
 _STAGE_CPU = False
 
 
+#: ``group → its backend is gloo``, keyed by the group object (held: never a reused id): the
+#: check costs a dict lookup on the hot path instead of ``dist.get_backend``.
+_GLOO: dict = {}
+
+
 def needs_host(group, *tensors: torch.Tensor) -> bool:
     """Whether a collective of ``tensors`` on ``group`` must go through host copies: the group
     is gloo and some tensor is not on the CPU."""
-    if dist.get_backend(group) != "gloo":
+    if not _STAGE_CPU and all(t.device.type == "cpu" for t in tensors):
         return False
-    return _STAGE_CPU or any(t.device.type != "cpu" for t in tensors)
+    g = group if group is not None else dist.group.WORLD
+    gloo = _GLOO.get(g)
+    if gloo is None:
+        gloo = _GLOO[g] = dist.get_backend(g) == "gloo"
+    return gloo
 
 
 class StagedWork:
     """The work of a staged collective: ``wait()`` waits for gloo's work on the host copies,
     then copies each result into its destination tensor (once). ``wait(timeout)`` takes the
-    ``timedelta`` gloo's works take; ``is_completed()`` asks gloo's work."""
+    ``timedelta`` gloo's works take; ``is_completed()`` is True once ``wait()`` has copied the
+    results back."""
 
     def __init__(self, work, copies: list[tuple[torch.Tensor, torch.Tensor]]):
         self.work = work
@@ -66,7 +77,7 @@ class StagedWork:
         return True
 
     def is_completed(self) -> bool:
-        return self.work is None or self.work.is_completed()
+        return not self.copies and (self.work is None or self.work.is_completed())
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:

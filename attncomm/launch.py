@@ -13,6 +13,7 @@ tests, never for speed figures.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import pickle
 import queue
@@ -36,6 +37,8 @@ from ._wait import poll_until
 from .errors import PeerTimeoutError
 
 __all__ = ["launch", "RankPool", "init_distributed", "gpu_placement"]
+
+log = logging.getLogger("attncomm.launch")
 
 # How long the other ranks get to report after one rank failed (their errors become notes on
 # the failure) before they are stopped and the pool is torn down. Ranks that fail alike (an
@@ -353,6 +356,10 @@ class RankPool:
             n = torch.cuda.device_count() if torch.cuda.is_available() else 0
             self.gpus = gpu_placement(world_size, n, ranks_per_gpu)
             self.shared_gpu = len(set(self.gpus)) < world_size
+            if self.shared_gpu:
+                log.warning("%d ranks on %d GPU(s): ranks share GPUs (a gloo group, CUDA IPC "
+                            "peers): for correctness and fault tests, not speed", world_size,
+                            len(set(self.gpus)))
         elif ranks_per_gpu is not None:
             raise ValueError("ranks_per_gpu applies to device='cuda' only")
         self.world_size = world_size

@@ -342,17 +342,14 @@ def relax_capture_mode() -> bool:
     ``cuThreadExchangeStreamCaptureMode``): its CUDA calls are then allowed while another
     thread captures a graph in global mode, and they do not invalidate that capture. For the
     watchdog thread only, which never captures. True when set."""
-    try:
-        from cuda.bindings import driver
-    except Exception:  # noqa: BLE001 - optional dependency
+    driver = capability.cuda_driver()
+    if driver is None:
         return False
     try:
-        res = driver.cuThreadExchangeStreamCaptureMode(
-            driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
-    except Exception:  # noqa: BLE001
+        return capability.cuda_ok(driver.cuThreadExchangeStreamCaptureMode(
+            driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+    except Exception:  # noqa: BLE001 - an older binding: not relaxed
         return False
-    err = res[0] if isinstance(res, tuple) else res
-    return int(getattr(err, "value", err)) == 0
 
 
 class _on_device:
@@ -400,6 +397,17 @@ def held_bytes(group=None) -> int:
     return sum(ws.nbytes for ws in list(_LIVE) if group_key(ws.group) == key)
 
 
+def _decided_mapping(group, op: str) -> str:
+    """The group's decided peer mapping (the constructor is local: it runs inside
+    ``collective_try`` and must make no collective)."""
+    m = capability.known_peer_mapping(group)
+    if m is None:
+        raise RuntimeError(f"{op}: the group's peer mapping is not decided yet: call "
+                           f"capability.peer_mapping(group) on every rank first (the "
+                           f"eligibility check does), or pass mapping=")
+    return m.kind
+
+
 class SymmWorkspace:
     """A symmetric slab of one group: allocate (constructor), rendezvous, release.
 
@@ -414,13 +422,15 @@ class SymmWorkspace:
         op: the exchange's name in messages. timeout_s: its wait budget.
         errors: the ``PeerErrors`` to report into (None: a new one; several workspaces of one
             exchange object share one).
+        mapping: ``"torch"`` or ``"ipc"`` (None: the group's decided mapping,
+            ``capability.known_peer_mapping``; RuntimeError when it is not decided yet).
 
     Attributes:
         slab: the local ``[size] uint8`` symmetric tensor (zeroed before the rendezvous).
         peer_ptrs: after ``rendezvous()``, every rank's slab address in this process (group
             rank order).
-        mapping: ``"torch"`` or ``"ipc"`` (``capability.peer_mapping`` of the group, unless
-            ``mapping`` is given).
+        mapping: ``"torch"`` or ``"ipc"`` (the group's decided ``capability.peer_mapping``
+            unless ``mapping`` is given; construction makes no collective).
         handle: the torch SymmetricMemory handle (after ``rendezvous()``; None with ipc).
         state: ``[4] int32`` device words for the user's epochs (zeroed).
         failures: the ``PeerErrors``; ``errors`` is its ``words`` tensor (kernel argument).
@@ -444,8 +454,7 @@ class SymmWorkspace:
             raise ValueError(f"{op}: layout for {want} ranks, group has {self.world_size}")
         self.layout = size if not isinstance(size, int) else None
         self.nbytes = int(nbytes)
-        # Decided by the eligibility check that precedes every construction (cached then).
-        self.mapping = mapping or capability.peer_mapping(self.group).kind
+        self.mapping = mapping or _decided_mapping(self.group, op)
         if self.mapping not in capability.MAPPINGS:
             raise ValueError(f"{op}: mapping must be one of {capability.MAPPINGS}, got "
                              f"{self.mapping!r}")
@@ -469,9 +478,10 @@ class SymmWorkspace:
         """Allocate, then rendezvous, each step agreed across ranks
         (``capability.collective_try``): every rank gets a workspace, or every rank raises
         ``RuntimeError`` naming ``op`` and the step that failed on some rank."""
+        mapping = capability.peer_mapping(group).kind  # collective on first use, before any try
         ws, reason = capability.collective_try(
             group, lambda: cls(group, size, device, op=op, timeout_s=timeout_s,
-                               rendezvous=False), f"{op} allocation")
+                               rendezvous=False, mapping=mapping), f"{op} allocation")
         if reason:
             raise RuntimeError(f"{op}: allocation failed: {reason}")
         _, reason = capability.collective_try(group, ws.rendezvous, f"{op} rendezvous")
@@ -511,7 +521,7 @@ class SymmWorkspace:
         # over the gloo group; each rank opens every peer's (its own slab it has).
         g = cpu_group(self.group)
         handles: list = [None] * self.world_size
-        with guard_timeout(g, f"{self.op} (CUDA IPC rendezvous)", self.timeout_s):
+        with guard_timeout(g, f"{self.op} (CUDA IPC rendezvous)"):  # the group's timeout
             dist.all_gather_object(handles, reduce_tensor(self.slab), group=g)
         peers = []
         for q, (rebuild, args) in enumerate(handles):
@@ -538,30 +548,47 @@ class SymmWorkspace:
         self.check()
 
     def close(self) -> None:
-        """Collective end of life: finish this rank's device work, wait (bounded by the
-        workspace's timeout) until every rank got here, so no peer still stores into the slab,
-        then ``release()``: with the ipc mapping every rank first closes its views of the
-        peers' slabs, and a second barrier keeps each slab alive until no peer maps it.
-        Idempotent.
+        """Collective end of life: finish this rank's device work, then agree with every rank
+        (bounded by the workspace's timeout) that all got here, so no peer still stores into
+        the slab, and whether any rank is broken; then ``release()``. With the ipc mapping and
+        no rank broken, every rank first closes its views of the peers' slabs and a second
+        barrier keeps each slab alive until no peer maps it. Idempotent; never raises for a
+        peer that does not come (it releases after the budget).
 
-        A broken workspace (a wait timed out: a peer may be gone) skips the barriers and only
-        releases: its peers' late stores still land in memory that no new tensor takes (torch
-        SymmetricMemory keeps the physical pages while a peer maps them; CUDA IPC keeps the
-        allocation while a peer's reference count is held)."""
+        When some rank is broken (a wait timed out: a peer may be gone) or a peer does not
+        come, only the agreement runs, then the release: the peers' late stores still land in
+        memory that no new tensor takes (torch SymmetricMemory keeps the physical pages while a
+        peer maps them; CUDA IPC keeps the allocation while a peer's reference count is
+        held)."""
         if self.slab is None:
             return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        g = cpu_group(self.group)
-        together = dist.get_world_size(g) > 1 and self.failures.broken is None
-        if together:
-            wait(dist.barrier(group=g, async_op=True), g, f"{self.op} (close)", self.timeout_s)
-        if self._peers and together:
-            self._peers = []
-            torch.cuda.synchronize(self.device)
-            wait(dist.barrier(group=g, async_op=True), g, f"{self.op} (close: peers unmapped)",
-                 self.timeout_s)
-        self.release()
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            g = cpu_group(self.group)
+            if dist.get_world_size(g) > 1 and self._all_here_and_well(g) and self._peers:
+                self._peers = []
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                wait(dist.barrier(group=g, async_op=True), g,
+                     f"{self.op} (close: peers unmapped)", self.timeout_s)
+        except PeerTimeoutError:
+            pass  # a peer left between the two steps: released below all the same
+        finally:
+            self.release()
+
+    def _all_here_and_well(self, g) -> bool:
+        """The first step of ``close`` on every rank: an all_reduce(MAX) of this rank's broken
+        flag over the gloo group, bounded by the timeout (it is also the barrier after which no
+        peer stores into the slab). True when every rank came and none is broken; every rank
+        that came gets the same answer."""
+        flag = torch.tensor([0 if self.failures.broken is None else 1], dtype=torch.int64)
+        try:
+            wait(collectives.all_reduce(flag, op=dist.ReduceOp.MAX, group=g, async_op=True), g,
+                 f"{self.op} (close)", self.timeout_s)
+        except PeerTimeoutError:
+            return False
+        return int(flag.item()) == 0
 
     def release(self) -> None:
         """Drop the slab, its handle and (ipc) the views of the peers' slabs (call on every

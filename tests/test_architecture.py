@@ -259,16 +259,48 @@ _TENSOR_COLLECTIVES = {"all_gather", "all_gather_into_tensor", "all_gather_singl
                        "irecv", "send", "recv", "batch_isend_irecv", "gather", "scatter", "reduce"}
 
 
+_DIST_MODULES = {"dist", "c10d", "torch.distributed", "torch.distributed.distributed_c10d"}
+
+
+def _dotted(node) -> str | None:
+    """``a.b.c`` for a chain of attributes on a name, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _direct_collectives(tree: ast.AST) -> list[tuple[int, str]]:
+    """Calls of a tensor collective through ``dist``/``c10d``/``torch.distributed`` (any
+    attribute chain) and imports of one from those modules."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in _DIST_MODULES:
+            found += [(node.lineno, f"from {node.module} import {a.name}") for a in node.names
+                      if a.name in _TENSOR_COLLECTIVES]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in _TENSOR_COLLECTIVES \
+                and _dotted(node.func.value) in _DIST_MODULES:
+            found.append((node.lineno, f"{_dotted(node.func.value)}.{node.func.attr}"))
+    return found
+
+
 def test_tensor_collectives_only_through_the_staging_module():
     bad = []
     for mod, path in _modules().items():
         if mod == "attncomm.collectives":
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                    and node.func.attr in _TENSOR_COLLECTIVES \
-                    and isinstance(node.func.value, ast.Name) \
-                    and node.func.value.id in ("dist", "c10d"):
-                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.func.value.id}."
-                           f"{node.func.attr}")
+        bad += [f"{path.relative_to(ROOT)}:{line}: {what}"
+                for line, what in _direct_collectives(ast.parse(path.read_text()))]
     assert not bad, "tensor collectives outside attncomm/collectives.py:\n" + "\n".join(bad)
+
+
+def test_the_collective_finder_sees_each_spelling():
+    for src in ("dist.all_reduce(t)", "torch.distributed.all_to_all_single(a, b)",
+                "from torch.distributed import broadcast", "c10d.isend(t, 1)"):
+        assert _direct_collectives(ast.parse(src)), src
+    for src in ("collectives.all_reduce(t)", "dist.barrier()", "dist.P2POp(c10d.isend, t, 1)"):
+        assert not _direct_collectives(ast.parse(src)), src

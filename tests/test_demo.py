@@ -168,8 +168,9 @@ def test_cli_json_and_exit_codes(tmp_path, capsys):
     doc = json.loads(path.read_text())
     assert set(doc) == {"meta", "runs"}
     assert set(doc["meta"]) == {"device", "world_size", "dtype", "torch", "date", "threshold",
-                                "verdict", "skipped"}
+                                "verdict", "skipped", "shared_gpu"}
     assert doc["meta"]["device"] == "cpu" and doc["meta"]["dtype"] == "fp32"
+    assert doc["meta"]["shared_gpu"] is None  # CPU ranks: their seconds are what they are
     assert doc["meta"]["threshold"] == 0.99999 and doc["meta"]["verdict"] == "pass"
     assert [r["backend"] for r in doc["runs"]] == dcp.available_backends("cpu")
     for r in doc["runs"]:

@@ -100,12 +100,20 @@ def test_peer_mapping_without_cuda(pools):
             assert out[forced + " symm"].startswith(f"peer mapping {out[forced][0]}: "), out
 
 
-def test_group_device_follows_set_group_device():
-    assert attncomm.set_group_device is attncomm._dist.set_group_device
+def _group_devices(rank, world_size):
+    from attncomm._dist import group_device
+    before = group_device()
+    attncomm.set_group_device(torch.device("cuda", 0))  # a declared device needs no GPU here
+    declared = group_device()
+    attncomm.set_group_device(None)
+    return before, declared, group_device()
+
+
+def test_group_device_follows_set_group_device(pools):
     with pytest.raises(ValueError, match="must be CPU or CUDA"):
         attncomm.set_group_device("meta")
-    attncomm.set_group_device("cpu")
-    assert attncomm._dist._GLOO_DEVICE is None
+    for out in pools.run(2, _group_devices):
+        assert out == (torch.device("cpu"), torch.device("cuda", 0), torch.device("cpu"))
 
 
 # ------------------------------------------------------------------------------ staging
@@ -356,3 +364,55 @@ def test_gpu_fault_judge_catches_a_silent_fault():
     rec = gf.judge(gf.Record("symm_a2a", "eager", "kill_before", 2, 4.0,
                              exit_codes={0: 0, 1: -9}))
     assert rec.outcome == "hang" and any("never reported" in m for m in rec.failures)
+
+
+# ------------------------------------------------------------------------------ close
+def _close_with_one_rank_broken(rank, world_size, absent):
+    from attncomm.symm import SymmWorkspace
+    ws = SymmWorkspace(None, 4096, torch.device("cpu"), op="test", timeout_s=2.0,
+                       rendezvous=False, mapping="ipc")
+    if rank == 0:
+        ws.failures.mark_broken([1], "a wait timed out on this rank only")
+    if absent and rank == world_size - 1:
+        time.sleep(3.0)  # never comes to the close
+        return None
+    t0 = time.monotonic()
+    ws.close()  # agreed: every rank that came skips the second step alike, none raises
+    took = time.monotonic() - t0
+    t = torch.tensor([1])
+    if not absent:
+        dist.all_reduce(t)  # the group is still in step
+    return took, ws.slab is None, int(t.item())
+
+
+@pytest.mark.parametrize("absent", [False, True])
+def test_close_agrees_when_one_rank_is_broken(pools, absent):
+    """A workspace broken on one rank only (a slow peer timed it out there): every rank's
+    ``close`` agrees on it, frees, and leaves the group in step; a peer that never comes
+    costs the budget, not an error (fresh ranks then: their group saw a timeout)."""
+    res = (attncomm.launch(_close_with_one_rank_broken, 2, args=(absent,), timeout_s=60)
+           if absent else pools.run(2, _close_with_one_rank_broken, absent))
+    for r, out in enumerate(res):
+        if out is None:
+            continue
+        took, freed, total = out
+        assert freed, r
+        assert took < (2.0 + 2 if absent else 1.5), (r, took)
+        if not absent:
+            assert total == 2
+
+
+# ------------------------------------------------------------------------------ ce tags
+def test_plan_tags_tell_layouts_with_equal_counts_apart():
+    from attncomm.ulysses.layout import head_offsets, head_split, seq_to_head_plan
+
+    def plan(s, h):
+        counts = head_split(h, 2)
+        offs = head_offsets(counts)
+        return seq_to_head_plan(1, (s, s), 64, (tuple((offs[p], offs[p] + counts[p])
+                                                      for p in range(2)),))
+
+    a, b = plan(8, 6), plan(12, 4)
+    assert a.numel == b.numel and a.tiled == b.tiled  # the same bytes to every peer
+    assert a.tag != b.tag and a.tag & 1 and b.tag & 1
+    assert plan(8, 6).tag == a.tag  # the same plan, the same tag, on every rank

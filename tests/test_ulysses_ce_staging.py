@@ -136,7 +136,7 @@ def test_timeout_names_the_peer_that_did_not_answer(monkeypatch):
     t.flags.set.add(105)  # peer 5 answered
     cs = _Stream(t.flags.set)
     waits = [t._bounded_wait(cs, 100 + p, p, False) for p in (1, 5)]
-    t._watch(waits, False, lambda p: [100 + p])
+    t._watch(waits, False, lambda p: [(100 + p, 1)])
     assert len(added) == 2
     for w in added:
         w.device = None

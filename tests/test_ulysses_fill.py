@@ -158,7 +158,8 @@ def test_descriptor_derived_on_the_device_equals_the_uploaded_one():
     b = fill_mod._descriptor(dev, starts=(8192, 12288 + 64), **common)
     assert a.words != b.words
     fill_mod._TABLES.pop(next(k for k, v in fill_mod._TABLES.items() if v is b))
-    derived = fill_mod.derived_table(b.words, dev)  # from a: the most recent of that length
+    derived, source = fill_mod.derived_table(b.words, dev)  # from a: the latest of that length
+    assert source is a.table
     assert torch.equal(derived, b.table) and derived.data_ptr() != a.table.data_ptr()
     assert torch.equal(a.table, torch.tensor(a.words))  # the source is left as it was
     with pytest.raises(ValueError, match="inside CUDA graph capture"):

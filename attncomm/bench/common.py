@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .. import _triton, collectives, config
 from .._dist import cpu_group
 from .._timing import time_eager, time_graph
-from ..launch import launch
+from ..launch import gpu_placement, launch
 
 __all__ = ["meta", "time_eager", "time_graph", "max_over_ranks", "slowest_rank_median",
            "format_column", "format_rows", "markdown_lines", "print_table", "write_json",
@@ -33,8 +33,9 @@ _SHARED = False
 def shared_gpu(device: str, world_size: int) -> bool:
     """Whether ``world_size`` CUDA ranks share GPUs here (more ranks than GPUs:
     ``attncomm.launch`` places them round-robin on a gloo group, peers mapped by CUDA IPC)."""
-    return device == "cuda" and torch.cuda.is_available() \
-        and torch.cuda.device_count() < world_size
+    if device != "cuda" or not torch.cuda.is_available():
+        return False
+    return len(set(gpu_placement(world_size, torch.cuda.device_count()))) < world_size
 
 
 def run_ranks(fn, world_size: int, device: str, args: tuple = ()) -> list:

@@ -27,6 +27,7 @@ import time
 import torch
 
 from attncomm import config, dcp, ulysses
+from attncomm.bench.common import SHARED_GPU_NOTE
 from attncomm.errors import PeerTimeoutError
 from attncomm.launch import launch
 from attncomm.testing.reference import ref_merge
@@ -186,12 +187,12 @@ def main(argv=None) -> int:
         print(f"{rec['exchange']}: {rec['calls']} calls, {rec['mismatches']} mismatches, "
               f"{rec['timeouts']} timeouts, {rec['seconds']:.1f} s")
     print(f"soak done in {time.monotonic() - t0:.0f} s (W={a.world} on one GPU; "
-          f"shared GPU: not a speed figure)")
+          f"{SHARED_GPU_NOTE})")
     if a.json:
         meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
                 "gpu": torch.cuda.get_device_name(0), "world_size": a.world,
                 "machine": config.raw("ATTNCOMM_MACHINE") or None,
-                "shared_gpu": "shared GPU: not a speed figure", "seed": a.seed,
+                "shared_gpu": SHARED_GPU_NOTE, "seed": a.seed,
                 "timeout_s": a.timeout}
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as fh:

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from .. import capability, collectives, config
-from .._dist import agree_reason, cpu_group, group_key, on_release, wait
+from .._dist import agree_reason, cpu_group, group_key, on_release
 from ..errors import PeerTimeoutError
 from ..symm import PeerErrors, PendingWait, watchdog
 from .ce_flags import Flags, ok, recv_order, runtime, send_order, triton_reason
@@ -181,6 +181,7 @@ class CopyEngineTransport(Transport):
         super().__init__(group, rank, world_size, timeout_s)
         self.device = torch.device(device)
         self.flag_mode = self._agree_flag_mode(flag_mode)
+        self.mapping = capability.peer_mapping(group).kind  # collective on first use
         self.failures = PeerErrors(world_size, self.device, op="ulysses ce", rank=rank,
                                    timeout_s=timeout_s)
         self.flags = Flags(self.flag_mode, self.failures.words, timeout_s)
@@ -217,17 +218,11 @@ class CopyEngineTransport(Transport):
 
     def close(self) -> None:
         """Collective: free every staging buffer once every rank got here (no peer still
-        copies into one). The transport can allocate again afterwards. A broken transport (a
-        wait timed out: a peer may be gone) frees without waiting for the peers, as
-        ``SymmWorkspace.close`` does."""
-        if not self.cache:
-            return
-        torch.cuda.synchronize(self.device)
-        g = cpu_group(self.group)
-        if self.world_size > 1 and self.failures.broken is None:
-            wait(dist.barrier(group=g, async_op=True), g, "ulysses ce (close)", self.timeout_s)
+        copies into one), each through ``SymmWorkspace.close`` (agreed across ranks, bounded;
+        a broken transport or a peer that does not come frees without the peers). The
+        transport can allocate again afterwards."""
         for st in self.cache.values():
-            st.release()
+            st.close()
         self.cache.clear()
 
     # -------------------------------------------------------------------------- cache
@@ -274,7 +269,8 @@ class CopyEngineTransport(Transport):
         # allocated: a rank that failed never leaves its peers waiting in the rendezvous.
         st, why = capability.collective_try(
             self.group, lambda: _Staging(self.group, self.rank, self.world_size, key[1],
-                                         self.device, failures=self.failures),
+                                         self.device, failures=self.failures,
+                                         mapping=self.mapping),
             "ulysses ce staging allocation")
         if why:
             return f"staging allocation failed: {why}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _triton
+from .. import _triton, capability
 
 if _triton.REASON is None:
     from . import ce_flag_kernels as _k
@@ -27,31 +27,14 @@ __all__ = ["Flags", "driver", "runtime", "triton_reason", "ok", "f_word", "a_wor
 _WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
 
 
-def driver():
-    try:
-        from cuda.bindings import driver as drv
-        return drv
-    except Exception:  # noqa: BLE001 - optional dependency
-        return None
-
-
-def runtime():
-    try:
-        from cuda.bindings import runtime as rt
-        return rt
-    except Exception:  # noqa: BLE001 - optional dependency
-        return None
+driver = capability.cuda_driver
+runtime = capability.cuda_runtime
+ok = capability.cuda_ok
 
 
 def triton_reason() -> str | None:
     """None when Triton is importable, else the import's error."""
     return _triton.ERROR
-
-
-def ok(res) -> bool:
-    """Whether a ``cuda.bindings`` call returned success."""
-    err = res[0] if isinstance(res, tuple) else res
-    return int(getattr(err, "value", err)) == 0
 
 
 class Flags:

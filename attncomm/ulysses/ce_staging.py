@@ -26,13 +26,13 @@ class Staging:
     allocates and initialises (local; may fail, e.g. OOM), ``rendezvous()`` exchanges handles
     (every rank must reach it, so it runs only once every rank has allocated)."""
 
-    def __init__(self, group, rank, world, cap: int, device, *, failures=None):
+    def __init__(self, group, rank, world, cap: int, device, *, failures=None, mapping=None):
         self.world = world
         self.cap = cap
         self.device = device
         self.flags_bytes = align(16 * world)
         self.ws = SymmWorkspace(group, self.flags_bytes + 2 * cap, device, op="ulysses ce",
-                                rendezvous=False, errors=failures)
+                                rendezvous=False, errors=failures, mapping=mapping)
         self.buf = self.ws.slab
         self.buf[:16 * world].view(torch.int32).copy_(
             torch.tensor(initial_flags(rank, world), dtype=torch.int32))
@@ -83,7 +83,13 @@ class Staging:
         self.ptrs = self.ws.peer_ptrs
 
     def release(self) -> None:
+        """Drop the buffers (every rank at the same call, after a barrier: an eviction)."""
         self.ws.release()
+        self.buf = None
+
+    def close(self) -> None:
+        """Collective end of life (``SymmWorkspace.close``)."""
+        self.ws.close()
         self.buf = None
 
     def f_addr(self, owner: int, k: int, src: int) -> int:

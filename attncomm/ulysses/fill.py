@@ -257,6 +257,8 @@ class _Desc(NamedTuple):
     aligned: bool         # every base and pitch a multiple of 16 elements
     spec: int             # the kernel's SPEC
     words: tuple          # the same words on the host (``derived_table`` reads them)
+    # a captured derived table's source, which every replay copies: kept while this one is
+    source: torch.Tensor | None = None
 
 
 def _spec_code(stride: int) -> int:
@@ -294,30 +296,32 @@ def _descriptor(device, ranges, htot, starts, batch, row, hb, s_r, eps, flags, s
     codes = [c.pop() if len(c := {_spec_code(st[k]) for st in strides}) == 1 else 0
              for k in range(4)] + [_spec_code(v) for v in rope_strides]
     words = head + [v for e in ents for v in e]
-    desc = _Desc(_device_table(words, device), len(ents),
-                 all(v % 16 == 0 for e in ents for v in e[3:6]),
-                 sum(c << (2 * k) for k, c in enumerate(codes)), tuple(words))
+    table, source = _device_table(words, device)
+    desc = _Desc(table, len(ents), all(v % 16 == 0 for e in ents for v in e[3:6]),
+                 sum(c << (2 * k) for k, c in enumerate(codes)), tuple(words), source)
     _TABLES[key] = desc
     while len(_TABLES) > 256:
         _TABLES.popitem(last=False)
     return desc
 
 
-def _device_table(words: list, device) -> torch.Tensor:
-    """``words`` as an int64 tensor on ``device``: uploaded, or inside CUDA graph capture
-    (where no host-to-device copy can run) derived from a cached table of the same length."""
+def _device_table(words: list, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(table, source)``: ``words`` as an int64 tensor on ``device``, uploaded (source
+    None), or inside CUDA graph capture (where no host-to-device copy can run) derived from a
+    cached table of the same length, its source (``derived_table``)."""
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return derived_table(words, device)
-    return torch.tensor(words, dtype=torch.int64).to(device)
+    return torch.tensor(words, dtype=torch.int64).to(device), None
 
 
-def derived_table(words, device) -> torch.Tensor:
-    """A descriptor holding ``words``, made on the device from the most recent cached
-    descriptor of the same length (the same layout at other region starts: a transport hands
-    out its send buffers by parity, and the capture after one eager call takes the other):
-    a copy of it with each word that differs set by a fill of a constant, so it needs no
-    host-to-device copy and can be captured (the graph repeats the fills on every replay).
+def derived_table(words, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(table, source)``: a descriptor holding ``words``, made on the device from the most
+    recent cached descriptor of the same length (the same layout at other region starts: a
+    transport hands out its send buffers by parity, and the capture after one eager call
+    takes the other): a copy of ``source`` with each word that differs set by a fill of a
+    constant, so it needs no host-to-device copy and can be captured. The graph repeats the
+    copy and the fills on every replay, so the caller keeps ``source`` as long as ``table``.
 
     Raises ValueError when no such descriptor is cached (warm the shape up eagerly)."""
     device = torch.device(device)
@@ -327,7 +331,7 @@ def derived_table(words, device) -> torch.Tensor:
             for i, (old, new) in enumerate(zip(d.words, words)):
                 if old != new:
                     table[i].fill_(new)
-            return table
+            return table, d.table
     raise ValueError("ulysses fill: a new layout first seen inside CUDA graph capture, where "
                      "its descriptor cannot be uploaded: run this call shape eagerly before "
                      "capturing")

@@ -152,7 +152,8 @@ class ExchangePlan:
         destination, tiled or not). The ``ce`` transport's data flags carry it, so a peer that
         runs another plan (a graph captured for another shape) never satisfies a wait: the
         waiting rank times out instead of reading rows laid out for another call."""
-        return (zlib.crc32(repr((self.tiled, self.numel)).encode()) & 0x3FFFFFFF) | 1
+        return (zlib.crc32(repr((self.tiled, self.pieces, self.recv_numel)).encode())
+                & 0x3FFFFFFF) | 1
 
     @functools.cached_property
     def region_start(self) -> list[list[int]]:

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from ... import capability, config, select
-from ..._dist import DTYPE_CODES, Lifecycle, agree, as_device, group_device, resolve_group
+from ..._dist import (DTYPE_CODES, Lifecycle, agree, as_device, device_error, group_device,
+                      resolve_group)
 from .. import tracing
 from . import collective, symm_a2a  # noqa: F401 - each registers its backend class
 from .backend import BACKENDS, backend_class
@@ -181,7 +182,7 @@ class DcpMerger(Lifecycle):
         self.rank = dist.get_rank(group)
         self.timeout_s = config.timeout_s(timeout_s)
         err = self._check_args(max_tokens, num_heads, head_dim, dtype, backend, lse_base,
-                               self.world_size)
+                               self.world_size) or device_error(group, self.device)
         sig = [int(max_tokens) if isinstance(max_tokens, int) else -1,
                int(num_heads) if isinstance(num_heads, int) else -1,
                int(head_dim) if isinstance(head_dim, int) else -1,

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from ... import capability, config, select
-from ..._dist import DTYPE_CODES, Lifecycle, agree, as_device, group_device, resolve_group
+from ..._dist import (DTYPE_CODES, Lifecycle, agree, as_device, device_error, group_device,
+                      resolve_group)
 from .. import tracing
 from . import all_gather, symm  # noqa: F401 - each registers its backend class
 from .backend import GATHER_BACKENDS, backend_class
@@ -154,7 +155,7 @@ class DcpQueryGather(Lifecycle):
         self.rank = dist.get_rank(group)
         self.timeout_s = config.timeout_s(timeout_s)
         err = self._check_args(max_tokens, num_heads, head_dim, dtype, backend, rope_dim,
-                               out_dtype, self.world_size)
+                               out_dtype, self.world_size) or device_error(group, self.device)
         fp8 = out_dtype == FP8_DTYPE
         if err is None and fp8:
             err = _scale_error(q_scale, num_heads)
