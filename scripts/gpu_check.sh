@@ -60,7 +60,7 @@ if want smoke; then
     --json "$RES/shared-gpu-smoke-$DAY-$MACHINE.json"
 fi
 if want tests; then
-  step gpu-tests ${GPU_TESTS_LIMIT:-420} $PY -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
+  step gpu-tests ${GPU_TESTS_LIMIT:-560} $PY -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
     -rs --junitxml="$RES/gpu-tests-$DAY-$MACHINE.xml"
 fi
 if want faults; then

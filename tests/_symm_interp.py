@@ -228,7 +228,8 @@ class _FakeWorkspace:
     """A one-rank stand-in for SymmWorkspace on CPU (no SymmetricMemory there): the real
     PeerErrors (plain host words) and the workspace's own check methods."""
 
-    def __init__(self, group, layout, device, *, op="symm", timeout_s=None, rendezvous=True):
+    def __init__(self, group, layout, device, *, op="symm", timeout_s=None, rendezvous=True,
+                 mapping=None):
         from attncomm.symm import PeerErrors, SymmWorkspace
         self.layout = layout
         self.device = torch.device("cpu")

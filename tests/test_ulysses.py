@@ -429,7 +429,7 @@ class _FakeStaging:
 
     fail = (-1, -1)
 
-    def __init__(self, group, rank, world, cap, device, *, failures=None):
+    def __init__(self, group, rank, world, cap, device, *, failures=None, mapping=None):
         _EVENTS.append("alloc")
         self.rank, self.pinned, self.held = rank, False, [False, False]
         if rank == self.fail[0]:
@@ -448,7 +448,7 @@ def _staging_steps(rank, world):
     t = object.__new__(ce.CopyEngineTransport)
     t.group, t.rank, t.world_size, t.timeout_s = None, rank, world, 10.0
     t.device, t.capacity, t.evictions = torch.device("cpu"), 8, 0
-    t.cache, t.failures = collections.OrderedDict(), None
+    t.cache, t.failures, t.mapping = collections.OrderedDict(), None, "ipc"
     real = ce._Staging
     ce._Staging = _FakeStaging
     out = []
