@@ -88,9 +88,14 @@ def set_group_device(device) -> None:
     Raises ValueError for a device that is neither CPU nor CUDA.
     """
     global _GLOO_DEVICE
-    dev = None if device is None else as_device(device)
+    dev = None if device is None else torch.device(device)
     if dev is not None and dev.type not in ("cpu", "cuda"):
         raise ValueError(f"set_group_device: device must be CPU or CUDA, got {dev}")
+    if dev is not None and dev.type == "cuda" and dev.index is None:
+        if not torch.cuda.is_available():
+            raise ValueError("set_group_device: 'cuda' without an index needs CUDA here (this "
+                             "torch sees no GPU)")
+        dev = as_device(dev)
     _GLOO_DEVICE = None if dev is None or dev.type == "cpu" else dev
 
 

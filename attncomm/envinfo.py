@@ -36,8 +36,9 @@ __all__ = ["add_arguments", "main", "collect", "nvlink_state", "group_topology"]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", default=None, help="also write the facts as JSON")
     p.add_argument("--world-size", type=int, default=None, metavar="N",
-                   help="also report the topology of N local gloo ranks (default: only a group "
-                        "that is already live, e.g. under torchrun)")
+                   help="also report the topology of N local ranks (gloo CPU ranks, or CUDA "
+                        "ranks with --device cuda; default: only a group that is already "
+                        "live, e.g. under torchrun)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="with --world-size: CPU ranks (gloo, default) or CUDA ranks (NCCL, or "
                         "ranks sharing GPUs on gloo when N exceeds the GPUs)")

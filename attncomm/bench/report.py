@@ -55,7 +55,8 @@ def add_common_arguments(p: argparse.ArgumentParser, *, backends: Sequence[str],
     spellings of ``--backends`` that keep working."""
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=default_device(),
-                   help="cuda: NCCL ranks, one GPU each; cpu: gloo ranks (default: cuda when "
+                   help="cuda: NCCL ranks, one GPU each (more ranks than GPUs share them: not a "
+                        "speed figure); cpu: gloo ranks (default: cuda when "
                         f"this machine has a GPU, here {default_device()})")
     p.add_argument("--backends", *aliases, dest="backends", action=NameList, names=backends,
                    default=None, metavar="NAME",

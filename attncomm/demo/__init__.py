@@ -48,7 +48,8 @@ MODES = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="cpu: gloo ranks; cuda: NCCL, one GPU per rank (default cpu)")
+                        help="cpu: gloo ranks; cuda: NCCL, one GPU per rank, or ranks "
+                             "sharing the GPUs when they outnumber them (default cpu)")
     parser.add_argument("--mode", nargs="+", choices=list(MODES), default=None,
                         help="modes to run (default: every mode that applies)")
     parser.add_argument("--dtype", choices=list(THRESHOLDS), default="fp32",

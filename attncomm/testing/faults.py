@@ -54,7 +54,7 @@ from attncomm.dp_attention import (
 from attncomm.errors import PeerTimeoutError
 from attncomm.launch import init_distributed
 
-__all__ = ["EXCHANGES", "FAULTS", "Cell", "main", "run_cell", "run_matrix"]
+__all__ = ["EXCHANGES", "FAULTS", "Cell", "main", "run_cell", "run_matrix", "run_world"]
 
 FAULTS = ("kill", "skip", "shape", "slip")
 KILL_EXIT_CODE = 17
@@ -269,43 +269,54 @@ def _mode(validate: bool | None) -> str:
     return "first" if validate is None else "on" if validate else "off"
 
 
-def run_cell(exchange: str, fault: str, validate: bool | None, timeout_s: float = 2.0,
-             world: int = 2) -> Cell:
-    """Run one cell on a fresh ``world``-rank gloo world and judge it (``Cell.failures``)."""
+def run_world(target, world: int, args: tuple, wait_s: float, *,
+              prefix: str = "attncomm-faults-") -> tuple[dict, dict]:
+    """One fresh world: ``world`` processes from the fork server, each running ``target(rank,
+    world, path, *args, results)`` (``path``: a FileStore path of its own; ``results``: the
+    queue a rank puts ``(rank, report)`` on). Waits until every rank reported or every process
+    is gone, at most ``wait_s``; a rank that has not reported by then is stopped. Returns
+    ``(reports by rank, exit codes by rank)``."""
     ctx = _context()
-    fd, path = tempfile.mkstemp(prefix="attncomm-faults-")
+    fd, path = tempfile.mkstemp(prefix=prefix)
     os.close(fd)
     os.unlink(path)
     results = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, path, exchange, fault, validate,
-                                                  timeout_s, results), daemon=True)
+    procs = [ctx.Process(target=target, args=(r, world, path, *args, results), daemon=True)
              for r in range(world)]
-    cell = Cell(exchange, fault, validate)
+    reports: dict = {}
     for p in procs:
         p.start()
-    hang_deadline = time.monotonic() + timeout_s + 60  # far past every bound checked below
+    deadline = time.monotonic() + wait_s
 
     def collected() -> bool:  # every rank reported, or every process is gone
         while not results.empty():
             rank, outcome = results.get()
-            cell.ranks[rank] = outcome
-        return len(cell.ranks) >= world or all(p.exitcode is not None for p in procs)
+            reports[rank] = outcome
+        return len(reports) >= world or all(p.exitcode is not None for p in procs)
 
-    poll_until(collected, timeout_s + 60, interval_s=0.02)
+    poll_until(collected, wait_s, interval_s=0.02)
+    codes = {}
     for r, p in enumerate(procs):
-        p.join(timeout=max(0.0, hang_deadline - time.monotonic()) if r not in cell.ranks
-               else 10)
+        p.join(timeout=max(0.0, deadline - time.monotonic()) if r not in reports else 10)
         if p.is_alive():
             p.kill()
             p.join(5)
-        cell.exit_codes[r] = p.exitcode
-    while not results.empty():
-        rank, outcome = results.get()
-        cell.ranks[rank] = outcome
+        codes[r] = p.exitcode
+    collected()
     try:
         os.unlink(path)
     except OSError:
         pass
+    return reports, codes
+
+
+def run_cell(exchange: str, fault: str, validate: bool | None, timeout_s: float = 2.0,
+             world: int = 2) -> Cell:
+    """Run one cell on a fresh ``world``-rank gloo world and judge it (``Cell.failures``)."""
+    cell = Cell(exchange, fault, validate)
+    # far past every bound checked by the judge
+    cell.ranks, cell.exit_codes = run_world(_rank_main, world, (exchange, fault, validate,
+                                                                timeout_s), timeout_s + 60)
     _judge(cell, timeout_s, world)
     return cell
 

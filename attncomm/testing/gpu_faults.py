@@ -28,11 +28,9 @@ import argparse
 import concurrent.futures
 import datetime
 import json
-import multiprocessing as mp
 import os
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -40,9 +38,9 @@ import torch
 import torch.distributed as dist
 
 from attncomm import _dist, config, dcp, ulysses
-from attncomm._wait import poll_until
 from attncomm.errors import PeerTimeoutError
 from attncomm.launch import init_distributed
+from attncomm.testing.faults import run_world
 from attncomm.testing.reference import ref_merge
 from attncomm.ulysses.policy import get_transport
 
@@ -53,8 +51,6 @@ MODES = ("eager", "graph")
 FAULTS = ("kill_before", "kill_inside", "skip", "shape")
 #: Seconds past ``timeout_s`` a survivor may take to raise (time slices of the shared GPU).
 SLACK_S = 10.0
-_PRELOAD = ["torch", "torch.distributed", "attncomm", "attncomm.dcp", "attncomm.ulysses",
-            "attncomm.launch"]
 H, D = 8, 64          # merge / gather geometry (heads divisible by W = 2 and 4; 8 at W = 3: no)
 T, T_OTHER = 8, 5     # tokens of the call and of the victim's other graph
 
@@ -296,52 +292,13 @@ def judge(rec: Record) -> Record:
     return rec
 
 
-_CTX = None
-
-
-def _context():
-    global _CTX
-    if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(_PRELOAD)
-    return _CTX
-
-
 def run_cell(exchange: str, mode: str, fault: str, world: int = 2,
              timeout_s: float = 4.0) -> Record:
-    """One cell on a fresh world of ``world`` processes on GPU 0, judged."""
-    ctx = _context()
-    fd, path = tempfile.mkstemp(prefix="attncomm-gpu-faults-")
-    os.close(fd)
-    os.unlink(path)
-    results = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, path, exchange, mode, fault,
-                                                  timeout_s, results), daemon=True)
-             for r in range(world)]
+    """One cell on a fresh world of ``world`` processes on GPU 0, judged (start-up and JIT,
+    then the fault: a rank that has not reported ``timeout_s + 120`` s after the start hangs)."""
     rec = Record(exchange, mode, fault, world, timeout_s)
-    for p in procs:
-        p.start()
-
-    def collected() -> bool:
-        while not results.empty():
-            rank, outcome = results.get()
-            rec.ranks[rank] = outcome
-        return len(rec.ranks) >= world or all(p.exitcode is not None for p in procs)
-
-    poll_until(collected, timeout_s + 120, interval_s=0.05)  # start-up, JIT, then the fault
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    rec.exit_codes = {r: p.exitcode for r, p in enumerate(procs)}
-    while not results.empty():
-        rank, outcome = results.get()
-        rec.ranks[rank] = outcome
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
+    rec.ranks, rec.exit_codes = run_world(_rank_main, world, (exchange, mode, fault, timeout_s),
+                                          timeout_s + 120, prefix="attncomm-gpu-faults-")
     return judge(rec)
 
 
