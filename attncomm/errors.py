@@ -1,7 +1,12 @@
 """Exceptions shared by every exchange."""
 from __future__ import annotations
 
-__all__ = ["PeerTimeoutError"]
+__all__ = ["PeerTimeoutError", "ranks_text"]
+
+
+def ranks_text(peers) -> str:
+    """``"rank 3"`` or ``"ranks [0, 2]"`` for messages naming peers."""
+    return f"rank {peers[0]}" if len(peers) == 1 else f"ranks {list(peers)}"
 
 
 class PeerTimeoutError(RuntimeError):

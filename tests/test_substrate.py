@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from attncomm import PeerTimeoutError
-from attncomm.symm import PeerErrors, PendingWait, Watchdog
+from attncomm.symm import PeerErrors
+from attncomm.watchdog import PendingWait, Watchdog
 
 
 class FakeEvent:

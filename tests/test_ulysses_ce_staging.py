@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from attncomm.symm import Watchdog
+from attncomm.watchdog import Watchdog
 from attncomm.ulysses import ce
 
 

@@ -1,5 +1,5 @@
 """``attncomm bench overhead``: the host cost of one eager call of each exchange, in units of one
-``torch.add`` of the same run (issue 20, item 6).
+``torch.add`` of the same run.
 
 Each row times one eager call started on an idle device: synchronize, then the call on the host
 (``host_us``, median over ``--repeats``); in other repeats, CUDA events around the call give its
@@ -9,7 +9,7 @@ timed the same way in the same run (machines differ by 2× from one start to the
 targets are in these units). The attention rows also time the bare ``attn_fn`` call on the
 whole problem (``baseline_host_us``): their target is on the difference.
 
-Rows (issue 20's shapes; ``--small`` shrinks them for CPU smoke runs): ``dcp.merge`` (T=8,
+Rows (``--small`` shrinks them for CPU smoke runs): ``dcp.merge`` (T=8,
 64 heads × 512, bf16, defaults), ``DcpMerger.symm_a2a`` (the object, eager), ``dcp.gather_heads``
 (T=8, 64 heads × 576), ``ulysses.seq_to_head`` (``[1, 4096, 24, 128]``),
 ``UlyssesAttention.sequential`` / ``.pipelined_g4`` (q = k = v of that shape) and
@@ -47,14 +47,14 @@ from .report import Report, emit, usage_error
 __all__ = ["OPS", "EXTRA_OPS", "TARGETS", "add_arguments", "main", "run_rank", "markdown_table",
            "with_units"]
 
-#: The rows issue 20 asks for, in its order.
+#: The rows, in the order of the host-cost targets.
 OPS = ("dcp.merge", "DcpMerger.symm_a2a", "dcp.gather_heads", "ulysses.seq_to_head",
        "UlyssesAttention.sequential", "UlyssesAttention.pipelined_g4", "UlyssesAttention.graph")
 #: Further rows of ``--extra``.
 EXTRA_OPS = ("dcp.merge[output]", "DcpMerger.auto", "DcpQueryGather", "DcpAttention",
              "dp_gather", "dp_reduce_scatter", "DcpMerger.symm_a2a[graph replay]",
              "DcpMerger.symm_a2a[2 copies + graph replay]")
-#: Targets in units of one torch.add (issue 20 item 2; issue 21 item 3), above the baseline
+#: Targets in units of one torch.add, above the baseline
 #: for the attention rows.
 TARGETS = {"dcp.merge": 3, "DcpMerger.symm_a2a": 2, "dcp.gather_heads": 2.5,
            "ulysses.seq_to_head": 3, "UlyssesAttention.sequential": 6,
@@ -269,7 +269,7 @@ def run_rank(rank: int, world_size: int, cfg: dict) -> dict:
                 **_dp_rows(s, device, gen, world_size)}
     records, profiles = {}, {}
     start = time.monotonic()
-    # Issue 20's rows first; in each part, rows that capture CUDA graphs last (a capture that
+    # The target rows first; in each part, rows that capture CUDA graphs last (a capture that
     # fails cannot spoil the others).
     for op in sorted(cfg["ops"], key=lambda o: (o not in OPS, o in _GRAPH_ROWS)):
         rec = records[op] = {

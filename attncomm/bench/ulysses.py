@@ -12,7 +12,7 @@ Two geometries:
   ``--trace DIR`` adds a profiler trace and the per-layer budget of each variant).
 - ``--fill``: the fill kernel against torch ops and its floor, one GPU
   (``bench/ulysses_fill.py``).
-- DiT (issue 22): ``--joint S_j`` gives the layer's forwards ``S_j`` joint rows (a DiT's text
+- DiT: ``--joint S_j`` gives the layer's forwards ``S_j`` joint rows (a DiT's text
   tokens), ``--payload none fp8`` runs the layer's variants with each q/k/v payload and, with
   ``fp8``, records the FP8 payload's error on random data from fixed seeds against fp64 and
   against the plain exchange (``bench/ulysses_fp8.py``); ``--dit-model`` times a Flux

@@ -1,6 +1,6 @@
 """``attncomm bench ulysses --dit-model``: one diffusion transformer — diffusers' Flux
 (``FluxTransformer2DModel``, built from its config with random weights from a fixed seed) —
-sharded over W ranks two ways on the same model and input (issue 22 item 6):
+sharded over W ranks two ways on the same model and input:
 
 - ``attncomm``: ``FluxUlyssesProcessor`` (``demo/models/flux.py``): each rank holds its image
   tokens (``head_split(S_img, W)``) and every text token; each block's attention is

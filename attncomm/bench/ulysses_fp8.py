@@ -1,5 +1,5 @@
 """``attncomm bench ulysses --payload fp8``: the FP8 payload's error on random data from fixed
-seeds (issue 22 item 2), beside the layer timings.
+seeds, beside the layer timings.
 
 Per case (B = 1, S tokens, Hq query and Hkv KV heads, head_dim D, bf16 inputs, non-causal
 SDPA): the full q, k, v are drawn from a fixed seed (the same tensors on every rank; each rank

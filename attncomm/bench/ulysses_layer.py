@@ -12,7 +12,7 @@ with and without qk_norm + RoPE. Variants (``--layer-variants``):
 - ``pipelined_g2/g4/g7/g8``: N head groups, unfused;
 - ``pipelined_fused``: ``auto_groups``'s count with the fused fill.
 
-DiT options (issue 22): ``--joint S_j`` adds ``S_j`` joint rows (the same on every rank, at the
+DiT options: ``--joint S_j`` adds ``S_j`` joint rows (the same on every rank, at the
 front: a DiT's text tokens) to every forward, and ``attention_only`` runs over ``S + S_j``
 rows; ``--payload none fp8`` runs every variant with each payload (``fp8``:
 ``payload_dtype=torch.float8_e4m3fn``). ``pipelined_auto`` measures its decision on CUDA

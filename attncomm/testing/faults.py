@@ -14,7 +14,7 @@ Faults, always on the last rank (the "peer"; rank 0 survives):
 Each cell of the first three runs with validation on and off (``validate=`` /
 ``ATTNCOMM_VALIDATE``); ``slip`` with the default (``validate=None``, the variable unset). The
 call's budget ``timeout_s`` small and the process group's own timeout at the 60 s default, so a wait
-that ignores the call's budget shows. The rule checked (issue 14): every surviving rank raises
+that ignores the call's budget shows. The rule checked: every surviving rank raises
 within ``timeout_s + 5`` s — ``PeerTimeoutError`` naming the peer, or ``ValueError`` naming the
 values — and nothing hangs or returns silently wrong. A rank that a C++ check aborts is not a
 survivor (``launch`` reports it).

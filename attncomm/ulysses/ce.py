@@ -59,7 +59,8 @@ import torch.distributed as dist
 from .. import capability, collectives, config
 from .._dist import agree_reason, cpu_group, group_key, on_release
 from ..errors import PeerTimeoutError
-from ..symm import PeerErrors, PendingWait, watchdog
+from ..symm import PeerErrors
+from ..watchdog import PendingWait, watchdog
 from .ce_flags import Flags, ok, recv_order, runtime, send_order, triton_reason
 from .ce_staging import Staging as _Staging, align as _align
 from .layout import ExchangePlan

@@ -22,7 +22,7 @@ order, in fp32, rounded once):
   destination's region (a KV head shared by several ranks under GQA is in one run per rank),
   with FMA contraction off so that ``a * b + c`` rounds twice as in torch.
 
-FP8 payload (``payload_dtype=torch.float8_e4m3fn``, issue 22 item 2): each part's rows are
+FP8 payload (``payload_dtype=torch.float8_e4m3fn``): each part's rows are
 normed and rotated as above and rounded to the parts' dtype (the bits the bf16 path sends), then
 quantized by ``fp8``'s rule (one fp32 scale per (token, head) row, amax / 448) and written in its
 wire layout: elements are bytes and a row is ``fp8.row_bytes(D) = D + 4`` of them (the ``D``

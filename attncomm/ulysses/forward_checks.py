@@ -3,7 +3,7 @@
 message (or None) that the caller then agrees across ranks (``policy.check_call``), so a bad
 argument on one rank raises the same ``ValueError`` on every rank.
 
-Joint rows (``joint=(q_j, k_j, v_j)``, issue 22 item 1) are replicated: every rank must pass the
+Joint rows (``joint=(q_j, k_j, v_j)``) are replicated: every rank must pass the
 same bits. Their agreement is a checksum in the call's signature (``joint_checksum``: CRC-32 of
 the three tensors' bytes), computed only when the call is checked (first sight of a signature,
 or every call with ``validate=True``), since it reads the joint rows on the host.

@@ -1,5 +1,5 @@
 """The FP8 payload of the Ulysses q/k/v exchange: quantization per (token, head) row and its wire
-layout (issue 22 item 2).
+layout.
 
 **Rule.** A row is the ``D`` values of one (token, head); it travels as ``D`` e4m3fn values
 (``torch.float8_e4m3fn``, OCP FP8: 4 exponent bits, 3 mantissa bits, no infinities, largest

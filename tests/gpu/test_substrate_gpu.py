@@ -153,7 +153,8 @@ def test_watchdog_releases_an_unanswered_stream_wait():
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     from attncomm import capability
-    from attncomm.symm import PeerErrors, PendingWait, watchdog
+    from attncomm.symm import PeerErrors
+    from attncomm.watchdog import PendingWait, watchdog
     from attncomm.ulysses.ce_flags import Flags
     dev = torch.device("cuda", torch.cuda.current_device())
     if capability.stream_mem_ops_reason(dev.index):

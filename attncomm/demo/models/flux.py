@@ -1,6 +1,6 @@
 """diffusers' Flux transformer (``FluxTransformer2DModel``) with its attention through
 ``attncomm.ulysses.UlyssesAttention``: the image tokens sequence-sharded over the group, the text
-tokens as joint rows (issue 22 item 6).
+tokens as joint rows.
 
 Flux is an MMDiT: its double-stream blocks project text and image tokens with their own
 weights and attend over ``[text; image]`` together; its single-stream blocks attend over the
