@@ -12,7 +12,8 @@
 #
 # Writes $OUT/gpu-check.log (everything printed) and $OUT/results.tgz (JSON, PNG, Markdown, junit),
 # to unpack into benchmarks/results/ (file names carry the date and the machine).
-# Each step has its own time limit and a failing step does not stop the others.
+# Each step has its own time limit (GPU_TESTS_LIMIT, DEMO_LIMIT, BENCH_LIMIT override three) and a
+# failing step does not stop the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -60,8 +61,31 @@ if want smoke; then
     --json "$RES/shared-gpu-smoke-$DAY-$MACHINE.json"
 fi
 if want tests; then
-  step gpu-tests ${GPU_TESTS_LIMIT:-560} $PY -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
-    -rs --junitxml="$RES/gpu-tests-$DAY-$MACHINE.xml"
+  # GPU_TEST_SHARDS=N runs tests/gpu as N pytest processes side by side, the files dealt out
+  # largest first; each shard writes its own junit, so a shard that ends inside the limit keeps
+  # its record when another is cut off. Ranks of every shard share the GPU: more waits per
+  # round, the same answers.
+  SHARDS=${GPU_TEST_SHARDS:-1}
+  if [ "$SHARDS" -le 1 ]; then
+    step gpu-tests ${GPU_TESTS_LIMIT:-560} $PY -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
+      -rs --junitxml="$RES/gpu-tests-$DAY-$MACHINE.xml"
+  else
+    shard_files() {  # shard_files K: the files of shard K (0-based)
+      ls -S tests/gpu/test_*.py | awk -v n="$SHARDS" -v k="$1" '(NR - 1) % n == k'
+    }
+    run_shards() {
+      local k pids=() rc=0
+      for ((k = 0; k < SHARDS; k++)); do
+        $PY -m pytest -q -m gpu $(shard_files $k) -p no:cacheprovider -rs --durations=15 \
+          --junitxml="$RES/gpu-tests-$k-$DAY-$MACHINE.xml" >"$RES/gpu-tests-$k-$DAY-$MACHINE.log" 2>&1 &
+        pids+=($!)
+      done
+      for k in "${!pids[@]}"; do wait "${pids[$k]}" || rc=1; tail -3 "$RES/gpu-tests-$k-$DAY-$MACHINE.log"; done
+      return $rc
+    }
+    export -f shard_files run_shards; export SHARDS PY RES DAY MACHINE
+    step gpu-tests ${GPU_TESTS_LIMIT:-560} bash -c run_shards
+  fi
 fi
 if want faults; then
   step gpu-faults 300 $PY -m attncomm.testing.gpu_faults --timeout 4 --jobs 4 --world 2 3 \
@@ -72,7 +96,7 @@ if want soak; then
     --json "$RES/soak-$DAY-$MACHINE.json"
 fi
 if want dcp; then
-  step bench-dcp 120 $AC bench dcp --device cuda --world-size "$WS" --no-progress \
+  step bench-dcp ${BENCH_LIMIT:-120} $AC bench dcp --device cuda --world-size "$WS" --no-progress \
     --json "$RES/dcp-$DAY-$MACHINE.json" --plot "$RES/dcp-$DAY-$MACHINE.png" \
     --markdown "$RES/dcp-$DAY-$MACHINE.md"
 fi
@@ -89,7 +113,7 @@ if want gather; then
 fi
 if want demo; then
   MODEL_DIR=${ATTNCOMM_MODEL_DIR:-.models/minilm-fp16}
-  step demo 120 $AC demo --device cuda --world-size "$WS" --model-dir "$MODEL_DIR" \
+  step demo ${DEMO_LIMIT:-120} $AC demo --device cuda --world-size "$WS" --model-dir "$MODEL_DIR" \
     --json "$RES/demo-$DAY-$MACHINE.json"
 fi
 if want ulysses; then

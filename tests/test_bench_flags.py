@@ -6,6 +6,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from attncomm import cli
 from attncomm.bench import report
@@ -110,3 +111,23 @@ def test_table_columns_share_one_format(capsys):
             assert not any("e" in s for s in shown), shown
             for s, r in zip(shown, rows):  # every value to 0.5 %
                 assert abs(float(s) - r[key]) <= 0.005 * r[key], (shown, r[key])
+
+
+def test_graph_skip_reason_only_for_staged_collective_backends(monkeypatch):
+    """On ranks that share a GPU (a gloo group) a collective backend's calls go through host
+    copies, which a CUDA graph cannot capture: its graph mode is skipped with the reason; the
+    peer-mapped backends, and every backend where collectives take device tensors, are timed."""
+    import types
+
+    from attncomm import collectives
+    from attncomm.bench.common import graph_skip_reason
+    cuda_like = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    staged = {"value": True}
+    monkeypatch.setattr(collectives, "needs_host", lambda group, *t: staged["value"])
+    for name in ("reference", "ag_rs", "a2a", "all_gather", "all_to_all"):
+        assert "host copies" in graph_skip_reason(name, cuda_like), name
+    for name in ("symm_a2a", "symm", "ce"):
+        assert graph_skip_reason(name, cuda_like) is None, name
+    assert graph_skip_reason("a2a", torch.zeros(1)) is None  # a CPU bench has no graph mode
+    staged["value"] = False  # NCCL: collectives take device tensors
+    assert graph_skip_reason("a2a", cuda_like) is None

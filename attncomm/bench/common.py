@@ -21,7 +21,8 @@ from ..launch import gpu_placement, launch
 
 __all__ = ["meta", "time_eager", "time_graph", "max_over_ranks", "slowest_rank_median",
            "format_column", "format_rows", "markdown_lines", "print_table", "write_json",
-           "plot_lines", "progress", "shared_gpu", "run_ranks", "SHARED_GPU_NOTE"]
+           "plot_lines", "progress", "shared_gpu", "run_ranks", "SHARED_GPU_NOTE",
+           "graph_skip_reason"]
 
 #: What every time measured on ranks that share a GPU is marked with: their contexts run in
 #: time slices, so a wait on a peer costs slices, not NVLink time.
@@ -36,6 +37,20 @@ def shared_gpu(device: str, world_size: int) -> bool:
     if device != "cuda" or not torch.cuda.is_available():
         return False
     return len(set(gpu_placement(world_size, torch.cuda.device_count()))) < world_size
+
+
+#: Backends and transports that exchange through peer-mapped memory, never a collective.
+_PEER_MAPPED = ("symm_a2a", "symm", "ce")
+
+
+def graph_skip_reason(backend: str, tensor: torch.Tensor, group=None) -> str | None:
+    """Why ``backend``'s CUDA-graph mode is not timed on this rank (None: it is). A collective
+    backend over CUDA ``tensor`` on a gloo ``group`` (ranks that share a GPU) goes through host
+    copies, which a graph cannot capture; the peer-mapped ones capture anywhere. The same on
+    every rank of a group."""
+    if backend in _PEER_MAPPED or not tensor.is_cuda or not collectives.needs_host(group, tensor):
+        return None
+    return "its collectives go through host copies on a gloo group (ranks share a GPU): no graph"
 
 
 def run_ranks(fn, world_size: int, device: str, args: tuple = ()) -> list:

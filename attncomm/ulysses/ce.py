@@ -404,8 +404,12 @@ class CopyEngineTransport(Transport):
         """Hand the waits that have no device deadline to the watchdog, one per peer
         (``_bounded_wait``): past ``timeout_s`` from when the stream reached it, the watchdog
         writes the awaited flags (``addrs(peer)``: ``(address, value)`` pairs) locally on the
-        side stream, and the
-        stream goes on to the next wait, which has a budget of its own."""
+        side stream, and the stream goes on to the next wait, which has a budget of its own.
+
+        Between enqueuing such a wait and this call the host launches no kernel, only copies,
+        stream memory ops and events: a kernel's first launch in a process (CUDA's lazy module
+        loading) can block the host until an unanswered wait is released, and the watchdog,
+        which must know of the wait first, is what releases it."""
         if capturing or not waits or not self.flags.unbounded:
             return
 

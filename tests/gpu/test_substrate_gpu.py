@@ -169,12 +169,15 @@ def test_watchdog_releases_an_unanswered_stream_wait():
     flags.wait(s, word.data_ptr(), 1, 1, bounded=False)  # nobody answers
     after = torch.cuda.Event()
     after.record(s)
-    with torch.cuda.stream(s):
-        y = x * 2
+    # The wait goes to the watchdog before this thread launches anything, as the ce transport
+    # does: a kernel's first launch in a process (CUDA's lazy module loading) can block the
+    # host until the unanswered wait is released, and only the watchdog releases it.
     watchdog().add(PendingWait(errs, started, {1: after}, 0.5,
                                lambda blocked: flags.write(side, word.data_ptr(), 1),
                                dev.index))
     t0 = time.monotonic()
+    with torch.cuda.stream(s):
+        y = x * 2
     poll_until(after.query, 20, interval_s=0.01)  # bounded: never hang the suite
     waited = time.monotonic() - t0
     if not after.query():

@@ -19,11 +19,21 @@ pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
 W = 2
 
 
-def _head_independent(q, k, v, causal):
-    m = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(m, dim=2), v.repeat_interleave(m, dim=2)
+def _one_head(q, k, v):
     s = torch.einsum("bshd,bthd->bhst", q.float(), k.float()) / q.shape[3] ** 0.5
     return torch.einsum("bhst,bthd->bshd", s.softmax(-1), v.float()).to(q.dtype)
+
+
+def _head_independent(q, k, v, causal):
+    """Attention computed one head at a time: a head's bits do not depend on how many heads
+    the call holds. (A batched matmul over h heads does not promise that on CUDA: cuBLAS picks
+    its kernel by the batch count, so one head alone and the same head among four can round
+    differently, and a pipelined head group of one head would differ from the sequential call
+    for that reason alone.)"""
+    m = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(m, dim=2), v.repeat_interleave(m, dim=2)
+    return torch.cat([_one_head(q[:, :, h:h + 1], k[:, :, h:h + 1], v[:, :, h:h + 1])
+                      for h in range(q.shape[2])], dim=2)
 
 
 def _pipelined_vs_sequential(rank, world, seed):
