@@ -210,10 +210,10 @@ class PreallocatedExchange(Lifecycle):
     calls locally once per signature, and forwards ``check`` and ``close`` to the backend.
 
     A subclass sets ``op`` (its name in messages) and ``registry`` (its backends), and gives
-    ``_kwargs()`` (its backends' constructor arguments), ``_timing_inputs(impl, num_tokens,
-    gen)`` (the arguments of a timed call, drawn from ``gen``) and ``local_error(*args)`` (why
-    this rank cannot make a call, or None). Its constructor calls ``_open``, ``_agree`` and,
-    with its attributes set, ``_resolve``.
+    ``_timing_inputs(impl, num_tokens, gen)`` (the arguments of a timed call, drawn from
+    ``gen``), ``local_error(*args)`` (why this rank cannot make a call, or None) and, when its
+    backends take more than ``ExchangeBackend``'s arguments, ``_kwargs()``. Its constructor
+    calls ``_open``, ``_agree`` and, with its attributes set, ``_resolve``.
     """
 
     op: str = "?"
@@ -228,9 +228,8 @@ class PreallocatedExchange(Lifecycle):
         self.timeout_s = config.timeout_s(timeout_s)
 
     def _agree(self, sig: list, labels: list, err: str | None) -> None:
-        """Agree the constructor's arguments (``sig``, one int per label) and whether the
-        device is CUDA across ranks; raise ``ValueError`` on every rank when one rank has
-        ``err`` or the ranks differ."""
+        # The constructor's arguments (one int per label) and whether the device is CUDA,
+        # agreed: ValueError on every rank when one rank has ``err`` or the ranks differ.
         agree(self.group, self.op, sig + [int(self.device.type == "cuda")],
               labels + ["device is CUDA"], err, self.timeout_s)
 
@@ -253,6 +252,11 @@ class PreallocatedExchange(Lifecycle):
         self._accepted: set = set()
         #: The name a compiled graph's custom op finds this object by (``dcp.tracing``).
         self.op_name = tracing.register(self)
+
+    def _kwargs(self) -> dict:
+        return dict(max_tokens=self.max_tokens, num_heads=self.num_heads,
+                    head_dim=self.head_dim, dtype=self.dtype, device=self.device,
+                    timeout_s=self.timeout_s)
 
     def _local_reason(self, name: str) -> str | None:
         # Collective (a symm backend learns where its peers are): every rank calls it for every

@@ -193,11 +193,6 @@ class DcpMerger(PreallocatedExchange):
         return _options_error(backend, lse_base) or geometry_error(
             max_tokens, num_heads, head_dim, dtype, world_size)
 
-    def _kwargs(self):
-        return dict(max_tokens=self.max_tokens, num_heads=self.num_heads,
-                    head_dim=self.head_dim, dtype=self.dtype, device=self.device,
-                    timeout_s=self.timeout_s)
-
     def _timing_inputs(self, impl, num_tokens: int, gen):
         out = torch.randn((num_tokens, self.num_heads, self.head_dim), generator=gen,
                           device=self.device).to(self.dtype)

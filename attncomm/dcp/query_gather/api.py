@@ -179,9 +179,7 @@ class DcpQueryGather(PreallocatedExchange):
         return None
 
     def _kwargs(self):
-        return dict(max_tokens=self.max_tokens, num_heads=self.num_heads,
-                    head_dim=self.head_dim, dtype=self.dtype, rope_dim=self.rope_dim,
-                    device=self.device, timeout_s=self.timeout_s, out_dtype=self.out_dtype,
+        return dict(super()._kwargs(), rope_dim=self.rope_dim, out_dtype=self.out_dtype,
                     q_scale=self.q_scale, ordered_by_caller=self.ordered_by_caller)
 
     def _timing_inputs(self, impl, num_tokens: int, gen):
