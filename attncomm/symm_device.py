@@ -9,9 +9,10 @@ The DCP merge (``attncomm.dcp.lse_merge.symm_kernels``) and the DCP query gather
   never-written cells; the parity still alternates) and, in the last program to count in,
   writes ``e`` back with count 0, so graph replays advance it on the device.
 - Scrub: at epochs with ``scrub_due(e)`` (``(e >> 1) % SCRUB_PERIOD == 0``, i.e. ≡ 0, 1 mod
-  2**30) a kernel zeroes the other parity slot's flags and LL words from every peer (``zero``,
-  split over the grid), then ``scrub_fence`` before any store of the call reaches a peer, so no
-  cell keeps a value for 2**32 calls, where it would match again.
+  2**30) a kernel zeroes the other parity slot's flags and LL words from every peer
+  (``scrub_region`` for each such region: ``zero``, split over the grid), then ``scrub_fence``
+  before any store of the call reaches a peer, so no cell keeps a value for 2**32 calls, where
+  it would match again.
 - Bounded waits: ``timed_out`` against ``%globaltimer`` (the deadline starts at the first wait
   that has to spin; the budget, ``budget``, is the descriptor's ``DESC_TIMEOUT`` word, read as
   a wait starts, beside its first poll: read at the first spin it would hold up the next poll,
@@ -56,6 +57,7 @@ __all__ = [
     "region",
     "scrub_due",
     "scrub_fence",
+    "scrub_region",
     "timed_out",
     "typed",
     "wait_word",
@@ -161,6 +163,19 @@ def zero(ptr, n, pid, grid_size):
     while k < n:
         tl.store(ptr + k + i, 0, mask=k + i < n)
         k += grid_size * _c.SCRUB_CHUNK
+
+
+@triton.jit
+def scrub_region(slab, desc, R: tl.constexpr, UNIT: tl.constexpr, e, pid, grid_size,
+                 RANK: tl.constexpr, W: tl.constexpr):
+    # A scrub's zeroing of region R (elements of dtype UNIT): the cell (other slot, q) of
+    # every peer q, split over the grid. The caller checks scrub_due(e) before and calls
+    # scrub_fence after its regions.
+    base, cell = region(desc, R)
+    p = typed(slab, UNIT) + base
+    for q in tl.static_range(W):
+        if q != RANK:
+            zero(p + ((1 - (e & 1)) * W + q) * cell, cell, pid, grid_size)
 
 
 @triton.jit

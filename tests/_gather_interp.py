@@ -220,14 +220,14 @@ def run_backend_w1() -> None:
     import torch.distributed as dist
     from _symm_interp import _FakeWorkspace
 
-    import attncomm.dcp.query_gather.symm as mod
+    import attncomm.dcp.exchange as exchange
     from attncomm import PeerTimeoutError, capability
     from attncomm.dcp import DcpQueryGather
 
     path = tempfile.mktemp(prefix="attncomm-interp-")
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
     try:
-        mod.SymmWorkspace = _FakeWorkspace
+        exchange.SymmWorkspace = _FakeWorkspace  # where the symm backends map their slab
         capability._override_probe(lambda group, device: None)
         g = DcpQueryGather(max_tokens=5, num_heads=3, head_dim=16, dtype=torch.bfloat16,
                            backend="symm", rope_dim=4)

@@ -258,13 +258,14 @@ def run_backend_w1() -> None:
 
     import torch.distributed as dist
 
+    import attncomm.dcp.exchange as exchange
     import attncomm.dcp.lse_merge.symm_a2a as mod
     from attncomm.dcp.lse_merge.combine import combine_torch
 
     path = tempfile.mktemp(prefix="attncomm-interp-")
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
     try:
-        mod.SymmWorkspace = _FakeWorkspace
+        exchange.SymmWorkspace = _FakeWorkspace  # where the symm backends map their slab
         torch.cuda.is_current_stream_capturing = lambda: False
         b = mod.SymmA2ABackend(None, max_tokens=6, num_heads=3, head_dim=16,
                                dtype=torch.bfloat16, device=torch.device("cpu"), timeout_s=5.0,

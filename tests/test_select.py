@@ -133,7 +133,7 @@ def test_env_preference_under_auto(pools):
 def _merger_allocations(rank, world):
     """``DcpMerger(backend="auto")`` on a group where a counting stand-in for ``symm_a2a`` can
     run and is measured: it is constructed (allocated) exactly once and is the instance used."""
-    from attncomm.dcp.lse_merge import api, backend
+    from attncomm.dcp.lse_merge import api
     from attncomm.dcp.lse_merge.collective import A2ABackend
 
     class CountingSymm(A2ABackend):
@@ -144,7 +144,8 @@ def _merger_allocations(rank, world):
             super().__init__(*a, **kw)
             CountingSymm.count += 1
 
-    real_cls, real_select = backend.backend_class, api.select.resolve
+    registry = api.DcpMerger.registry
+    real_cls, real_select = registry.backend_class, select.resolve
 
     def fake_class(name):
         return CountingSymm if name == "symm_a2a" else real_cls(name)
@@ -153,11 +154,12 @@ def _merger_allocations(rank, world):
         kw.update(measured=True, timer=lambda fn: (fn(), 1.0)[1])
         return real_select(*a, **kw)
 
-    api.backend_class, api.select.resolve = fake_class, measured_resolve
+    registry.backend_class, select.resolve = fake_class, measured_resolve
     try:
         m = api.DcpMerger(max_tokens=8, num_heads=2 * world, head_dim=4, dtype=torch.float32)
     finally:
-        api.backend_class, api.select.resolve = real_cls, real_select
+        del registry.backend_class
+        select.resolve = real_select
     out, lse = torch.randn(3, 2 * world, 4), torch.randn(3, 2 * world)
     return m.backend, CountingSymm.count, type(m._impl).__name__, m(out, lse).shape
 

@@ -5,8 +5,9 @@ reduce_scatter), ``a2a`` (one packed all_to_all + local combine), ``symm_a2a`` (
 symmetric memory, CUDA only), ``auto``. Before attention, the query-head all-gather:
 ``gather_heads`` / ``DcpQueryGather`` (backends ``all_gather``, ``symm``, ``auto``), with RoPE on
 the last R dims fused into the producer. Each exchange has its folder (``lse_merge/``,
-``query_gather/``) with one interface module its facade and backends import; ``attention``
-chains them; ``ops`` registers the custom ops a ``torch.compile`` trace calls instead.
+``query_gather/``) with one interface module its facade and backends import, built on what
+``exchange`` gives both; ``attention`` chains them; ``ops`` registers the custom ops a
+``torch.compile`` trace calls instead.
 """
 from __future__ import annotations
 

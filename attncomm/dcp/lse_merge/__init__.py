@@ -7,8 +7,8 @@ the registry; ``collective`` (``reference``, ``ag_rs``, ``a2a``) and ``symm_a2a`
 """
 from __future__ import annotations
 
-from .api import (AUTO_CANDIDATES, BACKENDS, RULE_OF_THUMB, DcpMerger, available_backends,
-                  merge_states, shard_kv_interleaved)
+from .api import BACKENDS, DcpMerger, available_backends, merge_states, shard_kv_interleaved
+from .backend import AUTO_CANDIDATES, RULE_OF_THUMB
 from .functional import merge
 
 __all__ = ["merge_states", "merge", "DcpMerger", "shard_kv_interleaved", "available_backends",

@@ -12,14 +12,11 @@ import logging
 import math
 
 import torch
-import torch.distributed as dist
 
-from ... import capability, config, select
-from ..._dist import (DTYPE_CODES, Lifecycle, agree, as_device, device_error, group_device,
-                      resolve_group)
-from .. import tracing
+from ..._dist import DTYPE_CODES, device_error
+from ..exchange import DTYPES, PreallocatedExchange, geometry_error
 from . import collective, symm_a2a  # noqa: F401 - each registers its backend class
-from .backend import BACKENDS, backend_class
+from .backend import BACKENDS, MERGE_REGISTRY
 from .combine import combine
 
 __all__ = ["merge_states", "DcpMerger", "shard_kv_interleaved", "available_backends",
@@ -27,14 +24,8 @@ __all__ = ["merge_states", "DcpMerger", "shard_kv_interleaved", "available_backe
 
 log = logging.getLogger("attncomm.dcp")
 
-_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_OUT_DTYPES = DTYPES
 LN2 = math.log(2.0)
-#: Signatures a ``DcpMerger`` remembers as checked (it forgets them all past this many).
-_ACCEPTED_SIZE = 4096
-#: What ``auto`` takes when nothing is measured (CPU groups): one collective (a2a) before two
-#: (ag_rs); ``reference`` is never chosen automatically.
-RULE_OF_THUMB = ("symm_a2a", "a2a", "ag_rs", "reference")
-AUTO_CANDIDATES = ("symm_a2a", "ag_rs", "a2a")
 
 
 def available_backends(device: str | torch.device) -> list[str]:
@@ -115,12 +106,18 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, lse_base: str = "e",
     return (out, _lse_from_e(lse, lse_base)) if return_lse else out
 
 
+def _options_error(backend, lse_base) -> str | None:
+    err = MERGE_REGISTRY.name_error(backend)
+    if err is None and lse_base not in ("e", "2"):
+        err = f"lse_base must be 'e' or '2', got {lse_base!r}"
+    return err
+
+
 def check_local(out, lse, world_size: int, lse_base: str, backend: str) -> str | None:
     """This rank's argument errors, or None (no communication)."""
-    if backend not in BACKENDS:
-        return f"backend={backend!r} is not one of {list(BACKENDS)}"
-    if lse_base not in ("e", "2"):
-        return f"lse_base must be 'e' or '2', got {lse_base!r}"
+    err = _options_error(backend, lse_base)
+    if err:
+        return err
     if not isinstance(out, torch.Tensor) or not isinstance(lse, torch.Tensor):
         return "out and lse must be tensors"
     if out.dim() != 3:
@@ -141,7 +138,7 @@ def check_local(out, lse, world_size: int, lse_base: str, backend: str) -> str |
     return None
 
 
-class DcpMerger(Lifecycle):
+class DcpMerger(PreallocatedExchange):
     """A preallocated, CUDA-graph-capturable DCP merge for up to ``max_tokens`` tokens.
 
     Arguments:
@@ -173,90 +170,37 @@ class DcpMerger(Lifecycle):
         ValueError (every rank): bad arguments, or a named backend that cannot run here.
     """
 
+    op, registry = "DcpMerger", MERGE_REGISTRY
+
     def __init__(self, group=None, *, max_tokens: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, backend: str = "auto", lse_base: str = "e",
                  timeout_s: float | None = None, device=None):
-        self.group = group = resolve_group(group, "DcpMerger")
-        self.device = group_device(group) if device is None else as_device(device)
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.timeout_s = config.timeout_s(timeout_s)
+        self._open(group, device, timeout_s)
         err = self._check_args(max_tokens, num_heads, head_dim, dtype, backend, lse_base,
-                               self.world_size) or device_error(group, self.device)
-        sig = [int(max_tokens) if isinstance(max_tokens, int) else -1,
-               int(num_heads) if isinstance(num_heads, int) else -1,
-               int(head_dim) if isinstance(head_dim, int) else -1,
-               DTYPE_CODES.get(dtype, 0), BACKENDS.index(backend) if backend in BACKENDS else -1,
-               1 if lse_base == "2" else 0, int(self.device.type == "cuda")]
-        agree(group, "DcpMerger", sig, ["max_tokens", "num_heads", "head_dim", "dtype",
-                                        "backend", "lse_base", "device is CUDA"], err,
-              self.timeout_s)
+                               self.world_size) or device_error(self.group, self.device)
+        sig = [v if isinstance(v, int) else -1 for v in (max_tokens, num_heads, head_dim)]
+        self._agree(sig + [DTYPE_CODES.get(dtype, 0), MERGE_REGISTRY.code(backend),
+                           1 if lse_base == "2" else 0],
+                    ["max_tokens", "num_heads", "head_dim", "dtype", "backend", "lse_base"], err)
         self.max_tokens, self.num_heads, self.head_dim = max_tokens, num_heads, head_dim
         self.dtype, self.lse_base = dtype, lse_base
-        self.requested_backend = backend
-        unmeasured = capability.unmeasured_reason(group, self.device)  # collective on CUDA
-        self.decision, self._impl = select.resolve(
-            group, op="DcpMerger", requested=backend, names=BACKENDS[:-1],
-            preferred="symm_a2a", rule_of_thumb=RULE_OF_THUMB, auto_names=AUTO_CANDIDATES,
-            local_reason=self._local_reason,
-            build=lambda name: backend_class(name)(group, **self._kwargs()),
-            measured=unmeasured is None, rule=unmeasured,
-            cases=select.token_buckets(max_tokens),
-            prepare=self._timing_case, env_var="ATTNCOMM_DCP_BACKEND")
-        self.fallback_reason: str | None = self.decision.fallback_reason
-        self.backend = self._impl.name
+        self._resolve(backend)
         self.returns_views = self._impl.returns_views
         self.hs = num_heads // self.world_size
-        self._accepted: set = set()
-        #: The name a compiled graph's custom op finds this merger by (``dcp.tracing``).
-        self.op_name = tracing.register(self)
 
     @staticmethod
     def _check_args(max_tokens, num_heads, head_dim, dtype, backend, lse_base, world_size):
-        if backend not in BACKENDS:
-            return f"backend={backend!r} is not one of {list(BACKENDS)}"
-        if lse_base not in ("e", "2"):
-            return f"lse_base must be 'e' or '2', got {lse_base!r}"
-        for label, v in (("max_tokens", max_tokens), ("num_heads", num_heads),
-                         ("head_dim", head_dim)):
-            if not isinstance(v, int) or v < 1:
-                return f"{label} must be an int ≥ 1, got {v!r}"
-        if dtype not in _OUT_DTYPES:
-            return f"dtype must be fp16/bf16/fp32, got {dtype}"
-        if num_heads % world_size:
-            return f"num_heads={num_heads} is not divisible by world size W={world_size}"
-        return None
+        return _options_error(backend, lse_base) or geometry_error(
+            max_tokens, num_heads, head_dim, dtype, world_size)
 
-    def _kwargs(self):
-        return dict(max_tokens=self.max_tokens, num_heads=self.num_heads,
-                    head_dim=self.head_dim, dtype=self.dtype, device=self.device,
-                    timeout_s=self.timeout_s)
-
-    def _local_reason(self, name: str) -> str | None:
-        # Collective (symm_a2a learns where its peers are): every rank calls it for every name.
-        try:
-            cls = backend_class(name)
-        except ImportError as exc:
-            return f"{name} is not available: {exc}"
-        return cls.collective_unavailable_reason(self.group, self.device)
-
-    def _timing_case(self, impl, num_tokens: int):
-        gen = torch.Generator(device=self.device).manual_seed(self.rank)
+    def _timing_inputs(self, impl, num_tokens: int, gen):
         out = torch.randn((num_tokens, self.num_heads, self.head_dim), generator=gen,
                           device=self.device).to(self.dtype)
-        lse = torch.randn((num_tokens, self.num_heads), generator=gen, device=self.device)
-        return lambda: impl(out, lse)
+        return out, torch.randn((num_tokens, self.num_heads), generator=gen, device=self.device)
 
     def backend_for(self, num_tokens: int) -> str:
         """The backend a call with ``num_tokens`` tokens uses."""
         return self._impl.backend_for(num_tokens)
-
-    def _release(self) -> None:
-        self._impl.close()
-
-    def check(self) -> None:
-        """Raise ``PeerTimeoutError`` for any timeout the device recorded since the last check."""
-        self._impl.check()
 
     def __call__(self, out: torch.Tensor, lse: torch.Tensor, return_lse: bool = False):
         self._ensure_open()
@@ -287,14 +231,7 @@ class DcpMerger(Lifecycle):
             key = (out.shape, out.dtype, lse.shape, lse.dtype, out.device, lse.device)
         except AttributeError:  # not tensors: the checks say so
             key = None
-        if key is not None and key in self._accepted:
-            return
-        err = self.local_error(out, lse)
-        if err:
-            raise ValueError(f"DcpMerger: {err}")
-        if len(self._accepted) >= _ACCEPTED_SIZE:
-            self._accepted.clear()
-        self._accepted.add(key)
+        self._accept(key, out, lse)
 
     def into(self, out: torch.Tensor, lse: torch.Tensor, res: torch.Tensor,
              res_lse: torch.Tensor | None = None):

@@ -1,26 +1,34 @@
 """The one small interface every DCP merge backend implements, and the registry of backends.
 
 Dependency direction: the backends (``collective``, ``symm_a2a``) import this module and
-register their class here (``@register``); the facade (``api``) imports the backends, so every
-backend is registered before a name is resolved. This module imports no backend.
+register their class here (``@MERGE_REGISTRY.register``); the facade (``api``) imports the
+backends, so every backend is registered before a name is resolved. This module imports no
+backend.
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["DcpBackend", "BACKENDS", "REGISTRY", "backend_class", "register"]
+from ..exchange import ExchangeBackend, Registry
+
+__all__ = ["DcpBackend", "BACKENDS", "MERGE_REGISTRY", "RULE_OF_THUMB", "AUTO_CANDIDATES"]
 
 #: Every backend name, in the order messages list them. ``auto`` is not a backend: ``DcpMerger``
 #: resolves it to one of the others.
 BACKENDS = ("reference", "ag_rs", "a2a", "symm_a2a", "auto")
-#: name → class, filled by ``register`` when a backend's module is imported.
-REGISTRY: dict[str, type] = {}
+#: What ``auto`` takes when nothing is measured (CPU groups): one collective (a2a) before two
+#: (ag_rs); ``reference`` is never chosen automatically.
+RULE_OF_THUMB = ("symm_a2a", "a2a", "ag_rs", "reference")
+AUTO_CANDIDATES = ("symm_a2a", "ag_rs", "a2a")
+#: The merge's backends (each backend's module registers its class).
+MERGE_REGISTRY = Registry(BACKENDS, "DCP backend", "BACKENDS", preferred="symm_a2a",
+                          rule_of_thumb=RULE_OF_THUMB, auto_names=AUTO_CANDIDATES,
+                          env_var="ATTNCOMM_DCP_BACKEND")
 
 
-class DcpBackend(ABC):
+class DcpBackend(ExchangeBackend):
     """A preallocated merge of ``out [T, H, D]`` / ``lse [T, H]`` over a group.
 
     Constructed collectively (every rank of ``group``, same arguments). ``__call__(out, lse,
@@ -34,29 +42,9 @@ class DcpBackend(ABC):
     until the next call (the caller copies when needed). Inputs are never modified.
     """
 
-    name: str = "?"
     #: ``__call__`` returns views of internal buffers, valid until the next call (the caller
     #: copies to keep them).
     returns_views: bool = False
-
-    def __init__(self, group, *, max_tokens: int, num_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, timeout_s: float):
-        self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.max_tokens = max_tokens
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
-        self.device = device
-        self.timeout_s = timeout_s
-
-    @classmethod
-    def collective_unavailable_reason(cls, group, device: torch.device) -> str | None:
-        """Why this backend cannot run on this rank (None if it can). A collective call: every
-        rank of ``group`` calls it alike (it may learn which hosts the peers are on); the caller
-        agrees the verdict across ranks (``attncomm.select``)."""
-        return None
 
     @abstractmethod
     def __call__(self, out: torch.Tensor, lse: torch.Tensor, res: torch.Tensor | None = None,
@@ -66,30 +54,3 @@ class DcpBackend(ABC):
     def backend_for(self, num_tokens: int) -> str:
         """The backend a call of ``num_tokens`` tokens runs (default: this one)."""
         return self.name
-
-    def check(self) -> None:
-        """Raise any timeout recorded on the device since the last check (default: none)."""
-
-    def close(self) -> None:
-        """Free what the backend holds (collective when it holds symmetric memory: a barrier
-        first, so no peer still writes into it). Default: nothing to free."""
-
-
-def register(cls: type[DcpBackend]) -> type[DcpBackend]:
-    """Class decorator: register a backend under its ``name`` (one of ``BACKENDS``)."""
-    if cls.name not in BACKENDS[:-1]:
-        raise ValueError(f"unknown DCP backend name {cls.name!r}; declare it in BACKENDS")
-    REGISTRY[cls.name] = cls
-    return cls
-
-
-def backend_class(name: str) -> type[DcpBackend]:
-    """The ``DcpBackend`` subclass registered as ``name``.
-
-    Raises:
-        ValueError: ``name`` is not a backend, or its module was not imported (the facade
-        imports every backend module).
-    """
-    if name not in REGISTRY:
-        raise ValueError(f"unknown DCP backend {name!r}; expected one of {list(BACKENDS[:-1])}")
-    return REGISTRY[name]

@@ -10,13 +10,13 @@ import torch
 
 from ..._dist import as_bits, wait
 from ...collectives import all_gather_tensor, all_to_all_single, reduce_scatter_tensor
-from .backend import DcpBackend, register
+from .backend import MERGE_REGISTRY, DcpBackend
 from .combine import combine, scale_own
 
 __all__ = ["ReferenceBackend", "AgRsBackend", "A2ABackend"]
 
 
-@register
+@MERGE_REGISTRY.register
 class ReferenceBackend(DcpBackend):
     """all_gather every partial output and LSE, merge everything locally, keep the head slice.
 
@@ -40,7 +40,7 @@ class ReferenceBackend(DcpBackend):
                        res, res_lse)
 
 
-@register
+@MERGE_REGISTRY.register
 class AgRsBackend(DcpBackend):
     """all_gather the LSEs (small), scale this rank's output by its weight locally, then
     reduce_scatter over head slices with fp32 accumulation (SGLang/vLLM's DCP "correct + RS")."""
@@ -64,7 +64,7 @@ class AgRsBackend(DcpBackend):
                 mine if res_lse is None else res_lse.copy_(mine))
 
 
-@register
+@MERGE_REGISTRY.register
 class A2ABackend(DcpBackend):
     """Pack output and LSE by destination head slice into one buffer (the fp32 LSE bit-packed as
     1–2 extra elements after each row's D values), one all_to_all_single, combine locally."""

@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 from ... import config
-from ..._dist import (DTYPE_CODES, check_args, group_from_name, group_key, group_name,
-                      on_release, resolve_group)
+from ..._dist import DTYPE_CODES, check_args, group_from_name, group_name, resolve_group
 from ..._plans import Cached, CallPlans
 from ...errors import PeerTimeoutError
 from .. import tracing
+from ..exchange import ObjectCache
 from .api import DcpMerger, check_local, empty_result
 from .backend import BACKENDS
 
@@ -173,35 +173,26 @@ def _signature(out, lse, backend, lse_base, return_lse):
 
 
 # ------------------------------------------------------------------------------ mergers
-_MERGERS: dict = {}  # per group: an LRU of mergers (_dist.group_lru_get)
-
-
-@on_release
-def _release_mergers(key) -> None:
-    for merger in _MERGERS.pop(key, {}).values():
-        merger.close()
-
-
-def _bucket(T: int) -> int:
-    # One merger per shape, backend and power-of-two token bucket.
-    return max(16, 1 << (T - 1).bit_length())
+_OBJECTS = ObjectCache(_CACHE_SIZE)
+_MERGERS = _OBJECTS.store  # per group: an LRU of mergers
 
 
 def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget, device) -> Cached:
     """The merger of this shape and token bucket (built by the first call) on the call's
     device, as a plan holds it."""
-    mkey = (_bucket(T), H, D, dtype, backend, lse_base, budget, device)
 
-    def build() -> DcpMerger:
+    def build(max_tokens: int) -> DcpMerger:
         try:
-            return DcpMerger(group, max_tokens=mkey[0], num_heads=H, head_dim=D, dtype=dtype,
+            return DcpMerger(group, max_tokens=max_tokens, num_heads=H, head_dim=D, dtype=dtype,
                              backend=backend, lse_base=lse_base, timeout_s=budget,
                              device=device)
         except (PeerTimeoutError, ValueError) as exc:
             raise _as_merge_error(exc) from exc
 
-    return Cached(_MERGERS, group, mkey, build, _CACHE_SIZE, lambda: tracing.warm_up_error(
-        "dcp.merge", f"the token bucket of T={T} (H={H}, D={D}, {dtype}, backend={backend!r})"))
+    return _OBJECTS.cached(group, T, (H, D, dtype, backend, lse_base, budget, device), build,
+                           lambda: tracing.warm_up_error(
+                               "dcp.merge", f"the token bucket of T={T} (H={H}, D={D}, {dtype}, "
+                                            f"backend={backend!r})"))
 
 
 def _as_merge_error(exc):
@@ -228,11 +219,9 @@ def check_warm(group_name_: str, out, backend: str, lse_base: str, timeout_s) ->
     call built the merger of this call's shape on the group (a symbolic dim matches any; the
     compiled call finds its token bucket's merger when it runs, as an eager call would).
     Nothing is decided, and nothing falls back, while tracing."""
-    g = group_from_name(group_name_)
     T, H, D = (d if isinstance(d, int) else tracing.ANY for d in out.shape)
-    want = (H, D, out.dtype, backend, lse_base, config.timeout_s(timeout_s), out.device)
-    if T == 0 or any(tracing.matches(key, (T if T is tracing.ANY else _bucket(T), *want))
-                     for key in _MERGERS.get(group_key(g), {})):
+    if _OBJECTS.warm(group_from_name(group_name_), T, (H, D, out.dtype, backend, lse_base,
+                                                       config.timeout_s(timeout_s), out.device)):
         return
     shape = ", ".join("?" if d is tracing.ANY else str(d) for d in (T, H, D))
     raise tracing.warm_up_error("dcp.merge", f"out [{shape}] {out.dtype} with "

@@ -11,22 +11,14 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
-from ... import _triton, capability
+from ... import _triton
 from ... import config as env
-from ...compiled_launch import LaunchCache, alignment_key
-from ...symm import (
-    SymmWorkspace,
-    agreed_min,
-    grid_bound,
-    ll_rows_for,
-    num_warps,
-    plan_blocks,
-    use_ll,
-)
+from ...compiled_launch import alignment_key
+from ...symm import ll_rows_for, num_warps, plan_blocks, use_ll
 from ...symm_regions import Slab
-from .backend import DcpBackend, register
+from ..exchange import SymmBackend
+from .backend import MERGE_REGISTRY, DcpBackend
 from .symm_layout import SlabLayout
 
 if _triton.REASON is None:
@@ -134,7 +126,6 @@ def stagger(n_rows: int, n_blocks: int, grid: int, head_dim: int, itemsize: int,
 MergeSlab = Slab
 
 
-
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -175,8 +166,8 @@ def pdl_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-@register
-class SymmA2ABackend(DcpBackend):
+@MERGE_REGISTRY.register
+class SymmA2ABackend(SymmBackend, DcpBackend):
     """The symmetric-memory DCP merge (see ``attncomm.dcp.lse_merge.symm_kernels``).
 
     Construction is collective and host-blocking (allocation, then rendezvous, each agreed across
@@ -200,6 +191,8 @@ class SymmA2ABackend(DcpBackend):
     """
 
     name = "symm_a2a"
+    label = "symm_a2a"
+    kernels = _k
     returns_views = True
 
     def __init__(self, group, *, max_tokens: int, num_heads: int, head_dim: int,
@@ -207,44 +200,20 @@ class SymmA2ABackend(DcpBackend):
                  config: SymmConfig | None = None, enable_pdl: bool | None = None):
         super().__init__(group, max_tokens=max_tokens, num_heads=num_heads, head_dim=head_dim,
                          dtype=dtype, device=device, timeout_s=timeout_s)
-        if _k is None:
-            raise RuntimeError(f"symm_a2a needs Triton: {_triton.REASON}")
+        self._require_kernels()
         self.config = config if config is not None else SymmConfig.from_env()
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.hs = num_heads // self.world_size
         itemsize = torch.empty((), dtype=dtype).element_size()
         max_rows = max_tokens * self.hs
-        self.layout = SlabLayout(self.world_size, max_rows, head_dim, itemsize,
-                                 ll_rows_for(max_rows, head_dim, itemsize,
-                                             self.config.ll_max_bytes))
-        if self.layout.total_bytes >= 2 ** 31:
-            raise RuntimeError(f"symm_a2a: slab of {self.layout.total_bytes} bytes exceeds the "
-                               f"kernel's 32-bit offsets; lower max_tokens")
-        self.timeout_ns = int(timeout_s * 1e9)
         pdl = enable_pdl if enable_pdl is not None else self.config.enable_pdl
         self.pdl = pdl_supported(device) if pdl is None else bool(pdl and pdl_supported(device))
-        self.ws = ws = SymmWorkspace.agreed(group, self.layout, device,
-                                            op="dcp.merge[symm_a2a]", timeout_s=timeout_s)
-        self.slab = MergeSlab.build(self.layout, ws.slab, ws.peer_ptrs, self.rank, ws.state,
-                                    ws.errors, self.timeout_ns)
-        self.n_programs_max = self._agree_grid_bound()
+        self._map_slab(SlabLayout(self.world_size, max_rows, head_dim, itemsize,
+                                  ll_rows_for(max_rows, head_dim, itemsize,
+                                              self.config.ll_max_bytes)),
+                       "dcp.merge[symm_a2a]", (_k.merge_ll_kernel, _k.merge_flag_kernel),
+                       self.config.programs_per_sm, self.config.max_programs)
         self.res = torch.empty((max_tokens, self.hs, head_dim), dtype=dtype, device=device)
         self.res_lse = torch.empty((max_tokens, self.hs), dtype=torch.float32, device=device)
-        self._launches = LaunchCache((_k.merge_ll_kernel, _k.merge_flag_kernel))
         self._warm_up()
-
-    @classmethod
-    def collective_unavailable_reason(cls, group, device: torch.device) -> str | None:
-        reason = capability.symm_unavailable_reason(group, device)  # collective: always call
-        if reason is None and _k is None:
-            return _triton.REASON
-        return reason
-
-    def _agree_grid_bound(self) -> int:
-        # Grid bound agreed across ranks: block plans must match everywhere.
-        return agreed_min(self.group, grid_bound(self.device, self.config.programs_per_sm,
-                                                 self.config.max_programs))
 
     def _warm_up(self) -> None:
         # One merge per kernel variant (block size, protocol, staggering) up to max_tokens:
@@ -293,12 +262,3 @@ class SymmA2ABackend(DcpBackend):
                                  layout=self.layout, n_programs_max=self.n_programs_max,
                                  pdl=self.pdl, config=self.config), dyn)
         return (o[:T] if res is None else o), (l[:T] if res_lse is None else l)
-
-    def check(self) -> None:
-        """Raise ``PeerTimeoutError`` for a wait that timed out since the last check (reads
-        the error word; no CUDA call)."""
-        self.ws.check()
-
-    def close(self) -> None:
-        """Collective: free the slab once every rank got here (``SymmWorkspace.close``)."""
-        self.ws.close()

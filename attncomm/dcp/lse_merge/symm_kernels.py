@@ -73,23 +73,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as tl_cuda
 
-from ...symm_device import (
-    budget,
-    count_in,
-    epoch_of,
-    ll_ready,
-    ll_word,
-    pack16,
-    peer_delta,
-    record_timeout,
-    region,
-    scrub_due,
-    scrub_fence,
-    timed_out,
-    typed,
-    wait_word,
-    zero,
-)
+from ...symm_device import (budget, count_in, epoch_of, ll_ready, ll_word, pack16, peer_delta,
+                            record_timeout, region, scrub_due, scrub_fence, scrub_region,
+                            timed_out, typed, wait_word)
 from . import symm_layout as _lay
 
 __all__ = ["merge_flag_kernel", "merge_ll_kernel"]
@@ -101,18 +87,9 @@ def _scrub(slab, desc, state64_ptr, e, pid, grid_size, RANK: tl.constexpr, W: tl
     # peer, split over the grid; then the fence (on the unused word state[2:4], which stays 0)
     # so that the zeros are in place before any store of this call reaches a peer.
     if scrub_due(e):
-        f_base, f_cell = region(desc, _lay.R_F)
-        llo_base, llo_cell = region(desc, _lay.R_LLO)
-        lll_base, lll_cell = region(desc, _lay.R_LLL)
-        slab_f = typed(slab, tl.int32) + f_base
-        slab_llo = typed(slab, tl.int64) + llo_base
-        slab_lll = typed(slab, tl.int64) + lll_base
-        for q in tl.static_range(W):
-            if q != RANK:
-                cell = (1 - (e & 1)) * W + q
-                zero(slab_f + cell * f_cell, f_cell, pid, grid_size)
-                zero(slab_llo + cell * llo_cell, llo_cell, pid, grid_size)
-                zero(slab_lll + cell * lll_cell, lll_cell, pid, grid_size)
+        scrub_region(slab, desc, _lay.R_F, tl.int32, e, pid, grid_size, RANK, W)
+        scrub_region(slab, desc, _lay.R_LLO, tl.int64, e, pid, grid_size, RANK, W)
+        scrub_region(slab, desc, _lay.R_LLL, tl.int64, e, pid, grid_size, RANK, W)
         scrub_fence(state64_ptr + 1)
 
 

@@ -5,13 +5,13 @@ import torch
 
 from ..._dist import as_bits, wait
 from ...collectives import all_gather_tensor
-from .backend import QueryGatherBackend, register
+from .backend import GATHER_REGISTRY, QueryGatherBackend
 from .query_math import quantize_e4m3, rotate_tail
 
 __all__ = ["AllGatherBackend"]
 
 
-@register
+@GATHER_REGISTRY.register
 class AllGatherBackend(QueryGatherBackend):
     """Rotate into a send buffer, ``all_gather_into_tensor`` into ``[W, T, H/W, D]`` staging
     (payload as bytes: every process-group backend moves uint8), permute into ``out`` (or the

@@ -26,26 +26,17 @@ import logging
 import zlib
 
 import torch
-import torch.distributed as dist
 
-from ... import capability, config, select
-from ..._dist import (DTYPE_CODES, Lifecycle, agree, as_device, device_error, group_device,
-                      resolve_group)
-from .. import tracing
+from ..._dist import DTYPE_CODES, device_error
+from ..exchange import DTYPES, PreallocatedExchange, geometry_error
 from . import all_gather, symm  # noqa: F401 - each registers its backend class
-from .backend import GATHER_BACKENDS, backend_class
+from .backend import GATHER_BACKENDS, GATHER_REGISTRY
 from .query_math import FP8_DTYPE, FP8_MAX, _scale_error, _scale_f32, quantize_e4m3, rotate_tail
 
 __all__ = ["DcpQueryGather", "rotate_tail", "quantize_e4m3", "GATHER_BACKENDS", "FP8_DTYPE",
            "FP8_MAX", "check_q", "rope_key"]
 
 log = logging.getLogger("attncomm.dcp")
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-#: Signatures a ``DcpQueryGather`` remembers as checked (it forgets them all past this many).
-_ACCEPTED_SIZE = 4096
-#: What ``auto`` takes when nothing is measured (CPU groups, one candidate).
-RULE_OF_THUMB = ("symm", "all_gather")
 
 
 def _rope_error(rope, T: int, D: int, device) -> str | None:
@@ -68,11 +59,12 @@ def _rope_error(rope, T: int, D: int, device) -> str | None:
 
 def check_q(q, world_size: int, rope, backend: str) -> str | None:
     """This rank's argument errors for ``gather_heads`` (no communication), or None."""
-    if backend not in GATHER_BACKENDS:
-        return f"backend={backend!r} is not one of {list(GATHER_BACKENDS)}"
+    err = GATHER_REGISTRY.name_error(backend)
+    if err:
+        return err
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         return f"q must be a [T, H/W, D] tensor, got {getattr(q, 'shape', type(q).__name__)}"
-    if q.dtype not in _DTYPES:
+    if q.dtype not in DTYPES:
         return f"q dtype must be fp16/bf16/fp32, got {q.dtype}"
     if q.shape[1] < 1 or q.shape[2] < 1:
         return f"heads per rank H/W and head_dim D must be ≥ 1, got {tuple(q.shape[1:])}"
@@ -90,7 +82,7 @@ def rope_key(rope):
     return (cos.shape, cos.dtype, cos.device, sin.shape, sin.dtype, sin.device)
 
 
-class DcpQueryGather(Lifecycle):
+class DcpQueryGather(PreallocatedExchange):
     """A preallocated, CUDA-graph-capturable query-head all-gather for up to ``max_tokens``.
 
     Arguments:
@@ -145,17 +137,15 @@ class DcpQueryGather(Lifecycle):
         ValueError (every rank): bad arguments, or a named backend that cannot run here.
     """
 
+    op, registry = "DcpQueryGather", GATHER_REGISTRY
+
     def __init__(self, group=None, *, max_tokens: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, backend: str = "auto", rope_dim: int = 0,
                  out_dtype: torch.dtype | None = None, timeout_s: float | None = None,
                  ordered_by_caller: bool = False, q_scale=None, device=None):
-        self.group = group = resolve_group(group, "DcpQueryGather")
-        self.device = group_device(group) if device is None else as_device(device)
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.timeout_s = config.timeout_s(timeout_s)
+        self._open(group, device, timeout_s)
         err = self._check_args(max_tokens, num_heads, head_dim, dtype, backend, rope_dim,
-                               out_dtype, self.world_size) or device_error(group, self.device)
+                               out_dtype, self.world_size) or device_error(self.group, self.device)
         fp8 = out_dtype == FP8_DTYPE
         if err is None and fp8:
             err = _scale_error(q_scale, num_heads)
@@ -163,48 +153,24 @@ class DcpQueryGather(Lifecycle):
             if fp8 and err is None else -1
         ints = [v if isinstance(v, int) else -1 for v in (max_tokens, num_heads, head_dim,
                                                           rope_dim)]
-        sig = ints + [DTYPE_CODES.get(dtype, 0),
-                      GATHER_BACKENDS.index(backend) if backend in GATHER_BACKENDS else -1,
-                      int(bool(ordered_by_caller)), int(fp8), scale_crc,
-                      int(self.device.type == "cuda")]
-        agree(group, "DcpQueryGather", sig, ["max_tokens", "num_heads", "head_dim", "rope_dim",
-                                             "dtype", "backend", "ordered_by_caller",
-                                             "FP8 output", "q_scale (crc32 of its fp32 bits)",
-                                             "device is CUDA"],
-              err, self.timeout_s)
+        self._agree(ints + [DTYPE_CODES.get(dtype, 0), GATHER_REGISTRY.code(backend),
+                            int(bool(ordered_by_caller)), int(fp8), scale_crc],
+                    ["max_tokens", "num_heads", "head_dim", "rope_dim", "dtype", "backend",
+                     "ordered_by_caller", "FP8 output", "q_scale (crc32 of its fp32 bits)"], err)
         self.max_tokens, self.num_heads, self.head_dim = max_tokens, num_heads, head_dim
         self.dtype, self.rope_dim = dtype, rope_dim
         self.out_dtype = FP8_DTYPE if fp8 else dtype
         self.q_scale = _scale_f32(q_scale, num_heads).to(self.device) if fp8 else None
         self.ordered_by_caller = bool(ordered_by_caller)
-        self.requested_backend = backend
-        unmeasured = capability.unmeasured_reason(group, self.device)  # collective on CUDA
-        self.decision, self._impl = select.resolve(
-            group, op="DcpQueryGather", requested=backend, names=GATHER_BACKENDS[:-1],
-            preferred="symm", rule_of_thumb=RULE_OF_THUMB, local_reason=self._local_reason,
-            build=lambda name: backend_class(name)(group, **self._kwargs()),
-            measured=unmeasured is None, rule=unmeasured,
-            cases=select.token_buckets(max_tokens),
-            prepare=self._timing_case, env_var="ATTNCOMM_DCP_GATHER_BACKEND")
-        self.fallback_reason: str | None = self.decision.fallback_reason
-        self.backend = self._impl.name
-        self._accepted: set = set()
-        #: The name a compiled graph's custom op finds this object by (``dcp.tracing``).
-        self.op_name = tracing.register(self)
+        self._resolve(backend)
 
     @staticmethod
     def _check_args(max_tokens, num_heads, head_dim, dtype, backend, rope_dim, out_dtype,
                     world_size):
-        if backend not in GATHER_BACKENDS:
-            return f"backend={backend!r} is not one of {list(GATHER_BACKENDS)}"
-        for label, v in (("max_tokens", max_tokens), ("num_heads", num_heads),
-                         ("head_dim", head_dim)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                return f"{label} must be an int ≥ 1, got {v!r}"
-        if dtype not in _DTYPES:
-            return f"dtype must be fp16/bf16/fp32, got {dtype}"
-        if num_heads % world_size:
-            return f"num_heads={num_heads} is not divisible by world size W={world_size}"
+        err = GATHER_REGISTRY.name_error(backend) or geometry_error(
+            max_tokens, num_heads, head_dim, dtype, world_size)
+        if err:
+            return err
         if not isinstance(rope_dim, int) or rope_dim < 0 or rope_dim % 2 or rope_dim > head_dim:
             return f"rope_dim must be 0 or an even int ≤ head_dim={head_dim}, got {rope_dim!r}"
         if out_dtype is not None and out_dtype not in (dtype, FP8_DTYPE):
@@ -213,33 +179,15 @@ class DcpQueryGather(Lifecycle):
         return None
 
     def _kwargs(self):
-        return dict(max_tokens=self.max_tokens, num_heads=self.num_heads,
-                    head_dim=self.head_dim, dtype=self.dtype, rope_dim=self.rope_dim,
-                    device=self.device, timeout_s=self.timeout_s, out_dtype=self.out_dtype,
+        return dict(super()._kwargs(), rope_dim=self.rope_dim, out_dtype=self.out_dtype,
                     q_scale=self.q_scale, ordered_by_caller=self.ordered_by_caller)
 
-    def _local_reason(self, name: str) -> str | None:
-        # Collective (symm learns where its peers are): every rank calls it for every name.
-        try:
-            cls = backend_class(name)
-        except ImportError as exc:
-            return f"{name} is not available: {exc}"
-        return cls.collective_unavailable_reason(self.group, self.device)
-
-    def _timing_case(self, impl, num_tokens: int):
-        gen = torch.Generator(device=self.device).manual_seed(self.rank)
+    def _timing_inputs(self, impl, num_tokens: int, gen):
         q = torch.randn((num_tokens, impl.hs, self.head_dim), generator=gen,
                         device=self.device).to(self.dtype)
         cs = (torch.randn((num_tokens, self.rope_dim), generator=gen, device=self.device)
               if self.rope_dim else None)
-        return lambda: impl(q, cs, cs)
-
-    def check(self) -> None:
-        """Raise ``PeerTimeoutError`` for any timeout the device recorded since the last check."""
-        self._impl.check()
-
-    def _release(self) -> None:
-        self._impl.close()
+        return q, cs, cs
 
     def __call__(self, q: torch.Tensor, rope=None) -> torch.Tensor:
         self._ensure_open()
@@ -274,14 +222,7 @@ class DcpQueryGather(Lifecycle):
             key = (q.shape, q.dtype, q.device, rope_key(rope))
         except (AttributeError, TypeError, IndexError, ValueError):  # the checks say why
             key = None
-        if key is not None and key in self._accepted:
-            return
-        err = self.local_error(q, rope)
-        if err:
-            raise ValueError(f"DcpQueryGather: {err}")
-        if len(self._accepted) >= _ACCEPTED_SIZE:
-            self._accepted.clear()
-        self._accepted.add(key)
+        self._accept(key, q, rope)
 
     def into(self, q: torch.Tensor, rope, dest: torch.Tensor) -> torch.Tensor:
         """Gather into ``dest``, a caller-owned contiguous ``[T, H, D]`` tensor of ``out_dtype``

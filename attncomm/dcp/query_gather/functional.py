@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from ... import config
-from ..._dist import (DTYPE_CODES, check_args, group_from_name, group_key, group_name,
-                      on_release, resolve_group)
+from ..._dist import DTYPE_CODES, check_args, group_from_name, group_name, resolve_group
 from ..._plans import Cached, CallPlans
 from .. import tracing
+from ..exchange import ObjectCache
 from .api import DcpQueryGather, check_q, rope_key
 from .backend import GATHER_BACKENDS
 
@@ -142,29 +142,19 @@ def _signature(q, rope, backend):
 
 
 # ------------------------------------------------------------------------------ gatherers
-_GATHERERS: dict = {}  # per group: an LRU of gatherers (_dist.group_lru_get)
-
-
-@on_release
-def _release_gatherers(key) -> None:
-    for gatherer in _GATHERERS.pop(key, {}).values():
-        gatherer.close()
-
-
-def _bucket(T: int) -> int:
-    # One gatherer per geometry and power-of-two token bucket.
-    return max(16, 1 << (T - 1).bit_length())
+_OBJECTS = ObjectCache(_CACHE_SIZE)
+_GATHERERS = _OBJECTS.store  # per group: an LRU of gatherers
 
 
 def _cached_gatherer(group, T, H, D, dtype, backend, R, budget, device) -> Cached:
     """The gatherer of this shape and token bucket (built by the first call) on the call's
     device, as a plan holds it."""
-    mkey = (_bucket(T), H, D, dtype, backend, R, budget, device)
-    return Cached(
-        _GATHERERS, group, mkey,
-        lambda: DcpQueryGather(group, max_tokens=mkey[0], num_heads=H, head_dim=D, dtype=dtype,
-                               backend=backend, rope_dim=R, timeout_s=budget, device=device),
-        _CACHE_SIZE, lambda: tracing.warm_up_error(
+    return _OBJECTS.cached(
+        group, T, (H, D, dtype, backend, R, budget, device),
+        lambda max_tokens: DcpQueryGather(group, max_tokens=max_tokens, num_heads=H, head_dim=D,
+                                          dtype=dtype, backend=backend, rope_dim=R,
+                                          timeout_s=budget, device=device),
+        lambda: tracing.warm_up_error(
             "dcp.gather_heads", f"the token bucket of T={T} (H={H}, D={D}, {dtype})"))
 
 
@@ -185,9 +175,7 @@ def check_warm(group_name_: str, q, cos, backend: str, timeout_s) -> None:
     R = 0 if cos is None else cos.shape[-1]
     R = R if isinstance(R, int) else tracing.ANY
     H = tracing.ANY if h is tracing.ANY else h * W
-    pattern = (T if T is tracing.ANY else _bucket(T), H, D, q.dtype, backend, R,
-               config.timeout_s(timeout_s), q.device)
-    if T == 0 or any(tracing.matches(key, pattern) for key in _GATHERERS.get(group_key(g), {})):
+    if _OBJECTS.warm(g, T, (H, D, q.dtype, backend, R, config.timeout_s(timeout_s), q.device)):
         return
     shape = ", ".join("?" if d is tracing.ANY else str(d) for d in (T, h, D))
     raise tracing.warm_up_error("dcp.gather_heads", f"q [{shape}] {q.dtype} (rope dim "

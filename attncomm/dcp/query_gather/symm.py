@@ -11,15 +11,14 @@ The slab's regions (OUT, flags, LL words, READY) are ``symm_layout.GatherLayout`
 """
 from __future__ import annotations
 
-
 import torch
 
-from ... import _triton, capability
-from ...compiled_launch import LaunchCache, alignment_key
-from ...symm import SymmWorkspace, agreed_min, grid_bound, ll_rows_for, num_warps, plan_blocks, \
-    use_ll
+from ... import _triton
+from ...compiled_launch import alignment_key
+from ...symm import ll_rows_for, num_warps, plan_blocks, use_ll
 from ...symm_regions import Slab
-from .backend import QueryGatherBackend, register
+from ..exchange import SymmBackend
+from .backend import GATHER_REGISTRY, QueryGatherBackend
 from .symm_layout import GatherLayout
 
 if _triton.REASON is None:
@@ -36,7 +35,6 @@ _TL_DTYPE_SIZES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4,
 
 #: One rank's slab, its descriptor and state words (``symm_regions.Slab``).
 GatherSlab = Slab
-
 
 
 # Elements of one [block rows, column block] tile of the flag kernel at most, so that the
@@ -92,8 +90,8 @@ def launch_gather(q, cos, sin, *, slab: GatherSlab, rank: int, layout: GatherLay
                                    num_warps=num_warps(br * bd * q.element_size()), **shape)
 
 
-@register
-class SymmGatherBackend(QueryGatherBackend):
+@GATHER_REGISTRY.register
+class SymmGatherBackend(SymmBackend, QueryGatherBackend):
     """The symmetric-memory query gather (see the module docstring).
 
     Construction is collective and host-blocking (allocation, rendezvous, each agreed across
@@ -109,39 +107,23 @@ class SymmGatherBackend(QueryGatherBackend):
     """
 
     name = "symm"
+    label = "symm gather"
+    kernels = _k
 
     def __init__(self, group, **kw):
         super().__init__(group, **kw)
-        if _k is None:
-            raise RuntimeError(f"symm gather needs Triton: {_triton.REASON}")
+        self._require_kernels()
         itemsize = _TL_DTYPE_SIZES[self.out_dtype]
         max_rows = self.max_tokens * self.hs
-        self.layout = GatherLayout(self.world_size, self.max_tokens, self.num_heads,
-                                   self.head_dim, itemsize,
-                                   ll_rows_for(max_rows, self.head_dim, itemsize))
-        if self.layout.total_bytes >= 2 ** 31:
-            raise RuntimeError(f"symm gather: slab of {self.layout.total_bytes} bytes exceeds "
-                               f"the kernel's 32-bit offsets; lower max_tokens")
+        self._map_slab(GatherLayout(self.world_size, self.max_tokens, self.num_heads,
+                                    self.head_dim, itemsize,
+                                    ll_rows_for(max_rows, self.head_dim, itemsize)),
+                       "dcp.gather[symm]", (_k.gather_ll_kernel, _k.gather_flag_kernel))
         self.ordered = self.ordered_by_caller
-        self.timeout_ns = int(self.timeout_s * 1e9)
-        self.ws = SymmWorkspace.agreed(group, self.layout, self.device, op="dcp.gather[symm]",
-                                       timeout_s=self.timeout_s)
-        self.slab = GatherSlab.build(self.layout, self.ws.slab, self.ws.peer_ptrs, self.rank,
-                                     self.ws.state, self.ws.errors, self.timeout_ns)
-        # Grid bound agreed across ranks: block plans must match everywhere.
-        self.n_programs_max = agreed_min(self.group, grid_bound(self.device))
         self.out = self.ws.slab[:self.layout.region_bytes()["out"]].view(self.out_dtype)[
             :self.max_tokens * self.num_heads * self.head_dim].view(
             self.max_tokens, self.num_heads, self.head_dim)
-        self._launches = LaunchCache((_k.gather_ll_kernel, _k.gather_flag_kernel))
         self._warm_up()
-
-    @classmethod
-    def collective_unavailable_reason(cls, group, device: torch.device) -> str | None:
-        reason = capability.symm_unavailable_reason(group, device)  # collective: always call
-        if reason is None and _k is None:
-            return _triton.REASON
-        return reason
 
     def _warm_up(self) -> None:
         # One gather per kernel variant (block size, protocol) up to max_tokens: compiles
@@ -178,10 +160,3 @@ class SymmGatherBackend(QueryGatherBackend):
         if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.ws.check()
         return self.out[:T] if into is None else into.copy_(self.out[:T])
-
-    def check(self) -> None:
-        self.ws.check()
-
-    def close(self) -> None:
-        """Collective: free the slab once every rank got here (``SymmWorkspace.close``)."""
-        self.ws.close()

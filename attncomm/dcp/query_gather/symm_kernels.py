@@ -57,23 +57,9 @@ import triton.language as tl
 from ... import fp8_device as _e4
 from ...fp8_device import fp8_magnitude
 from ...symm import plan_blocks
-from ...symm_device import (
-    budget,
-    count_in,
-    epoch_of,
-    ll_ready,
-    ll_word,
-    pack16,
-    peer_delta,
-    record_timeout,
-    region,
-    scrub_due,
-    scrub_fence,
-    timed_out,
-    typed,
-    wait_word,
-    zero,
-)
+from ...symm_device import (budget, count_in, epoch_of, ll_ready, ll_word, pack16, peer_delta,
+                            record_timeout, region, scrub_due, scrub_fence, scrub_region,
+                            timed_out, typed, wait_word)
 from . import symm_layout as _lay
 
 __all__ = ["MAX_BLOCK_ROWS", "e4m3_kernel", "gather_flag_kernel", "gather_ll_kernel",
@@ -83,20 +69,14 @@ __all__ = ["MAX_BLOCK_ROWS", "e4m3_kernel", "gather_flag_kernel", "gather_ll_ker
 MAX_BLOCK_ROWS = 64
 
 
-
 @triton.jit
 def _scrub(slab_w, desc, state64_ptr, e, pid, grid_size, RANK: tl.constexpr, W: tl.constexpr):
     # Epochs ≡ 0, 1 (mod 2**30): zero the other slot's flags and LL words from every peer
     # (slab_w: the slab as int32), then the fence (on the unused word state[2:4]) before
     # any store of this call can reach a peer.
     if scrub_due(e):
-        f_base, f_cell = region(desc, _lay.R_F)
-        ll_base, ll_cell = region(desc, _lay.R_LL)
-        for q in tl.static_range(W):
-            if q != RANK:
-                cell = (1 - (e & 1)) * W + q
-                zero(slab_w + f_base + cell * f_cell, f_cell, pid, grid_size)
-                zero(slab_w + 2 * (ll_base + cell * ll_cell), 2 * ll_cell, pid, grid_size)
+        scrub_region(slab_w, desc, _lay.R_F, tl.int32, e, pid, grid_size, RANK, W)
+        scrub_region(slab_w, desc, _lay.R_LL, tl.int64, e, pid, grid_size, RANK, W)
         scrub_fence(state64_ptr + 1)
 
 
