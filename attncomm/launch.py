@@ -19,6 +19,7 @@ import pickle
 import queue
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -34,7 +35,7 @@ import torch.multiprocessing as mp
 from . import config
 from ._dist import check_group, clear_cpu_groups, cpu_group, set_group_device
 from ._wait import poll_until
-from .errors import PeerTimeoutError
+from .errors import PeerTimeoutError, ranks_text
 
 __all__ = ["launch", "RankPool", "init_distributed", "gpu_placement"]
 
@@ -49,6 +50,14 @@ FAILURE_GRACE_S = 3.0
 # failure) before the pool is torn down.
 DEATH_GRACE_S = 3.0
 EXIT_REPORT_S = 1.0  # how long a cleanly exited rank's last report may take to arrive
+# Once a rank's function has returned (or its process died) while others still run: how often
+# the launcher asks the running ranks where they are, and how long one of them may sit in the
+# same collective on a group with a finished rank (a collective that cannot complete) before
+# every rank is stopped. The confirmation covers a collective whose last data had already
+# arrived when the finished rank returned: it ends within milliseconds, not seconds.
+PROBE_INTERVAL_S = 0.25
+STUCK_CONFIRM_S = 1.0
+_WHERE = -2  # task id of a rank's answer to "where are you" on the results queue
 # Exit code of a rank process that, while it imported the main module (what the spawn start
 # method does in every rank), reached launch / RankPool: the script calls them outside
 # ``if __name__ == "__main__":``. The launcher turns it into a one-line error.
@@ -181,10 +190,106 @@ def _orphaned_cleanup(launcher: int, store_dir: str) -> None:
             _remove_rendezvous(store_dir)
 
 
+_C10D = os.path.join(os.path.dirname(dist.__file__), "distributed_c10d.py")
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_P2P = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
+
+
+def _call_peers(frame) -> tuple[str, list[int]] | None:
+    """``(call, global ranks it needs)`` when ``frame`` is a blocking torch.distributed call
+    (a collective, barrier, group creation or send/recv, whose ``group`` it reads) or
+    attncomm's own bounded wait on a collective's work; None for any other frame."""
+    code = frame.f_code
+    if code.co_filename == _C10D:
+        kind = "torch.distributed"
+    elif code.co_filename == os.path.join(_PACKAGE, "_dist.py") and code.co_name == "wait":
+        kind = "attncomm._dist"
+    else:
+        return None
+    f_locals = frame.f_locals
+    group = f_locals.get("group")
+    if code.co_name == "new_group" and not f_locals.get("use_local_synchronization"):
+        group = None  # a collective on the whole world
+    try:
+        members = dist.get_process_group_ranks(group or dist.group.WORLD)
+        if code.co_name in _P2P:
+            peer = f_locals.get(_P2P[code.co_name])
+            group_peer = f_locals.get("group_" + _P2P[code.co_name])
+            if peer is None and group_peer is not None:
+                peer = dist.get_global_rank(group or dist.group.WORLD, group_peer)
+            if peer is not None:
+                members = [peer]
+    except Exception:  # a group being torn down, an unknown rank: not attributable
+        return None
+    return f"{kind}.{code.co_name}", list(members)
+
+
+def _where(frame, finished: set[int]) -> dict:
+    """Where the rank's main thread is (``frame``, its innermost frame): the stack inside the
+    task's function, the blocking distributed call it is in (if any) and the finished ranks
+    that call needs (``stuck_on``), and the attncomm operation around it (``op``)."""
+    frames = []
+    f = frame
+    while f is not None and not (f.f_code.co_name == "_run_task"
+                                 and f.f_code.co_filename == __file__):
+        frames.append(f)
+        f = f.f_back
+    info = {"call": None, "stuck_on": [], "op": None, "key": None,
+            "stack": "".join(traceback.format_list(
+                traceback.extract_stack(frame, limit=len(frames) or None)))}
+    if not frames:
+        return info
+    # The outermost blocking call of the innermost distributed frames: the entry point the
+    # rank's code called (its group argument), not the helpers below it.
+    entry = None
+    for f in frames:  # innermost first
+        found = _call_peers(f)
+        if found is not None:
+            entry = (f, found)
+        elif entry is not None:
+            break
+    if entry is not None and _call_peers(frames[0]) is None \
+            and frames[0].f_code.co_filename != _C10D:
+        entry = None  # the rank runs code of its own below the call (a callback): not blocked
+    for f in frames:
+        op = f.f_locals.get("op") if f.f_code.co_filename.startswith(_PACKAGE) else None
+        if isinstance(op, str):
+            info["op"] = op
+            break
+    if entry is not None:
+        f, (call, members) = entry
+        info["call"] = call
+        info["stuck_on"] = sorted(set(members) & finished)
+        info["key"] = (id(f), f.f_lineno)
+    return info
+
+
+def _answer_where(rank: int, requests, results, main_ident: int) -> None:
+    """A rank's daemon thread: answer each ``(task_id, finished ranks)`` request with where the
+    main thread is (``_where``). A blocked collective releases the GIL, so this runs while the
+    main thread waits on its peers."""
+    while True:
+        req = requests.get()
+        if req is None:
+            return
+        task_id, finished = req
+        frame = sys._current_frames().get(main_ident)
+        try:
+            info = _where(frame, set(finished)) if frame is not None else None
+        except Exception as exc:  # never let a probe hurt the rank
+            info = {"call": None, "stuck_on": [], "op": None, "key": None,
+                    "stack": f"(not readable: {type(exc).__name__}: {exc})\n"}
+        results.put((_WHERE, rank, task_id, info))
+
+
 def _worker(rank, world_size, device, store_path, timeout_s, tasks, results, launcher,
-            gpu=None, shared_gpu=False):
+            gpu=None, shared_gpu=False, where_requests=None):
     store_dir = os.path.dirname(store_path)
     _watch_parent(launcher, store_dir)
+    if where_requests is not None:
+        threading.Thread(target=_answer_where, name="attncomm-where", daemon=True,
+                         args=(rank, where_requests, results,
+                               threading.main_thread().ident)).start()
     with _RENDEZVOUS_LOCK:
         if os.getppid() != launcher:
             os._exit(3)  # the launcher is already gone: create nothing
@@ -234,7 +339,13 @@ def _run_task(rank: int, world_size: int, payload: bytes) -> tuple[bool, bytes]:
 
 
 def _pack_exc(exc: BaseException) -> bytes:
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    # The traceback without its last lines, the exception's own type and message: the
+    # launcher's error carries that message once, in its first line.
+    lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
+    own = traceback.format_exception_only(type(exc), exc)
+    if lines[-len(own):] == own:
+        lines = lines[:-len(own)]  # empty for an exception that was never raised
+    tb = "".join(lines)
     try:
         data = _dumps((exc, tb))
         pickle.loads(data)
@@ -259,10 +370,14 @@ def _rebuild(rank: int, packed: bytes) -> BaseException:
             except Exception:
                 new = RuntimeError(f"rank {rank}: {type(exc).__name__}: {exc}")
     else:
-        new = RuntimeError(f"rank {rank}: {tb.splitlines()[0]}")
+        head, _, tb = tb.partition("\n")  # the message, then the traceback
+        new = RuntimeError(f"rank {rank}: {head}")
     new.rank = rank
     if hasattr(new, "add_note"):
-        new.add_note(f"--- traceback on rank {rank} ---\n{tb}")
+        if tb.strip():
+            new.add_note(f"--- traceback on rank {rank} ---\n{tb.rstrip()}")
+        for note in getattr(exc, "__notes__", ()):  # the rank's own notes, after its traceback
+            new.add_note(note)
     return new
 
 
@@ -321,6 +436,47 @@ def _death_error(deaths: dict, failure: BaseException | None) -> RuntimeError:
     return err
 
 
+def _same_error(first: BaseException, other: BaseException) -> bool:
+    """Two ranks' failures say the same thing (every rank raises a failed argument check)."""
+    def text(e):
+        return str(e).split(": ", 1)[-1] if str(e).startswith("rank ") else str(e)
+    return type(first) is type(other) and text(first) == text(other)
+
+
+def _where_text(rank: int, info: dict) -> str:
+    call = info.get("call")
+    head = f"rank {rank} was " + (f"waiting in {call}" if call else "running")
+    if info.get("op"):
+        head += f" (in {info['op']})"
+    return f"--- {head} ---\n{info.get('stack', '')}"
+
+
+def _note_where(err: BaseException, ranks: list[int], where: dict[int, dict]) -> None:
+    """Add to ``err`` where each of ``ranks`` was when it was stopped."""
+    if hasattr(err, "add_note"):
+        for r in ranks:
+            if where.get(r):
+                err.add_note(_where_text(r, where[r]))
+
+
+def _stuck_error(rank: int, where: dict[int, dict], missing: list[int],
+                 returned: set[int]) -> PeerTimeoutError:
+    """The error for ranks blocked in a collective that a finished rank will never join."""
+    info = where[rank]
+    peers = info["stuck_on"]
+    parts = [f"{ranks_text(rs)} {verb}" for rs, verb in (
+        ([r for r in peers if r in returned], "returned from the function"),
+        ([r for r in peers if r not in returned], "died")) if rs]
+    at = f"{info['op']}, at {info['call']}" if info.get("op") else info["call"]
+    err = PeerTimeoutError(
+        f"rank {rank}: {' and '.join(parts)} without joining the collective that rank {rank} "
+        f"waits in ({at}); {ranks_text(missing)} {'was' if len(missing) == 1 else 'were'} "
+        f"stopped", peer_ranks=peers, timeout_s=None, op=info.get("op") or info["call"])
+    err.rank = rank
+    _note_where(err, missing, where)
+    return err
+
+
 class RankPool:
     """``world_size`` local ranks with an initialised process group, ready to run functions.
 
@@ -338,9 +494,22 @@ class RankPool:
 
     ``run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and returns the list of
     return values in rank order. If a rank raises, the first failure is re-raised here with the
-    rank named; ranks that do not return within ``FAILURE_GRACE_S`` (3 s) after that, or that a
+    rank named (an error every rank raised alike is said once, with the other ranks named);
+    ranks that do not return within ``FAILURE_GRACE_S`` (3 s) after that, or that a
     ``PeerTimeoutError`` names as silent, are stopped and the pool is closed (``alive`` turns
     False).
+
+    A rank whose function returns (or whose process dies) while others still run: from then on
+    the launcher asks the running ranks every ``PROBE_INTERVAL_S`` where they are (a thread in
+    each rank reads its main thread's stack). A rank that sits for ``STUCK_CONFIRM_S`` (1 s) in
+    one blocking torch.distributed call (collective, barrier, group creation, send/recv) or
+    attncomm collective wait whose group includes a finished rank (for send/recv: whose peer is
+    one) waits for a call that will never come: every rank is stopped and ``PeerTimeoutError``
+    names the finished rank, the call and attncomm operation it waited in, with each stopped
+    rank's stack as a note. Ranks that compute, or run collectives among unfinished ranks only,
+    are left alone however long they take. A wait the launcher cannot attribute to a group
+    (an NCCL collective waited for on a CUDA stream, a shared-memory flag) still ends at its
+    own timeout.
     """
 
     def __init__(self, world_size: int, device: str = "cpu", timeout_s: float | None = None,
@@ -373,13 +542,14 @@ class RankPool:
         path = os.path.join(self._store_dir, "store")
         self._results = self._ctx.Queue()
         self._tasks = [self._ctx.Queue() for _ in range(world_size)]
+        self._where_requests = [self._ctx.Queue() for _ in range(world_size)]
         self._procs = []
         for rank in range(world_size):
             p = self._ctx.Process(
                 target=_worker,
                 args=(rank, world_size, device, path, timeout_s, self._tasks[rank],
                       self._results, os.getpid(), None if self.gpus is None else self.gpus[rank],
-                      self.shared_gpu),
+                      self.shared_gpu, self._where_requests[rank]),
                 daemon=True, name=f"attncomm-rank{rank}")
             p.start()
             self._procs.append(p)
@@ -411,12 +581,18 @@ class RankPool:
 
     def _collect(self, task_id: int, timeout_s: float | None) -> list:
         values: dict[int, Any] = {}
+        returned: set[int] = set()  # ranks whose function returned a value
         failure: BaseException | None = None
+        failed_alike: list[int] = []  # other ranks that raised the failure's own message
         deaths: dict[int, int] = {}
         exited_at: dict[int, float] = {}
         silent: set[int] = set()  # ranks a PeerTimeoutError named: not waited for
+        where: dict[int, dict] = {}  # each running rank's latest answer to a probe
+        stuck_since: dict[int, tuple] = {}  # rank -> (its blocked call's key, first seen)
+        stuck: int | None = None  # a rank confirmed blocked on a finished rank
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         grace_deadline = None
+        next_probe = 0.0
         while len(set(values) | set(deaths) | silent) < self.world_size:
             now = time.monotonic()
             for r, p in enumerate(self._procs):
@@ -430,17 +606,34 @@ class RankPool:
                     grace_deadline = min(grace_deadline or now + DEATH_GRACE_S,
                                          now + DEATH_GRACE_S)
             limits = [d for d in (deadline, grace_deadline) if d is not None]
-            if limits and now >= min(limits):
+            if stuck is not None or (limits and now >= min(limits)):
                 break
+            finished = returned | set(deaths)
+            if finished and failure is None and now >= next_probe:
+                next_probe = now + PROBE_INTERVAL_S
+                self._probe(task_id, finished, set(values) | set(deaths))
             try:
                 task, rank, ok, payload = self._results.get(timeout=0.1)
             except queue.Empty:
+                continue
+            if task == _WHERE:
+                if ok != task_id or payload is None or rank in values or rank in deaths:
+                    continue
+                where[rank] = payload
+                key = payload["key"] if payload["stuck_on"] else None
+                if key is None:
+                    stuck_since.pop(rank, None)
+                elif stuck_since.get(rank, (None,))[0] != key:
+                    stuck_since[rank] = (key, time.monotonic())
+                elif time.monotonic() - stuck_since[rank][1] >= STUCK_CONFIRM_S:
+                    stuck = rank
                 continue
             if task not in (task_id, -1):
                 continue  # a straggler from an earlier, abandoned task
             if ok:
                 try:
                     values[rank] = pickle.loads(payload)
+                    returned.add(rank)
                     continue
                 except Exception as exc:
                     err = RuntimeError(f"rank {rank}: its return value could not be unpickled "
@@ -454,27 +647,66 @@ class RankPool:
             if failure is None:
                 failure = err
                 grace_deadline = grace_deadline or time.monotonic() + FAILURE_GRACE_S
+            elif _same_error(failure, err):
+                failed_alike.append(rank)  # every rank raised the same check: said once
             elif hasattr(failure, "add_note"):
-                failure.add_note(f"also rank {rank}: {err}")
+                failure.add_note(f"also {err}")
+        if failed_alike and hasattr(failure, "add_note"):
+            failure.add_note(f"{ranks_text(sorted(failed_alike))} raised the same error")
         missing = [r for r in range(self.world_size) if r not in values and r not in deaths]
+        if missing:
+            where.update(self._locate(task_id, returned | set(deaths), missing, where))
         if deaths:
             self.close(force=True)
-            raise _death_error(deaths, failure)
+            err = _death_error(deaths, failure)
+            _note_where(err, missing, where)
+            raise err
+        if stuck is not None:
+            self.close(force=True)
+            raise _stuck_error(stuck, where, missing, returned)
         if missing:
             self.close(force=True)
             if failure is not None:
                 if hasattr(failure, "add_note"):
                     failure.add_note(f"rank(s) {missing} had not returned when the failure was "
                                      f"raised; they were stopped")
+                _note_where(failure, missing, where)
                 raise failure
-            raise PeerTimeoutError(
+            err = PeerTimeoutError(
                 f"launch: rank(s) {missing} did not return within {timeout_s} s",
                 peer_ranks=missing, timeout_s=timeout_s, op="launch")
+            _note_where(err, missing, where)
+            raise err
         if failure is not None:
             if any(p.exitcode is not None for p in self._procs):
                 self.close(force=True)
             raise failure
         return [values[r] for r in range(self.world_size)]
+
+    def _probe(self, task_id: int, finished: set[int], done: set[int]) -> None:
+        """Ask every rank still running where it is (answers arrive on the results queue)."""
+        for r, q in enumerate(self._where_requests):
+            if r not in done:
+                try:
+                    q.put((task_id, sorted(finished)))
+                except Exception:
+                    pass
+
+    def _locate(self, task_id: int, finished: set[int], ranks: list[int],
+                known: dict[int, dict], wait_s: float = 0.5) -> dict[int, dict]:
+        """Where ``ranks`` are now, for the error that stops them (a rank that does not answer
+        within ``wait_s`` keeps its last known place, if any)."""
+        self._probe(task_id, finished, set(range(self.world_size)) - set(ranks))
+        found: dict[int, dict] = {}
+        end = time.monotonic() + wait_s
+        while len(found) < len(ranks) and time.monotonic() < end:
+            try:
+                task, rank, ok, payload = self._results.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if task == _WHERE and ok == task_id and rank in ranks and payload is not None:
+                found[rank] = payload
+        return {r: found.get(r) or known.get(r) for r in ranks if found.get(r) or known.get(r)}
 
     def close(self, force: bool = False) -> None:
         """Stop the ranks (politely unless ``force``) and remove the rendezvous directory."""
@@ -540,7 +772,10 @@ def launch(fn: Callable, world_size: int, *, device: str = "cpu", args: tuple = 
         ``RuntimeError`` naming each rank process that died (exit code, signal; e.g. a C++ abort
         in gloo on mismatched sizes) and saying that the ranks' arguments may disagree when
         validation is off; the others are stopped within seconds.
-        ``PeerTimeoutError`` when ``timeout_s`` passes first.
+        ``PeerTimeoutError`` when ``timeout_s`` passes first, or, within about a second, when
+        a rank waits in a collective that a rank whose function already returned will never
+        join (the rule is ``RankPool``'s; the error names both ranks, the call and where each
+        stopped rank was).
 
     The ranks watch this process: when it is killed they exit too and remove the rendezvous
     directory.
