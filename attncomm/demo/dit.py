@@ -11,7 +11,7 @@ the front, their output gathered over heads so the text stream stays the same on
 Compared: the output for every image token (gathered) against the unmodified model in one
 process, per token (cosine over the output channels). Backends: the Ulysses transports of the
 ``ulysses`` mode, each also with the FP8 payload (``<transport> fp8``, passing at
-``base.FP8_THRESHOLD``). Needs diffusers (``pip install 'attncomm[dit]'``); skipped without it.
+``base.FP8_THRESHOLD``). Needs diffusers (``pip install -e ".[dit]"``); skipped without it.
 """
 from __future__ import annotations
 
