@@ -18,12 +18,9 @@ import os
 import pickle
 import queue
 import shutil
-import signal
-import sys
 import tempfile
 import threading
 import time
-import traceback
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 from collections.abc import Callable
@@ -36,6 +33,8 @@ from . import config
 from ._dist import check_group, clear_cpu_groups, cpu_group, set_group_device
 from ._wait import poll_until
 from .errors import PeerTimeoutError, ranks_text
+from .rank_report import (MAIN_REIMPORT_EXIT, WHERE, death_error, dumps, pack_exception,
+                          rebuild_exception, answer_where, note_where, same_error, stuck_error)
 
 __all__ = ["launch", "RankPool", "init_distributed", "gpu_placement"]
 
@@ -57,11 +56,6 @@ EXIT_REPORT_S = 1.0  # how long a cleanly exited rank's last report may take to 
 # arrived when the finished rank returned: it ends within milliseconds, not seconds.
 PROBE_INTERVAL_S = 0.25
 STUCK_CONFIRM_S = 1.0
-_WHERE = -2  # task id of a rank's answer to "where are you" on the results queue
-# Exit code of a rank process that, while it imported the main module (what the spawn start
-# method does in every rank), reached launch / RankPool: the script calls them outside
-# ``if __name__ == "__main__":``. The launcher turns it into a one-line error.
-MAIN_REIMPORT_EXIT = 86
 
 def _timedelta(timeout: float | None = None) -> datetime.timedelta:
     return datetime.timedelta(seconds=config.timeout_s(timeout))
@@ -132,12 +126,6 @@ def init_distributed(rank: int, world_size: int, device: str, init_method: str,
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
 
 
-def _dumps(obj) -> bytes:
-    # The pickler multiprocessing queues use (torch registers its tensor reductions with it);
-    # pickled here, where a failure can be reported, not in a queue's feeder thread.
-    return bytes(ForkingPickler.dumps(obj))
-
-
 def _unpicklable_part(fn, args: tuple, kwargs: dict) -> str | None:
     """Which of ``fn``, ``args[i]``, ``kwargs[k]`` cannot be pickled, with the pickler's reason."""
     parts = [("fn", fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)] + \
@@ -190,106 +178,14 @@ def _orphaned_cleanup(launcher: int, store_dir: str) -> None:
             _remove_rendezvous(store_dir)
 
 
-_C10D = os.path.join(os.path.dirname(dist.__file__), "distributed_c10d.py")
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_P2P = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
-
-
-def _call_peers(frame) -> tuple[str, list[int]] | None:
-    """``(call, global ranks it needs)`` when ``frame`` is a blocking torch.distributed call
-    (a collective, barrier, group creation or send/recv, whose ``group`` it reads) or
-    attncomm's own bounded wait on a collective's work; None for any other frame."""
-    code = frame.f_code
-    if code.co_filename == _C10D:
-        kind = "torch.distributed"
-    elif code.co_filename == os.path.join(_PACKAGE, "_dist.py") and code.co_name == "wait":
-        kind = "attncomm._dist"
-    else:
-        return None
-    f_locals = frame.f_locals
-    group = f_locals.get("group")
-    if code.co_name == "new_group" and not f_locals.get("use_local_synchronization"):
-        group = None  # a collective on the whole world
-    try:
-        members = dist.get_process_group_ranks(group or dist.group.WORLD)
-        if code.co_name in _P2P:
-            peer = f_locals.get(_P2P[code.co_name])
-            group_peer = f_locals.get("group_" + _P2P[code.co_name])
-            if peer is None and group_peer is not None:
-                peer = dist.get_global_rank(group or dist.group.WORLD, group_peer)
-            if peer is not None:
-                members = [peer]
-    except Exception:  # a group being torn down, an unknown rank: not attributable
-        return None
-    return f"{kind}.{code.co_name}", list(members)
-
-
-def _where(frame, finished: set[int]) -> dict:
-    """Where the rank's main thread is (``frame``, its innermost frame): the stack inside the
-    task's function, the blocking distributed call it is in (if any) and the finished ranks
-    that call needs (``stuck_on``), and the attncomm operation around it (``op``)."""
-    frames = []
-    f = frame
-    while f is not None and not (f.f_code.co_name == "_run_task"
-                                 and f.f_code.co_filename == __file__):
-        frames.append(f)
-        f = f.f_back
-    info = {"call": None, "stuck_on": [], "op": None, "key": None,
-            "stack": "".join(traceback.format_list(
-                traceback.extract_stack(frame, limit=len(frames) or None)))}
-    if not frames:
-        return info
-    # The outermost blocking call of the innermost distributed frames: the entry point the
-    # rank's code called (its group argument), not the helpers below it.
-    entry = None
-    for f in frames:  # innermost first
-        found = _call_peers(f)
-        if found is not None:
-            entry = (f, found)
-        elif entry is not None:
-            break
-    if entry is not None and _call_peers(frames[0]) is None \
-            and frames[0].f_code.co_filename != _C10D:
-        entry = None  # the rank runs code of its own below the call (a callback): not blocked
-    for f in frames:
-        op = f.f_locals.get("op") if f.f_code.co_filename.startswith(_PACKAGE) else None
-        if isinstance(op, str):
-            info["op"] = op
-            break
-    if entry is not None:
-        f, (call, members) = entry
-        info["call"] = call
-        info["stuck_on"] = sorted(set(members) & finished)
-        info["key"] = (id(f), f.f_lineno)
-    return info
-
-
-def _answer_where(rank: int, requests, results, main_ident: int) -> None:
-    """A rank's daemon thread: answer each ``(task_id, finished ranks)`` request with where the
-    main thread is (``_where``). A blocked collective releases the GIL, so this runs while the
-    main thread waits on its peers."""
-    while True:
-        req = requests.get()
-        if req is None:
-            return
-        task_id, finished = req
-        frame = sys._current_frames().get(main_ident)
-        try:
-            info = _where(frame, set(finished)) if frame is not None else None
-        except Exception as exc:  # never let a probe hurt the rank
-            info = {"call": None, "stuck_on": [], "op": None, "key": None,
-                    "stack": f"(not readable: {type(exc).__name__}: {exc})\n"}
-        results.put((_WHERE, rank, task_id, info))
-
-
 def _worker(rank, world_size, device, store_path, timeout_s, tasks, results, launcher,
             gpu=None, shared_gpu=False, where_requests=None):
     store_dir = os.path.dirname(store_path)
     _watch_parent(launcher, store_dir)
     if where_requests is not None:
-        threading.Thread(target=_answer_where, name="attncomm-where", daemon=True,
-                         args=(rank, where_requests, results,
-                               threading.main_thread().ident)).start()
+        threading.Thread(target=answer_where, name="attncomm-where", daemon=True,
+                         args=(rank, where_requests, results, threading.main_thread().ident,
+                               _run_task.__code__)).start()
     with _RENDEZVOUS_LOCK:
         if os.getppid() != launcher:
             os._exit(3)  # the launcher is already gone: create nothing
@@ -299,7 +195,7 @@ def _worker(rank, world_size, device, store_path, timeout_s, tasks, results, lau
                          shared_gpu=shared_gpu)
     except BaseException as exc:
         _orphaned_cleanup(launcher, store_dir)
-        results.put((-1, rank, False, _pack_exc(exc)))
+        results.put((-1, rank, False, pack_exception(exc)))
         return
     try:
         while True:
@@ -322,72 +218,34 @@ def _run_task(rank: int, world_size: int, payload: bytes) -> tuple[bool, bytes]:
     try:
         fn, args, kwargs = pickle.loads(payload)
     except BaseException as exc:
-        return False, _pack_exc(RuntimeError(
+        return False, pack_exception(RuntimeError(
             f"the task could not be unpickled in the rank process ({type(exc).__name__}: "
             f"{exc}); is fn importable there (a module-level function of an importable "
             f"module)?"))
     try:
         value = fn(rank, world_size, *args, **kwargs)
     except BaseException as exc:
-        return False, _pack_exc(exc)
+        return False, pack_exception(exc)
     try:
-        return True, _dumps(value)
+        return True, dumps(value)
     except Exception as exc:
-        return False, _pack_exc(TypeError(
+        return False, pack_exception(TypeError(
             f"the return value of {getattr(fn, '__qualname__', fn)!r} "
             f"({type(value).__name__}) could not be pickled: {type(exc).__name__}: {exc}"))
 
 
-def _pack_exc(exc: BaseException) -> bytes:
-    # The traceback without its last lines, the exception's own type and message: the
-    # launcher's error carries that message once, in its first line.
-    lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
-    own = traceback.format_exception_only(type(exc), exc)
-    if lines[-len(own):] == own:
-        lines = lines[:-len(own)]  # empty for an exception that was never raised
-    tb = "".join(lines)
-    try:
-        data = _dumps((exc, tb))
-        pickle.loads(data)
-        return data
-    except Exception:
-        return _dumps((None, f"{type(exc).__name__}: {exc}\n{tb}"))
-
-
-def _rebuild(rank: int, packed: bytes) -> BaseException:
-    try:
-        exc, tb = pickle.loads(packed)
-    except Exception as err:
-        exc, tb = None, f"an exception that could not be unpickled here ({err})"
-    if exc is not None:
-        msg = f"rank {rank}: {exc}"
-        if isinstance(exc, PeerTimeoutError):
-            new = PeerTimeoutError(msg, peer_ranks=exc.peer_ranks, timeout_s=exc.timeout_s,
-                                   op=exc.op)
-        else:
-            try:
-                new = type(exc)(msg)
-            except Exception:
-                new = RuntimeError(f"rank {rank}: {type(exc).__name__}: {exc}")
+def _still_stuck(rank: int, info: dict, where: dict[int, dict], since: dict) -> bool:
+    """Record ``rank``'s answer to a probe; True once it has sat in one blocking call that
+    needs a finished rank for ``STUCK_CONFIRM_S``."""
+    where[rank] = info
+    key = info["key"] if info["stuck_on"] else None
+    if key is None:
+        since.pop(rank, None)
+    elif since.get(rank, (None,))[0] != key:
+        since[rank] = (key, time.monotonic())
     else:
-        head, _, tb = tb.partition("\n")  # the message, then the traceback
-        new = RuntimeError(f"rank {rank}: {head}")
-    new.rank = rank
-    if hasattr(new, "add_note"):
-        if tb.strip():
-            new.add_note(f"--- traceback on rank {rank} ---\n{tb.rstrip()}")
-        for note in getattr(exc, "__notes__", ()):  # the rank's own notes, after its traceback
-            new.add_note(note)
-    return new
-
-
-def _exit_text(code: int) -> str:
-    if code < 0:
-        try:
-            return f"{code} ({signal.Signals(-code).name})"
-        except ValueError:
-            pass
-    return str(code)
+        return time.monotonic() - since[rank][1] >= STUCK_CONFIRM_S
+    return False
 
 
 def _refuse_in_rank_bootstrap() -> None:
@@ -397,84 +255,6 @@ def _refuse_in_rank_bootstrap() -> None:
     multiprocessing's bootstrapping error; the launcher reports the exit code in one line."""
     if getattr(mp.current_process(), "_inheriting", False):  # set by spawn while it imports
         raise SystemExit(MAIN_REIMPORT_EXIT)
-
-
-def _reimport_error() -> RuntimeError:
-    return RuntimeError(
-        "the rank processes re-ran this script's top level and reached attncomm.launch again "
-        "(each rank is a spawned process that imports the main module): call launch under "
-        "`if __name__ == \"__main__\":`")
-
-
-def _death_error(deaths: dict, failure: BaseException | None) -> RuntimeError:
-    """The failure for rank processes that died during a task: each rank and exit code, the
-    hint about disagreeing arguments, and the other ranks' errors as a note (or, when a
-    rank exited with ``MAIN_REIMPORT_EXIT``, the missing ``__main__`` guard: the one cause)."""
-    reimported = sorted(r for r, c in deaths.items() if c == MAIN_REIMPORT_EXIT)
-    if reimported:
-        err = _reimport_error()
-        err.rank, err.exitcode = reimported[0], MAIN_REIMPORT_EXIT
-        return err
-    try:
-        validation_off = not config.validate_enabled(None)
-    except ValueError:  # a malformed ATTNCOMM_VALIDATE: say both
-        validation_off = False
-    hint = ("validation is off (ATTNCOMM_VALIDATE=0), so the ranks' arguments may disagree: a "
-            "collective with mismatched sizes aborts the process inside gloo/NCCL"
-            if validation_off else
-            "if a call ran with validation off (validate=False), the ranks' arguments may "
-            "disagree: a collective with mismatched sizes aborts the process inside gloo/NCCL")
-    dead = "; ".join(f"rank {r}: process exited with code {_exit_text(c)}"
-                     for r, c in sorted(deaths.items()))
-    err = RuntimeError(f"{dead} while running the task; {hint}")
-    err.rank = min(deaths)
-    err.exitcode = deaths[err.rank]
-    if failure is not None:
-        err.__cause__ = failure
-        if hasattr(err, "add_note"):
-            err.add_note(f"other ranks: {failure}")
-    return err
-
-
-def _same_error(first: BaseException, other: BaseException) -> bool:
-    """Two ranks' failures say the same thing (every rank raises a failed argument check)."""
-    def text(e):
-        return str(e).split(": ", 1)[-1] if str(e).startswith("rank ") else str(e)
-    return type(first) is type(other) and text(first) == text(other)
-
-
-def _where_text(rank: int, info: dict) -> str:
-    call = info.get("call")
-    head = f"rank {rank} was " + (f"waiting in {call}" if call else "running")
-    if info.get("op"):
-        head += f" (in {info['op']})"
-    return f"--- {head} ---\n{info.get('stack', '')}"
-
-
-def _note_where(err: BaseException, ranks: list[int], where: dict[int, dict]) -> None:
-    """Add to ``err`` where each of ``ranks`` was when it was stopped."""
-    if hasattr(err, "add_note"):
-        for r in ranks:
-            if where.get(r):
-                err.add_note(_where_text(r, where[r]))
-
-
-def _stuck_error(rank: int, where: dict[int, dict], missing: list[int],
-                 returned: set[int]) -> PeerTimeoutError:
-    """The error for ranks blocked in a collective that a finished rank will never join."""
-    info = where[rank]
-    peers = info["stuck_on"]
-    parts = [f"{ranks_text(rs)} {verb}" for rs, verb in (
-        ([r for r in peers if r in returned], "returned from the function"),
-        ([r for r in peers if r not in returned], "died")) if rs]
-    at = f"{info['op']}, at {info['call']}" if info.get("op") else info["call"]
-    err = PeerTimeoutError(
-        f"rank {rank}: {' and '.join(parts)} without joining the collective that rank {rank} "
-        f"waits in ({at}); {ranks_text(missing)} {'was' if len(missing) == 1 else 'were'} "
-        f"stopped", peer_ranks=peers, timeout_s=None, op=info.get("op") or info["call"])
-    err.rank = rank
-    _note_where(err, missing, where)
-    return err
 
 
 class RankPool:
@@ -566,7 +346,7 @@ class RankPool:
         if not self.alive:
             raise RuntimeError("this RankPool was closed after a failure; create a new one")
         try:
-            payloads = [_dumps((fn, args, kwargs)) for _ in self._tasks]
+            payloads = [dumps((fn, args, kwargs)) for _ in self._tasks]
         except Exception as exc:
             bad = _unpicklable_part(fn, args, kwargs) or f"{type(exc).__name__}: {exc}"
             raise ValueError(
@@ -616,16 +396,10 @@ class RankPool:
                 task, rank, ok, payload = self._results.get(timeout=0.1)
             except queue.Empty:
                 continue
-            if task == _WHERE:
-                if ok != task_id or payload is None or rank in values or rank in deaths:
-                    continue
-                where[rank] = payload
-                key = payload["key"] if payload["stuck_on"] else None
-                if key is None:
-                    stuck_since.pop(rank, None)
-                elif stuck_since.get(rank, (None,))[0] != key:
-                    stuck_since[rank] = (key, time.monotonic())
-                elif time.monotonic() - stuck_since[rank][1] >= STUCK_CONFIRM_S:
+            if task == WHERE:
+                if ok == task_id and payload is not None and rank not in values \
+                        and rank not in deaths and _still_stuck(rank, payload, where,
+                                                                stuck_since):
                     stuck = rank
                 continue
             if task not in (task_id, -1):
@@ -640,42 +414,52 @@ class RankPool:
                                        f"in the launching process: {type(exc).__name__}: {exc}")
                     err.rank = rank
             else:
-                err = _rebuild(rank, payload)
+                err = rebuild_exception(rank, payload)
             values[rank] = None
             if isinstance(err, PeerTimeoutError):
                 silent.update(r for r in (err.peer_ranks or ()) if r not in values)
             if failure is None:
                 failure = err
                 grace_deadline = grace_deadline or time.monotonic() + FAILURE_GRACE_S
-            elif _same_error(failure, err):
+            elif same_error(failure, err):
                 failed_alike.append(rank)  # every rank raised the same check: said once
             elif hasattr(failure, "add_note"):
                 failure.add_note(f"also {err}")
         if failed_alike and hasattr(failure, "add_note"):
             failure.add_note(f"{ranks_text(sorted(failed_alike))} raised the same error")
+        return self._finish(task_id, values, returned, deaths, failure, where, stuck,
+                            timeout_s)
+
+    def _finish(self, task_id: int, values: dict, returned: set[int], deaths: dict,
+                failure: BaseException | None, where: dict, stuck: int | None,
+                timeout_s: float | None) -> list:
+        """The values in rank order, or the error for the task; ranks still running (and the
+        pool) are stopped first, their places noted on the error."""
         missing = [r for r in range(self.world_size) if r not in values and r not in deaths]
         if missing:
-            where.update(self._locate(task_id, returned | set(deaths), missing, where))
+            fresh = self._locate(task_id, returned | set(deaths), missing, where)
+            fresh.pop(stuck, None)  # the stuck rank keeps the place it was confirmed in
+            where.update(fresh)
         if deaths:
             self.close(force=True)
-            err = _death_error(deaths, failure)
-            _note_where(err, missing, where)
+            err = death_error(deaths, failure)
+            note_where(err, missing, where)
             raise err
         if stuck is not None:
             self.close(force=True)
-            raise _stuck_error(stuck, where, missing, returned)
+            raise stuck_error(stuck, where, missing, returned)
         if missing:
             self.close(force=True)
             if failure is not None:
                 if hasattr(failure, "add_note"):
                     failure.add_note(f"rank(s) {missing} had not returned when the failure was "
                                      f"raised; they were stopped")
-                _note_where(failure, missing, where)
+                note_where(failure, missing, where)
                 raise failure
             err = PeerTimeoutError(
                 f"launch: rank(s) {missing} did not return within {timeout_s} s",
                 peer_ranks=missing, timeout_s=timeout_s, op="launch")
-            _note_where(err, missing, where)
+            note_where(err, missing, where)
             raise err
         if failure is not None:
             if any(p.exitcode is not None for p in self._procs):
@@ -704,7 +488,7 @@ class RankPool:
                 task, rank, ok, payload = self._results.get(timeout=0.05)
             except queue.Empty:
                 continue
-            if task == _WHERE and ok == task_id and rank in ranks and payload is not None:
+            if task == WHERE and ok == task_id and rank in ranks and payload is not None:
                 found[rank] = payload
         return {r: found.get(r) or known.get(r) for r in ranks if found.get(r) or known.get(r)}
 
@@ -729,6 +513,8 @@ class RankPool:
             if p.is_alive():
                 p.kill()
         self._procs = []
+        for q in self._where_requests:  # requests a stopped rank never read: not flushed at exit
+            q.cancel_join_thread()
         _remove_rendezvous(self._store_dir)
 
     def __enter__(self):

@@ -16,7 +16,8 @@ import attncomm
 import attncomm.collectives
 from attncomm import PeerTimeoutError, dcp
 from attncomm._dist import guard_timeout
-from attncomm.launch import FAILURE_GRACE_S, _death_error
+from attncomm.launch import FAILURE_GRACE_S
+from attncomm.rank_report import death_error
 
 
 def _sum_ranks(rank, world_size, offset):
@@ -192,7 +193,7 @@ def test_rank_killed_by_abort_is_reported_with_rank_and_code(monkeypatch):
     assert "validation is off" in str(info.value)
     assert "arguments may disagree" in str(info.value)
     monkeypatch.setenv("ATTNCOMM_VALIDATE", "1")  # on: the hint is conditional
-    msg = str(_death_error({1: -6}, None))
+    msg = str(death_error({1: -6}, None))
     assert "if a call ran with validation off" in msg and "arguments may disagree" in msg
 
 
