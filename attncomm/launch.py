@@ -225,7 +225,7 @@ def _run_task(rank: int, world_size: int, payload: bytes) -> tuple[bool, bytes]:
     try:
         value = fn(rank, world_size, *args, **kwargs)
     except BaseException as exc:
-        return False, pack_exception(exc)
+        return False, pack_exception(exc, skip_frames=1)  # from fn's own frame on
     try:
         return True, dumps(value)
     except Exception as exc:
@@ -357,9 +357,12 @@ class RankPool:
         self._next_id += 1
         for q, payload in zip(self._tasks, payloads):
             q.put((task_id, payload))
-        return self._collect(task_id, timeout_s)
+        out = self._collect(task_id, timeout_s)
+        if isinstance(out, BaseException):
+            raise out
+        return out
 
-    def _collect(self, task_id: int, timeout_s: float | None) -> list:
+    def _collect(self, task_id: int, timeout_s: float | None) -> list | BaseException:
         values: dict[int, Any] = {}
         returned: set[int] = set()  # ranks whose function returned a value
         failure: BaseException | None = None
@@ -432,8 +435,9 @@ class RankPool:
 
     def _finish(self, task_id: int, values: dict, returned: set[int], deaths: dict,
                 failure: BaseException | None, where: dict, stuck: int | None,
-                timeout_s: float | None) -> list:
-        """The values in rank order, or the error for the task; ranks still running (and the
+                timeout_s: float | None) -> list | BaseException:
+        """The values in rank order, or the error to raise for the task (returned: the caller
+        raises it, one frame of this module in the traceback); ranks still running (and the
         pool) are stopped first, their places noted on the error."""
         missing = [r for r in range(self.world_size) if r not in values and r not in deaths]
         if missing:
@@ -444,10 +448,10 @@ class RankPool:
             self.close(force=True)
             err = death_error(deaths, failure)
             note_where(err, missing, where)
-            raise err
+            return err
         if stuck is not None:
             self.close(force=True)
-            raise stuck_error(stuck, where, missing, returned)
+            return stuck_error(stuck, where, missing, returned)
         if missing:
             self.close(force=True)
             if failure is not None:
@@ -455,16 +459,16 @@ class RankPool:
                     failure.add_note(f"rank(s) {missing} had not returned when the failure was "
                                      f"raised; they were stopped")
                 note_where(failure, missing, where)
-                raise failure
+                return failure
             err = PeerTimeoutError(
                 f"launch: rank(s) {missing} did not return within {timeout_s} s",
                 peer_ranks=missing, timeout_s=timeout_s, op="launch")
             note_where(err, missing, where)
-            raise err
+            return err
         if failure is not None:
             if any(p.exitcode is not None for p in self._procs):
                 self.close(force=True)
-            raise failure
+            return failure
         return [values[r] for r in range(self.world_size)]
 
     def _probe(self, task_id: int, finished: set[int], done: set[int]) -> None:

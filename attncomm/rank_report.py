@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import signal
 import sys
 import traceback
@@ -32,6 +33,7 @@ __all__ = ["WHERE", "MAIN_REIMPORT_EXIT", "dumps", "pack_exception", "rebuild_ex
 # ``if __name__ == "__main__":``. The launcher turns it into a one-line error.
 MAIN_REIMPORT_EXIT = 86
 
+_CARETS = re.compile(r"\s*[\^~]+\s*")  # the lines that point at a part of a frame's code
 WHERE = -2  # task id of a rank's answer to "where are you" on the launcher's results queue
 
 
@@ -176,14 +178,20 @@ def dumps(obj) -> bytes:
     return bytes(ForkingPickler.dumps(obj))
 
 
-def pack_exception(exc: BaseException) -> bytes:
-    # The traceback without its last lines, the exception's own type and message: the
-    # launcher's error carries that message once, in its first line.
-    lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
+def pack_exception(exc: BaseException, skip_frames: int = 0) -> bytes:
+    """``exc`` and its traceback text, pickled for the launcher. The text leaves out the
+    exception's own type and message (the launcher's error carries that message once, in its
+    first line), the first ``skip_frames`` frames (the launcher's own code in the rank) and the
+    lines of carets under a frame's code."""
+    tb_ = exc.__traceback__
+    for _ in range(skip_frames):
+        tb_ = tb_.tb_next if tb_ is not None and tb_.tb_next is not None else tb_
+    lines = traceback.format_exception(type(exc), exc, tb_)
     own = traceback.format_exception_only(type(exc), exc)
     if lines[-len(own):] == own:
         lines = lines[:-len(own)]  # empty for an exception that was never raised
-    tb = "".join(lines)
+    tb = "".join("\n".join(ln for ln in entry.split("\n") if not _CARETS.fullmatch(ln))
+                 for entry in lines)
     try:
         data = dumps((exc, tb))
         pickle.loads(data)
