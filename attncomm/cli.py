@@ -15,6 +15,20 @@ from . import config
 _BENCHES = {"dcp": "attncomm.bench.dcp", "ulysses": "attncomm.bench.ulysses",
             "dp-sync": "attncomm.bench.dp_sync", "ring": "attncomm.bench.ring",
             "overhead": "attncomm.bench.overhead"}
+#: What each bench measures, for ``attncomm bench --help`` (the module docstrings say more).
+_BENCH_HELP = {
+    "dcp": "latency of every DCP merge backend over decode token counts, eager and in CUDA "
+           "graphs (--op gather: the query gather; --op layer: gather + merge per step)",
+    "ulysses": "the Ulysses all-to-all per transport over message sizes, eager and in CUDA "
+               "graphs (--layer: a whole attention layer; --fill: the fill kernel; --payload "
+               "fp8: FP8 error; --dit-model: a Flux model)",
+    "dp-sync": "DP-attention per-step sync latency per sync path, and dp_gather / dp_scatter / "
+               "dp_reduce_scatter time per padding mode over token counts",
+    "ring": "forward time of ring attention, Ulysses and USP on the same shapes, and the ring's "
+            "per-step compute against its transfer",
+    "overhead": "host cost of one eager call of each exchange, in units of one torch.add, "
+                "against the host-cost targets (GPU figures)",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark an exchange (tables, JSON, plots)")
     bench_sub = bench.add_subparsers(dest="exchange", required=True)
     for name, mod in _BENCHES.items():
-        p = bench_sub.add_parser(name, help=f"benchmark {name}")
+        p = bench_sub.add_parser(name, help=_BENCH_HELP[name], description=_BENCH_HELP[name])
         importlib.import_module(mod).add_arguments(p)
         p.set_defaults(_main=mod)
     env = sub.add_parser("env", help="what can run here, and why not")

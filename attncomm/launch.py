@@ -18,11 +18,9 @@ import os
 import pickle
 import queue
 import shutil
-import signal
 import tempfile
 import threading
 import time
-import traceback
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 from collections.abc import Callable
@@ -34,7 +32,9 @@ import torch.multiprocessing as mp
 from . import config
 from ._dist import check_group, clear_cpu_groups, cpu_group, set_group_device
 from ._wait import poll_until
-from .errors import PeerTimeoutError
+from .errors import PeerTimeoutError, ranks_text
+from .rank_report import (MAIN_REIMPORT_EXIT, WHERE, death_error, dumps, pack_exception,
+                          rebuild_exception, answer_where, note_where, same_error, stuck_error)
 
 __all__ = ["launch", "RankPool", "init_distributed", "gpu_placement"]
 
@@ -49,10 +49,13 @@ FAILURE_GRACE_S = 3.0
 # failure) before the pool is torn down.
 DEATH_GRACE_S = 3.0
 EXIT_REPORT_S = 1.0  # how long a cleanly exited rank's last report may take to arrive
-# Exit code of a rank process that, while it imported the main module (what the spawn start
-# method does in every rank), reached launch / RankPool: the script calls them outside
-# ``if __name__ == "__main__":``. The launcher turns it into a one-line error.
-MAIN_REIMPORT_EXIT = 86
+# Once a rank's function has returned (or its process died) while others still run: how often
+# the launcher asks the running ranks where they are, and how long one of them may sit in the
+# same collective on a group with a finished rank (a collective that cannot complete) before
+# every rank is stopped. The confirmation covers a collective whose last data had already
+# arrived when the finished rank returned: it ends within milliseconds, not seconds.
+PROBE_INTERVAL_S = 0.25
+STUCK_CONFIRM_S = 1.0
 
 def _timedelta(timeout: float | None = None) -> datetime.timedelta:
     return datetime.timedelta(seconds=config.timeout_s(timeout))
@@ -123,12 +126,6 @@ def init_distributed(rank: int, world_size: int, device: str, init_method: str,
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
 
 
-def _dumps(obj) -> bytes:
-    # The pickler multiprocessing queues use (torch registers its tensor reductions with it);
-    # pickled here, where a failure can be reported, not in a queue's feeder thread.
-    return bytes(ForkingPickler.dumps(obj))
-
-
 def _unpicklable_part(fn, args: tuple, kwargs: dict) -> str | None:
     """Which of ``fn``, ``args[i]``, ``kwargs[k]`` cannot be pickled, with the pickler's reason."""
     parts = [("fn", fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)] + \
@@ -182,9 +179,13 @@ def _orphaned_cleanup(launcher: int, store_dir: str) -> None:
 
 
 def _worker(rank, world_size, device, store_path, timeout_s, tasks, results, launcher,
-            gpu=None, shared_gpu=False):
+            gpu=None, shared_gpu=False, where_requests=None):
     store_dir = os.path.dirname(store_path)
     _watch_parent(launcher, store_dir)
+    if where_requests is not None:
+        threading.Thread(target=answer_where, name="attncomm-where", daemon=True,
+                         args=(rank, where_requests, results, threading.main_thread().ident,
+                               _run_task.__code__)).start()
     with _RENDEZVOUS_LOCK:
         if os.getppid() != launcher:
             os._exit(3)  # the launcher is already gone: create nothing
@@ -194,7 +195,7 @@ def _worker(rank, world_size, device, store_path, timeout_s, tasks, results, lau
                          shared_gpu=shared_gpu)
     except BaseException as exc:
         _orphaned_cleanup(launcher, store_dir)
-        results.put((-1, rank, False, _pack_exc(exc)))
+        results.put((-1, rank, False, pack_exception(exc)))
         return
     try:
         while True:
@@ -217,62 +218,34 @@ def _run_task(rank: int, world_size: int, payload: bytes) -> tuple[bool, bytes]:
     try:
         fn, args, kwargs = pickle.loads(payload)
     except BaseException as exc:
-        return False, _pack_exc(RuntimeError(
+        return False, pack_exception(RuntimeError(
             f"the task could not be unpickled in the rank process ({type(exc).__name__}: "
             f"{exc}); is fn importable there (a module-level function of an importable "
             f"module)?"))
     try:
         value = fn(rank, world_size, *args, **kwargs)
     except BaseException as exc:
-        return False, _pack_exc(exc)
+        return False, pack_exception(exc, skip_frames=1)  # from fn's own frame on
     try:
-        return True, _dumps(value)
+        return True, dumps(value)
     except Exception as exc:
-        return False, _pack_exc(TypeError(
+        return False, pack_exception(TypeError(
             f"the return value of {getattr(fn, '__qualname__', fn)!r} "
             f"({type(value).__name__}) could not be pickled: {type(exc).__name__}: {exc}"))
 
 
-def _pack_exc(exc: BaseException) -> bytes:
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
-        data = _dumps((exc, tb))
-        pickle.loads(data)
-        return data
-    except Exception:
-        return _dumps((None, f"{type(exc).__name__}: {exc}\n{tb}"))
-
-
-def _rebuild(rank: int, packed: bytes) -> BaseException:
-    try:
-        exc, tb = pickle.loads(packed)
-    except Exception as err:
-        exc, tb = None, f"an exception that could not be unpickled here ({err})"
-    if exc is not None:
-        msg = f"rank {rank}: {exc}"
-        if isinstance(exc, PeerTimeoutError):
-            new = PeerTimeoutError(msg, peer_ranks=exc.peer_ranks, timeout_s=exc.timeout_s,
-                                   op=exc.op)
-        else:
-            try:
-                new = type(exc)(msg)
-            except Exception:
-                new = RuntimeError(f"rank {rank}: {type(exc).__name__}: {exc}")
+def _still_stuck(rank: int, info: dict, where: dict[int, dict], since: dict) -> bool:
+    """Record ``rank``'s answer to a probe; True once it has sat in one blocking call that
+    needs a finished rank for ``STUCK_CONFIRM_S``."""
+    where[rank] = info
+    key = info["key"] if info["stuck_on"] else None
+    if key is None:
+        since.pop(rank, None)
+    elif since.get(rank, (None,))[0] != key:
+        since[rank] = (key, time.monotonic())
     else:
-        new = RuntimeError(f"rank {rank}: {tb.splitlines()[0]}")
-    new.rank = rank
-    if hasattr(new, "add_note"):
-        new.add_note(f"--- traceback on rank {rank} ---\n{tb}")
-    return new
-
-
-def _exit_text(code: int) -> str:
-    if code < 0:
-        try:
-            return f"{code} ({signal.Signals(-code).name})"
-        except ValueError:
-            pass
-    return str(code)
+        return time.monotonic() - since[rank][1] >= STUCK_CONFIRM_S
+    return False
 
 
 def _refuse_in_rank_bootstrap() -> None:
@@ -282,43 +255,6 @@ def _refuse_in_rank_bootstrap() -> None:
     multiprocessing's bootstrapping error; the launcher reports the exit code in one line."""
     if getattr(mp.current_process(), "_inheriting", False):  # set by spawn while it imports
         raise SystemExit(MAIN_REIMPORT_EXIT)
-
-
-def _reimport_error() -> RuntimeError:
-    return RuntimeError(
-        "the rank processes re-ran this script's top level and reached attncomm.launch again "
-        "(each rank is a spawned process that imports the main module): call launch under "
-        "`if __name__ == \"__main__\":`")
-
-
-def _death_error(deaths: dict, failure: BaseException | None) -> RuntimeError:
-    """The failure for rank processes that died during a task: each rank and exit code, the
-    hint about disagreeing arguments, and the other ranks' errors as a note (or, when a
-    rank exited with ``MAIN_REIMPORT_EXIT``, the missing ``__main__`` guard: the one cause)."""
-    reimported = sorted(r for r, c in deaths.items() if c == MAIN_REIMPORT_EXIT)
-    if reimported:
-        err = _reimport_error()
-        err.rank, err.exitcode = reimported[0], MAIN_REIMPORT_EXIT
-        return err
-    try:
-        validation_off = not config.validate_enabled(None)
-    except ValueError:  # a malformed ATTNCOMM_VALIDATE: say both
-        validation_off = False
-    hint = ("validation is off (ATTNCOMM_VALIDATE=0), so the ranks' arguments may disagree: a "
-            "collective with mismatched sizes aborts the process inside gloo/NCCL"
-            if validation_off else
-            "if a call ran with validation off (validate=False), the ranks' arguments may "
-            "disagree: a collective with mismatched sizes aborts the process inside gloo/NCCL")
-    dead = "; ".join(f"rank {r}: process exited with code {_exit_text(c)}"
-                     for r, c in sorted(deaths.items()))
-    err = RuntimeError(f"{dead} while running the task; {hint}")
-    err.rank = min(deaths)
-    err.exitcode = deaths[err.rank]
-    if failure is not None:
-        err.__cause__ = failure
-        if hasattr(err, "add_note"):
-            err.add_note(f"other ranks: {failure}")
-    return err
 
 
 class RankPool:
@@ -338,9 +274,22 @@ class RankPool:
 
     ``run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and returns the list of
     return values in rank order. If a rank raises, the first failure is re-raised here with the
-    rank named; ranks that do not return within ``FAILURE_GRACE_S`` (3 s) after that, or that a
+    rank named (an error every rank raised alike is said once, with the other ranks named);
+    ranks that do not return within ``FAILURE_GRACE_S`` (3 s) after that, or that a
     ``PeerTimeoutError`` names as silent, are stopped and the pool is closed (``alive`` turns
     False).
+
+    A rank whose function returns (or whose process dies) while others still run: from then on
+    the launcher asks the running ranks every ``PROBE_INTERVAL_S`` where they are (a thread in
+    each rank reads its main thread's stack). A rank that sits for ``STUCK_CONFIRM_S`` (1 s) in
+    one blocking torch.distributed call (collective, barrier, group creation, send/recv) or
+    attncomm collective wait whose group includes a finished rank (for send/recv: whose peer is
+    one) waits for a call that will never come: every rank is stopped and ``PeerTimeoutError``
+    names the finished rank, the call and attncomm operation it waited in, with each stopped
+    rank's stack as a note. Ranks that compute, or run collectives among unfinished ranks only,
+    are left alone however long they take. A wait the launcher cannot attribute to a group
+    (an NCCL collective waited for on a CUDA stream, a shared-memory flag) still ends at its
+    own timeout.
     """
 
     def __init__(self, world_size: int, device: str = "cpu", timeout_s: float | None = None,
@@ -373,13 +322,14 @@ class RankPool:
         path = os.path.join(self._store_dir, "store")
         self._results = self._ctx.Queue()
         self._tasks = [self._ctx.Queue() for _ in range(world_size)]
+        self._where_requests = [self._ctx.Queue() for _ in range(world_size)]
         self._procs = []
         for rank in range(world_size):
             p = self._ctx.Process(
                 target=_worker,
                 args=(rank, world_size, device, path, timeout_s, self._tasks[rank],
                       self._results, os.getpid(), None if self.gpus is None else self.gpus[rank],
-                      self.shared_gpu),
+                      self.shared_gpu, self._where_requests[rank]),
                 daemon=True, name=f"attncomm-rank{rank}")
             p.start()
             self._procs.append(p)
@@ -396,7 +346,7 @@ class RankPool:
         if not self.alive:
             raise RuntimeError("this RankPool was closed after a failure; create a new one")
         try:
-            payloads = [_dumps((fn, args, kwargs)) for _ in self._tasks]
+            payloads = [dumps((fn, args, kwargs)) for _ in self._tasks]
         except Exception as exc:
             bad = _unpicklable_part(fn, args, kwargs) or f"{type(exc).__name__}: {exc}"
             raise ValueError(
@@ -407,16 +357,25 @@ class RankPool:
         self._next_id += 1
         for q, payload in zip(self._tasks, payloads):
             q.put((task_id, payload))
-        return self._collect(task_id, timeout_s)
+        out = self._collect(task_id, timeout_s)
+        if isinstance(out, BaseException):
+            raise out
+        return out
 
-    def _collect(self, task_id: int, timeout_s: float | None) -> list:
+    def _collect(self, task_id: int, timeout_s: float | None) -> list | BaseException:
         values: dict[int, Any] = {}
+        returned: set[int] = set()  # ranks whose function returned a value
         failure: BaseException | None = None
+        failed_alike: list[int] = []  # other ranks that raised the failure's own message
         deaths: dict[int, int] = {}
         exited_at: dict[int, float] = {}
         silent: set[int] = set()  # ranks a PeerTimeoutError named: not waited for
+        where: dict[int, dict] = {}  # each running rank's latest answer to a probe
+        stuck_since: dict[int, tuple] = {}  # rank -> (its blocked call's key, first seen)
+        stuck: int | None = None  # a rank confirmed blocked on a finished rank
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         grace_deadline = None
+        next_probe = 0.0
         while len(set(values) | set(deaths) | silent) < self.world_size:
             now = time.monotonic()
             for r, p in enumerate(self._procs):
@@ -430,51 +389,112 @@ class RankPool:
                     grace_deadline = min(grace_deadline or now + DEATH_GRACE_S,
                                          now + DEATH_GRACE_S)
             limits = [d for d in (deadline, grace_deadline) if d is not None]
-            if limits and now >= min(limits):
+            if stuck is not None or (limits and now >= min(limits)):
                 break
+            finished = returned | set(deaths)
+            if finished and failure is None and now >= next_probe:
+                next_probe = now + PROBE_INTERVAL_S
+                self._probe(task_id, finished, set(values) | set(deaths))
             try:
                 task, rank, ok, payload = self._results.get(timeout=0.1)
             except queue.Empty:
+                continue
+            if task == WHERE:
+                if ok == task_id and payload is not None and rank not in values \
+                        and rank not in deaths and _still_stuck(rank, payload, where,
+                                                                stuck_since):
+                    stuck = rank
                 continue
             if task not in (task_id, -1):
                 continue  # a straggler from an earlier, abandoned task
             if ok:
                 try:
                     values[rank] = pickle.loads(payload)
+                    returned.add(rank)
                     continue
                 except Exception as exc:
                     err = RuntimeError(f"rank {rank}: its return value could not be unpickled "
                                        f"in the launching process: {type(exc).__name__}: {exc}")
                     err.rank = rank
             else:
-                err = _rebuild(rank, payload)
+                err = rebuild_exception(rank, payload)
             values[rank] = None
             if isinstance(err, PeerTimeoutError):
                 silent.update(r for r in (err.peer_ranks or ()) if r not in values)
             if failure is None:
                 failure = err
                 grace_deadline = grace_deadline or time.monotonic() + FAILURE_GRACE_S
+            elif same_error(failure, err):
+                failed_alike.append(rank)  # every rank raised the same check: said once
             elif hasattr(failure, "add_note"):
-                failure.add_note(f"also rank {rank}: {err}")
+                failure.add_note(f"also {err}")
+        if failed_alike and hasattr(failure, "add_note"):
+            failure.add_note(f"{ranks_text(sorted(failed_alike))} raised the same error")
+        return self._finish(task_id, values, returned, deaths, failure, where, stuck,
+                            timeout_s)
+
+    def _finish(self, task_id: int, values: dict, returned: set[int], deaths: dict,
+                failure: BaseException | None, where: dict, stuck: int | None,
+                timeout_s: float | None) -> list | BaseException:
+        """The values in rank order, or the error to raise for the task (returned: the caller
+        raises it, one frame of this module in the traceback); ranks still running (and the
+        pool) are stopped first, their places noted on the error."""
         missing = [r for r in range(self.world_size) if r not in values and r not in deaths]
+        if missing:
+            fresh = self._locate(task_id, returned | set(deaths), missing, where)
+            fresh.pop(stuck, None)  # the stuck rank keeps the place it was confirmed in
+            where.update(fresh)
         if deaths:
             self.close(force=True)
-            raise _death_error(deaths, failure)
+            err = death_error(deaths, failure)
+            note_where(err, missing, where)
+            return err
+        if stuck is not None:
+            self.close(force=True)
+            return stuck_error(stuck, where, missing, returned)
         if missing:
             self.close(force=True)
             if failure is not None:
                 if hasattr(failure, "add_note"):
                     failure.add_note(f"rank(s) {missing} had not returned when the failure was "
                                      f"raised; they were stopped")
-                raise failure
-            raise PeerTimeoutError(
+                note_where(failure, missing, where)
+                return failure
+            err = PeerTimeoutError(
                 f"launch: rank(s) {missing} did not return within {timeout_s} s",
                 peer_ranks=missing, timeout_s=timeout_s, op="launch")
+            note_where(err, missing, where)
+            return err
         if failure is not None:
             if any(p.exitcode is not None for p in self._procs):
                 self.close(force=True)
-            raise failure
+            return failure
         return [values[r] for r in range(self.world_size)]
+
+    def _probe(self, task_id: int, finished: set[int], done: set[int]) -> None:
+        """Ask every rank still running where it is (answers arrive on the results queue)."""
+        for r, q in enumerate(self._where_requests):
+            if r not in done:
+                try:
+                    q.put((task_id, sorted(finished)))
+                except Exception:
+                    pass
+
+    def _locate(self, task_id: int, finished: set[int], ranks: list[int],
+                known: dict[int, dict], wait_s: float = 0.5) -> dict[int, dict]:
+        """Where ``ranks`` are now, for the error that stops them (a rank that does not answer
+        within ``wait_s`` keeps its last known place, if any)."""
+        self._probe(task_id, finished, set(range(self.world_size)) - set(ranks))
+        found: dict[int, dict] = {}
+        end = time.monotonic() + wait_s
+        while len(found) < len(ranks) and time.monotonic() < end:
+            try:
+                task, rank, ok, payload = self._results.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if task == WHERE and ok == task_id and rank in ranks and payload is not None:
+                found[rank] = payload
+        return {r: found.get(r) or known.get(r) for r in ranks if found.get(r) or known.get(r)}
 
     def close(self, force: bool = False) -> None:
         """Stop the ranks (politely unless ``force``) and remove the rendezvous directory."""
@@ -497,6 +517,8 @@ class RankPool:
             if p.is_alive():
                 p.kill()
         self._procs = []
+        for q in self._where_requests:  # requests a stopped rank never read: not flushed at exit
+            q.cancel_join_thread()
         _remove_rendezvous(self._store_dir)
 
     def __enter__(self):
@@ -540,7 +562,10 @@ def launch(fn: Callable, world_size: int, *, device: str = "cpu", args: tuple = 
         ``RuntimeError`` naming each rank process that died (exit code, signal; e.g. a C++ abort
         in gloo on mismatched sizes) and saying that the ranks' arguments may disagree when
         validation is off; the others are stopped within seconds.
-        ``PeerTimeoutError`` when ``timeout_s`` passes first.
+        ``PeerTimeoutError`` when ``timeout_s`` passes first, or, within about a second, when
+        a rank waits in a collective that a rank whose function already returned will never
+        join (the rule is ``RankPool``'s; the error names both ranks, the call and where each
+        stopped rank was).
 
     The ranks watch this process: when it is killed they exit too and remove the rendezvous
     directory.

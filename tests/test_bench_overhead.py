@@ -1,6 +1,8 @@
-"""``attncomm bench overhead``: the CPU smoke run (gloo ranks, host µs only) writes every row of
-issue 20 with the JSON schema, a CUDA-only row says so on CPU, ``--device cuda`` without a GPU
-is a clear usage error, and the units, targets and Markdown come from the records."""
+"""``attncomm bench overhead``: the CPU smoke run (gloo ranks, host µs only) writes every target
+row with the JSON schema and judges none against the GPU targets, a figure below zero is a
+failed measurement, every row without a figure says why, a CUDA-only row says so on CPU,
+``--device cuda`` without a GPU is a clear usage error, and the units, targets and Markdown come
+from the records."""
 from __future__ import annotations
 
 import argparse
@@ -32,9 +34,16 @@ def test_cpu_smoke_run(tmp_path, capsys):
             assert r["note"] == "CUDA only" and r["host_us"] is None, r
             continue
         assert r["error"] is None and r["host_us"] > 0 and r["gpu_us"] is None, r
-        assert r["world_size"] == 1 and r["shape"] and r["units"] > 0, r
+        assert r["world_size"] == 1 and r["shape"] and r["device"] == "cpu", r
+        # A figure, or none with the reason (an attention row can time below its baseline).
+        assert (r["units"] is not None and r["units"] >= 0) or \
+            r["why"].startswith("failed measurement"), r
+        assert r["met"] is None, r  # the targets are GPU figures
+        if r["target_units"] is not None and r["units"] is not None:
+            assert r["why"] == overhead.GPU_TARGETS, r
     assert rows["UlyssesAttention.sequential"]["baseline_host_us"] > 0
     assert "| dcp.merge | out [4, 8, 16] fp32 |" in md.read_text()
+    assert overhead.GPU_TARGETS in md.read_text()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU")
@@ -71,3 +80,49 @@ def test_every_option_has_help():
     p = argparse.ArgumentParser()
     overhead.add_arguments(p)
     assert all(a.help for a in p._actions if a.option_strings and a.dest != "help")
+
+
+def _row(op, host, baseline=None, device=None, **kw):
+    r = {"op": op, "host_us": host, "unit_host_us": 10.0, "baseline_host_us": baseline,
+         "gpu_us": None, "shape": "s", "note": None, "error": None}
+    if device is not None:
+        r["device"] = device
+    return {**r, **kw}
+
+
+def test_a_figure_below_zero_is_a_failed_measurement_never_met():
+    # The bare attn_fn, timed apart from the call, came out slower than the call: no figure.
+    rows = overhead.with_units([_row("UlyssesAttention.sequential", 100.0, baseline=292086.0)])
+    r = rows[0]
+    assert r["units"] is None and r["met"] is None, r
+    assert r["why"].startswith("failed measurement: the call (100.0 µs) timed below its "
+                               "separately timed baseline (292086.0 µs)"), r
+    table = overhead.markdown_table([_row("UlyssesAttention.sequential", 100.0,
+                                          baseline=292086.0)])
+    assert "| - | ≤ 6 |" in table and "failed measurement" in table and "-19" not in table
+
+
+def test_cpu_rows_are_not_judged_against_gpu_targets():
+    rows = {r["op"]: r for r in overhead.with_units([
+        _row("dcp.merge", 20.0, device="cpu"), _row("dcp.merge[output]", 20.0, device="cpu"),
+        _row("ulysses.seq_to_head", 20.0, device="cuda")])}
+    assert rows["dcp.merge"]["units"] == 2.0 and rows["dcp.merge"]["met"] is None
+    assert rows["dcp.merge"]["why"] == overhead.GPU_TARGETS
+    assert rows["dcp.merge[output]"]["met"] is None and rows["dcp.merge[output]"]["why"] is None
+    assert rows["ulysses.seq_to_head"]["met"] is True and rows["ulysses.seq_to_head"]["why"] is None
+    table = overhead.markdown_table([_row("dcp.merge", 20.0, device="cpu")])
+    assert "| 2.00 | ≤ 3 |" in table and overhead.GPU_TARGETS in table
+
+
+def test_every_row_without_a_figure_says_why():
+    rows = {r["op"]: r for r in overhead.with_units([
+        _row("DcpMerger.symm_a2a", None, note="CUDA only"),
+        _row("dcp.merge", None, note="skipped: past the time budget of 60 s"),
+        _row("dcp.gather_heads", None, error="RuntimeError: boom"),
+        _row("UlyssesAttention.pipelined_g4", 50.0),  # no baseline timed
+        _row("ulysses.seq_to_head", 50.0, unit_host_us=None)])}
+    assert all(r["units"] is None and r["met"] is None and r["why"] for r in rows.values())
+    assert rows["DcpMerger.symm_a2a"]["why"] == "CUDA only"
+    assert rows["dcp.gather_heads"]["why"] == "the row failed (see error)"
+    assert rows["UlyssesAttention.pipelined_g4"]["why"].startswith("no baseline")
+    assert rows["ulysses.seq_to_head"]["why"].startswith("no unit")

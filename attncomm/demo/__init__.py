@@ -30,8 +30,8 @@ from ..launch import launch
 from .models import load_minilm
 from .base import FP8_THRESHOLD, THRESHOLDS, DemoConfig, DemoInputs, DemoRow, RankContext
 
-__all__ = ["MODES", "add_arguments", "main", "run_demo", "load_corpus", "prepare_inputs",
-           "plan_modes", "rank_main"]
+__all__ = ["MODES", "CAPTION", "add_arguments", "main", "run_demo", "load_corpus",
+           "prepare_inputs", "plan_modes", "model_lines", "rank_main"]
 
 #: Mode name → module. Order is run order.
 MODES = {
@@ -150,6 +150,14 @@ def plan_modes(cfg: DemoConfig, info) -> tuple[list[tuple[str, list[str]]],
     return plan, skipped
 
 
+def model_lines(cfg: DemoConfig, plan: list[tuple[str, list[str]]], minilm: str) -> list[str]:
+    """The model line of each planned mode, once each: a mode module's ``model_line(cfg)``
+    where it has one (``dit``: Flux), else ``minilm``; ``minilm`` alone when nothing runs."""
+    lines = [getattr(importlib.import_module(MODES[m]), "model_line", lambda _: minilm)(cfg)
+             for m, _ in plan]
+    return list(dict.fromkeys(lines or [minilm]))
+
+
 def _agree_ok(ctx: RankContext, error: str | None) -> None:
     """Every rank must have failed (ValueError) alike, or none; otherwise stop everyone."""
     flags = torch.tensor([1 if error else 0, 0 if error else 1], dtype=torch.int64)
@@ -170,7 +178,7 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig, inputs: DemoInputs,
         for name, names in plan:
             mod = importlib.import_module(MODES[name])
             for backend in names:
-                ctx.describe(f"{name}/{backend}")
+                ctx.begin_run(done, f"{name}/{backend}")
                 error, row = None, None
                 try:
                     row = mod.run(ctx, backend)
@@ -181,9 +189,7 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig, inputs: DemoInputs,
                     row = DemoRow(name, backend, world_size, None, None, None, cfg.threshold,
                                   error=error)
                 done += 1
-                if ctx.bar is not None:  # land exactly on a whole run
-                    ctx.bar.n = done
-                    ctx.bar.refresh()
+                ctx.end_run()
                 if rank == 0:
                     if row.threshold is None:  # a mode that made its row itself
                         row.threshold = cfg.threshold
@@ -191,6 +197,12 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig, inputs: DemoInputs,
     finally:
         ctx.close()
     return rows if rank == 0 else None
+
+
+#: What every row is compared against (the table's caption).
+CAPTION = ("each row: the W-rank output against the same model in one process with plain full "
+           "attention, at the same dtype (dp_attention: against the one-process MLP in fp64); "
+           "min_cosine per output row, max_abs_err over all")
 
 
 def _passed(row: DemoRow, cfg: DemoConfig) -> bool:
@@ -204,8 +216,9 @@ def _print_rows(rows: list[DemoRow], cfg: DemoConfig) -> None:
                         "max_abs_err", "seconds", "result"],
                 title=f"\nattncomm demo — {cfg.device}, W={cfg.world_size}, {cfg.dtype}, "
                       f"pass: min_cosine ≥ threshold ({cfg.threshold}; fp8 payload rows "
-                      f"{FP8_THRESHOLD})" + (f"\n({SHARED_GPU_NOTE}: the seconds column)"
-                                             if shared_gpu(cfg.device, cfg.world_size) else ""),
+                      f"{FP8_THRESHOLD})\n{CAPTION}"
+                      + (f"\n({SHARED_GPU_NOTE}: the seconds column)"
+                         if shared_gpu(cfg.device, cfg.world_size) else ""),
                 fmt={"min_cosine": "{:.8f}", "threshold": "{:g}", "max_abs_err": "{:.3e}",
                      "seconds": "{:.2f}"})
     for r in rows:
@@ -223,6 +236,7 @@ def _write_json(path: str, rows: list[DemoRow], cfg: DemoConfig,
                     "date": datetime.datetime.now(datetime.timezone.utc)
                     .isoformat(timespec="seconds"),
                     "threshold": cfg.threshold, "verdict": _verdict(rows, cfg),
+                    "compared_against": CAPTION,
                     "shared_gpu": (SHARED_GPU_NOTE if shared_gpu(cfg.device, cfg.world_size)
                                    else None),
                     "skipped": [{"mode": m, "reason": why} for m, why in skipped]},
@@ -241,9 +255,11 @@ def run_demo(cfg: DemoConfig, *, out=sys.stdout) -> tuple[list[DemoRow], list[tu
     inputs = prepare_inputs(cfg, loaded)
     plan, skipped = plan_modes(cfg, loaded.info)
     n, s = inputs.input_ids.shape
-    print(f"model {loaded.info.source}: {loaded.info.num_layers} layers, "
-          f"{loaded.info.num_heads} heads; corpus {n} sentences padded to {s} tokens; decode "
-          f"{tuple(inputs.decode_ids.shape)} tokens", file=out)
+    minilm = (f"model {loaded.info.source}: {loaded.info.num_layers} layers, "
+              f"{loaded.info.num_heads} heads; corpus {n} sentences padded to {s} tokens; "
+              f"decode {tuple(inputs.decode_ids.shape)} tokens")
+    for line in model_lines(cfg, plan, minilm):
+        print(line, file=out)
     for name, why in skipped:
         print(f"skipping mode {name}: {why}", file=out)
     if not plan:

@@ -192,6 +192,7 @@ class RankContext:
     group: Any = None
     bar: Any = None
     memos: dict = field(default_factory=dict)
+    run_end: float = 1.0  # where the bar stands at the end of the current (mode, backend) run
 
     @classmethod
     def create(cls, rank: int, world_size: int, cfg: DemoConfig, inputs: DemoInputs,
@@ -263,10 +264,24 @@ class RankContext:
         return DemoRow(mode, backend, self.world_size, min_cos, max_err, seconds,
                        threshold if threshold is not None else self.cfg.threshold)
 
-    def advance(self, fraction: float) -> None:
-        """Move the progress bar by ``fraction`` of one (mode, backend) run (rank 0 only)."""
+    def begin_run(self, index: int, label: str) -> None:
+        """Start (mode, backend) run ``index`` (0-based) of the plan: the bar shows ``label``
+        and its advances stop at ``index + 1``."""
+        self.run_end = index + 1
+        self.describe(label)
+
+    def end_run(self) -> None:
+        """Land the bar exactly on the end of the current run."""
         if self.bar is not None:
-            self.bar.update(fraction)
+            self.bar.n = self.run_end
+            self.bar.refresh()
+
+    def advance(self, fraction: float) -> None:
+        """Move the progress bar by ``fraction`` of one (mode, backend) run (rank 0 only),
+        never past the run's end: fractions such as ``1 / steps`` add up to a little more
+        than 1 in floating point, and a bar past its total is clamped with a warning."""
+        if self.bar is not None:
+            self.bar.update(max(0.0, min(fraction, self.run_end - self.bar.n)))
 
     def describe(self, text: str) -> None:
         if self.bar is not None:

@@ -11,7 +11,7 @@ the front, their output gathered over heads so the text stream stays the same on
 Compared: the output for every image token (gathered) against the unmodified model in one
 process, per token (cosine over the output channels). Backends: the Ulysses transports of the
 ``ulysses`` mode, each also with the FP8 payload (``<transport> fp8``, passing at
-``base.FP8_THRESHOLD``). Needs diffusers (``pip install 'attncomm[dit]'``); skipped without it.
+``base.FP8_THRESHOLD``). Needs diffusers (``pip install -e ".[dit]"``); skipped without it.
 """
 from __future__ import annotations
 
@@ -23,13 +23,24 @@ from .models import MiniLMInfo
 from .models import flux
 from .ulysses import gather_sequence, parse_backend, transports
 
-__all__ = ["NAME", "skip_reason", "backends", "run", "IMAGE", "TEXT_TOKENS", "SEED"]
+__all__ = ["NAME", "model_line", "skip_reason", "backends", "run", "IMAGE", "TEXT_TOKENS",
+           "SEED"]
 
 NAME = "dit"
 #: Latent image (height, width) in tokens, text tokens, and the seed of weights and inputs.
 IMAGE = (12, 13)
 TEXT_TOKENS = 10
 SEED = 2026
+
+
+def model_line(cfg: DemoConfig) -> str:
+    """The line the demo prints for this mode's model (not MiniLM's)."""
+    c = flux.flux_config()
+    return (f"model Flux (diffusers FluxTransformer2DModel from its config: {c['num_layers']} "
+            f"double-stream and {c['num_single_layers']} single-stream blocks, "
+            f"{c['num_attention_heads']} heads of {c['attention_head_dim']}, random weights, "
+            f"seed {SEED}): a {IMAGE[0]} × {IMAGE[1]} latent image "
+            f"({IMAGE[0] * IMAGE[1]} image tokens) and {TEXT_TOKENS} text tokens")
 
 
 def skip_reason(cfg: DemoConfig, info: MiniLMInfo) -> str | None:

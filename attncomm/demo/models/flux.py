@@ -15,7 +15,7 @@ pairs, diffusers' ``apply_rotary_emb``) are applied in the processor, per token,
 exchange (``rope`` of ``UlyssesAttention`` is rotate-half over global positions; Flux's
 rotation is not), exactly as diffusers' ``FluxAttnProcessor`` applies them.
 
-diffusers is optional (``pip install attncomm[dit]``): it is imported inside the functions
+diffusers is optional (``pip install -e ".[dit]"``): it is imported inside the functions
 that need it; ``unavailable_reason()`` says whether it is there.
 
 - ``flux_config(**overrides)``: a small Flux config (a few blocks, small dims).
@@ -43,7 +43,7 @@ __all__ = ["FluxUlyssesProcessor", "flux_config", "build_flux", "flux_inputs", "
 def unavailable_reason() -> str | None:
     """Why the Flux model cannot be built here (None when diffusers is importable)."""
     if importlib.util.find_spec("diffusers") is None:
-        return "diffusers is not installed (pip install 'attncomm[dit]')"
+        return 'diffusers is not installed (pip install -e ".[dit]")'
     return None
 
 
