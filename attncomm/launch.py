@@ -53,9 +53,10 @@ EXIT_REPORT_S = 1.0  # how long a cleanly exited rank's last report may take to 
 # the launcher asks the running ranks where they are, and how long one of them may sit in the
 # same collective on a group with a finished rank (a collective that cannot complete) before
 # every rank is stopped. The confirmation covers a collective whose last data had already
-# arrived when the finished rank returned: it ends within milliseconds, not seconds.
+# arrived when the finished rank returned (it ends within milliseconds) and a rank whose own
+# timeout is about to fire, on a loaded host where a process may not run for a second or more.
 PROBE_INTERVAL_S = 0.25
-STUCK_CONFIRM_S = 1.0
+STUCK_CONFIRM_S = 3.0
 
 def _timedelta(timeout: float | None = None) -> datetime.timedelta:
     return datetime.timedelta(seconds=config.timeout_s(timeout))
@@ -281,7 +282,7 @@ class RankPool:
 
     A rank whose function returns (or whose process dies) while others still run: from then on
     the launcher asks the running ranks every ``PROBE_INTERVAL_S`` where they are (a thread in
-    each rank reads its main thread's stack). A rank that sits for ``STUCK_CONFIRM_S`` (1 s) in
+    each rank reads its main thread's stack). A rank that sits for ``STUCK_CONFIRM_S`` (3 s) in
     one blocking torch.distributed call (collective, barrier, group creation, send/recv) or
     attncomm collective wait whose group includes a finished rank (for send/recv: whose peer is
     one) waits for a call that will never come: every rank is stopped and ``PeerTimeoutError``
@@ -562,7 +563,7 @@ def launch(fn: Callable, world_size: int, *, device: str = "cpu", args: tuple = 
         ``RuntimeError`` naming each rank process that died (exit code, signal; e.g. a C++ abort
         in gloo on mismatched sizes) and saying that the ranks' arguments may disagree when
         validation is off; the others are stopped within seconds.
-        ``PeerTimeoutError`` when ``timeout_s`` passes first, or, within about a second, when
+        ``PeerTimeoutError`` when ``timeout_s`` passes first, or, within a few seconds, when
         a rank waits in a collective that a rank whose function already returned will never
         join (the rule is ``RankPool``'s; the error names both ranks, the call and where each
         stopped rank was).
