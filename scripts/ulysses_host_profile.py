@@ -35,7 +35,8 @@ if ROOT not in sys.path:
 #: ``phase → [(file suffix, function name)]``: a call's cProfile time goes to the first phase
 #: whose functions' cumulative time covers it (these functions do not nest across phases).
 PHASES = {
-    "argument checks": [("ulysses/api.py", "check_call"), ("ulysses/policy.py", "check_call"),
+    "argument checks": [("_dist.py", "validate_args"),
+                        ("ulysses/api.py", "check_call"), ("ulysses/policy.py", "check_call"),
                         ("ulysses/attention.py", "_check"), ("ulysses/api.py", "_prologue"),
                         ("ulysses/attention.py", "_requested_groups")],
     "transport choice, plans": [("ulysses/api.py", "get_transport"),

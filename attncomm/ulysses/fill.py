@@ -139,7 +139,7 @@ def send_layout(batch: int, s_r: int, head_dim: int, ranges: Sequence[tuple]):
     return htot, starts + [acc]
 
 
-def _check_parts(parts: Sequence[FillPart], out, payload_dtype=None):
+def _validate_parts(parts: Sequence[FillPart], out, payload_dtype=None):
     """``((B, S_r, row), htot, starts, regions or None, fp8)``; ``out`` is None, a flat send
     buffer or one flat tensor per destination region; ``row``: elements per (token, head) in
     the send buffer (``D``, or ``D + 4`` bytes for the FP8 payload)."""
@@ -197,7 +197,7 @@ def fill_torch(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | 
     Returns ``out`` (the new flat buffer when None). Raises ``ValueError`` for inconsistent
     parts, ``out`` or ``payload_dtype``.
     """
-    (b, s_r, row), htot, starts, _, fp8 = _check_parts(parts, out, payload_dtype)
+    (b, s_r, row), htot, starts, _, fp8 = _validate_parts(parts, out, payload_dtype)
     if out is None:
         out = torch.empty(starts[-1], dtype=_fp8.WIRE_DTYPE if fp8 else parts[0].x.dtype,
                           device=parts[0].x.device)
@@ -357,7 +357,7 @@ def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor |
     boundary). With ``out`` given as regions, the destination table is cached per region
     address: pass stable buffers (a transport's staging is) or one flat buffer. Raises
     ``ValueError`` when ``triton_fill_reason`` names a reason."""
-    _, _, starts, regions, fp8 = _check_parts(parts, out, payload_dtype)
+    _, _, starts, regions, fp8 = _validate_parts(parts, out, payload_dtype)
     x0 = parts[0].x
     why = None if _checked else triton_fill_reason(parts, x0.device, payload_dtype)
     if why:
@@ -384,7 +384,7 @@ class _Layout:
                  num_warps: int | None = None, payload_dtype: torch.dtype | None = None,
                  reused: bool = True):
         x0 = parts[0].x
-        (self.b, self.s_r, self.row), htot, _, _, self.fp8 = _check_parts(parts, None,
+        (self.b, self.s_r, self.row), htot, _, _, self.fp8 = _validate_parts(parts, None,
                                                                           payload_dtype)
         d = x0.shape[3]
         self.device = x0.device
@@ -567,7 +567,7 @@ class FillPlan:
                  impl: str = "auto", payload_dtype: torch.dtype | None = None):
         if impl not in ("auto", "triton", "torch"):
             raise ValueError(f"fill: impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-        _, _, starts, _, _ = _check_parts(parts, None, payload_dtype)
+        _, _, starts, _, _ = _validate_parts(parts, None, payload_dtype)
         why = (None if impl == "torch" else
                triton_fill_reason(parts, parts[0].x.device, payload_dtype))
         if impl == "triton" and why is not None:

@@ -182,7 +182,7 @@ class Transport(ABC):
         first). Default: nothing to free."""
         return None
 
-    def _check_send(self, plan: ExchangePlan, dtype: torch.dtype, send: SendBuffer) -> None:
+    def _validate_send(self, plan: ExchangePlan, dtype: torch.dtype, send: SendBuffer) -> None:
         if send.plan is not plan and send.plan != plan:
             raise ValueError(f"ulysses {self.name}: send buffer is for another plan")
         if send.dtype != dtype or send.rank != self.rank:
