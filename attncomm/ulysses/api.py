@@ -113,8 +113,9 @@ def seq_to_head(x: torch.Tensor, group=None, *, seq_lens=None, backend: str = "a
         return _traced("seq_to_head", x, group, seq_lens, backend, validate, timeout_s, output,
                        payload_dtype=payload_dtype)
     try:
-        key = ("seq_to_head", x.shape, x.dtype, x.device, seq_key(seq_lens), backend, validate,
-               timeout_s, dest_key(output), payload_dtype)
+        seq = seq_lens if seq_lens is None or type(seq_lens) is tuple else seq_key(seq_lens)
+        key = ("seq_to_head", x.shape, x.dtype, x.device, seq, backend, validate, timeout_s,
+               None if output is None else dest_key(output), payload_dtype)
         c = _PLANS.get(group, key)
     except (AttributeError, TypeError):  # not a tensor, unhashable seq_lens: the checks say
         key, c = None, None
@@ -259,8 +260,9 @@ def head_to_seq(x: torch.Tensor, group=None, *, num_heads: int | None = None, se
         return _traced("head_to_seq", x, group, seq_lens, backend, validate, timeout_s, output,
                        num_heads)
     try:
-        key = ("head_to_seq", x.shape, x.dtype, x.device, seq_key(seq_lens), num_heads, backend,
-               validate, timeout_s, dest_key(output))
+        seq = seq_lens if seq_lens is None or type(seq_lens) is tuple else seq_key(seq_lens)
+        key = ("head_to_seq", x.shape, x.dtype, x.device, seq, num_heads, backend, validate,
+               timeout_s, None if output is None else dest_key(output))
         c = _PLANS.get(group, key)
     except (AttributeError, TypeError):
         key, c = None, None

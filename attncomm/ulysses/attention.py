@@ -371,7 +371,8 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         same for an eager forward and a traced one of the same shape. The ``ATTNCOMM_*``
         variables are read when a plan is made, not per call: a change takes effect at the
         next new plan, or for every shape after ``attncomm.release(group)``."""
-        return (qd, kd, vd, seq_key(seq_lens), bool(causal), rope_shapes, jkey, position)
+        seq = seq_lens if seq_lens is None or type(seq_lens) is tuple else seq_key(seq_lens)
+        return (qd, kd, vd, seq, bool(causal), rope_shapes, jkey, position)
 
     def _traced_forward(self, q, k, v, seq_lens, causal, rope, joint, position):
         """The forward under torch.compile: one custom op (``ulysses/ops.py``) that runs the

@@ -38,8 +38,8 @@ from . import fp8 as _fp8
 from .fill import FillPart, FillPlan, rms_norm_rope
 from .layout import (ExchangePlan, group_head_ranges, head_gather_plan, head_offsets, head_split,
                      head_to_seq_plan, kv_head_range, seq_to_head_plan, uniform_group)
-from .policy import dense, get_transport
-from .transport import Transport
+from .policy import get_transport
+from .transport import Transport, dense
 
 __all__ = ["ForwardPlan"]
 

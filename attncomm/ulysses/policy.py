@@ -22,7 +22,7 @@ from .._dist import group_key
 from . import ce
 from .all_to_all import AllToAllTransport
 from .ce import CopyEngineTransport
-from .transport import Transport
+from .transport import Transport, dense
 
 __all__ = ["BACKENDS", "AUTO_CE_MIN_BYTES", "ce_reason", "backend_availability",
            "decide_transport", "get_transport", "reset_transports", "resolve_backend",
@@ -174,13 +174,6 @@ def resolve_backend(backend: str) -> str:
 
 def seq_lens_hash(seq_lens: Sequence[int]) -> int:
     return zlib.crc32(",".join(map(str, seq_lens)).encode()) & 0x7FFFFFFF
-
-
-def dense(x: torch.Tensor) -> torch.Tensor:
-    """``x [B, S, H, D]`` with its last two dims dense (a copy only when they are not)."""
-    if x.dim() == 4 and x.stride(3) == 1 and (x.shape[2] <= 1 or x.stride(2) == x.shape[3]):
-        return x
-    return x.contiguous()
 
 
 #: seq_lens disagreements print every rank's list up to this many entries (else the hash).
