@@ -175,7 +175,9 @@ class DcpMerger(Lifecycle):
 
     def __init__(self, group=None, *, max_tokens: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, backend: str = "auto", lse_base: str = "e",
-                 timeout_s: float | None = None, device=None):
+                 timeout_s: float | None = None, device=None, _agreed: bool = False):
+        # _agreed: built by dcp.merge, whose argument check (``_dist.validate_args``) agreed
+        # the call's arguments these derive from, device included: not agreed a second time.
         self.group = group = resolve_group(group, "DcpMerger")
         self.device = group_device(group) if device is None else as_device(device)
         self.world_size = dist.get_world_size(group)
@@ -188,9 +190,12 @@ class DcpMerger(Lifecycle):
                int(head_dim) if isinstance(head_dim, int) else -1,
                DTYPE_CODES.get(dtype, 0), BACKENDS.index(backend) if backend in BACKENDS else -1,
                1 if lse_base == "2" else 0, int(self.device.type == "cuda")]
-        agree(group, "DcpMerger", sig, ["max_tokens", "num_heads", "head_dim", "dtype",
-                                        "backend", "lse_base", "device is CUDA"], err,
-              self.timeout_s)
+        if not _agreed:
+            agree(group, "DcpMerger", sig, ["max_tokens", "num_heads", "head_dim", "dtype",
+                                            "backend", "lse_base", "device is CUDA"], err,
+                  self.timeout_s)
+        elif err:
+            raise ValueError(f"DcpMerger: invalid arguments — rank {self.rank}: {err}")
         self.max_tokens, self.num_heads, self.head_dim = max_tokens, num_heads, head_dim
         self.dtype, self.lse_base = dtype, lse_base
         self.requested_backend = backend

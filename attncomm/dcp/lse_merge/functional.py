@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ... import config
-from ..._dist import (DTYPE_CODES, check_args, group_from_name, group_key, group_name,
-                      on_release, resolve_group)
+from ..._dist import (DTYPE_CODES, check_args, device_error, group_from_name, group_key,
+                      group_name, on_release, resolve_group)
 from ..._plans import Cached, CallPlans
 from ...errors import PeerTimeoutError
 from .. import tracing
@@ -149,7 +149,8 @@ def _new_plan(out, lse, group, backend, lse_base, return_lse, validate, timeout_
     local_error = check_local(out, lse, W, lse_base, backend)
     if local_error is None:
         T, H, D = out.shape
-        local_error = _dest_error(output, (T, H // W, D), out.dtype, out.device)
+        local_error = (_dest_error(output, (T, H // W, D), out.dtype, out.device)
+                       or device_error(g, out.device))
     sig, labels = _signature(out, lse, backend, lse_base, return_lse)
     check_args(g, "dcp.merge", sig, labels, local_error, budget, validate)
     T, H, D = out.shape
@@ -166,9 +167,10 @@ def _signature(out, lse, backend, lse_base, return_lse):
     sig = shape + [DTYPE_CODES.get(getattr(out, "dtype", None), 0),
                    DTYPE_CODES.get(getattr(lse, "dtype", None), 0),
                    BACKENDS.index(backend) if backend in BACKENDS else -1,
-                   1 if lse_base == "2" else 0, int(bool(return_lse))]
+                   1 if lse_base == "2" else 0, int(bool(return_lse)),
+                   int(bool(getattr(out, "is_cuda", False)))]
     labels = ["T (tokens)", "H (heads)", "D (head_dim)", "out dtype", "lse dtype", "backend",
-              "lse_base", "return_lse"]
+              "lse_base", "return_lse", "device is CUDA"]
     return sig, labels
 
 
@@ -196,7 +198,7 @@ def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget, device) -> 
         try:
             return DcpMerger(group, max_tokens=mkey[0], num_heads=H, head_dim=D, dtype=dtype,
                              backend=backend, lse_base=lse_base, timeout_s=budget,
-                             device=device)
+                             device=device, _agreed=True)
         except (PeerTimeoutError, ValueError) as exc:
             raise _as_merge_error(exc) from exc
 
