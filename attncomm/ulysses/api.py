@@ -208,11 +208,7 @@ def _plan_seq_to_head(x, arg, seq_lens, backend, validate, timeout_s, output, ke
     labels = ["B", "H", "D", "dtype", "device is CUDA", "backend", "S_r (seq_lens=None)",
               "sum(seq_lens)", "seq_lens (hash)", "output (1: strided, 2: contiguous)",
               "payload_dtype fp8"]
-    if policy.capturing(x):
-        raise warm_up_error("ulysses.seq_to_head", f"x {list(shape)} {x.dtype}")
-    validation = (sig, labels, error, c.timeout)
-    _dist.validate_args(group, "seq_to_head", *validation, validate,
-                        detail=seq_lens_detail(group, seq, c.timeout))
+    validation = _validate("seq_to_head", x, group, c, sig, labels, error, seq, validate)
     offs = head_offsets(heads)
     ranges = (tuple((offs[p], offs[p] + heads[p]) for p in range(world)),)
     if use_fp8:
@@ -305,11 +301,7 @@ def _plan_head_to_seq(x, arg, num_heads, seq_lens, backend, validate, timeout_s,
            0 if output is None else 1 + int(output.is_contiguous())]
     labels = ["B", "S", "D", "dtype", "device is CUDA", "backend", "num_heads", "seq_lens (hash)",
               "output (1: strided, 2: contiguous)"]
-    if policy.capturing(x):
-        raise warm_up_error("ulysses.head_to_seq", f"x {list(c.shape)} {x.dtype}")
-    validation = (sig, labels, error, c.timeout)
-    _dist.validate_args(group, "head_to_seq", *validation, validate,
-                        detail=seq_lens_detail(group, seq, c.timeout))
+    validation = _validate("head_to_seq", x, group, c, sig, labels, error, seq, validate)
     heads = head_split(h, world)
     plan = head_to_seq_plan(b, seq, d, tuple(heads), tuple(head_offsets(heads)), h)
     t, _ = get_transport(group, c.backend, x.device, c.timeout, plan, x.dtype, "head_to_seq")
@@ -359,6 +351,18 @@ def _prologue(x, group, seq_lens, backend: str, timeout_s, dims: str) -> _Args:
     dcode = _dist.DTYPE_CODES.get(x.dtype, 0) if is_tensor else 0
     dev = 1 if is_tensor and x.is_cuda else 0
     return _Args(timeout, rank, world, error, seq, backend, shape, dcode, dev)
+
+
+def _validate(op, x, group, c: _Args, sig, labels, error, seq, validate) -> tuple:
+    """A new call shape's warm-up check (``x`` inside CUDA graph capture: the warm-up error,
+    nothing decided) and its argument check (``_dist.validate_args``, every rank's seq_lens in
+    the message when they disagree); returns what a plan keeps for ``validate=True``."""
+    if policy.capturing(x):
+        raise warm_up_error(f"ulysses.{op}", f"x {list(c.shape)} {x.dtype}")
+    validation = (sig, labels, error, c.timeout)
+    _dist.validate_args(group, op, *validation, validate,
+                        detail=seq_lens_detail(group, seq, c.timeout))
+    return validation
 
 
 # ------------------------------------------------------------------------------ traced path
