@@ -437,8 +437,9 @@ _SEEN_SIZE = 4096
 
 def validate_args(group, op: str, signature: Sequence[int], labels: Sequence[str],
                   local_error: str | None = None, timeout_s: float | None = None,
-                  validate: bool | None = None, *, grid=None, detail=None) -> None:
-    """The cross-rank argument check of every call, by ``config.validation_mode``.
+                  validate: bool | None = None, *, grid=None, detail=None) -> bool:
+    """The cross-rank argument check of every call, by ``config.validation_mode``; returns
+    whether the ranks agreed the arguments in this call (False: skipped, or a group of one).
 
     ``"first"`` (the default): ``agree`` runs on the first call with a new ``(op, signature)``
     on this group and whenever this rank has a local error; a steady-state call makes no
@@ -470,7 +471,7 @@ def validate_args(group, op: str, signature: Sequence[int], labels: Sequence[str
         seen = _SEEN.get(group_key(group))
         if mode == "first" and local_error is None and seen is not None and key in seen:
             seen.move_to_end(key)
-            return
+            return False
         if dist.get_world_size(group) > 1 or (grid is not None
                                               and dist.get_world_size(grid) > 1):
             try:
@@ -488,10 +489,11 @@ def validate_args(group, op: str, signature: Sequence[int], labels: Sequence[str
             seen.move_to_end(key)
             while len(seen) > _SEEN_SIZE:
                 seen.popitem(last=False)
-            return
+            return True
     if local_error:
         raise ValueError(f"{op}: invalid arguments — rank {dist.get_rank(group)}: "
                          f"{local_error}")
+    return False
 
 
 #: The name the DCP call paths import (``validate_args``).

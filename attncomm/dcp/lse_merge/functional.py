@@ -152,10 +152,10 @@ def _new_plan(out, lse, group, backend, lse_base, return_lse, validate, timeout_
         local_error = (_dest_error(output, (T, H // W, D), out.dtype, out.device)
                        or device_error(g, out.device))
     sig, labels = _signature(out, lse, backend, lse_base, return_lse)
-    check_args(g, "dcp.merge", sig, labels, local_error, budget, validate)
+    agreed = check_args(g, "dcp.merge", sig, labels, local_error, budget, validate)
     T, H, D = out.shape
     plan = _Plan(out, H // W, None if T == 0 else _cached_merger(
-        g, T, H, D, out.dtype, backend, lse_base, budget, out.device))
+        g, T, H, D, out.dtype, backend, lse_base, budget, out.device, agreed))
     if key is not None and config.validation_mode(validate) != "every":
         _PLANS.put(group, g, key, plan)
     return plan
@@ -189,21 +189,28 @@ def _bucket(T: int) -> int:
     return max(16, 1 << (T - 1).bit_length())
 
 
-def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget, device) -> Cached:
+def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget, device,
+                   agreed: bool = False) -> Cached:
     """The merger of this shape and token bucket (built by the first call) on the call's
-    device, as a plan holds it."""
+    device, as a plan holds it. ``agreed``: the call's check agreed its arguments just now, so
+    a merger built at once does not agree them again (one built later, after an eviction, does:
+    its construction is then the first bounded wait of the call)."""
     mkey = (_bucket(T), H, D, dtype, backend, lse_base, budget, device)
+    fresh = [agreed]
 
     def build() -> DcpMerger:
+        skip, fresh[0] = fresh[0], False
         try:
             return DcpMerger(group, max_tokens=mkey[0], num_heads=H, head_dim=D, dtype=dtype,
                              backend=backend, lse_base=lse_base, timeout_s=budget,
-                             device=device, _agreed=True)
+                             device=device, _agreed=skip)
         except (PeerTimeoutError, ValueError) as exc:
             raise _as_merge_error(exc) from exc
 
-    return Cached(_MERGERS, group, mkey, build, _CACHE_SIZE, lambda: tracing.warm_up_error(
+    cached = Cached(_MERGERS, group, mkey, build, _CACHE_SIZE, lambda: tracing.warm_up_error(
         "dcp.merge", f"the token bucket of T={T} (H={H}, D={D}, {dtype}, backend={backend!r})"))
+    fresh[0] = False  # built now or found: a later build agrees again
+    return cached
 
 
 def _as_merge_error(exc):
