@@ -5,10 +5,14 @@
   → the process group the exchange runs on; a coordinator's ``cpu_group`` serves the host side,
 - ``cpu_group``: the gloo twin of a process group (cached per group), for host-side agreement,
 - ``agree``: the cross-rank argument check that raises the same ``ValueError`` on every rank;
-  ``check_args``: when a functional call runs it (``config.validation_mode``: the first call
-  with a new signature per group, every call, or never),
+  ``validate_args``: when a call runs it (``config.validation_mode``: the first call with a
+  new signature per group, every call, or never), over one group or a grid of two,
 - ``guard_timeout``: turns a process group's timeout into ``PeerTimeoutError``,
 - ``on_release`` / ``release``: what the functional calls cache per group, and its end of life.
+
+Names: an argument check is ``validate`` (the word of every call's ``validate=``:
+``validate_args``, ``_validate_*``), a function that returns why arguments are wrong is
+``*_error``; ``check()`` is only an object's raise of a failure it recorded (a peer timeout).
 """
 from __future__ import annotations
 
@@ -30,9 +34,9 @@ from .errors import PeerTimeoutError
 
 __all__ = ["cpu_group", "group_lru_get", "clear_cpu_groups", "group_key", "group_device",
            "set_group_device", "as_device", "device_error", "agree", "guard_timeout", "wait",
-           "as_bits", "agree_reason", "DTYPE_CODES", "resolve_group", "check_group", "check_args",
-           "on_release", "release", "Lifecycle", "group_name", "group_from_name",
-           "on_forget_groups"]
+           "as_bits", "agree_reason", "DTYPE_CODES", "resolve_group", "check_group",
+           "validate_args", "on_release", "release", "Lifecycle", "group_name",
+           "group_from_name", "on_forget_groups", "agreed_min"]
 
 DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
                torch.int64: 5, torch.int32: 6, torch.int16: 7, torch.int8: 8, torch.uint8: 9,
@@ -431,19 +435,30 @@ _SEEN: dict = {}
 _SEEN_SIZE = 4096
 
 
-def check_args(group, op: str, signature: Sequence[int], labels: Sequence[str],
-               local_error: str | None = None, timeout_s: float | None = None,
-               validate: bool | None = None) -> None:
-    """The cross-rank argument check of a functional call, by ``config.validation_mode``.
+def validate_args(group, op: str, signature: Sequence[int], labels: Sequence[str],
+                  local_error: str | None = None, timeout_s: float | None = None,
+                  validate: bool | None = None, *, grid=None, detail=None) -> bool:
+    """The cross-rank argument check of every call, by ``config.validation_mode``; returns
+    whether the ranks agreed the arguments in this call (False: skipped, or a group of one).
 
     ``"first"`` (the default): ``agree`` runs on the first call with a new ``(op, signature)``
     on this group and whenever this rank has a local error; a steady-state call makes no
     collective beyond the exchange's own. ``"every"``: ``agree`` on every call. ``"never"``:
-    only local errors, raised on this rank. A mismatch that slips past the first-sight check
-    (one rank repeats a seen signature while a peer brings a new one) leaves the first rank in
-    the exchange and the peer in the check, on different groups (``check_group``): both raise
-    ``PeerTimeoutError`` naming ``op`` within ``timeout_s``. Two ranks repeating two different
-    seen signatures are not checked: that needs ``validate=True``.
+    only local errors, raised on this rank; so in a group of one. A mismatch that slips past
+    the first-sight check (one rank repeats a seen signature while a peer brings a new one)
+    leaves the first rank in the exchange and the peer in the check, on different groups
+    (``check_group``): both raise ``PeerTimeoutError`` naming ``op`` within ``timeout_s``. Two
+    ranks repeating two different seen signatures are not checked: that needs
+    ``validate=True``.
+
+    Arguments:
+        grid: a second group that tiles a grid with ``group`` (every rank's two groups, as
+            USP's Ulysses and ring groups): agreed over ``group``, then ``grid`` (carrying the
+            first verdict), then ``group`` again (carrying the second's), so a bad argument on
+            any rank of the grid raises on every rank of it.
+        detail: ``detail(message) -> message`` for a disagreement on the signature: run on
+            every rank (it may be collective) to put more in the message (e.g. every rank's
+            list where the signature holds its hash).
 
     Raises:
         ValueError: a local error (every rank alike unless the mode is ``"never"``) or ranks
@@ -451,20 +466,58 @@ def check_args(group, op: str, signature: Sequence[int], labels: Sequence[str],
         PeerTimeoutError: a peer did not take part in the check within ``timeout_s``.
     """
     mode = config.validation_mode(validate)
-    if mode == "never":
-        if local_error:
-            raise ValueError(f"{op}: {local_error}")
-        return
-    key = (op, tuple(signature))
-    seen = _SEEN.setdefault(group_key(group), collections.OrderedDict())
-    if mode == "first" and local_error is None and key in seen:
-        seen.move_to_end(key)
-        return
-    agree(group, op, signature, labels, local_error, timeout_s)
-    seen[key] = True
-    seen.move_to_end(key)
-    while len(seen) > _SEEN_SIZE:
-        seen.popitem(last=False)
+    if mode != "never":
+        key = (op, tuple(signature))
+        seen = _SEEN.get(group_key(group))
+        if mode == "first" and local_error is None and seen is not None and key in seen:
+            seen.move_to_end(key)
+            return False
+        if dist.get_world_size(group) > 1 or (grid is not None
+                                              and dist.get_world_size(grid) > 1):
+            try:
+                if grid is None:
+                    agree(group, op, signature, labels, local_error, timeout_s)
+                else:
+                    _agree_grid(group, grid, op, signature, labels, local_error, timeout_s)
+            except ValueError as exc:
+                if detail is None or "disagree" not in str(exc):
+                    raise
+                raise ValueError(detail(str(exc))) from None
+            if seen is None:
+                seen = _SEEN.setdefault(group_key(group), collections.OrderedDict())
+            seen[key] = True
+            seen.move_to_end(key)
+            while len(seen) > _SEEN_SIZE:
+                seen.popitem(last=False)
+            return True
+    if local_error:
+        raise ValueError(f"{op}: invalid arguments — rank {dist.get_rank(group)}: "
+                         f"{local_error}")
+    return False
+
+
+#: The name the DCP call paths import (``validate_args``).
+check_args = validate_args
+
+
+def _agree_grid(first, second, op, signature, labels, local_error, timeout_s) -> None:
+    """``agree`` over a grid tiled by ``first`` and ``second``: three small collectives, each
+    rank's verdict carried into the next."""
+    verdict, message = local_error, None
+    for group in (first, second):
+        if dist.get_world_size(group) > 1:
+            try:
+                agree(group, op, signature, labels, local_error=verdict, timeout_s=timeout_s)
+            except ValueError as exc:
+                verdict = message = str(exc)
+    if dist.get_world_size(first) > 1 and dist.get_world_size(second) > 1:
+        reason = agree_reason(first, verdict, op)
+        if reason and message is None:
+            message = f"{op}: invalid arguments on another rank of the grid — {reason}"
+    if message:
+        raise ValueError(message)
+    if verdict:
+        raise ValueError(f"{op}: invalid arguments — rank {dist.get_rank(first)}: {verdict}")
 
 
 def wait(work, group, op: str, timeout_s: float | None) -> None:
@@ -485,6 +538,18 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+def agreed_min(group, value: int) -> int:
+    """The smallest ``value`` over the group's ranks: one all_reduce(MIN) over its gloo twin
+    (none in a group of one). For what every rank must plan with alike (a launch bound, a
+    yes/no as 1/0)."""
+    g = cpu_group(group)
+    if dist.get_world_size(g) == 1:
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64)
+    collectives.all_reduce(t, op=dist.ReduceOp.MIN, group=g)
+    return int(t.item())
+
+
 def agree_reason(group, local_reason: str | None, what: str = "") -> str | None:
     """Agree across ranks whether something can run: every rank gets None if no rank has a
     reason against it, else the same message naming each rank's reason.
@@ -495,11 +560,9 @@ def agree_reason(group, local_reason: str | None, what: str = "") -> str | None:
     g = cpu_group(group)
     if dist.get_world_size(g) == 1:
         return f"rank 0: {local_reason}" if local_reason else None
-    flag = torch.tensor([0 if local_reason else 1], dtype=torch.int64)
     with guard_timeout(g, f"agree {what}".strip()):
-        collectives.all_reduce(flag, op=dist.ReduceOp.MIN, group=g)
-    if int(flag.item()) == 1:
-        return None
+        if agreed_min(g, 0 if local_reason else 1) == 1:
+            return None
     reasons: list = [None] * dist.get_world_size(g)
     with guard_timeout(g, f"agree {what}".strip()):
         dist.all_gather_object(reasons, local_reason, group=g)

@@ -6,6 +6,10 @@ with that key runs the plan alone. A plan that runs on a preallocated object (a 
 gatherer, kept in a per-group LRU by ``_dist.group_lru_get``) holds it through ``Cached``, which
 keeps the LRU's order that of the calls and finds the object again, built anew on every rank
 alike, when the LRU evicted (closed) it. ``attncomm.release(group)`` drops a group's plans.
+
+What every exchange's first call of a signature shares lives here too: the warm-up error (a
+signature first seen where nothing may be decided) and the check of a caller-owned destination
+(``output=``) with its part of the plan key.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import torch
 
 from ._dist import group_key, group_lru_get, on_release
 
-__all__ = ["CallPlans", "Cached"]
+__all__ = ["CallPlans", "Cached", "warm_up_error", "dest_key", "dest_error"]
 
 
 class CallPlans:
@@ -80,3 +84,41 @@ class Cached:
         obj = group_lru_get(self.store, self.group, self.key, self.build, self.size)
         self.lru = self.store[group_key(self.group)]
         return obj
+
+
+def warm_up_error(op: str, what: str) -> ValueError:
+    """The error for a call signature first seen inside CUDA graph capture or torch.compile
+    tracing: its decisions (backend or transport, plan, preallocated buffers) take collectives
+    and may allocate, which neither a capture nor a trace may do, and nothing falls back there.
+    ``what`` names the signature. (Dynamo re-raises it wrapped, its message starting with
+    ``ValueError:``.)"""
+    return ValueError(
+        f"{op}: {what} is seen for the first time inside CUDA graph capture or torch.compile "
+        f"tracing, where its backend, plan and buffers cannot be decided (that takes "
+        f"collectives and may allocate): call {op} once eagerly with this shape on every rank "
+        f"first (a warm-up), then capture or compile")
+
+
+def dest_key(output):
+    """What the checks of a caller-owned destination depend on (None, a tensor's shape, dtype,
+    device and contiguity, or a tuple of those): part of a call plan's key, so a destination
+    of a new kind is checked once. Raises ``AttributeError`` for what is not a tensor."""
+    if output is None:
+        return None
+    if isinstance(output, (tuple, list)):
+        return tuple(dest_key(t) for t in output)
+    return (output.shape, output.dtype, output.device, output.is_contiguous())
+
+
+def dest_error(t, shape, dtype, device, what: str = "output",
+               contiguous: bool = False) -> str | None:
+    """Why ``t`` cannot receive a ``shape`` result of ``dtype`` on ``device`` (None if it can;
+    ``contiguous``: it must be). ``what`` names it in the message."""
+    if isinstance(t, torch.Tensor) and t.shape == tuple(shape) and t.dtype == dtype \
+            and t.device == device and (t.is_contiguous() or not contiguous):
+        return None
+    got = (f"{tuple(t.shape)} {t.dtype} on {t.device}"
+           + ("" if t.is_contiguous() else ", not contiguous")
+           if isinstance(t, torch.Tensor) else type(t).__name__)
+    return (f"{what} must be a{' contiguous' if contiguous else ''} {list(shape)} {dtype} "
+            f"tensor on {device}, got {got}")

@@ -8,7 +8,8 @@ the same answer every time. ``LaunchCache`` lets the wrapper (``launch_merge``,
 ``launch_gather``) launch the first time a key is seen, through the JIT, records the compiled
 kernel and the arguments the wrapper passed, and launches later calls with the same key through
 the compiled kernel's launcher, with the call's tensors in place of the recorded ones: the same
-kernel, the same bits, the JIT's per-launch work left out (as the Ulysses fill does).
+kernel, the same bits, the JIT's per-launch work left out (the Ulysses fill launches this way
+too).
 
 The caller's key must fix everything the wrapper derives from the call besides the changing
 tensors' addresses (the token count) and what Triton specializes those tensors on (each one's
@@ -25,9 +26,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["LaunchCache", "alignment_key", "hooked"]
+__all__ = ["LaunchCache", "alignment_key", "hooked", "REPLAY"]
 
 _MAX_KEYS = 1024
+#: Replay recorded launches (False: every launch through the wrapper and Triton's JIT, for an
+#: A/B of the host cost or the bits).
+REPLAY = True
 
 
 def alignment_key(tensors: Sequence[torch.Tensor]) -> tuple:
@@ -118,10 +122,10 @@ class LaunchCache:
         through the recorded handle with ``dynamic`` (the call's changing tensors, in the order
         of the kernel's leading parameters) in place of the recorded ones."""
         handle = self._handles.get(key)
-        if handle is not None and not hooked():
+        if handle is not None and REPLAY and not hooked():
             handle(dynamic)
             return
-        if key in self._handles or not dynamic[0].is_cuda or not self.kernels:
+        if key in self._handles or not REPLAY or not dynamic[0].is_cuda or not self.kernels:
             wrapper()
             return
         with _Recorder(self.kernels) as rec:

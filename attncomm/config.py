@@ -22,7 +22,10 @@ DEFAULT_TIMEOUT_S = 60.0
 @dataclass(frozen=True)
 class Var:
     """One environment variable: its ``type`` (int, float, bool or str), the ``default`` when it
-    is unset or empty, whether it is ``public``, when it is ``read`` ("call" or "once"), allowed
+    is unset or empty, whether it is ``public``, when it is ``read`` ("call": by every call
+    that depends on it; "plan": when a call plan or forward plan is made, so a change takes
+    effect at the next new plan or, for every signature, after ``attncomm.release(group)``;
+    "once": once per process by the module that uses it), allowed
     ``choices`` (str variables; None: any), the smallest allowed value ``minimum`` (numbers), and
     what it does (``doc``)."""
 
@@ -40,23 +43,29 @@ _TABLE = (
     # Public.
     Var("ATTNCOMM_TIMEOUT_S", float, DEFAULT_TIMEOUT_S, True, "call",
         "Seconds every wait on a peer may take before PeerTimeoutError (process groups, "
-        "device waits, argument checks); must be > 0."),
+        "device waits, argument checks); must be > 0. The Ulysses calls and UlyssesAttention "
+        "read it when they make a plan (a change takes effect at the next new plan or after "
+        "attncomm.release(group)); the other calls on every call."),
     Var("ATTNCOMM_VALIDATE", bool, True, True, "call",
         "Cross-rank argument checks of the functional calls: unset, on the first call with a "
         "new signature per group; 1/true/on/yes on every call (a debug mode); 0/false/off/no "
-        "never. Objects check at construction unless it is 0."),
+        "never. Objects check at construction unless it is 0. The Ulysses calls and "
+        "UlyssesAttention read it when they make a plan (a change takes effect at the next new "
+        "plan or after attncomm.release(group)); the other calls on every call."),
     Var("ATTNCOMM_DCP_BACKEND", str, "", True, "call",
         "Backend DcpMerger(backend='auto') takes instead of choosing (empty: choose): "
         "reference, ag_rs, a2a or symm_a2a."),
     Var("ATTNCOMM_DCP_GATHER_BACKEND", str, "", True, "call",
         "Backend DcpQueryGather(backend='auto') takes instead of choosing (empty: choose): "
         "all_gather or symm."),
-    Var("ATTNCOMM_ULYSSES_BACKEND", str, "", True, "call",
+    Var("ATTNCOMM_ULYSSES_BACKEND", str, "", True, "plan",
         "Transport the Ulysses exchanges take for backend='auto' (empty: choose): all_to_all "
-        "or ce."),
-    Var("ATTNCOMM_ULYSSES_PIPELINE_GROUPS", int, -1, True, "call",
+        "or ce. Read when a plan is made: a change takes effect at the next new plan or after "
+        "attncomm.release(group)."),
+    Var("ATTNCOMM_ULYSSES_PIPELINE_GROUPS", int, -1, True, "plan",
         "Head groups of UlyssesAttention(pipeline_groups=-1): 0 or 1 sequential, N >= 2 forces "
-        "N (-1: automatic)."),
+        "N (-1: automatic). Read when a forward plan is made: a change takes effect at the next "
+        "new plan or after attncomm.release(group)."),
     Var("ATTNCOMM_PEER_MAPPING", str, "auto", True, "call",
         "How ranks map each other's symmetric slabs (symm_a2a, the gather's symm, Ulysses ce): "
         "'torch' SymmetricMemory, 'ipc' (CUDA IPC handles exchanged over the gloo group), or "
@@ -69,8 +78,9 @@ _TABLE = (
     Var("ATTNCOMM_COMBINE_IMPL", str, "", False, "call",
         "Force the DCP combine's implementation ('torch' or 'triton'; empty: Triton on CUDA).",
         choices=("torch", "triton")),
-    Var("ATTNCOMM_ULYSSES_CE_FLAGS", str, "auto", False, "call",
-        "How the ce transport signals peers: 'stream' memory ops, Triton 'kernel's, or 'auto'.",
+    Var("ATTNCOMM_ULYSSES_CE_FLAGS", str, "auto", False, "plan",
+        "How the ce transport signals peers: 'stream' memory ops, Triton 'kernel's, or 'auto' "
+        "(read when a plan takes a transport).",
         choices=("auto", "stream", "kernel")),
     Var("ATTNCOMM_ULYSSES_CE_CACHE", int, 6, False, "once",
         "Staging buffers a ce transport keeps (least recently used evicted first).", minimum=1),

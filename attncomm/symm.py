@@ -16,10 +16,10 @@
   the ranks are out of step, so the object is broken: every later ``check()`` (each call does
   one) raises ``PeerTimeoutError`` naming the peers; build a new one on every rank.
 - Protocol helpers shared by the push kernels' hosts (``plan_blocks``, ``num_warps``,
-  ``grid_bound``, ``ll_rows_for``, ``use_ll``, ``agreed_min``; constants ``DELTA_UNIT``,
-  ``SCRUB_PERIOD``, ``LL_MAX_BYTES``); the slabs' region layouts and the kernels' descriptor are
-  ``attncomm.symm_regions``; the device half (epochs, scrub, bounded waits, LL words) is
-  ``attncomm.symm_device``.
+  ``grid_bound``, ``ll_rows_for``, ``use_ll``, and ``_dist.agreed_min`` named here; constants
+  ``DELTA_UNIT``, ``SCRUB_PERIOD``, ``LL_MAX_BYTES``); the slabs' region layouts and the
+  kernels' descriptor are ``attncomm.symm_regions``; the device half (epochs, scrub, bounded
+  waits, LL words) is ``attncomm.symm_device``.
 - The watchdog (``attncomm.watchdog``) polls every live ``PeerErrors`` and releases the
   waits the host enqueued without a device deadline.
 
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
 from . import capability, collectives, config
-from ._dist import cpu_group, group_key, guard_timeout, wait
+from ._dist import agreed_min, cpu_group, group_key, guard_timeout, wait
 from .errors import PeerTimeoutError, ranks_text
 from .watchdog import watchdog
 
@@ -110,13 +110,6 @@ def use_ll(n_rows: int, layout) -> bool:
     the rows an LL cell holds)."""
     return 0 < n_rows <= layout.ll_rows
 
-
-def agreed_min(group, value: int) -> int:
-    """The smallest ``value`` over the group's ranks (one gloo all_reduce): a launch bound
-    every rank must plan with alike."""
-    n = torch.tensor([int(value)], dtype=torch.int64)
-    collectives.all_reduce(n, op=dist.ReduceOp.MIN, group=cpu_group(group))
-    return int(n.item())
 
 class PeerErrors:
     """Error words ``[W] int32`` (mapped pinned host memory on CUDA) and the broken state.

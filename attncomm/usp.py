@@ -39,17 +39,15 @@ import torch.distributed as dist
 
 from . import _dist, collectives, config
 from .capability import host_identity
-from .ring.api import local_error, ring_attention
-from .ring.checks import check_call, check_call_2d
-from .ring.layout import LAYOUTS, layout_error, zigzag_shard, zigzag_unshard
+from .ring.api import LAYOUT_CODES, local_error, ring_attention
+from .ring.layout import layout_error, zigzag_shard, zigzag_unshard
 from .ulysses import UlyssesAttention
 from .ulysses.api import seq_lens_hash
+from .ulysses.policy import BACKEND_CODES
 
 __all__ = ["make_groups", "USPAttention", "usp_shard", "usp_unshard", "usp_positions",
            "ulysses_span_reason", "UlyssesSpansHostsWarning"]
 
-_LAYOUT_CODES = {name: i + 1 for i, name in enumerate(LAYOUTS)}
-_BACKEND_CODES = {"all_to_all": 1, "ce": 2, "auto": 3}
 
 
 class UlyssesSpansHostsWarning(UserWarning):
@@ -59,7 +57,7 @@ class UlyssesSpansHostsWarning(UserWarning):
 
 # ------------------------------------------------------------------------------ layout
 
-def _check_grid(seq_len: int, u: int, r: int, layout: str) -> None:
+def _validate_grid(seq_len: int, u: int, r: int, layout: str) -> None:
     if u < 1 or r < 1:
         raise ValueError(f"ulysses_degree and ring_degree must be ≥ 1, got {u} and {r}")
     why = layout_error(layout)
@@ -79,7 +77,7 @@ def usp_shard(x: torch.Tensor, ulysses_degree: int, ring_degree: int, rank: int,
 
     Raises ValueError when the length does not split (``U·R``; ``2·U·R`` for zigzag)."""
     u, r = ulysses_degree, ring_degree
-    _check_grid(x.shape[dim], u, r, layout)
+    _validate_grid(x.shape[dim], u, r, layout)
     if not 0 <= rank < u * r:
         raise ValueError(f"usp_shard: rank {rank} is not in [0, {u * r})")
     span = zigzag_shard(x, r, rank // u, dim) if layout == "zigzag" else x
@@ -192,8 +190,8 @@ def make_groups(ulysses_degree: int, ring_degree: int, group=None):
         error = (f"ulysses_degree · ring_degree = {u} · {r} = {u * r} does not equal the "
                  f"group's size {world}")
     sig = [u, r] if error is None else [-1, -1]
-    check_call(group, "usp.make_groups", True, sig, ["ulysses_degree", "ring_degree"], error,
-               config.timeout_s())
+    _dist.validate_args(group, "usp.make_groups", sig, ["ulysses_degree", "ring_degree"], error,
+                        config.timeout_s(), True)
     ranks = list(range(world)) if group is None else dist.get_process_group_ranks(group)
     me = dist.get_rank(group)
     j, i = divmod(me, u)
@@ -226,8 +224,10 @@ class USPAttention(torch.nn.Module):
         backend, pipeline_groups, qk_norm, timeout_s: as ``UlyssesAttention`` (the Ulysses
             transport, head-group pipelining, RMSNorm weights); ``timeout_s`` also bounds the
             ring's waits.
-        validate: cross-rank argument check (None: env ``ATTNCOMM_VALIDATE``, on by default):
-            agreed over the whole grid (``ring.checks.check_call_2d``).
+        validate: cross-rank argument check of each forward (None: env ``ATTNCOMM_VALIDATE``;
+            unset, on the first forward with a new signature per grid; True every forward;
+            False never), agreed over the whole grid (``_dist.validate_args`` with ``grid=``);
+            the construction is always checked.
         layout: ``"contiguous"`` or ``"zigzag"`` (over the ring; for causal load balance).
 
     ``forward(q [B, S_r, Hq, D], k [B, S_r, Hkv, D], v [B, S_r, Hkv, Dv], *, seq_lens=None,
@@ -265,13 +265,13 @@ class USPAttention(torch.nn.Module):
                                              timeout_s=timeout_s, validate=False)
         except ValueError as exc:
             self._ulysses, error = None, error or str(exc)
-        sig = [_LAYOUT_CODES.get(layout, 0), _BACKEND_CODES.get(backend, 0),
+        sig = [LAYOUT_CODES.get(layout, 0), BACKEND_CODES.get(backend, 0),
                pipeline_groups if isinstance(pipeline_groups, int) else -9,
                int(qk_norm is not None), dist.get_world_size(ulysses_group),
                dist.get_world_size(ring_group)]
-        check_call_2d(ulysses_group, ring_group, "USPAttention", True, sig,
-                      ["layout", "backend", "pipeline_groups", "qk_norm given", "U", "R"],
-                      error, config.timeout_s(timeout_s))
+        _dist.validate_args(ulysses_group, "USPAttention", sig,
+                            ["layout", "backend", "pipeline_groups", "qk_norm given", "U", "R"],
+                            error, config.timeout_s(timeout_s), True, grid=ring_group)
         self.topology_reason = ulysses_span_reason(ulysses_group, timeout_s)
 
     @property
@@ -287,7 +287,7 @@ class USPAttention(torch.nn.Module):
         return ring_attention(q, k, v, self.ring_group, causal=causal, layout=self.layout,
                               attn_fn=self.attn_fn, validate=False, timeout_s=self.timeout_s)
 
-    def _check(self, q, k, v, seq_lens, rope):
+    def _validate(self, q, k, v, seq_lens, rope):
         """``(error or None, seq_lens as a tuple, the Ulysses group's span T)``, no
         communication."""
         u, r = dist.get_world_size(self.ulysses_group), dist.get_world_size(self.ring_group)
@@ -330,7 +330,7 @@ class USPAttention(torch.nn.Module):
         u = dist.get_world_size(self.ulysses_group)
         r, j = dist.get_world_size(self.ring_group), dist.get_rank(self.ring_group)
         try:
-            error, seq, span = self._check(q, k, v, seq_lens, rope)
+            error, seq, span = self._validate(q, k, v, seq_lens, rope)
         except (TypeError, AttributeError, IndexError) as exc:
             error, seq, span = f"bad arguments: {exc}", None, 0
         ok = error is None
@@ -342,12 +342,12 @@ class USPAttention(torch.nn.Module):
                *(_dist.DTYPE_CODES.get(t.dtype, 0) if ok else 0 for t in (q, k, v)),
                int(ok and q.is_cuda), int(bool(causal)), int(rope is not None),
                sum(seq) if ok else -1, seq_lens_hash(seq) if ok else -1, u, r,
-               _LAYOUT_CODES.get(self.layout, 0)]
+               LAYOUT_CODES.get(self.layout, 0)]
         labels = ["B", "S_r (seq_lens=None)", "Hq", "D", "Hkv", "Dv", "q dtype", "k dtype",
                   "v dtype", "CUDA", "causal", "rope given", "S", "seq_lens (hash)", "U", "R",
                   "layout"]
-        check_call_2d(self.ulysses_group, self.ring_group, "USPAttention", self.validate, sig,
-                      labels, error, budget, q)
+        _dist.validate_args(self.ulysses_group, "USPAttention", sig, labels, error, budget,
+                            self.validate, grid=self.ring_group)
         rows = None
         if rope is not None:
             rows = tuple(_span_rows(t, j, r, span, self.layout) for t in rope)

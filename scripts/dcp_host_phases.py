@@ -6,9 +6,10 @@ work. Run it on two trees to compare them (the phases differ: each tree's own co
 
     PYTHONPATH=<tree> python scripts/dcp_host_phases.py [--json PATH]
 
-The shapes are issue 20's (T=8, 64 heads × 512 bf16; the gather 64 × 576). On a GPU the same
-phases cost about the same host µs; allocations and copies become kernel launches there (one
-``torch.add`` ≈ 11-16 µs of host on the H200 hosts): ``attncomm bench overhead`` measures those.
+The shapes are the host-cost table's (T=8, 64 heads × 512 bf16; the gather 64 × 576). On a
+GPU the same phases cost about the same host µs; allocations and copies become kernel launches
+there (one ``torch.add`` ≈ 11-16 µs of host on the H200 hosts): ``attncomm bench overhead``
+measures those.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The Ulysses fill kernel on one GPU at the bench's shapes: bits against the tree's own torch
-path, the GPU's µs per call and the host's µs per ``fill_triton`` call (its wrapper and
-Triton's launch); the A/B of two trees' fills (``--ab``, ``scripts/ab_tree.py``).
+path, the GPU's µs per call and the host's µs per call of a prepared ``FillPlan`` (its wrapper
+and Triton's launch); the A/B of two trees' fills (``--ab``, ``scripts/ab_tree.py``).
 
 Shapes as ``bench ulysses --fill``: q, k, v ``[1, S/2, 56, 128]`` bf16, 2 regions, with and
 without qk_norm + RoPE (fp32 weights), into one flat send buffer; and with norm into regions
@@ -42,7 +42,9 @@ def case(seq: int, norm: bool, regions: bool, label: str, dump: _one_gpu.Dump) -
         half = numel // 2
         second = torch.full((numel - half,), float("nan"), dtype=out.dtype, device=out.device)
         target = [torch.full((half,), float("nan"), dtype=out.dtype, device=out.device), second]
-    call = lambda: fill.fill_triton(parts, 1e-6, cos, sin, out=target)  # noqa: E731
+    plan = fill.FillPlan(parts, 1e-6, rope=cos is not None, impl="triton")
+    xs = [p.x for p in parts]
+    call = lambda: plan(xs, cos, sin, target)  # noqa: E731
     call()
     got = torch.cat(target) if regions else out
     key = f"seq={seq} norm={norm}" + (" regions" if regions else "")

@@ -2,15 +2,15 @@
 device call: run it once per tree (``PYTHONPATH=<tree> python3 scripts/host_cost_ab.py``), in
 alternation, on one GPU, W=1 (one NCCL rank: the exchange is trivial). W=1 is not the whole
 host path of W>1: the cross-rank check, the ``ce`` transport and parts of the gather are skipped
-at W=1; the figures are issue 20's W=1 rows.
+at W=1; the figures are the host-cost table's W=1 rows (``attncomm bench overhead``).
 
 It uses only names both trees export (``dcp.merge``, ``DcpMerger``, ``dcp.gather_heads``,
 ``ulysses.seq_to_head``, ``UlyssesAttention``, ``sdpa_attention``), so an older tree without
 ``attncomm bench overhead`` can be measured against the current one. Each row: synchronize,
 then time the call on the host (median over ``--repeats``); the unit is one ``torch.add`` of
-two small CUDA tensors timed the same way in the same process (issue 20's unit; it varies
-from one process to the next, so compare trees in µs as well as in units). Shapes are issue 20's
-table. Writes one JSON line per run to ``--json`` (appended).
+two small CUDA tensors timed the same way in the same process (``bench overhead``'s unit; it
+varies from one process to the next, so compare trees in µs as well as in units). Shapes are
+that table's. Writes one JSON line per run to ``--json`` (appended).
 """
 from __future__ import annotations
 

@@ -35,7 +35,8 @@ if ROOT not in sys.path:
 #: ``phase → [(file suffix, function name)]``: a call's cProfile time goes to the first phase
 #: whose functions' cumulative time covers it (these functions do not nest across phases).
 PHASES = {
-    "argument checks": [("ulysses/api.py", "check_call"), ("ulysses/policy.py", "check_call"),
+    "argument checks": [("_dist.py", "validate_args"),
+                        ("ulysses/api.py", "check_call"), ("ulysses/policy.py", "check_call"),
                         ("ulysses/attention.py", "_check"), ("ulysses/api.py", "_prologue"),
                         ("ulysses/attention.py", "_requested_groups")],
     "transport choice, plans": [("ulysses/api.py", "get_transport"),
@@ -134,8 +135,10 @@ def measure(rank: int, world: int, device_type: str, shape, calls: int, rounds: 
     ``jit_launch``: launch the fill through Triton's JIT every time (where the checkout has the
     cached launch)."""
     from attncomm import ulysses
-    if jit_launch:
+    if jit_launch:  # the knob of this tree (compiled_launch) or an older one's (fill)
+        from attncomm import compiled_launch
         from attncomm.ulysses import fill
+        compiled_launch.REPLAY = False
         fill.CACHED_LAUNCH = False
     device = torch.device(device_type, rank if device_type == "cuda" else None) \
         if device_type == "cuda" else torch.device("cpu")

@@ -25,7 +25,7 @@ same timeline figures for back-to-back replays. These overlap figures come from 
 copies go over PCIe to host memory, with scaled bytes, and W ranks' attention sharing its SMs:
 they are NOT NVLink figures.
 
-DiT options (issue 22): ``--joint S_j`` gives every simulated rank ``S_j`` joint rows (a DiT's
+DiT options: ``--joint S_j`` gives every simulated rank ``S_j`` joint rows (a DiT's
 text tokens, the same on every rank): each rank copies its heads of them into the first ``S_j``
 rows of its receive buffers (the fill writes the exchanged rows after them), attention runs
 over ``[joint; sequence]``, the joint rows' output lands in ``joint_out`` (``[1, S_j, H, D]``,

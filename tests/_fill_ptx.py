@@ -1,5 +1,5 @@
 """Print, as JSON ``{"fused": ptx, "launched": ptx}``, the sm_90 PTX of the Ulysses fill kernel
-(bf16, norm + RoPE, D=128) with FMA contraction on and with the options ``fill_triton``
+(bf16, norm + RoPE, D=128) with FMA contraction on and with the options the fill's launcher
 launches it with; with argument ``fp8``, ``{"fp8": ptx}`` of the FP8 payload variant (uint8
 output, bases not 16-aligned: rows of D + 4 bytes) with the launch options. Needs no GPU, but a
 process without TRITON_INTERPRET (tests/test_ulysses_fill.py)."""

@@ -104,13 +104,24 @@ def _calls(rank, world):
             call(validate=True)
             every = c.take()
             with config.setting(ATTNCOMM_VALIDATE=1):
+                _replan(name, call, c)
                 call()
             env_every = c.take()
             with config.setting(ATTNCOMM_VALIDATE=0):
+                _replan(name, call, c)
                 call()
             never = c.take()
             res[name] = (first, steady, every, env_every, never)
     return res
+
+
+def _replan(name, call, counter) -> None:
+    """The Ulysses calls read ``ATTNCOMM_*`` when a plan is made: after a change, release the
+    group's plans and make the new one (its collectives not counted)."""
+    if name.startswith(("seq_to_head", "head_to_seq", "UlyssesAttention")):
+        attncomm.release()
+        call()
+        counter.take()
 
 
 # The exchange's own collectives, per call, on gloo CPU ranks.

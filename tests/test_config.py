@@ -97,7 +97,7 @@ def test_table_rows_are_well_formed():
     for name, var in config.VARS.items():
         assert name == var.name and name.startswith("ATTNCOMM_")
         assert var.type in (int, float, bool, str), name
-        assert var.read in ("call", "once"), name
+        assert var.read in ("call", "plan", "once"), name
         assert isinstance(var.default, var.type), name
         assert var.doc.strip(), name
         if var.choices is not None:

@@ -400,16 +400,16 @@ def test_decide_transport_policy():
 def _cache_keys(rank, world):
     """A new group's cache entries are keyed by the group object (an ``id`` can be reused by a
     later group); ``reset_transports`` forgets exactly them."""
-    from attncomm.ulysses import api, ce
+    from attncomm.ulysses import api, ce, policy
     g = dist.new_group(list(range(world)), backend="gloo")
     y = seq_to_head(torch.full((1, 2, world, 1), float(rank)), g, backend="auto")
     ok_data = y.flatten().tolist() == [float(s) for s in range(world) for _ in range(2)]
     agreed = [k for k in ce._AGREED if k[0] is g]
-    transports = [k for k in api._TRANSPORTS if k[0] is g]
-    by_id = [k for k in list(ce._AGREED) + list(api._TRANSPORTS) if k[0] == id(g)]
+    transports = [k for k in policy._TRANSPORTS if k[0] is g]
+    by_id = [k for k in list(ce._AGREED) + list(policy._TRANSPORTS) if k[0] == id(g)]
     api.reset_transports(g)
-    left = [k for k in api._TRANSPORTS if k[0] is g]
-    others = len(api._TRANSPORTS)
+    left = [k for k in policy._TRANSPORTS if k[0] is g]
+    others = len(policy._TRANSPORTS)
     dist.destroy_process_group(g)
     return ok_data, len(agreed), len(transports), by_id, left, others
 

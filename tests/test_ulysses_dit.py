@@ -17,7 +17,7 @@ from attncomm import ulysses
 from attncomm.testing.reference import ref_attention
 from attncomm.ulysses import UlyssesAttention, fp8, head_split
 from attncomm.ulysses import attention as attn_mod
-from attncomm.ulysses import forward_plan
+from attncomm.ulysses import forward_plan, pipeline_choice
 from attncomm.ulysses.fill import rms_norm_rope
 from attncomm.ulysses.layout import head_gather_plan, head_offsets
 
@@ -234,8 +234,8 @@ def _measured(rank, world, faster):
     the same settings reuses it), and gives the sequential module's bits."""
     attncomm.release()  # no plans or decisions from earlier tests on these ranks
     ran, timed = [], []
-    real_run, real_meas, real_sms = (forward_plan.ForwardPlan.run, attn_mod._measurement,
-                                     attn_mod._sm_count)
+    real_run, real_meas, real_sms = (forward_plan.ForwardPlan.run, pipeline_choice._measurement,
+                                     pipeline_choice._sm_count)
 
     def run(self, *a, **kw):
         ran.append(self.n_groups)
@@ -248,8 +248,8 @@ def _measured(rank, world, faster):
         return 5.0 if pipelined == (faster == "pipelined") else 10.0
 
     forward_plan.ForwardPlan.run = run
-    attn_mod._measurement = lambda device: (True, timer)
-    attn_mod._sm_count = lambda device: 1  # auto_groups: 2 groups of 2 heads at this size
+    pipeline_choice._measurement = lambda device: (True, timer)
+    pipeline_choice._sm_count = lambda device: 1  # auto_groups: 2 groups of 2 heads at this size
     try:
         full, joint = _data(11, 1, [6] * world, 2, 4 * world, world, 8, 8)
         local = _shard(full, [6] * world, rank)
@@ -262,7 +262,7 @@ def _measured(rank, world, faster):
         counts = (len(timed), other.pipeline_decision == mod.pipeline_decision)
     finally:
         forward_plan.ForwardPlan.run = real_run
-        attn_mod._measurement, attn_mod._sm_count = real_meas, real_sms
+        pipeline_choice._measurement, pipeline_choice._sm_count = real_meas, real_sms
     seq = UlyssesAttention(pipeline_groups=0)(*local, joint=joint)
     cpu = UlyssesAttention()
     cpu(*local[:1] * 3)  # a new shape, measurement not forced: CPU decides without running

@@ -55,13 +55,14 @@ def test_output_is_the_callers_tensor(pools, world, seed):
     results = pools.run(world, _output, seed)
     for res in results:
         assert res[1] and res[2], f"seed {seed}: {res}"
-        assert "output must be [1, " in res["bad"] and "rank 1" in res["bad"], res["bad"]
+        assert "output must be a [1, " in res["bad"] and "rank 1" in res["bad"], res["bad"]
     assert len({r["bad"] for r in results}) == 1
 
 
 def _plans(rank, world):
     """A steady-state call builds nothing (the plan of its shape is reused); a new shape, a
-    changed setting or env variable, close() and attncomm.release() plan anew."""
+    changed setting, close() and attncomm.release() plan anew; an ``ATTNCOMM_*`` variable is
+    read when a plan is made, so its change takes effect after release()."""
     made = []
     real_fp, real_cp = api._plan_seq_to_head, UlyssesAttention._make_plan
 
@@ -94,8 +95,12 @@ def _plans(rank, world):
         steps["setting"] = list(made) + [mod.last_pipeline_groups]
         made.clear()
         with config.setting(ATTNCOMM_ULYSSES_BACKEND="all_to_all"):
+            ulysses.seq_to_head(x)  # read when a plan is made: this one was made before
+            steps["env"] = list(made)
+            made.clear()
+            attncomm.release()
             ulysses.seq_to_head(x)
-        steps["env"] = list(made)
+            steps["env, released"] = list(made)
         made.clear()
         attncomm.release()
         ulysses.seq_to_head(x)
@@ -118,7 +123,8 @@ def test_plans_are_made_once_per_shape(pools):
         assert steps["first"] == ["seq_to_head", "attention"], steps
         assert steps["again"] == [] and steps["same list"] == [], steps
         assert steps["seq_lens list"] == ["seq_to_head"] and steps["new shape"] == ["attention"]
-        assert steps["setting"] == ["attention", 1] and steps["env"] == ["seq_to_head"]
+        assert steps["setting"] == ["attention", 1] and steps["env"] == []
+        assert steps["env, released"] == ["seq_to_head"], steps
         assert steps["release"] == ["seq_to_head", "attention"], steps
         assert "UlyssesAttention is closed" in steps["closed"] and steps["closed plans"] == 0
 

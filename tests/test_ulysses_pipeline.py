@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from attncomm.ulysses import attention as attn_mod
+from attncomm.ulysses import pipeline_choice
 from attncomm.ulysses import UlyssesAttention, head_split
 from attncomm.ulysses.attention import auto_groups
 
@@ -94,18 +94,18 @@ def test_auto_groups_rule():
 
 def _decline(rank, world, short_rank):
     x = torch.randn(1, 4, 4, 8)
-    orig = attn_mod._free_bytes
-    attn_mod._FITS.clear()
+    orig = pipeline_choice._free_bytes
+    pipeline_choice._FITS.clear()
     try:
         if rank == short_rank:
-            attn_mod._free_bytes = lambda device: 0
+            pipeline_choice._free_bytes = lambda device: 0
         mod = UlyssesAttention(_head_independent, pipeline_groups=2)
         out = mod(x, x, x)
         seq = UlyssesAttention(_head_independent, pipeline_groups=0)(x, x, x)
         return mod.last_pipeline_groups, torch.equal(out, seq)
     finally:
-        attn_mod._free_bytes = orig
-        attn_mod._FITS.clear()
+        pipeline_choice._free_bytes = orig
+        pipeline_choice._FITS.clear()
 
 
 @pytest.mark.parametrize("world", [2, 3])

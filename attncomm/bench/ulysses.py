@@ -39,7 +39,7 @@ from . import ulysses_dit as bench_dit
 from . import ulysses_fp8 as bench_fp8
 from . import ulysses_layer as bench_layer
 from . import ulysses_timeline as timeline
-from ..ulysses.api import _cached, ce_reason
+from ..ulysses.policy import ce_reason, named_transport
 from .ulysses_fill import fill_records
 from .ulysses_layer import markdown_rows
 from ..ulysses.layout import head_offsets, head_split, head_to_seq_plan, seq_to_head_plan
@@ -145,7 +145,7 @@ def _transport(name, group, rank, world, device, timeout):
         why = ce_reason(group, device)
         if why:
             return None, why
-    return _cached(group, name, device, timeout, rank, world), None
+    return named_transport(group, name, device, timeout), None
 
 
 def _exchange_fn(t, plan, parts, dtype, device, out=None):

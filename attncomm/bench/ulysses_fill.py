@@ -5,9 +5,10 @@ Shapes: one rank's sequence shard at world size ``W`` (default 2) of q, k, v ``[
 (H query and KV heads, default 56, D = 128, bf16), for each ``S`` (default 8192 and 32768),
 with and without qk_norm + RoPE; the send buffer has W regions (``ulysses/fill.py``).
 
-- ``triton``: ``fill_triton`` (one launch for q, k, v), each launch shape of ``FILL_CONFIGS``
-  tried; ``time_us`` is the best one's (``config``), ``default_time_us`` the library default's,
-  ``configs`` all of them (the shape never changes the bits: every one is checked).
+- ``triton``: ``FillPlan(impl="triton")`` (one launch for q, k, v), each launch shape of
+  ``FILL_CONFIGS`` tried; ``time_us`` is the best one's (``config``), ``default_time_us`` the
+  library default's, ``configs`` all of them (the shape never changes the bits: every one is
+  checked).
 - ``torch``: ``fill_torch``: ``rms_norm_rope`` of q and k in fp32 torch ops, then the copies
   into the regions (the unfused path's work).
 - ``triton-fp8``, ``torch-fp8`` (``payload: "fp8"``): the same with the FP8 payload
@@ -25,8 +26,8 @@ Times: the GPU's time per call: a sleep kernel first (so the host's launch work 
 the GPU's clock), then ``n`` calls back to back between two CUDA events, median of 5 such
 windows ÷ ``n``. ``eager_call_us`` (triton) is one call between two events with an idle GPU
 (what the 2026-12-01 first results reported: it adds the host's launch time). ``host_us``: the
-host's time per ``fill_triton`` call (Python + launch). Records ``{"impl", "seq", "heads",
-"head_dim", "time_us", "floor_us", "qk_norm", ...}``.
+host's time per call of a prepared ``FillPlan`` (Python + launch). Records ``{"impl", "seq",
+"heads", "head_dim", "time_us", "floor_us", "qk_norm", ...}``.
 """
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ import torch
 
 from . import common
 from ..ulysses import fp8 as _fp8
-from ..ulysses.fill import (HEADS_PER_PROGRAM, LAUNCH_OPTIONS, FillPart, default_block_s,
-                            fill_torch, fill_triton, send_layout)
+from ..ulysses.fill import (HEADS_PER_PROGRAM, LAUNCH_OPTIONS, FillPart, FillPlan,
+                            default_block_s, fill_torch, send_layout)
 from ..ulysses.layout import group_head_ranges
 
 __all__ = ["fill_records", "copy_bandwidth", "FILL_CONFIGS"]
@@ -158,6 +159,7 @@ class _Run:
         _, starts = send_layout(b, s_r, row, [p.ranges for p in parts])
         self.out_t = torch.empty(starts[-1], dtype=wire, device=device)
         self.out_k = torch.empty_like(self.out_t)
+        self.plans: dict = {}  # launch shape → its FillPlan
         # q, k, v read once, the send buffer written once (cos/sin read once with RoPE)
         self.moved = sum(p.x.numel() * p.x.element_size() for p in parts) \
             + self.out_t.numel() * self.out_t.element_size()
@@ -170,8 +172,13 @@ class _Run:
                           payload_dtype=self.payload)
 
     def triton_call(self, **shape):
-        return fill_triton(self.parts, 1e-6, self.cos, self.sin, out=self.out_k,
-                           payload_dtype=self.payload, **shape)
+        key = tuple(sorted(shape.items()))
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = FillPlan(self.parts, 1e-6, self.cos is not None, "triton",
+                                              self.payload, **shape)
+        plan([p.x for p in self.parts], self.cos, self.sin, self.out_k)
+        return self.out_k
 
     def torch_us(self) -> float:
         if self.cuda:

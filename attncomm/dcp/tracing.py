@@ -1,6 +1,7 @@
 """What the DCP exchanges' call paths share: the names a traced graph finds their objects by,
-the warm-up error, how optional arguments travel through a custom op, and the checks and plan
-keys of caller-owned destinations (``output=``).
+how optional arguments travel through a custom op; the warm-up error and the checks and plan
+keys of caller-owned destinations (``output=``) are every exchange's (``attncomm._plans``), named
+here too for the DCP call paths.
 
 A ``torch.library`` custom op takes tensors, numbers and strings, never a Python object, so a
 compiled graph names a ``DcpMerger`` or ``DcpQueryGather`` by a string given at construction
@@ -12,7 +13,7 @@ from __future__ import annotations
 import itertools
 import weakref
 
-import torch
+from .._plans import dest_error, dest_key, warm_up_error
 
 __all__ = ["register", "lookup", "warm_up_error", "ANY", "matches", "validate_code",
            "validate_arg", "timeout_code", "timeout_arg", "dest_key", "dest_error"]
@@ -40,18 +41,6 @@ def lookup(name: str):
         raise RuntimeError(f"{name} no longer exists (a compiled graph outlived the object it "
                            f"was traced from)")
     return obj
-
-
-def warm_up_error(op: str, what: str) -> ValueError:
-    """The error for a call whose decisions (backend, preallocated buffers) no eager call made:
-    torch.compile traces the call, and a decision takes collectives and may allocate, which a
-    traced graph must not do. ``what`` names the call's shape. (Dynamo re-raises it wrapped,
-    its message starting with ``ValueError:``.)"""
-    return ValueError(
-        f"{op}: {what} was never called eagerly on this group, so its backend and buffers are "
-        f"not decided; torch.compile reuses the decisions of eager calls and makes none while "
-        f"tracing: call {op} once eagerly with this shape on every rank first (a warm-up), "
-        f"then compile")
 
 
 #: In a ``matches`` pattern: any value (a dim that is symbolic while tracing).
@@ -85,26 +74,3 @@ def timeout_code(timeout_s: float | None) -> float:
 def timeout_arg(code: float) -> float | None:
     """The inverse of ``timeout_code``."""
     return None if code < 0 else float(code)
-
-
-def dest_key(output):
-    """What the checks of a caller-owned destination depend on (None, a tensor's shape, dtype,
-    device and contiguity, or a tuple of those): part of a call plan's key, so a destination
-    of a new kind is checked once. Raises ``AttributeError`` for what is not a tensor."""
-    if output is None:
-        return None
-    if isinstance(output, (tuple, list)):
-        return tuple(dest_key(t) for t in output)
-    return (output.shape, output.dtype, output.device, output.is_contiguous())
-
-
-def dest_error(t, shape, dtype, device, what: str, contiguous: bool = False) -> str | None:
-    """Why ``t`` cannot receive a ``shape`` result of ``dtype`` on ``device`` (None if it can)."""
-    if isinstance(t, torch.Tensor) and t.shape == tuple(shape) and t.dtype == dtype \
-            and t.device == device and (t.is_contiguous() or not contiguous):
-        return None
-    got = (f"{tuple(t.shape)} {t.dtype} on {t.device}"
-           + ("" if t.is_contiguous() else ", not contiguous")
-           if isinstance(t, torch.Tensor) else type(t).__name__)
-    return (f"{what} must be a{' contiguous' if contiguous else ''} {list(shape)} {dtype} "
-            f"tensor on {device}, got {got}")

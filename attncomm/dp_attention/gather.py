@@ -32,7 +32,7 @@ import torch.distributed as dist
 from .. import config
 from .._dist import DTYPE_CODES, check_args, group_name, resolve_group
 from ..collectives import all_gather_tensor, all_reduce, reduce_scatter_tensor
-from .._plans import CallPlans
+from .._plans import CallPlans, dest_error, dest_key
 from .._dist import wait as _dist_wait
 
 __all__ = ["DpPaddingMode", "choose_padding_mode", "dp_gather", "dp_scatter",
@@ -168,8 +168,7 @@ def _plan(op, x, global_num_tokens, group, mode, attn_tp_size, validate, timeout
         counts = (global_num_tokens.tolist() if isinstance(global_num_tokens, torch.Tensor)
                   else global_num_tokens)
         key = (op, x.shape, x.dtype, x.device, tuple(counts), mode, attn_tp_size, validate,
-               timeout_s, env_t, env_v, None if output is None else (
-                   output.shape, output.dtype, output.device, output.is_contiguous()))
+               timeout_s, env_t, env_v, dest_key(output))
         plan = _PLANS.get(group, key)
     except (AttributeError, TypeError):  # not a tensor, unhashable arguments: checks say why
         key = plan = None
@@ -188,8 +187,8 @@ def _new_plan(op, x, global_num_tokens, group, mode, attn_tp_size, validate, tim
         err = _local_error(op, x, n, mode, dp_rank)
     if err is None and output is not None:
         rows = global_layout(n, mode)[0] if op == "dp_gather" else n[dp_rank]
-        err = _output_error(output, (rows, *x.shape[1:]), x.dtype, x.device)
-    _check(op, g, x, n, mode, attn_tp_size, err, validate, budget)
+        err = dest_error(output, (rows, *x.shape[1:]), x.dtype, x.device)
+    _validate(op, g, x, n, mode, attn_tp_size, err, validate, budget)
     total, offsets = global_layout(n, mode)
     plan = _Plan(g, n, mode, dp_rank, tp_rank, int(attn_tp_size), dist.get_world_size(g),
                  tuple(x.shape[1:]), x.dtype, x.device, total, offsets, budget)
@@ -214,16 +213,7 @@ def _local_error(op, x, n, mode, dp_rank) -> str | None:
     return None
 
 
-def _output_error(t, shape, dtype, device) -> str | None:
-    if isinstance(t, torch.Tensor) and t.shape == shape and t.dtype == dtype \
-            and t.device == device:
-        return None
-    got = (f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor)
-           else type(t).__name__)
-    return f"output must be a {list(shape)} {dtype} tensor on {device}, got {got}"
-
-
-def _check(op, group, x, n, mode, attn_tp_size, err, validate, timeout_s) -> None:
+def _validate(op, group, x, n, mode, attn_tp_size, err, validate, timeout_s) -> None:
     sig, labels = _signature(x, n, mode, attn_tp_size)
     check_args(group, op, sig, labels, err, timeout_s, validate)
 

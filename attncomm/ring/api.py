@@ -22,16 +22,16 @@ import torch.distributed as dist
 from .. import _dist, config
 from ..errors import PeerTimeoutError
 from .attn import attention_with_lse
-from .checks import check_call
 from .comm import RingComm
 from .layout import LAYOUTS, layout_error, ring_block
 from .merge import merge_block, new_state
 
-__all__ = ["ring_attention", "RingAttention", "DTYPES", "local_error", "signature"]
+__all__ = ["ring_attention", "RingAttention", "DTYPES", "local_error", "signature", "LAYOUT_CODES"]
 
 #: Input dtypes the ring takes (the state is fp32 whatever the input).
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_LAYOUT_CODES = {name: i + 1 for i, name in enumerate(LAYOUTS)}
+#: ``layout`` as the int an argument check agrees on.
+LAYOUT_CODES = {name: i + 1 for i, name in enumerate(LAYOUTS)}
 LABELS = ["B", "S_r", "Hq", "D", "Hkv", "Dv", "q dtype", "k dtype", "v dtype", "CUDA", "layout",
           "causal", "return_lse"]
 
@@ -72,7 +72,7 @@ def signature(q, k, v, layout, causal, return_lse) -> list[int]:
     dims = [*q.shape, k.shape[2], v.shape[3]] if ok else [-1] * 6
     codes = [_dist.DTYPE_CODES.get(t.dtype, 0) if isinstance(t, torch.Tensor) else 0
              for t in (q, k, v)]
-    return [*dims, *codes, int(bool(ok and q.is_cuda)), _LAYOUT_CODES.get(layout, 0),
+    return [*dims, *codes, int(bool(ok and q.is_cuda)), LAYOUT_CODES.get(layout, 0),
             int(bool(causal)), int(bool(return_lse))]
 
 
@@ -151,8 +151,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
             (out [B, Sq, Hq, Dv] (fp16/bf16/fp32), lse [B, Sq, Hq] fp32 base e)`` for one block
             (``causal`` only for square blocks); a non-finite LSE marks an empty row. Default:
             ``attention_with_lse`` (fp32 math on CPU, SDPA's kernel with its LSE on CUDA).
-        validate: cross-rank argument check (None: env ``ATTNCOMM_VALIDATE``, on by default
-            outside CUDA graph capture); one small gloo collective.
+        validate: cross-rank argument check, one small gloo collective (None: env
+            ``ATTNCOMM_VALIDATE``; unset, on the first call with a new signature per group;
+            True every call; False never), as every functional call's.
         timeout_s: bound of every wait in seconds (None: ``ATTNCOMM_TIMEOUT_S``, 60).
 
     Returns:
@@ -161,15 +162,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         fp32, rounded once. A row with no key in any block is 0 with LSE −inf.
 
     Raises:
-        ValueError (every rank alike with validation on): not 4-D tensors, shapes, ``Hq % Hkv``,
-            dtypes, devices, an unknown layout, zigzag with an odd ``S_r``, ranks that disagree
-            on any of them (``S_r`` included).
+        ValueError (every rank alike unless validation is off): not 4-D tensors, shapes,
+            ``Hq % Hkv``, dtypes, devices, an unknown layout, zigzag with an odd ``S_r``, ranks
+            that disagree on any of them (``S_r`` included).
         PeerTimeoutError: a ring neighbour did not answer within ``timeout_s`` (named).
     """
     budget = config.timeout_s(timeout_s)
     error = local_error(q, k, v, layout)
-    check_call(group, "ring_attention", validate, signature(q, k, v, layout, causal, return_lse),
-               LABELS, error, budget, q)
+    _dist.validate_args(group, "ring_attention", signature(q, k, v, layout, causal, return_lse),
+                        LABELS, error, budget, validate)
     out, lse = _run(q, k, v, group, bool(causal), layout, attn_fn or attention_with_lse, budget,
                     "ring_attention")
     return (out, lse) if return_lse else out
@@ -184,7 +185,8 @@ class RingAttention(torch.nn.Module):
         group: the ring's process group (None: the default group).
         layout: ``"contiguous"`` or ``"zigzag"``.
         timeout_s: wait bound (None: ``ATTNCOMM_TIMEOUT_S``).
-        validate: cross-rank argument check per call (None: env, default on).
+        validate: cross-rank argument check of each call, as ``ring_attention``'s; the
+            construction's check runs unless it is False (or env ``ATTNCOMM_VALIDATE=0``).
 
     The construction is collective: every rank of ``group`` checks that all ranks chose the same
     layout (``ValueError`` on every rank otherwise). The object holds no buffers between calls;
@@ -200,8 +202,9 @@ class RingAttention(torch.nn.Module):
         self.timeout_s = timeout_s
         self.validate = validate
         self._closed = False
-        check_call(group, "RingAttention", validate, [_LAYOUT_CODES.get(layout, 0)], ["layout"],
-                   layout_error(layout), config.timeout_s(timeout_s))
+        _dist.validate_args(group, "RingAttention", [LAYOUT_CODES.get(layout, 0)], ["layout"],
+                            layout_error(layout), config.timeout_s(timeout_s),
+                            config.validation_mode(validate) != "never")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 causal: bool = False, return_lse: bool = False):

@@ -86,12 +86,12 @@ def positions(seq_len: int, world_size: int, rank: int, layout: str = "contiguou
     positions. Raises ValueError when ``seq_len`` does not split (``W``, or ``2W`` for zigzag)."""
     idx = torch.arange(seq_len, dtype=torch.int64)
     if layout == "contiguous":
-        _check_split(seq_len, world_size, "contiguous", world_size)
+        _validate_split(seq_len, world_size, "contiguous", world_size)
         return idx.view(world_size, -1)[rank].clone()
     return zigzag_shard(idx, world_size, rank, dim=0)
 
 
-def _check_split(n: int, world_size: int, layout: str, parts: int) -> None:
+def _validate_split(n: int, world_size: int, layout: str, parts: int) -> None:
     if world_size < 1 or not 0 <= n or n % parts:
         raise ValueError(f"layout={layout!r}: a sequence of {n} positions does not split into "
                          f"{parts} equal chunks (W = {world_size})")
@@ -113,7 +113,7 @@ def zigzag_shard(x: torch.Tensor, world_size: int, rank: int, dim: int = 1) -> t
     if not 0 <= rank < world_size:
         raise ValueError(f"zigzag_shard: rank {rank} is not in [0, {world_size})")
     n = x.shape[dim]
-    _check_split(n, world_size, "zigzag", 2 * world_size)
+    _validate_split(n, world_size, "zigzag", 2 * world_size)
     chunks = x.chunk(2 * world_size, dim=dim) if n else [x] * (2 * world_size)
     return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim=dim)
 

@@ -82,7 +82,7 @@ class AllToAllTransport(Transport):
         if w == 1:
             return self._local(plan, parts, dtype, device, out, send)
         if send is not None:
-            self._check_send(plan, dtype, send)
+            self._validate_send(plan, dtype, send)
             send = send.flat
         else:
             send = self._pack(plan, parts, dtype, device)
@@ -106,7 +106,7 @@ class AllToAllTransport(Transport):
         """A group of one: nothing to exchange. The caller's send buffer (fresh) is the final
         buffer of a tiled plan; otherwise each piece is copied to its final place once."""
         if send is not None:
-            self._check_send(plan, dtype, send)
+            self._validate_send(plan, dtype, send)
             if plan.tiled and out is None:
                 return _A2AExchange(self, None, plan, send.flat, None, dtype, device)
         final = out if out is not None else torch.empty(plan.recv_numel[0], dtype=dtype,

@@ -11,7 +11,6 @@ decided by an earlier eager call of the shape (``_traced_decision``).
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 
 import torch
@@ -19,26 +18,27 @@ import torch.distributed as dist
 
 from .. import _dist, config
 from .._dist import group_key
+from .._plans import CallPlans, dest_error, dest_key, warm_up_error
 from . import fp8, policy
 from .fill import FillPart, FillPlan
 from .layout import ExchangePlan, head_offsets, head_split, head_to_seq_plan, seq_to_head_plan
-from .policy import (AUTO_CE_MIN_BYTES, BACKENDS, _BACKEND_CODES, _TRANSPORTS, _cached,
-                     _norm_seq_lens, _seq_lens_error, backend_availability,
-                     ce_reason, check_call, decide_transport, dense, env_key, get_transport,
-                     on_forget, reset_transports, resolve_backend, seq_key, seq_lens_hash,
-                     warm_up_error)
+from .policy import (AUTO_CE_MIN_BYTES, BACKEND_CODES, BACKENDS, _norm_seq_lens,
+                     _seq_lens_error, backend_availability, ce_reason, decide_transport, dense,
+                     get_transport, on_forget, reset_transports, resolve_backend, seq_key,
+                     seq_lens_detail, seq_lens_hash)
 from .transport import Transport
 
 __all__ = ["seq_to_head", "head_to_seq", "backend_availability", "get_transport",
            "decide_transport", "reset_transports", "BACKENDS", "AUTO_CE_MIN_BYTES",
-           "ce_reason", "dense", "seq_lens_hash", "resolve_backend", "_TRANSPORTS", "_cached",
-           "_BACKEND_CODES"]
+           "ce_reason", "dense", "seq_lens_hash", "resolve_backend"]
 
-#: Call plans kept per group (least recently used evicted first; a new one costs one argument
-#: check when its signature is new to the group, and the plan).
+#: Call plans kept per group argument (the oldest dropped first; a new one costs one argument
+#: check when its signature is new to the group, and the plan). A plan is made with the
+#: ``ATTNCOMM_*`` variables of its first call: a change takes effect at the next new plan, or
+#: for every call after ``attncomm.release(group)`` / ``reset_transports(group)``.
 PLANS_PER_GROUP = 256
-#: ``group_key(group) → {call key → _CallPlan}``.
-_CALLS: dict = {}
+_PLANS = CallPlans(PLANS_PER_GROUP)
+on_forget(_PLANS.forget)  # the plans hold the group's transports: dropped with them
 #: ``(group_key(group), op, shape, dtype, device type, seq_lens, backend, num_heads) →
 #: transport name``: the decisions eager calls made, which traced calls reuse.
 _DECISIONS: dict = {}
@@ -46,7 +46,6 @@ _DECISIONS: dict = {}
 
 @on_forget
 def _forget(key) -> None:
-    _CALLS.pop(key, None)
     for k in [k for k in _DECISIONS if k[0] == key]:
         del _DECISIONS[k]
 
@@ -66,46 +65,17 @@ class _CallPlan:
     final: tuple            # the exchange's final buffer as a tensor shape
     direct: bool            # the final buffer is the result (B = 1 / output contiguous)
     every: bool             # validate on every call
-    check: tuple            # check_call's arguments after group and op
+    validation: tuple       # validate_args' signature, labels, local error and timeout
     fill: FillPlan | None = None    # the FP8 payload's quantizing fill (seq_to_head)
     wire: tuple | None = None       # the FP8 final buffer's shape [S, B, H_r, D + 4]
 
 
-def _out_key(output):
-    if output is None:
-        return None
-    if not isinstance(output, torch.Tensor):
-        return ("not a tensor", type(output).__name__)
-    return (output.shape, output.dtype, output.device, output.is_contiguous())
-
-
-def _lookup(op, group, key):
-    plans = _CALLS.get(group_key(group))
-    if plans is None:
-        return None
-    c = plans.get(key)
-    if c is not None and len(plans) > 1:
-        plans.move_to_end(key)
-    return c
-
-
-def _store(c: _CallPlan, key, decision_key) -> None:
-    plans = _CALLS.setdefault(group_key(c.group), collections.OrderedDict())
-    plans[key] = c
-    while len(plans) > PLANS_PER_GROUP:
-        plans.popitem(last=False)
-    _DECISIONS[decision_key] = c.transport.name
-
-
-def _output_error(output, shape, dtype, device) -> str | None:
-    if output is None:
-        return None
-    if not isinstance(output, torch.Tensor):
-        return f"output must be a tensor, got {type(output).__name__}"
-    if tuple(output.shape) != tuple(shape) or output.dtype != dtype or output.device != device:
-        return (f"output must be {list(shape)} {dtype} on {device}, got "
-                f"{list(output.shape)} {output.dtype} on {output.device}")
-    return None
+def _remember(group, c: _CallPlan, key, decision_key) -> None:
+    """Keep plan ``c`` for ``key`` (``group``: the group argument as the caller passed it) and
+    its transport for traced calls of the shape."""
+    if key is not None:
+        _PLANS.put(group, c.group, key, c)
+        _DECISIONS[decision_key] = c.transport.name
 
 
 def seq_to_head(x: torch.Tensor, group=None, *, seq_lens=None, backend: str = "auto",
@@ -142,19 +112,18 @@ def seq_to_head(x: torch.Tensor, group=None, *, seq_lens=None, backend: str = "a
     if torch.compiler.is_compiling():
         return _traced("seq_to_head", x, group, seq_lens, backend, validate, timeout_s, output,
                        payload_dtype=payload_dtype)
-    group = _dist.resolve_group(group, "ulysses.seq_to_head")
     try:
-        key = ("seq_to_head", x.shape, x.dtype, x.device, seq_key(seq_lens), backend, validate,
-               timeout_s, env_key(backend, timeout_s, validate), _out_key(output),
-               payload_dtype)
-        c = _lookup("seq_to_head", group, key)
+        seq = seq_lens if seq_lens is None or type(seq_lens) is tuple else seq_key(seq_lens)
+        key = ("seq_to_head", x.shape, x.dtype, x.device, seq, backend, validate, timeout_s,
+               None if output is None else dest_key(output), payload_dtype)
+        c = _PLANS.get(group, key)
     except (AttributeError, TypeError):  # not a tensor, unhashable seq_lens: the checks say
         key, c = None, None
     if c is None:
         c = _plan_seq_to_head(x, group, seq_lens, backend, validate, timeout_s, output, key,
                               payload_dtype)
     elif c.every:
-        check_call(c.group, c.op, validate, *c.check)
+        _dist.validate_args(c.group, c.op, *c.validation, validate)
     return _run(c, x, output)
 
 
@@ -205,10 +174,11 @@ def _run_fp8(c: _CallPlan, x, output):
     return res
 
 
-def _plan_seq_to_head(x, group, seq_lens, backend, validate, timeout_s, output, key,
+def _plan_seq_to_head(x, arg, seq_lens, backend, validate, timeout_s, output, key,
                       payload_dtype=None):
     """Checks (agreed across ranks on a new signature), decision and plan of a new call
-    shape."""
+    shape (``arg``: the group argument as the caller passed it)."""
+    group = _dist.resolve_group(arg, "ulysses.seq_to_head")
     c = _prologue(x, group, seq_lens, backend, timeout_s, "B, S_r, H, D")
     rank, world, error, seq, shape = c.rank, c.world, c.error, c.seq, c.shape
     if error is None and shape[2] < 1:
@@ -231,17 +201,14 @@ def _plan_seq_to_head(x, group, seq_lens, backend, validate, timeout_s, output, 
     heads = head_split(h, world) if error is None else [0] * world
     res_shape = (b, sum(seq), heads[rank], d)
     if error is None:
-        error = _output_error(output, res_shape, x.dtype, x.device)
-    sig = [shape[0], shape[2], shape[3], c.dcode, c.dev, _BACKEND_CODES[c.backend], default_len,
+        error = None if output is None else dest_error(output, res_shape, x.dtype, x.device)
+    sig = [shape[0], shape[2], shape[3], c.dcode, c.dev, BACKEND_CODES[c.backend], default_len,
            sum(seq) if error is None else -1, seq_lens_hash(seq) if error is None else -1,
            0 if output is None else 1 + int(output.is_contiguous()), int(use_fp8)]
     labels = ["B", "H", "D", "dtype", "device is CUDA", "backend", "S_r (seq_lens=None)",
               "sum(seq_lens)", "seq_lens (hash)", "output (1: strided, 2: contiguous)",
               "payload_dtype fp8"]
-    if policy.capturing(x):
-        raise warm_up_error("ulysses.seq_to_head", f"x {list(shape)} {x.dtype}")
-    check = (sig, labels, error, c.timeout)
-    check_call(group, "seq_to_head", validate, *check, seq_lens=seq)
+    validation = _validate("seq_to_head", x, group, c, sig, labels, error, seq, validate)
     offs = head_offsets(heads)
     ranges = (tuple((offs[p], offs[p] + heads[p]) for p in range(world)),)
     if use_fp8:
@@ -254,13 +221,12 @@ def _plan_seq_to_head(x, group, seq_lens, backend, validate, timeout_s, output, 
         direct = b == 1 and output.is_contiguous()
     cp = _CallPlan("seq_to_head", group, c.timeout, plan, t, x.dtype, res_shape,
                    (sum(seq), b, heads[rank], d), direct,
-                   config.validation_mode(validate) == "every", check)
+                   config.validation_mode(validate) == "every", validation)
     if use_fp8:
         cp.fill = FillPlan([FillPart(x, ranges[0])], payload_dtype=payload_dtype)
         cp.wire = (sum(seq), b, heads[rank], fp8.row_bytes(d))
-    if key is not None:
-        _store(cp, key, (group_key(group), "seq_to_head", tuple(shape), x.dtype,
-                         x.device.type, seq_key(seq_lens), c.backend, None, payload_dtype))
+    _remember(arg, cp, key, (group_key(group), "seq_to_head", tuple(shape), x.dtype,
+                             x.device.type, seq_key(seq_lens), c.backend, None, payload_dtype))
     return cp
 
 
@@ -289,23 +255,25 @@ def head_to_seq(x: torch.Tensor, group=None, *, num_heads: int | None = None, se
     if torch.compiler.is_compiling():
         return _traced("head_to_seq", x, group, seq_lens, backend, validate, timeout_s, output,
                        num_heads)
-    group = _dist.resolve_group(group, "ulysses.head_to_seq")
     try:
-        key = ("head_to_seq", x.shape, x.dtype, x.device, seq_key(seq_lens), num_heads, backend,
-               validate, timeout_s, env_key(backend, timeout_s, validate), _out_key(output))
-        c = _lookup("head_to_seq", group, key)
+        seq = seq_lens if seq_lens is None or type(seq_lens) is tuple else seq_key(seq_lens)
+        key = ("head_to_seq", x.shape, x.dtype, x.device, seq, num_heads, backend, validate,
+               timeout_s, None if output is None else dest_key(output))
+        c = _PLANS.get(group, key)
     except (AttributeError, TypeError):
         key, c = None, None
     if c is None:
         c = _plan_head_to_seq(x, group, num_heads, seq_lens, backend, validate, timeout_s,
                               output, key)
     elif c.every:
-        check_call(c.group, c.op, validate, *c.check)
+        _dist.validate_args(c.group, c.op, *c.validation, validate)
     return _run(c, x, output)
 
 
-def _plan_head_to_seq(x, group, num_heads, seq_lens, backend, validate, timeout_s, output,
+def _plan_head_to_seq(x, arg, num_heads, seq_lens, backend, validate, timeout_s, output,
                       key):
+    """As ``_plan_seq_to_head``, for ``head_to_seq``."""
+    group = _dist.resolve_group(arg, "ulysses.head_to_seq")
     c = _prologue(x, group, seq_lens, backend, timeout_s, "B, S, H_r, D")
     rank, world, error, seq = c.rank, c.world, c.error, c.seq
     b, s_total, h_r, d = c.shape
@@ -326,26 +294,22 @@ def _plan_head_to_seq(x, group, num_heads, seq_lens, backend, validate, timeout_
             error = f"sum(seq_lens) = {sum(seq)} but x has S = {s_total}"
     res_shape = (b, seq[rank] if error is None else 0, h if error is None else 0, d)
     if error is None:
-        error = _output_error(output, res_shape, x.dtype, x.device)
+        error = None if output is None else dest_error(output, res_shape, x.dtype, x.device)
     ok = error is None
-    sig = [b, s_total, d, c.dcode, c.dev, _BACKEND_CODES[c.backend], h if ok else -1,
+    sig = [b, s_total, d, c.dcode, c.dev, BACKEND_CODES[c.backend], h if ok else -1,
            seq_lens_hash(seq) if ok else -1,
            0 if output is None else 1 + int(output.is_contiguous())]
     labels = ["B", "S", "D", "dtype", "device is CUDA", "backend", "num_heads", "seq_lens (hash)",
               "output (1: strided, 2: contiguous)"]
-    if policy.capturing(x):
-        raise warm_up_error("ulysses.head_to_seq", f"x {list(c.shape)} {x.dtype}")
-    check = (sig, labels, error, c.timeout)
-    check_call(group, "head_to_seq", validate, *check, seq_lens=seq)
+    validation = _validate("head_to_seq", x, group, c, sig, labels, error, seq, validate)
     heads = head_split(h, world)
     plan = head_to_seq_plan(b, seq, d, tuple(heads), tuple(head_offsets(heads)), h)
     t, _ = get_transport(group, c.backend, x.device, c.timeout, plan, x.dtype, "head_to_seq")
     direct = output is None or output.is_contiguous()
     cp = _CallPlan("head_to_seq", group, c.timeout, plan, t, x.dtype, res_shape, res_shape,
-                   direct, config.validation_mode(validate) == "every", check)
-    if key is not None:
-        _store(cp, key, (group_key(group), "head_to_seq", tuple(c.shape), x.dtype,
-                         x.device.type, seq_key(seq_lens), c.backend, num_heads, None))
+                   direct, config.validation_mode(validate) == "every", validation)
+    _remember(arg, cp, key, (group_key(group), "head_to_seq", tuple(c.shape), x.dtype,
+                             x.device.type, seq_key(seq_lens), c.backend, num_heads, None))
     return cp
 
 
@@ -387,6 +351,18 @@ def _prologue(x, group, seq_lens, backend: str, timeout_s, dims: str) -> _Args:
     dcode = _dist.DTYPE_CODES.get(x.dtype, 0) if is_tensor else 0
     dev = 1 if is_tensor and x.is_cuda else 0
     return _Args(timeout, rank, world, error, seq, backend, shape, dcode, dev)
+
+
+def _validate(op, x, group, c: _Args, sig, labels, error, seq, validate) -> tuple:
+    """A new call shape's warm-up check (``x`` inside CUDA graph capture: the warm-up error,
+    nothing decided) and its argument check (``_dist.validate_args``, every rank's seq_lens in
+    the message when they disagree); returns what a plan keeps for ``validate=True``."""
+    if policy.capturing(x):
+        raise warm_up_error(f"ulysses.{op}", f"x {list(c.shape)} {x.dtype}")
+    validation = (sig, labels, error, c.timeout)
+    _dist.validate_args(group, op, *validation, validate,
+                        detail=seq_lens_detail(group, seq, c.timeout))
+    return validation
 
 
 # ------------------------------------------------------------------------------ traced path

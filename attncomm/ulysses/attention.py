@@ -13,53 +13,27 @@ from __future__ import annotations
 
 import collections
 import itertools
-import math
 import weakref
 
 import torch
 import torch.distributed as dist
 
-from .. import _dist, capability, collectives, config
-from .._dist import cpu_group, group_key
+from .. import _dist, config
+from .._dist import group_key
+from .._plans import warm_up_error
 from . import policy
 from . import fp8
 from .fill import rms_norm_rope
-from .forward_checks import (JOINT_POSITIONS, check_joint, check_qkv, joint_checksum, joint_key,
+from .forward_checks import (JOINT_POSITIONS, joint_error, qkv_error, joint_checksum, joint_key,
                              payload_error)
 from .forward_plan import ForwardPlan
-from .layout import head_split
-from .pipeline_choice import PipelineDecision, cached_decision, decide_pipeline
-from .policy import (_BACKEND_CODES, _norm_seq_lens, check_call, env_key, on_forget,
-                     resolve_backend, seq_key, seq_lens_hash, warm_up_error)
+from .pipeline_choice import (MAX_GROUPS, MIN_WAVES, PipelineDecision, auto_groups,
+                              choose_groups, fits)
+from .policy import (BACKEND_CODES, _norm_seq_lens, on_forget, resolve_backend, seq_key,
+                     seq_lens_detail, seq_lens_hash)
 
 __all__ = ["UlyssesAttention", "sdpa_attention", "rms_norm_rope", "auto_groups",
            "MAX_GROUPS", "MIN_WAVES"]
-
-#: ``auto_groups`` bounds: at most this many groups (each adds launches and flag waits)...
-MAX_GROUPS = 8
-#: ... and each group's attention at least this many waves of 128-row query blocks over the
-#: SMs (a group's last, partial wave leaves SMs idle; G groups pay that tail G times).
-MIN_WAVES = 1.5
-_BLOCK_M = 128
-
-
-def auto_groups(heads_per_rank, batch: int, seq_total: int, sm_count: int,
-                max_groups: int = MAX_GROUPS, min_waves: float = MIN_WAVES) -> int:
-    """The head-group count ``pipeline_groups=-1`` uses when it pipelines: the largest
-    ``G ≤ max_groups`` that splits every rank's query heads evenly (``heads_per_rank``, e.g.
-    ``head_split(Hq, W)``) and keeps each group's attention ``≥ min_waves`` waves deep
-    (``batch · h_r/G · ⌈S/128⌉ ≥ min_waves · sm_count`` on the rank with the fewest heads);
-    1 when none does. 56 heads at W = 2, 4, 8 and S = 32768 on 132 SMs → 7 (SGLang's choice
-    for MiniMax-H3)."""
-    busy = [h for h in heads_per_rank if h > 0]
-    if not busy or sm_count < 1:
-        return 1
-    blocks = batch * math.ceil(seq_total / _BLOCK_M)
-    for g in range(min(max_groups, min(busy)), 1, -1):
-        if all(h % g == 0 for h in busy) and blocks * (min(busy) // g) >= min_waves * sm_count:
-            return g
-    return 1
-
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    causal: bool) -> torch.Tensor:
@@ -271,51 +245,6 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         why = _pipeline_groups_error(val)
         return (-1, f"ATTNCOMM_ULYSSES_PIPELINE_GROUPS={raw!r}: {why}") if why else (val, None)
 
-    def _fits(self, g, device, dims, seq, rows) -> bool:
-        """Whether every rank has room for two of ``g`` head groups' working sets (agreed by
-        ``_agree_fits``, before any allocation); ``rows``: the rows attention runs over."""
-        b, hq, hkv, d, dv = dims
-        rank = dist.get_rank(self._pg)
-        h_r = head_split(hq, dist.get_world_size(self._pg))[rank]
-        item = 4  # an upper bound for fp16/bf16/fp32
-        work = b * (seq[rank] * (hq + 2 * hkv) * d          # fill send buffer
-                    + rows * (h_r + 2 * hkv) * d            # receive buffer (≤ all KV heads)
-                    + rows * h_r * dv) * item               # attention output
-        return _agree_fits(self._pg, device, (dims, tuple(seq), rows, g), 2 * -(-work // g))
-
-    def _measured(self, build, signature, run, device, dims, rows, seq):
-        """``pipeline_groups=-1``: ``(plan, PipelineDecision)`` for a new forward shape. The
-        decision cached for ``signature`` (this group's, from any module) is taken as it is;
-        otherwise, where ``_measurement`` says to measure (CUDA), ``auto_groups``' count (from
-        the SM count agreed across ranks) is checked for memory and ``decide_pipeline`` runs
-        ``run(plan)`` of the sequential and the pipelined plan, compares and times them; on CPU
-        it decides sequential without running anything."""
-        group = self._pg
-        hit = cached_decision(group, signature)
-        if hit is not None:
-            return build(hit.groups), hit
-        measured, timer = _measurement(device)
-        rule = None
-        if measured and device.type == "cuda":
-            # Ranks that share a GPU time-slice it: their timings say nothing (by rule).
-            rule = capability.unmeasured_reason(group, device)
-            measured = rule is None
-        cand = 1
-        if measured:
-            sms = _agreed_min(group, _sm_count(device))
-            cand = auto_groups(head_split(dims[1], dist.get_world_size(group)), dims[0], rows,
-                               sms)
-            if cand >= 2 and not self._fits(cand, device, dims, seq, rows):
-                return build(1), PipelineDecision(
-                    1, cand, fallback_reason=f"some rank lacks memory for two of {cand} head "
-                                             f"groups' working sets")
-        seq_plan = build(1)
-        pipe_plan = build(cand) if measured and cand >= 2 else None
-        decision = decide_pipeline(group, signature, lambda: run(seq_plan),
-                                   lambda: run(pipe_plan), cand, timer=timer, measured=measured,
-                                   device=device, rule=rule)
-        return (pipe_plan if decision.pipelined else seq_plan), decision
-
     # ----------------------------------------------------------------------------- forward
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_lens=None,
                 causal: bool = False, rope=None, joint=None, joint_position: str = "front"):
@@ -338,10 +267,11 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         if plan is None:
             plan = self._make_plan(q, k, v, seq_lens, causal, rope, joint, joint_position, key)
         elif plan.every:
-            sig, labels, error, timeout = plan.check
+            sig, labels, error, timeout = plan.validation
             if sig[-1] != -1:  # the joint rows' checksum: of this call's rows
                 sig = sig[:-1] + [joint_checksum(joint)]
-            check_call(self._pg, "UlyssesAttention", self.validate, sig, labels, error, timeout)
+            _dist.validate_args(self._pg, "UlyssesAttention", sig, labels, error, timeout,
+                                self.validate)
         self.__dict__["_last"] = plan
         return plan.run(q, k, v, rope, joint)
 
@@ -369,8 +299,8 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
             seq_in = _norm_seq_lens(seq_lens)
         except TypeError:
             seq_in, error = None, error or f"seq_lens must be a sequence of ints, got {seq_lens!r}"
-        error, dims6, seq = check_qkv(q, k, v, seq_in, rope, self.qk_norm, world, rank, error)
-        j_err, s_j = check_joint(joint, position, causal, dims6, (q, k, v))
+        error, dims6, seq = qkv_error(q, k, v, seq_in, rope, self.qk_norm, world, rank, error)
+        j_err, s_j = joint_error(joint, position, causal, dims6, (q, k, v))
         error = error or j_err or payload_error(self.payload_dtype, (q, k, v))
         mode = config.validation_mode(self.validate)
         checksum = (joint_checksum(joint) if error is None and joint is not None and world > 1
@@ -381,8 +311,9 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         if error is None and policy.capturing(q):
             raise warm_up_error("UlyssesAttention", f"the forward shape q {list(q.shape)}, "
                                 f"k {list(k.shape)}, v {list(v.shape)}, {q.dtype}")
-        check = (sig, labels, error, timeout)
-        check_call(group, "UlyssesAttention", self.validate, *check, seq_lens=seq)
+        validation = (sig, labels, error, timeout)
+        _dist.validate_args(group, "UlyssesAttention", *validation, self.validate,
+                            detail=seq_lens_detail(group, seq, timeout))
         dims = (b, hq, hkv, d, dv)
         jspec = None if joint is None else (s_j, position == "front")
         rows = sum(seq) + max(s_j, 0)
@@ -394,15 +325,15 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         if groups == -1:
             signature = ("UlyssesAttention", *sig[:-1], bool(self.fuse_qk_norm_rope),
                          self.fill_impl, _fn_name(self.attn_fn))  # sig[-1]: data, not shape
-            plan, decision = self._measured(build, signature,
-                                            lambda p: p.run(q, k, v, rope, joint), q.device,
-                                            dims, rows, seq)
+            plan, decision = choose_groups(group, signature, build,
+                                           lambda p: p.run(q, k, v, rope, joint), q.device,
+                                           dims, rows, seq)
             plan.decision = decision
         else:
-            plan = build(1 if groups < 2 or not self._fits(groups, q.device, dims, seq, rows)
+            plan = build(1 if groups < 2 or not fits(group, groups, q.device, dims, seq, rows)
                          else groups)
         plan.every = mode == "every"
-        plan.check = check
+        plan.validation = validation
         if key is not None:
             plans = self._plans
             plans[key] = plan
@@ -422,7 +353,7 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
                   else [0, 0, 0])
         pos = JOINT_POSITIONS.index(position) if position in JOINT_POSITIONS else -1
         sig = [b, hq, hkv, d, dv, *codes, int(bool(q.is_cuda)) if ok else -1,
-               _BACKEND_CODES[backend], int(bool(causal)), int(rope is not None),
+               BACKEND_CODES[backend], int(bool(causal)), int(rope is not None),
                int(self.qk_norm is not None), s_r if seq_in is None else -1,
                sum(seq) if ok else -1, seq_lens_hash(seq) if ok else -1, groups,
                int(self.payload_dtype is not None), s_j, *jcodes, pos, checksum]
@@ -436,11 +367,12 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
     def _plan_key(self, qd, kd, vd, seq_lens, causal, rope_shapes, jkey=None,
                   position="front") -> tuple:
         """A forward's plan key from its tensors' (shape, dtype, device), ``seq_lens``, causal,
-        the rope tensors' shapes, the joint rows' (shape, dtype, device) and position and the
-        call-time variables: the same for an eager forward and a traced one of the same
-        shape."""
-        return (qd, kd, vd, seq_key(seq_lens), bool(causal), rope_shapes, jkey, position,
-                env_key(self.backend, self.timeout_s, self.validate, self.pipeline_groups))
+        the rope tensors' shapes and the joint rows' (shape, dtype, device) and position: the
+        same for an eager forward and a traced one of the same shape. The ``ATTNCOMM_*``
+        variables are read when a plan is made, not per call: a change takes effect at the
+        next new plan, or for every shape after ``attncomm.release(group)``."""
+        seq = seq_lens if seq_lens is None or type(seq_lens) is tuple else seq_key(seq_lens)
+        return (qd, kd, vd, seq, bool(causal), rope_shapes, jkey, position)
 
     def _traced_forward(self, q, k, v, seq_lens, causal, rope, joint, position):
         """The forward under torch.compile: one custom op (``ulysses/ops.py``) that runs the
@@ -511,30 +443,6 @@ def module_by_name(name: str) -> UlyssesAttention:
     return mod
 
 
-def _measurement(device) -> tuple[bool, object]:
-    """``(measure, timer)`` for ``pipeline_groups=-1`` on ``device``: measured on CUDA with
-    ``pipeline_choice``'s default timer (None); on CPU not measured. Tests replace it to drive
-    the measured decision on CPU ranks with a fake timer."""
-    return device.type == "cuda", None
-
-
-def _sm_count(device) -> int:
-    """The device's SM count (0 on CPU: ``auto_groups`` then finds no split)."""
-    if device.type != "cuda":
-        return 0
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _agreed_min(group, value: int) -> int:
-    """``value``'s minimum over the ranks (all_reduce(MIN) over the gloo twin of ``group``)."""
-    g = cpu_group(group)
-    if dist.get_world_size(g) == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    collectives.all_reduce(t, op=dist.ReduceOp.MIN, group=g)
-    return int(t.item())
-
-
 def _fn_name(fn) -> str:
     """A name of ``attn_fn`` that is the same on every rank (its qualified name)."""
     return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
@@ -544,33 +452,3 @@ def _pipeline_groups_error(g) -> str | None:
     if isinstance(g, bool) or not isinstance(g, int) or g < -1:
         return "must be -1 (auto), 0 or 1 (sequential) or N ≥ 2 (head groups)"
     return None
-
-
-#: ``(group_key(group), device type, call key) → bool``; keyed by the group object (never
-#: ``id``, which can be reused) and a key every rank computes alike (the agreed call's shape).
-_FITS: dict = {}
-
-
-def _free_bytes(device) -> int | None:
-    """Memory this rank can still allocate on ``device`` (free + cached by torch's allocator);
-    None where there is no bound worth checking (CPU)."""
-    if device.type != "cuda":
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-
-
-def _agree_fits(group, device, key, need_bytes: int) -> bool:
-    """Whether every rank has ``need_bytes`` to spare (its own need; agreed by all_reduce(MIN)
-    over the gloo twin of ``group``, cached per call shape, so a later call does not ask)."""
-    ck = (group_key(group), device.type, key)
-    if ck not in _FITS:
-        free = _free_bytes(device)
-        flag = torch.tensor([1 if free is None or free >= need_bytes else 0], dtype=torch.int64)
-        g = cpu_group(group)
-        if dist.get_world_size(g) > 1:
-            collectives.all_reduce(flag, op=dist.ReduceOp.MIN, group=g)
-        if len(_FITS) > 256:
-            _FITS.clear()
-        _FITS[ck] = bool(flag.item())
-    return _FITS[ck]

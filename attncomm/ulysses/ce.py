@@ -56,8 +56,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import capability, collectives, config
-from .._dist import agree_reason, cpu_group, group_key, on_release
+from .. import capability, config
+from .._dist import agree_reason, agreed_min, cpu_group, group_key, on_release
 from ..errors import PeerTimeoutError
 from ..symm import PeerErrors
 from ..watchdog import PendingWait, watchdog
@@ -203,10 +203,7 @@ class CopyEngineTransport(Transport):
         if mode == "kernel":
             return mode
         why = probe_stream_mem_ops(self.device)
-        flag = torch.tensor([1 if why is None else 0], dtype=torch.int64)
-        if self.world_size > 1:
-            collectives.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group(self.group))
-        if int(flag.item()) == 1:
+        if agreed_min(self.group, int(why is None)) == 1:
             return "stream"
         if mode == "stream":
             raise ValueError(f"ce flag_mode='stream': stream memory ops do not work on every "
@@ -347,9 +344,21 @@ class CopyEngineTransport(Transport):
     def start(self, plan: ExchangePlan, parts: Sequence[torch.Tensor], dtype: torch.dtype,
               device: torch.device, out: torch.Tensor | None = None, *,
               send: SendBuffer | None = None) -> Exchange:
+        """Enqueue the exchange of ``parts`` (or of ``send``, a buffer a fill packed) with
+        ``plan``; nothing waits on the host. Streams of one exchange on rank r with parity k
+        (``A``/``F``: the flags of the module docstring; time runs right)::
+
+            caller  ready ................ own pieces -> slot k | wait(): F[k][s] == tag
+            copy 0    +- wait A[k][p1] == 1 -- copy -> p1's slot k -- F[k][r] = tag at p1
+            copy 1    +- wait A[k][p2] == 1 -- copy -> p2's slot k -- F[k][r] = tag at p2
+            caller  (after reading slot k) release(): A[k][r] = 1 at every source s
+
+        Peers in ``send_order`` share ``min(W - 1, 4)`` copy streams round-robin; an A wait
+        that has no device deadline (a memory op outside capture) is handed to the watchdog.
+        """
         key, st = self._entry(plan, dtype)
         if send is not None:
-            self._check_send(plan, dtype, send)
+            self._validate_send(plan, dtype, send)
             if send.token != (key, st.parity, st):
                 raise ValueError("ulysses ce: send buffer is stale (take it right before the "
                                  "start it is for)")

@@ -15,7 +15,7 @@ order, in fp32, rounded once):
 
 - ``fill_torch`` (CPU tensors, any head_dim, and the reference): ``rms_norm_rope`` per part,
   then strided copies into the regions.
-- ``fill_triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``; head_dim a power of two; the
+- the Triton kernel (CUDA, or CPU under ``TRITON_INTERPRET=1``; head_dim a power of two; the
   kernel is ``fill_kernels``'s, its geometry in a descriptor built once per layout): one
   program per (block of rows, run of consecutive heads of one part bound for one destination,
   batch) loads ``[rows, heads, D]`` once, 16-byte vectors in and out, and stores it into that
@@ -36,6 +36,10 @@ mean a pairwise sum in a fixed order (adjacent elements added, recursively) and 
 Triton; the torch path takes the fp32 square root through fp64, which rounds it correctly on
 the CPU too); RoPE rotate-half (NeoX, Su et al., 2021): ``x · cos + rotate_half(x) · sin``
 over global positions.
+
+``FillPlan`` is the fill's one entry point: prepared once per layout (checks, implementation,
+norm weights, descriptors), called with the tensors; on CUDA its launches go through
+``compiled_launch.LaunchCache`` once Triton compiled a specialization.
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ from typing import NamedTuple
 import torch
 
 from .. import _triton
-from ..compiled_launch import hooked
+from ..compiled_launch import LaunchCache, alignment_key
 from . import fp8 as _fp8
 
 if _triton.REASON is None:
@@ -58,8 +62,8 @@ if _triton.REASON is None:
 else:
     _fk = None
 
-__all__ = ["FillPart", "FillPlan", "rms_norm_rope", "send_layout", "fill_torch", "fill_triton",
-           "fill", "triton_fill_reason", "default_block_s", "LAUNCH_OPTIONS"]
+__all__ = ["FillPart", "FillPlan", "rms_norm_rope", "send_layout", "fill_torch",
+           "triton_fill_reason", "default_block_s", "LAUNCH_OPTIONS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +109,7 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         cos, sin: ``[S, D]`` for the positions of ``x``'s sequence axis, or None (no RoPE).
 
     Returns ``[B, S, H, D]`` contiguous, ``x.dtype``. Elementwise ops and a fixed-order sum
-    only, so the bits do not depend on the layout or the device, and ``fill_triton`` computes
+    only, so the bits do not depend on the layout or the device, and the fill kernel computes
     the same bits.
     """
     xf = x.to(torch.float32).contiguous()
@@ -139,7 +143,7 @@ def send_layout(batch: int, s_r: int, head_dim: int, ranges: Sequence[tuple]):
     return htot, starts + [acc]
 
 
-def _check_parts(parts: Sequence[FillPart], out, payload_dtype=None):
+def _validate_parts(parts: Sequence[FillPart], out, payload_dtype=None):
     """``((B, S_r, row), htot, starts, regions or None, fp8)``; ``out`` is None, a flat send
     buffer or one flat tensor per destination region; ``row``: elements per (token, head) in
     the send buffer (``D``, or ``D + 4`` bytes for the FP8 payload)."""
@@ -154,20 +158,25 @@ def _check_parts(parts: Sequence[FillPart], out, payload_dtype=None):
     fp8 = _fp8.is_fp8_payload(payload_dtype, x0.dtype)
     row, wire = (_fp8.row_bytes(d), _fp8.WIRE_DTYPE) if fp8 else (d, x0.dtype)
     htot, starts = send_layout(b, s_r, row, [p.ranges for p in parts])
-    if out is None:
-        return (b, s_r, row), htot, starts, None, fp8
+    regions = None if out is None else _validate_out(out, starts, len(htot), wire)
+    return (b, s_r, row), htot, starts, regions, fp8
+
+
+def _validate_out(out, starts, n: int, wire: torch.dtype):
+    """None for a flat send buffer of ``starts[-1]`` elements of ``wire``, the list of regions
+    for ``n`` flat ones of the regions' sizes; ``ValueError`` for anything else."""
     if isinstance(out, torch.Tensor):
         if out.dim() != 1 or out.numel() != starts[-1] or out.dtype != wire \
                 or not out.is_contiguous():
             raise ValueError(f"fill: out must be a contiguous flat {wire} tensor of "
                              f"{starts[-1]} elements, got {list(out.shape)} {out.dtype}")
-        return (b, s_r, row), htot, starts, None, fp8
-    sizes = [starts[p + 1] - starts[p] for p in range(len(htot))]
+        return None
+    sizes = [starts[p + 1] - starts[p] for p in range(n)]
     got = [(tuple(r.shape), r.dtype, r.is_contiguous()) for r in out]
-    if got != [((n,), wire, True) for n in sizes]:
+    if got != [((k,), wire, True) for k in sizes]:
         raise ValueError(f"fill: regions must be contiguous flat {wire} tensors of "
                          f"{sizes} elements, got {got}")
-    return (b, s_r, row), htot, starts, list(out), fp8
+    return list(out)
 
 
 def _regions(out, starts, htot, b, s_r, row):
@@ -197,12 +206,17 @@ def fill_torch(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | 
     Returns ``out`` (the new flat buffer when None). Raises ``ValueError`` for inconsistent
     parts, ``out`` or ``payload_dtype``.
     """
-    (b, s_r, row), htot, starts, _, fp8 = _check_parts(parts, out, payload_dtype)
+    (b, s_r, row), htot, starts, _, fp8 = _validate_parts(parts, out, payload_dtype)
     if out is None:
         out = torch.empty(starts[-1], dtype=_fp8.WIRE_DTYPE if fp8 else parts[0].x.dtype,
                           device=parts[0].x.device)
-    regions = _regions(out, starts, htot, b, s_r, row)
-    cols = [0] * len(htot)
+    _torch_fill(parts, eps, cos, sin, _regions(out, starts, htot, b, s_r, row), fp8)
+    return out
+
+
+def _torch_fill(parts, eps, cos, sin, regions, fp8: bool) -> None:
+    """``fill_torch``'s work into ``regions`` (``[S_r, B, htot_p, row]`` views), checked."""
+    cols = [0] * len(regions)
     for part in parts:
         y = part.x
         if part.weight is not None or part.rope:
@@ -214,13 +228,12 @@ def fill_torch(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | 
             if hi > lo:
                 regions[p][:, :, cols[p]:cols[p] + hi - lo].copy_(y[:, :, lo:hi].transpose(0, 1))
                 cols[p] += hi - lo
-    return out
 
 
 # ------------------------------------------------------------------------------ Triton path
 def triton_fill_reason(parts: Sequence[FillPart], device: torch.device,
                        payload_dtype: torch.dtype | None = None) -> str | None:
-    """Why ``fill_triton`` cannot run these parts (None when it can)."""
+    """Why the fill kernel cannot run these parts (None when it can)."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return f"tensors are on {device.type} (the kernel needs CUDA or TRITON_INTERPRET=1)"
     if _fk is None:
@@ -342,38 +355,6 @@ def default_block_s(head_dim: int) -> int:
     return max(1, min(64, 2048 // head_dim))
 
 
-def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | None = None,
-                sin: torch.Tensor | None = None, out=None, *, block_s: int | None = None,
-                heads_per_program: int | None = None, num_warps: int | None = None,
-                payload_dtype: torch.dtype | None = None,
-                _checked: bool = False) -> torch.Tensor:
-    """The fill as one Triton launch (for up to three parts), bitwise equal to ``fill_torch``
-    (same arguments and result, ``payload_dtype`` included). A program covers ``block_s`` rows
-    (a power of two) of up to ``heads_per_program`` (a power of two) consecutive heads of one
-    part bound for one destination, ``[block_s, heads, D]`` loaded at once and cos/sin loaded
-    once for them; ``block_s``, ``heads_per_program`` and ``num_warps`` override the launch
-    shape, which never changes the bits. With the FP8 payload the same program quantizes the
-    rows it holds and stores their bytes and scales (every region must start on a 4-byte
-    boundary). With ``out`` given as regions, the destination table is cached per region
-    address: pass stable buffers (a transport's staging is) or one flat buffer. Raises
-    ``ValueError`` when ``triton_fill_reason`` names a reason."""
-    _, _, starts, regions, fp8 = _check_parts(parts, out, payload_dtype)
-    x0 = parts[0].x
-    why = None if _checked else triton_fill_reason(parts, x0.device, payload_dtype)
-    if why:
-        raise ValueError(f"fill_triton: {why}")
-    if out is None:
-        out = torch.empty(starts[-1], dtype=_fp8.WIRE_DTYPE if fp8 else x0.dtype,
-                          device=x0.device)
-    if len(parts) > 3:
-        raise ValueError(f"fill_triton: at most 3 parts per exchange, got {len(parts)}")
-    base, starts = _base_pointer(out, regions, starts, fp8)
-    lay = _Layout(parts, eps, cos is not None, block_s, heads_per_program, num_warps,
-                  payload_dtype, reused=False)
-    _launch(lay, [p.x for p in parts], base, tuple(starts), cos, sin)
-    return out
-
-
 class _Layout:
     """What a fill launch keeps for one layout (the parts' shapes, dtype, head ranges, norm
     weights, RoPE, eps, payload, launch shape): everything but the tensors' addresses and
@@ -381,10 +362,9 @@ class _Layout:
 
     def __init__(self, parts: Sequence[FillPart], eps: float, rope: bool,
                  block_s: int | None = None, heads_per_program: int | None = None,
-                 num_warps: int | None = None, payload_dtype: torch.dtype | None = None,
-                 reused: bool = True):
+                 num_warps: int | None = None, payload_dtype: torch.dtype | None = None):
         x0 = parts[0].x
-        (self.b, self.s_r, self.row), htot, _, _, self.fp8 = _check_parts(parts, None,
+        (self.b, self.s_r, self.row), htot, _, _, self.fp8 = _validate_parts(parts, None,
                                                                           payload_dtype)
         d = x0.shape[3]
         self.device = x0.device
@@ -405,8 +385,8 @@ class _Layout:
                            ANY_ROPE=rope and any(p.rope for p in parts), ROPE_BCAST=ROPE_BCAST,
                            FP8=self.fp8)
         self._descs: dict = {}
-        #: compiled-kernel handles by specialization (CUDA, a layout launched again; ``_launch``)
-        self.handles = {} if CACHED_LAUNCH and reused and x0.is_cuda else None
+        #: the compiled kernel per specialization, replayed (``_launch``)
+        self.launches = LaunchCache((_fk.fill_kernel,))
 
     def desc(self, starts: tuple, strides: tuple, rope_strides: tuple) -> _Desc:
         """The descriptor for regions at ``starts`` and these strides (kept per layout: a
@@ -426,7 +406,7 @@ def _launch(lay: _Layout, xs: list, base: torch.Tensor, starts: tuple, cos, sin)
     """One launch of the fill kernel for ``lay`` with sources ``xs`` (``[B, S_r, H, D]``, any
     strides), destination ``base`` (regions at ``starts`` elements from it): through Triton's
     JIT the first time a specialization is seen, then through the compiled kernel it returned
-    (``CACHED_LAUNCH``)."""
+    (``compiled_launch.LaunchCache``: the same kernel, arguments and bits)."""
     if lay.s_r == 0 or lay.b == 0:
         return
     xs = xs + [xs[0]] * lay.pad
@@ -438,53 +418,15 @@ def _launch(lay: _Layout, xs: list, base: torch.Tensor, starts: tuple, cos, sin)
     args = (*xs, base, desc.table, *lay.ws, c, s)
     grid = (triton_cdiv(lay.s_r, lay.block_s), desc.entries, lay.b)
     aligned = desc.aligned and base.data_ptr() % 16 == 0
-    key = None
-    if lay.handles is not None:
-        # what Triton specializes the changing arguments on: each changing pointer's dtype and
-        # 16-byte alignment (the descriptor and weights are fixed per key), and the constexprs
-        key = (desc.spec, aligned, base.data_ptr() % 16, xs[0].data_ptr() % 16,
-               xs[1].data_ptr() % 16, xs[2].data_ptr() % 16, c.data_ptr() % 16,
-               s.data_ptr() % 16, desc.table.data_ptr() % 16, xs[0].dtype, xs[1].dtype,
-               xs[2].dtype, c.dtype, s.dtype, base.dtype)
-        h = lay.handles.get(key)
-        if h is not None and not hooked():  # a profiler's hook is called by the JIT path
-            h.run(*grid, torch._C._cuda_getCurrentRawStream(h.device), h.function, h.meta,
-                  None, None, None, *args, *h.tail)
-            return
-    kernel = _fk.fill_kernel[grid](*args, ALIGNED=aligned, SPEC=desc.spec, **lay.consts)
-    if key is not None:
-        h = _handle(kernel, len(args), dict(lay.consts, ALIGNED=aligned, SPEC=desc.spec))
-        if h is not None:
-            lay.handles[key] = h
 
+    def launch() -> None:
+        _fk.fill_kernel[grid](*args, ALIGNED=aligned, SPEC=desc.spec, **lay.consts)
 
-#: Launch the fill through the compiled kernel Triton returned for a specialization, once it
-#: has compiled it (the same kernel and bits; skips the JIT's per-launch argument binding,
-#: cache key and option checks). Off: every launch goes through the JIT.
-CACHED_LAUNCH = True
-
-
-class _Handle:
-    """A compiled fill kernel and what its launcher takes besides the arguments."""
-
-    __slots__ = ("run", "function", "meta", "tail", "device")
-
-    def __init__(self, kernel, tail, device):
-        self.run, self.function = kernel.run, kernel.function
-        self.meta, self.tail, self.device = kernel.packed_metadata, tail, device
-
-
-def _handle(kernel, n_args: int, consts: dict) -> _Handle | None:
-    """The compiled kernel's handle, or None where launching it directly is not safe (a Triton
-    without these attributes, launch hooks installed, e.g. a profiler's)."""
-    try:
-        if hooked():  # a profiler's hook: launches go through the JIT, which calls it
-            return None
-        names = _fk.fill_kernel.arg_names
-        tail = tuple(consts[n] for n in names[n_args:])  # the constexprs, in signature order
-        return _Handle(kernel, tail, torch.cuda.current_device())
-    except Exception:  # noqa: BLE001 - the JIT path stays
-        return None
+    # What Triton specializes the changing arguments on (each pointer's dtype and 16-byte
+    # alignment; the sources' and destination's dtypes are the layout's), the descriptor's
+    # specialization and the grid (the rest is fixed per layout).
+    key = (desc.spec, desc.entries, aligned, alignment_key(args), c.dtype, s.dtype)
+    lay.launches.launch(key, launch, args)
 
 
 def _base_pointer(out, regions, starts, fp8: bool):
@@ -499,7 +441,7 @@ def _base_pointer(out, regions, starts, fp8: bool):
         item = base.element_size()
         starts = [(r.data_ptr() - base.data_ptr()) // item for r in regions]
     if fp8 and (base.data_ptr() % 4 or any(st % 4 for st in starts)):
-        raise ValueError(f"fill_triton: FP8 regions must start on 4-byte boundaries, got base "
+        raise ValueError(f"fill: FP8 regions must start on 4-byte boundaries, got base "
                          f"address {base.data_ptr()} and offsets {starts}")
     return base, starts
 
@@ -532,61 +474,66 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def fill(parts: Sequence[FillPart], eps: float = 0.0, cos=None, sin=None, out=None,
-         impl: str = "auto", *, payload_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``fill_triton`` when it can run (``impl="auto"`` or ``"triton"``), else ``fill_torch``
-    (``"auto"`` or ``"torch"``). The two give the same bits (``payload_dtype`` as there)."""
-    if impl not in ("auto", "triton", "torch"):
-        raise ValueError(f"fill: impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-    dev = parts[0].x.device
-    why = None if impl == "torch" else triton_fill_reason(parts, dev, payload_dtype)
-    if impl == "torch" or (impl == "auto" and why is not None):
-        return fill_torch(parts, eps, cos, sin, out, payload_dtype=payload_dtype)
-    if why is not None:
-        raise ValueError(f"fill_triton: {why}")
-    return fill_triton(parts, eps, cos, sin, out, payload_dtype=payload_dtype, _checked=True)
-
-
 class FillPlan:
-    """``fill`` prepared once for one layout, for a caller that fills many times (a forward per
-    layer and step): the checks, the implementation choice, the norm weights and the kernel's
-    descriptors are worked out here, so a call only passes the tensors.
+    """The fill prepared once for one layout, for a caller that fills many times (a forward
+    per layer and step): the checks, the implementation choice, the norm weights and the
+    kernel's descriptors are worked out here, so a call only passes the tensors.
 
     Arguments:
-        parts: the exchange's parts as ``fill`` takes them; their ``x`` fix the layout (shapes
-            and dtype); later calls pass tensors of the same shapes and dtype, any strides.
-        eps, rope: RMSNorm epsilon; whether cos/sin are passed (the parts' ``rope`` apply).
-        impl, payload_dtype: as ``fill``.
+        parts: the exchange's parts (same ``B``, ``S_r``, ``D``, dtype; at most 3 for the
+            kernel); their ``x`` fix the layout (shapes and dtype); later calls pass tensors
+            of the same shapes and dtype, any strides.
+        eps, rope: RMSNorm epsilon for the parts with a weight; whether cos/sin are passed
+            (the parts' ``rope`` apply).
+        impl: ``"triton"`` (the kernel: CUDA or ``TRITON_INTERPRET=1``, head_dim a power of
+            two; ``triton_fill_reason`` says why not), ``"torch"`` (``fill_torch``), or
+            ``"auto"`` (the kernel where it can run). The two give the same bits.
+        payload_dtype: None (the parts' values) or ``torch.float8_e4m3fn`` (the FP8 payload:
+            uint8 regions, ``D + 4`` bytes per (token, head); the module docstring).
+        block_s, heads_per_program, num_warps: the kernel's launch shape (None: the default;
+            powers of two), which never changes the bits.
 
-    ``plan(xs, cos, sin, out)``: ``xs`` one tensor per part; ``out`` a flat buffer or one flat
-    tensor per region (as ``fill``; descriptors are kept per region address, so pass stable
-    buffers). Raises ``ValueError`` as ``fill`` does, at construction.
+    ``plan(xs, cos, sin, out)``: ``xs`` one tensor per part; ``cos``, ``sin`` ``[S_r, D]`` rows
+    of this shard's global positions (with ``rope``); ``out`` a flat destination-major send
+    buffer (``send_layout``'s size, the parts' dtype or uint8) or one flat tensor per
+    destination region (descriptors are kept per region address, so pass stable buffers).
+
+    Raises ``ValueError`` at construction for parts that disagree on B, S_r, D or dtype, an
+    unknown ``impl``, ``impl="triton"`` where the kernel cannot run, more than 3 parts for the
+    kernel; at a call, for a wrong ``out`` (FP8: regions not on 4-byte boundaries).
     """
 
     def __init__(self, parts: Sequence[FillPart], eps: float = 0.0, rope: bool = False,
-                 impl: str = "auto", payload_dtype: torch.dtype | None = None):
+                 impl: str = "auto", payload_dtype: torch.dtype | None = None, *,
+                 block_s: int | None = None, heads_per_program: int | None = None,
+                 num_warps: int | None = None):
         if impl not in ("auto", "triton", "torch"):
             raise ValueError(f"fill: impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-        _, _, starts, _, _ = _check_parts(parts, None, payload_dtype)
+        dims, self.htot, starts, _, self.fp8 = _validate_parts(parts, None, payload_dtype)
+        self.dims = dims
+        self.wire = _fp8.WIRE_DTYPE if self.fp8 else parts[0].x.dtype
         why = (None if impl == "torch" else
                triton_fill_reason(parts, parts[0].x.device, payload_dtype))
         if impl == "triton" and why is not None:
-            raise ValueError(f"fill_triton: {why}")
+            raise ValueError(f"fill: impl='triton' cannot run: {why}")
         if why is None and impl != "torch" and len(parts) > 3:
-            raise ValueError(f"fill_triton: at most 3 parts per exchange, got {len(parts)}")
+            raise ValueError(f"fill: the kernel takes at most 3 parts per exchange, got "
+                             f"{len(parts)}")
         self.templates = [dataclasses.replace(p, x=None) for p in parts]
         self.eps = float(eps)
         self.payload_dtype = payload_dtype
         self.starts = list(starts)
         self.flat_starts = tuple(starts[:-1])
-        self.layout = (_Layout(parts, eps, rope, payload_dtype=payload_dtype)
-                       if why is None and impl != "torch" else None)
+        self.layout = (_Layout(parts, eps, rope, block_s, heads_per_program, num_warps,
+                               payload_dtype) if why is None and impl != "torch" else None)
 
     def __call__(self, xs: Sequence[torch.Tensor], cos=None, sin=None, out=None) -> None:
         lay = self.layout
         if lay is None:
             parts = [dataclasses.replace(t, x=x) for t, x in zip(self.templates, xs)]
-            fill_torch(parts, self.eps, cos, sin, out, payload_dtype=self.payload_dtype)
+            _validate_out(out, self.starts, len(self.htot), self.wire)
+            _torch_fill(parts, self.eps, cos, sin,
+                        _regions(out, self.starts, self.htot, *self.dims), self.fp8)
             return
         if isinstance(out, torch.Tensor) and not lay.fp8:
             _launch(lay, list(xs), out, self.flat_starts, cos, sin)

@@ -1,6 +1,6 @@
 """The local argument checks of ``UlyssesAttention.forward`` (no communication): q, k, v,
 ``seq_lens``, ``rope``, ``qk_norm``, the joint rows and the payload dtype. Each returns an error
-message (or None) that the caller then agrees across ranks (``policy.check_call``), so a bad
+message (or None) that the caller then agrees across ranks (``_dist.validate_args``), so a bad
 argument on one rank raises the same ``ValueError`` on every rank.
 
 Joint rows (``joint=(q_j, k_j, v_j)``) are replicated: every rank must pass the
@@ -17,7 +17,7 @@ import torch
 from . import fp8
 from .policy import _seq_lens_error
 
-__all__ = ["JOINT_POSITIONS", "check_qkv", "check_joint", "payload_error", "joint_checksum",
+__all__ = ["JOINT_POSITIONS", "qkv_error", "joint_error", "payload_error", "joint_checksum",
            "joint_key"]
 
 #: Where the joint rows sit in the sequence attention runs over: ``[joint; sequence]`` or
@@ -25,7 +25,7 @@ __all__ = ["JOINT_POSITIONS", "check_qkv", "check_joint", "payload_error", "join
 JOINT_POSITIONS = ("front", "back")
 
 
-def check_qkv(q, k, v, seq, rope, qk_norm, world: int, rank: int, error):
+def qkv_error(q, k, v, seq, rope, qk_norm, world: int, rank: int, error):
     """``(error or None, (B, S_r, Hq, Hkv, D, Dv), seq)`` for q, k, v, ``seq`` (every rank's
     ``S_r`` or None: all equal to this rank's), ``rope`` and ``qk_norm``; the dims all 0 when
     q, k, v are not 4-D tensors. ``error``: an earlier error, kept first."""
@@ -80,7 +80,7 @@ def _rope_error(rope, want) -> str | None:
     return None
 
 
-def check_joint(joint, position, causal, dims, qkv) -> tuple[str | None, int]:
+def joint_error(joint, position, causal, dims, qkv) -> tuple[str | None, int]:
     """``(error or None, S_j)`` for the joint rows: ``joint`` None (no joint rows: ``S_j`` −1)
     or ``(q_j [B, S_j, Hq, D], k_j [B, S_j, Hkv, D], v_j [B, S_j, Hkv, Dv])``, each of its
     counterpart's dtype and device (``qkv``: q, k, v), with ``position`` in ``JOINT_POSITIONS``

@@ -38,8 +38,8 @@ from . import fp8 as _fp8
 from .fill import FillPart, FillPlan, rms_norm_rope
 from .layout import (ExchangePlan, group_head_ranges, head_gather_plan, head_offsets, head_split,
                      head_to_seq_plan, kv_head_range, seq_to_head_plan, uniform_group)
-from .policy import dense, get_transport
-from .transport import Transport
+from .policy import get_transport
+from .transport import Transport, dense
 
 __all__ = ["ForwardPlan"]
 
@@ -210,7 +210,23 @@ class ForwardPlan:
         v_j)``, required when the plan has them) ``(out, joint_out [B, S_j, Hq, Dv])``. Group
         g+1's fill and exchange are enqueued before group g's attention; each group's output
         reaches the final tensor through the transport (a copy out of its staging or receive
-        buffer, docs/DESIGN.md). Pipelined and sequential runs give the same bits."""
+        buffer, docs/DESIGN.md). Pipelined and sequential runs give the same bits.
+
+        Streams of a run with G = 2 head groups: ``fill``: norm + RoPE + pack of a group's
+        send buffer; ``in``/``out``: its input and output exchanges, on the transport's copy
+        streams (``ce``) or NCCL's (``all_to_all``), from their start (``=``) to the wait the
+        caller's stream makes for them (``^`` under ``|``); ``attn``: ``attn_fn``; time runs
+        right::
+
+            caller fill0 fill1 | attn0 | attn1 | | -> out
+            in0         =======^
+            in1               =========^
+            out0                      =========^
+            out1                              ===^
+
+        Group 1's fill and input exchange run while group 0's input is in flight and under its
+        attention. Sequential (G = 1) is ``fill0 | attn0 | -> out``, nothing to overlap.
+        At most two output exchanges are in flight (the ``ce`` staging has two slots)."""
         rows = self._rows(rope)
         if not self.fuse:  # norm/rope as their own pass over the local shard
             q, k = self._norm_rope(q, k, rows)

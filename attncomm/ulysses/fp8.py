@@ -103,7 +103,7 @@ def row_bytes(head_dim: int) -> int:
     return head_dim + SCALE_BYTES
 
 
-def _check_x(x: torch.Tensor, what: str) -> None:
+def _validate_x(x: torch.Tensor, what: str) -> None:
     if x.dtype not in _DTYPES or x.dim() < 1 or x.shape[-1] < 1:
         raise ValueError(f"{what}: x must be fp16/bf16/fp32 with a last dim ≥ 1, got "
                          f"{list(x.shape)} {x.dtype}")
@@ -121,7 +121,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Raises ``ValueError`` for another dtype or an empty last dim.
     """
-    _check_x(x, "quantize_rows")
+    _validate_x(x, "quantize_rows")
     xf = x.to(torch.float32)
     finite = torch.isfinite(xf)
     amax = torch.where(finite, xf.abs(), 0.0).amax(dim=-1)
@@ -233,7 +233,7 @@ def roundtrip_bound(x: torch.Tensor, scale: torch.Tensor, x_hat: torch.Tensor) -
         x: ``[..., D]`` the rows quantized (fp16/bf16/fp32). scale: ``[...]`` their scales.
         x_hat: ``[..., D]`` the dequantized rows (``x.dtype``).
     """
-    _check_x(x, "roundtrip_bound")
+    _validate_x(x, "roundtrip_bound")
     x64 = x.to(torch.float64)
     a = torch.where(torch.isfinite(x64), x64.abs(), 0.0).amax(dim=-1, keepdim=True)
     s = scale.to(torch.float64).unsqueeze(-1)

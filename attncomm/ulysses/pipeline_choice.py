@@ -1,4 +1,4 @@
-"""``pipeline_groups=-1`` decided by measurement.
+"""``pipeline_groups=-1`` decided by measurement, and the head-group count it considers.
 
 Head-group pipelining (``UlyssesAttention``, G ≥ 2) overlaps group g+1's exchange with group
 g's attention; whether that beats one sequential exchange depends on the shape, the transport
@@ -20,6 +20,11 @@ and the machine, so it is measured on the machine itself, once per shape, as the
    signature returns it without running anything. ``attncomm.release(group)`` drops the
    group's decisions.
 
+``auto_groups`` is the count considered (from the SM count agreed across ranks); ``fits``
+agrees, before any allocation, that every rank has room for two groups' working sets;
+``choose_groups`` is what ``UlyssesAttention`` calls for a new forward shape: the cached
+decision, else the rule (memory, then measurement) with the plans it builds.
+
 Every rank must call ``decide_pipeline`` at the same point with the same signature (the
 caller's agreed signature) and ``groups``: it is collective whenever it is not cached.
 Dependency direction: this module imports ``select`` and the substrate, never the attention
@@ -36,12 +41,21 @@ from collections.abc import Callable, Hashable
 import torch
 import torch.distributed as dist
 
-from .. import _dist
+from .. import _dist, capability
 from .._timing import time_eager
 from ..select import fastest, measure
+from .layout import head_split
 
 __all__ = ["PipelineDecision", "decide_pipeline", "cached_decision", "event_timer",
-           "CACHE_SIZE", "NOT_MEASURED"]
+           "CACHE_SIZE", "NOT_MEASURED", "auto_groups", "choose_groups", "fits", "MAX_GROUPS",
+           "MIN_WAVES"]
+
+#: ``auto_groups`` bounds: at most this many groups (each adds launches and flag waits)...
+MAX_GROUPS = 8
+#: ... and each group's attention at least this many waves of 128-row query blocks over the
+#: SMs (a group's last, partial wave leaves SMs idle; G groups pay that tail G times).
+MIN_WAVES = 1.5
+_BLOCK_M = 128
 
 #: Decisions kept per group (least recently used dropped first).
 CACHE_SIZE = 64
@@ -185,3 +199,106 @@ def _bits_differ(a, b) -> str | None:
 @_dist.on_release
 def _release(key) -> None:
     _DECISIONS.pop(key, None)
+    for k in [k for k in _FITS if k[0] == key]:
+        del _FITS[k]
+
+
+# ------------------------------------------------------------------ the count and its checks
+def auto_groups(heads_per_rank, batch: int, seq_total: int, sm_count: int,
+                max_groups: int = MAX_GROUPS, min_waves: float = MIN_WAVES) -> int:
+    """The head-group count ``pipeline_groups=-1`` uses when it pipelines: the largest
+    ``G ≤ max_groups`` that splits every rank's query heads evenly (``heads_per_rank``, e.g.
+    ``head_split(Hq, W)``) and keeps each group's attention ``≥ min_waves`` waves deep
+    (``batch · h_r/G · ⌈S/128⌉ ≥ min_waves · sm_count`` on the rank with the fewest heads);
+    1 when none does. 56 heads at W = 2, 4, 8 and S = 32768 on 132 SMs → 7 (SGLang's choice
+    for MiniMax-H3)."""
+    busy = [h for h in heads_per_rank if h > 0]
+    if not busy or sm_count < 1:
+        return 1
+    blocks = batch * math.ceil(seq_total / _BLOCK_M)
+    for g in range(min(max_groups, min(busy)), 1, -1):
+        if all(h % g == 0 for h in busy) and blocks * (min(busy) // g) >= min_waves * sm_count:
+            return g
+    return 1
+
+
+def choose_groups(group, signature, build, run, device, dims, rows, seq):
+    """``pipeline_groups=-1``: ``(plan, PipelineDecision)`` for a new forward shape.
+    ``build(n)`` makes the plan of ``n`` head groups, ``run(plan)`` runs one forward with it;
+    ``dims`` is ``(B, Hq, Hkv, D, Dv)``, ``rows`` the rows attention runs over, ``seq`` every
+    rank's ``S_r``. The decision cached for ``signature`` (this group's, from any module) is
+    taken as it is; otherwise, where ``_measurement`` says to measure (CUDA), ``auto_groups``'
+    count (from the SM count agreed across ranks) is checked for memory (``fits``) and
+    ``decide_pipeline`` runs the sequential and the pipelined plan, compares and times them;
+    on CPU it decides sequential without running anything. Collective unless cached."""
+    hit = cached_decision(group, signature)
+    if hit is not None:
+        return build(hit.groups), hit
+    measured, timer = _measurement(device)
+    rule = None
+    if measured and device.type == "cuda":
+        # Ranks that share a GPU time-slice it: their timings say nothing (by rule).
+        rule = capability.unmeasured_reason(group, device)
+        measured = rule is None
+    cand = 1
+    if measured:
+        sms = _dist.agreed_min(group, _sm_count(device))
+        cand = auto_groups(head_split(dims[1], dist.get_world_size(group)), dims[0], rows, sms)
+        if cand >= 2 and not fits(group, cand, device, dims, seq, rows):
+            return build(1), PipelineDecision(
+                1, cand, fallback_reason=f"some rank lacks memory for two of {cand} head "
+                                         f"groups' working sets")
+    seq_plan = build(1)
+    pipe_plan = build(cand) if measured and cand >= 2 else None
+    decision = decide_pipeline(group, signature, lambda: run(seq_plan), lambda: run(pipe_plan),
+                               cand, timer=timer, measured=measured, device=device, rule=rule)
+    return (pipe_plan if decision.pipelined else seq_plan), decision
+
+
+def fits(group, g: int, device, dims, seq, rows) -> bool:
+    """Whether every rank has room for two of ``g`` head groups' working sets (one
+    all_reduce(MIN) over the gloo twin of ``group`` before any allocation, cached per call
+    shape, so a later call does not ask); ``dims``, ``seq``, ``rows`` as ``choose_groups``."""
+    b, hq, hkv, d, dv = dims
+    rank = dist.get_rank(group)
+    h_r = head_split(hq, dist.get_world_size(group))[rank]
+    item = 4  # an upper bound for fp16/bf16/fp32
+    work = b * (seq[rank] * (hq + 2 * hkv) * d          # fill send buffer
+                + rows * (h_r + 2 * hkv) * d            # receive buffer (≤ all KV heads)
+                + rows * h_r * dv) * item               # attention output
+    need = 2 * -(-work // g)
+    ck = (_dist.group_key(group), device.type, (dims, tuple(seq), rows, g))
+    if ck not in _FITS:
+        free = _free_bytes(device)
+        if len(_FITS) > 256:
+            _FITS.clear()
+        _FITS[ck] = _dist.agreed_min(group, int(free is None or free >= need)) == 1
+    return _FITS[ck]
+
+
+#: ``(group_key(group), device type, call shape) → bool``: ``fits``' agreed verdicts, keyed by
+#: the group object (never ``id``, which can be reused) and a shape every rank computes alike.
+_FITS: dict = {}
+
+
+def _free_bytes(device) -> int | None:
+    """Memory this rank can still allocate on ``device`` (free + cached by torch's allocator);
+    None where there is no bound worth checking (CPU)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def _sm_count(device) -> int:
+    """The device's SM count (0 on CPU: ``auto_groups`` then finds no split)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _measurement(device) -> tuple[bool, object]:
+    """``(measure, timer)`` for ``pipeline_groups=-1`` on ``device``: measured on CUDA with the
+    default timer (None); on CPU not measured. Tests replace it to drive the measured decision
+    on CPU ranks with a fake timer."""
+    return device.type == "cuda", None

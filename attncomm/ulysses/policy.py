@@ -22,15 +22,16 @@ from .._dist import group_key
 from . import ce
 from .all_to_all import AllToAllTransport
 from .ce import CopyEngineTransport
-from .transport import Transport
+from .transport import Transport, dense
 
 __all__ = ["BACKENDS", "AUTO_CE_MIN_BYTES", "ce_reason", "backend_availability",
            "decide_transport", "get_transport", "reset_transports", "resolve_backend",
-           "seq_lens_hash", "dense", "check_call", "capturing", "warm_up_error", "env_key",
-           "on_forget"]
+           "seq_lens_hash", "dense", "seq_lens_detail", "capturing", "on_forget", "named_transport",
+           "BACKEND_CODES"]
 
 BACKENDS = ("all_to_all", "ce", "auto")
-_BACKEND_CODES = {"all_to_all": 1, "ce": 2, "auto": 3}
+#: ``backend`` as the int an argument check agrees on.
+BACKEND_CODES = {"all_to_all": 1, "ce": 2, "auto": 3}
 #: ``auto`` takes ``ce`` (when eligible) from this many bytes sent per rank; below it the NCCL
 #: kernel's lower fixed cost wins.
 AUTO_CE_MIN_BYTES = 1 << 20
@@ -43,19 +44,6 @@ _TRANSPORTS: dict = {}
 #: ``key`` (the call plans, the modules' forward plans): they hold its transports.
 _FORGET: list = []
 
-def env_key(backend: str = "auto", timeout_s=None, validate=None, groups: int = 0) -> tuple:
-    """The text of the call-time ``ATTNCOMM_*`` variables a call's plan depends on, for its
-    key (so a change takes effect at the next call): the backend override for ``auto``, the
-    timeout and validation defaults when the call gives none, the head groups for
-    ``pipeline_groups=-1``, the ``ce`` flag mode when ``ce`` may be chosen."""
-    raw = config.raw
-    return (raw("ATTNCOMM_ULYSSES_BACKEND") if backend == "auto" else "",
-            raw("ATTNCOMM_TIMEOUT_S") if timeout_s is None else "",
-            raw("ATTNCOMM_VALIDATE") if validate is None else "",
-            raw("ATTNCOMM_ULYSSES_PIPELINE_GROUPS") if groups == -1 else "",
-            raw("ATTNCOMM_ULYSSES_CE_FLAGS") if backend != "all_to_all" else "")
-
-
 def on_forget(fn):
     """Register ``fn(key)``: drop plans made for the group with ``group_key`` ``key``."""
     _FORGET.append(fn)
@@ -65,16 +53,6 @@ def on_forget(fn):
 def capturing(x: torch.Tensor) -> bool:
     """Whether ``x`` is a CUDA tensor and the current stream is capturing a CUDA graph."""
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def warm_up_error(op: str, what: str) -> ValueError:
-    """The error for a call shape first seen where no decision can be made (CUDA graph capture,
-    torch.compile tracing): ``what`` names the shape."""
-    return ValueError(
-        f"{op}: {what} is seen for the first time inside CUDA graph capture or torch.compile "
-        f"tracing, where its transport and plan cannot be decided (that takes collectives and "
-        f"may allocate): run {op} once eagerly with this shape on every rank first (a warm-up "
-        f"call), then capture or compile")
 
 
 def ce_reason(group, device: torch.device) -> str | None:
@@ -121,14 +99,13 @@ def get_transport(group, backend: str, device: torch.device, timeout_s: float,
                   plan=None, dtype=None, op: str = "ulysses") -> tuple[Transport, Decision]:
     """The transport for an exchange of ``plan`` and the ``Decision`` behind it. ``backend``
     is already validated and agreed. Called when a plan is made (eagerly, never while tracing
-    or capturing: the callers raise ``warm_up_error`` first).
+    or capturing: the callers raise ``_plans.warm_up_error`` first).
 
     ``decide_transport`` chooses from the agreed ``ce`` eligibility (``ce_reason``) and the
     message size; ``ce`` then prepares its staging for ``plan`` (collective when it allocates);
     an allocation that fails on some rank is an agreed reason like any other. An explicit
     ``ce`` that cannot run raises ``ValueError`` naming ``op``.
     """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
     decision = Decision("all_to_all")
     if backend != "all_to_all":
         nbytes = _max_bytes(plan, dtype) if plan is not None else AUTO_CE_MIN_BYTES
@@ -137,14 +114,14 @@ def get_transport(group, backend: str, device: torch.device, timeout_s: float,
             shared = None if why is not None else capability.unmeasured_reason(group, device)
             decision = decide_transport(backend, why, nbytes, shared)
             if decision.backend == "ce" and plan is not None:
-                t = _cached(group, "ce", device, timeout_s, rank, world)
+                t = named_transport(group, "ce", device, timeout_s)
                 why = t.prepare(plan, dtype)  # allocates (collectively) if new
                 if why is None:
                     return t, decision
                 decision = decide_transport(backend, why, nbytes)
         except ValueError as exc:
             raise ValueError(f"{op}: {exc}") from None
-    return _cached(group, decision.backend, device, timeout_s, rank, world), decision
+    return named_transport(group, decision.backend, device, timeout_s), decision
 
 
 def _max_bytes(plan, dtype) -> int:
@@ -170,11 +147,15 @@ def _release_transports(key) -> None:
         _TRANSPORTS.pop(k).close()
 
 
-def _cached(group, name, device, timeout_s, rank, world) -> Transport:
+def named_transport(group, name: str, device: torch.device, timeout_s: float) -> Transport:
+    """The process-wide transport ``name`` (``"all_to_all"`` or ``"ce"``, no decision) for
+    ``device`` tensors on ``group``, built on first use (``ce``: collective; its flag mode read
+    from ``ATTNCOMM_ULYSSES_CE_FLAGS`` then). Raises ``PeerTimeoutError`` when it is broken."""
     flags = config.raw("ATTNCOMM_ULYSSES_CE_FLAGS") if name == "ce" else ""
     key = (group_key(group), name, device.type, timeout_s, flags)
     t = _TRANSPORTS.get(key)
     if t is None:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
         if name == "ce":
             t = CopyEngineTransport(group, rank, world, timeout_s, device=device)
         else:
@@ -195,36 +176,20 @@ def seq_lens_hash(seq_lens: Sequence[int]) -> int:
     return zlib.crc32(",".join(map(str, seq_lens)).encode()) & 0x7FFFFFFF
 
 
-def dense(x: torch.Tensor) -> torch.Tensor:
-    """``x [B, S, H, D]`` with its last two dims dense (a copy only when they are not)."""
-    if x.dim() == 4 and x.stride(3) == 1 and (x.shape[2] <= 1 or x.stride(2) == x.shape[3]):
-        return x
-    return x.contiguous()
-
-
 #: seq_lens disagreements print every rank's list up to this many entries (else the hash).
 _PRINT_SEQ_LENS = 16
 
 
-def check_call(group, op, validate, signature, labels, error, timeout_s,
-               seq_lens=None) -> None:
-    """The argument check (``_dist.check_args``: by default on the first call with a new
-    signature per group). A local error with checks off, or on one rank, raises there; with
-    checks on every rank raises the same ValueError. When the ranks disagree on ``seq_lens``
-    (a hash in the signature) and the lists are short, one more gather puts every rank's list
-    in the message (on the error path only)."""
-    if dist.get_world_size(group) == 1 or config.validation_mode(validate) == "never":
-        if error:
-            raise ValueError(f"{op}: invalid arguments — rank {dist.get_rank(group)}: {error}")
-        return
-    try:
-        _dist.check_args(group, op, signature, labels, local_error=error, timeout_s=timeout_s,
-                         validate=validate)
-    except ValueError as exc:
-        msg = str(exc)
-        if seq_lens is None or "disagree" not in msg or "seq_lens (hash) =" not in msg:
-            raise
-        raise ValueError(_with_seq_lens(group, msg, list(seq_lens), timeout_s)) from None
+def seq_lens_detail(group, seq_lens, timeout_s):
+    """``_dist.validate_args``' ``detail`` for a signature that holds a hash of ``seq_lens``:
+    when the ranks disagree on it and the lists are short, one more gather (on the error path
+    only, on every rank: the message is the same everywhere) puts every rank's list in the
+    message."""
+    def detail(msg: str) -> str:
+        if "seq_lens (hash) =" not in msg:
+            return msg
+        return _with_seq_lens(group, msg, list(seq_lens), timeout_s)
+    return detail
 
 
 def _with_seq_lens(group, msg: str, seq_lens: list, timeout_s) -> str:

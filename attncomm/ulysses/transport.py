@@ -16,7 +16,7 @@ import torch
 from .layout import ExchangePlan, Piece
 
 __all__ = ["Transport", "Exchange", "SendBuffer", "source_view", "region_view",
-           "fill_send_buffer", "dense_send_buffer", "send_views"]
+           "fill_send_buffer", "dense_send_buffer", "send_views", "dense"]
 
 
 def source_view(parts: Sequence[torch.Tensor], piece: Piece) -> torch.Tensor:
@@ -76,6 +76,14 @@ class SendBuffer:
     regions: tuple
     flat: torch.Tensor | None = None
     token: object = None
+
+
+def dense(x: torch.Tensor) -> torch.Tensor:
+    """``x [B, S, H, D]`` with its last two dims dense (a copy only when they are not): what a
+    transport or a fill reads rows of ``heads × D`` from."""
+    if x.dim() == 4 and x.stride(3) == 1 and (x.shape[2] <= 1 or x.stride(2) == x.shape[3]):
+        return x
+    return x.contiguous()
 
 
 def dense_send_buffer(plan: ExchangePlan, dtype: torch.dtype, device: torch.device,
@@ -182,7 +190,7 @@ class Transport(ABC):
         first). Default: nothing to free."""
         return None
 
-    def _check_send(self, plan: ExchangePlan, dtype: torch.dtype, send: SendBuffer) -> None:
+    def _validate_send(self, plan: ExchangePlan, dtype: torch.dtype, send: SendBuffer) -> None:
         if send.plan is not plan and send.plan != plan:
             raise ValueError(f"ulysses {self.name}: send buffer is for another plan")
         if send.dtype != dtype or send.rank != self.rank:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from attncomm.ulysses import UlyssesAttention
-from attncomm.ulysses.fill import (FillPart, fill_torch, fill_triton, rms_norm_rope,
-                                   send_layout)
+from attncomm.ulysses.fill import FillPart, fill_torch, rms_norm_rope, send_layout
+from _fill_api import fill_triton
 from attncomm.ulysses.layout import group_head_ranges, kv_head_range
 
 pytestmark = pytest.mark.gpu
@@ -74,10 +74,12 @@ def test_fill_kernel_bitwise_on_cuda(case, seed):
 
 def test_prepared_fill_cached_launch_bitwise(seed):
     """``FillPlan`` on CUDA launches through the compiled kernel once Triton compiled a
-    specialization (``fill.CACHED_LAUNCH``): calls that alternate layouts (dense, transposed,
-    sliced, 2-byte misaligned views), cos/sin dtypes and destinations each equal the torch
-    path bit for bit, and so do the same calls with every launch through the JIT."""
+    specialization (``compiled_launch.LaunchCache``): calls that alternate layouts (dense,
+    transposed, sliced, 2-byte misaligned views), cos/sin dtypes and destinations each equal
+    the torch path bit for bit (some replayed), and so do the same calls with every launch
+    through the JIT (``compiled_launch.REPLAY`` off: none replayed)."""
     _need_gpu()
+    from attncomm import compiled_launch
     from attncomm.ulysses import fill as fill_mod
     g = torch.Generator().manual_seed(seed)
     w, hq, hkv, d, s_r = 2, 8, 2, 64, 77
@@ -92,7 +94,7 @@ def test_prepared_fill_cached_launch_bitwise(seed):
     calls = [(lay, shift, cdt) for lay in ("dense", "transposed", "sliced") for shift in (0, 1)
              for cdt in (torch.float32, torch.bfloat16)] * 2
     for cached in (True, False):
-        fill_mod.CACHED_LAUNCH = cached
+        compiled_launch.REPLAY = cached
         try:
             q, k, v = inputs("dense", 0)
             parts = [FillPart(q, qr, norm[0], True), FillPart(k, kr, norm[1], True),
@@ -106,8 +108,11 @@ def test_prepared_fill_cached_launch_bitwise(seed):
                 out = torch.full_like(want, float("nan"))
                 plan(xs, cos, sin, out)
                 assert torch.equal(out, want), f"seed {seed}: cached={cached} call {i}"
+            launches = plan.layout.launches
+            replayed = [k for k in launches._handles if launches.replayable(k)]
+            assert bool(replayed) == cached, (cached, list(launches._handles))
         finally:
-            fill_mod.CACHED_LAUNCH = True
+            compiled_launch.REPLAY = True
 
 @pytest.mark.parametrize("case", [
     (2, 56, 56, 128, 1, 4096, torch.bfloat16, True, "dense"),

@@ -38,7 +38,7 @@ def _head_independent(q, k, v, causal):
 
 def _pipelined_vs_sequential(rank, world, seed):
     from attncomm.ulysses import UlyssesAttention
-    from attncomm.ulysses import attention as attn_mod
+    from attncomm.ulysses import pipeline_choice
     from attncomm.ulysses.layout import head_offsets
     d = dev()
     shared = shared_gpu()
@@ -73,18 +73,18 @@ def _pipelined_vs_sequential(rank, world, seed):
                     if not shared and "shared GPU" in why:
                         bad.append((hq, backend, "auto on GPUs of their own", why))
         # memory decline: this rank short of memory → every rank sequential, same bits
-        orig = attn_mod._free_bytes
-        attn_mod._FITS.clear()
+        orig = pipeline_choice._free_bytes
+        pipeline_choice._FITS.clear()
         if rank == 1:
-            attn_mod._free_bytes = lambda device: 0
+            pipeline_choice._free_bytes = lambda device: 0
         try:
             mod = UlyssesAttention(_head_independent, qk_norm=norm, pipeline_groups=4)
             out = mod(q, k, v, seq_lens=lens, rope=rope)
             if mod.last_pipeline_groups != 1 or not torch.equal(out, ref):
                 bad.append((hq, "decline", mod.last_pipeline_groups))
         finally:
-            attn_mod._free_bytes = orig
-            attn_mod._FITS.clear()
+            pipeline_choice._free_bytes = orig
+            pipeline_choice._FITS.clear()
     torch.cuda.synchronize()
     return bad
 

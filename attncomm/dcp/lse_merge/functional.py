@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ... import config
-from ..._dist import DTYPE_CODES, check_args, group_from_name, group_name, resolve_group
+from ..._dist import (DTYPE_CODES, check_args, device_error, group_from_name, group_name,
+                      resolve_group)
 from ..._plans import Cached, CallPlans
 from ...errors import PeerTimeoutError
 from .. import tracing
@@ -149,12 +150,13 @@ def _new_plan(out, lse, group, backend, lse_base, return_lse, validate, timeout_
     local_error = check_local(out, lse, W, lse_base, backend)
     if local_error is None:
         T, H, D = out.shape
-        local_error = _dest_error(output, (T, H // W, D), out.dtype, out.device)
+        local_error = (_dest_error(output, (T, H // W, D), out.dtype, out.device)
+                       or device_error(g, out.device))
     sig, labels = _signature(out, lse, backend, lse_base, return_lse)
-    check_args(g, "dcp.merge", sig, labels, local_error, budget, validate)
+    agreed = check_args(g, "dcp.merge", sig, labels, local_error, budget, validate)
     T, H, D = out.shape
     plan = _Plan(out, H // W, None if T == 0 else _cached_merger(
-        g, T, H, D, out.dtype, backend, lse_base, budget, out.device))
+        g, T, H, D, out.dtype, backend, lse_base, budget, out.device, agreed))
     if key is not None and config.validation_mode(validate) != "every":
         _PLANS.put(group, g, key, plan)
     return plan
@@ -166,9 +168,10 @@ def _signature(out, lse, backend, lse_base, return_lse):
     sig = shape + [DTYPE_CODES.get(getattr(out, "dtype", None), 0),
                    DTYPE_CODES.get(getattr(lse, "dtype", None), 0),
                    BACKENDS.index(backend) if backend in BACKENDS else -1,
-                   1 if lse_base == "2" else 0, int(bool(return_lse))]
+                   1 if lse_base == "2" else 0, int(bool(return_lse)),
+                   int(bool(getattr(out, "is_cuda", False)))]
     labels = ["T (tokens)", "H (heads)", "D (head_dim)", "out dtype", "lse dtype", "backend",
-              "lse_base", "return_lse"]
+              "lse_base", "return_lse", "device is CUDA"]
     return sig, labels
 
 
@@ -177,22 +180,29 @@ _OBJECTS = ObjectCache(_CACHE_SIZE)
 _MERGERS = _OBJECTS.store  # per group: an LRU of mergers
 
 
-def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget, device) -> Cached:
+def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget, device,
+                   agreed: bool = False) -> Cached:
     """The merger of this shape and token bucket (built by the first call) on the call's
-    device, as a plan holds it."""
+    device, as a plan holds it. ``agreed``: the call's check agreed its arguments just now, so
+    a merger built at once does not agree them again (one built later, after an eviction, does:
+    its construction is then the first bounded wait of the call)."""
+    fresh = [agreed]
 
     def build(max_tokens: int) -> DcpMerger:
+        skip, fresh[0] = fresh[0], False
         try:
             return DcpMerger(group, max_tokens=max_tokens, num_heads=H, head_dim=D, dtype=dtype,
                              backend=backend, lse_base=lse_base, timeout_s=budget,
-                             device=device)
+                             device=device, _agreed=skip)
         except (PeerTimeoutError, ValueError) as exc:
             raise _as_merge_error(exc) from exc
 
-    return _OBJECTS.cached(group, T, (H, D, dtype, backend, lse_base, budget, device), build,
-                           lambda: tracing.warm_up_error(
-                               "dcp.merge", f"the token bucket of T={T} (H={H}, D={D}, {dtype}, "
-                                            f"backend={backend!r})"))
+    cached = _OBJECTS.cached(group, T, (H, D, dtype, backend, lse_base, budget, device), build,
+                             lambda: tracing.warm_up_error(
+                                 "dcp.merge", f"the token bucket of T={T} (H={H}, D={D}, "
+                                              f"{dtype}, backend={backend!r})"))
+    fresh[0] = False  # built now or found: a later build agrees again
+    return cached
 
 
 def _as_merge_error(exc):
