@@ -497,7 +497,6 @@ def validate_args(group, op: str, signature: Sequence[int], labels: Sequence[str
 
 
 #: The name the DCP call paths import (``validate_args``).
-check_args = validate_args
 
 
 def _agree_grid(first, second, op, signature, labels, local_error, timeout_s) -> None:

@@ -16,7 +16,7 @@
   the ranks are out of step, so the object is broken: every later ``check()`` (each call does
   one) raises ``PeerTimeoutError`` naming the peers; build a new one on every rank.
 - Protocol helpers shared by the push kernels' hosts (``plan_blocks``, ``num_warps``,
-  ``grid_bound``, ``ll_rows_for``, ``use_ll``, and ``_dist.agreed_min`` named here; constants
+  ``grid_bound``, ``ll_rows_for``, ``use_ll``; constants
   ``DELTA_UNIT``, ``SCRUB_PERIOD``, ``LL_MAX_BYTES``); the slabs' region layouts and the
   kernels' descriptor are ``attncomm.symm_regions``; the device half (epochs, scrub, bounded
   waits, LL words) is ``attncomm.symm_device``.
@@ -37,12 +37,12 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
 from . import capability, collectives, config
-from ._dist import agreed_min, cpu_group, group_key, guard_timeout, wait
+from ._dist import cpu_group, group_key, guard_timeout, wait
 from .errors import PeerTimeoutError, ranks_text
 from .watchdog import watchdog
 
 __all__ = ["SymmWorkspace", "PeerErrors", "plan_blocks",
-           "num_warps", "grid_bound", "ll_rows_for", "use_ll", "agreed_min", "DELTA_UNIT",
+           "num_warps", "grid_bound", "ll_rows_for", "use_ll", "DELTA_UNIT",
            "SCRUB_PERIOD", "LL_MAX_BYTES", "held_bytes"]
 
 #: Peer offsets are given to kernels in units of this many elements (keeps stores vectorised).
@@ -86,7 +86,7 @@ def grid_bound(device, programs_per_sm: int = 1, max_programs: int = 0) -> int:
     """Programs a persistent push kernel may launch on ``device`` so that all are resident:
     ``programs_per_sm`` per SM, at most ``max_programs`` (0: no cap). On a CPU device (the
     Triton interpreter) 3, so that a few programs and their block loops run. Local: agree it
-    across ranks (``agreed_min``) before planning."""
+    across ranks (``_dist.agreed_min``) before planning."""
     device = torch.device(device)
     if device.type != "cuda":
         n = 3

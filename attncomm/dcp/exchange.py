@@ -21,7 +21,8 @@ from .._dist import (Lifecycle, agree, as_device, group_device, group_key, on_re
                      resolve_group)
 from .._plans import Cached
 from ..compiled_launch import LaunchCache
-from ..symm import SymmWorkspace, agreed_min, grid_bound
+from .._dist import agreed_min
+from ..symm import SymmWorkspace, grid_bound
 from ..symm_regions import Slab
 from . import tracing
 

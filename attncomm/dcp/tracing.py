@@ -13,10 +13,8 @@ from __future__ import annotations
 import itertools
 import weakref
 
-from .._plans import dest_error, dest_key, warm_up_error
-
-__all__ = ["register", "lookup", "warm_up_error", "ANY", "matches", "validate_code",
-           "validate_arg", "timeout_code", "timeout_arg", "dest_key", "dest_error"]
+__all__ = ["register", "lookup", "ANY", "matches", "validate_code", "validate_arg",
+           "timeout_code", "timeout_arg"]
 
 _OBJECTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _IDS = itertools.count()

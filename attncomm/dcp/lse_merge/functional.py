@@ -1,7 +1,7 @@
 """``dcp.merge``: the functional DCP merge, and its hot path.
 
 The first call with a new signature (per group) does everything: resolves the group, checks the
-arguments locally and across ranks (``_dist.check_args``), finds or builds the preallocated
+arguments locally and across ranks (``_dist.validate_args``), finds or builds the preallocated
 ``DcpMerger`` of its token bucket, and keeps a **plan** under a key of the call's arguments
 (shapes, dtypes, devices, options, and the text of the ``ATTNCOMM_VALIDATE`` /
 ``ATTNCOMM_TIMEOUT_S`` variables it read). A later call with the same key only runs the plan:
@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ... import config
-from ..._dist import (DTYPE_CODES, check_args, device_error, group_from_name, group_name,
-                      resolve_group)
-from ..._plans import Cached, CallPlans
+from ..._dist import (DTYPE_CODES, device_error, group_from_name, group_name, resolve_group,
+                      validate_args)
+from ..._plans import Cached, CallPlans, dest_error, dest_key, warm_up_error
 from ...errors import PeerTimeoutError
 from .. import tracing
 from ..exchange import ObjectCache
@@ -56,7 +56,7 @@ def merge(out: torch.Tensor, lse: torch.Tensor, group=None, *, backend: str = "a
         validate: check that all ranks passed the same shapes/arguments (one small all_gather
             on a gloo group): None → env ``ATTNCOMM_VALIDATE`` (unset: on the first call with
             a new signature per group; "1": every call; "0": never), True every call, False
-            never (``attncomm._dist.check_args``).
+            never (``attncomm._dist.validate_args``).
         timeout_s: wait budget (None → ``ATTNCOMM_TIMEOUT_S``, 60 s).
         output: the caller-owned destination: a ``[T, H/W, D]`` tensor of ``out``'s dtype and
             device (written and returned; contiguous ones are written in place by the
@@ -82,7 +82,7 @@ def merge(out: torch.Tensor, lse: torch.Tensor, group=None, *, backend: str = "a
     try:
         key = (out.shape, out.dtype, lse.shape, lse.dtype, out.device, lse.device, backend,
                lse_base, bool(return_lse), validate, timeout_s, env_t, env_v,
-               tracing.dest_key(output))
+               dest_key(output))
     except (AttributeError, TypeError):  # not tensors: the checks say so
         key = None
     plan = _PLANS.get(group, key)
@@ -135,8 +135,8 @@ def _dest_error(output, shape, dtype, device) -> str | None:
     if pair and len(output) != 2:
         return f"output must be a tensor or an (out, lse) pair, got {len(output)} items"
     o, l = output if pair else (output, None)
-    return tracing.dest_error(o, shape, dtype, device, "output") or (
-        None if l is None else tracing.dest_error(l, shape[:2], torch.float32, device,
+    return dest_error(o, shape, dtype, device, "output") or (
+        None if l is None else dest_error(l, shape[:2], torch.float32, device,
                                                   "output LSE", contiguous=True))
 
 
@@ -153,7 +153,7 @@ def _new_plan(out, lse, group, backend, lse_base, return_lse, validate, timeout_
         local_error = (_dest_error(output, (T, H // W, D), out.dtype, out.device)
                        or device_error(g, out.device))
     sig, labels = _signature(out, lse, backend, lse_base, return_lse)
-    agreed = check_args(g, "dcp.merge", sig, labels, local_error, budget, validate)
+    agreed = validate_args(g, "dcp.merge", sig, labels, local_error, budget, validate)
     T, H, D = out.shape
     plan = _Plan(out, H // W, None if T == 0 else _cached_merger(
         g, T, H, D, out.dtype, backend, lse_base, budget, out.device, agreed))
@@ -198,7 +198,7 @@ def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget, device,
             raise _as_merge_error(exc) from exc
 
     cached = _OBJECTS.cached(group, T, (H, D, dtype, backend, lse_base, budget, device), build,
-                             lambda: tracing.warm_up_error(
+                             lambda: warm_up_error(
                                  "dcp.merge", f"the token bucket of T={T} (H={H}, D={D}, "
                                               f"{dtype}, backend={backend!r})"))
     fresh[0] = False  # built now or found: a later build agrees again
@@ -234,7 +234,7 @@ def check_warm(group_name_: str, out, backend: str, lse_base: str, timeout_s) ->
                                                        config.timeout_s(timeout_s), out.device)):
         return
     shape = ", ".join("?" if d is tracing.ANY else str(d) for d in (T, H, D))
-    raise tracing.warm_up_error("dcp.merge", f"out [{shape}] {out.dtype} with "
+    raise warm_up_error("dcp.merge", f"out [{shape}] {out.dtype} with "
                                              f"backend={backend!r}")
 
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from ... import config
-from ..._dist import DTYPE_CODES, check_args, group_from_name, group_name, resolve_group
-from ..._plans import Cached, CallPlans
+from ..._dist import DTYPE_CODES, group_from_name, group_name, resolve_group, validate_args
+from ..._plans import Cached, CallPlans, dest_error, dest_key, warm_up_error
 from .. import tracing
 from ..exchange import ObjectCache
 from .api import DcpQueryGather, check_q, rope_key
@@ -70,7 +70,7 @@ def gather_heads(q: torch.Tensor, group=None, *, backend: str = "auto", rope=Non
     env_v = config.raw("ATTNCOMM_VALIDATE") if validate is None else ""
     try:
         key = (q.shape, q.dtype, q.device, rope_key(rope), backend, validate, timeout_s, env_t,
-               env_v, tracing.dest_key(output))
+               env_v, dest_key(output))
     except (AttributeError, TypeError, IndexError, ValueError):  # the checks say why
         key = None
     plan = _PLANS.get(group, key)
@@ -113,9 +113,9 @@ def _new_plan(q, group, backend, rope, validate, timeout_s, output, key):
     local_error = check_q(q, W, rope, backend)
     if local_error is None and output is not None:
         T, h, D = q.shape
-        local_error = tracing.dest_error(output, (T, h * W, D), q.dtype, q.device, "output")
+        local_error = dest_error(output, (T, h * W, D), q.dtype, q.device, "output")
     sig, labels = _signature(q, rope, backend)
-    check_args(g, "dcp.gather_heads", sig, labels, local_error, budget, validate)
+    validate_args(g, "dcp.gather_heads", sig, labels, local_error, budget, validate)
     T, h, D = q.shape
     shape = torch.Size((T, h * W, D))
     R = 0 if rope is None else rope[0].shape[-1]
@@ -154,7 +154,7 @@ def _cached_gatherer(group, T, H, D, dtype, backend, R, budget, device) -> Cache
         lambda max_tokens: DcpQueryGather(group, max_tokens=max_tokens, num_heads=H, head_dim=D,
                                           dtype=dtype, backend=backend, rope_dim=R,
                                           timeout_s=budget, device=device),
-        lambda: tracing.warm_up_error(
+        lambda: warm_up_error(
             "dcp.gather_heads", f"the token bucket of T={T} (H={H}, D={D}, {dtype})"))
 
 
@@ -178,7 +178,7 @@ def check_warm(group_name_: str, q, cos, backend: str, timeout_s) -> None:
     if _OBJECTS.warm(g, T, (H, D, q.dtype, backend, R, config.timeout_s(timeout_s), q.device)):
         return
     shape = ", ".join("?" if d is tracing.ANY else str(d) for d in (T, h, D))
-    raise tracing.warm_up_error("dcp.gather_heads", f"q [{shape}] {q.dtype} (rope dim "
+    raise warm_up_error("dcp.gather_heads", f"q [{shape}] {q.dtype} (rope dim "
                                                     f"{'?' if R is tracing.ANY else R}) with "
                                                     f"backend={backend!r}")
 
