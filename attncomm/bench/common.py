@@ -22,7 +22,7 @@ from ..launch import gpu_placement, launch
 __all__ = ["meta", "time_eager", "time_graph", "max_over_ranks", "slowest_rank_median",
            "format_column", "format_rows", "markdown_lines", "print_table", "write_json",
            "plot_lines", "progress", "shared_gpu", "run_ranks", "SHARED_GPU_NOTE",
-           "graph_skip_reason"]
+           "graph_skip_reason", "graph_mode_skipped"]
 
 #: What every time measured on ranks that share a GPU is marked with: their contexts run in
 #: time slices, so a wait on a peer costs slices, not NVLink time.
@@ -51,6 +51,19 @@ def graph_skip_reason(backend: str, tensor: torch.Tensor, group=None) -> str | N
     if backend in _PEER_MAPPED or not tensor.is_cuda or not collectives.needs_host(group, tensor):
         return None
     return "its collectives go through host copies on a gloo group (ranks share a GPU): no graph"
+
+
+def graph_mode_skipped(bench: str, backend: str, mode: str, tensor: torch.Tensor, bar, *,
+                       say: bool) -> bool:
+    """True when ``mode`` is a graph mode ``backend`` is not timed in here
+    (``graph_skip_reason``): the progress ``bar`` advances, and the reason is printed when
+    ``say`` (the caller's first such case on rank 0)."""
+    why = graph_skip_reason(backend, tensor) if mode.startswith("graph") else None
+    if why is not None:
+        if say:
+            print(f"{bench}: {backend} {mode}: skipped ({why})", flush=True)
+        bar.update(1)
+    return why is not None
 
 
 def run_ranks(fn, world_size: int, device: str, args: tuple = ()) -> list:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import cpu_group
-from .common import (format_rows, graph_skip_reason, markdown_lines, max_over_ranks, meta,
+from .common import (format_rows, graph_mode_skipped, markdown_lines, max_over_ranks, meta,
                      print_table, progress, run_ranks, slowest_rank_median, time_eager,
                      time_graph)
 from .report import Report, add_common_arguments, emit, usage_error
@@ -143,11 +143,8 @@ def run_rank(rank: int, world_size: int, cfg: dict) -> list[dict] | None:
         for T in cfg["tokens"]:
             out, lse = _inputs(T, H, D, dtype, device, rank)
             for mode in cfg["modes"]:
-                why = graph_skip_reason(backend, out) if mode.startswith("graph") else None
-                if why:
-                    if rank == 0 and T == cfg["tokens"][0]:
-                        print(f"bench dcp: {backend} {mode}: skipped ({why})", flush=True)
-                    bar.update(1)
+                if graph_mode_skipped("bench dcp", backend, mode, out, bar,
+                                      say=rank == 0 and T == cfg["tokens"][0]):
                     continue
                 if mode == "graph-interleaved":
                     def fn(out=out, lse=lse, merger=merger):  # the producer, then the merge

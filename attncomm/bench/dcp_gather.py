@@ -23,7 +23,7 @@ from .. import config
 from .._dist import cpu_group
 from .common import (markdown_lines, max_over_ranks, meta, plot_lines, print_table, progress,
                      run_ranks, slowest_rank_median, time_eager, time_graph, write_json,
-                     graph_skip_reason)
+                     graph_mode_skipped)
 from ..dcp.lse_merge import DcpMerger
 from ..dcp.query_gather import DcpQueryGather
 
@@ -107,12 +107,8 @@ def run_rank(rank: int, world_size: int, cfg: dict) -> list[dict] | None:
         for T in cfg["tokens"]:
             args = _inputs(cfg, T, device, rank)
             for mode in cfg["modes"]:
-                why = graph_skip_reason(name, args[0]) if mode == "graph" else None
-                if why:
-                    if rank == 0 and T == cfg["tokens"][0]:
-                        print(f"bench dcp --op {cfg['op']}: {name} {mode}: skipped ({why})",
-                              flush=True)
-                    bar.update(1)
+                if graph_mode_skipped(f"bench dcp --op {cfg['op']}", name, mode, args[0], bar,
+                                      say=rank == 0 and T == cfg["tokens"][0]):
                     continue
                 stats: dict = {}
                 if mode == "graph":

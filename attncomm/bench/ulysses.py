@@ -242,12 +242,10 @@ def run_rank(rank: int, world: int, opts: dict) -> list[dict] | None:
         for name, t in transports.items():
             fn, finals[name] = _first_call(t, geometry, case, dtype, device)
             for mode in modes:
-                why = (common.graph_skip_reason(name, torch.empty(0, device=device))
-                       if mode == "graph" else None)
-                if why:
-                    if rank == 0:
-                        print(f"bench ulysses: {name} {mode}: skipped ({why})", flush=True)
-                    bar.update(1)
+                if common.graph_mode_skipped("bench ulysses", name, mode,
+                                             torch.empty(0, device=device), bar,
+                                             say=rank == 0 and geometry == work[0][0]
+                                             and n == work[0][1]):
                     continue
                 med = common.slowest_rank_median(_time(fn, mode, device, opts["iters"], cpu_g),
                                                  cpu_g)
