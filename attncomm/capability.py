@@ -468,16 +468,22 @@ def symm_unavailable_reason(group, device: torch.device) -> str | None:
     return layout.p2p_reason(dist.get_rank(group))
 
 
-def collective_try(group, fn: Callable[[], object], what: str):
+def collective_try(group, fn: Callable[[], object], what: str,
+                   discard: Callable[[object], None] | None = None):
     """Run ``fn()`` on every rank, catch a failure, and agree on it.
 
     Returns ``(value, None)`` when every rank succeeded, else ``(None, reason)`` with the same
-    reason (naming each failing rank) on every rank. ``fn`` must not be collective in a way that
-    hangs when a peer failed before reaching it (allocate here; rendezvous in a second call)."""
+    reason (naming each failing rank) on every rank; ``discard(value)`` then frees what this
+    rank built. ``fn`` must not be collective in a way that hangs when a peer failed before
+    reaching it (allocate here; rendezvous in a second call)."""
     value, err = None, None
     try:
         value = fn()
     except Exception as exc:  # noqa: BLE001 - agreed below; the caller raises or falls back
         err = f"{type(exc).__name__}: {exc}"
     reason = agree_reason(group, err, what)
-    return (value, None) if reason is None else (None, reason)
+    if reason is None:
+        return value, None
+    if discard is not None and value is not None:
+        discard(value)
+    return None, reason

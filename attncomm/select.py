@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from . import collectives, config
+from . import capability, collectives, config
 from ._dist import agree_reason, cpu_group
 from ._timing import time_graph
 
@@ -82,16 +82,7 @@ def build_agreed(group, build: Callable[[], object], what: str):
     with the same reason (naming each failing rank) on every rank. ``build`` must not hang when
     a peer failed before reaching it (allocate first, rendezvous in a second agreed step, as
     ``SymmWorkspace.agreed`` does)."""
-    impl, err = None, None
-    try:
-        impl = build()
-    except Exception as exc:  # noqa: BLE001 - agreed below; the caller raises or falls back
-        err = f"{type(exc).__name__}: {exc}"
-    reason = agree_reason(group, err, what)
-    if reason is not None:
-        _close(impl)
-        return None, reason
-    return impl, None
+    return capability.collective_try(group, build, what, discard=_close)
 
 
 def graph_timer(fn: Callable[[], object]) -> float:
