@@ -496,9 +496,6 @@ def validate_args(group, op: str, signature: Sequence[int], labels: Sequence[str
     return False
 
 
-#: The name the DCP call paths import (``validate_args``).
-
-
 def _agree_grid(first, second, op, signature, labels, local_error, timeout_s) -> None:
     """``agree`` over a grid tiled by ``first`` and ``second``: three small collectives, each
     rank's verdict carried into the next."""
@@ -537,15 +534,17 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def agreed_min(group, value: int) -> int:
+def agreed_min(group, value: int, op: str = "attncomm agreement") -> int:
     """The smallest ``value`` over the group's ranks: one all_reduce(MIN) over its gloo twin
     (none in a group of one). For what every rank must plan with alike (a launch bound, a
-    yes/no as 1/0)."""
+    yes/no as 1/0). A peer that never joins: ``PeerTimeoutError`` (``op`` names the step) at
+    the gloo twin's timeout."""
     g = cpu_group(group)
     if dist.get_world_size(g) == 1:
         return int(value)
     t = torch.tensor([int(value)], dtype=torch.int64)
-    collectives.all_reduce(t, op=dist.ReduceOp.MIN, group=g)
+    with guard_timeout(g, op):
+        collectives.all_reduce(t, op=dist.ReduceOp.MIN, group=g)
     return int(t.item())
 
 

@@ -401,9 +401,11 @@ class RankPool:
             except queue.Empty:
                 continue
             if task == WHERE:
-                if ok == task_id and payload is not None and rank not in values \
-                        and rank not in deaths and _still_stuck(rank, payload, where,
-                                                                stuck_since):
+                # A rank's own error, once there, is the one raised: answers that arrive after
+                # it never turn it into a stuck-rank error.
+                if failure is None and ok == task_id and payload is not None \
+                        and rank not in values and rank not in deaths \
+                        and _still_stuck(rank, payload, where, stuck_since):
                     stuck = rank
                 continue
             if task not in (task_id, -1):
@@ -450,7 +452,7 @@ class RankPool:
             err = death_error(deaths, failure)
             note_where(err, missing, where)
             return err
-        if stuck is not None:
+        if stuck is not None and failure is None:
             self.close(force=True)
             return stuck_error(stuck, where, missing, returned)
         if missing:

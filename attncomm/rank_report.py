@@ -21,7 +21,7 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch.distributed as dist
 
-from . import config
+from . import _dist, collectives, config
 from .errors import PeerTimeoutError, ranks_text
 
 __all__ = ["WHERE", "MAIN_REIMPORT_EXIT", "dumps", "pack_exception", "rebuild_exception",
@@ -40,6 +40,9 @@ WHERE = -2  # task id of a rank's answer to "where are you" on the launcher's re
 _C10D = os.path.join(os.path.dirname(dist.__file__), "distributed_c10d.py")
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _P2P = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
+# A collective staged through the host (CUDA tensors on a gloo group) waits in here, below
+# ``_dist.wait``: part of that wait, not code of the rank's own.
+_STAGED_WAIT = collectives.StagedWork.wait.__code__
 
 
 def _call_peers(frame) -> tuple[str, list[int]] | None:
@@ -49,7 +52,7 @@ def _call_peers(frame) -> tuple[str, list[int]] | None:
     code = frame.f_code
     if code.co_filename == _C10D:
         kind = "torch.distributed"
-    elif code.co_filename == os.path.join(_PACKAGE, "_dist.py") and code.co_name == "wait":
+    elif code is _dist.wait.__code__:
         kind = "attncomm._dist"
     else:
         return None
@@ -96,7 +99,8 @@ def _where(frame, finished: set[int], stop) -> dict:
         elif entry is not None:
             break
     if entry is not None and _call_peers(frames[0]) is None \
-            and frames[0].f_code.co_filename != _C10D:
+            and frames[0].f_code.co_filename != _C10D \
+            and frames[0].f_code is not _STAGED_WAIT:
         entry = None  # the rank runs code of its own below the call (a callback): not blocked
     for f in frames:
         op = f.f_locals.get("op") if f.f_code.co_filename.startswith(_PACKAGE) \

@@ -13,7 +13,7 @@ import torch
 import triton
 
 import _interp_rounding  # noqa: F401  (fp32 → bf16 rounds to nearest even, as on the GPU)
-from _fill_api import fill_triton
+from attncomm.ulysses.fill import fill_triton
 from attncomm.ulysses import fill_kernels
 from attncomm.ulysses.fill import FillPart, fill_torch, send_layout
 from attncomm.ulysses.fp8 import FP8_DTYPE, row_bytes

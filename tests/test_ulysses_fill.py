@@ -13,7 +13,7 @@ import torch
 
 from attncomm.ulysses.fill import (FillPart, fill_torch, rms_norm_rope, send_layout,
                                    triton_fill_reason)
-from _fill_api import fill
+from attncomm.ulysses.fill import fill
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -12,7 +12,7 @@ import torch
 from attncomm.ulysses import fp8
 from attncomm.ulysses.fill import FillPart, fill_torch, send_layout
 from attncomm.ulysses.layout import group_head_ranges, kv_head_range, seq_to_head_plan
-from _fill_api import fill
+from attncomm.ulysses.fill import fill
 
 FP8 = torch.float8_e4m3fn
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

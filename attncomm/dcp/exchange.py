@@ -17,11 +17,10 @@ import torch
 import torch.distributed as dist
 
 from .. import _triton, capability, config, select
-from .._dist import (Lifecycle, agree, as_device, group_device, group_key, on_release,
-                     resolve_group)
+from .._dist import (Lifecycle, agree, agreed_min, as_device, group_device, group_key,
+                     on_release, resolve_group)
 from .._plans import Cached
 from ..compiled_launch import LaunchCache
-from .._dist import agreed_min
 from ..symm import SymmWorkspace, grid_bound
 from ..symm_regions import Slab
 from . import tracing

@@ -1,7 +1,6 @@
 """What the DCP exchanges' call paths share: the names a traced graph finds their objects by,
-how optional arguments travel through a custom op; the warm-up error and the checks and plan
-keys of caller-owned destinations (``output=``) are every exchange's (``attncomm._plans``), named
-here too for the DCP call paths.
+how optional arguments travel through a custom op (the warm-up error and the checks and plan
+keys of caller-owned destinations, ``output=``, are every exchange's: ``attncomm._plans``).
 
 A ``torch.library`` custom op takes tensors, numbers and strings, never a Python object, so a
 compiled graph names a ``DcpMerger`` or ``DcpQueryGather`` by a string given at construction

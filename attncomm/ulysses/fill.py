@@ -62,8 +62,8 @@ if _triton.REASON is None:
 else:
     _fk = None
 
-__all__ = ["FillPart", "FillPlan", "rms_norm_rope", "send_layout", "fill_torch",
-           "triton_fill_reason", "default_block_s", "LAUNCH_OPTIONS"]
+__all__ = ["FillPart", "FillPlan", "rms_norm_rope", "send_layout", "fill_torch", "fill",
+           "fill_triton", "triton_fill_reason", "default_block_s", "LAUNCH_OPTIONS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,9 +423,11 @@ def _launch(lay: _Layout, xs: list, base: torch.Tensor, starts: tuple, cos, sin)
         _fk.fill_kernel[grid](*args, ALIGNED=aligned, SPEC=desc.spec, **lay.consts)
 
     # What Triton specializes the changing arguments on (each pointer's dtype and 16-byte
-    # alignment; the sources' and destination's dtypes are the layout's), the descriptor's
-    # specialization and the grid (the rest is fixed per layout).
-    key = (desc.spec, desc.entries, aligned, alignment_key(args), c.dtype, s.dtype)
+    # alignment), the descriptor's specialization and the grid (the rest is fixed per layout).
+    # The sources' and destination's dtypes belong to the layout, but a caller can hand over
+    # others: in the key, they get a kernel of their own instead of one compiled for the first.
+    key = (desc.spec, desc.entries, aligned, alignment_key(args), xs[0].dtype, xs[1].dtype,
+           xs[2].dtype, base.dtype, c.dtype, s.dtype)
     lay.launches.launch(key, launch, args)
 
 
@@ -541,3 +543,31 @@ class FillPlan:
         regions = None if isinstance(out, torch.Tensor) else out
         base, starts = _base_pointer(out, regions, self.starts, lay.fp8)
         _launch(lay, list(xs), base, tuple(starts), cos, sin)
+
+
+def fill(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | None = None,
+         sin: torch.Tensor | None = None, out=None, impl: str = "auto", *,
+         payload_dtype: torch.dtype | None = None, **launch):
+    """One fill, planned for this call: ``FillPlan(parts, eps, rope, impl, payload_dtype,
+    **launch)`` run once on the parts' tensors. Returns ``out`` (flat, or one flat tensor per
+    region), a new flat send buffer when None. Arguments, errors and bits as ``FillPlan``'s;
+    a caller that fills the same layout again keeps the plan instead (the exchanges do)."""
+    plan = FillPlan(parts, eps, cos is not None, impl, payload_dtype, **launch)
+    if out is None:
+        x = parts[0].x
+        b, s_r, _, d = x.shape
+        packed = _fp8.is_fp8_payload(payload_dtype, x.dtype)
+        _, starts = send_layout(b, s_r, _fp8.row_bytes(d) if packed else d,
+                                [p.ranges for p in parts])
+        out = torch.empty(starts[-1], dtype=_fp8.WIRE_DTYPE if packed else x.dtype,
+                          device=x.device)
+    plan([p.x for p in parts], cos, sin, out)
+    return out
+
+
+def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | None = None,
+                sin: torch.Tensor | None = None, out=None, *,
+                payload_dtype: torch.dtype | None = None, **launch):
+    """``fill(..., impl="triton")``: the kernel at any launch shape (``block_s``,
+    ``heads_per_program``, ``num_warps``); CUDA or ``TRITON_INTERPRET=1``."""
+    return fill(parts, eps, cos, sin, out, "triton", payload_dtype=payload_dtype, **launch)

@@ -12,7 +12,7 @@ import torch
 
 from attncomm.ulysses import UlyssesAttention
 from attncomm.ulysses.fill import FillPart, fill_torch, rms_norm_rope, send_layout
-from _fill_api import fill_triton
+from attncomm.ulysses.fill import fill_triton
 from attncomm.ulysses.layout import group_head_ranges, kv_head_range
 
 pytestmark = pytest.mark.gpu
