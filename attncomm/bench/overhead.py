@@ -11,7 +11,7 @@ whole problem (``baseline_host_us``): their target is on the difference; a call 
 its baseline is a failed measurement (no figure, with the reason), never a cost below zero.
 The targets are GPU figures: rows timed with ``--device cpu`` get no ``met``.
 
-Rows (``--small`` shrinks them for CPU smoke runs): ``dcp.merge`` (T=8,
+Rows (``--small`` shrinks them, the default on CPU): ``dcp.merge`` (T=8,
 64 heads × 512, bf16, defaults), ``DcpMerger.symm_a2a`` (the object, eager), ``dcp.gather_heads``
 (T=8, 64 heads × 576), ``ulysses.seq_to_head`` (``[1, 4096, 24, 128]``),
 ``UlyssesAttention.sequential`` / ``.pipelined_g4`` (q = k = v of that shape) and
@@ -389,7 +389,11 @@ def add_arguments(p) -> None:
                                                         "calls and the CUDA graph probes")
     p.add_argument("--repeats", type=int, default=200, help="timed calls per row (median)")
     p.add_argument("--warmup", type=int, default=20, help="untimed calls first")
-    p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke runs)")
+    p.add_argument("--small", action="store_true",
+                   help="tiny shapes (the default with --device cpu)")
+    p.add_argument("--full-shapes", action="store_true",
+                   help="the GPU rows' shapes with --device cpu too (a Ulysses call of "
+                        "[1, 4096, 24, 128] takes over a second on a CPU: minutes per row)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="print the N costliest functions of each row's calls (cProfile)")
     p.add_argument("--time-budget", type=float, default=60.0,
@@ -412,8 +416,9 @@ def _config(args) -> dict:
     unknown = [o for o in ops if o not in OPS + EXTRA_OPS]
     if unknown:
         raise ValueError(f"--ops: unknown rows {unknown}; known: {list(OPS + EXTRA_OPS)}")
+    small = args.small or (args.device == "cpu" and not args.full_shapes)
     return dict(device=args.device, ops=ops, repeats=args.repeats, warmup=args.warmup,
-                small=args.small, profile=args.profile, rev_label=args.rev_label,
+                small=small, profile=args.profile, rev_label=args.rev_label,
                 time_budget=args.time_budget)
 
 
