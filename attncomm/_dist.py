@@ -455,8 +455,7 @@ def validate_args(group, op: str, signature: Sequence[int], labels: Sequence[str
         grid: a second group that tiles a grid with ``group`` (every rank's two groups, as
             USP's Ulysses and ring groups): agreed over ``group``, then ``grid`` (carrying the
             first verdict), then ``group`` again (carrying the second's), so a bad argument on
-            any rank of the grid raises on every rank of it; on every call unless the mode is
-            ``"never"`` (first sight cannot be judged alike over two groups).
+            any rank of the grid raises on every rank of it.
         detail: ``detail(message) -> message`` for a disagreement on the signature: run on
             every rank (it may be collective) to put more in the message (e.g. every rank's
             list where the signature holds its hash).
@@ -467,11 +466,6 @@ def validate_args(group, op: str, signature: Sequence[int], labels: Sequence[str
         PeerTimeoutError: a peer did not take part in the check within ``timeout_s``.
     """
     mode = config.validation_mode(validate)
-    if grid is not None and mode == "first":
-        # A grid's check spans two groups whose ranks may each have seen a signature with other
-        # partners: a rank that skipped the check its grid peers run would leave them waiting
-        # (and the ranks' gloo twins created out of step). So a grid is checked on every call.
-        mode = "every"
     if mode != "never":
         key = (op, tuple(signature))
         seen = _SEEN.get(group_key(group))

@@ -224,10 +224,10 @@ class USPAttention(torch.nn.Module):
         backend, pipeline_groups, qk_norm, timeout_s: as ``UlyssesAttention`` (the Ulysses
             transport, head-group pipelining, RMSNorm weights); ``timeout_s`` also bounds the
             ring's waits.
-        validate: cross-rank argument check of each forward, agreed over the whole grid
-            (``_dist.validate_args`` with ``grid=``): every forward unless False (or env
-            ``ATTNCOMM_VALIDATE=0``), since whether a rank has seen a signature cannot be
-            judged alike over two groups; the construction is always checked.
+        validate: cross-rank argument check of each forward (None: env ``ATTNCOMM_VALIDATE``;
+            unset, on the first forward with a new signature per grid; True every forward;
+            False never), agreed over the whole grid (``_dist.validate_args`` with ``grid=``);
+            the construction is always checked.
         layout: ``"contiguous"`` or ``"zigzag"`` (over the ring; for causal load balance).
 
     ``forward(q [B, S_r, Hq, D], k [B, S_r, Hkv, D], v [B, S_r, Hkv, Dv], *, seq_lens=None,
