@@ -26,7 +26,7 @@ __all__ = ["CallPlans", "Cached", "warm_up_error", "dest_key", "dest_error"]
 class CallPlans:
     """Per group argument (as callers pass it: None, a process group or a coordinator), an LRU
     of ``size`` plans by call key. Plans own no buffers: dropping one costs its next call the
-    checks again (no collective when the signature was seen: ``_dist.validate_args``)."""
+    checks again (no collective when the signature was seen: ``_agree.validate_args``)."""
 
     def __init__(self, size: int = 1024):
         self.size = size

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from . import config
-from ._dist import agree_reason, cpu_group, group_key, on_forget_groups
+from ._dist import cpu_group, group_key, on_forget_groups
+from ._agree import agree_reason
 
 __all__ = ["agree_reason", "hostname", "host_identity", "cuda_reason", "cuda_driver",
            "cuda_runtime", "cuda_ok", "p2p_matrix", "symm_mem_reason", "ipc_reason",

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from . import _triton, capability, config
-from ._dist import agree_reason, group_device
+from ._dist import group_device
+from ._agree import agree_reason
 from .dp_attention.rows import sync_decision
 from .dp_attention.shm import shm_supported
 from .launch import launch

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from . import capability, collectives, config
-from ._dist import agree_reason, cpu_group
+from ._dist import cpu_group
+from ._agree import agree_reason
 from ._timing import time_graph
 
 __all__ = ["Decision", "token_buckets", "agreed_reasons", "build_agreed", "measure", "fastest",

@@ -86,7 +86,7 @@ def grid_bound(device, programs_per_sm: int = 1, max_programs: int = 0) -> int:
     """Programs a persistent push kernel may launch on ``device`` so that all are resident:
     ``programs_per_sm`` per SM, at most ``max_programs`` (0: no cap). On a CPU device (the
     Triton interpreter) 3, so that a few programs and their block loops run. Local: agree it
-    across ranks (``_dist.agreed_min``) before planning."""
+    across ranks (``_agree.agreed_min``) before planning."""
     device = torch.device(device)
     if device.type != "cuda":
         n = 3

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import _dist, collectives, config
+from . import _agree, _dist, collectives, config
 from .capability import host_identity
 from .ring.api import LAYOUT_CODES, local_error, ring_attention
 from .ring.layout import layout_error, zigzag_shard, zigzag_unshard
@@ -190,7 +190,7 @@ def make_groups(ulysses_degree: int, ring_degree: int, group=None):
         error = (f"ulysses_degree · ring_degree = {u} · {r} = {u * r} does not equal the "
                  f"group's size {world}")
     sig = [u, r] if error is None else [-1, -1]
-    _dist.validate_args(group, "usp.make_groups", sig, ["ulysses_degree", "ring_degree"], error,
+    _agree.validate_args(group, "usp.make_groups", sig, ["ulysses_degree", "ring_degree"], error,
                         config.timeout_s(), True)
     ranks = list(range(world)) if group is None else dist.get_process_group_ranks(group)
     me = dist.get_rank(group)
@@ -226,7 +226,7 @@ class USPAttention(torch.nn.Module):
             ring's waits.
         validate: cross-rank argument check of each forward (None: env ``ATTNCOMM_VALIDATE``;
             unset, on the first forward with a new signature per grid; True every forward;
-            False never), agreed over the whole grid (``_dist.validate_args`` with ``grid=``);
+            False never), agreed over the whole grid (``_agree.validate_args`` with ``grid=``);
             the construction is always checked.
         layout: ``"contiguous"`` or ``"zigzag"`` (over the ring; for causal load balance).
 
@@ -269,7 +269,7 @@ class USPAttention(torch.nn.Module):
                pipeline_groups if isinstance(pipeline_groups, int) else -9,
                int(qk_norm is not None), dist.get_world_size(ulysses_group),
                dist.get_world_size(ring_group)]
-        _dist.validate_args(ulysses_group, "USPAttention", sig,
+        _agree.validate_args(ulysses_group, "USPAttention", sig,
                             ["layout", "backend", "pipeline_groups", "qk_norm given", "U", "R"],
                             error, config.timeout_s(timeout_s), True, grid=ring_group)
         self.topology_reason = ulysses_span_reason(ulysses_group, timeout_s)
@@ -339,14 +339,14 @@ class USPAttention(torch.nn.Module):
             dims = [q.shape[0], q.shape[1] if seq_lens is None else -1, q.shape[2], q.shape[3],
                     k.shape[2], v.shape[3]]
         sig = [*dims,
-               *(_dist.DTYPE_CODES.get(t.dtype, 0) if ok else 0 for t in (q, k, v)),
+               *(_agree.DTYPE_CODES.get(t.dtype, 0) if ok else 0 for t in (q, k, v)),
                int(ok and q.is_cuda), int(bool(causal)), int(rope is not None),
                sum(seq) if ok else -1, seq_lens_hash(seq) if ok else -1, u, r,
                LAYOUT_CODES.get(self.layout, 0)]
         labels = ["B", "S_r (seq_lens=None)", "Hq", "D", "Hkv", "Dv", "q dtype", "k dtype",
                   "v dtype", "CUDA", "causal", "rope given", "S", "seq_lens (hash)", "U", "R",
                   "layout"]
-        _dist.validate_args(self.ulysses_group, "USPAttention", sig, labels, error, budget,
+        _agree.validate_args(self.ulysses_group, "USPAttention", sig, labels, error, budget,
                             self.validate, grid=self.ring_group)
         rows = None
         if rope is not None:

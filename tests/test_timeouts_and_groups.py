@@ -119,7 +119,7 @@ def test_env_override_under_auto_never_fails(pools):
 
 
 def test_agree_signature_length_is_checked():
-    from attncomm._dist import agree
+    from attncomm._agree import agree
     with pytest.raises(ValueError, match="signature too long"):
         agree(None, "op", list(range(31)), [])
 
@@ -127,7 +127,8 @@ def test_agree_signature_length_is_checked():
 def _twin_layouts(rank, world_size):
     """Gloo twins of "NCCL" subgroups (get_backend patched to say nccl for them)."""
     from attncomm import cpu_group
-    from attncomm._dist import agree, clear_cpu_groups
+    from attncomm._dist import clear_cpu_groups
+    from attncomm._agree import agree
 
     full = dist.new_group([0, 1, 2, 3], backend="gloo")
     pair = dist.new_group([0, 1], backend="gloo")

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from .. import _triton, capability, config, select
-from .._dist import (Lifecycle, agree, agreed_min, as_device, group_device, group_key,
-                     on_release, resolve_group)
+from .._dist import Lifecycle, as_device, group_device, group_key, on_release, resolve_group
+from .._agree import agree, agreed_min
 from .._plans import Cached
 from ..compiled_launch import LaunchCache
 from ..symm import SymmWorkspace, grid_bound

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from .._dist import DTYPE_CODES, group_name, resolve_group, validate_args
+from .._dist import group_name, resolve_group
+from .._agree import DTYPE_CODES, validate_args
 from ..collectives import all_gather_tensor, all_reduce, reduce_scatter_tensor
 from .._plans import CallPlans, dest_error, dest_key
 from .._dist import wait as _dist_wait
@@ -231,7 +232,7 @@ def dp_gather(local: torch.Tensor, global_num_tokens: Sequence[int], group=None,
         group: the ``dp·attn_tp_size`` ranks of the MLP (DP major).
         mode: ``DpPaddingMode`` (or "max_len" / "sum_len").
         attn_tp_size: attention-TP ranks per DP rank; only attention-TP rank 0's copy is used.
-        validate, timeout_s: as every functional call's (``attncomm._dist.validate_args``).
+        validate, timeout_s: as every functional call's (``attncomm._agree.validate_args``).
         output: the caller-owned destination, the global buffer's shape, ``local``'s dtype and
             device (contiguous ones receive the collective directly, others one copy).
 

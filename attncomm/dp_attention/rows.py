@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from .._dist import agree, agree_reason, cpu_group, group_device, guard_timeout, wait
+from .._dist import cpu_group, group_device, guard_timeout, wait
+from .._agree import agree, agree_reason
 from ..collectives import all_gather_tensor
 from ..capability import HostLayout, group_hosts
 from ..errors import PeerTimeoutError

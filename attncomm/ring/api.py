@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import _dist, config
+from .. import _agree, config
 from ..errors import PeerTimeoutError
 from .attn import attention_with_lse
 from .comm import RingComm
@@ -70,7 +70,7 @@ def signature(q, k, v, layout, causal, return_lse) -> list[int]:
     4-D tensor (its local error already says why)."""
     ok = all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v))
     dims = [*q.shape, k.shape[2], v.shape[3]] if ok else [-1] * 6
-    codes = [_dist.DTYPE_CODES.get(t.dtype, 0) if isinstance(t, torch.Tensor) else 0
+    codes = [_agree.DTYPE_CODES.get(t.dtype, 0) if isinstance(t, torch.Tensor) else 0
              for t in (q, k, v)]
     return [*dims, *codes, int(bool(ok and q.is_cuda)), LAYOUT_CODES.get(layout, 0),
             int(bool(causal)), int(bool(return_lse))]
@@ -169,7 +169,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     """
     budget = config.timeout_s(timeout_s)
     error = local_error(q, k, v, layout)
-    _dist.validate_args(group, "ring_attention", signature(q, k, v, layout, causal, return_lse),
+    _agree.validate_args(group, "ring_attention", signature(q, k, v, layout, causal, return_lse),
                         LABELS, error, budget, validate)
     out, lse = _run(q, k, v, group, bool(causal), layout, attn_fn or attention_with_lse, budget,
                     "ring_attention")
@@ -202,7 +202,7 @@ class RingAttention(torch.nn.Module):
         self.timeout_s = timeout_s
         self.validate = validate
         self._closed = False
-        _dist.validate_args(group, "RingAttention", [LAYOUT_CODES.get(layout, 0)], ["layout"],
+        _agree.validate_args(group, "RingAttention", [LAYOUT_CODES.get(layout, 0)], ["layout"],
                             layout_error(layout), config.timeout_s(timeout_s),
                             config.validation_mode(validate) != "never")
 

@@ -16,7 +16,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .. import _dist, config
+from .. import _agree, _dist, config
 from .._dist import group_key
 from .._plans import CallPlans, dest_error, dest_key, warm_up_error
 from . import fp8, policy
@@ -123,7 +123,7 @@ def seq_to_head(x: torch.Tensor, group=None, *, seq_lens=None, backend: str = "a
         c = _plan_seq_to_head(x, group, seq_lens, backend, validate, timeout_s, output, key,
                               payload_dtype)
     elif c.every:
-        _dist.validate_args(c.group, c.op, *c.validation, validate)
+        _agree.validate_args(c.group, c.op, *c.validation, validate)
     return _run(c, x, output)
 
 
@@ -266,7 +266,7 @@ def head_to_seq(x: torch.Tensor, group=None, *, num_heads: int | None = None, se
         c = _plan_head_to_seq(x, group, num_heads, seq_lens, backend, validate, timeout_s,
                               output, key)
     elif c.every:
-        _dist.validate_args(c.group, c.op, *c.validation, validate)
+        _agree.validate_args(c.group, c.op, *c.validation, validate)
     return _run(c, x, output)
 
 
@@ -324,7 +324,7 @@ class _Args:
     seq: tuple | None
     backend: str
     shape: tuple      # x's shape, (0, 0, 0, 0) when x is not a 4-D tensor
-    dcode: int        # x's dtype code (_dist.DTYPE_CODES), 0 when unknown
+    dcode: int        # x's dtype code (_agree.DTYPE_CODES), 0 when unknown
     dev: int          # 1 when x is a CUDA tensor
 
 
@@ -348,19 +348,19 @@ def _prologue(x, group, seq_lens, backend: str, timeout_s, dims: str) -> _Args:
         what = f"shape {list(shape)}" if is_tensor else type(x).__name__
         error = error or f"x must be a 4-D tensor [{dims}], got {what}"
         shape = (0, 0, 0, 0)
-    dcode = _dist.DTYPE_CODES.get(x.dtype, 0) if is_tensor else 0
+    dcode = _agree.DTYPE_CODES.get(x.dtype, 0) if is_tensor else 0
     dev = 1 if is_tensor and x.is_cuda else 0
     return _Args(timeout, rank, world, error, seq, backend, shape, dcode, dev)
 
 
 def _validate(op, x, group, c: _Args, sig, labels, error, seq, validate) -> tuple:
     """A new call shape's warm-up check (``x`` inside CUDA graph capture: the warm-up error,
-    nothing decided) and its argument check (``_dist.validate_args``, every rank's seq_lens in
+    nothing decided) and its argument check (``_agree.validate_args``, every rank's seq_lens in
     the message when they disagree); returns what a plan keeps for ``validate=True``."""
     if policy.capturing(x):
         raise warm_up_error(f"ulysses.{op}", f"x {list(c.shape)} {x.dtype}")
     validation = (sig, labels, error, c.timeout)
-    _dist.validate_args(group, op, *validation, validate,
+    _agree.validate_args(group, op, *validation, validate,
                         detail=seq_lens_detail(group, seq, c.timeout))
     return validation
 

@@ -18,7 +18,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .. import _dist, config
+from .. import _agree, _dist, config
 from .._dist import group_key
 from .._plans import warm_up_error
 from . import policy
@@ -270,7 +270,7 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
             sig, labels, error, timeout = plan.validation
             if sig[-1] != -1:  # the joint rows' checksum: of this call's rows
                 sig = sig[:-1] + [joint_checksum(joint)]
-            _dist.validate_args(self._pg, "UlyssesAttention", sig, labels, error, timeout,
+            _agree.validate_args(self._pg, "UlyssesAttention", sig, labels, error, timeout,
                                 self.validate)
         self.__dict__["_last"] = plan
         return plan.run(q, k, v, rope, joint)
@@ -312,7 +312,7 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
             raise warm_up_error("UlyssesAttention", f"the forward shape q {list(q.shape)}, "
                                 f"k {list(k.shape)}, v {list(v.shape)}, {q.dtype}")
         validation = (sig, labels, error, timeout)
-        _dist.validate_args(group, "UlyssesAttention", *validation, self.validate,
+        _agree.validate_args(group, "UlyssesAttention", *validation, self.validate,
                             detail=seq_lens_detail(group, seq, timeout))
         dims = (b, hq, hkv, d, dv)
         jspec = None if joint is None else (s_j, position == "front")
@@ -347,9 +347,9 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         rows' checksum is the last entry."""
         ok = error is None
         b, s_r, hq, hkv, d, dv = dims6
-        codes = [_dist.DTYPE_CODES.get(t.dtype, 0) if isinstance(t, torch.Tensor) else 0
+        codes = [_agree.DTYPE_CODES.get(t.dtype, 0) if isinstance(t, torch.Tensor) else 0
                  for t in (q, k, v)]
-        jcodes = ([_dist.DTYPE_CODES.get(t.dtype, 0) for t in joint] if ok and joint is not None
+        jcodes = ([_agree.DTYPE_CODES.get(t.dtype, 0) for t in joint] if ok and joint is not None
                   else [0, 0, 0])
         pos = JOINT_POSITIONS.index(position) if position in JOINT_POSITIONS else -1
         sig = [b, hq, hkv, d, dv, *codes, int(bool(q.is_cuda)) if ok else -1,

@@ -57,7 +57,8 @@ import torch
 import torch.distributed as dist
 
 from .. import capability, config
-from .._dist import agree_reason, agreed_min, cpu_group, group_key, on_release
+from .._dist import cpu_group, group_key, on_release
+from .._agree import agree_reason, agreed_min
 from ..errors import PeerTimeoutError
 from ..symm import PeerErrors
 from ..watchdog import PendingWait, watchdog

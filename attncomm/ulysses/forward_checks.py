@@ -1,6 +1,6 @@
 """The local argument checks of ``UlyssesAttention.forward`` (no communication): q, k, v,
 ``seq_lens``, ``rope``, ``qk_norm``, the joint rows and the payload dtype. Each returns an error
-message (or None) that the caller then agrees across ranks (``_dist.validate_args``), so a bad
+message (or None) that the caller then agrees across ranks (``_agree.validate_args``), so a bad
 argument on one rank raises the same ``ValueError`` on every rank.
 
 Joint rows (``joint=(q_j, k_j, v_j)``) are replicated: every rank must pass the

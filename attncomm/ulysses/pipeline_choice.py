@@ -41,7 +41,7 @@ from collections.abc import Callable, Hashable
 import torch
 import torch.distributed as dist
 
-from .. import _dist, capability
+from .. import _agree, _dist, capability
 from .._timing import time_eager
 from ..select import fastest, measure
 from .layout import head_split
@@ -171,7 +171,7 @@ def _agreed_mismatch(group, sequential, pipelined, groups) -> str | None:
         local = _bits_differ(sequential(), pipelined())
     except Exception as exc:  # noqa: BLE001 - agreed below: every rank keeps sequential
         local = f"a forward raised {type(exc).__name__}: {exc}"
-    why = _dist.agree_reason(group, local, "pipeline check")
+    why = _agree.agree_reason(group, local, "pipeline check")
     if why is None:
         return None
     return f"pipelined (G = {groups}) and sequential outputs differ: {why}"
@@ -242,7 +242,7 @@ def choose_groups(group, signature, build, run, device, dims, rows, seq):
         measured = rule is None
     cand = 1
     if measured:
-        sms = _dist.agreed_min(group, _sm_count(device))
+        sms = _agree.agreed_min(group, _sm_count(device))
         cand = auto_groups(head_split(dims[1], dist.get_world_size(group)), dims[0], rows, sms)
         if cand >= 2 and not fits(group, cand, device, dims, seq, rows):
             return build(1), PipelineDecision(
@@ -272,7 +272,7 @@ def fits(group, g: int, device, dims, seq, rows) -> bool:
         free = _free_bytes(device)
         if len(_FITS) > 256:
             _FITS.clear()
-        _FITS[ck] = _dist.agreed_min(group, int(free is None or free >= need)) == 1
+        _FITS[ck] = _agree.agreed_min(group, int(free is None or free >= need)) == 1
     return _FITS[ck]
 
 

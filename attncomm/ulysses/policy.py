@@ -181,7 +181,7 @@ _PRINT_SEQ_LENS = 16
 
 
 def seq_lens_detail(group, seq_lens, timeout_s):
-    """``_dist.validate_args``' ``detail`` for a signature that holds a hash of ``seq_lens``:
+    """``_agree.validate_args``' ``detail`` for a signature that holds a hash of ``seq_lens``:
     when the ranks disagree on it and the lists are short, one more gather (on the error path
     only, on every rank: the message is the same everywhere) puts every rank's list in the
     message."""

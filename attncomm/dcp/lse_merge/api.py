@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from ..._dist import DTYPE_CODES, device_error
+from ..._dist import device_error
+from ..._agree import DTYPE_CODES
 from ..exchange import DTYPES, PreallocatedExchange, geometry_error
 from . import collective, symm_a2a  # noqa: F401 - each registers its backend class
 from .backend import BACKENDS, MERGE_REGISTRY
@@ -175,7 +176,7 @@ class DcpMerger(PreallocatedExchange):
     def __init__(self, group=None, *, max_tokens: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, backend: str = "auto", lse_base: str = "e",
                  timeout_s: float | None = None, device=None, _agreed: bool = False):
-        # _agreed: built by dcp.merge, whose argument check (``_dist.validate_args``) agreed
+        # _agreed: built by dcp.merge, whose argument check (``_agree.validate_args``) agreed
         # the call's arguments these derive from, device included: not agreed a second time.
         self._open(group, device, timeout_s)
         err = self._check_args(max_tokens, num_heads, head_dim, dtype, backend, lse_base,

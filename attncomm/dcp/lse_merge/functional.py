@@ -1,7 +1,7 @@
 """``dcp.merge``: the functional DCP merge, and its hot path.
 
 The first call with a new signature (per group) does everything: resolves the group, checks the
-arguments locally and across ranks (``_dist.validate_args``), finds or builds the preallocated
+arguments locally and across ranks (``_agree.validate_args``), finds or builds the preallocated
 ``DcpMerger`` of its token bucket, and keeps a **plan** under a key of the call's arguments
 (shapes, dtypes, devices, options, and the text of the ``ATTNCOMM_VALIDATE`` /
 ``ATTNCOMM_TIMEOUT_S`` variables it read). A later call with the same key only runs the plan:
@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ... import config
-from ..._dist import (DTYPE_CODES, device_error, group_from_name, group_name, resolve_group,
-                      validate_args)
+from ..._dist import device_error, group_from_name, group_name, resolve_group
+from ..._agree import DTYPE_CODES, validate_args
 from ..._plans import Cached, CallPlans, dest_error, dest_key, warm_up_error
 from ...errors import PeerTimeoutError
 from .. import tracing
@@ -56,7 +56,7 @@ def merge(out: torch.Tensor, lse: torch.Tensor, group=None, *, backend: str = "a
         validate: check that all ranks passed the same shapes/arguments (one small all_gather
             on a gloo group): None → env ``ATTNCOMM_VALIDATE`` (unset: on the first call with
             a new signature per group; "1": every call; "0": never), True every call, False
-            never (``attncomm._dist.validate_args``).
+            never (``attncomm._agree.validate_args``).
         timeout_s: wait budget (None → ``ATTNCOMM_TIMEOUT_S``, 60 s).
         output: the caller-owned destination: a ``[T, H/W, D]`` tensor of ``out``'s dtype and
             device (written and returned; contiguous ones are written in place by the

@@ -27,7 +27,8 @@ import zlib
 
 import torch
 
-from ..._dist import DTYPE_CODES, device_error
+from ..._dist import device_error
+from ..._agree import DTYPE_CODES
 from ..exchange import DTYPES, PreallocatedExchange, geometry_error
 from . import all_gather, symm  # noqa: F401 - each registers its backend class
 from .backend import GATHER_BACKENDS, GATHER_REGISTRY

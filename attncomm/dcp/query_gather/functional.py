@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from ... import config
-from ..._dist import DTYPE_CODES, group_from_name, group_name, resolve_group, validate_args
+from ..._dist import group_from_name, group_name, resolve_group
+from ..._agree import DTYPE_CODES, validate_args
 from ..._plans import Cached, CallPlans, dest_error, dest_key, warm_up_error
 from .. import tracing
 from ..exchange import ObjectCache
