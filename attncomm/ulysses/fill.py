@@ -207,11 +207,15 @@ def fill_torch(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | 
     parts, ``out`` or ``payload_dtype``.
     """
     (b, s_r, row), htot, starts, _, fp8 = _validate_parts(parts, out, payload_dtype)
-    if out is None:
-        out = torch.empty(starts[-1], dtype=_fp8.WIRE_DTYPE if fp8 else parts[0].x.dtype,
-                          device=parts[0].x.device)
+    out = _new_send_buffer(parts, starts, fp8) if out is None else out
     _torch_fill(parts, eps, cos, sin, _regions(out, starts, htot, b, s_r, row), fp8)
     return out
+
+
+def _new_send_buffer(parts, starts, fp8: bool) -> torch.Tensor:
+    """A flat send buffer for ``parts`` laid out by ``starts`` (uint8 for the FP8 payload)."""
+    x = parts[0].x
+    return torch.empty(starts[-1], dtype=_fp8.WIRE_DTYPE if fp8 else x.dtype, device=x.device)
 
 
 def _torch_fill(parts, eps, cos, sin, regions, fp8: bool) -> None:
@@ -554,13 +558,8 @@ def fill(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | None =
     a caller that fills the same layout again keeps the plan instead (the exchanges do)."""
     plan = FillPlan(parts, eps, cos is not None, impl, payload_dtype, **launch)
     if out is None:
-        x = parts[0].x
-        b, s_r, _, d = x.shape
-        packed = _fp8.is_fp8_payload(payload_dtype, x.dtype)
-        _, starts = send_layout(b, s_r, _fp8.row_bytes(d) if packed else d,
-                                [p.ranges for p in parts])
-        out = torch.empty(starts[-1], dtype=_fp8.WIRE_DTYPE if packed else x.dtype,
-                          device=x.device)
+        _, _, starts, _, fp8 = _validate_parts(parts, None, payload_dtype)
+        out = _new_send_buffer(parts, starts, fp8)
     plan([p.x for p in parts], cos, sin, out)
     return out
 
