@@ -64,26 +64,30 @@ if want tests; then
   # GPU_TEST_SHARDS=N runs tests/gpu as N pytest processes side by side, the files dealt out
   # largest first; each shard writes its own junit, so a shard that ends inside the limit keeps
   # its record when another is cut off. Ranks of every shard share the GPU: more waits per
-  # round, the same answers.
+  # round, the same answers. GPU_TEST_FILES (a glob or a list) narrows the files.
   SHARDS=${GPU_TEST_SHARDS:-1}
   if [ "$SHARDS" -le 1 ]; then
     step gpu-tests ${GPU_TESTS_LIMIT:-560} $PY -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
       -rs --junitxml="$RES/gpu-tests-$DAY-$MACHINE.xml"
   else
     shard_files() {  # shard_files K: the files of shard K (0-based)
-      ls -S tests/gpu/test_*.py | awk -v n="$SHARDS" -v k="$1" '(NR - 1) % n == k'
+      ls -S ${GPU_TEST_FILES:-tests/gpu/test_*.py} | awk -v n="$SHARDS" -v k="$1" '(NR - 1) % n == k'
     }
     run_shards() {
       local k pids=() rc=0
       for ((k = 0; k < SHARDS; k++)); do
-        $PY -m pytest -q -m gpu $(shard_files $k) -p no:cacheprovider -rs --durations=15 \
+        $PY -m pytest -v -m gpu $(shard_files $k) -p no:cacheprovider -rs --durations=15 $TIMEOUT \
           --junitxml="$RES/gpu-tests-$k-$DAY-$MACHINE.xml" >"$RES/gpu-tests-$k-$DAY-$MACHINE.log" 2>&1 &
         pids+=($!)
       done
       for k in "${!pids[@]}"; do wait "${pids[$k]}" || rc=1; tail -3 "$RES/gpu-tests-$k-$DAY-$MACHINE.log"; done
       return $rc
     }
-    export -f shard_files run_shards; export SHARDS PY RES DAY MACHINE
+    # With pytest-timeout installed, a test that hangs prints every thread's stack and ends its
+    # shard instead of holding the step to its limit.
+    TIMEOUT=""
+    $PY -c "import pytest_timeout" 2>/dev/null && TIMEOUT="--timeout=${GPU_TEST_TIMEOUT:-240}"
+    export -f shard_files run_shards; export SHARDS PY RES DAY MACHINE TIMEOUT GPU_TEST_FILES
     step gpu-tests ${GPU_TESTS_LIMIT:-560} bash -c run_shards
   fi
 fi

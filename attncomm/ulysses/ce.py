@@ -416,10 +416,12 @@ class CopyEngineTransport(Transport):
         writes the awaited flags (``addrs(peer)``: ``(address, value)`` pairs) locally on the
         side stream, and the stream goes on to the next wait, which has a budget of its own.
 
-        Between enqueuing such a wait and this call the host launches no kernel, only copies,
-        stream memory ops and events: a kernel's first launch in a process (CUDA's lazy module
-        loading) can block the host until an unanswered wait is released, and the watchdog,
-        which must know of the wait first, is what releases it."""
+        The watchdog releases such a wait only if every kernel launched behind it has been
+        launched before in this process: with CUDA's lazy module loading (the default), a
+        kernel's first launch waits for its module load behind the unanswered wait, inside the
+        driver, holding the GIL, so the watchdog thread cannot run. Hence a process's first
+        forward must not meet a dead peer on this path: warm up first, or set
+        ``CUDA_MODULE_LOADING=EAGER``, or use ``flag_mode="kernel"`` (device deadlines)."""
         if capturing or not waits or not self.flags.unbounded:
             return
 

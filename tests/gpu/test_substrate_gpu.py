@@ -164,14 +164,19 @@ def test_watchdog_releases_an_unanswered_stream_wait():
     word = torch.zeros(1, dtype=torch.int32, device=dev)
     s, side = torch.cuda.Stream(), torch.cuda.Stream()
     x = torch.ones(1024, device=dev)
+    # The kernel launched behind the wait has run once before it: with CUDA's lazy module
+    # loading, a kernel's first launch in a process blocks the launching thread (holding the
+    # GIL, so the watchdog thread cannot run) until the unanswered wait is released.
+    with torch.cuda.stream(s):
+        x * 2
+    torch.cuda.synchronize()
     started = torch.cuda.Event()
     started.record(s)
     flags.wait(s, word.data_ptr(), 1, 1, bounded=False)  # nobody answers
     after = torch.cuda.Event()
     after.record(s)
     # The wait goes to the watchdog before this thread launches anything, as the ce transport
-    # does: a kernel's first launch in a process (CUDA's lazy module loading) can block the
-    # host until the unanswered wait is released, and only the watchdog releases it.
+    # does.
     watchdog().add(PendingWait(errs, started, {1: after}, 0.5,
                                lambda blocked: flags.write(side, word.data_ptr(), 1),
                                dev.index))
