@@ -9,10 +9,12 @@ its time split by phase (argument checks, transport choice and plans, fill, exch
 exchange wait/release, attn_fn, module attribute writes, the rest), scaled to the unprofiled
 total; and the aten operators and Python function calls one call makes (counts, which do not
 depend on the machine's load). Only public calls are used, so the same script measures an
-older checkout (put it first on ``PYTHONPATH``) for a before/after table.
+older checkout (put it first on ``PYTHONPATH``) for a before/after table. ``--trace DIR``
+also records rank 0's steady calls with ``torch.profiler`` (host and CUDA activities, Python
+stacks): a Chrome trace per call in ``DIR`` and a table of its operators by host time.
 
     python scripts/ulysses_host_profile.py [--device cpu|cuda] [--world-size 1]
-        [--shape 1 64 8 16] [--json PATH] [--markdown PATH]
+        [--shape 1 64 8 16] [--json PATH] [--markdown PATH] [--trace DIR]
 """
 from __future__ import annotations
 
@@ -129,8 +131,30 @@ def _phases(fn, device, calls: int) -> dict:
     return shares
 
 
+def _trace(name: str, fn, device, out_dir: str, calls: int = 3) -> None:
+    """``calls`` steady calls of ``fn`` under ``torch.profiler`` (after two unrecorded ones):
+    ``<name>.json`` (Chrome trace) and ``<name>.txt`` (operators by host time) in
+    ``out_dir``."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    fn()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    with profile(activities=acts, with_stack=True) as prof:
+        for _ in range(calls):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    stem = os.path.join(out_dir, name.replace(" ", "_").replace("/", "_"))
+    prof.export_chrome_trace(stem + ".json")
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+    with open(stem + ".txt", "w") as f:
+        f.write(f"{name}: {calls} steady calls\n{table}\n")
+
+
 def measure(rank: int, world: int, device_type: str, shape, calls: int, rounds: int,
-            jit_launch: bool = False) -> dict:
+            jit_launch: bool = False, trace_dir: str | None = None) -> dict:
     """Every op's host µs per call, its share by phase, and the unit (one ``torch.add``).
     ``jit_launch``: launch the fill through Triton's JIT every time (where the checkout has the
     cached launch)."""
@@ -174,12 +198,16 @@ def measure(rank: int, world: int, device_type: str, shape, calls: int, rounds: 
         if name.startswith(("ulysses.", "UlyssesAttention")):
             r["phases"] = _phases(ops[name], device, max(20, calls // 2))
             r["aten_ops"], r["python_calls"] = _counts(ops[name])
+    if trace_dir and rank == 0:
+        os.makedirs(trace_dir, exist_ok=True)
+        for name in ops:
+            _trace(name, ops[name], device, trace_dir)
     return {"rank": rank, "world_size": world, "device": device_type, "shape": list(shape),
             "dtype": str(dtype), "unit_host_us": unit, "ops": rec}
 
 
-def _run_rank(rank, world, device_type, shape, calls, rounds, jit_launch):
-    return measure(rank, world, device_type, shape, calls, rounds, jit_launch)
+def _run_rank(rank, world, device_type, shape, calls, rounds, jit_launch, trace_dir=None):
+    return measure(rank, world, device_type, shape, calls, rounds, jit_launch, trace_dir)
 
 
 def markdown(res: dict, title: str) -> str:
@@ -217,11 +245,14 @@ def main(argv=None) -> int:
     p.add_argument("--title", default="Ulysses host cost per call")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="write a torch.profiler trace of each call's steady calls (rank 0) here")
     args = p.parse_args(argv)
     shape = args.shape or ([1, 64, 8, 16] if args.device == "cpu" else [1, 4096, 24, 128])
     from attncomm import launch
     res = launch(_run_rank, args.world_size, device=args.device,
-                 args=(args.device, shape, args.calls, args.rounds, args.jit_launch))[0]
+                 args=(args.device, shape, args.calls, args.rounds, args.jit_launch,
+                       args.trace))[0]
     md = markdown(res, args.title)
     print(md)
     if args.json:

@@ -77,3 +77,69 @@ def _send_buffer_cases(rank, world, seed):
 def test_send_buffer_equals_start_from_parts(pools, world, seed):
     for res in pools.run(world, _send_buffer_cases, seed):
         assert all(res), (seed, res)
+
+
+def _piecewise_unpack(plan, r, recv, final):
+    pos = 0
+    for s in range(plan.world_size):
+        for x in plan.pieces[s][r]:
+            final.as_strided((x.rows, x.cols), (x.dst_pitch, 1),
+                             final.storage_offset() + x.dst_offset).copy_(
+                recv[pos:pos + x.numel].view(x.rows, x.cols))
+            pos += x.numel
+
+
+def _pointer_span(plan, x, r):
+    """The send buffer's place in ``x`` found from the pieces' addresses (the reference for
+    ``ExchangePlan.send_span``)."""
+    from attncomm.ulysses.transport import source_view
+    views = [source_view([x], p) for d in range(plan.world_size) for p in plan.pieces[r][d]]
+    if not views:
+        return None
+    expect = None
+    for v, p in zip(views, [p for d in range(plan.world_size) for p in plan.pieces[r][d]]):
+        if not v.is_contiguous() or (plan.tiled and p.rows > 1 and p.dst_pitch != p.cols):
+            return None
+        if expect is not None and v.data_ptr() != expect:
+            return None
+        expect = v.data_ptr() + v.numel() * v.element_size()
+    first = (views[0].data_ptr() - x.data_ptr()) // x.element_size()
+    return first, sum(v.numel() for v in views)
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_unpack_grid_and_send_span_match_the_pieces(seed, trial):
+    """``unpack_grid``'s one strided copy lands every element where the per-piece copies do
+    (poisoned final buffers compared bit for bit, grid or not), and ``send_span`` finds the
+    send buffer where the pieces' addresses put it, for random plans (even and uneven heads,
+    empty shards, B = 1 and 2, dense and strided sources)."""
+    rnd = random.Random(seed * 1000 + trial)
+    world = rnd.choice([1, 2, 3, 4])
+    b, d = rnd.choice([1, 2]), rnd.choice([2, 4])
+    seq = tuple(rnd.choice([0, 2, 3]) if rnd.random() < 0.3 else 3 for _ in range(world))
+    if not any(seq):
+        seq = (2,) * world
+    h = rnd.choice([world, 2 * world, 2 * world + 1, max(1, world - 1)])
+    heads = head_split(h, world)
+    offs = head_offsets(heads)
+    plans = [head_to_seq_plan(b, seq, d, tuple(heads), tuple(offs), h),
+             seq_to_head_plan(b, seq, d, (tuple((offs[p], offs[p] + heads[p])
+                                                for p in range(world)),))]
+    g = torch.Generator().manual_seed(seed + trial)
+    grids = 0
+    for plan in plans:
+        for r in range(world):
+            recv = torch.randn(plan.recv_count(r), generator=g)
+            want = torch.full((plan.recv_numel[r],), float("nan"))
+            got = want.clone()
+            _piecewise_unpack(plan, r, recv, want)
+            from attncomm.ulysses.all_to_all import _unpack
+            _unpack(plan, r, recv, got)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (plan, r)
+            grids += plan.unpack_grid(r) is not None
+            for wide in (0, 1):  # a dense source, and one with a gap between rows
+                hs = heads[r] if plan is plans[0] else h
+                rows = sum(seq) if plan is plans[0] else seq[r]
+                x = torch.randn(b, rows, hs + wide, d, generator=g)[:, :, :hs]
+                assert plan.send_span(r, x.stride()) == _pointer_span(plan, x, r), (plan, r)
+    assert world == 1 or h % world or grids > 0  # even heads: the one-copy unpack is taken

@@ -53,15 +53,28 @@ class _A2AExchange(Exchange):
             return self._result
         final = self.out if self.out is not None else torch.empty(
             plan.recv_numel[r], dtype=self.dtype, device=self.device)
-        pos = 0
-        for s in range(plan.world_size):
-            for x in plan.pieces[s][r]:
-                dst = final.as_strided((x.rows, x.cols), (x.dst_pitch, 1),
-                                       final.storage_offset() + x.dst_offset)
-                dst.copy_(self.recv[pos:pos + x.numel].view(x.rows, x.cols))
-                pos += x.numel
+        _unpack(plan, r, self.recv, final)
         self._result = final
         return final
+
+
+def _unpack(plan: ExchangePlan, r: int, recv: torch.Tensor, final: torch.Tensor) -> None:
+    """Rank ``r``'s receive buffer (the pieces back to back in source order) into their places
+    in ``final``: one strided copy when the pieces form a grid (``ExchangePlan.unpack_grid``:
+    e.g. ``head_to_seq`` with every rank holding as many heads), else one copy per piece."""
+    grid = plan.unpack_grid(r)
+    if grid is not None:
+        sizes, src_strides, dst_strides, off = grid
+        final.as_strided(sizes, dst_strides, final.storage_offset() + off).copy_(
+            recv.as_strided(sizes, src_strides, recv.storage_offset()))
+        return
+    pos = 0
+    for s in range(plan.world_size):
+        for x in plan.pieces[s][r]:
+            dst = final.as_strided((x.rows, x.cols), (x.dst_pitch, 1),
+                                   final.storage_offset() + x.dst_offset)
+            dst.copy_(recv[pos:pos + x.numel].view(x.rows, x.cols))
+            pos += x.numel
 
 
 class AllToAllTransport(Transport):
@@ -90,9 +103,7 @@ class AllToAllTransport(Transport):
             recv = out
         else:
             recv = torch.empty(plan.recv_count(r), dtype=dtype, device=device)
-        item = dtype.itemsize
-        send_splits = [n * item for n in plan.numel[r]]
-        recv_splits = [plan.numel[s][r] * item for s in range(w)]
+        send_splits, recv_splits = plan.byte_splits(r, dtype.itemsize)
         try:
             work = collectives.all_to_all_single(_dist.as_bits(recv), _dist.as_bits(send),
                                                  recv_splits, send_splits, group=self.group,
@@ -132,24 +143,11 @@ class AllToAllTransport(Transport):
 
 def _direct_send(plan: ExchangePlan, parts, r: int) -> torch.Tensor | None:
     """The send buffer as a view of the source when the pieces, in send order, are consecutive
-    dense rows of one contiguous part (e.g. ``head_to_seq`` with ``B = 1``); else None."""
-    views, expect, storage = [], None, None
-    for p in range(plan.world_size):
-        for x in plan.pieces[r][p]:
-            v = source_view(parts, x)
-            if not v.is_contiguous() or (plan.tiled and x.rows > 1 and x.dst_pitch != x.cols):
-                return None
-            ptr = v.data_ptr()
-            if expect is not None and ptr != expect:
-                return None
-            sp = v.untyped_storage().data_ptr()
-            if storage is not None and sp != storage:
-                return None
-            storage = sp
-            expect = ptr + v.numel() * v.element_size()
-            views.append(v)
-    if not views:
+    dense rows of one contiguous part (e.g. ``head_to_seq`` with ``B = 1``; found once per
+    plan and source strides: ``ExchangePlan.send_span``); else None."""
+    x = parts[0]
+    span = plan.send_span(r, x.stride())
+    if span is None:
         return None
-    first = views[0]
-    total = sum(v.numel() for v in views)
-    return first.as_strided((total,), (1,), first.storage_offset())
+    first, total = span
+    return x.as_strided((total,), (1,), x.storage_offset() + first)

@@ -151,11 +151,13 @@ def _run(c: _CallPlan, x, output):
         ex.release()
         return output
     ex = t.start(c.plan, [x], c.dtype, dev)
-    res = ex.wait().view(c.final).permute(1, 0, 2, 3)
-    if output is not None:
-        res = output.copy_(res)
-    elif not c.direct:  # never alias a staging slot; B > 1 to the [B, S, H_r, D] layout
-        res = res.clone(memory_format=torch.contiguous_format)
+    buf = ex.wait()
+    if output is None and c.direct:  # B = 1: the final buffer [S, 1, H_r, D] is the result
+        res = buf.view(c.shape)
+    else:  # never alias a staging slot; B > 1 to the [B, S, H_r, D] layout
+        res = buf.view(c.final).permute(1, 0, 2, 3)
+        res = (output.copy_(res) if output is not None else
+               res.clone(memory_format=torch.contiguous_format))
     ex.release()
     return res
 

@@ -208,7 +208,8 @@ def fill_torch(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | 
     """
     (b, s_r, row), htot, starts, _, fp8 = _validate_parts(parts, out, payload_dtype)
     out = _new_send_buffer(parts, starts, fp8) if out is None else out
-    _torch_fill(parts, eps, cos, sin, _regions(out, starts, htot, b, s_r, row), fp8)
+    _torch_fill(parts, [p.x for p in parts], eps, cos, sin,
+                _regions(out, starts, htot, b, s_r, row), fp8)
     return out
 
 
@@ -218,11 +219,11 @@ def _new_send_buffer(parts, starts, fp8: bool) -> torch.Tensor:
     return torch.empty(starts[-1], dtype=_fp8.WIRE_DTYPE if fp8 else x.dtype, device=x.device)
 
 
-def _torch_fill(parts, eps, cos, sin, regions, fp8: bool) -> None:
-    """``fill_torch``'s work into ``regions`` (``[S_r, B, htot_p, row]`` views), checked."""
+def _torch_fill(parts, xs, eps, cos, sin, regions, fp8: bool) -> None:
+    """``fill_torch``'s work into ``regions`` (``[S_r, B, htot_p, row]`` views), checked:
+    ``parts`` say what to do (their ranges, weights, RoPE), ``xs`` are their tensors."""
     cols = [0] * len(regions)
-    for part in parts:
-        y = part.x
+    for part, y in zip(parts, xs):
         if part.weight is not None or part.rope:
             y = rms_norm_rope(y, part.weight, eps, cos if part.rope else None,
                               sin if part.rope else None)
@@ -536,9 +537,8 @@ class FillPlan:
     def __call__(self, xs: Sequence[torch.Tensor], cos=None, sin=None, out=None) -> None:
         lay = self.layout
         if lay is None:
-            parts = [dataclasses.replace(t, x=x) for t, x in zip(self.templates, xs)]
             _validate_out(out, self.starts, len(self.htot), self.wire)
-            _torch_fill(parts, self.eps, cos, sin,
+            _torch_fill(self.templates, xs, self.eps, cos, sin,
                         _regions(out, self.starts, self.htot, *self.dims), self.fp8)
             return
         if isinstance(out, torch.Tensor) and not lay.fp8:

@@ -60,7 +60,8 @@ class _In:
     heads: tuple        # per part: this rank's heads (lo, hi) of it
     land: tuple | None  # (rows, B, htot, D) of the landing buffer, or None (no joint, no FP8)
     wire: tuple | None  # the FP8 receive buffer's shape (S, B, htot, D + 4), or None
-    store: tuple | None = None   # (storage index, first element, elements) of its send buffer
+    # (storage index, its slice or None for the whole storage) of its send buffer
+    store: tuple | None = None
 
 
 @dataclasses.dataclass
@@ -147,16 +148,20 @@ class ForwardPlan:
     def _stores(self) -> list:
         """One allocation per dtype per forward for every input exchange's send buffer whose
         transport takes caller memory (``Transport.send_storage``): ``[(dtype, elements)]``,
-        each exchange's place in it recorded in its ``store``."""
+        each exchange's place in it recorded in its ``store`` (no slice when it is the only
+        one of its dtype)."""
         sizes: dict = {}
+        users: dict = {}
         for grp in self.groups:
             for e in grp.ins:
                 n = e.transport.send_storage(e.plan) if e.fill is not None else 0
                 if n:
-                    i = list(sizes).index(e.dtype) if e.dtype in sizes else len(sizes)
                     off = sizes.get(e.dtype, 0)
-                    e.store = (i, off, n)
+                    users.setdefault(e.dtype, []).append((e, slice(off, off + n)))
                     sizes[e.dtype] = off + n
+        for i, found in enumerate(users.values()):
+            for e, sl in found:
+                e.store = (i, sl if len(found) > 1 else None)
         return list(sizes.items())
 
     def _note(self, decision, side: str, t: Transport) -> None:
@@ -302,8 +307,10 @@ class ForwardPlan:
                 if e.wire is None:  # plain rows: received in place
                     into = self._seq_rows(land).view(-1)
             if e.fill is not None:
-                st = e.store
-                mem = None if st is None else stores[st[0]][st[1]:st[1] + st[2]]
+                mem = None
+                if e.store is not None:
+                    i, part = e.store
+                    mem = stores[i] if part is None else stores[i][part]
                 send = t.send_buffer(e.plan, e.dtype, dev, mem)
                 e.fill(xs, cos, sin, send.flat if send.flat is not None else send.regions)
                 ex = t.start(e.plan, (), e.dtype, dev, into, send=send)

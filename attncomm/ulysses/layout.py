@@ -180,6 +180,77 @@ class ExchangePlan:
         """Whether the pieces sent to ``p`` fill its whole final buffer."""
         return self._recv_counts[p] == self.recv_numel[p]
 
+    # What a transport derives from the plan on every call, worked out on the first (a plan
+    # is immutable; the answers are kept in ``_memo``, outside the dataclass fields).
+    @functools.cached_property
+    def _memo(self) -> dict:
+        return {}
+
+    def byte_splits(self, r: int, itemsize: int) -> tuple[list[int], list[int]]:
+        """``(send, recv)``: the bytes rank ``r`` sends to, and receives from, each rank
+        (``all_to_all_single``'s split sizes for elements of ``itemsize`` bytes)."""
+        key = ("splits", r, itemsize)
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = ([n * itemsize for n in self.numel[r]],
+                                     [self.numel[s][r] * itemsize for s in range(self.world_size)])
+        return got
+
+    def send_span(self, r: int, strides: tuple) -> tuple[int, int] | None:
+        """Where the pieces rank ``r`` sends lie in its one source part when that part has
+        ``strides`` (``[B, S, H, D]``, last two dims dense): ``(first element from the part's
+        storage offset, elements)`` when they are, in send order, consecutive dense rows of it
+        (the send buffer is then a view of the part), else None (also for a plan with more
+        than one part, whose parts' places are not fixed by their strides)."""
+        key = ("span", r, strides)
+        if key not in self._memo:
+            self._memo[key] = self._send_span(r, strides)
+        return self._memo[key]
+
+    def _send_span(self, r: int, st: tuple) -> tuple[int, int] | None:
+        pieces = [x for p in range(self.world_size) for x in self.pieces[r][p]]
+        if not pieces or any(x.part != 0 for x in pieces):
+            return None
+        first = expect = None
+        for x in pieces:
+            if x.rows > 1 and (st[1] != x.cols or (self.tiled and x.dst_pitch != x.cols)):
+                return None  # rows not back to back in the source (or in the final buffer)
+            start = x.b * st[0] + x.src_row0 * st[1] + x.src_head0 * st[2]
+            if expect is not None and start != expect:
+                return None
+            first = start if first is None else first
+            expect = start + x.numel
+        return first, expect - first
+
+    def unpack_grid(self, p: int) -> tuple | None:
+        """The unpack of rank ``p``'s receive buffer (the pieces sent to ``p`` back to back in
+        source order) into its final buffer as one strided copy: ``(sizes, recv strides,
+        final strides, final offset)`` of two 4-D views (source, piece of that source, row,
+        column), or None when the pieces do not form such a grid (sources with different
+        piece counts or shapes, offsets not evenly spaced)."""
+        key = ("unpack", p)
+        if key not in self._memo:
+            self._memo[key] = self._unpack_grid(p)
+        return self._memo[key]
+
+    def _unpack_grid(self, p: int):
+        srcs = [self.pieces[s][p] for s in range(self.world_size)]
+        k = len(srcs[0])
+        if k == 0 or any(len(x) != k for x in srcs):
+            return None
+        x0 = srcs[0][0]
+        rows, cols, pitch = x0.rows, x0.cols, x0.dst_pitch
+        if any((x.rows, x.cols, x.dst_pitch) != (rows, cols, pitch) for s in srcs for x in s):
+            return None
+        a = srcs[1][0].dst_offset - x0.dst_offset if len(srcs) > 1 else 0
+        b = srcs[0][1].dst_offset - x0.dst_offset if k > 1 else 0
+        if a < 0 or b < 0 or any(x.dst_offset != x0.dst_offset + i * a + j * b
+                                 for i, s in enumerate(srcs) for j, x in enumerate(s)):
+            return None
+        n = rows * cols
+        return ((len(srcs), k, rows, cols), (k * n, n, cols, 1), (a, b, pitch, 1),
+                x0.dst_offset)
+
 
 @functools.lru_cache(maxsize=256)
 def seq_to_head_plan(batch: int, seq_lens: tuple, head_dim: int,

@@ -7,7 +7,6 @@ whether a result must be copied before ``release()``.
 """
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -52,7 +51,6 @@ def _region_pieces(plan: ExchangePlan, src: int, dst: int):
         pos += x.numel
 
 
-@dataclasses.dataclass(frozen=True)
 class SendBuffer:
     """Where a producer writes what this rank sends in one exchange, in the transport's layout.
 
@@ -64,18 +62,28 @@ class SendBuffer:
             tiled plan such as ``seq_to_head_plan`` that is this rank's rows of ``p``'s final
             buffer: ``regions[p].view(S_rank, B, n(p), D)`` with ``n(p)`` the heads ``p``
             receives (the parts' heads side by side). A transport may hand out views of its
-            own staging (``regions[rank]`` may be this rank's receive slot).
+            own staging (``regions[rank]`` may be this rank's receive slot). Given as None
+            with ``flat``, they are ``flat``'s consecutive slices, made when first read (a
+            producer that writes ``flat`` makes no views).
         flat: all regions as one destination-major ``[Σ_p numel[rank][p]]`` tensor when they are
             its consecutive slices, else None.
         token: private to the transport that made it.
     """
 
-    plan: ExchangePlan
-    dtype: torch.dtype
-    rank: int
-    regions: tuple
-    flat: torch.Tensor | None = None
-    token: object = None
+    __slots__ = ("plan", "dtype", "rank", "flat", "token", "_regions")
+
+    def __init__(self, plan: ExchangePlan, dtype: torch.dtype, rank: int,
+                 regions: tuple | None, flat: torch.Tensor | None = None, token: object = None):
+        if regions is None and flat is None:
+            raise ValueError("SendBuffer: regions or flat is needed")
+        self.plan, self.dtype, self.rank = plan, dtype, rank
+        self.flat, self.token, self._regions = flat, token, regions
+
+    @property
+    def regions(self) -> tuple:
+        if self._regions is None:
+            self._regions = tuple(self.flat.split(self.plan.numel[self.rank]))
+        return self._regions
 
 
 def dense(x: torch.Tensor) -> torch.Tensor:
@@ -93,7 +101,7 @@ def dense_send_buffer(plan: ExchangePlan, dtype: torch.dtype, device: torch.devi
     consecutive slices of one tensor."""
     flat = storage if storage is not None else torch.empty(sum(plan.numel[rank]), dtype=dtype,
                                                            device=device)
-    return SendBuffer(plan, dtype, rank, flat.split(plan.numel[rank]), flat, token)
+    return SendBuffer(plan, dtype, rank, None, flat, token)
 
 
 def fill_send_buffer(send: SendBuffer, parts: Sequence[torch.Tensor]) -> None:
