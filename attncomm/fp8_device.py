@@ -1,7 +1,9 @@
-"""fp32 → e4m3fn rounding on the device (Triton), shared by the kernels that write FP8: the DCP
-query gather's symm kernels (``dcp/query_gather/symm_kernels.py``) and the Ulysses fill's FP8
-epilogue (``ulysses/fill_kernels.py``). Each caller keeps its own rule for what lies outside
-e4m3's range (saturate or NaN byte); the rounding of what lies inside is this one.
+"""fp32 → e4m3fn rounding on the device (Triton) in integer arithmetic, for the kernels that write
+FP8 and must give the same bits under the interpreter without its patch: the DCP query gather's
+symm kernels (``dcp/query_gather/symm_kernels.py``). (The Ulysses fill's FP8 epilogue uses the
+hardware conversion instead: ``ulysses/fill_kernels.py`` says why it is the same rounding.)
+Each caller keeps its own rule for what lies outside e4m3's range (saturate or NaN byte); the
+rounding of what lies inside is this one.
 
 Integer arithmetic on the fp32 bits, so the GPU and the Triton interpreter give the same bits:
 round to nearest even into e4m3fn (4 exponent bits, bias 7, 3 mantissa bits), subnormals below

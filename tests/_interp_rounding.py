@@ -4,8 +4,10 @@ Triton 3.6's interpreter truncates fp32 → bf16 (``cast_impl`` passes no roundi
 RTNE branch rounds ties up), and widens a subnormal bf16 to the wrong fp32 (its normalisation
 loop is off for two formats with one exponent range), so a kernel that is bitwise equal to torch
 on the GPU would differ under ``TRITON_INTERPRET=1``. Here fp32 → bf16 rounds to nearest even
-(torch's conversion) and bf16 → fp32 is the exact widening (the 16 bits shifted up). Import this
-before launching kernels there.
+(torch's conversion) and bf16 → fp32 is the exact widening (the 16 bits shifted up). fp32 → e4m3fn
+(``tl.float8e4nv``) converts as sm_89+'s ``cvt.rn.satfinite.e4m3x2.f32``: round to nearest even,
+subnormals included, finite values past ±448 saturated (the interpreter's own rounds ties up and
+does not saturate); NaN → 0x7F. Import this before launching kernels there.
 """
 from __future__ import annotations
 
@@ -13,6 +15,14 @@ import numpy as np
 import torch
 import triton.language as tl
 from triton.runtime import interpreter
+
+
+def e4m3_satfinite(x: np.ndarray) -> np.ndarray:
+    """fp32 → e4m3fn bytes as ``cvt.rn.satfinite``: RNE, ±448 past the range, NaN → 0x7F."""
+    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    q = t.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    q = torch.where(t.isnan(), 0x7F, q)
+    return q.numpy().astype(np.uint8).reshape(np.shape(x))
 
 
 def _patch() -> None:
@@ -34,6 +44,8 @@ def _patch() -> None:
     def create_fp_to_fp(self, src, dst_type, rounding_mode):
         if {src.dtype.scalar, dst_type.scalar} == {tl.float32, tl.bfloat16}:
             return cast_impl(self, src, dst_type)
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            return interpreter.TensorHandle(e4m3_satfinite(src.data), dst_type.scalar)
         return orig_fp(self, src, dst_type, rounding_mode)
 
     orig_fp = builder.create_fp_to_fp

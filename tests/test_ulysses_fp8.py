@@ -219,3 +219,39 @@ def test_fp8_fill_is_the_bf16_fill_quantized(seed):
     plan = fp8.payload_plan(b, (s_r,) * w, d, (qr, kr, kr))
     assert plan == seq_to_head_plan(b, (s_r,) * w, d + 4, (qr, kr, kr)) and plan.tiled
     assert sum(plan.numel[0]) == got.numel()
+
+
+def _satfinite_bytes(v: torch.Tensor) -> torch.Tensor:
+    """The e4m3fn byte of ``cvt.rn.satfinite`` as PTX defines it, for finite fp64 ``v``: round
+    to nearest even with 3 mantissa bits and no upper exponent bound (subnormal step 2⁻⁹ below
+    2⁻⁶), then a magnitude past 448 saturated to 448."""
+    a = v.abs()
+    e = torch.floor(torch.log2(a.clamp(min=2.0 ** -6)))
+    e = e - (torch.exp2(e) > a.clamp(min=2.0 ** -6)).double()  # log2 rounding near powers of 2
+    ulp = torch.exp2(e - 3)
+    q = (torch.round(a / ulp) * ulp).clamp(max=448.0)  # torch.round: ties to even
+    vals, codes = _grid()
+    code = codes[torch.searchsorted(vals, q)]
+    return code | torch.where(torch.signbit(v), 0x80, 0)
+
+
+def test_satfinite_conversion_is_the_rule():
+    """The fill's epilogue converts with the hardware's ``cvt.rn.satfinite`` (round, then
+    saturate) where the rule says clamp, then round: the same byte for every finite fp32
+    quotient of the forms it meets. Exhaustive over every finite bf16 bit pattern, as it is and
+    divided by scales (powers of two and amax / 448 of odd amaxes, rounded to fp32 once), and
+    the interpreter's stand-in for the hardware (tests/_interp_rounding.py) gives the same."""
+    import _interp_rounding
+    bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16).float()
+    x = x[torch.isfinite(x)]
+    for d in (1.0, 2.0 ** -8, 2.0 ** 6, 3.0 / 448, 1.0078125 / 448, 300.5 / 448):
+        v = x / torch.tensor(d, dtype=torch.float32)
+        v = v[torch.isfinite(v)]
+        rule = v.clamp(-448.0, 448.0).to(FP8).view(torch.uint8).long()
+        hw = _satfinite_bytes(v.double())
+        bad = (rule != hw).nonzero().flatten()
+        assert bad.numel() == 0, [(v[i].item(), int(rule[i]), int(hw[i])) for i in bad[:5]]
+        interp = torch.from_numpy(_interp_rounding.e4m3_satfinite(v.numpy())).long()
+        assert torch.equal(interp, rule), f"divisor {d}"
+        assert (v.abs() > 448).any() and (v.abs() < 2.0 ** -6).any(), "ranges not reached"

@@ -13,13 +13,17 @@ divide) in place, reading each operand once (the state fp32, the block in its ow
 is what keeps the per-step merge a small fraction of the attention it follows.
 
 Which path: ``combine.use_triton`` (CUDA tensors, or ``ATTNCOMM_COMBINE_IMPL=triton`` for the
-interpreter tests on CPU).
+interpreter tests on CPU). A ring forward merges once per step with the same shapes and strides:
+after the first launch of a key (shapes, strides, dtype, alignment) the kernel is launched
+again through the compiled kernel (``compiled_launch.LaunchCache``), so the host's share of a
+step is the launch itself, not Triton's argument binding.
 """
 from __future__ import annotations
 
 import torch
 
 from .. import _triton
+from ..compiled_launch import LaunchCache, alignment_key
 from ..dcp.lse_merge import combine as _combine
 
 __all__ = ["merge_block", "merge_block_torch", "merge_block_triton", "new_state"]
@@ -28,6 +32,7 @@ if _triton.REASON is None:
     from . import merge_kernels as _k
 else:
     _k = None
+_LAUNCHES = LaunchCache((_k.merge_step_kernel,) if _k is not None else ())
 
 
 def new_state(b: int, s: int, h: int, dv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,12 +65,18 @@ def merge_block_triton(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tens
     block_d = min(128, 1 << (max(dv, 16) - 1).bit_length())
     block_s = max(1, 2048 // block_d)
     grid = (-(-s // block_s), h, b)
-    _k.merge_step_kernel[grid](acc, acc_lse, out, lse, s,
-                             acc.stride(0), acc.stride(1), acc.stride(2),
-                             acc_lse.stride(0), acc_lse.stride(1), acc_lse.stride(2),
-                             out.stride(0), out.stride(1), out.stride(2),
-                             lse.stride(0), lse.stride(1), lse.stride(2),
-                             DV=dv, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)
+    args = (acc, acc_lse, out, lse, s, acc.stride(0), acc.stride(1), acc.stride(2),
+            acc_lse.stride(0), acc_lse.stride(1), acc_lse.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1), lse.stride(2))
+
+    def launch() -> None:
+        _k.merge_step_kernel[grid](*args, DV=dv, BLOCK_S=block_s, BLOCK_D=block_d,
+                                   num_warps=4)
+
+    key = (acc.device, tuple(acc.shape), args[4:], out.dtype, lse.dtype,
+           alignment_key(args[:4]))
+    _LAUNCHES.launch(key, launch, args[:4])
 
 
 def merge_block(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,

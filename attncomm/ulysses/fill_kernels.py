@@ -23,8 +23,20 @@ strides.
 send buffer, a row is ``2·HALF + 4`` bytes (the descriptor's bases and pitches count bytes), and
 the epilogue, on the values the program already holds, rounds them to the parts' dtype (the bits
 the bf16 path stores), takes each row's amax over its finite values, the scale ``amax / 448``
-(IEEE division), and stores the e4m3 bytes (``_e4m3``: integer arithmetic, the same bits on the
-GPU and under the interpreter) and the scale as an fp32 word after them.
+(IEEE division), and stores the e4m3 bytes (``_e4m3``) and the scale as an fp32 word after them
+(one store per row, not one per element).
+
+The e4m3 bytes come from the hardware conversion (``cvt.rn.satfinite.e4m3x2.f32`` on sm_89 and
+later, what Triton emits for a cast to ``tl.float8e4nv``): round to nearest even into e4m3fn,
+subnormals included, a finite value past ±448 saturated to ±448. That is the rule's
+``e4m3fn(clamp(v, −448, 448))`` for every finite ``v``: inside the range both round the same
+real number to nearest even on the same grid; past it, RNE of the clamped value is ±448 and
+satfinite gives ±448 (a value between 448 and 464 also rounds to 448 before saturation).
+Non-finite elements get the NaN byte by the rule's own select, so the conversion's NaN is never
+stored. ``tests/test_ulysses_fp8.py`` checks the argument on every fp32 bit pattern
+against torch's conversion; the interpreter converts as the hardware does through
+``tests/_interp_rounding.py``; a device run checks the hardware on all 2³² patterns
+(``scripts/floors_one_gpu.py``).
 """
 from __future__ import annotations
 
@@ -32,9 +44,6 @@ import sys
 
 import triton
 import triton.language as tl
-
-from .. import fp8_device as _e4
-from ..fp8_device import fp8_magnitude
 
 __all__ = ["fill_kernel", "e4m3_kernel", "HEADER", "ENTRY", "H_S", "H_EPS", "H_FLAGS",
            "H_COS_S", "H_COS_D", "H_SIN_S", "H_SIN_D", "E_PART", "E_HEAD", "E_HEADS", "E_BASE",
@@ -88,31 +97,32 @@ def _adjacent_sum(t, BLOCK_S: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr
 
 @triton.jit
 def _e4m3(g, finite, dv):
-    # e4m3fn bytes of clamp(g / dv, -448, 448), round to nearest even, subnormals as torch's
-    # conversion (one fp32 add of 2**14 rounds at 2**-9); a non-finite g gives 0x7F.
-    u = tl.div_rn(g, dv).to(tl.int32, bitcast=True)
-    r = fp8_magnitude(tl.minimum(u & 0x7FFFFFFF, _e4.E4M3_MAX_BITS)) | ((u >> 24) & 0x80)
+    # e4m3fn bytes of clamp(g / dv, -448, 448), round to nearest even, subnormals included
+    # (the hardware conversion: module docstring); a non-finite g gives 0x7F.
+    r = tl.div_rn(g, dv).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     return tl.where(finite, r, 0x7F).to(tl.uint8)
 
 
 @triton.jit
-def _store_fp8(out_ptr, row0, cols, f1, f2, mask, DTYPE: tl.constexpr, BLOCK_S: tl.constexpr,
-               HB: tl.constexpr, HALF: tl.constexpr):
+def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl.constexpr):
     """The FP8 epilogue: rows ``[BLOCK_S, HB, D]`` (two fp32 halves) → e4m3 bytes at byte
-    offsets ``row0 [BLOCK_S, HB, 1]`` and each row's fp32 scale after its ``2·HALF`` bytes."""
+    offsets ``rofs [BLOCK_S, HB]`` (``rmask``: the live rows) and each row's fp32 scale after
+    its ``2·HALF`` bytes."""
     g1 = f1.to(DTYPE).to(tl.float32)  # the bits the unquantized fill stores
     g2 = f2.to(DTYPE).to(tl.float32)
     ok1 = tl.abs(g1) <= _c._F32_MAX  # NaN compares false
     ok2 = tl.abs(g2) <= _c._F32_MAX
     amax = tl.maximum(tl.max(tl.where(ok1, tl.abs(g1), 0.0), axis=2),
                       tl.max(tl.where(ok2, tl.abs(g2), 0.0), axis=2))
-    scale = tl.div_rn(amax, tl.full((BLOCK_S, HB), 448.0, tl.float32))
+    scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
     dv = tl.where(scale > 0, scale, 1.0)[:, :, None]
-    dst = out_ptr + row0 + cols[None, None, :]
+    dst = out_ptr + rofs[:, :, None] + cols[None, None, :]
+    mask = rmask[:, :, None] & (cols[None, None, :] >= 0)
     tl.store(dst, _e4m3(g1, ok1, dv), mask=mask)
     tl.store(dst + HALF, _e4m3(g2, ok2, dv), mask=mask)
-    sp = (out_ptr + row0 + 2 * HALF).to(tl.pointer_type(tl.float32), bitcast=True)
-    tl.store(sp, scale[:, :, None], mask=mask)
+    # the scale in the reduced rows' layout: one store per row
+    sp = (out_ptr + rofs + 2 * HALF).to(tl.pointer_type(tl.float32), bitcast=True)
+    tl.store(sp, scale, mask=rmask)
 
 
 @triton.jit
@@ -221,8 +231,9 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
             f1 = g1
             f2 = g2
     if FP8:
-        row0 = base + b * bpitch + rows[:, None, None] * pitch + hh[None, :, None] * (2 * HALF + 4)
-        _store_fp8(out_ptr, row0, cols, f1, f2, mask, x0.dtype.element_ty, BLOCK_S, HB, HALF)
+        rofs = base + b * bpitch + rows[:, None] * pitch + hh[None, :] * (2 * HALF + 4)
+        rmask = (rows[:, None] < S) & (hh[None, :] < nh)
+        _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, x0.dtype.element_ty, HALF)
     else:
         dst = (out_ptr + base + b * bpitch + rows[:, None, None] * pitch
                + hh[None, :, None] * (2 * HALF) + cols[None, None, :])
