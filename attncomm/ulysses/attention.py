@@ -317,9 +317,10 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         dims = (b, hq, hkv, d, dv)
         jspec = None if joint is None else (s_j, position == "front")
         rows = sum(seq) + max(s_j, 0)
+        facts = policy.transport_facts(group, backend, q.device)  # probed before any plan
 
         def build(n: int) -> ForwardPlan:
-            return ForwardPlan(self, group, rank, world, dims, seq, backend, timeout, n, q, k, v,
+            return ForwardPlan(self, group, rank, world, dims, seq, facts, timeout, n, q, k, v,
                                rope is not None, causal, jspec, self.payload_dtype)
 
         if groups == -1:
