@@ -209,17 +209,14 @@ def default_tokens(seed: int, hidden: int, dtype, device):
     return tokens
 
 
+#: The step counts each rank keeps (``summarize``'s ``counts``: rank 0's).
+COUNTS = ("steps_run", "all_idle", "extend", "sum_len", "max_len", "graph", "tbo",
+          "idle_batches", "prebuilt")
+
+
 @dataclass
 class _Stats:
-    steps_run: int = 0
-    all_idle: int = 0
-    extend: int = 0
-    sum_len: int = 0
-    max_len: int = 0
-    graph: int = 0
-    tbo: int = 0
-    idle_batches: int = 0
-    prebuilt: int = 0
+    counts: dict = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
     min_cosine: float = 1.0
     max_abs_err: float = 0.0
     max_rs_vs_scatter: float = 0.0
@@ -388,21 +385,23 @@ def _simulate(rank, world_size, cfg, weights, tokens, progress, opening) -> dict
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return {"rank": rank, "dp_rank": d, "sync": path, "seconds": time.perf_counter() - t0,
-            "stats": dict(vars(stats))}
+            "stats": {**stats.counts, "min_cosine": stats.min_cosine,
+                      "max_abs_err": stats.max_abs_err,
+                      "max_rs_vs_scatter": stats.max_rs_vs_scatter}}
 
 
 def _count(stats: _Stats, got, info, mode, graph_bs, batch, idle) -> None:
+    counts = stats.counts
     if got is None:
-        stats.all_idle += 1
+        counts["all_idle"] += 1
         return
-    stats.steps_run += 1
-    stats.extend += int(info.is_extend_in_batch)
-    stats.sum_len += int(mode is DpPaddingMode.SUM_LEN)
-    stats.max_len += int(mode is DpPaddingMode.MAX_LEN)
-    stats.graph += int(graph_bs is not None)
-    stats.tbo += int(info.can_run_tbo)
-    stats.idle_batches += int(got is idle or getattr(got, "inner_idle_batch", None) is idle)
-    stats.prebuilt += int(batch is not None and batch.forward_mode == ForwardMode.PREBUILT)
+    seen = {"steps_run": True, "extend": info.is_extend_in_batch,
+            "sum_len": mode is DpPaddingMode.SUM_LEN, "max_len": mode is DpPaddingMode.MAX_LEN,
+            "graph": graph_bs is not None, "tbo": info.can_run_tbo,
+            "idle_batches": got is idle or getattr(got, "inner_idle_batch", None) is idle,
+            "prebuilt": batch is not None and batch.forward_mode == ForwardMode.PREBUILT}
+    for name, hit in seen.items():
+        counts[name] += int(bool(hit))
 
 
 def summarize(results: list[dict]) -> dict:

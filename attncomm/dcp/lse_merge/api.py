@@ -176,19 +176,15 @@ class DcpMerger(PreallocatedExchange):
     def __init__(self, group=None, *, max_tokens: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, backend: str = "auto", lse_base: str = "e",
                  timeout_s: float | None = None, device=None, _agreed: bool = False):
-        # _agreed: built by dcp.merge, whose argument check (``_agree.validate_args``) agreed
-        # the call's arguments these derive from, device included: not agreed a second time.
+        # _agreed: built by dcp.merge, its arguments agreed by the call (``_agree``).
         self._open(group, device, timeout_s)
         err = self._check_args(max_tokens, num_heads, head_dim, dtype, backend, lse_base,
                                self.world_size) or device_error(self.group, self.device)
-        if not _agreed:
-            sig = [v if isinstance(v, int) else -1 for v in (max_tokens, num_heads, head_dim)]
-            self._agree(sig + [DTYPE_CODES.get(dtype, 0), MERGE_REGISTRY.code(backend),
-                               1 if lse_base == "2" else 0],
-                        ["max_tokens", "num_heads", "head_dim", "dtype", "backend", "lse_base"],
-                        err)
-        elif err:
-            raise ValueError(f"DcpMerger: invalid arguments — rank {self.rank}: {err}")
+        sig = [v if isinstance(v, int) else -1 for v in (max_tokens, num_heads, head_dim)]
+        self._agree(sig + [DTYPE_CODES.get(dtype, 0), MERGE_REGISTRY.code(backend),
+                           1 if lse_base == "2" else 0],
+                    ["max_tokens", "num_heads", "head_dim", "dtype", "backend", "lse_base"],
+                    err, _agreed)
         self.max_tokens, self.num_heads, self.head_dim = max_tokens, num_heads, head_dim
         self.dtype, self.lse_base = dtype, lse_base
         self._resolve(backend)

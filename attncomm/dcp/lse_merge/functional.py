@@ -183,13 +183,9 @@ _MERGERS = _OBJECTS.store  # per group: an LRU of mergers
 def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget, device,
                    agreed: bool = False) -> Cached:
     """The merger of this shape and token bucket (built by the first call) on the call's
-    device, as a plan holds it. ``agreed``: the call's check agreed its arguments just now, so
-    a merger built at once does not agree them again (one built later, after an eviction, does:
-    its construction is then the first bounded wait of the call)."""
-    fresh = [agreed]
+    device, as a plan holds it; ``agreed`` as ``ObjectCache.cached``."""
 
-    def build(max_tokens: int) -> DcpMerger:
-        skip, fresh[0] = fresh[0], False
+    def build(max_tokens: int, skip: bool) -> DcpMerger:
         try:
             return DcpMerger(group, max_tokens=max_tokens, num_heads=H, head_dim=D, dtype=dtype,
                              backend=backend, lse_base=lse_base, timeout_s=budget,
@@ -197,12 +193,10 @@ def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget, device,
         except (PeerTimeoutError, ValueError) as exc:
             raise _as_merge_error(exc) from exc
 
-    cached = _OBJECTS.cached(group, T, (H, D, dtype, backend, lse_base, budget, device), build,
-                             lambda: warm_up_error(
-                                 "dcp.merge", f"the token bucket of T={T} (H={H}, D={D}, "
-                                              f"{dtype}, backend={backend!r})"))
-    fresh[0] = False  # built now or found: a later build agrees again
-    return cached
+    return _OBJECTS.cached(group, T, (H, D, dtype, backend, lse_base, budget, device), build,
+                           lambda: warm_up_error(
+                               "dcp.merge", f"the token bucket of T={T} (H={H}, D={D}, "
+                                            f"{dtype}, backend={backend!r})"), agreed)
 
 
 def _as_merge_error(exc):

@@ -143,7 +143,9 @@ class DcpQueryGather(PreallocatedExchange):
     def __init__(self, group=None, *, max_tokens: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, backend: str = "auto", rope_dim: int = 0,
                  out_dtype: torch.dtype | None = None, timeout_s: float | None = None,
-                 ordered_by_caller: bool = False, q_scale=None, device=None):
+                 ordered_by_caller: bool = False, q_scale=None, device=None,
+                 _agreed: bool = False):
+        # _agreed: built by dcp.gather_heads, its arguments agreed by the call (``_agree``).
         self._open(group, device, timeout_s)
         err = self._check_args(max_tokens, num_heads, head_dim, dtype, backend, rope_dim,
                                out_dtype, self.world_size) or device_error(self.group, self.device)
@@ -157,7 +159,8 @@ class DcpQueryGather(PreallocatedExchange):
         self._agree(ints + [DTYPE_CODES.get(dtype, 0), GATHER_REGISTRY.code(backend),
                             int(bool(ordered_by_caller)), int(fp8), scale_crc],
                     ["max_tokens", "num_heads", "head_dim", "rope_dim", "dtype", "backend",
-                     "ordered_by_caller", "FP8 output", "q_scale (crc32 of its fp32 bits)"], err)
+                     "ordered_by_caller", "FP8 output", "q_scale (crc32 of its fp32 bits)"], err,
+                    _agreed)
         self.max_tokens, self.num_heads, self.head_dim = max_tokens, num_heads, head_dim
         self.dtype, self.rope_dim = dtype, rope_dim
         self.out_dtype = FP8_DTYPE if fp8 else dtype
