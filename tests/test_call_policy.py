@@ -257,7 +257,7 @@ def _coordinator(rank, world):
         counts = c.take()
     ref = dcp.merge(out, lse, device_group, backend="a2a")
     return (counts.get("new_group", 0), torch.equal(merged, ref),
-            _dist.check_group(device_group) is cpu_group, tuple(y.shape), m.backend,
+            _dist.validation_group(device_group) is cpu_group, tuple(y.shape), m.backend,
             tuple(o.shape), shapes)
 
 

@@ -397,7 +397,7 @@ def add_arguments(p) -> None:
                    help="print the N costliest functions of each row's calls (cProfile)")
     p.add_argument("--time-budget", type=float, default=60.0,
                    help="seconds after which the rows not yet started are skipped (default "
-                        "60; the issue's rows run first)")
+                        "60; the rows with a target run first)")
     p.add_argument("--rev-label", default=None, help="a label for this run's code (e.g. "
                                                      "'before' / 'after'), kept in every row")
     p.add_argument("--json", default=None, help="write the records (and meta) here")

@@ -243,7 +243,7 @@ def _decision_row(got, info, mode, graph_bs, batch) -> list[int]:
             true_n, true_ext, *info.global_num_tokens]
 
 
-def _check_decisions(rows: list[list[int]], step: int, atp: int) -> None:
+def _verify_decisions(rows: list[list[int]], step: int, atp: int) -> None:
     """Every rank's decisions equal, and equal to what the ranks' own counts imply."""
     shared = [r[:6] + r[8:] for r in rows]
     if any(s != shared[0] for s in shared):
@@ -271,7 +271,7 @@ def _gather_decisions(row: list[int], cg, timeout_s) -> list[list[int]]:
     return out.view(world, len(row)).tolist()
 
 
-def _check_slots(buf, gnt, mode, tokens, step) -> list[torch.Tensor]:
+def _verify_slots(buf, gnt, mode, tokens, step) -> list[torch.Tensor]:
     """The MLP input holds every DP rank's tokens, bitwise, in its slot; returns them."""
     xs = [tokens(step, q, n) for q, n in enumerate(gnt)]
     m = max(gnt)
@@ -293,7 +293,7 @@ def _mlp_step(step, rank, world, cfg, gnt, mode, tokens, mlp, weights, stats, ti
     x = tokens(step, d, gnt[d])
     buf = dp_gather(x, gnt, None, mode=mode, attn_tp_size=atp, validate=False,
                     timeout_s=timeout_s)
-    xs = _check_slots(buf, gnt, mode, tokens, step)
+    xs = _verify_slots(buf, gnt, mode, tokens, step)
     partial = mlp(buf)
     full = partial.clone()
     wait(all_reduce(full, async_op=True), None, "simulation all_reduce",
@@ -375,7 +375,7 @@ def _simulate(rank, world_size, cfg, weights, tokens, progress, opening) -> dict
         graph_bs = (select_cuda_graph_bs(gnt, cfg.capture_bs)
                     if got is not None and info.can_cuda_graph else None)
         rows = _gather_decisions(_decision_row(got, info, mode, graph_bs, batch), cg, timeout_s)
-        _check_decisions(rows, step, atp)
+        _verify_decisions(rows, step, atp)
         _count(stats, got, info, mode, graph_bs, batch, idle)
         if got is not None:
             _mlp_step(step, rank, world_size, cfg, gnt, mode, tokens, mlp, weights, stats,

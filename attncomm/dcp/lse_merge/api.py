@@ -21,7 +21,7 @@ from .backend import BACKENDS, MERGE_REGISTRY
 from .combine import combine
 
 __all__ = ["merge_states", "DcpMerger", "shard_kv_interleaved", "available_backends",
-           "BACKENDS", "check_local", "lse_to_e", "empty_result", "LN2"]
+           "BACKENDS", "merge_args_error", "lse_to_e", "empty_result", "LN2"]
 
 log = logging.getLogger("attncomm.dcp")
 
@@ -114,7 +114,7 @@ def _options_error(backend, lse_base) -> str | None:
     return err
 
 
-def check_local(out, lse, world_size: int, lse_base: str, backend: str) -> str | None:
+def merge_args_error(out, lse, world_size: int, lse_base: str, backend: str) -> str | None:
     """This rank's argument errors, or None (no communication)."""
     err = _options_error(backend, lse_base)
     if err:
@@ -178,7 +178,7 @@ class DcpMerger(PreallocatedExchange):
                  timeout_s: float | None = None, device=None, _agreed: bool = False):
         # _agreed: built by dcp.merge, its arguments agreed by the call (``_agree``).
         self._open(group, device, timeout_s)
-        err = self._check_args(max_tokens, num_heads, head_dim, dtype, backend, lse_base,
+        err = self._args_error(max_tokens, num_heads, head_dim, dtype, backend, lse_base,
                                self.world_size) or device_error(self.group, self.device)
         sig = [v if isinstance(v, int) else -1 for v in (max_tokens, num_heads, head_dim)]
         self._agree(sig + [DTYPE_CODES.get(dtype, 0), MERGE_REGISTRY.code(backend),
@@ -192,7 +192,7 @@ class DcpMerger(PreallocatedExchange):
         self.hs = num_heads // self.world_size
 
     @staticmethod
-    def _check_args(max_tokens, num_heads, head_dim, dtype, backend, lse_base, world_size):
+    def _args_error(max_tokens, num_heads, head_dim, dtype, backend, lse_base, world_size):
         return _options_error(backend, lse_base) or geometry_error(
             max_tokens, num_heads, head_dim, dtype, world_size)
 
@@ -217,7 +217,7 @@ class DcpMerger(PreallocatedExchange):
 
     def local_error(self, out, lse) -> str | None:
         """Why this rank cannot merge ``out``/``lse`` with this merger (None if it can)."""
-        err = check_local(out, lse, self.world_size, self.lse_base, "auto")
+        err = merge_args_error(out, lse, self.world_size, self.lse_base, "auto")
         if err is None:
             T, H, D = out.shape
             if T > self.max_tokens or H != self.num_heads or D != self.head_dim \
