@@ -106,7 +106,7 @@ class PipelineDecision:
 #: rank; below it the NCCL kernel's lower fixed cost wins.
 AUTO_CE_MIN_BYTES = 1 << 20
 #: The reason of a choice made without timings on CPU tensors.
-NOT_MEASURED = "CPU: not measured"
+NOT_MEASURED = capability.NOT_MEASURED
 
 
 @dataclasses.dataclass(frozen=True)

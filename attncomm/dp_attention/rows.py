@@ -18,10 +18,9 @@ path.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from collections.abc import Sequence
 
 import torch
@@ -184,7 +183,7 @@ def _plan_auto(p: SyncPlan, timeout_s: float | None) -> None:
     if d.backend == "hier":
         failed = _build_hier(p, timeout_s)
         if failed is not None:
-            d = decide_sync_path(dataclasses.replace(facts, hier_failed=failed))
+            d = decide_sync_path(replace(facts, hier_failed=failed))
     p.auto, p.why = d.backend, d.fallback_reason
     if p.why is not None:
         log.info("dp_attention sync: auto takes %s on this group, not shm: %s", p.auto, p.why)
