@@ -137,3 +137,40 @@ def test_every_auto_is_the_same_on_every_rank(pools):
     assert depth == PipelineDecision(1, 2, 15.0, 15.0, depth.fallback_reason)
     assert depth.fallback_reason.startswith("measured slower or equal")
     assert sync == Decision("shm") or sync.backend == "cpu" and sync.fallback_reason
+
+
+def _transport_probes(rank, world):
+    """Where ``UlyssesAttention``'s first forward of a shape probes the transport facts: for
+    each probe, whether it ran inside a ``ForwardPlan`` constructor."""
+    from attncomm.ulysses import UlyssesAttention, forward_plan, policy
+
+    inside, seen = [False], []
+    real_init, real_ce = forward_plan.ForwardPlan.__init__, policy.ce_reason
+
+    def init(self, *args, **kwargs):
+        inside[0] = True
+        try:
+            real_init(self, *args, **kwargs)
+        finally:
+            inside[0] = False
+
+    def ce_reason(*args, **kwargs):
+        seen.append(inside[0])
+        return real_ce(*args, **kwargs)
+
+    forward_plan.ForwardPlan.__init__, policy.ce_reason = init, ce_reason
+    try:
+        gen = torch.Generator().manual_seed(11 + rank)
+        q, k, v = (torch.randn(1, 3, 2 * world, 8, generator=gen) for _ in range(3))
+        with UlyssesAttention(backend="auto", pipeline_groups=2) as attn:
+            attn(q, k, v)
+            backends = attn.last_backends
+    finally:
+        forward_plan.ForwardPlan.__init__, policy.ce_reason = real_init, real_ce
+    return seen, backends
+
+
+def test_ulysses_transport_facts_are_probed_before_any_plan(pools):
+    for seen, backends in pools.run(2, _transport_probes):
+        assert seen and not any(seen), seen  # probed, never inside a plan's constructor
+        assert backends == {"in": "all_to_all", "out": "all_to_all"}
