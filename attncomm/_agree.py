@@ -1,5 +1,5 @@
 """Agreement across ranks, over a process group's gloo twin (``_dist.cpu_group`` /
-``check_group``): host tensors only, each wait bounded.
+``validation_group``): host tensors only, each wait bounded.
 
 - ``agree``: the cross-rank argument check that raises the same ``ValueError`` on every rank;
   ``validate_args``: when a call runs it (``config.validation_mode``: the first call with a
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives, config
-from ._dist import check_group, cpu_group, group_key, guard_timeout, on_forget_groups, \
+from ._dist import validation_group, cpu_group, group_key, guard_timeout, on_forget_groups, \
     on_release, wait
 from .collectives import all_gather_tensor
 
@@ -39,7 +39,7 @@ def agree(group, op: str, signature: Sequence[int], labels: Sequence[str],
     """Check that every rank called ``op`` with the same arguments, and share local errors.
 
     Arguments:
-        group: the process group (the check runs on ``check_group(group)``, a gloo group).
+        group: the process group (the check runs on ``validation_group(group)``, a gloo group).
         op: the operation's name, for messages.
         signature: up to 29 ints that must be equal on every rank (shapes, dtype codes, flags).
         labels: one name per signature entry, for messages.
@@ -54,7 +54,7 @@ def agree(group, op: str, signature: Sequence[int], labels: Sequence[str],
     if len(signature) > _SIG_LEN - _HEAD:
         raise ValueError(f"signature too long ({len(signature)} > {_SIG_LEN - _HEAD})")
     # Over a gloo group: host tensors, no device round trip, and a wait bounded by timeout_s.
-    g = check_group(group, timeout_s)
+    g = validation_group(group, timeout_s)
     world = dist.get_world_size(g)
     row = torch.zeros(_SIG_LEN, dtype=torch.int64)
     row[0] = 1 if local_error else 0
@@ -117,7 +117,7 @@ def validate_args(group, op: str, signature: Sequence[int], labels: Sequence[str
     only local errors, raised on this rank; so in a group of one. A mismatch that slips past
     the first-sight check (one rank repeats a seen signature while a peer brings a new one)
     leaves the first rank in the exchange and the peer in the check, on different groups
-    (``check_group``): both raise ``PeerTimeoutError`` naming ``op`` within ``timeout_s``. Two
+    (``validation_group``): both raise ``PeerTimeoutError`` naming ``op`` within ``timeout_s``. Two
     ranks repeating two different seen signatures are not checked: that needs
     ``validate=True``.
 

@@ -26,7 +26,7 @@ from .errors import PeerTimeoutError
 
 __all__ = ["cpu_group", "group_lru_get", "clear_cpu_groups", "group_key", "group_device",
            "set_group_device", "as_device", "device_error", "guard_timeout", "wait", "as_bits",
-           "resolve_group", "check_group", "on_release", "release", "Lifecycle", "group_name",
+           "resolve_group", "validation_group", "on_release", "release", "Lifecycle", "group_name",
            "group_from_name", "on_forget_groups"]
 
 
@@ -218,7 +218,7 @@ def cpu_group(group=None, *, world_collective: bool = False, timeout_s: float | 
     return pg
 
 
-def check_group(group=None, timeout_s: float | None = None):
+def validation_group(group=None, timeout_s: float | None = None):
     """The gloo group the cross-rank argument checks run on: never the exchange's own group.
 
     A rank whose check was skipped (its signature seen before) may already be inside the
@@ -260,12 +260,12 @@ def _new_gloo_twin(group, g, world_collective: bool, budget: float):
     if world_collective:
         return dist.new_group(ranks=dist.get_process_group_ranks(g), backend="gloo",
                               timeout=timeout)
-    _check_local_naming(g, budget)
+    _require_local_naming(g, budget)
     return dist.new_group(ranks=dist.get_process_group_ranks(g), backend="gloo",
                           timeout=timeout, use_local_synchronization=True)
 
 
-def _check_local_naming(g, budget: float) -> None:
+def _require_local_naming(g, budget: float) -> None:
     # A group made with use_local_synchronization=True is named sha1(ranks, number of groups
     # this rank has): members with different counts would rendezvous under different names.
     names = getattr(getattr(c10d, "_world", None), "pg_names", None)

@@ -35,9 +35,16 @@ class CallPlans:
         on_release(self.forget)
 
     def get(self, group, key):
-        """The plan of ``key`` on ``group`` (None: none, or ``key`` is None)."""
+        """The plan of ``key`` on ``group`` (None: none, or ``key`` is None), moved to the
+        LRU's recent end: the plan evicted first is the one called least recently."""
         entry = self._by_group.get(group)
-        return entry[1].get(key) if entry is not None and key is not None else None
+        if entry is None or key is None:
+            return None
+        plans = entry[1]
+        plan = plans.get(key)
+        if plan is not None:
+            plans.move_to_end(key)
+        return plan
 
     def put(self, group, resolved, key, plan) -> None:
         """Keep ``plan`` for ``key`` on ``group`` (``resolved``: the process group it runs on)."""

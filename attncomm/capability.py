@@ -35,7 +35,10 @@ __all__ = ["agree_reason", "hostname", "host_identity", "cuda_reason", "cuda_dri
            "stream_mem_ops_reason", "same_host", "HostLayout", "group_hosts", "GpuLayout",
            "group_gpus", "device_uuid", "PeerMapping", "peer_mapping", "known_peer_mapping",
            "unmeasured_reason", "symm_unavailable_reason", "collective_try", "multicast_env",
-           "MAPPINGS"]
+           "MAPPINGS", "NOT_MEASURED"]
+
+#: Why nothing is timed on CPU tensors (``unmeasured_reason``; a decision's reason).
+NOT_MEASURED = "CPU: not measured"
 
 _TEST_HOST = "/test:"  # joins the machine's identity and the test-only host name
 
@@ -434,7 +437,7 @@ def unmeasured_reason(group, device: torch.device) -> str | None:
     contexts run in time slices, so a peer-mapped exchange waits slices for its peers).
     Collective on first use per group (``group_gpus``) for CUDA tensors."""
     if torch.device(device).type != "cuda":
-        return "CPU: not measured"
+        return NOT_MEASURED
     shared = group_gpus(group).shared_reason()
     return None if shared is None else f"shared GPU ({shared}): time-sliced, not measured"
 

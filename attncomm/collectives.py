@@ -85,7 +85,7 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype).copy_(t)
 
 
-def _check_not_capturing(tensors: Sequence[torch.Tensor], op: str) -> None:
+def _refuse_capture(tensors: Sequence[torch.Tensor], op: str) -> None:
     if any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"attncomm: {op} of CUDA tensors over a gloo group (ranks that share a GPU) goes "
@@ -98,7 +98,7 @@ def _staged(op: str, run, inputs: Sequence[torch.Tensor], outputs: Sequence[torc
     """Run ``run(host_inputs, host_outputs, async_op)`` on host copies; copy the host outputs
     back now (``async_op=False``) or at the returned work's ``wait()``. An output that is also
     an input (an in-place collective) shares one host copy."""
-    _check_not_capturing([*inputs, *outputs], op)
+    _refuse_capture([*inputs, *outputs], op)
     host_in = [_host(t) for t in inputs]
     host_out = []
     for t in outputs:
@@ -173,7 +173,7 @@ def batch_isend_irecv(ops: Sequence[dist.P2POp]) -> list:
     its tensor when that op's work is waited for."""
     if not ops or not needs_host(ops[0].group, *(o.tensor for o in ops)):
         return dist.batch_isend_irecv(list(ops))
-    _check_not_capturing([o.tensor for o in ops], "point-to-point")
+    _refuse_capture([o.tensor for o in ops], "point-to-point")
     host_ops, backs = [], []
     for o in ops:
         recv = o.op is dist.irecv

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import config
-from ._dist import check_group, clear_cpu_groups, cpu_group, set_group_device
+from ._dist import validation_group, clear_cpu_groups, cpu_group, set_group_device
 from ._wait import poll_until
 from .errors import PeerTimeoutError, ranks_text
 from .rank_report import (MAIN_REIMPORT_EXIT, WHERE, death_error, dumps, pack_exception,
@@ -108,7 +108,7 @@ def init_distributed(rank: int, world_size: int, device: str, init_method: str,
         dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=_timedelta(timeout_s))
         set_group_device(torch.device("cuda", gpu))
-        check_group(None)  # collective: the argument checks' own gloo group, on every rank now
+        validation_group(None)  # collective: the argument checks' own gloo group, on every rank now
     elif device == "cuda":
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         torch.cuda.set_device(gpu)
@@ -122,7 +122,7 @@ def init_distributed(rank: int, world_size: int, device: str, init_method: str,
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=_timedelta(timeout_s))
-        check_group(None)  # collective: the argument checks' own gloo group, on every rank now
+        validation_group(None)  # collective: the argument checks' own gloo group, on every rank now
     else:
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
 
@@ -574,7 +574,7 @@ def launch(fn: Callable, world_size: int, *, device: str = "cpu", args: tuple = 
     directory.
     """
     _refuse_in_rank_bootstrap()
-    _check_picklable(fn, tuple(args))  # before spawning anything: fails in milliseconds
+    _require_picklable(fn, tuple(args))  # before spawning anything: fails in milliseconds
     pool = RankPool(world_size, device=device, ranks_per_gpu=ranks_per_gpu)
     try:
         return pool.run(fn, *args, timeout_s=timeout_s)
@@ -582,7 +582,7 @@ def launch(fn: Callable, world_size: int, *, device: str = "cpu", args: tuple = 
         pool.close(force=not pool.alive)
 
 
-def _check_picklable(fn, args: tuple) -> None:
+def _require_picklable(fn, args: tuple) -> None:
     try:
         pickle.dumps((fn, args))  # plain pickle: no shared-memory handles left registered
         return

@@ -1,26 +1,38 @@
-"""One backend-selection layer for every exchange: probe → decide → resolve.
+"""The one decision layer: every ``auto`` of the library is probe → decide → agreed result.
 
-Each exchange (the DCP merge, the DCP query gather, the Ulysses transport) has backends that
-may or may not run on a group (CUDA, one host, P2P, Triton) and, among those that can, a choice
-to make. The steps, the same for all three:
+Four decisions take this shape: the DCP backends (``DcpMerger``, ``DcpQueryGather``), the
+Ulysses transport of each exchange, the Ulysses pipeline depth (``pipeline_groups=-1``) and the
+DP sync path (``sync="auto"``). For each:
 
-1. **probe** (``agreed_reasons``): per candidate, why it cannot run on this rank (the
-   backend's ``collective_unavailable_reason``, which may itself be collective), agreed across
-   ranks (all_reduce(MIN) over the gloo twin, before any allocation): every rank gets the same
-   verdict.
-2. **build** (``build_agreed``): construct a candidate; a failure on any rank (allocation,
-   rendezvous) is agreed, so every rank keeps it or every rank drops it.
-3. **decide**: on CUDA, when several candidates are left, ``measure`` times each built instance
-   over the caller's cases inside CUDA graphs; every rank contributes to an all_reduce(MAX), so
-   each sees the slowest rank's figures; ``fastest`` (pure) takes the lowest geometric mean. On
-   CPU (gloo) nothing is timed: the caller's rule-of-thumb order decides.
-4. **resolve** (``resolve``): the whole flow, returning a ``Decision`` (backend name, why the
-   preferred backend was not taken, the measured figures) **and the instance that was built and
-   measured**: nothing is built twice.
+1. **probe**: the facts the choice depends on, each agreed across ranks before it is used
+   (``agree_reason``, ``agreed_min``, or an all_reduce(MAX) of timings over the gloo twin), so
+   every rank holds the same facts. The probes that know an exchange's backends live with the
+   exchange (``capability``, ``ulysses.policy.transport_facts``, ``ulysses.pipeline_choice``,
+   ``dp_attention.rows``); the generic ones here: ``agreed_reasons`` (who can run),
+   ``build_agreed`` (a candidate built on every rank or on none), ``measure`` (timings, slowest
+   rank).
+2. **decide**: one pure function of the facts per decision (``decide_backend``,
+   ``decide_transport``, ``decide_depth``, ``decide_sync_path``): no communication, no device
+   work, so the same facts give the same answer on every rank and the agreed facts give the
+   agreed result. A fact that costs a trial (a build, a forward, a timing) is probed only when
+   the cheaper facts leave the choice open: a decide function then returns its pick with what
+   it still needs (``decide_depth`` returns None until the trial ran), and the caller probes
+   that and decides again.
+3. **the result with its reason**: a ``Decision`` (what is taken, why the preferred one was
+   not, the measured figures, or the rule that decided without timings) or a
+   ``PipelineDecision``; the same on every rank, the reason shown wherever the choice is
+   reported (``fallback_reason``, ``attncomm env``, the benches, the errors of an explicit
+   request that cannot run).
 
-The shape follows FlashInfer's ``resolve_ulysses_backend`` → ``UlyssesBackendDecision(backend,
-fallback_reason)``. Dependency direction: exchanges import this module; it imports only the
-substrate (``_dist``, ``_timing``, ``config``).
+When: at an object's construction (the DCP objects) or on the first plan of a call signature
+(the functional calls, a new forward shape of ``UlyssesAttention``, a ``sync`` value's first use
+on a group), eagerly and before any capture. A plan's constructor gets the agreed facts and only
+evaluates the pure decision for each exchange; it never probes.
+
+The shape follows FlashInfer's Ulysses backend selection (per-rank topology probe, gathered;
+a pure decision over the gathered facts; the decision with its reason). Dependency direction:
+exchanges import this module; it imports only the substrate (``_dist``, ``_agree``,
+``_timing``, ``capability``, ``collectives``, ``config``).
 """
 from __future__ import annotations
 
@@ -37,8 +49,10 @@ from ._dist import cpu_group
 from ._agree import agree_reason
 from ._timing import time_graph
 
-__all__ = ["Decision", "token_buckets", "agreed_reasons", "build_agreed", "measure", "fastest",
-           "resolve", "graph_timer"]
+__all__ = ["Decision", "PipelineDecision", "BackendFacts", "DepthFacts", "SyncFacts",
+           "TransportFacts", "token_buckets", "agreed_reasons", "build_agreed", "measure",
+           "fastest", "resolve", "graph_timer", "decide_backend", "decide_transport",
+           "decide_depth", "decide_sync_path", "AUTO_CE_MIN_BYTES", "NOT_MEASURED"]
 
 log = logging.getLogger("attncomm.select")
 
@@ -62,6 +76,128 @@ class Decision:
     fallback_reason: str | None = None
     times_us: Mapping[str, float] | None = None
     rule: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineDecision:
+    """What ``pipeline_groups=-1`` runs for one signature, the same on every rank.
+
+    Attributes:
+        groups: head groups to run: 1 (sequential) or ``candidate_groups``.
+        candidate_groups: ``auto_groups``' count, the pipelined variant considered.
+        sequential_us, pipelined_us: the slowest rank's median µs per forward of each
+            (``inf``: it raised on some rank), or None when nothing was timed.
+        fallback_reason: why sequential was kept (not measured on CPU, no split, the outputs
+            differ, measured slower, a failure while timing); None when pipelined won.
+    """
+
+    groups: int
+    candidate_groups: int
+    sequential_us: float | None = None
+    pipelined_us: float | None = None
+    fallback_reason: str | None = None
+
+    @property
+    def pipelined(self) -> bool:
+        return self.groups > 1
+
+
+#: ``auto`` takes the Ulysses ``ce`` transport (when eligible) from this many bytes sent per
+#: rank; below it the NCCL kernel's lower fixed cost wins.
+AUTO_CE_MIN_BYTES = 1 << 20
+#: The reason of a choice made without timings on CPU tensors.
+NOT_MEASURED = capability.NOT_MEASURED
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendFacts:
+    """What ``auto`` knows about an exchange's backends (``decide_backend``), agreed.
+
+    Attributes:
+        op: the exchange object's name, for messages.
+        preferred: the fast single-host backend whose absence ``fallback_reason`` explains.
+        rule_of_thumb: the order taken when nothing is timed.
+        reasons: per candidate ``auto`` considers, None when every rank can run it, else why
+            not (naming the ranks).
+        measured: whether timings say anything here; ``rule`` why not (``Decision.rule``).
+        setup: per candidate built so far, None when it was built on every rank, else why
+            its setup failed (naming the ranks).
+        times: per built candidate, the slowest rank's µs per timed case (``measure``), or
+            None when nothing was timed.
+    """
+
+    op: str
+    preferred: str
+    rule_of_thumb: tuple
+    reasons: Mapping[str, str | None]
+    measured: bool
+    rule: str | None = None
+    setup: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
+    times: Mapping[str, Sequence[float]] | None = None
+
+    @property
+    def candidates(self) -> list[str]:
+        """The candidates every rank can run, in ``reasons``' order."""
+        return [n for n, r in self.reasons.items() if r is None]
+
+    @property
+    def timed(self) -> bool:
+        """Whether the choice is made by timings: measured, with two candidates or more."""
+        return self.measured and len(self.candidates) > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportFacts:
+    """What the Ulysses transport choice knows about a group (``decide_transport``), agreed.
+
+    Attributes:
+        requested: ``"all_to_all"``, ``"ce"`` or ``"auto"`` (validated, agreed).
+        ce_reason: why ``ce`` cannot run for these tensors on the group (None if it can).
+        shared_gpu: why sizes say nothing here (ranks share a GPU), or None.
+    """
+
+    requested: str
+    ce_reason: str | None = None
+    shared_gpu: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthFacts:
+    """What ``pipeline_groups=-1`` knows about a signature (``decide_depth``), agreed.
+
+    Attributes:
+        candidate: ``auto_groups``' head-group count.
+        unmeasured: why nothing is timed (CPU, ranks that share a GPU), or None.
+        fits: whether every rank has room for two of the candidate groups' working sets.
+        compared: whether the pipelined and sequential outputs were compared (a trial: one
+            forward of each); ``mismatch``: None when they are the same bits on every rank,
+            else what differed (naming the ranks).
+        sequential_us, pipelined_us: the slowest rank's µs per forward (inf: it raised on
+            some rank), or None until timed.
+    """
+
+    candidate: int
+    unmeasured: str | None = None
+    fits: bool = True
+    mismatch: str | None = None
+    compared: bool = False
+    sequential_us: float | None = None
+    pipelined_us: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncFacts:
+    """What ``sync="auto"`` knows about a DP group (``decide_sync_path``), agreed.
+
+    Attributes:
+        layout: where the group's ranks are (``capability.group_hosts``).
+        shm_reason: why some rank cannot run the shm protocol at all, or None.
+        hier_failed: why the hier path could not be set up, or None (not tried, or built).
+    """
+
+    layout: capability.HostLayout
+    shm_reason: str | None = None
+    hier_failed: str | None = None
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -154,6 +290,117 @@ def _table(means: Mapping[str, float]) -> str:
     return ", ".join(f"{n} {m:.1f} µs" for n, m in means.items())
 
 
+# ------------------------------------------------------------------ the pure decisions
+def decide_backend(f: BackendFacts) -> Decision:
+    """``auto``'s backend from the facts, pure.
+
+    Timed (``f.timed``): among the built candidates, the fastest geometric mean over the cases
+    (``fastest``); when every timing failed somewhere, the rule of thumb (never the preferred);
+    when one candidate was built, that one. Not timed: the first of ``rule_of_thumb`` (else of
+    the candidates) whose setup has not failed; the caller builds it (a new ``setup`` fact) and
+    decides again when it is not built yet. ``fallback_reason`` says why ``preferred`` was not
+    taken: it cannot run, its setup failed, it failed while timing, or it measured slower.
+
+    Raises ``ValueError`` (the same on every rank) when no candidate is left.
+    """
+    fallback = f.reasons.get(f.preferred)
+    if f.setup.get(f.preferred) is not None:
+        fallback = f"setup failed: {f.setup[f.preferred]}"
+    cands = f.candidates
+    if not f.timed:
+        for n in [n for n in f.rule_of_thumb if n in cands] or cands:
+            if f.setup.get(n) is None:
+                return Decision(n, None if n == f.preferred else fallback,
+                                rule=None if f.measured else f.rule)
+        raise ValueError(f"{f.op}: no backend can run here: {dict(f.reasons)}")
+    built = [n for n in cands if n in f.setup and f.setup[n] is None]
+    if not built:
+        raise ValueError(f"{f.op}: no backend could be set up here: {dict(f.reasons)}")
+    best, means = fastest(f.times) if f.times else (built[0], {})
+    if best is None:  # every timing failed somewhere: the rule of thumb, never the preferred
+        best = next((n for n in f.rule_of_thumb if n in built and n != f.preferred), built[0])
+        fallback = "every candidate failed while timing on some rank"
+    elif best != f.preferred and f.preferred in built:
+        fallback = (f"{f.preferred} failed while timing on some rank"
+                    if math.isinf(means[f.preferred]) else f"measured slower ({_table(means)})")
+    return Decision(best, None if best == f.preferred else fallback, means or None)
+
+
+def decide_transport(requested: str, ce_reason: str | None, nbytes: int,
+                     shared_gpu: str | None = None) -> Decision:
+    """The Ulysses transport of one exchange, pure. ``requested`` is ``"ce"`` or ``"auto"``;
+    ``ce_reason`` why ``ce`` cannot run (agreed, None if it can); ``nbytes`` the most bytes any
+    rank sends; ``shared_gpu`` why sizes say nothing here (ranks that share a GPU:
+    ``all_to_all`` goes through host copies there, so ``auto`` takes ``ce`` at every size, by
+    rule). ``auto`` takes ``ce`` from ``AUTO_CE_MIN_BYTES`` on (below it NCCL's lower fixed
+    cost wins: a choice, not a fallback). Raises ``ValueError`` for an explicit ``ce`` that
+    cannot run."""
+    if ce_reason is not None:
+        if requested == "ce":
+            raise ValueError(f"backend='ce' cannot run here: {ce_reason}")
+        return Decision("all_to_all", f"ce not used: {ce_reason}")
+    if shared_gpu is not None:
+        return Decision("ce", rule=shared_gpu)
+    if requested == "auto" and nbytes < AUTO_CE_MIN_BYTES:
+        return Decision("all_to_all")
+    return Decision("ce")
+
+
+def decide_depth(f: DepthFacts) -> PipelineDecision | None:
+    """The head-group count of ``pipeline_groups=-1`` from the facts, pure: sequential when
+    nothing is timed, when ``auto_groups`` found no split, when some rank lacks the memory,
+    when the outputs differ, or when pipelined is not faster (a tie keeps sequential; a
+    forward that raised counts as inf); else the candidate count. None while the facts leave
+    it open: the caller compares the outputs (``compared``, ``mismatch``), then times both
+    (``sequential_us``, ``pipelined_us``), and decides again."""
+    g = f.candidate
+    if f.unmeasured is not None:
+        return PipelineDecision(1, g, fallback_reason=f.unmeasured)
+    if g < 2:
+        return PipelineDecision(1, g, fallback_reason=f"auto_groups found no split (G = {g})")
+    if not f.fits:
+        return PipelineDecision(1, g, fallback_reason=f"some rank lacks memory for two of {g} "
+                                                      f"head groups' working sets")
+    if not f.compared:
+        return None
+    if f.mismatch is not None:
+        return PipelineDecision(1, g, fallback_reason=f"pipelined (G = {g}) and sequential "
+                                                      f"outputs differ: {f.mismatch}")
+    if f.sequential_us is None or f.pipelined_us is None:
+        return None
+    seq_us, pipe_us = f.sequential_us, f.pipelined_us
+    best, _ = fastest({"sequential": [seq_us], "pipelined": [pipe_us]})
+    if best == "pipelined":
+        return PipelineDecision(g, g, seq_us, pipe_us)
+    figures = f"sequential {seq_us:.1f} µs, pipelined (G = {g}) {pipe_us:.1f} µs"
+    if math.isinf(pipe_us):
+        reason = f"the pipelined forward failed while timing on some rank ({figures})"
+    else:
+        reason = f"measured slower or equal ({figures})"
+    return PipelineDecision(1, g, seq_us, pipe_us, reason)
+
+
+def decide_sync_path(f: SyncFacts) -> Decision:
+    """The path of ``sync="auto"`` from the facts, pure: ``Decision(path, why not "shm")``.
+
+    One host: "shm" when every rank can run the shm protocol, else "cpu". Several hosts: "shm"
+    never (its segment lives in one host's memory); "hier" when every rank can run the shm
+    protocol and some host holds two ranks or more (and its setup did not fail), else "cpu".
+    """
+    hosts = f.layout.reason()
+    if f.shm_reason is not None:
+        return Decision("cpu", "; ".join(w for w in (hosts, f.shm_reason) if w))
+    if hosts is None:
+        return Decision("shm")
+    if max(len(r) for r in f.layout.ranks) == 1:
+        return Decision("cpu", f"{hosts}; every host holds one rank of the group, so no rows "
+                               f"meet in shared memory")
+    if f.hier_failed is not None:
+        return Decision("cpu", f"{hosts}; the hier path could not be set up: {f.hier_failed}")
+    return Decision("hier", hosts)
+
+
+# ------------------------------------------------------------------ the DCP backends' flow
 def resolve(group, *, op: str, requested: str, names: Sequence[str], preferred: str,
             rule_of_thumb: Sequence[str], local_reason: Callable[[str], str | None],
             build: Callable[[str], object], measured: bool,
@@ -179,6 +426,9 @@ def resolve(group, *, op: str, requested: str, names: Sequence[str], preferred: 
         env_var: a ``config`` variable naming a preferred backend for ``"auto"`` (taken when it
             can run here, else auto chooses and logs why).
         auto_names: the candidates ``auto`` considers (default ``names``).
+
+    ``auto`` probes who can run (``agreed_reasons``), builds (``build_agreed``) and, when the
+    choice is timed, measures; ``decide_backend`` chooses from those facts.
 
     Returns:
         ``(Decision, instance)``: the instance is the one that was built (and, when measured,
@@ -206,41 +456,35 @@ def resolve(group, *, op: str, requested: str, names: Sequence[str], preferred: 
             raise ValueError(f"{op}: backend {name!r} failed to set up: {why}")
         return Decision(name), impl
 
-    reasons = agreed_reasons(group, list(auto_names or names), local_reason)
-    candidates = [n for n, r in reasons.items() if r is None]
-    fallback = reasons.get(preferred)
-    if not measured or len(candidates) <= 1:
-        for n in [n for n in rule_of_thumb if n in candidates] or candidates:
-            impl, why = build_agreed(group, lambda n=n: build(n), f"{n} setup")
-            if impl is not None:
-                return Decision(n, fallback if n != preferred else None,
-                                rule=None if measured else rule), impl
-            log.warning("%s: %s setup failed (%s); trying the next backend", op, n, why)
-            if n == preferred:
-                fallback = f"setup failed: {why}"
-        raise ValueError(f"{op}: no backend can run here: {reasons}")
-
+    facts = BackendFacts(op, preferred, tuple(rule_of_thumb),
+                         agreed_reasons(group, list(auto_names or names), local_reason),
+                         measured, rule)
     impls: dict[str, object] = {}
-    for n in candidates:
-        impl, why = build_agreed(group, lambda n=n: build(n), f"{n} setup")
+    setup: dict[str, str | None] = {}
+
+    def probe_setup(n: str) -> None:
+        impl, setup[n] = build_agreed(group, lambda: build(n), f"{n} setup")
         if impl is not None:
             impls[n] = impl
-        elif n == preferred:
-            fallback = f"setup failed: {why}"
-    if not impls:
-        raise ValueError(f"{op}: no backend could be set up here: {reasons}")
-    times = measure(group, impls, cases, prepare, timer=timer) if len(impls) > 1 else {}
-    best, means = fastest(times) if times else (next(iter(impls), None), {})
-    if best is None:  # every timing failed somewhere: the rule of thumb, never the preferred
-        best = next((n for n in rule_of_thumb if n in impls and n != preferred),
-                    next(iter(impls)))
-        fallback = "every candidate failed while timing on some rank"
-    elif best != preferred and preferred in impls:
-        fallback = (f"{preferred} failed while timing on some rank"
-                    if math.isinf(means[preferred]) else f"measured slower ({_table(means)})")
+        else:
+            log.warning("%s: %s setup failed (%s)", op, n, setup[n])
+
+    if facts.timed:  # every candidate built, then timed when two or more are left
+        for n in facts.candidates:
+            probe_setup(n)
+        facts = dataclasses.replace(facts, setup=dict(setup))
+        if len(impls) > 1:
+            facts = dataclasses.replace(facts, times=measure(group, impls, cases, prepare,
+                                                             timer=timer))
+    decision = decide_backend(facts)
+    while decision.backend not in impls:  # not timed: build the choice; a failure is a fact
+        probe_setup(decision.backend)
+        facts = dataclasses.replace(facts, setup=dict(setup))
+        decision = decide_backend(facts)
     for n, impl in impls.items():
-        if n != best:
+        if n != decision.backend:
             _close(impl)
-    log.info("%s: auto chose %s (%s)", op, best, _table(means) if means else "one candidate")
-    return (Decision(best, None if best == preferred else fallback, means or None),
-            impls[best])
+    if facts.timed:
+        log.info("%s: auto chose %s (%s)", op, decision.backend,
+                 _table(decision.times_us) if decision.times_us else "one candidate")
+    return decision, impls[decision.backend]

@@ -257,7 +257,7 @@ def _coordinator(rank, world):
         counts = c.take()
     ref = dcp.merge(out, lse, device_group, backend="a2a")
     return (counts.get("new_group", 0), torch.equal(merged, ref),
-            _dist.check_group(device_group) is cpu_group, tuple(y.shape), m.backend,
+            _dist.validation_group(device_group) is cpu_group, tuple(y.shape), m.backend,
             tuple(o.shape), shapes)
 
 
@@ -368,3 +368,18 @@ def test_diverged_calls_name_each_ranks_call(pools):
     for m in msgs:
         assert m and "different calls" in m and "rank 0 in DcpQueryGather" in m \
             and "rank 1 in dcp.gather_heads" in m, msgs
+
+
+def test_call_plans_lookup_refreshes_lru_order():
+    from attncomm._plans import CallPlans
+
+    plans = CallPlans(size=2)
+    plans.put(None, None, "a", "plan a")
+    plans.put(None, None, "b", "plan b")
+    assert plans.get(None, "a") == "plan a"  # now the most recently used
+    plans.put(None, None, "c", "plan c")     # evicts the least recently used: b
+    assert plans.get(None, "b") is None
+    assert plans.get(None, "a") == "plan a" and plans.get(None, "c") == "plan c"
+    assert plans.get(None, None) is None and plans.get("other group", "a") is None
+    plans.forget("world")
+    assert plans.get(None, "a") is None

@@ -74,15 +74,18 @@ def test_object_cache_builds_once_per_bucket_finds_warm_shapes_and_releases():
     cache = ObjectCache(size=2)
     built = []
 
-    def build(max_tokens):
+    agreed = []
+
+    def build(max_tokens, skip):
         built.append(max_tokens)
+        agreed.append(skip)
         return _Obj(max_tokens)
 
     def capture_error():
         return AssertionError("not capturing")
 
-    a = cache.cached(None, 5, ("H", 8), build, capture_error)
-    b = cache.cached(None, 16, ("H", 8), build, capture_error)
+    a = cache.cached(None, 5, ("H", 8), build, capture_error, agreed=True)
+    b = cache.cached(None, 16, ("H", 8), build, capture_error, agreed=True)
     c = cache.cached(None, 17, ("H", 8), build, capture_error)
     assert built == [16, 32] and a.get() is b.get() and c.get().max_tokens == 32
     assert cache.warm(None, 3, ("H", 8)) and cache.warm(None, 0, ("other",))
@@ -93,6 +96,49 @@ def test_object_cache_builds_once_per_bucket_finds_warm_shapes_and_releases():
     cache.cached(None, 40, ("H", 8), build, capture_error)
     assert built == [16, 32, 64] and first._closed
     assert a.get() is not first and built == [16, 32, 64, 16]  # built again on first use
+    # only a build at once, for a call whose check agreed just now, skips the agree
+    assert agreed == [True, False, False, False]
     objs = list(cache.store["world"].values())
     cache.release("world")
     assert "world" not in cache.store and all(o._closed for o in objs)
+
+
+def _construction_agrees(rank, world):
+    """The ``agree`` calls of the objects the first functional call builds (its own check is
+    ``validate_args``'), by validation mode: first sight (the call agreed: none) and off."""
+    import attncomm
+    from attncomm import dcp
+    from attncomm.dcp import exchange
+
+    gen = torch.Generator().manual_seed(7 + rank)
+    out, lse = torch.randn(3, 2 * world, 8, generator=gen), torch.randn(3, 2 * world,
+                                                                          generator=gen)
+    q = torch.randn(3, 2, 8, generator=gen)
+    calls: list = []
+    real = exchange.agree
+
+    def counted(group, op, *args, **kw):
+        calls.append(op)
+        return real(group, op, *args, **kw)
+
+    exchange.agree = counted
+    res = {}
+    try:
+        for name, call in (("merge", lambda v: dcp.merge(out, lse, validate=v)),
+                           ("gather", lambda v: dcp.gather_heads(q, validate=v))):
+            for validate in (None, False):
+                attncomm.release()
+                calls.clear()
+                call(validate)
+                res[(name, validate)] = list(calls)
+    finally:
+        exchange.agree = real
+        attncomm.release()
+    return res
+
+
+def test_first_functional_call_agrees_its_arguments_once(pools):
+    for res in pools.run(2, _construction_agrees):
+        assert res[("merge", None)] == [] and res[("gather", None)] == []
+        assert res[("merge", False)] == ["DcpMerger"]
+        assert res[("gather", False)] == ["DcpQueryGather"]

@@ -102,7 +102,7 @@ def _small_cfg(world_size: int, modes: tuple[str, ...]) -> DemoConfig:
                       decode_seqs=3, decode_prefix=7, decode_steps=6)
 
 
-def _check_rows(rows, plan, cfg):
+def _validate_rows(rows, plan, cfg):
     expected = [(m, b) for m, names in plan for b in names]
     assert [(r.mode, r.backend) for r in rows] == expected
     for r in rows:
@@ -128,7 +128,7 @@ def test_demo_end_to_end(pools, loaded):
         assert [b for _, b in plan] == [dcp.available_backends("cpu")] * len(modes)
         results = pools.run(W, rank_main, cfg, inputs, plan)
         assert all(r is None for r in results[1:])
-        _check_rows(results[0], plan, cfg)
+        _validate_rows(results[0], plan, cfg)
 
 
 def test_export_fp16_roundtrip(tmp_path, loaded):

@@ -11,8 +11,8 @@ import torch
 
 from attncomm.dp_attention import DpPaddingMode
 from attncomm.dp_attention.sync import BatchView, ForwardMode
-from attncomm.demo.dp_simulate import (SimConfig, SimulationError, _check_decisions,
-                                            _check_slots, default_tokens, simulate_rank,
+from attncomm.demo.dp_simulate import (SimConfig, SimulationError, _verify_decisions,
+                                            _verify_slots, default_tokens, simulate_rank,
                                             summarize)
 
 
@@ -58,22 +58,22 @@ def test_opening_alone_exercises_every_rule(pools):
 
 def test_checks_fail_loudly():
     good = [[0, 1, 0, 1, 1, 8, 3, 0, 3, 5], [0, 1, 0, 1, 1, 8, 5, 0, 3, 5]]
-    _check_decisions(good, 7, 1)
+    _verify_decisions(good, 7, 1)
     bad = [list(good[0]), list(good[1])]
     bad[1][5] = 16                                     # a different graph size on rank 1
     with pytest.raises(SimulationError, match="step 7: ranks decided differently"):
-        _check_decisions(bad, 7, 1)
+        _verify_decisions(bad, 7, 1)
     bad = [list(good[0]), list(good[1])]
     bad[1][6] = 4                                      # rank 1 really had 4 tokens
     with pytest.raises(SimulationError, match=r"counts \[3, 5\] != .* \[3, 4\]"):
-        _check_decisions(bad, 7, 1)
+        _verify_decisions(bad, 7, 1)
     tokens = default_tokens(3, 8, torch.float32, "cpu")
     gnt = [2, 0, 3]
     buf = torch.cat([tokens(5, q, n) for q, n in enumerate(gnt)])
-    _check_slots(buf, gnt, DpPaddingMode.SUM_LEN, tokens, 5)
+    _verify_slots(buf, gnt, DpPaddingMode.SUM_LEN, tokens, 5)
     buf[3, 1] += 1e-6
     with pytest.raises(SimulationError, match="slot of DP rank 2"):
-        _check_slots(buf, gnt, DpPaddingMode.SUM_LEN, tokens, 5)
+        _verify_slots(buf, gnt, DpPaddingMode.SUM_LEN, tokens, 5)
 
 
 def test_bench_dp_sync_smoke(tmp_path):

@@ -111,6 +111,27 @@ def slowest_rank_median(times_us: Sequence[float], group=None) -> float:
     return float(statistics.median(max_over_ranks(times_us, group)))
 
 
+def latency_record(times_us: Sequence[float], stats: dict, **fields) -> dict:
+    """A timed row (collective): ``fields``, ``latency_us`` (``slowest_rank_median`` of
+    ``times_us``) and, when the graph timer measured it into ``stats``, ``gpu_idle_us`` (the
+    slowest rank's)."""
+    rec = dict(fields, latency_us=round(slowest_rank_median(times_us), 3))
+    if "gpu_idle_us" in stats:
+        rec["gpu_idle_us"] = round(max_over_ranks([stats["gpu_idle_us"]])[0], 3)
+    return rec
+
+
+def plot_series(records: Sequence[dict], label, x: str, y: str) -> dict:
+    """``{label(r): ([r[x], ...], [r[y], ...])}``: one plotted line per label, the records in
+    order."""
+    series: dict = {}
+    for r in records:
+        xs, ys = series.setdefault(label(r), ([], []))
+        xs.append(r[x])
+        ys.append(r[y])
+    return series
+
+
 #: Significant digits the smallest nonzero number of a column keeps (``format_column``).
 SIGNIFICANT = 3
 _MAX_DECIMALS = 6  # past this (or from 1e9 up) a column is written in scientific notation

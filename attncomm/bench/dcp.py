@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import cpu_group
-from .common import (format_rows, graph_mode_skipped, markdown_lines, max_over_ranks, meta,
-                     print_table, progress, run_ranks, slowest_rank_median, time_eager,
-                     time_graph)
+from .common import (format_rows, graph_mode_skipped, latency_record, markdown_lines,
+                     meta, plot_series, print_table, progress, run_ranks,
+                     time_eager, time_graph)
 from .report import Report, add_common_arguments, emit, usage_error
 from . import dcp_gather as bench_gather
 from ..dcp.lse_merge import DcpMerger
@@ -158,12 +158,8 @@ def run_rank(rank: int, world_size: int, cfg: dict) -> list[dict] | None:
                          else _eager_times(fn, cfg, barrier))
                 if graph:
                     merger.check()
-                lat = slowest_rank_median(times)
-                rec = {"backend": backend, "mode": mode, "tokens": T, "world_size": world_size,
-                       "latency_us": round(lat, 3)}
-                if "gpu_idle_us" in stats:
-                    rec["gpu_idle_us"] = round(max_over_ranks([stats["gpu_idle_us"]])[0], 3)
-                records.append(rec)
+                records.append(latency_record(times, stats, backend=backend, mode=mode,
+                                              tokens=T, world_size=world_size))
                 bar.update(1)
         merger = fn = None  # free its workspace before the next backend's
     bar.close()
@@ -266,11 +262,8 @@ def _report(args, cfg: dict, records: list[dict]) -> Report:
             f"merges per graph, replay / {cfg['per_graph']}. symm_a2a settings "
             f"(environment): {symm or 'defaults'}.\n\n"
             + markdown_table(records) + "\n")
-    series: dict = {}
-    for r in records:
-        xs, ys = series.setdefault(f"{r['backend']} ({r['mode']})", ([], []))
-        xs.append(r["tokens"])
-        ys.append(r["latency_us"])
+    series = plot_series(records, lambda r: f"{r['backend']} ({r['mode']})", "tokens",
+                         "latency_us")
     plot = dict(series=series, xlabel="tokens", ylabel="latency (µs, slowest rank)",
                 title=f"DCP merge W={args.world_size}, H={cfg['heads']}, D={cfg['head_dim']}, "
                       f"{cfg['dtype']}", logx=True, logy=True)

@@ -19,11 +19,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import config
 from .._dist import cpu_group
-from .common import (markdown_lines, max_over_ranks, meta, plot_lines, print_table, progress,
-                     run_ranks, slowest_rank_median, time_eager, time_graph, write_json,
-                     graph_mode_skipped)
+from .report import command_options
+from .common import (latency_record, markdown_lines, meta, plot_lines,
+                     print_table, progress, run_ranks, time_eager,
+                     time_graph, write_json, graph_mode_skipped)
 from ..dcp.lse_merge import DcpMerger
 from ..dcp.query_gather import DcpQueryGather
 
@@ -122,12 +122,8 @@ def run_rank(rank: int, world_size: int, cfg: dict) -> list[dict] | None:
                     times = time_eager(lambda: fn(*args), warmup=cfg["warmup"],
                                        iters=cfg["iters"], device=cfg["device"],
                                        barrier=lambda: dist.barrier(group=g))
-                rec = {"op": cfg["op"], "backend": name, "mode": mode, "tokens": T,
-                       "world_size": world_size,
-                       "latency_us": round(slowest_rank_median(times), 3)}
-                if "gpu_idle_us" in stats:
-                    rec["gpu_idle_us"] = round(max_over_ranks([stats["gpu_idle_us"]])[0], 3)
-                records.append(rec)
+                records.append(latency_record(times, stats, op=cfg["op"], backend=name,
+                                              mode=mode, tokens=T, world_size=world_size))
                 bar.update(1)
         fn = objs = None  # free the workspaces before the next backend's
     bar.close()
@@ -162,11 +158,8 @@ def markdown_table(records: list[dict]) -> str:
 
 def main(args) -> int:
     """``attncomm bench dcp --op gather|layer`` (arguments: ``attncomm.bench.dcp``)."""
-    config.force_safe_env()
-    try:
-        cfg = _config(args)
-    except ValueError as exc:
-        print(f"attncomm bench dcp: {exc}", file=sys.stderr)
+    cfg = command_options(args, _config, "bench dcp")
+    if cfg is None:
         return 2
     t0 = time.monotonic()
     records = run_ranks(run_rank, args.world_size, cfg["device"], (cfg,))[0] or []

@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 from .. import config
 from .._dist import cpu_group
-from .common import (markdown_lines, meta, print_table, progress, run_ranks, slowest_rank_median,
-                     time_eager)
-from .report import Report, add_common_arguments, emit, usage_error
+from .common import (markdown_lines, meta, plot_series, print_table, progress, run_ranks,
+                     slowest_rank_median, time_eager)
+from .report import Report, add_common_arguments, command_options, emit, usage_error
 from ..dp_attention.gather import (DpPaddingMode, dp_gather, dp_reduce_scatter, dp_scatter,
                                    global_layout)
 from ..dp_attention.sync import MLPSyncBatchInfo, exchange_rows, resolve_sync
@@ -209,12 +209,9 @@ def markdown_tables(records: list[dict], cfg: dict, world: int) -> str:
 
 def main(args) -> int:
     """The ``attncomm bench dp-sync`` command (0: done, 2: bad options)."""
-    config.force_safe_env()
-
-    try:
-        cfg = _config(args)
-    except ValueError as exc:
-        return usage_error("dp-sync", str(exc))
+    cfg = command_options(args, _config, "bench dp-sync")
+    if cfg is None:
+        return 2
     if cfg["device"] == "cuda" and torch.cuda.device_count() < args.world_size:
         return usage_error("dp-sync", f"--device cuda with --world-size {args.world_size} "
                                       f"needs {args.world_size} GPUs, found "
@@ -240,11 +237,7 @@ def main(args) -> int:
                            "alternating blocks",
              cpu_count=os.cpu_count(),
              load_average={"before": list(load_before), "after": list(os.getloadavg())})
-    series: dict = {}
-    for r in ops:
-        xs, ys = series.setdefault(f"{r['op']} ({r['mode']})", ([], []))
-        xs.append(r["tokens"])
-        ys.append(r["time_us"])
+    series = plot_series(ops, lambda r: f"{r['op']} ({r['mode']})", "tokens", "time_us")
     plot = dict(series=series, xlabel="tokens per DP rank", ylabel="time (µs, slowest rank)",
                 title=f"dp_gather / scatter / reduce_scatter, W={args.world_size}, "
                       f"hidden {cfg['hidden']} {cfg['dtype']}", logx=True, logy=True)

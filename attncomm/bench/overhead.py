@@ -36,7 +36,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .. import config
 from .._dist import cpu_group
 from ..dcp import DcpAttention, DcpMerger, DcpQueryGather, gather_heads, merge
 from ..dcp.lse_merge import functional as merge_fn
@@ -44,7 +43,7 @@ from ..dcp.query_gather import functional as gather_fn
 from ..dp_attention import DpPaddingMode, dp_gather, dp_reduce_scatter
 from ..ulysses import UlyssesAttention, sdpa_attention, seq_to_head
 from .common import (max_over_ranks, meta, print_table, run_ranks)
-from .report import Report, emit, usage_error
+from .report import Report, command_options, emit
 
 __all__ = ["OPS", "EXTRA_OPS", "TARGETS", "GPU_TARGETS", "add_arguments", "main", "run_rank",
            "markdown_table", "with_units"]
@@ -398,7 +397,7 @@ def add_arguments(p) -> None:
                    help="print the N costliest functions of each row's calls (cProfile)")
     p.add_argument("--time-budget", type=float, default=60.0,
                    help="seconds after which the rows not yet started are skipped (default "
-                        "60; the issue's rows run first)")
+                        "60; the rows with a target run first)")
     p.add_argument("--rev-label", default=None, help="a label for this run's code (e.g. "
                                                      "'before' / 'after'), kept in every row")
     p.add_argument("--json", default=None, help="write the records (and meta) here")
@@ -424,11 +423,9 @@ def _config(args) -> dict:
 
 def main(args) -> int:
     """``attncomm bench overhead`` (arguments: ``add_arguments``)."""
-    config.force_safe_env()
-    try:
-        cfg = _config(args)
-    except ValueError as exc:
-        return usage_error("overhead", str(exc))
+    cfg = command_options(args, _config, "bench overhead")
+    if cfg is None:
+        return 2
     t0 = time.monotonic()
     res = run_ranks(run_rank, args.world_size, cfg["device"], (cfg,))[0]
     records = res["records"]

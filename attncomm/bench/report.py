@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import config
 from .common import plot_lines, write_json
 
 __all__ = ["default_device", "add_common_arguments", "NameList", "Report", "emit", "usage_error"]
@@ -104,5 +105,21 @@ def emit(args, report: Report) -> Report:
 
 def usage_error(bench: str, message: str) -> int:
     """Print ``attncomm bench <bench>: error: <message>`` to stderr; return 2 (bad options)."""
-    print(f"attncomm bench {bench}: error: {message}", file=sys.stderr)
+    return _command_error(f"bench {bench}", message)
+
+
+def _command_error(command: str, message: str) -> int:
+    print(f"attncomm {command}: error: {message}", file=sys.stderr)
     return 2
+
+
+def command_options(args, parse, command: str):
+    """A command's options: ``parse(args)`` after ``config.force_safe_env()``; None when it
+    raised ``ValueError`` (bad options), after printing ``attncomm <command>: error:
+    <message>`` to stderr (the command then returns 2)."""
+    config.force_safe_env()
+    try:
+        return parse(args)
+    except ValueError as exc:
+        _command_error(command, str(exc))
+        return None

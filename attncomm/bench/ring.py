@@ -204,11 +204,8 @@ def report(records: list, args, opts: dict) -> int:
                        dtype="bf16" if opts["device"] == "cuda" else "fp32",
                        geometry=f"q [1, S/W, {opts['heads']}, {opts['head_dim']}], "
                                 f"k/v {opts['kv_heads']} heads")
-    series: dict = {}
-    for r in ex:
-        xs, ys = series.setdefault(f"{r['variant']} causal={int(r['causal'])}", ([], []))
-        xs.append(r["seq"])
-        ys.append(r["time_us"])
+    series = common.plot_series(ex, lambda r: f"{r['variant']} causal={int(r['causal'])}", "seq",
+                                "time_us")
     plot = dict(series=series, xlabel="total sequence length S", ylabel="µs per forward",
                 logx=True, title=f"ring / Ulysses / USP, W={args.world_size}, "
                                  f"{meta.get('gpu') or 'cpu'}")

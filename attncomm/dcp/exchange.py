@@ -227,9 +227,16 @@ class PreallocatedExchange(Lifecycle):
         self.rank = dist.get_rank(group)
         self.timeout_s = config.timeout_s(timeout_s)
 
-    def _agree(self, sig: list, labels: list, err: str | None) -> None:
+    def _agree(self, sig: list, labels: list, err: str | None, agreed: bool = False) -> None:
         # The constructor's arguments (one int per label) and whether the device is CUDA,
         # agreed: ValueError on every rank when one rank has ``err`` or the ranks differ.
+        # ``agreed``: built by a functional call whose argument check
+        # (``_agree.validate_args``) agreed the arguments these derive from, the device
+        # included, in this call: not agreed a second time (``err`` then raises here).
+        if agreed:
+            if err:
+                raise ValueError(f"{self.op}: invalid arguments — rank {self.rank}: {err}")
+            return
         agree(self.group, self.op, sig + [int(self.device.type == "cuda")],
               labels + ["device is CUDA"], err, self.timeout_s)
 
@@ -315,13 +322,26 @@ class ObjectCache:
         for obj in self.store.pop(key, {}).values():
             obj.close()
 
-    def cached(self, group, num_tokens: int, geometry: tuple, build: Callable[[int], object],
-               capture_error: Callable[[], Exception]) -> Cached:
+    def cached(self, group, num_tokens: int, geometry: tuple,
+               build: Callable[[int, bool], object], capture_error: Callable[[], Exception],
+               agreed: bool = False) -> Cached:
         """The object for ``num_tokens`` tokens of ``geometry`` on ``group``, as a plan holds
-        it (``_plans.Cached``): ``build(max_tokens)`` makes it, for the token bucket, when the
-        LRU lacks it; ``capture_error()`` is raised when that happens during a graph capture."""
+        it (``_plans.Cached``): ``build(max_tokens, agreed)`` makes it, for the token bucket,
+        when the LRU lacks it; ``capture_error()`` is raised when that happens during a graph
+        capture. ``agreed``: the calling check agreed the call's arguments just now
+        (``validate_args`` returned True), so an object built at once gets ``agreed=True`` and
+        does not agree them again; one built later (after an eviction) gets False: its
+        construction is then the first bounded wait of that call."""
         key = (token_bucket(num_tokens), *geometry)
-        return Cached(self.store, group, key, lambda: build(key[0]), self.size, capture_error)
+        fresh = [agreed]
+
+        def make():
+            skip, fresh[0] = fresh[0], False
+            return build(key[0], skip)
+
+        cached = Cached(self.store, group, key, make, self.size, capture_error)
+        fresh[0] = False  # built now or found: a later build agrees again
+        return cached
 
     def warm(self, group, num_tokens, geometry: tuple) -> bool:
         """Whether a call of ``num_tokens`` tokens of ``geometry`` finds an object an eager call

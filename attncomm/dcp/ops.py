@@ -25,9 +25,9 @@ import torch
 
 from .._dist import group_from_name
 from . import tracing
-from .lse_merge.functional import check_warm as check_merge_warm
+from .lse_merge.functional import require_warm as require_merge_warm
 from .lse_merge.functional import merge
-from .query_gather.functional import check_warm as check_gather_warm
+from .query_gather.functional import require_warm as require_gather_warm
 from .query_gather.functional import gather_heads
 
 __all__ = ["merge_op", "merger_op", "gather_heads_op", "query_gather_op"]
@@ -47,7 +47,7 @@ def merge_op(out: torch.Tensor, lse: torch.Tensor, output: torch.Tensor,
 
 @merge_op.register_fake
 def _(out, lse, output, output_lse, group_name, backend, lse_base, timeout_s, validate):
-    check_merge_warm(group_name, out, backend, lse_base, tracing.timeout_arg(timeout_s))
+    require_merge_warm(group_name, out, backend, lse_base, tracing.timeout_arg(timeout_s))
 
 
 # ------------------------------------------------------------------------------ DcpMerger
@@ -84,7 +84,7 @@ def gather_heads_op(q: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor
 
 @gather_heads_op.register_fake
 def _(q, cos, sin, output, group_name, backend, timeout_s, validate):
-    check_gather_warm(group_name, q, cos, backend, tracing.timeout_arg(timeout_s))
+    require_gather_warm(group_name, q, cos, backend, tracing.timeout_arg(timeout_s))
 
 
 # ------------------------------------------------------------------------------ DcpQueryGather

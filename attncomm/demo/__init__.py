@@ -24,8 +24,9 @@ from importlib import resources
 
 import torch
 
-from .. import collectives, config
+from .. import collectives
 from ..bench.common import SHARED_GPU_NOTE, print_table, shared_gpu
+from ..bench.report import command_options
 from ..launch import launch
 from .models import load_minilm
 from .base import FP8_THRESHOLD, THRESHOLDS, DemoConfig, DemoInputs, DemoRow, RankContext
@@ -273,11 +274,8 @@ def run_demo(cfg: DemoConfig, *, out=sys.stdout) -> tuple[list[DemoRow], list[tu
 def main(args) -> int:
     """The ``attncomm demo`` command. 0: every row passed; 1: a row failed or no mode applied;
     2: bad options."""
-    config.force_safe_env()
-    try:
-        cfg = _config(args)
-    except ValueError as exc:
-        print(f"attncomm demo: error: {exc}", file=sys.stderr)
+    cfg = command_options(args, _config, "demo")
+    if cfg is None:
         return 2
     rows, skipped = run_demo(cfg)
     if not rows:

@@ -209,17 +209,14 @@ def default_tokens(seed: int, hidden: int, dtype, device):
     return tokens
 
 
+#: The step counts each rank keeps (``summarize``'s ``counts``: rank 0's).
+COUNTS = ("steps_run", "all_idle", "extend", "sum_len", "max_len", "graph", "tbo",
+          "idle_batches", "prebuilt")
+
+
 @dataclass
 class _Stats:
-    steps_run: int = 0
-    all_idle: int = 0
-    extend: int = 0
-    sum_len: int = 0
-    max_len: int = 0
-    graph: int = 0
-    tbo: int = 0
-    idle_batches: int = 0
-    prebuilt: int = 0
+    counts: dict = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
     min_cosine: float = 1.0
     max_abs_err: float = 0.0
     max_rs_vs_scatter: float = 0.0
@@ -246,7 +243,7 @@ def _decision_row(got, info, mode, graph_bs, batch) -> list[int]:
             true_n, true_ext, *info.global_num_tokens]
 
 
-def _check_decisions(rows: list[list[int]], step: int, atp: int) -> None:
+def _verify_decisions(rows: list[list[int]], step: int, atp: int) -> None:
     """Every rank's decisions equal, and equal to what the ranks' own counts imply."""
     shared = [r[:6] + r[8:] for r in rows]
     if any(s != shared[0] for s in shared):
@@ -274,7 +271,7 @@ def _gather_decisions(row: list[int], cg, timeout_s) -> list[list[int]]:
     return out.view(world, len(row)).tolist()
 
 
-def _check_slots(buf, gnt, mode, tokens, step) -> list[torch.Tensor]:
+def _verify_slots(buf, gnt, mode, tokens, step) -> list[torch.Tensor]:
     """The MLP input holds every DP rank's tokens, bitwise, in its slot; returns them."""
     xs = [tokens(step, q, n) for q, n in enumerate(gnt)]
     m = max(gnt)
@@ -296,7 +293,7 @@ def _mlp_step(step, rank, world, cfg, gnt, mode, tokens, mlp, weights, stats, ti
     x = tokens(step, d, gnt[d])
     buf = dp_gather(x, gnt, None, mode=mode, attn_tp_size=atp, validate=False,
                     timeout_s=timeout_s)
-    xs = _check_slots(buf, gnt, mode, tokens, step)
+    xs = _verify_slots(buf, gnt, mode, tokens, step)
     partial = mlp(buf)
     full = partial.clone()
     wait(all_reduce(full, async_op=True), None, "simulation all_reduce",
@@ -378,7 +375,7 @@ def _simulate(rank, world_size, cfg, weights, tokens, progress, opening) -> dict
         graph_bs = (select_cuda_graph_bs(gnt, cfg.capture_bs)
                     if got is not None and info.can_cuda_graph else None)
         rows = _gather_decisions(_decision_row(got, info, mode, graph_bs, batch), cg, timeout_s)
-        _check_decisions(rows, step, atp)
+        _verify_decisions(rows, step, atp)
         _count(stats, got, info, mode, graph_bs, batch, idle)
         if got is not None:
             _mlp_step(step, rank, world_size, cfg, gnt, mode, tokens, mlp, weights, stats,
@@ -388,21 +385,23 @@ def _simulate(rank, world_size, cfg, weights, tokens, progress, opening) -> dict
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return {"rank": rank, "dp_rank": d, "sync": path, "seconds": time.perf_counter() - t0,
-            "stats": dict(vars(stats))}
+            "stats": {**stats.counts, "min_cosine": stats.min_cosine,
+                      "max_abs_err": stats.max_abs_err,
+                      "max_rs_vs_scatter": stats.max_rs_vs_scatter}}
 
 
 def _count(stats: _Stats, got, info, mode, graph_bs, batch, idle) -> None:
+    counts = stats.counts
     if got is None:
-        stats.all_idle += 1
+        counts["all_idle"] += 1
         return
-    stats.steps_run += 1
-    stats.extend += int(info.is_extend_in_batch)
-    stats.sum_len += int(mode is DpPaddingMode.SUM_LEN)
-    stats.max_len += int(mode is DpPaddingMode.MAX_LEN)
-    stats.graph += int(graph_bs is not None)
-    stats.tbo += int(info.can_run_tbo)
-    stats.idle_batches += int(got is idle or getattr(got, "inner_idle_batch", None) is idle)
-    stats.prebuilt += int(batch is not None and batch.forward_mode == ForwardMode.PREBUILT)
+    seen = {"steps_run": True, "extend": info.is_extend_in_batch,
+            "sum_len": mode is DpPaddingMode.SUM_LEN, "max_len": mode is DpPaddingMode.MAX_LEN,
+            "graph": graph_bs is not None, "tbo": info.can_run_tbo,
+            "idle_batches": got is idle or getattr(got, "inner_idle_batch", None) is idle,
+            "prebuilt": batch is not None and batch.forward_mode == ForwardMode.PREBUILT}
+    for name, hit in seen.items():
+        counts[name] += int(bool(hit))
 
 
 def summarize(results: list[dict]) -> dict:

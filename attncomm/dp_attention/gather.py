@@ -138,8 +138,10 @@ def _signature(x: torch.Tensor, n, mode, attn_tp_size) -> tuple[list[int], list[
 
 # ---------------------------------------------------------------------------------- plans
 @dataclasses.dataclass(eq=False)
-class _Plan:
-    """A checked call signature of ``dp_gather`` / ``dp_reduce_scatter``: the layout."""
+class _PaddedRows:
+    """A checked call signature of ``dp_gather`` / ``dp_reduce_scatter``: where each DP
+    rank's rows sit in the padded buffer (token counts, padding mode, offsets, total) and
+    this rank's place in the group."""
 
     group: object
     n: list
@@ -160,7 +162,7 @@ _PLANS = CallPlans(1024)
 
 
 def _plan(op, x, global_num_tokens, group, mode, attn_tp_size, validate, timeout_s,
-          output) -> _Plan:
+          output) -> _PaddedRows:
     """The plan of this call: found by a key of its arguments (``output``'s kind included),
     else made (checks included)."""
     env_t = config.raw("ATTNCOMM_TIMEOUT_S") if timeout_s is None else ""
@@ -191,7 +193,7 @@ def _new_plan(op, x, global_num_tokens, group, mode, attn_tp_size, validate, tim
         err = dest_error(output, (rows, *x.shape[1:]), x.dtype, x.device)
     _validate(op, g, x, n, mode, attn_tp_size, err, validate, budget)
     total, offsets = global_layout(n, mode)
-    plan = _Plan(g, n, mode, dp_rank, tp_rank, int(attn_tp_size), dist.get_world_size(g),
+    plan = _PaddedRows(g, n, mode, dp_rank, tp_rank, int(attn_tp_size), dist.get_world_size(g),
                  tuple(x.shape[1:]), x.dtype, x.device, total, offsets, budget)
     if key is not None and config.validation_mode(validate) != "every":
         _PLANS.put(group, g, key, plan)
@@ -274,7 +276,7 @@ def dp_gather(local: torch.Tensor, global_num_tokens: Sequence[int], group=None,
     return full if output is None else output.copy_(full)
 
 
-def _gather_sum(p: _Plan, local, output):
+def _gather_sum(p: _PaddedRows, local, output):
     direct = output is None or output.is_contiguous()
     out = output if direct and output is not None else local.new_empty((p.total, *p.rest))
     out.zero_()

@@ -28,7 +28,7 @@ def _kw(mode: int, attn_tp_size: int, timeout_s: float, validate: int) -> dict:
                 timeout_s=None if timeout_s < 0 else timeout_s, validate=_VALIDATE[validate])
 
 
-def _check_rows(op: str, x, output, group_name: str, n, mode: int, attn_tp_size: int) -> None:
+def _validate_rows(op: str, x, output, group_name: str, n, mode: int, attn_tp_size: int) -> None:
     # While tracing: the row counts the eager call would refuse, as ValueError.
     rank = dist.get_rank(group_from_name(group_name))
     total, _ = global_layout(n, DpPaddingMode(mode))
@@ -53,7 +53,7 @@ def dp_gather_op(local: torch.Tensor, output: torch.Tensor, global_num_tokens: l
 @dp_gather_op.register_fake
 def _(local, output, global_num_tokens, group_name, padding_mode, attn_tp_size, timeout_s,
       validate):
-    _check_rows("dp_gather", local, output, group_name, global_num_tokens, padding_mode,
+    _validate_rows("dp_gather", local, output, group_name, global_num_tokens, padding_mode,
                 attn_tp_size)
 
 
@@ -70,5 +70,5 @@ def dp_reduce_scatter_op(global_partial: torch.Tensor, output: torch.Tensor,
 @dp_reduce_scatter_op.register_fake
 def _(global_partial, output, global_num_tokens, group_name, padding_mode, attn_tp_size,
       timeout_s, validate):
-    _check_rows("dp_reduce_scatter", global_partial, output, group_name, global_num_tokens,
+    _validate_rows("dp_reduce_scatter", global_partial, output, group_name, global_num_tokens,
                 padding_mode, attn_tp_size)

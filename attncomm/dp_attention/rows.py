@@ -11,7 +11,8 @@ back (rank r's field f at ``ROW·r + f``):
   also carries a device-resident active mask).
 
 ``resolve_sync`` decides which path a ``sync`` argument means on a group (once per group and
-value, agreed across ranks; ``sync_decision`` also says why ``auto`` did not take ``shm``);
+value, agreed across ranks; ``auto`` is ``select.decide_sync_path`` over the agreed facts, and
+``sync_decision`` also says why it did not take ``shm``);
 ``rows_for(plan, path, device)`` is the exchange object the caller uses, the same way for every
 path.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from collections.abc import Sequence
 
 import torch
@@ -31,7 +32,7 @@ from .._agree import agree, agree_reason
 from ..collectives import all_gather_tensor
 from ..capability import HostLayout, group_hosts
 from ..errors import PeerTimeoutError
-from ..select import Decision, build_agreed
+from ..select import Decision, SyncFacts, build_agreed, decide_sync_path
 from . import hier as _hier
 from . import shm as _shm
 from .hier import UNSENT
@@ -163,37 +164,29 @@ def plan_for(group) -> SyncPlan:
 
 
 def auto_path(layout: HostLayout, shm_reason: str | None) -> tuple[str, str | None]:
-    """The rule of ``sync="auto"``, pure: ``(path, why not "shm")``.
-
-    One host: "shm" when every rank can run the shm protocol (``shm_reason`` None), else "cpu".
-    Several hosts: "shm" never (its segment lives in one host's memory); "hier" when every rank
-    can run the shm protocol and some host holds two ranks or more, else "cpu"."""
-    hosts = layout.reason()
-    if shm_reason is not None:
-        return "cpu", "; ".join(w for w in (hosts, shm_reason) if w)
-    if hosts is None:
-        return "shm", None
-    if max(len(r) for r in layout.ranks) == 1:
-        return "cpu", (f"{hosts}; every host holds one rank of the group, so no rows meet in "
-                       f"shared memory")
-    return "hier", hosts
+    """The rule of ``sync="auto"``, pure: ``(path, why not "shm")``
+    (``select.decide_sync_path`` of these facts)."""
+    d = decide_sync_path(SyncFacts(layout, shm_reason))
+    return d.backend, d.fallback_reason
 
 
 def _plan_auto(p: SyncPlan, timeout_s: float | None) -> None:
-    """Collective over the group: where its ranks are (``group_hosts``), whether every rank can
-    run the shm protocol, and the path "auto" takes (building the hier path, agreed, when it is
-    the one); the same on every rank."""
+    """Collective over the group: the facts (where its ranks are, ``group_hosts``; whether
+    every rank can run the shm protocol), then ``select.decide_sync_path``; when it takes
+    "hier", the hier path is built (agreed) and a failure is one more fact. The same on every
+    rank."""
     with guard_timeout(p.cg, "dp_attention sync (host check)", timeout_s):
         p.layout = group_hosts(p.group)
         p.shm_why = agree_reason(p.cg, _shm.shm_supported()[1], "dp_attention shm sync")
-    path, why = auto_path(p.layout, p.shm_why)
-    if path == "hier":
+    facts = SyncFacts(p.layout, p.shm_why)
+    d = decide_sync_path(facts)
+    if d.backend == "hier":
         failed = _build_hier(p, timeout_s)
         if failed is not None:
-            path, why = "cpu", f"{why}; the hier path could not be set up: {failed}"
-    p.auto, p.why = path, why
-    if why is not None:
-        log.info("dp_attention sync: auto takes %s on this group, not shm: %s", path, why)
+            d = decide_sync_path(replace(facts, hier_failed=failed))
+    p.auto, p.why = d.backend, d.fallback_reason
+    if p.why is not None:
+        log.info("dp_attention sync: auto takes %s on this group, not shm: %s", p.auto, p.why)
 
 
 def _build_hier(p: SyncPlan, timeout_s: float | None) -> str | None:

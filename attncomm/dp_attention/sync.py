@@ -297,12 +297,12 @@ class MLPSyncBatchInfo:
             active = [bool(v) for v in mask_vals]
         if active is not None:
             flat = _mask_rows(flat, active)
-        self._check_rows(flat, why)
+        self._validate_rows(flat, why)
         self.sync = path
         self._apply(flat, _ROW * per_dp, enable_tbo)
         return self
 
-    def _check_rows(self, flat: Sequence[int], why: str | None = None) -> None:
+    def _validate_rows(self, flat: Sequence[int], why: str | None = None) -> None:
         # fast path: every mode known and no negative count (slices of the flat rows, in C)
         if _MODE_VALUES.issuperset(flat[5::_ROW]) and min(flat[0::_ROW] + flat[1::_ROW]) >= 0:
             return
@@ -358,7 +358,7 @@ def _agree_layout(info: MLPSyncBatchInfo, p: SyncPlan, path: str, layout: tuple,
     sync path itself (the same buffer shape as a step, so a peer in a step exchange meanwhile
     gets a row it refuses, never a size mismatch). Raises ``ValueError`` on every rank naming
     each rank's layout when they differ (a peer in a step exchange raises it from
-    ``_check_rows``; a peer whose sizes are invalid sends its invalid row, reported as in a
+    ``_validate_rows``; a peer whose sizes are invalid sends its invalid row, reported as in a
     step); remembers the layout on the plan when every rank sent the same one."""
     dp, tp, cp = layout
     flat, _ = rows_for(p, path, device, timeout_s).exchange((dp, tp, cp, 0, 0, _LAYOUT_MODE),
@@ -369,7 +369,7 @@ def _agree_layout(info: MLPSyncBatchInfo, p: SyncPlan, path: str, layout: tuple,
             p.per_dp[layout] = tp * cp  # plain ints only: the cache must not grow
         return
     if any(r[5] == _INVALID_MODE for r in rows):  # as a step would report it
-        info._check_rows(sum((NEUTRAL_ROW if r[5] == _LAYOUT_MODE else r for r in rows), ()))
+        info._validate_rows(sum((NEUTRAL_ROW if r[5] == _LAYOUT_MODE else r for r in rows), ()))
     parts = [f"rank {r}: " + (f"{row[0]}·{row[1]}·{row[2]}" if row[5] == _LAYOUT_MODE else
                               "a layout agreed before (it sent a step row)")
              for r, row in enumerate(rows)]

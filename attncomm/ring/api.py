@@ -196,11 +196,8 @@ class RingAttention(torch.nn.Module):
     def __init__(self, attn_fn=None, group=None, *, layout: str = "contiguous",
                  timeout_s: float | None = None, validate: bool | None = None):
         super().__init__()
-        self.attn_fn = attn_fn
-        self.group = group
-        self.layout = layout
-        self.timeout_s = timeout_s
-        self.validate = validate
+        self.attn_fn, self.group, self.layout = attn_fn, group, layout
+        self.timeout_s, self.validate = timeout_s, validate
         self._closed = False
         _agree.validate_args(group, "RingAttention", [LAYOUT_CODES.get(layout, 0)], ["layout"],
                             layout_error(layout), config.timeout_s(timeout_s),

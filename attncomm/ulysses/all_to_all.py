@@ -20,13 +20,8 @@ __all__ = ["AllToAllTransport"]
 
 class _A2AExchange(Exchange):
     def __init__(self, transport, work, plan, recv, out, dtype, device):
-        self.t = transport
-        self.work = work
-        self.plan = plan
-        self.recv = recv
-        self.out = out
-        self.dtype = dtype
-        self.device = device
+        self.t, self.work, self.plan = transport, work, plan
+        self.recv, self.out, self.dtype, self.device = recv, out, dtype, device
         self._result = None
 
     def wait(self) -> torch.Tensor:

@@ -170,14 +170,9 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
             if len(qk_norm) != 3 or not float(qk_norm[2]) > 0:
                 raise ValueError("qk_norm must be (q_weight [D], k_weight [D], eps > 0)")
         self.attn_fn = attn_fn or sdpa_attention
-        self.group = group
-        self.backend = backend
-        self.pipeline_groups = pipeline_groups
-        self.qk_norm = qk_norm
-        self.timeout_s = timeout_s
-        self.fuse_qk_norm_rope = fuse_qk_norm_rope
-        self.fill_impl = fill_impl
-        self.validate = validate
+        self.group, self.backend, self.pipeline_groups = group, backend, pipeline_groups
+        self.qk_norm, self.timeout_s, self.validate = qk_norm, timeout_s, validate
+        self.fuse_qk_norm_rope, self.fill_impl = fuse_qk_norm_rope, fill_impl
         self.payload_dtype = payload_dtype
         self.__dict__["_pg"] = _UNRESOLVED  # the resolved process group, on the first forward
         self.__dict__["_plans"] = collections.OrderedDict()   # plan key → ForwardPlan
@@ -317,9 +312,10 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         dims = (b, hq, hkv, d, dv)
         jspec = None if joint is None else (s_j, position == "front")
         rows = sum(seq) + max(s_j, 0)
+        facts = policy.transport_facts(group, backend, q.device)  # probed before any plan
 
         def build(n: int) -> ForwardPlan:
-            return ForwardPlan(self, group, rank, world, dims, seq, backend, timeout, n, q, k, v,
+            return ForwardPlan(self, group, rank, world, dims, seq, facts, timeout, n, q, k, v,
                                rope is not None, causal, jspec, self.payload_dtype)
 
         if groups == -1:

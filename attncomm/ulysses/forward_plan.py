@@ -80,7 +80,9 @@ class ForwardPlan:
         mod: the module (its ``attn_fn``, ``qk_norm``, ``fuse_qk_norm_rope``, ``fill_impl``).
         group: the resolved process group; ``rank``, ``world``: this rank and W.
         dims: ``(B, Hq, Hkv, D, Dv)``; ``seq``: every rank's ``S_r``.
-        backend: the agreed transport request; ``timeout``: seconds.
+        facts: the transport choice's agreed facts (``policy.transport_facts``, probed before
+            the plan is built: here each exchange's transport is only decided from them and
+            built); ``timeout``: seconds.
         n_groups: head groups (1: sequential), agreed.
         q, k, v: tensors of the shape (their shapes, dtypes and device fix the plan).
         rope: whether cos/sin are passed; ``causal``: for ``attn_fn``.
@@ -93,7 +95,7 @@ class ForwardPlan:
         decision: the ``PipelineDecision`` behind ``n_groups`` (``pipeline_groups=-1``) or None.
     """
 
-    def __init__(self, mod, group, rank, world, dims, seq, backend, timeout, n_groups,
+    def __init__(self, mod, group, rank, world, dims, seq, facts, timeout, n_groups,
                  q, k, v, rope: bool, causal: bool, joint: tuple | None = None,
                  payload_dtype=None):
         b, hq, hkv, d, dv = dims
@@ -117,15 +119,15 @@ class ForwardPlan:
         eps = float(self.qk_norm[2]) if self.qk_norm is not None else 0.0
         self.eps = eps
         qranges = group_head_ranges(hq, world, n_groups)
-        ctx = (group, backend, timeout, b, tuple(seq), rank, q.device)
+        ctx = (group, facts, timeout, b, tuple(seq), rank, q.device)
         self.groups = []
         for qr in qranges:
             kvr = tuple(kv_head_range(lo, hi, m) for lo, hi in qr)
             ins = self._ins(ctx, (q, k, v), (tuple(qr), kvr, kvr), mod.fill_impl, rope, eps)
             out_plan = head_to_seq_plan(b, tuple(seq), dv, tuple(hi - lo for lo, hi in qr),
                                         tuple(lo for lo, _ in qr), hq)
-            t, dec = get_transport(group, backend, q.device, timeout, out_plan, q.dtype,
-                                   "UlyssesAttention")
+            t, dec = get_transport(group, facts.requested, q.device, timeout, out_plan,
+                                   q.dtype, "UlyssesAttention", facts)
             self._note(dec, "out", t)
             q_lo, q_hi = qr[rank]
             idx = None
@@ -139,9 +141,9 @@ class ForwardPlan:
         self.joint_plan = self.joint_transport = None
         if self.joint and self.s_j > 0:
             self.joint_plan = head_gather_plan(b, self.s_j, dv, tuple(head_split(hq, world)))
-            self.joint_transport, dec = get_transport(group, backend, q.device, timeout,
-                                                      self.joint_plan, q.dtype,
-                                                      "UlyssesAttention")
+            self.joint_transport, dec = get_transport(group, facts.requested, q.device,
+                                                      timeout, self.joint_plan, q.dtype,
+                                                      "UlyssesAttention", facts)
             self._note(dec, "joint", self.joint_transport)
         self.joint_shape = (b, self.s_j, hq, dv)
 
@@ -173,7 +175,7 @@ class ForwardPlan:
         """The input exchanges of one head group: q, k, v in one exchange when their dtype and
         head_dim agree (else one per (dtype, D)), each with its prepared fill (the fused fill,
         or the FP8 payload's, which also packs the unfused path's normed rows)."""
-        group, backend, timeout, b, seq, rank, device = ctx
+        group, facts, timeout, b, seq, rank, device = ctx
         keyed: dict = {}
         for i, (t, r) in enumerate(zip(qkv, ranges)):
             keyed.setdefault((t.dtype, t.shape[3]), []).append((i, r))
@@ -187,8 +189,8 @@ class ForwardPlan:
                 plan, wire = _fp8.payload_plan(b, seq, dd, part_ranges), _fp8.WIRE_DTYPE
             else:
                 plan, wire = seq_to_head_plan(b, seq, dd, part_ranges), dtype
-            t, dec = get_transport(group, backend, device, timeout, plan, wire,
-                                   "UlyssesAttention")
+            t, dec = get_transport(group, facts.requested, device, timeout, plan, wire,
+                                   "UlyssesAttention", facts)
             self._note(dec, "in", t)
             fill = None
             if self.fuse or fp8:

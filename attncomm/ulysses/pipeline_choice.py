@@ -3,7 +3,8 @@
 Head-group pipelining (``UlyssesAttention``, G ≥ 2) overlaps group g+1's exchange with group
 g's attention; whether that beats one sequential exchange depends on the shape, the transport
 and the machine, so it is measured on the machine itself, once per shape, as the DCP merge's
-``auto`` measures its backends (``attncomm.select``):
+``auto`` measures its backends. The choice is ``select.decide_depth`` over agreed facts
+(``attncomm.select``: probe, then decide); the probes, in the order they cost, are here:
 
 1. On CPU, on ranks that share a GPU (time-sliced: ``capability.unmeasured_reason``), or with
    ``measured=False``, nothing is timed: sequential, the reason in ``fallback_reason``.
@@ -43,7 +44,7 @@ import torch.distributed as dist
 
 from .. import _agree, _dist, capability
 from .._timing import time_eager
-from ..select import fastest, measure
+from ..select import NOT_MEASURED, DepthFacts, PipelineDecision, decide_depth, measure
 from .layout import head_split
 
 __all__ = ["PipelineDecision", "decide_pipeline", "cached_decision", "event_timer",
@@ -59,33 +60,7 @@ _BLOCK_M = 128
 
 #: Decisions kept per group (least recently used dropped first).
 CACHE_SIZE = 64
-#: ``fallback_reason`` of a decision taken without measuring on CPU.
-NOT_MEASURED = "CPU: not measured"
 _DECISIONS: dict = {}
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineDecision:
-    """What ``pipeline_groups=-1`` runs for one signature, the same on every rank.
-
-    Attributes:
-        groups: head groups to run: 1 (sequential) or ``candidate_groups``.
-        candidate_groups: ``auto_groups``' count, the pipelined variant considered.
-        sequential_us, pipelined_us: the slowest rank's median µs per forward of each
-            (``inf``: it raised on some rank), or None when nothing was timed.
-        fallback_reason: why sequential was kept (not measured on CPU, no split, the outputs
-            differ, measured slower, a failure while timing); None when pipelined won.
-    """
-
-    groups: int
-    candidate_groups: int
-    sequential_us: float | None = None
-    pipelined_us: float | None = None
-    fallback_reason: str | None = None
-
-    @property
-    def pipelined(self) -> bool:
-        return self.groups > 1
 
 
 def event_timer(fn: Callable[[], object], *, warmup: int = 2, iters: int = 5,
@@ -139,42 +114,33 @@ def decide_pipeline(group, signature: Hashable, sequential: Callable[[], object]
 
 
 def _decide(group, sequential, pipelined, groups, timer, measured, rule) -> PipelineDecision:
-    if not measured:
-        return PipelineDecision(1, groups, fallback_reason=rule or NOT_MEASURED)
-    if groups < 2:
-        return PipelineDecision(1, groups, fallback_reason=f"auto_groups found no split "
-                                                           f"(G = {groups})")
-    why = _agreed_mismatch(group, sequential, pipelined, groups)
-    if why is not None:
-        return PipelineDecision(1, groups, fallback_reason=why)
-    if timer is None:
-        g = _dist.cpu_group(group)
-        timer = functools.partial(event_timer, barrier=lambda: dist.barrier(group=g))
-    impls = {"sequential": sequential, "pipelined": pipelined}
-    times = measure(group, impls, [None], lambda fn, _case: fn, timer=timer)
-    best, _ = fastest(times)
-    seq_us, pipe_us = times["sequential"][0], times["pipelined"][0]  # one case each
-    figures = f"sequential {seq_us:.1f} µs, pipelined (G = {groups}) {pipe_us:.1f} µs"
-    if best == "pipelined":
-        return PipelineDecision(groups, groups, seq_us, pipe_us)
-    if math.isinf(pipe_us):
-        reason = f"the pipelined forward failed while timing on some rank ({figures})"
-    else:
-        reason = f"measured slower or equal ({figures})"
-    return PipelineDecision(1, groups, seq_us, pipe_us, reason)
+    # The facts in the order they cost: the rule, then one forward of each (compared), then
+    # the timings; ``select.decide_depth`` says after each whether it needs the next.
+    facts = DepthFacts(groups, unmeasured=None if measured else rule or NOT_MEASURED)
+    decision = decide_depth(facts)
+    if decision is None:
+        facts = dataclasses.replace(facts, compared=True,
+                                    mismatch=_agreed_mismatch(group, sequential, pipelined))
+        decision = decide_depth(facts)
+    if decision is None:
+        if timer is None:
+            g = _dist.cpu_group(group)
+            timer = functools.partial(event_timer, barrier=lambda: dist.barrier(group=g))
+        impls = {"sequential": sequential, "pipelined": pipelined}
+        times = measure(group, impls, [None], lambda fn, _case: fn, timer=timer)
+        decision = decide_depth(dataclasses.replace(  # one case each
+            facts, sequential_us=times["sequential"][0], pipelined_us=times["pipelined"][0]))
+    return decision
 
 
-def _agreed_mismatch(group, sequential, pipelined, groups) -> str | None:
+def _agreed_mismatch(group, sequential, pipelined) -> str | None:
     """Run each forward once and compare the outputs bit for bit; the verdict (None: equal on
     every rank) agreed over the group, naming each rank's difference."""
     try:
         local = _bits_differ(sequential(), pipelined())
     except Exception as exc:  # noqa: BLE001 - agreed below: every rank keeps sequential
         local = f"a forward raised {type(exc).__name__}: {exc}"
-    why = _agree.agree_reason(group, local, "pipeline check")
-    if why is None:
-        return None
-    return f"pipelined (G = {groups}) and sequential outputs differ: {why}"
+    return _agree.agree_reason(group, local, "pipeline check")
 
 
 def _bits_differ(a, b) -> str | None:
@@ -245,9 +211,7 @@ def choose_groups(group, signature, build, run, device, dims, rows, seq):
         sms = _agree.agreed_min(group, _sm_count(device))
         cand = auto_groups(head_split(dims[1], dist.get_world_size(group)), dims[0], rows, sms)
         if cand >= 2 and not fits(group, cand, device, dims, seq, rows):
-            return build(1), PipelineDecision(
-                1, cand, fallback_reason=f"some rank lacks memory for two of {cand} head "
-                                         f"groups' working sets")
+            return build(1), decide_depth(DepthFacts(cand, fits=False))
     seq_plan = build(1)
     pipe_plan = build(cand) if measured and cand >= 2 else None
     decision = decide_pipeline(group, signature, lambda: run(seq_plan), lambda: run(pipe_plan),

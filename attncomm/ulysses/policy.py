@@ -1,11 +1,11 @@
-"""What ``seq_to_head``, ``head_to_seq`` and ``UlyssesAttention`` share: the transport policy
-(``all_to_all``, ``ce``, ``auto``), the process-wide transports, the argument checks, and the
-rules for calls inside CUDA graph capture.
+"""What ``seq_to_head``, ``head_to_seq`` and ``UlyssesAttention`` share: the transport choice's
+facts (``all_to_all``, ``ce``, ``auto``; the pure choice is ``select.decide_transport``), the
+process-wide transports, the argument checks, and the rules for calls inside CUDA graph capture.
 
 Decisions are made once per call shape, outside any traced or captured region: the functional
 calls keep a plan per shape (``api``), ``UlyssesAttention`` one per forward shape
-(``forward_plan``); both are dropped with the group's transports (``reset_transports``,
-``attncomm.release``).
+(``forward_plan``, given the facts ``transport_facts`` probed before it is built); both are
+dropped with the group's transports (``reset_transports``, ``attncomm.release``).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _dist, capability, config
-from ..select import Decision
+from ..select import AUTO_CE_MIN_BYTES, Decision, TransportFacts, decide_transport
 from .._dist import group_key
 from . import ce
 from .all_to_all import AllToAllTransport
@@ -25,16 +25,14 @@ from .ce import CopyEngineTransport
 from .transport import Transport, dense
 
 __all__ = ["BACKENDS", "AUTO_CE_MIN_BYTES", "ce_reason", "backend_availability",
-           "decide_transport", "get_transport", "reset_transports", "resolve_backend",
+           "decide_transport", "transport_facts", "TransportFacts", "get_transport",
+           "reset_transports", "resolve_backend",
            "seq_lens_hash", "dense", "seq_lens_detail", "capturing", "on_forget", "named_transport",
            "BACKEND_CODES"]
 
 BACKENDS = ("all_to_all", "ce", "auto")
 #: ``backend`` as the int an argument check agrees on.
 BACKEND_CODES = {"all_to_all": 1, "ce": 2, "auto": 3}
-#: ``auto`` takes ``ce`` (when eligible) from this many bytes sent per rank; below it the NCCL
-#: kernel's lower fixed cost wins.
-AUTO_CE_MIN_BYTES = 1 << 20
 
 #: ``(group_key(group), transport name, device type, timeout_s, ce flags) → Transport``; keyed
 #: by the group object itself (``_dist.group_key``), never by ``id(group)``, which a later group
@@ -75,50 +73,44 @@ def backend_availability(group=None) -> dict:
     return out
 
 
-def decide_transport(requested: str, ce_reason: str | None, nbytes: int,
-                     shared_gpu: str | None = None) -> Decision:
-    """The transport policy, pure (no communication; the same inputs on every rank give the
-    same answer). ``requested`` is ``"ce"`` or ``"auto"``; ``ce_reason`` why ``ce`` cannot run
-    (agreed, None if it can); ``nbytes`` the most bytes any rank sends; ``shared_gpu`` why
-    sizes say nothing here (ranks that share a GPU: ``all_to_all`` goes through host copies
-    there, so ``auto`` takes ``ce`` at every size, by rule). ``auto`` takes ``ce`` from
-    ``AUTO_CE_MIN_BYTES`` on (below it NCCL's lower fixed cost wins: a choice, not a
-    fallback). Raises ``ValueError`` for an explicit ``ce`` that cannot run."""
-    if ce_reason is not None:
-        if requested == "ce":
-            raise ValueError(f"backend='ce' cannot run here: {ce_reason}")
-        return Decision("all_to_all", f"ce not used: {ce_reason}")
-    if shared_gpu is not None:
-        return Decision("ce", rule=shared_gpu)
-    if requested == "auto" and nbytes < AUTO_CE_MIN_BYTES:
-        return Decision("all_to_all")
-    return Decision("ce")
+def transport_facts(group, backend: str, device: torch.device) -> TransportFacts:
+    """The agreed facts the transport choice of ``backend`` (validated, agreed) takes for
+    ``device`` tensors on ``group``: whether ``ce`` can run (``ce_reason``) and whether sizes
+    say anything (``capability.unmeasured_reason``). Collective on first use per group and
+    device type (both cached); nothing is probed for ``all_to_all``. Made on the first plan of
+    a signature, before any plan is built (``select``: probe, then decide)."""
+    if backend == "all_to_all":
+        return TransportFacts(backend)
+    why = ce_reason(group, device)
+    shared = None if why is not None else capability.unmeasured_reason(group, device)
+    return TransportFacts(backend, why, shared)
 
 
 def get_transport(group, backend: str, device: torch.device, timeout_s: float,
-                  plan=None, dtype=None, op: str = "ulysses") -> tuple[Transport, Decision]:
+                  plan=None, dtype=None, op: str = "ulysses",
+                  facts: TransportFacts | None = None) -> tuple[Transport, Decision]:
     """The transport for an exchange of ``plan`` and the ``Decision`` behind it. ``backend``
-    is already validated and agreed. Called when a plan is made (eagerly, never while tracing
-    or capturing: the callers raise ``_plans.warm_up_error`` first).
+    is already validated and agreed; ``facts`` are ``transport_facts``' for it (probed here
+    when None). Called when a plan is made (eagerly, never while tracing or capturing: the
+    callers raise ``_plans.warm_up_error`` first).
 
-    ``decide_transport`` chooses from the agreed ``ce`` eligibility (``ce_reason``) and the
-    message size; ``ce`` then prepares its staging for ``plan`` (collective when it allocates);
-    an allocation that fails on some rank is an agreed reason like any other. An explicit
+    ``select.decide_transport`` chooses from the facts and the message size; ``ce`` then
+    prepares its staging for ``plan`` (collective when it allocates): an allocation that fails
+    on some rank is one more agreed fact, and the choice is made again with it. An explicit
     ``ce`` that cannot run raises ``ValueError`` naming ``op``.
     """
     decision = Decision("all_to_all")
     if backend != "all_to_all":
         nbytes = _max_bytes(plan, dtype) if plan is not None else AUTO_CE_MIN_BYTES
         try:
-            why = ce_reason(group, device)
-            shared = None if why is not None else capability.unmeasured_reason(group, device)
-            decision = decide_transport(backend, why, nbytes, shared)
+            f = facts if facts is not None else transport_facts(group, backend, device)
+            decision = decide_transport(f.requested, f.ce_reason, nbytes, f.shared_gpu)
             if decision.backend == "ce" and plan is not None:
                 t = named_transport(group, "ce", device, timeout_s)
                 why = t.prepare(plan, dtype)  # allocates (collectively) if new
                 if why is None:
                     return t, decision
-                decision = decide_transport(backend, why, nbytes)
+                decision = decide_transport(f.requested, why, nbytes)
         except ValueError as exc:
             raise ValueError(f"{op}: {exc}") from None
     return named_transport(group, decision.backend, device, timeout_s), decision

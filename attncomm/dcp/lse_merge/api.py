@@ -21,7 +21,7 @@ from .backend import BACKENDS, MERGE_REGISTRY
 from .combine import combine
 
 __all__ = ["merge_states", "DcpMerger", "shard_kv_interleaved", "available_backends",
-           "BACKENDS", "check_local", "lse_to_e", "empty_result", "LN2"]
+           "BACKENDS", "merge_args_error", "lse_to_e", "empty_result", "LN2"]
 
 log = logging.getLogger("attncomm.dcp")
 
@@ -114,7 +114,7 @@ def _options_error(backend, lse_base) -> str | None:
     return err
 
 
-def check_local(out, lse, world_size: int, lse_base: str, backend: str) -> str | None:
+def merge_args_error(out, lse, world_size: int, lse_base: str, backend: str) -> str | None:
     """This rank's argument errors, or None (no communication)."""
     err = _options_error(backend, lse_base)
     if err:
@@ -176,19 +176,15 @@ class DcpMerger(PreallocatedExchange):
     def __init__(self, group=None, *, max_tokens: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, backend: str = "auto", lse_base: str = "e",
                  timeout_s: float | None = None, device=None, _agreed: bool = False):
-        # _agreed: built by dcp.merge, whose argument check (``_agree.validate_args``) agreed
-        # the call's arguments these derive from, device included: not agreed a second time.
+        # _agreed: built by dcp.merge, its arguments agreed by the call (``_agree``).
         self._open(group, device, timeout_s)
-        err = self._check_args(max_tokens, num_heads, head_dim, dtype, backend, lse_base,
+        err = self._args_error(max_tokens, num_heads, head_dim, dtype, backend, lse_base,
                                self.world_size) or device_error(self.group, self.device)
-        if not _agreed:
-            sig = [v if isinstance(v, int) else -1 for v in (max_tokens, num_heads, head_dim)]
-            self._agree(sig + [DTYPE_CODES.get(dtype, 0), MERGE_REGISTRY.code(backend),
-                               1 if lse_base == "2" else 0],
-                        ["max_tokens", "num_heads", "head_dim", "dtype", "backend", "lse_base"],
-                        err)
-        elif err:
-            raise ValueError(f"DcpMerger: invalid arguments — rank {self.rank}: {err}")
+        sig = [v if isinstance(v, int) else -1 for v in (max_tokens, num_heads, head_dim)]
+        self._agree(sig + [DTYPE_CODES.get(dtype, 0), MERGE_REGISTRY.code(backend),
+                           1 if lse_base == "2" else 0],
+                    ["max_tokens", "num_heads", "head_dim", "dtype", "backend", "lse_base"],
+                    err, _agreed)
         self.max_tokens, self.num_heads, self.head_dim = max_tokens, num_heads, head_dim
         self.dtype, self.lse_base = dtype, lse_base
         self._resolve(backend)
@@ -196,7 +192,7 @@ class DcpMerger(PreallocatedExchange):
         self.hs = num_heads // self.world_size
 
     @staticmethod
-    def _check_args(max_tokens, num_heads, head_dim, dtype, backend, lse_base, world_size):
+    def _args_error(max_tokens, num_heads, head_dim, dtype, backend, lse_base, world_size):
         return _options_error(backend, lse_base) or geometry_error(
             max_tokens, num_heads, head_dim, dtype, world_size)
 
@@ -221,7 +217,7 @@ class DcpMerger(PreallocatedExchange):
 
     def local_error(self, out, lse) -> str | None:
         """Why this rank cannot merge ``out``/``lse`` with this merger (None if it can)."""
-        err = check_local(out, lse, self.world_size, self.lse_base, "auto")
+        err = merge_args_error(out, lse, self.world_size, self.lse_base, "auto")
         if err is None:
             T, H, D = out.shape
             if T > self.max_tokens or H != self.num_heads or D != self.head_dim \

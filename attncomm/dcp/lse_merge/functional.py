@@ -12,7 +12,7 @@ new tensor, never cloned from an internal buffer.
 
 Under ``torch.compile`` the call is one custom op (``attncomm::dcp_merge``, ``dcp/ops.py``) that
 runs this same eager code; the decisions it needs (the group's merger for the shape) come from
-an eager call made before tracing (checked while tracing: ``check_warm``), never from the
+an eager call made before tracing (checked while tracing: ``require_warm``), never from the
 trace.
 """
 from __future__ import annotations
@@ -27,10 +27,10 @@ from ..._plans import Cached, CallPlans, dest_error, dest_key, warm_up_error
 from ...errors import PeerTimeoutError
 from .. import tracing
 from ..exchange import ObjectCache
-from .api import DcpMerger, check_local, empty_result
+from .api import DcpMerger, merge_args_error, empty_result
 from .backend import BACKENDS
 
-__all__ = ["merge", "check_warm"]
+__all__ = ["merge", "require_warm"]
 
 _CACHE_SIZE = 8
 #: Plans kept per group (least recently used dropped first; they own no buffers).
@@ -96,7 +96,7 @@ def merge(out: torch.Tensor, lse: torch.Tensor, group=None, *, backend: str = "a
 _PLANS = CallPlans(_PLANS_SIZE)
 
 
-class _Plan:
+class _MergeCall:
     """What a checked call signature needs on later calls: its merger (a token bucket's
     ``DcpMerger``, through ``Cached``) and the result's geometry."""
 
@@ -147,7 +147,7 @@ def _new_plan(out, lse, group, backend, lse_base, return_lse, validate, timeout_
     g = resolve_group(group, "dcp.merge", one_process="attncomm.dcp.merge_states")
     W = dist.get_world_size(g)
     budget = config.timeout_s(timeout_s)
-    local_error = check_local(out, lse, W, lse_base, backend)
+    local_error = merge_args_error(out, lse, W, lse_base, backend)
     if local_error is None:
         T, H, D = out.shape
         local_error = (_dest_error(output, (T, H // W, D), out.dtype, out.device)
@@ -155,7 +155,7 @@ def _new_plan(out, lse, group, backend, lse_base, return_lse, validate, timeout_
     sig, labels = _signature(out, lse, backend, lse_base, return_lse)
     agreed = validate_args(g, "dcp.merge", sig, labels, local_error, budget, validate)
     T, H, D = out.shape
-    plan = _Plan(out, H // W, None if T == 0 else _cached_merger(
+    plan = _MergeCall(out, H // W, None if T == 0 else _cached_merger(
         g, T, H, D, out.dtype, backend, lse_base, budget, out.device, agreed))
     if key is not None and config.validation_mode(validate) != "every":
         _PLANS.put(group, g, key, plan)
@@ -183,13 +183,9 @@ _MERGERS = _OBJECTS.store  # per group: an LRU of mergers
 def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget, device,
                    agreed: bool = False) -> Cached:
     """The merger of this shape and token bucket (built by the first call) on the call's
-    device, as a plan holds it. ``agreed``: the call's check agreed its arguments just now, so
-    a merger built at once does not agree them again (one built later, after an eviction, does:
-    its construction is then the first bounded wait of the call)."""
-    fresh = [agreed]
+    device, as a plan holds it; ``agreed`` as ``ObjectCache.cached``."""
 
-    def build(max_tokens: int) -> DcpMerger:
-        skip, fresh[0] = fresh[0], False
+    def build(max_tokens: int, skip: bool) -> DcpMerger:
         try:
             return DcpMerger(group, max_tokens=max_tokens, num_heads=H, head_dim=D, dtype=dtype,
                              backend=backend, lse_base=lse_base, timeout_s=budget,
@@ -197,12 +193,10 @@ def _cached_merger(group, T, H, D, dtype, backend, lse_base, budget, device,
         except (PeerTimeoutError, ValueError) as exc:
             raise _as_merge_error(exc) from exc
 
-    cached = _OBJECTS.cached(group, T, (H, D, dtype, backend, lse_base, budget, device), build,
-                             lambda: warm_up_error(
-                                 "dcp.merge", f"the token bucket of T={T} (H={H}, D={D}, "
-                                              f"{dtype}, backend={backend!r})"))
-    fresh[0] = False  # built now or found: a later build agrees again
-    return cached
+    return _OBJECTS.cached(group, T, (H, D, dtype, backend, lse_base, budget, device), build,
+                           lambda: warm_up_error(
+                               "dcp.merge", f"the token bucket of T={T} (H={H}, D={D}, "
+                                            f"{dtype}, backend={backend!r})"), agreed)
 
 
 def _as_merge_error(exc):
@@ -224,7 +218,7 @@ def _traced_group(group) -> tuple:
     return group_name(g), dist.get_world_size(g)
 
 
-def check_warm(group_name_: str, out, backend: str, lse_base: str, timeout_s) -> None:
+def require_warm(group_name_: str, out, backend: str, lse_base: str, timeout_s) -> None:
     """While tracing (the op's fake implementation): raise the warm-up error unless an eager
     call built the merger of this call's shape on the group (a symbolic dim matches any; the
     compiled call finds its token bucket's merger when it runs, as an eager call would).
@@ -240,7 +234,7 @@ def check_warm(group_name_: str, out, backend: str, lse_base: str, timeout_s) ->
 
 def _traced_merge(out, lse, group, backend, lse_base, return_lse, validate, timeout_s, output):
     """The traced call: the destinations allocated in the graph, one ``attncomm::dcp_merge``
-    that runs the eager call into them (its fake implementation runs ``check_warm``)."""
+    that runs the eager call into them (its fake implementation runs ``require_warm``)."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
         group = group.device_group  # an engine's group coordinator
     name, W = _traced_group(group)

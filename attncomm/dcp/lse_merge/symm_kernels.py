@@ -176,15 +176,18 @@ def _combine_rows(m, s, acc, res_ptr, res_lse_ptr, slab_o, slab_l, slot, rows, r
 
 
 @triton.jit
-def _load_rows(out_ptr, lse_ptr, b, q, n_rows, H, HS, D, BR: tl.constexpr, BD: tl.constexpr):
-    # Block b of this rank's rows of peer q's head slice: ([BR, BD] payload, [BR] LSE).
+def _peer_rows(x_ptr, lse_ptr, b, q, n_rows, H, HS, N, BR: tl.constexpr, BN: tl.constexpr,
+               OTHER: tl.constexpr):
+    # Block b of this rank's rows of peer q's head slice: ([BR, BN] of a row's N columns:
+    # payload elements, or int32 words on the LL path; [BR] LSE). Masked lanes read OTHER
+    # (None: left undefined, never stored).
     rows = b * BR + tl.arange(0, BR)
     rmask = rows < n_rows
-    d = tl.arange(0, BD)
+    c = tl.arange(0, BN)
     src = (rows // HS) * H + rows % HS + q * HS
-    vals = tl.load(out_ptr + src[:, None] * D + d[None, :],
-                   mask=rmask[:, None] & (d < D)[None, :])
-    return vals, tl.load(lse_ptr + src, mask=rmask)
+    x = tl.load(x_ptr + src[:, None] * N + c[None, :], mask=rmask[:, None] & (c < N)[None, :],
+                other=OTHER)
+    return x, tl.load(lse_ptr + src, mask=rmask, other=OTHER)
 
 
 @triton.jit
@@ -211,7 +214,7 @@ def _send_block(out_ptr, lse_ptr, slab_o, slab_l, desc, slot, b, n_rows, H, HS, 
     # peer's slab.
     for q in tl.static_range(W):
         if q != RANK and q != SKIP:
-            vals, lv = _load_rows(out_ptr, lse_ptr, b, q, n_rows, H, HS, D, BR, BD)
+            vals, lv = _peer_rows(out_ptr, lse_ptr, b, q, n_rows, H, HS, D, BR, BD, None)
             _store_rows(vals, lv, slab_o, slab_l, peer_delta(desc, q, 0, W),
                         peer_delta(desc, q, 1, W), slot, b, n_rows, D, o_cell, l_cell, RANK, W,
                         BR, BD)
@@ -297,7 +300,7 @@ def merge_flag_kernel(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab, desc, state_
     first = tl.maximum((grid_size * STAGGER + 99) // 100, 1)
     Q0: tl.constexpr = (RANK + 1) % W
     if Q0 != RANK:
-        vals, lv = _load_rows(out_ptr, lse_ptr, pid, Q0, n_rows, H, HS, D, BR, BD)
+        vals, lv = _peer_rows(out_ptr, lse_ptr, pid, Q0, n_rows, H, HS, D, BR, BD, None)
         off_o0 = peer_delta(desc, Q0, 0, W)
         off_w0 = peer_delta(desc, Q0, 1, W)
     if STAGGER > 0:
@@ -359,18 +362,6 @@ def _ll_ready(y, yl, e):
 
 
 @triton.jit
-def _ll_load(out_w, lse_w, b, q, n_rows, H, HS, DW, BR: tl.constexpr, BW: tl.constexpr):
-    # Block b of this rank's rows of peer q's head slice as int32 words ([BR, BW], [BR]).
-    rows = b * BR + tl.arange(0, BR)
-    rmask = rows < n_rows
-    c = tl.arange(0, BW)
-    src = (rows // HS) * H + rows % HS + q * HS
-    x = tl.load(out_w + src[:, None] * DW + c[None, :],
-                mask=rmask[:, None] & (c < DW)[None, :], other=0)
-    return x, tl.load(lse_w + src, mask=rmask, other=0)
-
-
-@triton.jit
 def _ll_store(x, xl, tag, slab_llo, slab_lll, desc, slot, b, q, n_rows, DW, llo_cell,
               lll_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
               BW: tl.constexpr):
@@ -398,14 +389,14 @@ def _ll_send(x0, xl0, out_w, lse_w, tag, slab_llo, slab_lll, desc, slot, pid, gr
                   llo_cell, lll_cell, RANK, W, BR, BW)
     for q in tl.static_range(W):
         if q != RANK and q != Q0:
-            x, xl = _ll_load(out_w, lse_w, pid, q, n_rows, H, HS, DW, BR, BW)
+            x, xl = _peer_rows(out_w, lse_w, pid, q, n_rows, H, HS, DW, BR, BW, 0)
             _ll_store(x, xl, tag, slab_llo, slab_lll, desc, slot, pid, q, n_rows, DW,
                       llo_cell, lll_cell, RANK, W, BR, BW)
     b = pid + grid_size
     while b < n_blocks:
         for q in tl.static_range(W):
             if q != RANK:
-                x, xl = _ll_load(out_w, lse_w, b, q, n_rows, H, HS, DW, BR, BW)
+                x, xl = _peer_rows(out_w, lse_w, b, q, n_rows, H, HS, DW, BR, BW, 0)
                 _ll_store(x, xl, tag, slab_llo, slab_lll, desc, slot, b, q, n_rows, DW,
                           llo_cell, lll_cell, RANK, W, BR, BW)
         b += grid_size
@@ -438,9 +429,9 @@ def merge_ll_kernel(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab, desc, state_pt
     if PDL:  # count in while the previous merge runs; read the inputs only after gdc_wait
         old = count_in(state64)
         tl_cuda.gdc_wait()
-        x0, xl0 = _ll_load(out_w, lse_w, pid, Q0, n_rows, H, HS, DW, BR, BW)
+        x0, xl0 = _peer_rows(out_w, lse_w, pid, Q0, n_rows, H, HS, DW, BR, BW, 0)
     else:
-        x0, xl0 = _ll_load(out_w, lse_w, pid, Q0, n_rows, H, HS, DW, BR, BW)
+        x0, xl0 = _peer_rows(out_w, lse_w, pid, Q0, n_rows, H, HS, DW, BR, BW, 0)
         old = count_in(state64)
     llo_base, llo_cell = region(desc, _lay.R_LLO)
     lll_base, lll_cell = region(desc, _lay.R_LLL)

@@ -35,7 +35,7 @@ from .backend import GATHER_BACKENDS, GATHER_REGISTRY
 from .query_math import FP8_DTYPE, FP8_MAX, _scale_error, _scale_f32, quantize_e4m3, rotate_tail
 
 __all__ = ["DcpQueryGather", "rotate_tail", "quantize_e4m3", "GATHER_BACKENDS", "FP8_DTYPE",
-           "FP8_MAX", "check_q", "rope_key"]
+           "FP8_MAX", "gather_args_error", "rope_key"]
 
 log = logging.getLogger("attncomm.dcp")
 
@@ -58,7 +58,7 @@ def _rope_error(rope, T: int, D: int, device) -> str | None:
     return None
 
 
-def check_q(q, world_size: int, rope, backend: str) -> str | None:
+def gather_args_error(q, world_size: int, rope, backend: str) -> str | None:
     """This rank's argument errors for ``gather_heads`` (no communication), or None."""
     err = GATHER_REGISTRY.name_error(backend)
     if err:
@@ -143,9 +143,11 @@ class DcpQueryGather(PreallocatedExchange):
     def __init__(self, group=None, *, max_tokens: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, backend: str = "auto", rope_dim: int = 0,
                  out_dtype: torch.dtype | None = None, timeout_s: float | None = None,
-                 ordered_by_caller: bool = False, q_scale=None, device=None):
+                 ordered_by_caller: bool = False, q_scale=None, device=None,
+                 _agreed: bool = False):
+        # _agreed: built by dcp.gather_heads, its arguments agreed by the call (``_agree``).
         self._open(group, device, timeout_s)
-        err = self._check_args(max_tokens, num_heads, head_dim, dtype, backend, rope_dim,
+        err = self._args_error(max_tokens, num_heads, head_dim, dtype, backend, rope_dim,
                                out_dtype, self.world_size) or device_error(self.group, self.device)
         fp8 = out_dtype == FP8_DTYPE
         if err is None and fp8:
@@ -157,7 +159,8 @@ class DcpQueryGather(PreallocatedExchange):
         self._agree(ints + [DTYPE_CODES.get(dtype, 0), GATHER_REGISTRY.code(backend),
                             int(bool(ordered_by_caller)), int(fp8), scale_crc],
                     ["max_tokens", "num_heads", "head_dim", "rope_dim", "dtype", "backend",
-                     "ordered_by_caller", "FP8 output", "q_scale (crc32 of its fp32 bits)"], err)
+                     "ordered_by_caller", "FP8 output", "q_scale (crc32 of its fp32 bits)"], err,
+                    _agreed)
         self.max_tokens, self.num_heads, self.head_dim = max_tokens, num_heads, head_dim
         self.dtype, self.rope_dim = dtype, rope_dim
         self.out_dtype = FP8_DTYPE if fp8 else dtype
@@ -166,7 +169,7 @@ class DcpQueryGather(PreallocatedExchange):
         self._resolve(backend)
 
     @staticmethod
-    def _check_args(max_tokens, num_heads, head_dim, dtype, backend, rope_dim, out_dtype,
+    def _args_error(max_tokens, num_heads, head_dim, dtype, backend, rope_dim, out_dtype,
                     world_size):
         err = GATHER_REGISTRY.name_error(backend) or geometry_error(
             max_tokens, num_heads, head_dim, dtype, world_size)
@@ -201,7 +204,7 @@ class DcpQueryGather(PreallocatedExchange):
 
     def local_error(self, q, rope) -> str | None:
         """Why this rank cannot gather ``q`` (with ``rope``) with this object (None if it can)."""
-        err = check_q(q, self.world_size, rope, "auto")
+        err = gather_args_error(q, self.world_size, rope, "auto")
         if err is None:
             T, h, D = q.shape
             if T > self.max_tokens or h * self.world_size != self.num_heads \

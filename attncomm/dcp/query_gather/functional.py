@@ -15,15 +15,15 @@ import torch
 import torch.distributed as dist
 
 from ... import config
-from ..._dist import group_from_name, group_name, resolve_group
+from ..._dist import device_error, group_from_name, group_name, resolve_group
 from ..._agree import DTYPE_CODES, validate_args
 from ..._plans import Cached, CallPlans, dest_error, dest_key, warm_up_error
 from .. import tracing
 from ..exchange import ObjectCache
-from .api import DcpQueryGather, check_q, rope_key
+from .api import DcpQueryGather, gather_args_error, rope_key
 from .backend import GATHER_BACKENDS
 
-__all__ = ["gather_heads", "check_warm"]
+__all__ = ["gather_heads", "require_warm"]
 
 _CACHE_SIZE = 8
 #: Plans kept per group (least recently used dropped first; they own no buffers).
@@ -84,7 +84,7 @@ def gather_heads(q: torch.Tensor, group=None, *, backend: str = "auto", rope=Non
 _PLANS = CallPlans(_PLANS_SIZE)
 
 
-class _Plan:
+class _GatherCall:
     """A checked call signature: its gatherer (through ``Cached``) and the result's
     geometry."""
 
@@ -111,17 +111,19 @@ def _new_plan(q, group, backend, rope, validate, timeout_s, output, key):
     g = resolve_group(group, "dcp.gather_heads")
     W = dist.get_world_size(g)
     budget = config.timeout_s(timeout_s)
-    local_error = check_q(q, W, rope, backend)
-    if local_error is None and output is not None:
+    local_error = gather_args_error(q, W, rope, backend)
+    if local_error is None:
         T, h, D = q.shape
-        local_error = dest_error(output, (T, h * W, D), q.dtype, q.device, "output")
+        local_error = ((None if output is None else
+                        dest_error(output, (T, h * W, D), q.dtype, q.device, "output"))
+                       or device_error(g, q.device))
     sig, labels = _signature(q, rope, backend)
-    validate_args(g, "dcp.gather_heads", sig, labels, local_error, budget, validate)
+    agreed = validate_args(g, "dcp.gather_heads", sig, labels, local_error, budget, validate)
     T, h, D = q.shape
     shape = torch.Size((T, h * W, D))
     R = 0 if rope is None else rope[0].shape[-1]
-    plan = _Plan(shape, q.dtype, q.device, None if T == 0 else _cached_gatherer(
-        g, T, h * W, D, q.dtype, backend, R, budget, q.device))
+    plan = _GatherCall(shape, q.dtype, q.device, None if T == 0 else _cached_gatherer(
+        g, T, h * W, D, q.dtype, backend, R, budget, q.device, agreed))
     if key is not None and config.validation_mode(validate) != "every":
         _PLANS.put(group, g, key, plan)
     return plan
@@ -137,9 +139,10 @@ def _signature(q, rope, backend):
             r = -2
     sig = shape + [DTYPE_CODES.get(getattr(q, "dtype", None), 0),
                    0 if rope is None else 1, r if rope is not None else 0,
-                   GATHER_BACKENDS.index(backend) if backend in GATHER_BACKENDS else -1]
+                   GATHER_BACKENDS.index(backend) if backend in GATHER_BACKENDS else -1,
+                   int(bool(getattr(q, "is_cuda", False)))]
     return sig, ["T (tokens)", "H/W (heads per rank)", "D (head_dim)", "dtype", "rope",
-                 "rope dim R", "backend"]
+                 "rope dim R", "backend", "device is CUDA"]
 
 
 # ------------------------------------------------------------------------------ gatherers
@@ -147,16 +150,17 @@ _OBJECTS = ObjectCache(_CACHE_SIZE)
 _GATHERERS = _OBJECTS.store  # per group: an LRU of gatherers
 
 
-def _cached_gatherer(group, T, H, D, dtype, backend, R, budget, device) -> Cached:
+def _cached_gatherer(group, T, H, D, dtype, backend, R, budget, device,
+                     agreed: bool = False) -> Cached:
     """The gatherer of this shape and token bucket (built by the first call) on the call's
-    device, as a plan holds it."""
+    device, as a plan holds it; ``agreed`` as ``ObjectCache.cached``."""
     return _OBJECTS.cached(
         group, T, (H, D, dtype, backend, R, budget, device),
-        lambda max_tokens: DcpQueryGather(group, max_tokens=max_tokens, num_heads=H, head_dim=D,
-                                          dtype=dtype, backend=backend, rope_dim=R,
-                                          timeout_s=budget, device=device),
+        lambda max_tokens, skip: DcpQueryGather(
+            group, max_tokens=max_tokens, num_heads=H, head_dim=D, dtype=dtype, backend=backend,
+            rope_dim=R, timeout_s=budget, device=device, _agreed=skip),
         lambda: warm_up_error(
-            "dcp.gather_heads", f"the token bucket of T={T} (H={H}, D={D}, {dtype})"))
+            "dcp.gather_heads", f"the token bucket of T={T} (H={H}, D={D}, {dtype})"), agreed)
 
 
 # ------------------------------------------------------------------------------ traced path
@@ -167,7 +171,7 @@ def _traced_group(group) -> tuple:
     return group_name(g), dist.get_world_size(g)
 
 
-def check_warm(group_name_: str, q, cos, backend: str, timeout_s) -> None:
+def require_warm(group_name_: str, q, cos, backend: str, timeout_s) -> None:
     """While tracing (the op's fake implementation): raise the warm-up error unless an eager
     call built the gatherer of this call's shape on the group (a symbolic dim matches any)."""
     g = group_from_name(group_name_)
@@ -187,7 +191,7 @@ def check_warm(group_name_: str, q, cos, backend: str, timeout_s) -> None:
 def _traced_gather(q, group, backend, rope, validate, timeout_s, output):
     """The traced call: the destination allocated in the graph (or the caller's), one
     ``attncomm::dcp_gather_heads`` that runs the eager call into it (its fake implementation
-    runs ``check_warm``)."""
+    runs ``require_warm``)."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
         group = group.device_group  # an engine's group coordinator
     name, W = _traced_group(group)
