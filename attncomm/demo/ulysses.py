@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import collectives
+from ..collectives import gather_sequence
 from .models import MiniLMInfo, full_attention, mean_pool
 from ..ulysses import UlyssesAttention, head_split
 from ..ulysses.layout import head_offsets
@@ -63,22 +63,6 @@ def parse_backend(backend: str):
     if payload == "fp8":
         return transport, FP8_DTYPE, FP8_THRESHOLD
     return transport, None, None
-
-
-def gather_sequence(x: torch.Tensor, seq_lens: list[int], group=None) -> torch.Tensor:
-    """Every rank's ``[B, S_r, E]`` shard → the whole ``[B, S, E]`` (rank order), on every
-    rank: one all_gather of shards padded to ``max(S_r)``."""
-    w = len(seq_lens)
-    if w == 1:
-        return x
-    b, _, e = x.shape
-    m = max(seq_lens)
-    pad = x.new_zeros(b, m, e)
-    pad[:, :x.shape[1]] = x
-    out = x.new_empty(w * b * m * e)
-    collectives.all_gather_tensor(out, pad.reshape(-1), group=group)
-    out = out.view(w, b, m, e)
-    return torch.cat([out[r, :, :seq_lens[r]] for r in range(w)], dim=1)
 
 
 def _attention(ctx: RankContext, module: UlyssesAttention, mask: torch.Tensor,
