@@ -25,6 +25,10 @@ def _mask(g, b, s):
     return m
 
 
+def _cat(joint, seq, position):
+    return torch.cat([joint, seq] if position == "front" else [seq, joint], dim=1)
+
+
 def _ulysses_masked(rank, world, seed):
     res = []
     lens = [3 + (r % 2) for r in range(world)]  # uneven S_r
@@ -50,9 +54,8 @@ def _ulysses_masked(rank, world, seed):
             joint = tuple(rand(g, (b, s_j, h, 8)).float() for h in (hq, hkv, hkv))
             jmask = torch.rand(b, s_j, generator=g) > 0.4 if jm else None
             jvalid = jmask if jm else torch.ones(b, s_j, dtype=torch.bool)
-            cat = (lambda a, x: torch.cat([a, x] if position == "front" else [x, a], dim=1))
-            ref, _ = ref_attention_lse(*(cat(j, t) for j, t in zip(joint, (q, k, v))), False,
-                                       key_valid=cat(jvalid, mask))
+            ref, _ = ref_attention_lse(*(_cat(j, t, position) for j, t in zip(joint, (q, k, v))),
+                                       False, key_valid=_cat(jvalid, mask, position))
             out, jout = UlyssesAttention(pipeline_groups=0)(
                 *local, joint=joint, joint_position=position, joint_key_padding_mask=jmask,
                 **kw)
