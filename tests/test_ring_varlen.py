@@ -206,7 +206,8 @@ def _bad(rank, world):
     case("mask shape", lambda: ring_attention(q, q, q, key_padding_mask=m[:, :3]),
          "key_padding_mask must be a bool tensor [B, S_r] = [1, 4]")
     case("mask on one rank",
-         lambda: ring_attention(q, q, q, key_padding_mask=m if rank == 0 else None),
+         lambda: ring_attention(q, q, q, key_padding_mask=m if rank == 0 else None,
+                                validate=True),
          "key_padding_mask given = 1 (rank 0)")
     case("cu dtype", lambda: ring_attention(q, q, q, cu_seqlens=cu.long()),
          "cu_seqlens must be a 1-D int32 tensor")

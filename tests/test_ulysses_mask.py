@@ -112,7 +112,9 @@ def _bad(rank, world):
             ("joint mask alone", dict(joint_key_padding_mask=m), "without joint rows"),
             ("joint mask shape", dict(joint=joint, joint_key_padding_mask=m),
              "joint_key_padding_mask must be a bool tensor [B, S_j] = [1, 2]")]:
-        out[name] = (expect_value_error(lambda: UlyssesAttention()(q, q, q, **kw)), frag)
+        # validate=True: a mask on some ranks only may meet a signature seen without one
+        out[name] = (expect_value_error(lambda: UlyssesAttention(validate=True)(q, q, q, **kw)),
+                     frag)
     return out
 
 

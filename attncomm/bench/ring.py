@@ -35,7 +35,7 @@ from .. import config
 from .._dist import cpu_group
 from ..ring import attention_with_lse, ring_attention
 from ..ring.comm import RingComm
-from ..ring.layout import ring_block
+from ..ring.layout import Segment, ring_block
 from ..ring.merge import merge_block, new_state
 from ..ulysses import UlyssesAttention
 from ..usp import USPAttention, make_groups
@@ -149,7 +149,6 @@ def packing(s: int, unit: int) -> list[int]:
 
 def _varlen_records(rank, world, opts, device, dtype, time_fn, base) -> list:
     """The ``--varlen`` section for one S (rank 0's records)."""
-    from ..ring.layout import Segment
     h, hkv, d, s = opts["heads"], opts["kv_heads"], opts["head_dim"], base["seq"]
     out = []
     for layout in opts["layouts"]:
