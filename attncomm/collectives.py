@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["needs_host", "StagedWork", "all_gather_tensor", "reduce_scatter_tensor",
-           "all_to_all_single", "all_reduce", "broadcast", "batch_isend_irecv"]
+           "all_to_all_single", "all_reduce", "broadcast", "batch_isend_irecv", "gather_sequence"]
 
 #: Tests only: stage every collective of a gloo group, CPU tensors too (the copies are then CPU
 #: to CPU), so that the staging itself runs in CI without a GPU.
@@ -182,3 +182,22 @@ def batch_isend_irecv(ops: Sequence[dist.P2POp]) -> list:
         backs.append([(o.tensor, h)] if recv else [])
     works = dist.batch_isend_irecv(host_ops)
     return [StagedWork(w, b) for w, b in zip(works, backs)]
+
+
+def gather_sequence(x: torch.Tensor, seq_lens: Sequence[int], group=None) -> torch.Tensor:
+    """Every rank's ``[B, S_r, ...]`` shard (``seq_lens[r]`` rows on rank r) → the whole
+    ``[B, S, ...]`` in rank order, on every rank: one all_gather of shards padded to
+    ``max(S_r)``. A bool tensor travels as its bytes."""
+    w = len(seq_lens)
+    if w == 1:
+        return x
+    if x.dtype == torch.bool:
+        return gather_sequence(x.view(torch.uint8), seq_lens, group).view(torch.bool)
+    b, s_r, rest = x.shape[0], x.shape[1], tuple(x.shape[2:])
+    m = max(seq_lens)
+    pad = x.new_zeros(b, m, *rest)
+    pad[:, :s_r] = x
+    out = x.new_empty(w * pad.numel())
+    all_gather_tensor(out, pad.reshape(-1), group=group)
+    out = out.view(w, b, m, *rest)
+    return torch.cat([out[r, :, :seq_lens[r]] for r in range(w)], dim=1)

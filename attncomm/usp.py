@@ -22,7 +22,8 @@ ring, then cut into ``U·R`` contiguous pieces; rank g holds piece g:
   one after the other); rank g holds piece g of that order. After the Ulysses all-to-all the
   group j holds exactly ``[c_j; c_{2R−1−j}]``, ring rank j's zigzag block
   (yunchang's ``zigzag_extract_local``). ``usp_shard`` / ``usp_unshard`` / ``usp_positions``
-  compute these pieces.
+  compute these pieces. With packed sequences (``cu_seqlens``) the ring's order zigzags every
+  sequence on its own (``zigzag_shard(..., cu_seqlens=)`` over R), then is cut the same way.
 
 Sources: Fang & Zhao, "USP: A Unified Sequence Parallelism Approach for Long Context Generative
 AI", 2024, arXiv:2405.07719 (yunchang / xDiT ``LongContextAttention``, Ulysses on low ranks);
@@ -39,8 +40,9 @@ import torch.distributed as dist
 
 from . import _agree, _dist, collectives, config
 from .capability import host_identity
-from .ring.api import LAYOUT_CODES, local_error, ring_attention
-from .ring.layout import layout_error, zigzag_shard, zigzag_unshard
+from .ring.api import LAYOUT_CODES, cu_signature, cu_tuple, key_mask_error, local_error, \
+    ring_attention
+from .ring.layout import cu_seqlens_error, layout_error, zigzag_shard, zigzag_unshard
 from .ulysses import UlyssesAttention
 from .ulysses.api import seq_lens_hash
 from .ulysses.policy import BACKEND_CODES
@@ -70,32 +72,35 @@ def _validate_grid(seq_len: int, u: int, r: int, layout: str) -> None:
 
 
 def usp_shard(x: torch.Tensor, ulysses_degree: int, ring_degree: int, rank: int,
-              layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
+              layout: str = "contiguous", dim: int = 1, *, cu_seqlens=None) -> torch.Tensor:
     """Global rank ``rank``'s piece of the whole tensor ``x`` (sequence along ``dim``) under the
-    module docstring's layout: ``zigzag`` → ``zigzag_shard(x, R, rank // U)`` cut into U equal
-    pieces, piece ``rank % U``; ``contiguous`` → piece ``rank`` of ``U·R``. A new tensor.
+    module docstring's layout: ``zigzag`` → ``zigzag_shard(x, R, rank // U, cu_seqlens=)`` cut
+    into U equal pieces, piece ``rank % U``; ``contiguous`` → piece ``rank`` of ``U·R``. A new
+    tensor.
 
-    Raises ValueError when the length does not split (``U·R``; ``2·U·R`` for zigzag)."""
+    Raises ValueError when the length does not split (``U·R``; ``2·U·R`` for zigzag; with
+    ``cu_seqlens`` and zigzag, every sequence's length by ``2·R``)."""
     u, r = ulysses_degree, ring_degree
     _validate_grid(x.shape[dim], u, r, layout)
     if not 0 <= rank < u * r:
         raise ValueError(f"usp_shard: rank {rank} is not in [0, {u * r})")
-    span = zigzag_shard(x, r, rank // u, dim) if layout == "zigzag" else x
+    span = (zigzag_shard(x, r, rank // u, dim, cu_seqlens=cu_seqlens) if layout == "zigzag"
+            else x)
     n = x.shape[dim] // (u * r)
     start = (rank % u if layout == "zigzag" else rank) * n
     return span.narrow(dim, start, n).clone()
 
 
 def usp_unshard(shards: Sequence[torch.Tensor], ulysses_degree: int, ring_degree: int,
-                layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
+                layout: str = "contiguous", dim: int = 1, *, cu_seqlens=None) -> torch.Tensor:
     """The whole tensor back from every global rank's piece (``shards[g]``, rank order): the
-    inverse of ``usp_shard``."""
+    inverse of ``usp_shard`` (with the same ``cu_seqlens``)."""
     u, r = ulysses_degree, ring_degree
     if len(shards) != u * r:
         raise ValueError(f"usp_unshard: {len(shards)} shards for U·R = {u * r} ranks")
     ring_shards = [torch.cat(list(shards[j * u:(j + 1) * u]), dim=dim) for j in range(r)]
     if layout == "zigzag":
-        return zigzag_unshard(ring_shards, dim=dim)
+        return zigzag_unshard(ring_shards, dim=dim, cu_seqlens=cu_seqlens)
     why = layout_error(layout)
     if why:
         raise ValueError(why)
@@ -103,18 +108,18 @@ def usp_unshard(shards: Sequence[torch.Tensor], ulysses_degree: int, ring_degree
 
 
 def usp_positions(seq_len: int, ulysses_degree: int, ring_degree: int, rank: int,
-                  layout: str = "contiguous") -> torch.Tensor:
+                  layout: str = "contiguous", *, cu_seqlens=None) -> torch.Tensor:
     """The global positions (int64) rank ``rank`` holds (``usp_shard`` of ``arange``)."""
-    return usp_shard(torch.arange(seq_len), ulysses_degree, ring_degree, rank, layout, dim=0)
+    return usp_shard(torch.arange(seq_len), ulysses_degree, ring_degree, rank, layout, dim=0,
+                     cu_seqlens=cu_seqlens)
 
 
-def _span_rows(t: torch.Tensor, ring_index: int, ring_degree: int, span: int, layout: str):
+def _span_rows(t: torch.Tensor, ring_index: int, ring_degree: int, span: int, layout: str,
+               cu=None):
     """Rows of ``t [S, ...]`` for ring rank ``ring_index``'s block of ``span`` positions."""
     if layout == "contiguous":
         return t[ring_index * span:(ring_index + 1) * span]
-    c = span // 2
-    lo, hi = ring_index * c, (2 * ring_degree - 1 - ring_index) * c
-    return torch.cat([t[lo:lo + c], t[hi:hi + c]])
+    return zigzag_shard(t, ring_degree, ring_index, dim=0, cu_seqlens=cu)
 
 
 # ------------------------------------------------------------------------------ groups
@@ -231,11 +236,17 @@ class USPAttention(torch.nn.Module):
         layout: ``"contiguous"`` or ``"zigzag"`` (over the ring; for causal load balance).
 
     ``forward(q [B, S_r, Hq, D], k [B, S_r, Hkv, D], v [B, S_r, Hkv, Dv], *, seq_lens=None,
-    causal=False, rope=None) → [B, S_r, Hq, Dv]`` in q's dtype (fp16/bf16/fp32, one dtype for
-    q, k, v): this rank's rows of the attention over the whole sequence. ``seq_lens``: every
-    rank's ``S_r`` in global rank order (``U·R`` entries; default: all equal); every Ulysses
-    group's total must be the same (it is a ring block; even for zigzag). ``rope=(cos, sin)``
-    each ``[S, D]`` over global positions (rotate-half), applied after ``qk_norm``.
+    causal=False, rope=None, key_padding_mask=None, cu_seqlens=None) → [B, S_r, Hq, Dv]`` in
+    q's dtype (fp16/bf16/fp32, one dtype for q, k, v): this rank's rows of the attention over
+    the whole sequence. ``seq_lens``: every rank's ``S_r`` in global rank order (``U·R``
+    entries; default: all equal); every Ulysses group's total must be the same (it is a ring
+    block; even for zigzag). ``rope=(cos, sin)`` each ``[S, D]`` over global positions
+    (rotate-half), applied after ``qk_norm``. ``key_padding_mask``: bool ``[B, S_r]`` of this
+    rank's keys (True = attend): gathered by the Ulysses exchange over the group's span, then
+    passed around the ring with its K/V block. ``cu_seqlens``: int32 ``[N + 1]`` boundaries of
+    packed sequences over the global order (the same on every rank; zigzag: every length
+    divisible by 2R), given to the ring (``ring_attention``'s rule; not under
+    torch.compile). A row with no key to attend is 0.
 
     Attributes:
         topology_reason: why the Ulysses group is a poor one (it spans hosts), or None.
@@ -258,6 +269,7 @@ class USPAttention(torch.nn.Module):
         self.validate = validate
         self.qk_norm = qk_norm
         self._closed = False
+        self._cu = None  # the cu_seqlens of the forward in flight, for the ring
         error = layout_error(layout)
         try:
             self._ulysses = UlyssesAttention(self._ring_attend, ulysses_group, backend=backend,
@@ -282,12 +294,14 @@ class USPAttention(torch.nn.Module):
     def last_backends(self) -> dict:
         return self._ulysses.last_backends
 
-    def _ring_attend(self, q, k, v, causal):
-        # The Ulysses module's attn_fn: a ring over the group's span, checked already.
+    def _ring_attend(self, q, k, v, causal, key_padding_mask=None):
+        # The Ulysses module's attn_fn: a ring over the group's span, checked already; the
+        # packed sequences of the forward in flight (``_cu``).
         return ring_attention(q, k, v, self.ring_group, causal=causal, layout=self.layout,
-                              attn_fn=self.attn_fn, validate=False, timeout_s=self.timeout_s)
+                              attn_fn=self.attn_fn, validate=False, timeout_s=self.timeout_s,
+                              key_padding_mask=key_padding_mask, cu_seqlens=self._cu)
 
-    def _validate(self, q, k, v, seq_lens, rope):
+    def _validate(self, q, k, v, seq_lens, rope, mask=None, cu=None):
         """``(error or None, seq_lens as a tuple, the Ulysses group's span T)``, no
         communication."""
         u, r = dist.get_world_size(self.ulysses_group), dist.get_world_size(self.ring_group)
@@ -310,6 +324,11 @@ class USPAttention(torch.nn.Module):
         why = layout_error(self.layout, spans[0])
         if why:
             return f"{why} (the Ulysses group's span)", None, 0
+        why = key_mask_error(mask, q.shape[0], s_r, q.device)
+        if why is None and cu is not None:
+            why = cu_seqlens_error(cu, sum(seq), r, self.layout)
+        if why:
+            return why, None, 0
         if rope is not None:
             want = (sum(seq), d)
             shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None
@@ -323,14 +342,25 @@ class USPAttention(torch.nn.Module):
         return None, seq, spans[0]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_lens=None,
-                causal: bool = False, rope=None) -> torch.Tensor:
+                causal: bool = False, rope=None, key_padding_mask: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         if self._closed:
             raise RuntimeError("USPAttention: this object is closed (close() was called)")
         budget = config.timeout_s(self.timeout_s)
         u = dist.get_world_size(self.ulysses_group)
         r, j = dist.get_world_size(self.ring_group), dist.get_rank(self.ring_group)
+        cu, error = None, None
+        if cu_seqlens is not None and torch.compiler.is_compiling():
+            error = "cu_seqlens is not supported under torch.compile"
         try:
-            error, seq, span = self._validate(q, k, v, seq_lens, rope)
+            cu = cu_tuple(cu_seqlens) if error is None else None
+        except ValueError as exc:
+            error = str(exc)
+        try:
+            if error is None:
+                error, seq, span = self._validate(q, k, v, seq_lens, rope, key_padding_mask, cu)
+            else:
+                seq, span = None, 0
         except (TypeError, AttributeError, IndexError) as exc:
             error, seq, span = f"bad arguments: {exc}", None, 0
         ok = error is None
@@ -342,17 +372,26 @@ class USPAttention(torch.nn.Module):
                *(_agree.DTYPE_CODES.get(t.dtype, 0) if ok else 0 for t in (q, k, v)),
                int(ok and q.is_cuda), int(bool(causal)), int(rope is not None),
                sum(seq) if ok else -1, seq_lens_hash(seq) if ok else -1, u, r,
-               LAYOUT_CODES.get(self.layout, 0)]
+               LAYOUT_CODES.get(self.layout, 0), int(key_padding_mask is not None),
+               *cu_signature(cu)]
+        if cu_seqlens is not None and cu is None:
+            sig[-2] = -2  # given but unreadable
         labels = ["B", "S_r (seq_lens=None)", "Hq", "D", "Hkv", "Dv", "q dtype", "k dtype",
                   "v dtype", "CUDA", "causal", "rope given", "S", "seq_lens (hash)", "U", "R",
-                  "layout"]
+                  "layout", "key_padding_mask given", "cu_seqlens (N + 1, -1: none)",
+                  "cu_seqlens (CRC-32)"]
         _agree.validate_args(self.ulysses_group, "USPAttention", sig, labels, error, budget,
                             self.validate, grid=self.ring_group)
         rows = None
         if rope is not None:
-            rows = tuple(_span_rows(t, j, r, span, self.layout) for t in rope)
+            rows = tuple(_span_rows(t, j, r, span, self.layout, cu) for t in rope)
         useq = None if seq_lens is None else list(seq[j * u:(j + 1) * u])
-        return self._ulysses(q, k, v, seq_lens=useq, causal=causal, rope=rows)
+        self._cu = cu_seqlens
+        try:
+            return self._ulysses(q, k, v, seq_lens=useq, causal=causal, rope=rows,
+                                 key_padding_mask=key_padding_mask)
+        finally:
+            self._cu = None
 
     def close(self) -> None:
         """End this object's use (and its Ulysses module's, where it has ``close``)."""

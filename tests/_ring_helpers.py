@@ -23,11 +23,11 @@ def rand(g: torch.Generator, shape, dtype=torch.float64) -> torch.Tensor:
     return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
 
 
-def ref_attention_lse(q, k, v, causal: bool, key_valid=None, scale=None):
+def ref_attention_lse(q, k, v, causal: bool, key_valid=None, scale=None, cu_seqlens=None):
     """Attention in fp64 over the whole sequence: ``q [B, S, Hq, D]``, ``k [B, S, Hkv, D]``,
     ``v [B, S, Hkv, Dv]`` (query head h uses KV head ``h // (Hq/Hkv)``), ``key_valid [B, S]``
-    bool or None → ``(out [B, S, Hq, Dv], lse [B, S, Hq])`` fp64; a row with no valid key is 0
-    with LSE −inf."""
+    bool or None, ``cu_seqlens`` (boundaries of packed sequences: no attention across them) →
+    ``(out [B, S, Hq, Dv], lse [B, S, Hq])`` fp64; a row with no valid key is 0 with LSE −inf."""
     q, k, v = q.double(), k.double(), v.double()
     rep = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
@@ -38,6 +38,11 @@ def ref_attention_lse(q, k, v, causal: bool, key_valid=None, scale=None):
         mask |= torch.ones(n, n, dtype=torch.bool).triu(1)
     if key_valid is not None:
         mask |= ~key_valid[:, None, None, :]
+    if cu_seqlens is not None:
+        ids = torch.zeros(n, dtype=torch.int64)
+        for i, a in enumerate(list(cu_seqlens)[1:-1]):
+            ids[int(a):] = i + 1
+        mask |= ids[:, None] != ids[None, :]
     s = s.masked_fill(mask, -math.inf)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))

@@ -14,6 +14,14 @@ slowest rank's median per forward:
 
 ``--kernels`` adds the one-process costs of ``bench/ring_kernels.py`` (the merge step against
 the attention it follows; attention with LSE against plain SDPA) on rank 0's device.
+
+``--varlen`` runs the packed-sequence section instead of the exchange one: per S, N sequences
+of uneven lengths (``packing``) packed into one batch of S tokens (``cu_seqlens``) against the
+same tokens padded to the longest sequence (a ``[N, L_max]`` batch with the padding masked by
+``key_padding_mask``), both through ``ring_attention``; ``padded / packed`` is the ratio. And on
+each rank, one process: the default ``attn_fn`` on ``S/W`` tokens with a key-padding mask (all
+True), with the segments of one sequence and with the segments of the packing, each against
+the dense call of the same tokens (``/ dense``).
 """
 from __future__ import annotations
 
@@ -27,7 +35,7 @@ from .. import config
 from .._dist import cpu_group
 from ..ring import attention_with_lse, ring_attention
 from ..ring.comm import RingComm
-from ..ring.layout import ring_block
+from ..ring.layout import Segment, ring_block
 from ..ring.merge import merge_block, new_state
 from ..ulysses import UlyssesAttention
 from ..usp import USPAttention, make_groups
@@ -58,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time the merge step and the attention with LSE in one process "
                         "(rank 0's device)")
     p.add_argument("--kernels-only", action="store_true", help="only the --kernels part")
+    p.add_argument("--varlen", action="store_true",
+                   help="packed sequences (cu_seqlens) against the same tokens padded, and the "
+                        "default attn_fn with a mask / segments against the dense call")
     p.add_argument("--kernel-seq", type=int, default=None,
                    help="--kernels: rows per step S_r (default 8192; CPU 256)")
 
@@ -82,7 +93,8 @@ def _defaults(args) -> dict:
             "causal": {"both": [False, True], "on": [True], "off": [False]}[args.causal],
             "iters": args.iters or (5 if cpu else 20), "no_progress": args.no_progress,
             "kernels": args.kernels or args.kernels_only, "kernels_only": args.kernels_only,
-            "kernel_seq": args.kernel_seq or (256 if cpu else 8192)}
+            "kernel_seq": args.kernel_seq or (256 if cpu else 8192),
+            "varlen": bool(getattr(args, "varlen", False))}
 
 
 def _error(opts: dict, world: int) -> str | None:
@@ -122,6 +134,70 @@ def _transfer_only(comm, k, v, world):
         cur = bufs[step % 2]
 
 
+def packing(s: int, unit: int) -> list[int]:
+    """Uneven sequence lengths summing to ``s`` (each a multiple of ``unit``): halving shares,
+    1/2, 1/4, 1/8, … of the tokens, at most 8 sequences, the rest in the last one."""
+    lens, left = [], s
+    while left > 0 and len(lens) < 7:
+        n = max(unit, (left // 2) // unit * unit)
+        if n >= left:
+            break
+        lens.append(n)
+        left -= n
+    return lens + [left] if left else lens
+
+
+def _varlen_records(rank, world, opts, device, dtype, time_fn, base) -> list:
+    """The ``--varlen`` section for one S (rank 0's records)."""
+    h, hkv, d, s = opts["heads"], opts["kv_heads"], opts["head_dim"], base["seq"]
+    out = []
+    for layout in opts["layouts"]:
+        unit = 2 * world if layout == "zigzag" else world
+        lens = packing(s, unit)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        l_max = max(lens)
+        g = torch.Generator(device="cpu").manual_seed(99 + s + rank)
+
+        def make(b, n):
+            return [torch.randn(b, n, x, d, generator=g).to(device=device, dtype=dtype)
+                    for x in (h, hkv, hkv)]
+
+        qp = make(1, s // world)
+        qd = make(len(lens), l_max // world)
+        # the padded batch: sequence i in row i, its padding masked (rank's shard of it)
+        full = torch.arange(l_max)[None, :] < torch.tensor(lens)[:, None]
+        mask = full.view(len(lens), world, -1)[:, rank] if layout == "contiguous" else \
+            torch.cat([full.view(len(lens), 2 * world, -1)[:, i]
+                       for i in (rank, 2 * world - 1 - rank)], dim=1)
+        mask = mask.to(device)
+        for causal in opts["causal"]:
+            t_packed = time_fn(lambda: ring_attention(*qp, causal=causal, layout=layout,
+                                                      cu_seqlens=cu, validate=False))
+            t_padded = time_fn(lambda: ring_attention(*qd, causal=causal, layout=layout,
+                                                      key_padding_mask=mask, validate=False))
+            out.append(dict(base, variant=f"ring {layout}", causal=causal, sequences=len(lens),
+                            l_max=l_max, packed_us=t_packed, padded_us=t_padded,
+                            ratio=t_padded / t_packed if t_packed else None))
+    # the default attn_fn alone on this rank's S/W tokens (every rank runs it; rank 0 reports)
+    n = s // world
+    q, k, v = (torch.randn(1, n, x, d).to(device=device, dtype=dtype) for x in (h, hkv, hkv))
+    ones = torch.ones(1, n, dtype=torch.bool, device=device)
+    lens = packing(n, 1)
+    starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    for causal in opts["causal"]:
+        one = [Segment(0, n, 0, n, causal)]
+        packed = [Segment(a, b, a, b, causal) for a, b in zip(starts, starts[1:])]
+        t_dense = time_fn(lambda: attention_with_lse(q, k, v, causal))
+        for what, kw in (("mask (all True)", dict(key_padding_mask=ones)),
+                         ("one segment", dict(segments=one)),
+                         (f"{len(lens)} segments", dict(segments=packed))):
+            t = time_fn(lambda: attention_with_lse(q, k, v, False if "segment" in what
+                                                   else causal, **kw))
+            out.append(dict(base, seq=n, variant=f"attn_fn {what}", causal=causal,
+                            dense_us=t_dense, time_us=t, ratio=t / t_dense if t_dense else None))
+    return out
+
+
 def _ulysses_attn(q, k, v, causal):
     return attention_with_lse(q, k, v, causal)[0].to(q.dtype)
 
@@ -156,6 +232,10 @@ def run_rank(rank: int, world: int, opts: dict) -> dict | None:
                    for n in (h, hkv, hkv))
         base = {"section": "exchange", "world_size": world, "seq": s, "heads": h,
                 "kv_heads": hkv, "head_dim": d, "dtype": str(dtype)[6:]}
+        if opts["varlen"]:
+            records += _varlen_records(rank, world, opts, device, dtype, time_fn,
+                                       dict(base, section="varlen"))
+            continue
         for causal in opts["causal"]:
             if "ring" in opts["variants"]:
                 for layout in opts["layouts"]:
@@ -195,6 +275,15 @@ def report(records: list, args, opts: dict) -> int:
                                 "transfer_us", "per_step_compute_us", "per_step_transfer_us",
                                 "exposed_us"],
                            title=f"ring / Ulysses / USP, W={args.world_size}, {opts['device']}")
+    var = [r for r in records if r.get("section") == "varlen"]
+    if var:
+        _table([r for r in var if "packed_us" in r],
+               ["seq", "causal", "variant", "sequences", "l_max", "packed_us", "padded_us",
+                "ratio"], title=f"packed (cu_seqlens) vs padded to the longest, "
+                                f"W={args.world_size}, {opts['device']} (ratio: padded/packed)")
+        _table([r for r in var if "dense_us" in r],
+               ["seq", "causal", "variant", "dense_us", "time_us", "ratio"],
+               title=f"default attn_fn, one process, {opts['device']} (ratio: / dense)")
     kern = [r for r in records if r.get("section") == "kernel"]
     if kern:
         _table(kern, ["seq", "causal", "op", "kernel", "gpu_us", "host_us", "ratio"],
@@ -230,6 +319,17 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
             [[r["seq"], int(r["causal"]), r["variant"],
               *(r.get(k) for k in ("time_us", "compute_us", "transfer_us", "per_step_compute_us",
                                    "per_step_transfer_us", "exposed_us"))] for r in ex])
+    var = [r for r in records if r.get("section") == "varlen"]
+    if var:
+        lines += [""] + common.markdown_lines(
+            ["S", "causal", "variant", "sequences", "L_max", "packed µs", "padded µs",
+             "padded / packed"],
+            [[r["seq"], int(r["causal"]), r["variant"], r["sequences"], r["l_max"],
+              r["packed_us"], r["padded_us"], r["ratio"]] for r in var if "packed_us" in r])
+        lines += [""] + common.markdown_lines(
+            ["tokens", "causal", "default attn_fn", "dense µs", "µs", "/ dense"],
+            [[r["seq"], int(r["causal"]), r["variant"], r["dense_us"], r["time_us"],
+              r["ratio"]] for r in var if "dense_us" in r])
     kern = [r for r in records if r.get("section") == "kernel"]
     if kern:
         lines += [""] + common.markdown_lines(

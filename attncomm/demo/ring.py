@@ -5,12 +5,12 @@ Each chunk of corpus sentences is padded along the sequence to a multiple of W (
 runs embeddings (with its tokens' global positions), projections and FFN on its own tokens only,
 and the attention core is ``attncomm.ring.RingAttention``: K/V blocks go around the ring and the
 partial outputs merge by LSE. MiniLM is bidirectional, so no causal mask; padding keys are
-masked by a bias channel (``padding_channel``): q gets one more feature equal to 1 and k the
-key's bias (0 for a token, −inf for padding), so a padding key's score is −inf and a block
-holding only padding is an empty shard of the merge (LSE −inf). Hence ``D = head_dim + 1`` for
-q/k and ``Dv = head_dim`` for v, and the per-block ``attn_fn`` is ``ring.reference_attention``
-with the model's scale ``1/√head_dim``. Compared: the sentence embeddings against the
-one-process model. Backends (the ``backend`` column): the layouts ``contiguous`` and ``zigzag``.
+masked by the ring's ``key_padding_mask`` (each rank's shard of the batch's padding mask, passed
+around with its K/V block): a padding key's score is −inf and a block holding only padding is
+an empty shard of the merge (LSE −inf). The per-block ``attn_fn`` is
+``ring.reference_attention`` with the model's scale. Compared: the sentence embeddings of the
+padded batch (sentences of different lengths) against the one-process model. Backends (the
+``backend`` column): the layouts ``contiguous`` and ``zigzag``.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from .base import DemoConfig, DemoRow, RankContext, sentence_reference
 from .models import MiniLMInfo, mean_pool
 from .ulysses import gather_sequence
 
-__all__ = ["NAME", "skip_reason", "backends", "run", "padding_channel", "pad_to"]
+__all__ = ["NAME", "skip_reason", "backends", "run", "block_attention", "pad_to"]
 
 NAME = "ring"
 
@@ -44,22 +44,12 @@ def pad_to(ids: torch.Tensor, mask: torch.Tensor, multiple: int):
             torch.cat([mask, mask.new_zeros(mask.shape[0], extra)], dim=1))
 
 
-def padding_channel(q: torch.Tensor, k: torch.Tensor, key_valid: torch.Tensor):
-    """``q, k [B, S, H, D]`` → ``[B, S, H, D + 1]``: q with a feature 1, k with the key's bias
-    (0 where ``key_valid [B, S]``, −inf elsewhere), so ``q'·k' = q·k`` for a token and −inf for
-    padding."""
-    ones = q.new_ones(*q.shape[:3], 1)
-    bias = torch.zeros(key_valid.shape, dtype=k.dtype, device=k.device)
-    bias = bias.masked_fill(~key_valid.bool(), float("-inf"))
-    return (torch.cat([q, ones], dim=-1),
-            torch.cat([k, bias[:, :, None, None].expand(*k.shape[:3], 1)], dim=-1))
-
-
 def block_attention(scale: float):
     """The per-block ``attn_fn`` with the model's score scale (not ``1/√(D + 1)``)."""
 
-    def attn_fn(q, k, v, causal):
-        return reference_attention(q, k, v, causal, scale=scale)
+    def attn_fn(q, k, v, causal, key_padding_mask=None):
+        return reference_attention(q, k, v, causal, scale=scale,
+                                   key_padding_mask=key_padding_mask)
 
     return attn_fn
 
@@ -77,11 +67,10 @@ def run(ctx: RankContext, backend: str) -> DemoRow | None:
             ids_p, mask_p = pad_to(ids, mask, parts)
             s_pad = ids_p.shape[1]
             pos = positions(s_pad, world, ctx.rank, layout).to(ids.device)
-            valid = mask_p[:, pos]
+            valid = mask_p[:, pos].bool()
 
             def attend(i, q, k, v):
-                qb, kb = padding_channel(q, k, valid)
-                return module(qb, kb, v)
+                return module(q, k, v, key_padding_mask=valid)
 
             hidden = ctx.model.forward(ids_p[:, pos], attend, positions=pos)
             shards = gather_sequence(hidden, [len(pos)] * world, ctx.group).chunk(world, dim=1)

@@ -5,7 +5,8 @@ Each chunk of corpus sentences is cut along the sequence into W contiguous shard
 projections, output projection and FFN on its own tokens only; the attention core is
 ``attncomm.ulysses.UlyssesAttention``: q, k, v go from sequence-sharded to head-sharded in one
 all-to-all (12 heads over W=5 ranks → 3, 3, 2, 2, 2), each rank attends its heads over the whole
-sequence (padding keys masked), and the output comes back sequence-sharded. At the end the
+sequence (padding keys masked by the module's ``key_padding_mask``: each rank's shard of the
+padding mask, gathered), and the output comes back sequence-sharded. At the end the
 hidden states are gathered and mean-pooled. Compared: the sentence embeddings against the
 one-process model. Backends (the ``backend`` column): ``all_to_all``, and ``ce`` on CUDA when
 every pair of GPUs has P2P access; each also as ``<transport> fp8``, the q/k/v exchange with
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import collectives
+from ..collectives import gather_sequence
 from .models import MiniLMInfo, full_attention, mean_pool
 from ..ulysses import UlyssesAttention, head_split
 from ..ulysses.layout import head_offsets
@@ -65,33 +66,20 @@ def parse_backend(backend: str):
     return transport, None, None
 
 
-def gather_sequence(x: torch.Tensor, seq_lens: list[int], group=None) -> torch.Tensor:
-    """Every rank's ``[B, S_r, E]`` shard → the whole ``[B, S, E]`` (rank order), on every
-    rank: one all_gather of shards padded to ``max(S_r)``."""
-    w = len(seq_lens)
-    if w == 1:
-        return x
-    b, _, e = x.shape
-    m = max(seq_lens)
-    pad = x.new_zeros(b, m, e)
-    pad[:, :x.shape[1]] = x
-    out = x.new_empty(w * b * m * e)
-    collectives.all_gather_tensor(out, pad.reshape(-1), group=group)
-    out = out.view(w, b, m, e)
-    return torch.cat([out[r, :, :seq_lens[r]] for r in range(w)], dim=1)
+def _block_attention(scale: float):
+    """The module's ``attn_fn``: the one-process core with the model's scale; padding keys
+    masked by the module's gathered ``key_padding_mask``."""
 
-
-def _attention(ctx: RankContext, module: UlyssesAttention, mask: torch.Tensor,
-               seq_lens: list[int]):
-    valid = mask.bool()[:, None, :]  # [b, 1, S]: padding keys never attend
-    scale = ctx.model.scale
-
-    def attn_fn(q, k, v, causal):
+    def attn_fn(q, k, v, causal, key_padding_mask=None):
+        valid = None if key_padding_mask is None else key_padding_mask[:, None, :]
         return full_attention(q, k, v, valid, scale)
 
+    return attn_fn
+
+
+def _attention(module: UlyssesAttention, valid: torch.Tensor, seq_lens: list[int]):
     def attend(i, q, k, v):
-        module.attn_fn = attn_fn
-        return module(q, k, v, seq_lens=seq_lens)
+        return module(q, k, v, seq_lens=seq_lens, key_padding_mask=valid)
 
     return attend
 
@@ -100,8 +88,8 @@ def run(ctx: RankContext, backend: str) -> DemoRow | None:
     """Embed the corpus with Ulysses attention in every layer; rank 0 returns the row."""
     ref = sentence_reference(ctx)
     transport, payload, threshold = parse_backend(backend)
-    module = UlyssesAttention(group=ctx.group, backend=transport, pipeline_groups=0,
-                              payload_dtype=payload)
+    module = UlyssesAttention(_block_attention(ctx.model.scale), group=ctx.group,
+                              backend=transport, pipeline_groups=0, payload_dtype=payload)
     embs: list[torch.Tensor] = []
 
     def work():
@@ -110,7 +98,8 @@ def run(ctx: RankContext, backend: str) -> DemoRow | None:
             lo = head_offsets(lens)[ctx.rank]
             hi = lo + lens[ctx.rank]
             pos = torch.arange(lo, hi, device=ids.device)
-            hidden = ctx.model.forward(ids[:, lo:hi], _attention(ctx, module, mask, lens),
+            hidden = ctx.model.forward(ids[:, lo:hi],
+                                       _attention(module, mask[:, lo:hi].bool(), lens),
                                        positions=pos)
             full = gather_sequence(hidden, lens, ctx.group)
             embs.append(mean_pool(full, mask))

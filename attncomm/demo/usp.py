@@ -5,10 +5,10 @@ W = U·R with U, R ≥ 2 (W = 4: U = 2, R = 2; U is the smallest such factor). E
 sentences is padded to a multiple of U·R (contiguous) or 2·U·R (zigzag) and cut by the USP layout
 (``usp_positions``: rank g holds piece g of the ring-ordered sequence). The attention core is
 ``USPAttention``: Ulysses all-to-all over the Ulysses group (12 heads → 6 per rank at U = 2),
-ring attention over the ring group, all-to-all back. Padding keys are masked with the ring
-demo's bias channel (``demo/ring.py``), so q/k carry ``head_dim + 1`` features and v
-``head_dim``. Compared: the sentence embeddings against the one-process model. Backends (the
-``backend`` column): the layout over the ring, with the grid.
+ring attention over the ring group, all-to-all back. Padding keys are masked by USP's
+``key_padding_mask`` (each rank's shard of the padding mask: gathered over the Ulysses group,
+then passed around the ring with its K/V block). Compared: the sentence embeddings against the
+one-process model. Backends (the ``backend`` column): the layout over the ring, with the grid.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from ..usp import USPAttention, make_groups, usp_positions, usp_unshard
 from .base import DemoConfig, DemoRow, RankContext, sentence_reference
 from .models import MiniLMInfo, mean_pool
-from .ring import block_attention, pad_to, padding_channel
+from .ring import block_attention, pad_to
 from .ulysses import gather_sequence
 
 __all__ = ["NAME", "skip_reason", "backends", "run", "grid"]
@@ -60,11 +60,10 @@ def run(ctx: RankContext, backend: str) -> DemoRow | None:
         for ids, mask in ctx.sentence_chunks():
             ids_p, mask_p = pad_to(ids, mask, parts)
             pos = usp_positions(ids_p.shape[1], u, r, ctx.rank, layout).to(ids.device)
-            valid = mask_p[:, pos]
+            valid = mask_p[:, pos].bool()
 
             def attend(i, q, k, v):
-                qb, kb = padding_channel(q, k, valid)
-                return module(qb, kb, v)
+                return module(q, k, v, key_padding_mask=valid)
 
             hidden = ctx.model.forward(ids_p[:, pos], attend, positions=pos)
             shards = gather_sequence(hidden, [len(pos)] * ctx.world_size,

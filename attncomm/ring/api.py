@@ -10,6 +10,12 @@ arrives from rank r−1 (``ring/comm.py``). The partial outputs are merged onlin
 (``ring/merge.py``: the DCP merge's math and special-value rule). Which rows a step attends, and
 which steps a causal mask skips, is ``ring/layout.py``'s table.
 
+A key-padding mask (bool ``[B, S_r]``, this rank's keys) travels around the ring with its K/V
+block (as one more tensor of the same transfer) and reaches ``attn_fn`` with the block's keys.
+Packed sequences (``cu_seqlens``) turn each step into the segments of ``ring_segments``; their
+per-step list is a plan kept per (layout, causal, W, rank, S_r, boundaries), made on the first
+call with those boundaries (outside CUDA graph capture: the warm-up rule).
+
 Schedule of one rank (W = 4; ``post(i)`` sends block i on and receives block i+1)::
 
     post(0) attend(0) merge(0) wait(0) | post(1) attend(1) merge(1) wait(1) | ... attend(3) merge(3)
@@ -19,11 +25,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+import collections
+import zlib
+
 from .. import _agree, config
+from .._plans import warm_up_error
 from ..errors import PeerTimeoutError
 from .attn import attention_with_lse
 from .comm import RingComm
-from .layout import LAYOUTS, layout_error, ring_block
+from .layout import LAYOUTS, cu_seqlens_error, layout_error, ring_block, ring_segments
 from .merge import merge_block, new_state
 
 __all__ = ["ring_attention", "RingAttention", "DTYPES", "local_error", "signature", "LAYOUT_CODES"]
@@ -33,7 +43,8 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: ``layout`` as the int an argument check agrees on.
 LAYOUT_CODES = {name: i + 1 for i, name in enumerate(LAYOUTS)}
 LABELS = ["B", "S_r", "Hq", "D", "Hkv", "Dv", "q dtype", "k dtype", "v dtype", "CUDA", "layout",
-          "causal", "return_lse"]
+          "causal", "return_lse", "key_padding_mask given", "cu_seqlens (N + 1, -1: none)",
+          "cu_seqlens (CRC-32)"]
 
 
 def _describe(q, k, v) -> str:
@@ -41,8 +52,46 @@ def _describe(q, k, v) -> str:
                      for n, t in zip("qkv", (q, k, v)))
 
 
-def local_error(q, k, v, layout) -> str | None:
-    """This rank's argument errors (no communication), or None."""
+def key_mask_error(mask, b: int, s: int, device) -> str | None:
+    """Why ``mask`` is not a key-padding mask of ``[B, S] = [b, s]`` on ``device`` (bool, True =
+    attend), or None; None is no mask."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool \
+            or tuple(mask.shape) != (b, s) or mask.device != device:
+        got = (f"{list(mask.shape)} {mask.dtype} on {mask.device}"
+               if isinstance(mask, torch.Tensor) else type(mask).__name__)
+        return (f"key_padding_mask must be a bool tensor [B, S_r] = [{b}, {s}] on {device} "
+                f"(True = attend), got {got}")
+    return None
+
+
+def cu_tuple(cu_seqlens) -> tuple | None:
+    """``cu_seqlens`` (an int32 1-D tensor) as a tuple of ints (read on the host), or None;
+    raises ``ValueError`` naming what it got otherwise."""
+    if cu_seqlens is None:
+        return None
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 \
+            or cu_seqlens.dim() != 1:
+        got = (f"{list(cu_seqlens.shape)} {cu_seqlens.dtype}"
+               if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__)
+        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor [N + 1], got {got}")
+    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise warm_up_error("ring_attention", "cu_seqlens on the GPU (its values plan the "
+                            "steps; pass a CPU tensor to capture)")
+    return tuple(cu_seqlens.tolist())
+
+
+def cu_signature(cu: tuple | None) -> list[int]:
+    """``[N + 1, CRC-32 of the boundaries]`` (``[-1, -1]`` without)."""
+    if cu is None:
+        return [-1, -1]
+    return [len(cu), zlib.crc32(torch.tensor(cu, dtype=torch.int64).numpy().tobytes())]
+
+
+def local_error(q, k, v, layout, key_padding_mask=None, cu=None, world: int = 1) -> str | None:
+    """This rank's argument errors (no communication), or None. ``cu``: the boundaries as a
+    tuple (``cu_tuple``), over ``world`` ranks."""
     tens = [t for t in (q, k, v) if isinstance(t, torch.Tensor)]
     if len(tens) != 3 or any(t.dim() != 4 for t in tens):
         return f"q, k, v must be 4-D tensors [B, S_r, H, D], got {_describe(q, k, v)}"
@@ -62,10 +111,14 @@ def local_error(q, k, v, layout) -> str | None:
                 f"{[str(t.dtype) for t in tens]}")
     if len({t.device for t in tens}) != 1:
         return f"q, k, v are on different devices: {[str(t.device) for t in tens]}"
-    return layout_error(layout, s_r)
+    why = layout_error(layout, s_r) or key_mask_error(key_padding_mask, b, s_r, q.device)
+    if why is None and cu is not None and layout in LAYOUTS:
+        why = cu_seqlens_error(cu, world * s_r, world, layout)
+    return why
 
 
-def signature(q, k, v, layout, causal, return_lse) -> list[int]:
+def signature(q, k, v, layout, causal, return_lse, key_padding_mask=None,
+              cu: tuple | None = None) -> list[int]:
     """The ints every rank must agree on (``LABELS`` names them); −1 where a tensor is not a
     4-D tensor (its local error already says why)."""
     ok = all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v))
@@ -73,10 +126,46 @@ def signature(q, k, v, layout, causal, return_lse) -> list[int]:
     codes = [_agree.DTYPE_CODES.get(t.dtype, 0) if isinstance(t, torch.Tensor) else 0
              for t in (q, k, v)]
     return [*dims, *codes, int(bool(ok and q.is_cuda)), LAYOUT_CODES.get(layout, 0),
-            int(bool(causal)), int(bool(return_lse))]
+            int(bool(causal)), int(bool(return_lse)), int(key_padding_mask is not None),
+            *cu_signature(cu)]
 
 
-def _run(q, k, v, group, causal: bool, layout: str, attn_fn, timeout_s: float, op: str):
+#: (layout, causal, W, rank, S_r, boundaries) → the segments of every step (least recently
+#: made dropped first).
+_SEGMENT_PLANS: collections.OrderedDict = collections.OrderedDict()
+_SEGMENT_PLANS_SIZE = 256
+
+
+def segment_plan(layout: str, causal: bool, world: int, rank: int, s_r: int,
+                 cu: tuple) -> list:
+    """The segments of every ring step for the boundaries ``cu``: made once per key, outside
+    CUDA graph capture (the warm-up error inside one)."""
+    key = (layout, causal, world, rank, s_r, cu)
+    plan = _SEGMENT_PLANS.get(key)
+    if plan is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise warm_up_error("ring_attention", f"cu_seqlens {list(cu)[:8]}")
+        plan = [ring_segments(layout, causal, world, rank, i, s_r, cu) for i in range(world)]
+        _SEGMENT_PLANS[key] = plan
+        while len(_SEGMENT_PLANS) > _SEGMENT_PLANS_SIZE:
+            _SEGMENT_PLANS.popitem(last=False)
+    else:
+        _SEGMENT_PLANS.move_to_end(key)
+    return plan
+
+
+def _call_block(attn_fn, q, k, v, causal, mask, segments):
+    """``attn_fn`` with the keywords of what this call carries (none for a dense call)."""
+    kw = {}
+    if mask is not None:
+        kw["key_padding_mask"] = mask
+    if segments is not None:
+        kw["segments"] = segments
+    return attn_fn(q, k, v, causal, **kw)
+
+
+def _run(q, k, v, group, causal: bool, layout: str, attn_fn, timeout_s: float, op: str,
+         key_padding_mask=None, cu: tuple | None = None):
     """The ring forward on checked inputs: ``(out [B, S_r, Hq, Dv] in q's dtype, lse
     [B, S_r, Hq] fp32)``."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -86,20 +175,33 @@ def _run(q, k, v, group, causal: bool, layout: str, attn_fn, timeout_s: float, o
     if acc.numel() == 0:
         return acc.to(q.dtype), acc_lse
     comm = RingComm(group, timeout_s, op) if world > 1 else None
-    k_cur, v_cur = k.contiguous(), v.contiguous()
+    # The mask travels as bytes (a bool tensor's storage, viewed) with its K/V block.
+    cur = [k.contiguous(), v.contiguous()]
+    if key_padding_mask is not None:
+        cur.append(key_padding_mask.contiguous().view(torch.uint8))
+    plan = None if cu is None else segment_plan(layout, causal, world, rank, s_r, cu)
     bufs: list = []
     for step in range(world):
         pending = None
         if step + 1 < world:  # post the next block's transfer before this block's attention
             if not bufs:
-                bufs = [(torch.empty_like(k_cur), torch.empty_like(v_cur)) for _ in range(2)]
+                bufs = [[torch.empty_like(t) for t in cur] for _ in range(2)]
             nxt = bufs[step % 2]
-            pending = comm.start([k_cur, v_cur], list(nxt))
-        blk = ring_block(layout, causal, world, rank, step, s_r)
+            pending = comm.start(cur, nxt)
+        k_cur, v_cur = cur[0], cur[1]
+        mask = cur[2].view(torch.bool) if len(cur) > 2 else None
+        if plan is None:
+            blk = ring_block(layout, causal, world, rank, step, s_r)
+            segs = None
+        else:  # packed sequences: the whole blocks, with this step's segments
+            segs = plan[step]
+            blk = ring_block(layout, False, world, rank, step, s_r) if segs else None
         if blk is not None:
             try:
-                out, lse = attn_fn(q[:, blk.q_lo:blk.q_hi], k_cur[:, blk.k_lo:blk.k_hi],
-                                   v_cur[:, blk.k_lo:blk.k_hi], blk.causal)
+                out, lse = _call_block(attn_fn, q[:, blk.q_lo:blk.q_hi],
+                                       k_cur[:, blk.k_lo:blk.k_hi], v_cur[:, blk.k_lo:blk.k_hi],
+                                       blk.causal, None if mask is None
+                                       else mask[:, blk.k_lo:blk.k_hi], segs)
                 _check_result(out, lse, (b, blk.q_hi - blk.q_lo, hq, dv), op)
             except BaseException:
                 # Finish the posted transfer first: a receive left pending would take the
@@ -110,7 +212,7 @@ def _run(q, k, v, group, causal: bool, layout: str, attn_fn, timeout_s: float, o
             merge_block(acc[:, blk.q_lo:blk.q_hi], acc_lse[:, blk.q_lo:blk.q_hi], out, lse)
         if pending is not None:
             comm.wait(pending, step)
-            k_cur, v_cur = nxt
+            cur = nxt
     return acc.to(q.dtype), acc_lse
 
 
@@ -132,7 +234,9 @@ def _check_result(out, lse, want, op: str) -> None:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
                    causal: bool = False, layout: str = "contiguous", return_lse: bool = False,
-                   attn_fn=None, validate: bool | None = None, timeout_s: float | None = None):
+                   attn_fn=None, validate: bool | None = None, timeout_s: float | None = None,
+                   key_padding_mask: torch.Tensor | None = None,
+                   cu_seqlens: torch.Tensor | None = None):
     """Attention over the whole sequence, sharded over the ranks of ``group`` (ring attention).
 
     Arguments:
@@ -149,36 +253,58 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         return_lse: also return the LSE.
         attn_fn: ``attn_fn(q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv], causal) ->
             (out [B, Sq, Hq, Dv] (fp16/bf16/fp32), lse [B, Sq, Hq] fp32 base e)`` for one block
-            (``causal`` only for square blocks); a non-finite LSE marks an empty row. Default:
+            (``causal`` only for square blocks); a non-finite LSE marks an empty row. With a
+            mask it is also given ``key_padding_mask=`` (bool ``[B, Sk]``, the block's keys);
+            with ``cu_seqlens``, ``segments=`` (the block's ``Segment`` tuples ``(q_lo, q_hi,
+            k_lo, k_hi, causal)`` in its own row coordinates: query rows attend only their
+            segment's keys, rows of no segment are empty) and ``causal=False``. Default:
             ``attention_with_lse`` (fp32 math on CPU, SDPA's kernel with its LSE on CUDA).
         validate: cross-rank argument check, one small gloo collective (None: env
             ``ATTNCOMM_VALIDATE``; unset, on the first call with a new signature per group;
             True every call; False never), as every functional call's.
         timeout_s: bound of every wait in seconds (None: ``ATTNCOMM_TIMEOUT_S``, 60).
+        key_padding_mask: bool ``[B, S_r]`` of this rank's keys (True = attend), sharded like
+            k (None: every key). A fully masked block is an empty source of the merge.
+        cu_seqlens: int32 ``[N + 1]``, the boundaries of N packed sequences over the global
+            token order (0 … ``W·S_r``), the same on every rank (None: one sequence).
+            Attention never crosses a boundary and is causal within each sequence; a step with
+            no pair of one sequence is skipped. ``"zigzag"`` then zigzags every sequence on its
+            own (``zigzag_shard(..., cu_seqlens=)``; each length divisible by 2W). Read on the
+            host: a CPU tensor costs no sync, and only a CPU tensor may be passed under CUDA
+            graph capture (its boundaries planned by an eager call first).
 
     Returns:
         ``[B, S_r, Hq, Dv]`` in q's dtype: this rank's rows of the attention over all ``W·S_r``
         positions (and ``[B, S_r, Hq]`` fp32 LSE, base e, with ``return_lse``). Accumulated in
-        fp32, rounded once. A row with no key in any block is 0 with LSE −inf.
+        fp32, rounded once. A row with no key in any block (masked, or outside its sequence)
+        is 0 with LSE −inf.
 
     Raises:
         ValueError (every rank alike unless validation is off): not 4-D tensors, shapes,
-            ``Hq % Hkv``, dtypes, devices, an unknown layout, zigzag with an odd ``S_r``, ranks
-            that disagree on any of them (``S_r`` included).
+            ``Hq % Hkv``, dtypes, devices, an unknown layout, zigzag with an odd ``S_r``, a
+            mask not bool ``[B, S_r]`` on q's device, bad ``cu_seqlens``, ranks that disagree
+            on any of them (``S_r``, a mask given, the boundaries included).
         PeerTimeoutError: a ring neighbour did not answer within ``timeout_s`` (named).
     """
     budget = config.timeout_s(timeout_s)
-    error = local_error(q, k, v, layout)
-    _agree.validate_args(group, "ring_attention", signature(q, k, v, layout, causal, return_lse),
-                        LABELS, error, budget, validate)
+    try:
+        cu, error = cu_tuple(cu_seqlens), None
+    except ValueError as exc:
+        cu, error = None, str(exc)
+    world = dist.get_world_size(group)
+    error = error or local_error(q, k, v, layout, key_padding_mask, cu, world)
+    sig = signature(q, k, v, layout, causal, return_lse, key_padding_mask, cu)
+    if error and cu_seqlens is not None and cu is None:
+        sig[-2] = -2  # given but unreadable
+    _agree.validate_args(group, "ring_attention", sig, LABELS, error, budget, validate)
     out, lse = _run(q, k, v, group, bool(causal), layout, attn_fn or attention_with_lse, budget,
-                    "ring_attention")
+                    "ring_attention", key_padding_mask, cu)
     return (out, lse) if return_lse else out
 
 
 class RingAttention(torch.nn.Module):
     """The module form of ``ring_attention`` (same arguments; ``forward(q, k, v, *,
-    causal=False, return_lse=False)``).
+    causal=False, return_lse=False, key_padding_mask=None, cu_seqlens=None)``).
 
     Arguments:
         attn_fn: the per-block attention (see ``ring_attention``; None: the default).
@@ -204,12 +330,15 @@ class RingAttention(torch.nn.Module):
                             config.validation_mode(validate) != "never")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                causal: bool = False, return_lse: bool = False):
+                causal: bool = False, return_lse: bool = False,
+                key_padding_mask: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None):
         if self._closed:
             raise RuntimeError("RingAttention: this object is closed (close() was called)")
         return ring_attention(q, k, v, self.group, causal=causal, layout=self.layout,
                               return_lse=return_lse, attn_fn=self.attn_fn,
-                              validate=self.validate, timeout_s=self.timeout_s)
+                              validate=self.validate, timeout_s=self.timeout_s,
+                              key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens)
 
     def close(self) -> None:
         """End this object's use (it holds no peer memory; later calls raise)."""

@@ -48,7 +48,7 @@ def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                        scale: float | None = None):
+                        scale: float | None = None, key_padding_mask: torch.Tensor | None = None):
     """Attention with LSE in fp32 math (any device).
 
     Arguments:
@@ -56,11 +56,13 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
             ``Hq % Hkv == 0``.
         causal: mask key j > query i (needs ``Sq == Sk``).
         scale: score scale (None: ``1/√D``).
+        key_padding_mask: bool ``[B, Sk]`` (True = attend) or None: a masked key's score is
+            −inf, the same rule as a −inf bias carried in k.
 
     Returns:
         ``out [B, Sq, Hq, Dv]`` fp32, ``lse [B, Sq, Hq]`` fp32 (base e). A row with no
-        key (``Sk == 0``) gets ``out = 0`` and ``lse = −inf``; a key whose score is −inf
-        (e.g. a −inf bias carried in k) weighs exactly 0.
+        key (``Sk == 0``, or every key masked) gets ``out = 0`` and ``lse = −inf``; a key
+        whose score is −inf (e.g. a −inf bias carried in k) weighs exactly 0.
 
     Every operand is copied to a dense ``[B, H, S, D]`` fp32 tensor first, so the bits depend on
     the values and shapes only, not on the inputs' strides.
@@ -77,6 +79,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     if causal:
         mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
         s = s.masked_fill(mask, float("-inf"))
+    if key_padding_mask is not None:
+        s = s.masked_fill(~key_padding_mask.bool()[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # [B, H, Sq]; −inf for a row without a key
     # A finite stand-in on empty rows: exp(−inf − 0) = 0, no NaN from −inf − (−inf).
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
@@ -137,10 +141,21 @@ def _order(qt, kt, vt, causal: bool) -> tuple:
     return order
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, *,
+                       key_padding_mask: torch.Tensor | None = None, segments=None):
     """The default ``attn_fn`` of ``ring_attention``: ``(out [B, Sq, Hq, Dv], lse [B, Sq, Hq]
     fp32)``, ``out`` in q's dtype from a fused kernel, fp32 from the math path — see the module
-    docstring for the kernel it runs."""
+    docstring for the kernel it runs.
+
+    ``key_padding_mask``: bool ``[B, Sk]`` (True = attend) or None. ``segments``: None, or the
+    block's ``Segment`` tuples (``ring/layout.py``: query rows ``[q_lo, q_hi)`` attend key rows
+    ``[k_lo, k_hi)``, causally or not), each computed on its own rows (the mask's keys of the
+    segment with it); rows outside every segment are 0 with LSE −inf. A row whose keys are all
+    masked is 0 with LSE −inf."""
+    if segments is not None:
+        return _segments(q, k, v, key_padding_mask, segments)
+    if key_padding_mask is not None:
+        return _masked(q, k, v, causal, key_padding_mask)
     if not q.is_cuda or q.shape[1] == 0 or k.shape[1] == 0:
         _LAST[0] = "math"
         return reference_attention(q, k, v, causal)
@@ -163,3 +178,47 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
         return out.transpose(1, 2), lse.transpose(1, 2)
     _LAST[0] = "math"
     return reference_attention(q, k, v, causal)
+
+
+def _segments(q, k, v, key_padding_mask, segments):
+    """The block's segments one by one into one fp32 result (rows of no segment empty)."""
+    b, sq, hq, _ = q.shape
+    out = torch.zeros(b, sq, hq, v.shape[3], dtype=torch.float32, device=q.device)
+    lse = torch.full((b, sq, hq), float("-inf"), dtype=torch.float32, device=q.device)
+    for seg in segments:
+        q_lo, q_hi, k_lo, k_hi, causal = seg
+        mask = None if key_padding_mask is None else key_padding_mask[:, k_lo:k_hi]
+        o, l_ = attention_with_lse(q[:, q_lo:q_hi], k[:, k_lo:k_hi], v[:, k_lo:k_hi], causal,
+                                   key_padding_mask=mask)
+        out[:, q_lo:q_hi] = o
+        lse[:, q_lo:q_hi] = l_
+    return out, lse
+
+
+def _masked(q, k, v, causal: bool, key_padding_mask):
+    """One block with a key-padding mask: fp32 math on CPU; on CUDA the efficient kernel with the
+    mask as a −inf bias (the math path where it does not take the shape)."""
+    if not q.is_cuda or q.shape[1] == 0 or k.shape[1] == 0 or ("efficient", q.dtype) in _BROKEN:
+        _LAST[0] = "math"
+        return reference_attention(q, k, v, causal, key_padding_mask=key_padding_mask)
+    hq, sq, sk = q.shape[2], q.shape[1], k.shape[1]
+    qt = q.transpose(1, 2)
+    kt = _expand_kv(k.transpose(1, 2), hq)
+    vt = _expand_kv(v.transpose(1, 2), hq)
+    keep = key_padding_mask.bool()
+    bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(
+        ~keep, float("-inf"))[:, None, None, :].expand(q.shape[0], hq, sq, sk)
+    try:
+        res = torch.ops.aten._scaled_dot_product_efficient_attention.default(
+            qt, kt, vt, bias, True, 0.0, causal)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError:  # this kernel does not take these tensors: never ask again
+        _BROKEN.add(("efficient", q.dtype))
+        return _masked(q, k, v, causal, key_padding_mask)
+    _LAST[0] = "efficient"
+    out, lse = res[0].transpose(1, 2), res[1][..., :sq].transpose(1, 2)
+    # A row without a key is empty whatever the kernel wrote there.
+    has = keep.cumsum(1)[:, :sq] > 0 if causal else keep.any(1, keepdim=True).expand(-1, sq)
+    has = has[:, :, None]
+    return out.masked_fill(~has[..., None], 0.0), lse.masked_fill(~has, float("-inf"))

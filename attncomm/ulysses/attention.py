@@ -20,12 +20,13 @@ import torch.distributed as dist
 
 from .. import _agree, _dist, config
 from .._dist import group_key
+from ..collectives import gather_sequence
 from .._plans import warm_up_error
 from . import policy
 from . import fp8
 from .fill import rms_norm_rope
 from .forward_checks import (JOINT_POSITIONS, joint_error, qkv_error, joint_checksum, joint_key,
-                             payload_error)
+                             mask_error, payload_error)
 from .forward_plan import ForwardPlan
 from .pipeline_choice import (MAX_GROUPS, MIN_WAVES, PipelineDecision, auto_groups,
                               choose_groups, fits)
@@ -36,11 +37,15 @@ __all__ = ["UlyssesAttention", "sdpa_attention", "rms_norm_rope", "auto_groups",
            "MAX_GROUPS", "MIN_WAVES"]
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   causal: bool) -> torch.Tensor:
+                   causal: bool, *, key_padding_mask: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """The default ``attn_fn``: PyTorch SDPA, scale ``1/√D``.
 
     ``q [B, S, h, D]``, ``k [B, S, g, D]``, ``v [B, S, g, Dv]`` with ``h % g == 0`` (query head i
-    uses KV head ``i // (h / g)``) → ``[B, S, h, Dv]``."""
+    uses KV head ``i // (h / g)``) → ``[B, S, h, Dv]``. ``key_padding_mask``: bool ``[B, S]``
+    (True = attend) or None; a row with no key to attend is 0."""
+    if key_padding_mask is not None:
+        return _masked_sdpa(q, k, v, causal, key_padding_mask)
     h, g = q.shape[2], k.shape[2]
     # SDPA picks its kernel (and blocking) by shape, so a head's bits can depend on how many
     # heads share the call. On CPU run one head per call (bits independent of the grouping, so
@@ -60,6 +65,29 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return torch.cat(outs, dim=1).transpose(1, 2)
     out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
     return out.transpose(1, 2)
+
+
+def _masked_sdpa(q, k, v, causal: bool, key_padding_mask: torch.Tensor) -> torch.Tensor:
+    """``sdpa_attention`` with a key-padding mask: SDPA with the mask broadcast over heads and
+    queries (one call per head on CPU, as the unmasked path), rows without a key set to 0."""
+    h, g = q.shape[2], k.shape[2]
+    if h == 0:
+        return q.new_empty(q.shape[0], q.shape[1], 0, v.shape[3])
+    if g != h:
+        k = k.repeat_interleave(h // g, dim=2)
+        v = v.repeat_interleave(h // g, dim=2)
+    sq = q.shape[1]
+    allowed = key_padding_mask.bool()[:, None, None, :]
+    if causal:
+        allowed = allowed & torch.ones(sq, k.shape[1], dtype=torch.bool,
+                                       device=q.device).tril()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    heads = [slice(i, i + 1) for i in range(h)] if q.device.type == "cpu" else [slice(0, h)]
+    outs = [sdpa(q[:, :, i].transpose(1, 2), k[:, :, i].transpose(1, 2),
+                 v[:, :, i].transpose(1, 2), attn_mask=allowed) for i in heads]
+    out = torch.cat(outs, dim=1).transpose(1, 2)
+    has = allowed.any(-1)[:, 0, :, None, None]  # [B, Sq, 1, 1]: the row has a key
+    return out.masked_fill(~has, 0.0)
 
 
 class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
@@ -113,6 +141,15 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
     sequence rows only: joint rows enter as passed (models norm and rotate their streams with
     their own weights).
 
+    Key-padding masks: ``key_padding_mask`` (bool ``[B, S_r]``, True = attend) masks this
+    rank's keys, sharded like k; ``joint_key_padding_mask`` (bool ``[B, S_j]``, the same on
+    every rank) masks the joint rows' keys (a DiT's padded text tokens). The masks are
+    gathered over the group (one small all_gather) into the mask of the rows attention runs
+    over (``[joint; sequence]`` or ``[sequence; joint]``; a missing one is all True) and
+    ``attn_fn`` is called with ``key_padding_mask=`` that ``[B, S_j + S]`` mask (only when a
+    mask is given). A row with no key to attend is 0. The masks are tensors of the compiled
+    op, so one graph serves every mask of a shape.
+
     Attributes (of the last forward):
         fallback_reason: why it did not take ``ce`` for some exchange with ``backend="auto"``
             (None when every exchange that could use ``ce`` did, or the message was small
@@ -147,8 +184,10 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         tensors or ranks, bad ``seq_lens``/``rope``/``qk_norm``/``pipeline_groups`` (also from
         env ``ATTNCOMM_ULYSSES_PIPELINE_GROUPS``), joint rows with ``causal=True``, of the wrong
         shapes, dtypes or device, or (when the call is checked) with different bits on
-        different ranks, a bad ``joint_position``, an FP8 payload with inputs that are not
-        fp16/bf16/fp32; PeerTimeoutError when a peer does not answer.
+        different ranks, a bad ``joint_position``, a key-padding mask that is not bool of its
+        rows' shape on q's device (or given on some ranks only), a joint mask without joint
+        rows, an FP8 payload with inputs that are not fp16/bf16/fp32; PeerTimeoutError when a
+        peer does not answer.
     """
 
     def __init__(self, attn_fn=None, group=None, *, backend: str = "auto",
@@ -242,25 +281,33 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
 
     # ----------------------------------------------------------------------------- forward
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_lens=None,
-                causal: bool = False, rope=None, joint=None, joint_position: str = "front"):
+                causal: bool = False, rope=None, joint=None, joint_position: str = "front",
+                key_padding_mask: torch.Tensor | None = None,
+                joint_key_padding_mask: torch.Tensor | None = None):
+        masks = (key_padding_mask, joint_key_padding_mask)
         if torch.compiler.is_compiling():
-            return self._traced_forward(q, k, v, seq_lens, causal, rope, joint, joint_position)
-        return self._forward(q, k, v, seq_lens, causal, rope, joint, joint_position)
+            return self._traced_forward(q, k, v, seq_lens, causal, rope, joint, joint_position,
+                                        masks)
+        return self._forward(q, k, v, seq_lens, causal, rope, joint, joint_position, masks)
 
-    def _forward(self, q, k, v, seq_lens, causal, rope, joint=None, joint_position="front"):
+    def _forward(self, q, k, v, seq_lens, causal, rope, joint=None, joint_position="front",
+                 masks=(None, None)):
         """The eager forward: the plan of this shape (made on its first forward), run."""
         if self._closed:
             self._ensure_open()
+        given = (masks[0] is not None, masks[1] is not None)
         try:
             key = self._plan_key((q.shape, q.dtype, q.device), (k.shape, k.dtype, k.device),
                                  (v.shape, v.dtype, v.device), seq_lens, causal,
                                  None if rope is None else (rope[0].shape, rope[1].shape),
-                                 None if joint is None else joint_key(joint), joint_position)
+                                 None if joint is None else joint_key(joint), joint_position,
+                                 given)
             plan = self._plans.get(key)
         except (AttributeError, TypeError, IndexError, ValueError):  # the checks say what
             key, plan = None, None
         if plan is None:
-            plan = self._make_plan(q, k, v, seq_lens, causal, rope, joint, joint_position, key)
+            plan = self._make_plan(q, k, v, seq_lens, causal, rope, joint, joint_position, key,
+                                   masks)
         elif plan.every:
             sig, labels, error, timeout = plan.validation
             if sig[-1] != -1:  # the joint rows' checksum: of this call's rows
@@ -268,9 +315,27 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
             _agree.validate_args(self._pg, "UlyssesAttention", sig, labels, error, timeout,
                                 self.validate)
         self.__dict__["_last"] = plan
-        return plan.run(q, k, v, rope, joint)
+        if not any(given):
+            return plan.run(q, k, v, rope, joint)
+        return plan.run(q, k, v, rope, joint, key_mask=self._gather_mask(plan, masks, q))
 
-    def _make_plan(self, q, k, v, seq_lens, causal, rope, joint, position, key) -> ForwardPlan:
+    def _gather_mask(self, plan: ForwardPlan, masks, q) -> torch.Tensor:
+        """The key mask of the rows attention runs over, ``[B, S_j + S]`` bool: the ranks'
+        masks gathered in rank order, the joint rows' at their side (all True where none)."""
+        mask, jmask = masks
+        b, s_j = q.shape[0], plan.s_j
+        if mask is None:
+            full = torch.ones(b, plan.s_total, dtype=torch.bool, device=q.device)
+        else:
+            full = gather_sequence(mask.contiguous(), plan.seq, self._pg)
+        if not plan.joint:
+            return full
+        if jmask is None:
+            jmask = torch.ones(b, s_j, dtype=torch.bool, device=q.device)
+        return torch.cat([jmask, full] if plan.front else [full, jmask], dim=1)
+
+    def _make_plan(self, q, k, v, seq_lens, causal, rope, joint, position, key,
+                   masks=(None, None)) -> ForwardPlan:
         """The checks (local, then across ranks on a new signature), the head groups (measured
         for ``pipeline_groups=-1`` on CUDA) and the transports of a new forward shape: its
         ``ForwardPlan``."""
@@ -297,11 +362,15 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         error, dims6, seq = qkv_error(q, k, v, seq_in, rope, self.qk_norm, world, rank, error)
         j_err, s_j = joint_error(joint, position, causal, dims6, (q, k, v))
         error = error or j_err or payload_error(self.payload_dtype, (q, k, v))
+        error = error or mask_error(masks, joint, dims6, s_j, q)
         mode = config.validation_mode(self.validate)
         checksum = (joint_checksum(joint) if error is None and joint is not None and world > 1
                     and mode != "never" else -1)
         sig, labels = self._signature(q, k, v, joint, error, dims6, seq_in, seq, backend, causal,
                                       rope, groups, s_j, position, checksum)
+        # the masks given (before the checksum, which stays the last entry)
+        sig[-1:-1] = [int(masks[0] is not None), int(masks[1] is not None)]
+        labels[-1:-1] = ["key_padding_mask given", "joint_key_padding_mask given"]
         b, s_r, hq, hkv, d, dv = dims6
         if error is None and policy.capturing(q):
             raise warm_up_error("UlyssesAttention", f"the forward shape q {list(q.shape)}, "
@@ -361,16 +430,17 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         return sig, labels
 
     def _plan_key(self, qd, kd, vd, seq_lens, causal, rope_shapes, jkey=None,
-                  position="front") -> tuple:
+                  position="front", masks=(False, False)) -> tuple:
         """A forward's plan key from its tensors' (shape, dtype, device), ``seq_lens``, causal,
         the rope tensors' shapes and the joint rows' (shape, dtype, device) and position: the
         same for an eager forward and a traced one of the same shape. The ``ATTNCOMM_*``
         variables are read when a plan is made, not per call: a change takes effect at the
         next new plan, or for every shape after ``attncomm.release(group)``."""
         seq = seq_lens if seq_lens is None or type(seq_lens) is tuple else seq_key(seq_lens)
-        return (qd, kd, vd, seq, bool(causal), rope_shapes, jkey, position)
+        return (qd, kd, vd, seq, bool(causal), rope_shapes, jkey, position, masks)
 
-    def _traced_forward(self, q, k, v, seq_lens, causal, rope, joint, position):
+    def _traced_forward(self, q, k, v, seq_lens, causal, rope, joint, position,
+                        masks=(None, None)):
         """The forward under torch.compile: one custom op (``ulysses/ops.py``) that runs the
         plan an eager forward of this shape made (the warm-up error when there is none)."""
         jkey = None if joint is None else tuple((tuple(t.shape), t.dtype, t.device)
@@ -380,14 +450,16 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
                             (tuple(k.shape), k.dtype, k.device),
                             (tuple(v.shape), v.dtype, v.device), seq_lens, causal,
                             None if rope is None else (tuple(rope[0].shape),
-                                                       tuple(rope[1].shape)), jkey, position)
+                                                       tuple(rope[1].shape)), jkey, position,
+                            (masks[0] is not None, masks[1] is not None))
         cos, sin = rope if rope is not None else (None, None)
         seq = None if seq_lens is None else [int(s) for s in seq_lens]
         if joint is None:
             return torch.ops.attncomm.ulysses_attention(q, k, v, cos, sin, name, bool(causal),
-                                                        seq)
+                                                        seq, masks[0])
         return torch.ops.attncomm.ulysses_attention_joint(q, k, v, cos, sin, *joint, name,
-                                                          bool(causal), seq, position == "front")
+                                                          bool(causal), seq, position == "front",
+                                                          *masks)
 
 
 _UNRESOLVED = object()
@@ -414,7 +486,7 @@ def _forget(key) -> None:
 
 @torch.compiler.assume_constant_result
 def _traced_plan(name, closed, qd, kd, vd, seq_lens, causal, rope_shapes, jkey,
-                 position) -> str:
+                 position, masks=(False, False)) -> str:
     """``name`` (the module's, given by its first eager plan), after checking that an eager
     forward planned this shape (the warm-up error otherwise). Run by torch.compile while it
     traces; its result is a constant of the graph. Its arguments are constants (a string and
@@ -423,7 +495,7 @@ def _traced_plan(name, closed, qd, kd, vd, seq_lens, causal, rope_shapes, jkey,
         raise _dist.Lifecycle.closed_error("UlyssesAttention")
     mod = _NAMES.get(name) if name is not None else None
     key = None if mod is None else mod._plan_key(qd, kd, vd, seq_lens, causal, rope_shapes,
-                                                 jkey, position)
+                                                 jkey, position, masks)
     if mod is None or key not in mod._plans:
         shapes = ", ".join(f"{n} {list(d[0])}" for n, d in zip("qkv", (qd, kd, vd)))
         raise warm_up_error("UlyssesAttention", f"the forward shape {shapes}, {qd[1]}")

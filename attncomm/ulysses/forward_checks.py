@@ -15,9 +15,11 @@ import zlib
 import torch
 
 from . import fp8
+from ..ring.api import key_mask_error
 from .policy import _seq_lens_error
 
-__all__ = ["JOINT_POSITIONS", "qkv_error", "joint_error", "payload_error", "joint_checksum",
+__all__ = ["JOINT_POSITIONS", "qkv_error", "mask_error", "joint_error",
+           "payload_error", "joint_checksum",
            "joint_key"]
 
 #: Where the joint rows sit in the sequence attention runs over: ``[joint; sequence]`` or
@@ -148,3 +150,18 @@ def joint_key(joint):
     qj, kj, vj = joint
     return ((qj.shape, qj.dtype, qj.device), (kj.shape, kj.dtype, kj.device),
             (vj.shape, vj.dtype, vj.device))
+
+
+def mask_error(masks, joint, dims6, s_j: int, q) -> str | None:
+    """Why the key-padding masks ``(mask [B, S_r], joint mask [B, S_j])`` cannot be used, or
+    None (None masks are none)."""
+    mask, jmask = masks
+    b, s_r = dims6[0], dims6[1]
+    why = key_mask_error(mask, b, s_r, q.device)
+    if why is None and jmask is not None:
+        if joint is None:
+            return "joint_key_padding_mask is given without joint rows"
+        why = key_mask_error(jmask, b, s_j, q.device)
+        if why:
+            why = "joint_" + why.replace("[B, S_r]", "[B, S_j]")
+    return why

@@ -107,6 +107,7 @@ class ForwardPlan:
         self.n_groups = n_groups
         self.decision = None
         self.s_total = sum(seq)
+        self.seq = tuple(seq)
         self.s_j, self.front = joint if joint is not None else (0, True)
         self.joint = joint is not None
         self.rows = self.s_j + self.s_total  # the rows attention runs over
@@ -212,9 +213,10 @@ class ForwardPlan:
         return out
 
     # ------------------------------------------------------------------------------ run
-    def run(self, q, k, v, rope, joint=None):
+    def run(self, q, k, v, rope, joint=None, key_mask=None):
         """One forward: ``[B, S_r, Hq, Dv]``, a new tensor; with joint rows (``joint=(q_j, k_j,
-        v_j)``, required when the plan has them) ``(out, joint_out [B, S_j, Hq, Dv])``. Group
+        v_j)``, required when the plan has them) ``(out, joint_out [B, S_j, Hq, Dv])``;
+        ``key_mask``: bool ``[B, rows]`` of the rows attention runs over, for ``attn_fn``. Group
         g+1's fill and exchange are enqueued before group g's attention; each group's output
         reaches the final tensor through the transport (a copy out of its staging or receive
         buffer, docs/DESIGN.md). Pipelined and sequential runs give the same bits.
@@ -253,7 +255,7 @@ class ForwardPlan:
             # flight, its exchange under group g's attention
             nxt = self._start_in(groups[g + 1], qkv, rows, stores, joint) if g + 1 < n else None
             grp = groups[g]
-            o = self._attend(grp, *self._arrived(grp, ex_in))
+            o = self._attend(grp, *self._arrived(grp, ex_in), key_mask)
             for ex, _ in ex_in:
                 ex.release()
             if self.joint:
@@ -351,14 +353,16 @@ class ForwardPlan:
                 views[i] = buf.as_strided(size, stride, base + off)
         return views
 
-    def _attend(self, grp: _Group, qg, kg, vg):
+    def _attend(self, grp: _Group, qg, kg, vg, key_mask=None):
         """``attn_fn`` on this rank's heads of one group (``[B, rows, h, Dv]``), with the KV heads
         expanded to one per query head when the rank's grouping is not uniform."""
         if grp.heads == 0 or self.rows == 0:
             return qg.new_empty(qg.shape[0], self.rows, grp.heads, self.dv)
         if grp.idx is not None:
             kg, vg = kg.index_select(2, grp.idx), vg.index_select(2, grp.idx)
-        return dense(self.attn_fn(qg, kg, vg, self.causal))
+        if key_mask is None:
+            return dense(self.attn_fn(qg, kg, vg, self.causal))
+        return dense(self.attn_fn(qg, kg, vg, self.causal, key_padding_mask=key_mask))
 
     def _split(self, o):
         """A group's attention output over the concatenation → (the sequence rows, the joint

@@ -122,16 +122,19 @@ def _(x, output, group_name, rank, seq_lens, backend, timeout_s, validate, num_h
 @torch.library.custom_op("attncomm::ulysses_attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
                  sin: torch.Tensor | None, module: str, causal: bool,
-                 seq_lens: list[int] | None) -> torch.Tensor:
+                 seq_lens: list[int] | None,
+                 key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The forward of the ``UlyssesAttention`` named ``module`` (``rope=(cos, sin)`` when
-    given): its eager forward, with the plan an eager call of the shape made."""
+    given; the key-padding mask a tensor of the op): its eager forward, with the plan an eager
+    call of the shape made."""
     rope = None if cos is None else (cos, sin)
     seq = None if seq_lens is None else tuple(seq_lens)
-    return attention.module_by_name(module)._forward(q, k, v, seq, causal, rope)
+    return attention.module_by_name(module)._forward(q, k, v, seq, causal, rope,
+                                                     masks=(key_padding_mask, None))
 
 
 @attention_op.register_fake
-def _(q, k, v, cos, sin, module, causal, seq_lens):
+def _(q, k, v, cos, sin, module, causal, seq_lens, key_padding_mask=None):
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
 
 
@@ -139,18 +142,22 @@ def _(q, k, v, cos, sin, module, causal, seq_lens):
 def attention_joint_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        cos: torch.Tensor | None, sin: torch.Tensor | None, q_j: torch.Tensor,
                        k_j: torch.Tensor, v_j: torch.Tensor, module: str, causal: bool,
-                       seq_lens: list[int] | None, front: bool) -> tuple[torch.Tensor,
-                                                                          torch.Tensor]:
+                       seq_lens: list[int] | None, front: bool,
+                       key_padding_mask: torch.Tensor | None = None,
+                       joint_key_padding_mask: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward of ``module`` with joint rows ``(q_j, k_j, v_j)`` at the front (``front``)
-    or the back: ``(out, joint_out)``."""
+    or the back, and their masks: ``(out, joint_out)``."""
     rope = None if cos is None else (cos, sin)
     seq = None if seq_lens is None else tuple(seq_lens)
     return attention.module_by_name(module)._forward(q, k, v, seq, causal, rope,
                                                      (q_j, k_j, v_j),
-                                                     "front" if front else "back")
+                                                     "front" if front else "back",
+                                                     (key_padding_mask, joint_key_padding_mask))
 
 
 @attention_joint_op.register_fake
-def _(q, k, v, cos, sin, q_j, k_j, v_j, module, causal, seq_lens, front):
+def _(q, k, v, cos, sin, q_j, k_j, v_j, module, causal, seq_lens, front, key_padding_mask=None,
+      joint_key_padding_mask=None):
     return (q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3])),
             q.new_empty((q.shape[0], q_j.shape[1], q.shape[2], v.shape[3])))

@@ -1,0 +1,229 @@
+"""Key-padding masks and packed sequences (``cu_seqlens``) through ring attention, against the
+fp64 reference of the whole masked / packed attention; the cases of ring-flash-attention's
+varlen and zigzag varlen tests (packed sequences of uneven lengths, causal, the LSE compared),
+plus a sequence shorter than a shard, one spanning every rank, and rows masked everywhere."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attncomm.ring import RingAttention, positions, ring_attention, zigzag_shard, zigzag_unshard
+from attncomm.ring.layout import ring_segments
+
+from _ring_helpers import bits_equal, expect_value_error, gen, max_err, rand, ref_attention_lse
+
+
+def _lens_to_cu(lens):
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32)
+
+
+def _packing(world: int, layout: str):
+    """Uneven packings of ``S = W·S_r`` positions: a sequence shorter than a shard, one
+    spanning every rank, an empty one."""
+    unit = 2 * world if layout == "zigzag" else 1
+    s_r = 4 * unit // world * 2 if layout == "zigzag" else 6
+    s = s_r * world
+    if layout == "zigzag":
+        lens = [unit, s - 3 * unit, 0, 2 * unit]
+    else:
+        lens = [2, s - 5, 3] if world > 1 else [2, 4]
+    return s_r, lens
+
+
+@pytest.mark.parametrize("world", [4])
+def test_zigzag_shard_with_cu_seqlens_roundtrip(world):
+    lens = [2 * world, 0, 6 * world, 4 * world]
+    cu = _lens_to_cu(lens)
+    x = torch.arange(sum(lens))
+    shards = [zigzag_shard(x, world, r, dim=0, cu_seqlens=cu) for r in range(world)]
+    assert torch.equal(zigzag_unshard(shards, dim=0, cu_seqlens=cu), x)
+    for r in range(world):  # each sequence on its own: chunks r and 2W−1−r of every sequence
+        want = torch.cat([zigzag_shard(x[a:b], world, r, dim=0)
+                          for a, b in zip(cu.tolist(), cu.tolist()[1:]) if b > a])
+        assert torch.equal(shards[r], want)
+        assert torch.equal(positions(len(x), world, r, "zigzag", cu_seqlens=cu), want)
+    with pytest.raises(ValueError, match="divisible by 2W = 8"):
+        zigzag_shard(x, world, 0, dim=0, cu_seqlens=_lens_to_cu([4, sum(lens) - 4]))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_segments_cover_the_packed_mask_exactly_once(layout, causal):
+    world = 3
+    s_r, lens = _packing(world, layout)
+    cu = _lens_to_cu(lens)
+    s = s_r * world
+    ids = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    want = ids[:, None] == ids[None, :]
+    if causal:
+        want &= torch.ones(s, s, dtype=torch.bool).tril()
+    seen = torch.zeros(s, s, dtype=torch.int64)
+    for r in range(world):
+        qpos = positions(s, world, r, layout, cu_seqlens=cu)
+        for step in range(world):
+            src = (r - step) % world
+            kpos = positions(s, world, src, layout, cu_seqlens=cu)
+            for q_lo, q_hi, k_lo, k_hi, c in ring_segments(layout, causal, world, r, step, s_r,
+                                                           tuple(cu.tolist())):
+                for i in range(q_lo, q_hi):
+                    for j in range(k_lo, k_hi):
+                        if not c or j - k_lo <= i - q_lo:
+                            seen[qpos[i], kpos[j]] += 1
+    assert torch.equal(seen, want.long()), (layout, causal)
+
+
+# ------------------------------------------------------------------------------ on ranks
+def _cases(world):
+    # (B, Hq, Hkv, D, Dv, causal, layout, mask kind, packed)
+    out = []
+    for layout in ("contiguous", "zigzag"):
+        for causal in (False, True):
+            out.append((2, 4, 2, 8, 6, causal, layout, "random", False))
+            out.append((1, 2, 1, 8, 8, causal, layout, None, True))
+            out.append((2, 4, 2, 8, 8, causal, layout, "random", True))
+    out.append((1, 2, 2, 8, 8, False, "contiguous", "rank1", False))  # a whole block masked
+    return out
+
+
+def _mask(kind, g, b, s, world, layout, s_r):
+    if kind is None:
+        return None
+    m = torch.rand(b, s, generator=g) > 0.3
+    m[:, 0] = False  # causal row 0 has no key at all
+    if b > 1:
+        m[1] = False  # every row of batch 1 masked
+    if kind == "rank1" and world > 1:
+        m[:, positions(s, world, 1, layout)] = False
+    return m
+
+
+def _ring_masked(rank, world, seed):
+    res = []
+    for i, (b, hq, hkv, d, dv, causal, layout, kind, packed) in enumerate(_cases(world)):
+        g = gen(seed + i)
+        s_r, lens = _packing(world, layout)
+        s = s_r * world
+        cu = _lens_to_cu(lens) if packed else None
+        q, k, v = (rand(g, (b, s, h, dd)).float().double()
+                   for h, dd in ((hq, d), (hkv, d), (hkv, dv)))
+        valid = _mask(kind, g, b, s, world, layout, s_r)
+        ref, ref_lse = ref_attention_lse(q, k, v, causal, key_valid=valid, cu_seqlens=cu)
+        pos = positions(s, world, rank, layout, cu_seqlens=cu)
+        local = [t[:, pos].float() for t in (q, k, v)]
+        mask = None if valid is None else valid[:, pos]
+        out = torch.full((1,), float("nan"))
+        out, lse = ring_attention(*local, causal=causal, layout=layout, return_lse=True,
+                                  key_padding_mask=mask, cu_seqlens=cu)
+        empty = torch.isneginf(ref_lse[:, pos])
+        with RingAttention(layout=layout) as mod:
+            same = bits_equal(mod(*local, causal=causal, key_padding_mask=mask, cu_seqlens=cu),
+                              out)
+        res.append((i, int(empty.sum()),
+                    bool((out[empty] == 0).all()) and bool(torch.isneginf(lse[empty]).all()),
+                    max_err(out[~empty], ref[:, pos][~empty]),
+                    max_err(lse[~empty], ref_lse[:, pos][~empty]), same))
+    # bitwise: a mask of all True is no mask; one packed sequence is the dense call
+    for layout in ("contiguous", "zigzag"):
+        for causal in (False, True):
+            g = gen(seed + 100)
+            s_r = 4
+            q, k, v = (rand(g, (1, s_r, 2, 8), torch.float32) for _ in range(3))
+            dense, dense_lse = ring_attention(q, k, v, causal=causal, layout=layout,
+                                              return_lse=True)
+            ones = torch.ones(1, s_r, dtype=torch.bool)
+            om, oml = ring_attention(q, k, v, causal=causal, layout=layout, return_lse=True,
+                                     key_padding_mask=ones)
+            one = torch.tensor([0, s_r * world], dtype=torch.int32)
+            op_, opl = ring_attention(q, k, v, causal=causal, layout=layout, return_lse=True,
+                                      cu_seqlens=one)
+            res.append((f"bits {layout} causal={causal}",
+                        bits_equal(om, dense) and bits_equal(oml, dense_lse),
+                        bits_equal(op_, dense) and bits_equal(opl, dense_lse)))
+    return res
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ring_mask_and_packed_match_fp64(pools, world, seed):
+    n_empty = 0
+    for rank, res in enumerate(pools.run(world, _ring_masked, seed)):
+        cases = _cases(world)
+        for r in res:
+            if isinstance(r[0], str):
+                assert r[1], f"seed {seed}, W={world}, rank {rank}: {r[0]}: mask of all True"
+                assert r[2], f"seed {seed}, W={world}, rank {rank}: {r[0]}: one sequence"
+                continue
+            i, empty, zero, err, lse_err, same = r
+            where = f"seed {seed}, W={world}, rank {rank}, case {cases[i]}"
+            n_empty += empty
+            assert zero, f"{where}: an empty row is not exactly 0 / −inf"
+            assert err < 2e-5 and lse_err < 1e-4, f"{where}: err {err} {lse_err}"
+            assert same, f"{where}: RingAttention ≠ ring_attention"
+    assert n_empty > 0, f"seed {seed}: no empty row (the cases test nothing)"
+
+
+# ------------------------------------------------------------------------------ user attn_fn
+def _user_fn(rank, world):
+    seen = []
+
+    def attn_fn(q, k, v, causal, *, segments=None, key_padding_mask=None):
+        seen.append((tuple(tuple(x) for x in segments), key_padding_mask is not None))
+        from attncomm.ring import attention_with_lse
+        return attention_with_lse(q, k, v, causal, segments=segments,
+                                  key_padding_mask=key_padding_mask)
+
+    s_r = 4
+    cu = torch.tensor([0, 2, 4 * world], dtype=torch.int32)
+    x = torch.ones(1, s_r, 1, 4)
+    ring_attention(x, x, x, causal=True, attn_fn=attn_fn, cu_seqlens=cu,
+                   key_padding_mask=torch.ones(1, s_r, dtype=torch.bool))
+    return seen
+
+
+def test_user_attn_fn_gets_segments(pools):
+    res = pools.run(2, _user_fn)
+    # rank 0: its own block, causal: sequence 0 rows [0, 2) and sequence 1 rows [2, 4)
+    assert res[0] == [(((0, 2, 0, 2, True), (2, 4, 2, 4, True)), True)], res[0]
+    # rank 1: its own block (sequence 1 only), then rank 0's block: rows of sequence 1 see
+    # rank 0's keys [2, 4)
+    assert res[1] == [(((0, 4, 0, 4, True),), True), (((0, 4, 2, 4, False),), True)], res[1]
+
+
+# ------------------------------------------------------------------------------ bad inputs
+def _bad(rank, world):
+    q = torch.randn(1, 4, 2, 8)
+    m = torch.ones(1, 4, dtype=torch.bool)
+    cu = torch.tensor([0, 3, 4 * world], dtype=torch.int32)
+    out = {}
+
+    def case(name, fn, fragment):
+        out[name] = (expect_value_error(fn), fragment)
+
+    case("mask dtype", lambda: ring_attention(q, q, q, key_padding_mask=m.float()),
+         "key_padding_mask must be a bool tensor [B, S_r] = [1, 4]")
+    case("mask shape", lambda: ring_attention(q, q, q, key_padding_mask=m[:, :3]),
+         "key_padding_mask must be a bool tensor [B, S_r] = [1, 4]")
+    case("mask on one rank",
+         lambda: ring_attention(q, q, q, key_padding_mask=m if rank == 0 else None,
+                                validate=True),
+         "key_padding_mask given = 1 (rank 0)")
+    case("cu dtype", lambda: ring_attention(q, q, q, cu_seqlens=cu.long()),
+         "cu_seqlens must be a 1-D int32 tensor")
+    case("cu end", lambda: ring_attention(q, q, q, cu_seqlens=cu[:2]),
+         "cu_seqlens must start at 0 and end at S = W·S_r")
+    case("cu zigzag", lambda: ring_attention(q, q, q, layout="zigzag", cu_seqlens=cu),
+         "divisible by 2W")
+    case("cu differs", lambda: ring_attention(
+        q, q, q, cu_seqlens=torch.tensor([0, 2 + rank, 4 * world], dtype=torch.int32)),
+        "cu_seqlens (CRC-32)")
+    return out
+
+
+def test_bad_mask_and_cu_seqlens_raise_on_every_rank(pools):
+    results = pools.run(2, _bad)
+    for key in results[0]:
+        msgs = [r[key][0] for r in results]
+        assert len(set(msgs)) == 1, (key, msgs)
+        assert results[0][key][1] in msgs[0], (key, msgs[0])

@@ -1,0 +1,126 @@
+"""UlyssesAttention with key-padding masks on gloo CPU ranks: against the fp64 attention of the
+whole masked sequence (uneven sequences, GQA, causal, rows with no key at all), joint rows with
+their own mask (a DiT's padded text tokens, front and back), one compiled graph for every mask
+of a shape, and bad masks raised on every rank alike."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attncomm.ulysses import UlyssesAttention
+
+from _ring_helpers import expect_value_error, gen, max_err, rand, ref_attention_lse
+
+
+def _shard(t, lens, rank):
+    lo = sum(lens[:rank])
+    return t[:, lo:lo + lens[rank]]
+
+
+def _mask(g, b, s):
+    m = torch.rand(b, s, generator=g) > 0.3
+    m[:, 0] = False
+    if b > 1:
+        m[1] = False  # batch 1: no key anywhere
+    return m
+
+
+def _cat(joint, seq, position):
+    return torch.cat([joint, seq] if position == "front" else [seq, joint], dim=1)
+
+
+def _ulysses_masked(rank, world, seed):
+    res = []
+    lens = [3 + (r % 2) for r in range(world)]  # uneven S_r
+    s = sum(lens)
+    # (B, Hq, Hkv, causal, S_j (-1: no joint), position, joint mask)
+    cases = [(2, 2 * world, world, False, -1, "front", False),
+             (2, 2 * world, 1, True, -1, "front", False),
+             (2, 2 * world, world, False, 3, "front", True),
+             (1, world, world, False, 4, "back", True),
+             (2, 2 * world, world, False, 3, "back", False)]
+    for i, (b, hq, hkv, causal, s_j, position, jm) in enumerate(cases):
+        g = gen(seed + i)
+        q, k, v = (rand(g, (b, s, h, 8)).float() for h in (hq, hkv, hkv))
+        mask = _mask(g, b, s)
+        local = [_shard(t, lens, rank) for t in (q, k, v)]
+        kw = dict(seq_lens=lens, causal=causal, key_padding_mask=_shard(mask, lens, rank))
+        if s_j < 0:
+            ref, _ = ref_attention_lse(q, k, v, causal, key_valid=mask)
+            out = UlyssesAttention(pipeline_groups=0)(*local, **kw)
+            want = _shard(ref, lens, rank)
+            jerr = 0.0
+        else:
+            joint = tuple(rand(g, (b, s_j, h, 8)).float() for h in (hq, hkv, hkv))
+            jmask = torch.rand(b, s_j, generator=g) > 0.4 if jm else None
+            jvalid = jmask if jm else torch.ones(b, s_j, dtype=torch.bool)
+            ref, _ = ref_attention_lse(*(_cat(j, t, position) for j, t in zip(joint, (q, k, v))),
+                                       False, key_valid=_cat(jvalid, mask, position))
+            out, jout = UlyssesAttention(pipeline_groups=0)(
+                *local, joint=joint, joint_position=position, joint_key_padding_mask=jmask,
+                **kw)
+            ref_seq = ref[:, s_j:] if position == "front" else ref[:, :s]
+            ref_j = ref[:, :s_j] if position == "front" else ref[:, s:]
+            want = _shard(ref_seq, lens, rank)
+            jerr = max_err(jout, ref_j)
+        res.append((i, max_err(out, want), jerr, not bool(out.isnan().any())))
+    return res
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ulysses_mask_matches_fp64(pools, world, seed):
+    for rank, res in enumerate(pools.run(world, _ulysses_masked, seed)):
+        for i, err, jerr, finite in res:
+            where = f"seed {seed}, W={world}, rank {rank}, case {i}"
+            assert finite, f"{where}: NaN (a row with no key must be 0)"
+            assert err < 1e-5 and jerr < 1e-5, f"{where}: err {err}, joint err {jerr}"
+
+
+def _compiled(rank, world, seed):
+    torch._dynamo.reset()
+    g = gen(seed)
+    q, k, v = (rand(g, (1, 4, 2 * world, 8)).float() for _ in range(3))
+    masks = [torch.rand(1, 4, generator=g) > 0.5 for _ in range(2)]
+    mod = UlyssesAttention(pipeline_groups=0)
+    want = [mod(q, k, v, key_padding_mask=m) for m in masks]  # the eager warm-up
+    graphs = [0]
+
+    def backend(gm, inputs):
+        graphs[0] += 1
+        return gm.forward
+
+    fn = torch.compile(mod, fullgraph=True, backend=backend)
+    got = [fn(q, k, v, key_padding_mask=m) for m in masks]
+    return all(torch.equal(a, b) for a, b in zip(got, want)), graphs[0]
+
+
+def test_mask_compiles_once_per_shape(pools, seed):
+    for same, graphs in pools.run(2, _compiled, seed):
+        assert same and graphs == 1, f"seed {seed}: same {same}, graphs {graphs}"
+
+
+def _bad(rank, world):
+    q = torch.randn(1, 4, 2 * world, 8)
+    m = torch.ones(1, 4, dtype=torch.bool)
+    joint = tuple(torch.randn(1, 2, 2 * world, 8) for _ in range(3))
+    out = {}
+    for name, kw, frag in [
+            ("dtype", dict(key_padding_mask=m.int()), "key_padding_mask must be a bool tensor"),
+            ("shape", dict(key_padding_mask=m[:, :2]), "[B, S_r] = [1, 4]"),
+            ("one rank", dict(key_padding_mask=m if rank else None),
+             "key_padding_mask given = 0 (rank 0)"),
+            ("joint mask alone", dict(joint_key_padding_mask=m), "without joint rows"),
+            ("joint mask shape", dict(joint=joint, joint_key_padding_mask=m),
+             "joint_key_padding_mask must be a bool tensor [B, S_j] = [1, 2]")]:
+        # validate=True: a mask on some ranks only may meet a signature seen without one
+        out[name] = (expect_value_error(lambda: UlyssesAttention(validate=True)(q, q, q, **kw)),
+                     frag)
+    return out
+
+
+def test_bad_masks_raise_on_every_rank(pools):
+    results = pools.run(2, _bad)
+    for key in results[0]:
+        msgs = [r[key][0] for r in results]
+        assert len(set(msgs)) == 1, (key, msgs)
+        assert results[0][key][1] in msgs[0], (key, msgs[0])
