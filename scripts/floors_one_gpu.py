@@ -8,7 +8,8 @@ the fill's epilogue (``fill_kernels.e4m3_kernel``) on every fp32 bit pattern aga
 Floors: bytes read + written ÷ the device-to-device copy bandwidth. Fill: q, k, v read, the
 send buffer written (``D + 4`` bytes per row for FP8), cos/sin read once. Merge: the state read
 and written (4 + 4 bytes per element), the block read (2), the three LSEs (4 bytes each per row).
-Bits: each output against the tree's own torch path (``bitwise_equal``) and, through
+Bits: each fill output against the tree's own torch path (``bitwise_equal``; the merge within
+1e-5 of it, ``within_tolerance``, as its GPU test holds it) and, through
 ``--ab``, against the other tree's (``scripts/ab_tree.py``).
 
     python scripts/floors_one_gpu.py [--seq 8192 32768] [--ring-seq 8192] [--json P] [--dump P]
@@ -78,7 +79,12 @@ def merge_case(seq, bw, label, dump) -> dict:
     ring_merge.merge_block_torch(*ref, o, lse)
     got = (acc0.clone(), lse0.clone())
     ring_merge.merge_block_triton(*got, o, lse)
-    same = torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    # Not bits: the kernel's exp/log and fused multiply-adds round differently from torch's
+    # (the ring's GPU test holds them to 1e-5, as here).
+    live = ~torch.isneginf(ref[1])
+    err = max((got[0][live] - ref[0][live]).abs().max().item(),
+              (got[1][live] - ref[1][live]).abs().max().item())
+    same_empty = torch.equal(torch.isneginf(got[1]), ~live)
     key = f"merge seq={seq}"
     dump.add(key + " acc", got[0])
     dump.add(key + " lse", got[1])
@@ -93,7 +99,8 @@ def merge_case(seq, bw, label, dump) -> dict:
     floor = nbytes / bw * 1e6
     return dict(label=label, key=key, gpu_us=t, bench_us=t_bench, floor_us=floor,
                 x_floor=t / floor, bench_x_floor=t_bench / floor, bytes=nbytes,
-                host_us=_one_gpu.host_us(step), bitwise_equal=same)
+                host_us=_one_gpu.host_us(step), max_abs_err=err,
+                within_tolerance=same_empty and err < 1e-5)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -156,7 +163,8 @@ def main(argv=None) -> int:
                 "triton": __import__("triton").__version__, "tree": ROOT}
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "records": recs}, f, indent=1)
-    ok = all(r.get("bitwise_equal", True) and not r.get("mismatches") for r in recs)
+    ok = all(r.get("bitwise_equal", True) and r.get("within_tolerance", True)
+             and not r.get("mismatches") for r in recs)
     return 0 if ok else 1
 
 
