@@ -184,20 +184,25 @@ def batch_isend_irecv(ops: Sequence[dist.P2POp]) -> list:
     return [StagedWork(w, b) for w, b in zip(works, backs)]
 
 
-def gather_sequence(x: torch.Tensor, seq_lens: Sequence[int], group=None) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, seq_lens: Sequence[int], group=None,
+                    wait=None) -> torch.Tensor:
     """Every rank's ``[B, S_r, ...]`` shard (``seq_lens[r]`` rows on rank r) → the whole
     ``[B, S, ...]`` in rank order, on every rank: one all_gather of shards padded to
-    ``max(S_r)``. A bool tensor travels as its bytes."""
+    ``max(S_r)``. A bool tensor travels as its bytes. ``wait``: None (a blocking all_gather) or
+    a function given the async work that waits for it (e.g. ``_dist.wait`` with its timeout)."""
     w = len(seq_lens)
     if w == 1:
         return x
     if x.dtype == torch.bool:
-        return gather_sequence(x.view(torch.uint8), seq_lens, group).view(torch.bool)
+        return gather_sequence(x.view(torch.uint8), seq_lens, group, wait).view(torch.bool)
     b, s_r, rest = x.shape[0], x.shape[1], tuple(x.shape[2:])
     m = max(seq_lens)
     pad = x.new_zeros(b, m, *rest)
     pad[:, :s_r] = x
     out = x.new_empty(w * pad.numel())
-    all_gather_tensor(out, pad.reshape(-1), group=group)
+    if wait is None:
+        all_gather_tensor(out, pad.reshape(-1), group=group)
+    else:
+        wait(all_gather_tensor(out, pad.reshape(-1), group=group, async_op=True))
     out = out.view(w, b, m, *rest)
     return torch.cat([out[r, :, :seq_lens[r]] for r in range(w)], dim=1)

@@ -1,7 +1,8 @@
 """fp32 → e4m3fn rounding on the device (Triton) in integer arithmetic, for the kernels that write
-FP8 and must give the same bits under the interpreter without its patch: the DCP query gather's
-symm kernels (``dcp/query_gather/symm_kernels.py``). (The Ulysses fill's FP8 epilogue uses the
-hardware conversion instead: ``ulysses/fill_kernels.py`` says why it is the same rounding.)
+FP8 and must give the same bits on any GPU and under the interpreter: the DCP query gather's
+symm kernels (``dcp/query_gather/symm_kernels.py``) and the Ulysses fill's FP8 epilogue where
+the hardware has no e4m3 conversion (before sm_89) and under the interpreter
+(``ulysses/fill_kernels.py``, which uses the hardware's on sm_89 and later: the same rounding).
 Each caller keeps its own rule for what lies outside e4m3's range (saturate or NaN byte); the
 rounding of what lies inside is this one.
 

@@ -14,6 +14,7 @@ import triton
 
 import _interp_rounding  # noqa: F401  (fp32 → bf16 rounds to nearest even, as on the GPU)
 from attncomm.ulysses.fill import fill_triton
+from attncomm.ulysses import fill as fill_mod
 from attncomm.ulysses import fill_kernels
 from attncomm.ulysses.fill import FillPart, fill_torch, send_layout
 from attncomm.ulysses.fp8 import FP8_DTYPE, row_bytes
@@ -118,13 +119,17 @@ def check_e4m3(seed: int) -> list:
     ties = (grid[1:] + grid[:-1]) / 2
     x = torch.cat([x, ties, -ties, grid, -grid, torch.tensor(
         [464.0, 480.0, 1e38, float("inf"), -float("inf"), float("nan"), 2.0 ** -149])])
-    out = torch.empty(x.numel(), dtype=torch.uint8)
-    fill_kernels.e4m3_kernel[(triton.cdiv(x.numel(), 256),)](x, out, x.numel(), BLOCK=256)
     want = x.clamp(-448.0, 448.0).to(FP8_DTYPE).view(torch.uint8).clone()
     want[~torch.isfinite(x)] = 0x7F
-    bad = (out != want).nonzero().flatten()
-    return [f"e4m3 of {x[i].item()!r}: {int(out[i]):#x} vs torch {int(want[i]):#x}"
-            for i in bad[:5].tolist()]
+    msgs = []
+    for hw in (False, True):  # integer rounding; the hardware's conversion (as patched here)
+        out = torch.empty(x.numel(), dtype=torch.uint8)
+        fill_kernels.e4m3_kernel[(triton.cdiv(x.numel(), 256),)](x, out, x.numel(), BLOCK=256,
+                                                                  HW_E4M3=hw)
+        bad = (out != want).nonzero().flatten()
+        msgs += [f"e4m3 (HW_E4M3={hw}) of {x[i].item()!r}: {int(out[i]):#x} vs torch "
+                 f"{int(want[i]):#x}" for i in bad[:5].tolist()]
+    return msgs
 
 
 def main_fp8(seed: int) -> int:
@@ -139,11 +144,20 @@ def main_fp8(seed: int) -> int:
             if bad:
                 failed += 1
                 print(f"FAIL seed {seed} fp8 case {case} groups {groups}: {bad}")
+    # the epilogue as on sm_89+ (the conversion patched to the hardware's): the first case
+    hw, fill_mod._hw_e4m3 = fill_mod._hw_e4m3, lambda device: True
+    try:
+        bad = run_case(rng.randrange(1 << 30), *cases[0], 1, payload=FP8_DTYPE)
+    finally:
+        fill_mod._hw_e4m3 = hw
+    if bad:
+        failed += 1
+        print(f"FAIL seed {seed} fp8 case {cases[0]} with HW_E4M3: {bad}")
     bad = check_e4m3(rng.randrange(1 << 30))
     if bad:
         failed += 1
         print(f"FAIL seed {seed}: {bad}")
-    print(f"{len(cases) + 2 - failed} passed, {failed} failed")
+    print(f"{len(cases) + 3 - failed} passed, {failed} failed")
     return 1 if failed else 0
 
 

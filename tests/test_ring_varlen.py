@@ -227,3 +227,19 @@ def test_bad_mask_and_cu_seqlens_raise_on_every_rank(pools):
         msgs = [r[key][0] for r in results]
         assert len(set(msgs)) == 1, (key, msgs)
         assert results[0][key][1] in msgs[0], (key, msgs[0])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_segment_over_the_block_is_the_dense_call(causal, seed):
+    """``attention_with_lse`` with one segment that spans the whole block gives the dense
+    call's bits (it is the dense call), with and without a key-padding mask."""
+    from attncomm.ring import attention_with_lse
+    from attncomm.ring.layout import Segment
+    g = gen(seed)
+    q, k, v = (rand(g, (2, 12, h, 8), torch.bfloat16) for h in (4, 2, 2))
+    mask = torch.rand(2, 12, generator=g) > 0.3
+    for kw in ({}, {"key_padding_mask": mask}):
+        dense = attention_with_lse(q, k, v, causal, **kw)
+        one = attention_with_lse(q, k, v, False, segments=[Segment(0, 12, 0, 12, causal)], **kw)
+        assert bits_equal(dense[0], one[0]) and bits_equal(dense[1], one[1]), \
+            f"seed {seed}, causal={causal}, mask={bool(kw)}"

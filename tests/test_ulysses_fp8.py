@@ -255,3 +255,13 @@ def test_satfinite_conversion_is_the_rule():
         interp = torch.from_numpy(_interp_rounding.e4m3_satfinite(v.numpy())).long()
         assert torch.equal(interp, rule), f"divisor {d}"
         assert (v.abs() > 448).any() and (v.abs() < 2.0 ** -6).any(), "ranges not reached"
+
+
+def test_fp8_epilogue_converts_with_the_hardware_from_sm89(monkeypatch):
+    """The fill's FP8 epilogue uses sm_89's e4m3 instruction where the GPU has it, and the
+    integer rounding elsewhere (older GPUs, the interpreter on CPU tensors): same bits."""
+    from attncomm.ulysses import fill as fill_mod
+    assert not fill_mod._hw_e4m3(torch.device("cpu"))
+    for cap, hw in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=cap: c)
+        assert fill_mod._hw_e4m3(torch.device("cuda", 0)) == hw, cap

@@ -115,6 +115,12 @@ def _bad(rank, world):
         # validate=True: a mask on some ranks only may meet a signature seen without one
         out[name] = (expect_value_error(lambda: UlyssesAttention(validate=True)(q, q, q, **kw)),
                      frag)
+    # A mask of another dtype after a good call is a new plan, checked like the first one.
+    mod = UlyssesAttention()
+    mod(q, q, q, key_padding_mask=m)
+    out["dtype after a good call"] = (
+        expect_value_error(lambda: mod(q, q, q, key_padding_mask=m.float())),
+        "key_padding_mask must be a bool tensor")
     return out
 
 

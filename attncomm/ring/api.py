@@ -33,7 +33,8 @@ from .._plans import warm_up_error
 from ..errors import PeerTimeoutError
 from .attn import attention_with_lse
 from .comm import RingComm
-from .layout import LAYOUTS, cu_seqlens_error, layout_error, ring_block, ring_segments
+from .layout import (LAYOUTS, cu_seqlens_error, cu_values, layout_error, ring_block,
+                     ring_segments)
 from .merge import merge_block, new_state
 
 __all__ = ["ring_attention", "RingAttention", "DTYPES", "local_error", "signature", "LAYOUT_CODES"]
@@ -79,7 +80,7 @@ def cu_tuple(cu_seqlens) -> tuple | None:
     if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
         raise warm_up_error("ring_attention", "cu_seqlens on the GPU (its values plan the "
                             "steps; pass a CPU tensor to capture)")
-    return tuple(cu_seqlens.tolist())
+    return cu_values(cu_seqlens)
 
 
 def cu_signature(cu: tuple | None) -> list[int]:

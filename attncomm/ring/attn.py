@@ -28,9 +28,9 @@ import torch
 __all__ = ["attention_with_lse", "reference_attention", "last_kernel", "KERNELS"]
 
 #: Names ``last_kernel()`` reports.
-KERNELS = ("math", "flash", "efficient", "cudnn")
+KERNELS = ("math", "flash", "efficient", "cudnn", "flash-varlen")
 _FUSED_ORDER = ("flash", "efficient")
-_BROKEN: set = set()  # (kernel, dtype, D, Dv) whose ATen op raised here
+_BROKEN: set = set()  # (kernel, dtype, D, Dv[, Sk]) whose ATen op raised here
 _LAST = ["math"]
 
 
@@ -181,8 +181,18 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
 
 
 def _segments(q, k, v, key_padding_mask, segments):
-    """The block's segments one by one into one fp32 result (rows of no segment empty)."""
+    """The block's segments into one result (rows of no segment empty): one segment over the
+    whole block is the dense call; on CUDA without a mask, FlashAttention's variable-length
+    kernel (``_varlen``: one launch per causal flag); else one by one into an fp32 result."""
     b, sq, hq, _ = q.shape
+    if len(segments) == 1 and tuple(segments[0][:4]) == (0, sq, 0, k.shape[1]):
+        # one segment over the whole block: the dense call (the fastest kernel SDPA has)
+        return attention_with_lse(q, k, v, bool(segments[0][4]),
+                                  key_padding_mask=key_padding_mask)
+    if key_padding_mask is None and q.is_cuda:
+        res = _varlen(q, k, v, segments)
+        if res is not None:
+            return res
     out = torch.zeros(b, sq, hq, v.shape[3], dtype=torch.float32, device=q.device)
     lse = torch.full((b, sq, hq), float("-inf"), dtype=torch.float32, device=q.device)
     for seg in segments:
@@ -195,10 +205,101 @@ def _segments(q, k, v, key_padding_mask, segments):
     return out, lse
 
 
+#: (segments, B, Sq, Sk, device) → ``_VarlenPlan``: made on the block's first call (the ring
+#: makes a new block plan outside capture, so this host-to-device copy is too).
+_VARLEN: dict = {}
+
+
+class _VarlenPlan:
+    """A block's segments as FlashAttention variable-length batches over the flattened
+    ``[B·Sq]`` query and ``[B·Sk]`` key rows, one batch list per causal flag. The rows between
+    segments become entries with no keys or no queries (never both), so the kernel reads the
+    tensors in place; ``rows[c]`` marks the query rows of flag ``c``'s segments, ``live`` the
+    query rows of any segment."""
+
+    def __init__(self, segments, b: int, sq: int, sk: int, device):
+        self.launches = []
+        live = torch.zeros(b * sq, dtype=torch.bool)
+        for flag in (False, True):
+            segs = sorted(tuple(x) for x in segments if bool(x[4]) == flag)
+            if not segs:
+                continue
+            cu_q, cu_k, rows = [0], [0], torch.zeros(b * sq, dtype=torch.bool)
+
+            def gap(q_to, k_to):  # rows up to q_to with no keys, then keys up to k_to alone
+                if q_to > cu_q[-1]:
+                    cu_q.append(q_to)
+                    cu_k.append(cu_k[-1])
+                if k_to > cu_k[-1]:
+                    cu_q.append(cu_q[-1])
+                    cu_k.append(k_to)
+
+            for i in range(b):
+                oq, ok = i * sq, i * sk
+                for q_lo, q_hi, k_lo, k_hi, _ in segs:
+                    if oq + q_lo < cu_q[-1] or ok + k_lo < cu_k[-1]:
+                        raise ValueError(f"segments overlap: {segs}")
+                    gap(oq + q_lo, ok + k_lo)
+                    cu_q.append(oq + q_hi)
+                    cu_k.append(ok + k_hi)
+                    rows[oq + q_lo:oq + q_hi] = True
+                gap(oq + sq, ok + sk)
+            lens_q = [y - x for x, y in zip(cu_q, cu_q[1:])]
+            lens_k = [y - x for x, y in zip(cu_k, cu_k[1:])]
+            self.launches.append((flag, torch.tensor(cu_q, dtype=torch.int32, device=device),
+                                  torch.tensor(cu_k, dtype=torch.int32, device=device),
+                                  max(lens_q), max(lens_k), rows.to(device)))
+            live |= rows
+        self.live = live.to(device)
+
+
+def _varlen(q, k, v, segments):
+    """``_segments`` through ``aten._flash_attention_forward`` with cumulative sequence
+    lengths (FlashAttention-2's varlen kernel: GQA in the kernel, no KV expansion), or None
+    where it does not apply (dtype, head dims) or its op refused these tensors once."""
+    b, sq, hq, d = q.shape
+    sk, dv = k.shape[1], v.shape[3]
+    key = ("flash-varlen", q.dtype, d)
+    if q.dtype not in (torch.float16, torch.bfloat16) or d != dv or d % 8 or d > 256 \
+            or key in _BROKEN or sq == 0 or sk == 0:
+        return None
+    pkey = (tuple(tuple(x) for x in segments), b, sq, sk, q.device)
+    plan = _VARLEN.get(pkey)
+    if plan is None:
+        if len(_VARLEN) > 256:
+            _VARLEN.clear()
+        plan = _VARLEN[pkey] = _VarlenPlan(segments, b, sq, sk, q.device)
+    qf, kf, vf = (x.reshape(-1, x.shape[2], x.shape[3]) for x in (q, k, v))
+    out = lse = None
+    for flag, cu_q, cu_k, max_q, max_k, rows in plan.launches:
+        try:
+            res = torch.ops.aten._flash_attention_forward.default(
+                qf, kf, vf, cu_q, cu_k, max_q, max_k, 0.0, flag, False)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:  # this kernel does not take these tensors: never ask again
+            _BROKEN.add(key)
+            return None
+        o, l_ = res[0], res[1]
+        if l_.shape != (hq, b * sq):  # a build whose LSE layout differs: not this path
+            _BROKEN.add(key)
+            return None
+        l_ = l_.t()
+        out = o if out is None else torch.where(rows[:, None, None], o, out)
+        lse = l_ if lse is None else torch.where(rows[:, None], l_, lse)
+    _LAST[0] = "flash-varlen"
+    # Rows of no segment are empty (the kernel leaves +inf as the LSE of a row without keys).
+    dead = ~plan.live
+    out = out.masked_fill(dead[:, None, None], 0.0)
+    lse = lse.masked_fill(dead[:, None], float("-inf"))
+    return out.view(b, sq, hq, dv), lse.view(b, sq, hq)
+
+
 def _masked(q, k, v, causal: bool, key_padding_mask):
     """One block with a key-padding mask: fp32 math on CPU; on CUDA the efficient kernel with the
     mask as a −inf bias (the math path where it does not take the shape)."""
-    if not q.is_cuda or q.shape[1] == 0 or k.shape[1] == 0 or ("efficient", q.dtype) in _BROKEN:
+    broken = ("efficient-masked", q.dtype, q.shape[3], v.shape[3], k.shape[1])
+    if not q.is_cuda or q.shape[1] == 0 or k.shape[1] == 0 or broken in _BROKEN:
         _LAST[0] = "math"
         return reference_attention(q, k, v, causal, key_padding_mask=key_padding_mask)
     hq, sq, sk = q.shape[2], q.shape[1], k.shape[1]
@@ -214,7 +315,7 @@ def _masked(q, k, v, causal: bool, key_padding_mask):
     except torch.OutOfMemoryError:
         raise
     except RuntimeError:  # this kernel does not take these tensors: never ask again
-        _BROKEN.add(("efficient", q.dtype))
+        _BROKEN.add(broken)
         return _masked(q, k, v, causal, key_padding_mask)
     _LAST[0] = "efficient"
     out, lse = res[0].transpose(1, 2), res[1][..., :sq].transpose(1, 2)

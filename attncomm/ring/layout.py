@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["LAYOUTS", "Block", "Segment", "ring_block", "ring_segments", "zigzag_shard",
-           "zigzag_unshard", "positions", "layout_error", "cu_seqlens_error"]
+           "zigzag_unshard", "positions", "layout_error", "cu_seqlens_error", "cu_values"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -169,7 +169,8 @@ def _validate_split(n: int, world_size: int, layout: str, parts: int) -> None:
                          f"{parts} equal chunks (W = {world_size})")
 
 
-def _cu_tuple(cu_seqlens) -> tuple:
+def cu_values(cu_seqlens) -> tuple:
+    """``cu_seqlens`` (a tensor or a sequence) as a tuple of ints, read on the host."""
     return tuple(int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor)
                                   else cu_seqlens))
 
@@ -202,7 +203,7 @@ def zigzag_shard(x: torch.Tensor, world_size: int, rank: int, dim: int = 1, *,
     if not 0 <= rank < world_size:
         raise ValueError(f"zigzag_shard: rank {rank} is not in [0, {world_size})")
     if cu_seqlens is not None:
-        cu = _cu_tuple(cu_seqlens)
+        cu = cu_values(cu_seqlens)
         _validate_cu(cu, x.shape[dim], world_size, "zigzag_shard")
         parts = [zigzag_shard(x.narrow(dim, a, b - a), world_size, rank, dim)
                  for a, b in zip(cu, cu[1:]) if b > a]
@@ -232,7 +233,7 @@ def zigzag_unshard(shards: Sequence[torch.Tensor], dim: int = 1, *,
                          f"{[list(s.shape) for s in shards]}")
     if cu_seqlens is not None:
         w = len(shards)
-        cu = _cu_tuple(cu_seqlens)
+        cu = cu_values(cu_seqlens)
         _validate_cu(cu, w * shape[dim], w, "zigzag_unshard")
         parts = [zigzag_unshard([s.narrow(dim, a // w, (b - a) // w) for s in shards], dim)
                  for a, b in zip(cu, cu[1:]) if b > a]

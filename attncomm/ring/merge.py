@@ -74,8 +74,8 @@ def merge_block_triton(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tens
         _k.merge_step_kernel[grid](*args, DV=dv, BLOCK_S=block_s, BLOCK_D=block_d,
                                    num_warps=4)
 
-    key = (acc.device, tuple(acc.shape), args[4:], out.dtype, lse.dtype,
-           alignment_key(args[:4]))
+    key = (acc.device, tuple(acc.shape), args[4:], acc.dtype, acc_lse.dtype, out.dtype,
+           lse.dtype, alignment_key(args[:4]))
     _LAUNCHES.launch(key, launch, args[:4])
 
 

@@ -295,7 +295,7 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         """The eager forward: the plan of this shape (made on its first forward), run."""
         if self._closed:
             self._ensure_open()
-        given = (masks[0] is not None, masks[1] is not None)
+        given = _mask_keys(masks)
         try:
             key = self._plan_key((q.shape, q.dtype, q.device), (k.shape, k.dtype, k.device),
                                  (v.shape, v.dtype, v.device), seq_lens, causal,
@@ -315,7 +315,7 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
             _agree.validate_args(self._pg, "UlyssesAttention", sig, labels, error, timeout,
                                 self.validate)
         self.__dict__["_last"] = plan
-        if not any(given):
+        if given == (None, None):
             return plan.run(q, k, v, rope, joint)
         return plan.run(q, k, v, rope, joint, key_mask=self._gather_mask(plan, masks, q))
 
@@ -327,7 +327,9 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         if mask is None:
             full = torch.ones(b, plan.s_total, dtype=torch.bool, device=q.device)
         else:
-            full = gather_sequence(mask.contiguous(), plan.seq, self._pg)
+            timeout = plan.validation[3]  # the plan's budget (the environment read once)
+            full = gather_sequence(mask.contiguous(), plan.seq, self._pg, lambda work: _dist.wait(
+                work, self._pg, "UlyssesAttention key_padding_mask gather", timeout))
         if not plan.joint:
             return full
         if jmask is None:
@@ -430,12 +432,13 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         return sig, labels
 
     def _plan_key(self, qd, kd, vd, seq_lens, causal, rope_shapes, jkey=None,
-                  position="front", masks=(False, False)) -> tuple:
+                  position="front", masks=(None, None)) -> tuple:
         """A forward's plan key from its tensors' (shape, dtype, device), ``seq_lens``, causal,
-        the rope tensors' shapes and the joint rows' (shape, dtype, device) and position: the
-        same for an eager forward and a traced one of the same shape. The ``ATTNCOMM_*``
-        variables are read when a plan is made, not per call: a change takes effect at the
-        next new plan, or for every shape after ``attncomm.release(group)``."""
+        the rope tensors' shapes, the joint rows' (shape, dtype, device) and position and the
+        masks' (``_mask_keys``): the same for an eager forward and a traced one of the same
+        shape. The ``ATTNCOMM_*`` variables are read when a plan is made, not per call: a
+        change takes effect at the next new plan, or for every shape after
+        ``attncomm.release(group)``."""
         seq = seq_lens if seq_lens is None or type(seq_lens) is tuple else seq_key(seq_lens)
         return (qd, kd, vd, seq, bool(causal), rope_shapes, jkey, position, masks)
 
@@ -451,7 +454,7 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
                             (tuple(v.shape), v.dtype, v.device), seq_lens, causal,
                             None if rope is None else (tuple(rope[0].shape),
                                                        tuple(rope[1].shape)), jkey, position,
-                            (masks[0] is not None, masks[1] is not None))
+                            _mask_keys(masks))
         cos, sin = rope if rope is not None else (None, None)
         seq = None if seq_lens is None else [int(s) for s in seq_lens]
         if joint is None:
@@ -484,9 +487,15 @@ def _forget(key) -> None:
             mod.__dict__["_last"] = None
 
 
+def _mask_keys(masks) -> tuple:
+    """The masks' part of a plan key: ``(shape, dtype, device)`` of each, or None. A mask of
+    another shape, dtype or device is a new plan, so its check runs on every rank alike."""
+    return tuple(None if m is None else (tuple(m.shape), m.dtype, m.device) for m in masks)
+
+
 @torch.compiler.assume_constant_result
 def _traced_plan(name, closed, qd, kd, vd, seq_lens, causal, rope_shapes, jkey,
-                 position, masks=(False, False)) -> str:
+                 position, masks=(None, None)) -> str:
     """``name`` (the module's, given by its first eager plan), after checking that an eager
     forward planned this shape (the warm-up error otherwise). Run by torch.compile while it
     traces; its result is a constant of the graph. Its arguments are constants (a string and

@@ -253,6 +253,13 @@ def triton_fill_reason(parts: Sequence[FillPart], device: torch.device,
     return None
 
 
+def _hw_e4m3(device: torch.device) -> bool:
+    """Whether the fill kernel's FP8 epilogue converts with the hardware's e4m3 instruction
+    (CUDA compute capability 8.9 and later); elsewhere it rounds in integer arithmetic, with
+    the same bits (``fill_kernels`` says why)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 #: Launch options of the fill kernel: FMA contraction off (torch rounds ``a * b`` and ``+ c``
 #: separately); read by tests/_fill_ptx.py, which checks the PTX.
 LAUNCH_OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
@@ -388,7 +395,7 @@ class _Layout:
                            HALF=half, LEVELS=half.bit_length() - 1, BLOCK_S=self.block_s,
                            HB=self.hb, ANY_NORM=any(p.weight is not None for p in parts),
                            ANY_ROPE=rope and any(p.rope for p in parts), ROPE_BCAST=ROPE_BCAST,
-                           FP8=self.fp8)
+                           FP8=self.fp8, HW_E4M3=self.fp8 and _hw_e4m3(x0.device))
         self._descs: dict = {}
         #: the compiled kernel per specialization, replayed (``_launch``)
         self.launches = LaunchCache((_fk.fill_kernel,))

@@ -26,8 +26,10 @@ the bf16 path stores), takes each row's amax over its finite values, the scale `
 (IEEE division), and stores the e4m3 bytes (``_e4m3``) and the scale as an fp32 word after them
 (one store per row, not one per element).
 
-The e4m3 bytes come from the hardware conversion (``cvt.rn.satfinite.e4m3x2.f32`` on sm_89 and
-later, what Triton emits for a cast to ``tl.float8e4nv``): round to nearest even into e4m3fn,
+On sm_89 and later (``HW_E4M3``, chosen by the host) the e4m3 bytes come from the hardware
+conversion (``cvt.rn.satfinite.e4m3x2.f32``, what Triton emits for a cast to ``tl.float8e4nv``),
+elsewhere (older GPUs, the interpreter) from the same rounding in integer arithmetic
+(``attncomm.fp8_device``). The hardware conversion is round to nearest even into e4m3fn,
 subnormals included, a finite value past ±448 saturated to ±448. That is the rule's
 ``e4m3fn(clamp(v, −448, 448))`` for every finite ``v``: inside the range both round the same
 real number to nearest even on the same grid; past it, RNE of the clamped value is ±448 and
@@ -44,6 +46,9 @@ import sys
 
 import triton
 import triton.language as tl
+
+from .. import fp8_device as _e4
+from ..fp8_device import fp8_magnitude
 
 __all__ = ["fill_kernel", "e4m3_kernel", "HEADER", "ENTRY", "H_S", "H_EPS", "H_FLAGS",
            "H_COS_S", "H_COS_D", "H_SIN_S", "H_SIN_D", "E_PART", "E_HEAD", "E_HEADS", "E_BASE",
@@ -96,15 +101,21 @@ def _adjacent_sum(t, BLOCK_S: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr
 
 
 @triton.jit
-def _e4m3(g, finite, dv):
+def _e4m3(g, finite, dv, HW_E4M3: tl.constexpr):
     # e4m3fn bytes of clamp(g / dv, -448, 448), round to nearest even, subnormals included
-    # (the hardware conversion: module docstring); a non-finite g gives 0x7F.
-    r = tl.div_rn(g, dv).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    # (module docstring); a non-finite g gives 0x7F. HW_E4M3: the hardware conversion (sm_89
+    # and later), else the same rounding in integer arithmetic (older GPUs, the interpreter).
+    if HW_E4M3:
+        r = tl.div_rn(g, dv).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        u = tl.div_rn(g, dv).to(tl.int32, bitcast=True)
+        r = fp8_magnitude(tl.minimum(u & 0x7FFFFFFF, _e4.E4M3_MAX_BITS)) | ((u >> 24) & 0x80)
     return tl.where(finite, r, 0x7F).to(tl.uint8)
 
 
 @triton.jit
-def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl.constexpr):
+def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl.constexpr,
+               HW_E4M3: tl.constexpr):
     """The FP8 epilogue: rows ``[BLOCK_S, HB, D]`` (two fp32 halves) → e4m3 bytes at byte
     offsets ``rofs [BLOCK_S, HB]`` (``rmask``: the live rows) and each row's fp32 scale after
     its ``2·HALF`` bytes."""
@@ -118,22 +129,22 @@ def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl
     dv = tl.where(scale > 0, scale, 1.0)[:, :, None]
     dst = out_ptr + rofs[:, :, None] + cols[None, None, :]
     mask = rmask[:, :, None] & (cols[None, None, :] >= 0)
-    tl.store(dst, _e4m3(g1, ok1, dv), mask=mask)
-    tl.store(dst + HALF, _e4m3(g2, ok2, dv), mask=mask)
+    tl.store(dst, _e4m3(g1, ok1, dv, HW_E4M3), mask=mask)
+    tl.store(dst + HALF, _e4m3(g2, ok2, dv, HW_E4M3), mask=mask)
     # the scale in the reduced rows' layout: one store per row
     sp = (out_ptr + rofs + 2 * HALF).to(tl.pointer_type(tl.float32), bitcast=True)
     tl.store(sp, scale, mask=rmask)
 
 
 @triton.jit
-def e4m3_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def e4m3_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, HW_E4M3: tl.constexpr = True):
     """``out[i] = _e4m3(x[i], finite, 1)`` (fp32 → e4m3fn bytes): the epilogue's conversion
-    alone, for tests against torch's."""
+    alone (either way, ``HW_E4M3``), for tests against torch's."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     x = tl.load(x_ptr + i, mask=m, other=0.0)
-    tl.store(out_ptr + i, _e4m3(x, tl.abs(x) <= _c._F32_MAX, tl.full((BLOCK,), 1.0, tl.float32)),
-             mask=m)
+    tl.store(out_ptr + i, _e4m3(x, tl.abs(x) <= _c._F32_MAX, tl.full((BLOCK,), 1.0, tl.float32),
+                                HW_E4M3), mask=m)
 
 
 @triton.jit
@@ -141,7 +152,7 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
                 HALF: tl.constexpr, LEVELS: tl.constexpr, BLOCK_S: tl.constexpr,
                 HB: tl.constexpr, ANY_NORM: tl.constexpr, ANY_ROPE: tl.constexpr,
                 ALIGNED: tl.constexpr, ROPE_BCAST: tl.constexpr, SPEC: tl.constexpr,
-                FP8: tl.constexpr = False):
+                FP8: tl.constexpr = False, HW_E4M3: tl.constexpr = False):
     pid_s = tl.program_id(0)
     ent = desc + _c.HEADER + tl.program_id(1) * _c.ENTRY
     b = tl.program_id(2).to(tl.int64)
@@ -233,7 +244,7 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
     if FP8:
         rofs = base + b * bpitch + rows[:, None] * pitch + hh[None, :] * (2 * HALF + 4)
         rmask = (rows[:, None] < S) & (hh[None, :] < nh)
-        _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, x0.dtype.element_ty, HALF)
+        _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, x0.dtype.element_ty, HALF, HW_E4M3)
     else:
         dst = (out_ptr + base + b * bpitch + rows[:, None, None] * pitch
                + hh[None, :, None] * (2 * HALF) + cols[None, None, :])

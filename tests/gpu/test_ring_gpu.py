@@ -101,3 +101,65 @@ def test_ring_attention_one_rank_cuda(seed):
         res = pool.run(_ring_one_rank, seed, timeout_s=300)[0]
     for layout, causal, err, kernel in res:
         assert err <= 0, f"seed {seed}: {layout} causal={causal} over by {err} ({kernel})"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_with_lse_mask_and_segments_match_fp64(causal, seed):
+    """The default ``attn_fn``'s CUDA paths for a key-padding mask (a batch row with every key
+    masked among them) and for a packed block's segments, against fp64 of the whole masked or
+    packed attention."""
+    _need_gpu()
+    from attncomm.ring.layout import Segment
+    g = gen(seed)
+    b, s, hq, hkv, d, dtype = 2, 192, 4, 2, 64, torch.bfloat16
+    q, k, v = (rand(g, (b, s, h, d), dtype) for h in (hq, hkv, hkv))
+    valid = torch.rand(b, s, generator=g) > 0.3
+    valid[1] = False  # a row of the batch with no key at all: 0 with LSE -inf
+    out, lse = attention_with_lse(q.cuda(), k.cuda(), v.cuda(), causal,
+                                  key_padding_mask=valid.cuda())
+    ref, ref_lse = ref_attention_lse(q, k, v, causal, key_valid=valid)
+    where = f"seed {seed}, causal={causal}, kernel {ring_attn.last_kernel()}"
+    assert torch.equal(out[1].float().cpu(), torch.zeros_like(out[1].float().cpu())), where
+    assert bool(torch.isneginf(lse[1]).all()), where
+    live = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), live), where
+    assert _excess(out, ref, v, dtype) <= 0, f"{where}: masked out err over the tolerance"
+    assert max_err(lse.cpu()[live], ref_lse[live]) < 1e-3, f"{where}: masked lse err"
+
+    cu = [0, 40, 41, 130, s]  # a one-token sequence among them
+    segs = [Segment(a, z, a, z, causal) for a, z in zip(cu, cu[1:])]
+    out, lse = attention_with_lse(q.cuda(), k.cuda(), v.cuda(), False, segments=segs)
+    ref, ref_lse = ref_attention_lse(q, k, v, causal, cu_seqlens=torch.tensor(cu))
+    where = f"seed {seed}, causal={causal}, segments {cu}, kernel {ring_attn.last_kernel()}"
+    assert _excess(out, ref, v, dtype) <= 0, f"{where}: packed out err over the tolerance"
+    assert max_err(lse.cpu(), ref_lse) < 1e-3, f"{where}: packed lse err"
+
+
+@pytest.mark.parametrize("path", ["flash-varlen", "one by one"])
+def test_segments_with_gaps_and_flags_match_fp64(path, seed, monkeypatch):
+    """A ring block's segments as the varlen kernel and as the one-by-one fallback: causal and
+    non-causal segments in one block, query and key rows that no segment uses, B = 2, GQA."""
+    _need_gpu()
+    from attncomm.ring.layout import Segment
+    g = gen(seed)
+    b, sq, sk, hq, hkv, d, dtype = 2, 160, 150, 4, 2, 64, torch.bfloat16
+    q = rand(g, (b, sq, hq, d), dtype)
+    k, v = (rand(g, (b, sk, hkv, d), dtype) for _ in range(2))
+    segs = [Segment(0, 50, 0, 30, False), Segment(60, 100, 40, 90, False),
+            Segment(100, 150, 100, 150, True)]  # rows 50..60 and 150..160 in none
+    if path != "flash-varlen":
+        monkeypatch.setattr(ring_attn, "_varlen", lambda *a: None)
+    out, lse = attention_with_lse(q.cuda(), k.cuda(), v.cuda(), False, segments=segs)
+    ref = torch.zeros(b, sq, hq, d, dtype=torch.float64)
+    ref_lse = torch.full((b, sq, hq), float("-inf"), dtype=torch.float64)
+    for q_lo, q_hi, k_lo, k_hi, causal in segs:
+        ref[:, q_lo:q_hi], ref_lse[:, q_lo:q_hi] = ref_attention_lse(
+            q[:, q_lo:q_hi], k[:, k_lo:k_hi], v[:, k_lo:k_hi], causal)
+    where = f"seed {seed}, path {path}, kernel {ring_attn.last_kernel()}"
+    if path == "flash-varlen":
+        assert ring_attn.last_kernel() == "flash-varlen", where
+    live = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), live), where
+    assert torch.equal(out.cpu()[~live].float(), torch.zeros_like(out.cpu()[~live].float())), where
+    assert _excess(out, ref, v, dtype) <= 0, f"{where}: out err over the tolerance"
+    assert max_err(lse.cpu()[live], ref_lse[live]) < 1e-3, f"{where}: lse err"
