@@ -1,7 +1,8 @@
 """UlyssesAttention with key-padding masks on gloo CPU ranks: against the fp64 attention of the
 whole masked sequence (uneven sequences, GQA, causal, rows with no key at all), joint rows with
 their own mask (a DiT's padded text tokens, front and back), one compiled graph for every mask
-of a shape, and bad masks raised on every rank alike."""
+of a shape, a mask of all True giving the unmasked bits, and bad masks raised on every rank
+alike."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from attncomm.ulysses import UlyssesAttention
 
-from _ring_helpers import expect_value_error, gen, max_err, rand, ref_attention_lse
+from _ring_helpers import bits_equal, expect_value_error, gen, max_err, rand, ref_attention_lse
 
 
 def _shard(t, lens, rank):
@@ -130,3 +131,20 @@ def test_bad_masks_raise_on_every_rank(pools):
         msgs = [r[key][0] for r in results]
         assert len(set(msgs)) == 1, (key, msgs)
         assert results[0][key][1] in msgs[0], (key, msgs[0])
+
+
+def _all_true(rank, world, seed):
+    g = torch.Generator().manual_seed(seed * 10 + rank)
+    mod = UlyssesAttention()
+    same = []
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(2, 6, 2 * world, 16, generator=g).to(dtype) for _ in range(3))
+        ones = torch.ones(2, 6, dtype=torch.bool)
+        same.append(bits_equal(mod(q, k, v), mod(q, k, v, key_padding_mask=ones)))
+    return same
+
+
+def test_all_true_mask_is_no_mask_bitwise(pools, seed):
+    """CPU: a key-padding mask of all True gives the unmasked forward's bits (fp32, bf16)."""
+    for same in pools.run(2, _all_true, seed):
+        assert all(same), f"seed {seed}: {same}"
