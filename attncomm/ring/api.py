@@ -203,7 +203,7 @@ def _run(q, k, v, group, causal: bool, layout: str, attn_fn, timeout_s: float, o
                                        k_cur[:, blk.k_lo:blk.k_hi], v_cur[:, blk.k_lo:blk.k_hi],
                                        blk.causal, None if mask is None
                                        else mask[:, blk.k_lo:blk.k_hi], segs)
-                _check_result(out, lse, (b, blk.q_hi - blk.q_lo, hq, dv), op)
+                _require_attn_result(out, lse, (b, blk.q_hi - blk.q_lo, hq, dv), op)
             except BaseException:
                 # Finish the posted transfer first: a receive left pending would take the
                 # next call's block.
@@ -224,7 +224,7 @@ def _drain(comm: RingComm, pending: list, step: int) -> None:
         pass
 
 
-def _check_result(out, lse, want, op: str) -> None:
+def _require_attn_result(out, lse, want, op: str) -> None:
     if not (isinstance(out, torch.Tensor) and isinstance(lse, torch.Tensor)
             and tuple(out.shape) == want and tuple(lse.shape) == want[:3]):
         got = [list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__

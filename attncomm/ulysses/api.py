@@ -4,7 +4,7 @@ Ulysses sequence parallelism: DeepSpeed-Ulysses (Jacobs et al., 2023, arXiv:2309
 attention on whole sequences for a subset of heads, reached by one all-to-all each way.
 
 Hot path: the first call with a new shape (per group) checks its arguments across ranks,
-decides the transport and builds the exchange plan (``_CallPlan``); a later call with that
+decides the transport and builds the exchange plan (``_ExchangeCall``); a later call with that
 shape finds the plan by a key of its arguments and only runs the exchange. Under
 ``torch.compile`` each call is one custom op (``ulysses/ops.py``) that carries the transport
 decided by an earlier eager call of the shape (``_traced_decision``).
@@ -51,7 +51,7 @@ def _forget(key) -> None:
 
 
 @dataclasses.dataclass
-class _CallPlan:
+class _ExchangeCall:
     """One call shape of ``seq_to_head`` / ``head_to_seq``, planned once: the exchange plan,
     the transport, the result's layout, and the signature for ``validate=True``."""
 
@@ -70,7 +70,7 @@ class _CallPlan:
     wire: tuple | None = None       # the FP8 final buffer's shape [S, B, H_r, D + 4]
 
 
-def _remember(group, c: _CallPlan, key, decision_key) -> None:
+def _remember(group, c: _ExchangeCall, key, decision_key) -> None:
     """Keep plan ``c`` for ``key`` (``group``: the group argument as the caller passed it) and
     its transport for traced calls of the shape."""
     if key is not None:
@@ -127,7 +127,7 @@ def seq_to_head(x: torch.Tensor, group=None, *, seq_lens=None, backend: str = "a
     return _run(c, x, output)
 
 
-def _run(c: _CallPlan, x, output):
+def _run(c: _ExchangeCall, x, output):
     """The exchange of one call with its plan ``c``: a copy-free result where the final buffer
     is the result, else one copy (into ``output`` or, for ``B > 1`` or a result in staging, a
     new tensor)."""
@@ -162,7 +162,7 @@ def _run(c: _CallPlan, x, output):
     return res
 
 
-def _run_fp8(c: _CallPlan, x, output):
+def _run_fp8(c: _ExchangeCall, x, output):
     """``seq_to_head`` with the FP8 payload: the fill quantizes ``x`` into the transport's send
     buffer, the bytes travel, the final buffer ``[S, B, H_r, D + 4]`` is dequantized into the
     result (``output`` when given)."""
@@ -221,7 +221,7 @@ def _plan_seq_to_head(x, arg, seq_lens, backend, validate, timeout_s, output, ke
     direct = b == 1 and not t.result_aliases_staging
     if output is not None:
         direct = b == 1 and output.is_contiguous()
-    cp = _CallPlan("seq_to_head", group, c.timeout, plan, t, x.dtype, res_shape,
+    cp = _ExchangeCall("seq_to_head", group, c.timeout, plan, t, x.dtype, res_shape,
                    (sum(seq), b, heads[rank], d), direct,
                    config.validation_mode(validate) == "every", validation)
     if use_fp8:
@@ -308,7 +308,7 @@ def _plan_head_to_seq(x, arg, num_heads, seq_lens, backend, validate, timeout_s,
     plan = head_to_seq_plan(b, seq, d, tuple(heads), tuple(head_offsets(heads)), h)
     t, _ = get_transport(group, c.backend, x.device, c.timeout, plan, x.dtype, "head_to_seq")
     direct = output is None or output.is_contiguous()
-    cp = _CallPlan("head_to_seq", group, c.timeout, plan, t, x.dtype, res_shape, res_shape,
+    cp = _ExchangeCall("head_to_seq", group, c.timeout, plan, t, x.dtype, res_shape, res_shape,
                    direct, config.validation_mode(validate) == "every", validation)
     _remember(arg, cp, key, (group_key(group), "head_to_seq", tuple(c.shape), x.dtype,
                              x.device.type, seq_key(seq_lens), c.backend, num_heads, None))

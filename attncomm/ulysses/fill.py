@@ -367,7 +367,7 @@ def default_block_s(head_dim: int) -> int:
     return max(1, min(64, 2048 // head_dim))
 
 
-class _Layout:
+class _LaunchLayout:
     """What a fill launch keeps for one layout (the parts' shapes, dtype, head ranges, norm
     weights, RoPE, eps, payload, launch shape): everything but the tensors' addresses and
     strides."""
@@ -414,7 +414,7 @@ class _Layout:
         return desc
 
 
-def _launch(lay: _Layout, xs: list, base: torch.Tensor, starts: tuple, cos, sin) -> None:
+def _launch(lay: _LaunchLayout, xs: list, base: torch.Tensor, starts: tuple, cos, sin) -> None:
     """One launch of the fill kernel for ``lay`` with sources ``xs`` (``[B, S_r, H, D]``, any
     strides), destination ``base`` (regions at ``starts`` elements from it): through Triton's
     JIT the first time a specialization is seen, then through the compiled kernel it returned
@@ -538,7 +538,7 @@ class FillPlan:
         self.payload_dtype = payload_dtype
         self.starts = list(starts)
         self.flat_starts = tuple(starts[:-1])
-        self.layout = (_Layout(parts, eps, rope, block_s, heads_per_program, num_warps,
+        self.layout = (_LaunchLayout(parts, eps, rope, block_s, heads_per_program, num_warps,
                                payload_dtype) if why is None and impl != "torch" else None)
 
     def __call__(self, xs: Sequence[torch.Tensor], cos=None, sin=None, out=None) -> None:
