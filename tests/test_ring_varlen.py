@@ -164,6 +164,42 @@ def test_ring_mask_and_packed_match_fp64(pools, world, seed):
     assert n_empty > 0, f"seed {seed}: no empty row (the cases test nothing)"
 
 
+def _ring_bf16(rank, world, seed):
+    """bf16 q/k/v with a mask and packed sequences: fp32 math and merge, rounded once."""
+    res = []
+    for i, (layout, causal) in enumerate([(lo, c) for lo in ("contiguous", "zigzag")
+                                          for c in (False, True)]):
+        g = gen(seed + i)
+        s_r, lens = _packing(world, layout)
+        s = s_r * world
+        cu = _lens_to_cu(lens)
+        q, k, v = (rand(g, (2, s, h, 8), torch.bfloat16) for h in (4, 2, 2))
+        valid = _mask("random", g, 2, s, world, layout, s_r)
+        ref, ref_lse = ref_attention_lse(q, k, v, causal, key_valid=valid, cu_seqlens=cu)
+        pos = positions(s, world, rank, layout, cu_seqlens=cu)
+        out, lse = ring_attention(*(t[:, pos] for t in (q, k, v)), causal=causal, layout=layout,
+                                  return_lse=True, key_padding_mask=valid[:, pos],
+                                  cu_seqlens=cu)
+        ref, ref_lse = ref[:, pos], ref_lse[:, pos]
+        empty = torch.isneginf(ref_lse)
+        # one rounding to bf16 (half an ulp, 2⁻⁹ relative) over the fp32 arithmetic's error
+        excess = ((out.double() - ref).abs() - 2.0 ** -8 * ref.abs()).max().item()
+        res.append(((layout, causal), out.dtype, lse.dtype,
+                    bool((out[empty] == 0).all()) and bool(torch.isneginf(lse[empty]).all()),
+                    excess, max_err(lse[~empty], ref_lse[~empty])))
+    return res
+
+
+def test_ring_bf16_mask_and_packed_match_fp64(pools, seed):
+    world = 2
+    for rank, res in enumerate(pools.run(world, _ring_bf16, seed)):
+        for case, dtype, lse_dtype, zero, excess, lse_err in res:
+            where = f"seed {seed}, W={world}, rank {rank}, (layout, causal) {case}"
+            assert dtype == torch.bfloat16 and lse_dtype == torch.float32, where
+            assert zero, f"{where}: an empty row is not exactly 0 / −inf"
+            assert excess < 1e-5 and lse_err < 1e-4, f"{where}: excess {excess}, lse {lse_err}"
+
+
 # ------------------------------------------------------------------------------ user attn_fn
 def _user_fn(rank, world):
     seen = []

@@ -30,74 +30,117 @@ def _cat(joint, seq, position):
     return torch.cat([joint, seq] if position == "front" else [seq, joint], dim=1)
 
 
+def _parts(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _joint_mask(kind, g, b, s_j):
+    if kind is None:
+        return None
+    if kind == "random":
+        return torch.rand(b, s_j, generator=g) > 0.4
+    # "holes": a padded prompt with masked tokens inside it too (keys 1, 3 and 5 onwards)
+    m = torch.ones(b, s_j, dtype=torch.bool)
+    m[:, 1] = m[:, 3] = False
+    m[:, 5:] = False
+    return m
+
+
 def _ulysses_masked(rank, world, seed):
     res = []
     lens = [3 + (r % 2) for r in range(world)]  # uneven S_r
     s = sum(lens)
-    # (B, Hq, Hkv, causal, S_j (-1: no joint), position, joint mask)
-    cases = [(2, 2 * world, world, False, -1, "front", False),
-             (2, 2 * world, 1, True, -1, "front", False),
-             (2, 2 * world, world, False, 3, "front", True),
-             (1, world, world, False, 4, "back", True),
-             (2, 2 * world, world, False, 3, "back", False)]
-    for i, (b, hq, hkv, causal, s_j, position, jm) in enumerate(cases):
+    # (B, Hq, Hkv, causal, S_j (-1: no joint), position, joint mask, pipeline_groups); the last
+    # two rows have head counts W does not divide (every rank a different head count)
+    cases = [(2, 2 * world, world, False, -1, "front", None, 0),
+             (2, 2 * world, 1, True, -1, "front", None, 0),
+             (2, 2 * world, world, False, 3, "front", "random", 0),
+             (1, world, world, False, 4, "back", "random", 0),
+             (2, 2 * world, world, False, 3, "back", None, 0),
+             (2, 2 * world + 1, 1, True, -1, "front", None, 2),
+             (2, world + 1, world + 1, False, 7, "front", "holes", 2)]
+    for i, (b, hq, hkv, causal, s_j, position, jkind, pg) in enumerate(cases):
         g = gen(seed + i)
         q, k, v = (rand(g, (b, s, h, 8)).float() for h in (hq, hkv, hkv))
         mask = _mask(g, b, s)
         local = [_shard(t, lens, rank) for t in (q, k, v)]
         kw = dict(seq_lens=lens, causal=causal, key_padding_mask=_shard(mask, lens, rank))
+        mods = [UlyssesAttention(pipeline_groups=p) for p in sorted({0, pg})]
         if s_j < 0:
             ref, _ = ref_attention_lse(q, k, v, causal, key_valid=mask)
-            out = UlyssesAttention(pipeline_groups=0)(*local, **kw)
+            outs = [mod(*local, **kw) for mod in mods]
             want = _shard(ref, lens, rank)
             jerr = 0.0
         else:
             joint = tuple(rand(g, (b, s_j, h, 8)).float() for h in (hq, hkv, hkv))
-            jmask = torch.rand(b, s_j, generator=g) > 0.4 if jm else None
-            jvalid = jmask if jm else torch.ones(b, s_j, dtype=torch.bool)
+            jmask = _joint_mask(jkind, g, b, s_j)
+            jvalid = torch.ones(b, s_j, dtype=torch.bool) if jmask is None else jmask
             ref, _ = ref_attention_lse(*(_cat(j, t, position) for j, t in zip(joint, (q, k, v))),
                                        False, key_valid=_cat(jvalid, mask, position))
-            out, jout = UlyssesAttention(pipeline_groups=0)(
-                *local, joint=joint, joint_position=position, joint_key_padding_mask=jmask,
-                **kw)
+            outs = [mod(*local, joint=joint, joint_position=position,
+                        joint_key_padding_mask=jmask, **kw) for mod in mods]
             ref_seq = ref[:, s_j:] if position == "front" else ref[:, :s]
             ref_j = ref[:, :s_j] if position == "front" else ref[:, s:]
             want = _shard(ref_seq, lens, rank)
-            jerr = max_err(jout, ref_j)
-        res.append((i, max_err(out, want), jerr, not bool(out.isnan().any())))
+            jerr = max_err(outs[0][1], ref_j)
+        outs = [_parts(o) for o in outs]
+        out = outs[0][0]
+        # pipelined head groups give the sequential bits (the joint rows' output too)
+        same = all(bits_equal(a, c) for a, c in zip(outs[-1], outs[0]))
+        same = same and mods[-1].last_pipeline_groups == max(pg, 1)
+        res.append((i, max_err(out, want), jerr, not bool(out.isnan().any()), same))
     return res
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ulysses_mask_matches_fp64(pools, world, seed):
     for rank, res in enumerate(pools.run(world, _ulysses_masked, seed)):
-        for i, err, jerr, finite in res:
+        for i, err, jerr, finite, same in res:
             where = f"seed {seed}, W={world}, rank {rank}, case {i}"
             assert finite, f"{where}: NaN (a row with no key must be 0)"
             assert err < 1e-5 and jerr < 1e-5, f"{where}: err {err}, joint err {jerr}"
+            assert same, f"{where}: pipelined ≠ sequential (or not pipelined)"
 
 
 def _compiled(rank, world, seed):
     torch._dynamo.reset()
     g = gen(seed)
     q, k, v = (rand(g, (1, 4, 2 * world, 8)).float() for _ in range(3))
+    joint = tuple(rand(g, (1, 3, 2 * world, 8)).float() for _ in range(3))
+    # (sequence mask, joint mask) pairs; the joint rows with their own mask are the
+    # ulysses_attention_joint op, which must also take every mask of a shape in one graph
     masks = [torch.rand(1, 4, generator=g) > 0.5 for _ in range(2)]
+    jmasks = [_joint_mask("random", g, 1, 3) for _ in range(2)]
     mod = UlyssesAttention(pipeline_groups=0)
-    want = [mod(q, k, v, key_padding_mask=m) for m in masks]  # the eager warm-up
-    graphs = [0]
 
-    def backend(gm, inputs):
-        graphs[0] += 1
-        return gm.forward
+    def dense(m, jm):
+        return mod(q, k, v, key_padding_mask=m)
 
-    fn = torch.compile(mod, fullgraph=True, backend=backend)
-    got = [fn(q, k, v, key_padding_mask=m) for m in masks]
-    return all(torch.equal(a, b) for a, b in zip(got, want)), graphs[0]
+    def with_joint(m, jm):
+        return mod(q, k, v, key_padding_mask=m, joint=joint, joint_key_padding_mask=jm)
+
+    res = []
+    for fn in (dense, with_joint):
+        want = [fn(m, jm) for m, jm in zip(masks, jmasks)]  # the eager warm-up
+        graphs = [0]
+
+        def backend(gm, inputs):
+            graphs[0] += 1
+            return gm.forward
+
+        compiled = torch.compile(fn, fullgraph=True, backend=backend)
+        got = [compiled(m, jm) for m, jm in zip(masks, jmasks)]
+        same = all(bits_equal(x, y) for a, b in zip(got, want)
+                   for x, y in zip(_parts(a), _parts(b)))
+        res.append((fn.__name__, same, graphs[0]))
+    return res
 
 
 def test_mask_compiles_once_per_shape(pools, seed):
-    for same, graphs in pools.run(2, _compiled, seed):
-        assert same and graphs == 1, f"seed {seed}: same {same}, graphs {graphs}"
+    for rank, res in enumerate(pools.run(2, _compiled, seed)):
+        for name, same, graphs in res:
+            assert same and graphs == 1, \
+                f"seed {seed}, rank {rank}, {name}: same {same}, graphs {graphs}"
 
 
 def _bad(rank, world):

@@ -287,6 +287,53 @@ def test_usp_mask_and_packed_match_fp64(pools, world, seed):
                                f"causal={causal} packed={packed}: err {err}"
 
 
+def _usp_masked_uneven(rank, world, seed):
+    """Head counts U does not divide and uneven S_r inside a Ulysses group, with a mask and
+    packed sequences, sequential and pipelined."""
+    out = []
+    for u, r in _grids(world):
+        ug, rg = _grid(u, r)
+        # (layout, causal, Hq, Hkv, uneven S_r, pipeline_groups)
+        for i, (layout, causal, hq, hkv, uneven, pg) in enumerate(
+                [("contiguous", True, u + 1, 1, False, 0),
+                 ("zigzag", False, 2 * u + 1, 2 * u + 1, False, 2),
+                 ("contiguous", True, u + 1, 1, True, 2)]):
+            g = gen(seed + 31 * i + u)
+            unit = 2 * r if layout == "zigzag" else 1
+            span = 4 * unit * u if layout == "zigzag" else 4 * u  # one Ulysses group's rows
+            # uneven: the first rank of each Ulysses group one more row, the last one fewer
+            seq = [span // u + uneven * (u > 1) * ((gr % u == 0) - (gr % u == u - 1))
+                   for gr in range(world)]
+            s = span * r
+            lens = [unit, s - 3 * unit, 2 * unit] if layout == "zigzag" else [3, s - 5, 2]
+            cu = torch.tensor([0, lens[0], lens[0] + lens[1], s], dtype=torch.int32)
+            q, k, v = (rand(g, (2, s, h, 8)) for h in (hq, hkv, hkv))
+            valid = torch.rand(2, s, generator=g) > 0.3
+            valid[1] = False  # batch 1: no key anywhere
+            ref = ref_attention_lse(q, k, v, causal, key_valid=valid, cu_seqlens=cu)[0]
+            if uneven:
+                lo = sum(seq[:rank])
+                pos = torch.arange(lo, lo + seq[rank])
+            else:
+                pos = usp_positions(s, u, r, rank, layout, cu_seqlens=cu)
+            mod = USPAttention(ulysses_group=ug, ring_group=rg, layout=layout,
+                               backend="all_to_all", pipeline_groups=pg)
+            res = mod(*(t[:, pos].float() for t in (q, k, v)), causal=causal,
+                      seq_lens=seq if uneven else None, key_padding_mask=valid[:, pos],
+                      cu_seqlens=cu)
+            out.append(((u, r), (layout, causal, hq, hkv, seq, pg),
+                        max_err(res, ref[:, pos]), bool(res.isnan().any())))
+    return out
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_usp_mask_with_uneven_heads_and_lengths_matches_fp64(pools, world, seed):
+    for rank, res in enumerate(pools.run(world, _usp_masked_uneven, seed)):
+        for grid, case, err, nan in res:
+            assert not nan and err < 5e-5, \
+                f"seed {seed}: W={world} rank {rank} grid {grid} case {case}: err {err}"
+
+
 def _usp_bad_mask(rank, world):
     ug, rg = _grid(2, 2)
     mod = USPAttention(ulysses_group=ug, ring_group=rg, backend="all_to_all")
