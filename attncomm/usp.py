@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from . import _agree, _dist, collectives, config
 from .capability import host_identity
-from .ring.api import LAYOUT_CODES, cu_signature, cu_tuple, key_mask_error, local_error, \
+from .ring.api import LAYOUT_CODES, cu_signature, key_mask_error, local_error, read_cu, \
     ring_attention
 from .ring.layout import cu_seqlens_error, layout_error, zigzag_shard, zigzag_unshard
 from .ulysses import UlyssesAttention
@@ -349,13 +349,10 @@ class USPAttention(torch.nn.Module):
         budget = config.timeout_s(self.timeout_s)
         u = dist.get_world_size(self.ulysses_group)
         r, j = dist.get_world_size(self.ring_group), dist.get_rank(self.ring_group)
-        cu, error = None, None
         if cu_seqlens is not None and torch.compiler.is_compiling():
-            error = "cu_seqlens is not supported under torch.compile"
-        try:
-            cu = cu_tuple(cu_seqlens) if error is None else None
-        except ValueError as exc:
-            error = str(exc)
+            cu, error = None, "cu_seqlens is not supported under torch.compile"
+        else:
+            cu, error = read_cu(cu_seqlens)
         try:
             if error is None:
                 error, seq, span = self._validate(q, k, v, seq_lens, rope, key_padding_mask, cu)
@@ -373,9 +370,7 @@ class USPAttention(torch.nn.Module):
                int(ok and q.is_cuda), int(bool(causal)), int(rope is not None),
                sum(seq) if ok else -1, seq_lens_hash(seq) if ok else -1, u, r,
                LAYOUT_CODES.get(self.layout, 0), int(key_padding_mask is not None),
-               *cu_signature(cu)]
-        if cu_seqlens is not None and cu is None:
-            sig[-2] = -2  # given but unreadable
+               *cu_signature(cu, cu_seqlens is not None)]
         labels = ["B", "S_r (seq_lens=None)", "Hq", "D", "Hkv", "Dv", "q dtype", "k dtype",
                   "v dtype", "CUDA", "causal", "rope given", "S", "seq_lens (hash)", "U", "R",
                   "layout", "key_padding_mask given", "cu_seqlens (N + 1, -1: none)",

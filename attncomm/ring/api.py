@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import collections
+import functools
 import zlib
 
 from .. import _agree, config
@@ -53,46 +53,49 @@ def _describe(q, k, v) -> str:
                      for n, t in zip("qkv", (q, k, v)))
 
 
-def key_mask_error(mask, b: int, s: int, device) -> str | None:
-    """Why ``mask`` is not a key-padding mask of ``[B, S] = [b, s]`` on ``device`` (bool, True =
-    attend), or None; None is no mask."""
+def key_mask_error(mask, b: int, s: int, device, name: str = "key_padding_mask",
+                   rows: str = "S_r") -> str | None:
+    """Why ``mask`` (the argument ``name``) is not a key-padding mask of ``[B, rows] = [b, s]``
+    on ``device`` (bool, True = attend), or None; None is no mask."""
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool \
             or tuple(mask.shape) != (b, s) or mask.device != device:
         got = (f"{list(mask.shape)} {mask.dtype} on {mask.device}"
                if isinstance(mask, torch.Tensor) else type(mask).__name__)
-        return (f"key_padding_mask must be a bool tensor [B, S_r] = [{b}, {s}] on {device} "
+        return (f"{name} must be a bool tensor [B, {rows}] = [{b}, {s}] on {device} "
                 f"(True = attend), got {got}")
     return None
 
 
-def cu_tuple(cu_seqlens) -> tuple | None:
-    """``cu_seqlens`` (an int32 1-D tensor) as a tuple of ints (read on the host), or None;
-    raises ``ValueError`` naming what it got otherwise."""
+def read_cu(cu_seqlens) -> tuple[tuple | None, str | None]:
+    """``(boundaries, error)``: ``cu_seqlens`` (an int32 1-D tensor, read on the host) as a
+    tuple of ints and None, ``(None, None)`` without one, or ``(None, why)`` for a bad one.
+    Raises the warm-up ``ValueError`` for a GPU tensor inside CUDA graph capture."""
     if cu_seqlens is None:
-        return None
+        return None, None
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 \
             or cu_seqlens.dim() != 1:
         got = (f"{list(cu_seqlens.shape)} {cu_seqlens.dtype}"
                if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__)
-        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor [N + 1], got {got}")
+        return None, f"cu_seqlens must be a 1-D int32 tensor [N + 1], got {got}"
     if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
         raise warm_up_error("ring_attention", "cu_seqlens on the GPU (its values plan the "
                             "steps; pass a CPU tensor to capture)")
-    return cu_values(cu_seqlens)
+    return cu_values(cu_seqlens), None
 
 
-def cu_signature(cu: tuple | None) -> list[int]:
-    """``[N + 1, CRC-32 of the boundaries]`` (``[-1, -1]`` without)."""
+def cu_signature(cu: tuple | None, given: bool = False) -> list[int]:
+    """``[N + 1, CRC-32 of the boundaries]``: ``[-1, -1]`` without, ``[-2, -1]`` for boundaries
+    given but unreadable (``read_cu``'s error)."""
     if cu is None:
-        return [-1, -1]
+        return [-2 if given else -1, -1]
     return [len(cu), zlib.crc32(torch.tensor(cu, dtype=torch.int64).numpy().tobytes())]
 
 
 def local_error(q, k, v, layout, key_padding_mask=None, cu=None, world: int = 1) -> str | None:
     """This rank's argument errors (no communication), or None. ``cu``: the boundaries as a
-    tuple (``cu_tuple``), over ``world`` ranks."""
+    tuple (``read_cu``), over ``world`` ranks."""
     tens = [t for t in (q, k, v) if isinstance(t, torch.Tensor)]
     if len(tens) != 3 or any(t.dim() != 4 for t in tens):
         return f"q, k, v must be 4-D tensors [B, S_r, H, D], got {_describe(q, k, v)}"
@@ -119,7 +122,7 @@ def local_error(q, k, v, layout, key_padding_mask=None, cu=None, world: int = 1)
 
 
 def signature(q, k, v, layout, causal, return_lse, key_padding_mask=None,
-              cu: tuple | None = None) -> list[int]:
+              cu: tuple | None = None, cu_given: bool = False) -> list[int]:
     """The ints every rank must agree on (``LABELS`` names them); −1 where a tensor is not a
     4-D tensor (its local error already says why)."""
     ok = all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v))
@@ -128,31 +131,17 @@ def signature(q, k, v, layout, causal, return_lse, key_padding_mask=None,
              for t in (q, k, v)]
     return [*dims, *codes, int(bool(ok and q.is_cuda)), LAYOUT_CODES.get(layout, 0),
             int(bool(causal)), int(bool(return_lse)), int(key_padding_mask is not None),
-            *cu_signature(cu)]
+            *cu_signature(cu, cu_given)]
 
 
-#: (layout, causal, W, rank, S_r, boundaries) → the segments of every step (least recently
-#: made dropped first).
-_SEGMENT_PLANS: collections.OrderedDict = collections.OrderedDict()
-_SEGMENT_PLANS_SIZE = 256
-
-
+@functools.lru_cache(maxsize=256)
 def segment_plan(layout: str, causal: bool, world: int, rank: int, s_r: int,
-                 cu: tuple) -> list:
-    """The segments of every ring step for the boundaries ``cu``: made once per key, outside
-    CUDA graph capture (the warm-up error inside one)."""
-    key = (layout, causal, world, rank, s_r, cu)
-    plan = _SEGMENT_PLANS.get(key)
-    if plan is None:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise warm_up_error("ring_attention", f"cu_seqlens {list(cu)[:8]}")
-        plan = [ring_segments(layout, causal, world, rank, i, s_r, cu) for i in range(world)]
-        _SEGMENT_PLANS[key] = plan
-        while len(_SEGMENT_PLANS) > _SEGMENT_PLANS_SIZE:
-            _SEGMENT_PLANS.popitem(last=False)
-    else:
-        _SEGMENT_PLANS.move_to_end(key)
-    return plan
+                 cu: tuple) -> tuple:
+    """The segments of every ring step for the boundaries ``cu``: made once per key (an LRU of
+    256), outside CUDA graph capture (the warm-up error inside one; an error is not kept)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise warm_up_error("ring_attention", f"cu_seqlens {list(cu)[:8]}")
+    return tuple(ring_segments(layout, causal, world, rank, i, s_r, cu) for i in range(world))
 
 
 def _call_block(attn_fn, q, k, v, causal, mask, segments):
@@ -288,15 +277,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         PeerTimeoutError: a ring neighbour did not answer within ``timeout_s`` (named).
     """
     budget = config.timeout_s(timeout_s)
-    try:
-        cu, error = cu_tuple(cu_seqlens), None
-    except ValueError as exc:
-        cu, error = None, str(exc)
+    cu, error = read_cu(cu_seqlens)
     world = dist.get_world_size(group)
     error = error or local_error(q, k, v, layout, key_padding_mask, cu, world)
-    sig = signature(q, k, v, layout, causal, return_lse, key_padding_mask, cu)
-    if error and cu_seqlens is not None and cu is None:
-        sig[-2] = -2  # given but unreadable
+    sig = signature(q, k, v, layout, causal, return_lse, key_padding_mask, cu,
+                    cu_seqlens is not None)
     _agree.validate_args(group, "ring_attention", sig, LABELS, error, budget, validate)
     out, lse = _run(q, k, v, group, bool(causal), layout, attn_fn or attention_with_lse, budget,
                     "ring_attention", key_padding_mask, cu)

@@ -21,6 +21,7 @@ scale ``1/√D``. ``causal`` is only asked for square blocks (``Sq == Sk``): que
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -157,27 +158,32 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     if key_padding_mask is not None:
         return _masked(q, k, v, causal, key_padding_mask)
     if not q.is_cuda or q.shape[1] == 0 or k.shape[1] == 0:
-        _LAST[0] = "math"
-        return reference_attention(q, k, v, causal)
+        return _math(q, k, v, causal)
     hq = q.shape[2]
     qt = q.transpose(1, 2)
     kt = _expand_kv(k.transpose(1, 2), hq)
     vt = _expand_kv(v.transpose(1, 2), hq)
     key = (q.dtype, q.shape[3], v.shape[3])
     for kind in _order(qt, kt, vt, causal):
-        if (kind, *key) in _BROKEN:
-            continue
-        try:
-            out, lse = _run_fused(kind, qt, kt, vt, causal)
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError:  # this kernel does not take these tensors: never ask again
-            _BROKEN.add((kind, *key))
-            continue
-        _LAST[0] = kind
-        return out.transpose(1, 2), lse.transpose(1, 2)
-    _LAST[0] = "math"
-    return reference_attention(q, k, v, causal)
+        res = _attempt((kind, *key), lambda: _run_fused(kind, qt, kt, vt, causal))  # noqa: B023
+        if res is not None:
+            _LAST[0] = kind
+            return res[0].transpose(1, 2), res[1].transpose(1, 2)
+    return _math(q, k, v, causal)
+
+
+def _attempt(key, call):
+    """``call()``, or None when the kernel it runs refused these tensors, now or before
+    (``_BROKEN`` remembers ``key``: that kernel is never asked again for it)."""
+    if key in _BROKEN:
+        return None
+    try:
+        return call()
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError:  # this kernel does not take these tensors
+        _BROKEN.add(key)
+        return None
 
 
 def _segments(q, k, v, key_padding_mask, segments):
@@ -203,11 +209,6 @@ def _segments(q, k, v, key_padding_mask, segments):
         out[:, q_lo:q_hi] = o
         lse[:, q_lo:q_hi] = l_
     return out, lse
-
-
-#: (segments, B, Sq, Sk, device) → ``_VarlenPlan``: made on the block's first call (the ring
-#: makes a new block plan outside capture, so this host-to-device copy is too).
-_VARLEN: dict = {}
 
 
 class _VarlenPlan:
@@ -253,6 +254,13 @@ class _VarlenPlan:
         self.live = live.to(device)
 
 
+@functools.lru_cache(maxsize=256)
+def _varlen_plan(segments: tuple, b: int, sq: int, sk: int, device) -> _VarlenPlan:
+    """The ``_VarlenPlan`` of a block, made on its first call (the ring makes a new block plan
+    outside capture, so this host-to-device copy is outside it too)."""
+    return _VarlenPlan(segments, b, sq, sk, device)
+
+
 def _varlen(q, k, v, segments):
     """``_segments`` through ``aten._flash_attention_forward`` with cumulative sequence
     lengths (FlashAttention-2's varlen kernel: GQA in the kernel, no KV expansion), or None
@@ -263,22 +271,13 @@ def _varlen(q, k, v, segments):
     if q.dtype not in (torch.float16, torch.bfloat16) or d != dv or d % 8 or d > 256 \
             or key in _BROKEN or sq == 0 or sk == 0:
         return None
-    pkey = (tuple(tuple(x) for x in segments), b, sq, sk, q.device)
-    plan = _VARLEN.get(pkey)
-    if plan is None:
-        if len(_VARLEN) > 256:
-            _VARLEN.clear()
-        plan = _VARLEN[pkey] = _VarlenPlan(segments, b, sq, sk, q.device)
+    plan = _varlen_plan(tuple(tuple(x) for x in segments), b, sq, sk, q.device)
     qf, kf, vf = (x.reshape(-1, x.shape[2], x.shape[3]) for x in (q, k, v))
     out = lse = None
     for flag, cu_q, cu_k, max_q, max_k, rows in plan.launches:
-        try:
-            res = torch.ops.aten._flash_attention_forward.default(
-                qf, kf, vf, cu_q, cu_k, max_q, max_k, 0.0, flag, False)
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError:  # this kernel does not take these tensors: never ask again
-            _BROKEN.add(key)
+        res = _attempt(key, lambda: torch.ops.aten._flash_attention_forward.default(  # noqa: B023
+            qf, kf, vf, cu_q, cu_k, max_q, max_k, 0.0, flag, False))
+        if res is None:
             return None
         o, l_ = res[0], res[1]
         if l_.shape != (hq, b * sq):  # a build whose LSE layout differs: not this path
@@ -300,8 +299,7 @@ def _masked(q, k, v, causal: bool, key_padding_mask):
     mask as a −inf bias (the math path where it does not take the shape)."""
     broken = ("efficient-masked", q.dtype, q.shape[3], v.shape[3], k.shape[1])
     if not q.is_cuda or q.shape[1] == 0 or k.shape[1] == 0 or broken in _BROKEN:
-        _LAST[0] = "math"
-        return reference_attention(q, k, v, causal, key_padding_mask=key_padding_mask)
+        return _math(q, k, v, causal, key_padding_mask)
     hq, sq, sk = q.shape[2], q.shape[1], k.shape[1]
     qt = q.transpose(1, 2)
     kt = _expand_kv(k.transpose(1, 2), hq)
@@ -309,17 +307,19 @@ def _masked(q, k, v, causal: bool, key_padding_mask):
     keep = key_padding_mask.bool()
     bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(
         ~keep, float("-inf"))[:, None, None, :].expand(q.shape[0], hq, sq, sk)
-    try:
-        res = torch.ops.aten._scaled_dot_product_efficient_attention.default(
-            qt, kt, vt, bias, True, 0.0, causal)
-    except torch.OutOfMemoryError:
-        raise
-    except RuntimeError:  # this kernel does not take these tensors: never ask again
-        _BROKEN.add(broken)
-        return _masked(q, k, v, causal, key_padding_mask)
+    res = _attempt(broken, lambda: torch.ops.aten._scaled_dot_product_efficient_attention.default(
+        qt, kt, vt, bias, True, 0.0, causal))
+    if res is None:
+        return _math(q, k, v, causal, key_padding_mask)
     _LAST[0] = "efficient"
     out, lse = res[0].transpose(1, 2), res[1][..., :sq].transpose(1, 2)
     # A row without a key is empty whatever the kernel wrote there.
     has = keep.cumsum(1)[:, :sq] > 0 if causal else keep.any(1, keepdim=True).expand(-1, sq)
     has = has[:, :, None]
     return out.masked_fill(~has[..., None], 0.0), lse.masked_fill(~has, float("-inf"))
+
+
+def _math(q, k, v, causal: bool, key_padding_mask=None):
+    """``reference_attention``, recorded as the kernel that ran."""
+    _LAST[0] = "math"
+    return reference_attention(q, k, v, causal, key_padding_mask=key_padding_mask)

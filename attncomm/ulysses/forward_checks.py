@@ -161,7 +161,5 @@ def mask_error(masks, joint, dims6, s_j: int, q) -> str | None:
     if why is None and jmask is not None:
         if joint is None:
             return "joint_key_padding_mask is given without joint rows"
-        why = key_mask_error(jmask, b, s_j, q.device)
-        if why:
-            why = "joint_" + why.replace("[B, S_r]", "[B, S_j]")
+        why = key_mask_error(jmask, b, s_j, q.device, "joint_key_padding_mask", "S_j")
     return why
