@@ -45,6 +45,19 @@ def test_bench_ring_cpu_smoke(pools, tmp_path, capsys):
     assert "ring / Ulysses / USP, W=4" in capsys.readouterr().out
 
 
+def test_bench_ring_varlen_cpu_smoke(pools, tmp_path):
+    """``--varlen``: packed against padded for both layouts, and the default attn_fn's rows."""
+    args = _args(tmp_path, "--varlen")
+    opts = bench._defaults(args)
+    records = pools.run(4, bench.run_rank, opts)[0]["records"]
+    assert bench.report(records, args, opts) == 0
+    ring = [r for r in records if "packed_us" in r]
+    assert {r["variant"] for r in ring} == {"ring contiguous", "ring zigzag"}
+    assert all(r["packed_us"] > 0 and r["padded_us"] > 0 and r["ratio"] > 0 for r in ring)
+    fn = [r for r in records if "dense_us" in r]
+    assert {r["variant"].split(" ", 1)[1] for r in fn} >= {"mask (all True)", "one segment"}
+
+
 def test_bench_ring_rejects_bad_sizes(tmp_path, capsys):
     args = _args(tmp_path)
     args.seq = "30"

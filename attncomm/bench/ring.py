@@ -35,7 +35,7 @@ from .. import config
 from .._dist import cpu_group
 from ..ring import attention_with_lse, ring_attention
 from ..ring.comm import RingComm
-from ..ring.layout import Segment, ring_block
+from ..ring.layout import Segment, ring_block, zigzag_shard
 from ..ring.merge import merge_block, new_state
 from ..ulysses import UlyssesAttention
 from ..usp import USPAttention, make_groups
@@ -166,10 +166,8 @@ def _varlen_records(rank, world, opts, device, dtype, time_fn, base) -> list:
         qd = make(len(lens), l_max // world)
         # the padded batch: sequence i in row i, its padding masked (rank's shard of it)
         full = torch.arange(l_max)[None, :] < torch.tensor(lens)[:, None]
-        mask = full.view(len(lens), world, -1)[:, rank] if layout == "contiguous" else \
-            torch.cat([full.view(len(lens), 2 * world, -1)[:, i]
-                       for i in (rank, 2 * world - 1 - rank)], dim=1)
-        mask = mask.to(device)
+        mask = (full.chunk(world, dim=1)[rank] if layout == "contiguous"
+                else zigzag_shard(full, world, rank)).to(device)
         for causal in opts["causal"]:
             t_packed = time_fn(lambda: ring_attention(*qp, causal=causal, layout=layout,
                                                       cu_seqlens=cu, validate=False))
