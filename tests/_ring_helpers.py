@@ -96,3 +96,12 @@ def expect_value_error(fn) -> str:
     except Exception as exc:  # noqa: BLE001
         return f"WRONG {type(exc).__name__}: {exc}"
     return "NO ERROR"
+
+
+def assert_same_error_everywhere(results) -> None:
+    """``results[rank][case] = (message, fragment)``: every rank's message of a case is the same
+    and holds the fragment."""
+    for key in results[0]:
+        msgs = [r[key][0] for r in results]
+        assert len(set(msgs)) == 1, (key, msgs)
+        assert results[0][key][1] in msgs[0], (key, msgs[0])
