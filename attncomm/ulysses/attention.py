@@ -315,7 +315,7 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
             _agree.validate_args(self._pg, "UlyssesAttention", sig, labels, error, timeout,
                                 self.validate)
         self.__dict__["_last"] = plan
-        if given == (None, None):
+        if given is _NO_MASKS:
             return plan.run(q, k, v, rope, joint)
         return plan.run(q, k, v, rope, joint, key_mask=self._gather_mask(plan, masks, q))
 
@@ -490,7 +490,12 @@ def _forget(key) -> None:
 def _mask_keys(masks) -> tuple:
     """The masks' part of a plan key: ``(shape, dtype, device)`` of each, or None. A mask of
     another shape, dtype or device is a new plan, so its check runs on every rank alike."""
+    if masks[0] is None and masks[1] is None:
+        return _NO_MASKS  # the common call: nothing built
     return tuple(None if m is None else (tuple(m.shape), m.dtype, m.device) for m in masks)
+
+
+_NO_MASKS = (None, None)
 
 
 @torch.compiler.assume_constant_result
