@@ -254,6 +254,17 @@ def _receive_block(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab_o, slab_l, slab_
     return deadline, bad
 
 
+@triton.jit
+def _flag_regions(slab, desc, out_ptr):
+    # The flag protocol's regions of the slab (descriptor words, never written after the
+    # merger is built): (payload cells, cell stride, LSE cells, stride, flag cells, stride).
+    o_base, o_cell = region(desc, _lay.R_O)
+    l_base, l_cell = region(desc, _lay.R_L)
+    f_base, f_cell = region(desc, _lay.R_F)
+    return (typed(slab, out_ptr.dtype.element_ty) + o_base, o_cell,
+            typed(slab, tl.float32) + l_base, l_cell, typed(slab, tl.int32) + f_base, f_cell)
+
+
 @triton.jit(do_not_specialize=["n_rows"])
 def merge_flag_kernel(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab, desc, state_ptr, err_ptr,
                       n_rows, RANK: tl.constexpr, W: tl.constexpr, H: tl.constexpr,
@@ -276,15 +287,13 @@ def merge_flag_kernel(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab, desc, state_
     grid_size = tl.num_programs(0)
     n_blocks = tl.cdiv(n_rows, BR)
     state64 = typed(state_ptr, tl.int64)
-    old = count_in(state64)
-    if PDL:  # the previous kernel's writes are complete and visible from here on
+    if PDL:  # the previous kernel's writes are complete and visible after gdc_wait
+        old = count_in(state64)
         tl_cuda.gdc_wait()
-    o_base, o_cell = region(desc, _lay.R_O)
-    l_base, l_cell = region(desc, _lay.R_L)
-    f_base, f_cell = region(desc, _lay.R_F)
-    slab_o = typed(slab, out_ptr.dtype.element_ty) + o_base
-    slab_l = typed(slab, tl.float32) + l_base
-    slab_f = typed(slab, tl.int32) + f_base
+        slab_o, o_cell, slab_l, l_cell, slab_f, f_cell = _flag_regions(slab, desc, out_ptr)
+    else:  # the descriptor's loads overlap the epoch atomic's round trip
+        slab_o, o_cell, slab_l, l_cell, slab_f, f_cell = _flag_regions(slab, desc, out_ptr)
+        old = count_in(state64)
     e = epoch_of(old, state64, grid_size, PDL)
     _scrub(slab, desc, state64, e, pid, grid_size, RANK, W)
     slot = e & 1
@@ -362,14 +371,14 @@ def _ll_ready(y, yl, e):
 
 
 @triton.jit
-def _ll_store(x, xl, tag, slab_llo, slab_lll, desc, slot, b, q, n_rows, DW, llo_cell,
+def _ll_store(x, xl, tag, slab_llo, slab_lll, dq, slot, b, n_rows, DW, llo_cell,
               lll_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
               BW: tl.constexpr):
-    # ... stored as (epoch << 32) | word into cell (slot, RANK) of peer q's LL regions.
+    # ... stored as (epoch << 32) | word into cell (slot, RANK) of the LL regions of the peer
+    # dq (8-byte words) away.
     rows = b * BR + tl.arange(0, BR)
     rmask = rows < n_rows
     c = tl.arange(0, BW)
-    dq = peer_delta(desc, q, 2, W)
     cell = slot * W + RANK
     tl.store(slab_llo + dq + cell * llo_cell + rows[:, None] * DW + c[None, :],
              ll_word(tag, x), mask=rmask[:, None] & (c < DW)[None, :])
@@ -378,28 +387,37 @@ def _ll_store(x, xl, tag, slab_llo, slab_lll, desc, slot, b, q, n_rows, DW, llo_
 
 
 @triton.jit
-def _ll_send(x0, xl0, out_w, lse_w, tag, slab_llo, slab_lll, desc, slot, pid, grid_size,
+def _ll_send(x0, xl0, dq0, out_w, lse_w, tag, slab_llo, slab_lll, desc, slot, pid, grid_size,
              n_rows, n_blocks, H, HS, DW, llo_cell, lll_cell, RANK: tl.constexpr,
              W: tl.constexpr, BR: tl.constexpr, BW: tl.constexpr):
     # Every block of this program for every peer: the first block for (RANK + 1) % W from
-    # the words loaded ahead (x0, xl0), then the others.
+    # the words and that peer's offset loaded ahead (x0, xl0, dq0), then the others.
     Q0: tl.constexpr = (RANK + 1) % W
     if Q0 != RANK:
-        _ll_store(x0, xl0, tag, slab_llo, slab_lll, desc, slot, pid, Q0, n_rows, DW,
-                  llo_cell, lll_cell, RANK, W, BR, BW)
+        _ll_store(x0, xl0, tag, slab_llo, slab_lll, dq0, slot, pid, n_rows, DW, llo_cell,
+                  lll_cell, RANK, W, BR, BW)
     for q in tl.static_range(W):
         if q != RANK and q != Q0:
             x, xl = _peer_rows(out_w, lse_w, pid, q, n_rows, H, HS, DW, BR, BW, 0)
-            _ll_store(x, xl, tag, slab_llo, slab_lll, desc, slot, pid, q, n_rows, DW,
-                      llo_cell, lll_cell, RANK, W, BR, BW)
+            _ll_store(x, xl, tag, slab_llo, slab_lll, peer_delta(desc, q, 2, W), slot, pid,
+                      n_rows, DW, llo_cell, lll_cell, RANK, W, BR, BW)
     b = pid + grid_size
     while b < n_blocks:
         for q in tl.static_range(W):
             if q != RANK:
                 x, xl = _peer_rows(out_w, lse_w, b, q, n_rows, H, HS, DW, BR, BW, 0)
-                _ll_store(x, xl, tag, slab_llo, slab_lll, desc, slot, b, q, n_rows, DW,
-                          llo_cell, lll_cell, RANK, W, BR, BW)
+                _ll_store(x, xl, tag, slab_llo, slab_lll, peer_delta(desc, q, 2, W), slot, b,
+                          n_rows, DW, llo_cell, lll_cell, RANK, W, BR, BW)
         b += grid_size
+
+
+@triton.jit
+def _ll_regions(slab, desc, Q0: tl.constexpr, W: tl.constexpr):
+    # The LL protocol's regions (as _flag_regions) and the first peer's offset in 8-byte words.
+    llo_base, llo_cell = region(desc, _lay.R_LLO)
+    lll_base, lll_cell = region(desc, _lay.R_LLL)
+    return (typed(slab, tl.int64) + llo_base, llo_cell, typed(slab, tl.int64) + lll_base,
+            lll_cell, peer_delta(desc, Q0, 2, W))
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -426,23 +444,23 @@ def merge_ll_kernel(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab, desc, state_pt
     # The first block's words for the next rank are loaded before the epoch is known: the
     # loads overlap the epoch atomic's round trip.
     Q0: tl.constexpr = (RANK + 1) % W
+    # Without PDL so are the descriptor's words; with PDL every global access but the count-in
+    # follows gdc_wait.
     if PDL:  # count in while the previous merge runs; read the inputs only after gdc_wait
         old = count_in(state64)
         tl_cuda.gdc_wait()
+        slab_llo, llo_cell, slab_lll, lll_cell, dq0 = _ll_regions(slab, desc, Q0, W)
         x0, xl0 = _peer_rows(out_w, lse_w, pid, Q0, n_rows, H, HS, DW, BR, BW, 0)
     else:
+        slab_llo, llo_cell, slab_lll, lll_cell, dq0 = _ll_regions(slab, desc, Q0, W)
         x0, xl0 = _peer_rows(out_w, lse_w, pid, Q0, n_rows, H, HS, DW, BR, BW, 0)
         old = count_in(state64)
-    llo_base, llo_cell = region(desc, _lay.R_LLO)
-    lll_base, lll_cell = region(desc, _lay.R_LLL)
-    slab_llo = typed(slab, tl.int64) + llo_base
-    slab_lll = typed(slab, tl.int64) + lll_base
     e = epoch_of(old, state64, grid_size, PDL)
     _scrub(slab, desc, state64, e, pid, grid_size, RANK, W)
     slot = e & 1
     tag = e.to(tl.int64) << 32
     cmask = c < DW
-    _ll_send(x0, xl0, out_w, lse_w, tag, slab_llo, slab_lll, desc, slot, pid, grid_size,
+    _ll_send(x0, xl0, dq0, out_w, lse_w, tag, slab_llo, slab_lll, desc, slot, pid, grid_size,
              n_rows, n_blocks, H, HS, DW, llo_cell, lll_cell, RANK, W, BR, BW)
     deadline = tl.zeros([], tl.int64)
     bad = tl.full([], 0, tl.int32)
