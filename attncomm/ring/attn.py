@@ -18,6 +18,14 @@ scale ``1/√D``. ``causal`` is only asked for square blocks (``Sq == Sk``): que
   (measured: benchmarks/results/ring-one-gpu-*.md). A kernel that raises for a shape is not
   asked again for that (kernel, dtype, D, Dv) in this process; the next one in the order flash →
   efficient → math is used, and ``last_kernel()`` says which ran.
+- CUDA with a key-padding mask, non-causal: the block as a variable-length batch
+  (``masked_varlen``): each batch row's attended keys gathered to the front by a stable sort of
+  the mask (``compact_keys``, no host sync), then FlashAttention-2's varlen kernel with the
+  cumulative counts as the key boundaries (GQA in the kernel), so the masked keys cost nothing.
+  Causal with a mask: the efficient kernel with the mask as a −inf bias (sorting the keys would
+  lose the positions causality compares; in the ring only the diagonal step is causal).
+- CUDA with segments (packed sequences): FlashAttention-2's varlen kernel over the segments
+  (``_varlen``); one segment over the whole block is the dense call.
 """
 from __future__ import annotations
 
@@ -26,10 +34,11 @@ import math
 
 import torch
 
-__all__ = ["attention_with_lse", "reference_attention", "last_kernel", "KERNELS"]
+__all__ = ["attention_with_lse", "reference_attention", "last_kernel", "KERNELS",
+           "masked_varlen", "compact_keys", "pack_masked", "MASK_KERNELS"]
 
 #: Names ``last_kernel()`` reports.
-KERNELS = ("math", "flash", "efficient", "cudnn", "flash-varlen")
+KERNELS = ("math", "flash", "efficient", "cudnn", "flash-varlen", "cudnn-varlen")
 _FUSED_ORDER = ("flash", "efficient")
 _BROKEN: set = set()  # (kernel, dtype, D, Dv[, Sk]) whose ATen op raised here
 _LAST = ["math"]
@@ -261,6 +270,14 @@ def _varlen_plan(segments: tuple, b: int, sq: int, sk: int, device) -> _VarlenPl
     return _VarlenPlan(segments, b, sq, sk, device)
 
 
+def _varlen_fits(q, k, v) -> bool:
+    """Whether the variable-length kernels take the block: fp16/bf16, ``D = Dv`` a multiple of
+    8 up to 256, no empty side."""
+    d = q.shape[3]
+    return (q.dtype in (torch.float16, torch.bfloat16) and d == v.shape[3] and d % 8 == 0
+            and d <= 256 and q.shape[1] > 0 and k.shape[1] > 0)
+
+
 def _varlen(q, k, v, segments):
     """``_segments`` through ``aten._flash_attention_forward`` with cumulative sequence
     lengths (FlashAttention-2's varlen kernel: GQA in the kernel, no KV expansion), or None
@@ -268,22 +285,20 @@ def _varlen(q, k, v, segments):
     b, sq, hq, d = q.shape
     sk, dv = k.shape[1], v.shape[3]
     key = ("flash-varlen", q.dtype, d)
-    if q.dtype not in (torch.float16, torch.bfloat16) or d != dv or d % 8 or d > 256 \
-            or key in _BROKEN or sq == 0 or sk == 0:
+    if not _varlen_fits(q, k, v) or key in _BROKEN:
         return None
     plan = _varlen_plan(tuple(tuple(x) for x in segments), b, sq, sk, q.device)
     qf, kf, vf = (x.reshape(-1, x.shape[2], x.shape[3]) for x in (q, k, v))
     out = lse = None
     for flag, cu_q, cu_k, max_q, max_k, rows in plan.launches:
-        res = _attempt(key, lambda: torch.ops.aten._flash_attention_forward.default(  # noqa: B023
-            qf, kf, vf, cu_q, cu_k, max_q, max_k, 0.0, flag, False))
+        res = _attempt(key, lambda: _flash_varlen_run(qf, kf, vf, cu_q, cu_k, max_q,  # noqa: B023
+                                                      max_k, flag))  # noqa: B023
         if res is None:
             return None
-        o, l_ = res[0], res[1]
-        if l_.shape != (hq, b * sq):  # a build whose LSE layout differs: not this path
+        o, l_ = res
+        if l_ is None:  # a build whose LSE layout differs: not this path
             _BROKEN.add(key)
             return None
-        l_ = l_.t()
         out = o if out is None else torch.where(rows[:, None, None], o, out)
         lse = l_ if lse is None else torch.where(rows[:, None], l_, lse)
     _LAST[0] = "flash-varlen"
@@ -294,9 +309,120 @@ def _varlen(q, k, v, segments):
     return out.view(b, sq, hq, dv), lse.view(b, sq, hq)
 
 
+def compact_keys(key_padding_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A key-padding mask as the key order of a variable-length batch.
+
+    ``key_padding_mask``: bool ``[B, Sk]`` (True = attend), any device. Returns ``order``
+    ``[B·Sk]`` int64 and ``cu_k`` ``[B + 1]`` int32: gathering the flattened ``[B·Sk, ...]`` keys
+    by ``order`` puts batch row b's attended keys, in their own order, at rows
+    ``[cu_k[b], cu_k[b+1])`` (the masked keys follow, after ``cu_k[B]``). A stable sort of the
+    flattened ``~mask``: fixed shapes, no host sync (so a CUDA graph can record it). Non-causal
+    attention does not depend on the order of its keys, so the attention of row b over these
+    keys is its masked attention (up to rounding)."""
+    order = torch.sort((~key_padding_mask.bool()).reshape(-1).to(torch.uint8), stable=True)[1]
+    counts = key_padding_mask.sum(1, dtype=torch.int32)
+    return order, torch.nn.functional.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def pack_masked(q, k, v, key_padding_mask):
+    """``(qf [B·Sq, Hq, D], kf [B·Sk, Hkv, D], vf [B·Sk, Hkv, Dv], cu_q [B + 1], cu_k [B + 1])``:
+    a block with a key-padding mask as a variable-length batch (``compact_keys``): query row
+    ``b·Sq + i`` attends key rows ``[cu_k[b], cu_k[b+1])``; ``cu_q = b·Sq``. Any device."""
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    order, cu_k = compact_keys(key_padding_mask)
+    kf = k.reshape(b * sk, k.shape[2], d).index_select(0, order)
+    vf = v.reshape(b * sk, v.shape[2], v.shape[3]).index_select(0, order)
+    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
+    return q.reshape(b * sq, hq, d), kf, vf, cu_q, cu_k
+
+
+#: The kernels that run a masked block as a variable-length batch, in the order tried:
+#: ``"flash-varlen"`` (FlashAttention-2's ``aten._flash_attention_forward``) and
+#: ``"cudnn-varlen"`` (cuDNN's ragged ``aten._cudnn_attention_forward``, not tried unless
+#: listed here).
+MASK_KERNELS = ("flash-varlen",)
+
+
+def masked_varlen(q, k, v, key_padding_mask, kinds=None):
+    """Non-causal attention of one block with a key-padding mask on CUDA, as a variable-length
+    batch (``pack_masked``: each batch row's attended keys gathered to the front; GQA stays in
+    the kernel, no KV expansion): ``(out [B, Sq, Hq, Dv] in q's dtype, lse [B, Sq, Hq] fp32)``,
+    a batch row with no attended key 0 with LSE −inf. None where it does not apply (CPU,
+    fp32, ``D ≠ Dv``, D not a multiple of 8 or above 256, an empty block) or every kernel of
+    ``kinds`` (default ``MASK_KERNELS``) refused these tensors (``_attempt``)."""
+    if not q.is_cuda or not _varlen_fits(q, k, v):
+        return None
+    return _masked_varlen(q, k, v, key_padding_mask, kinds or MASK_KERNELS)
+
+
+def _masked_varlen(q, k, v, key_padding_mask, kinds):
+    """``masked_varlen`` past its device and shape checks: the kernels of ``kinds``
+    (``_VARLEN_RUN``) on the packed batch, the first that takes it."""
+    b, sq, hq, d = q.shape
+    sk, dv = k.shape[1], v.shape[3]
+    kinds = [x for x in kinds if (x, q.dtype, d) not in _BROKEN]
+    if not kinds:
+        return None
+    qf, kf, vf, cu_q, cu_k = pack_masked(q, k, v, key_padding_mask)
+    for kind in kinds:
+        res = _attempt((kind, q.dtype, d), lambda: _VARLEN_RUN[kind](  # noqa: B023
+            qf, kf, vf, cu_q, cu_k, sq, sk))
+        if res is None:
+            continue
+        out, lse = res
+        if lse is None:  # a build whose LSE layout is not one this code reads
+            _BROKEN.add((kind, q.dtype, d))
+            continue
+        _LAST[0] = kind
+        # A batch row without a key is empty (the kernels leave +inf or NaN as its LSE).
+        empty = (cu_k[1:] == cu_k[:-1])[:, None, None]
+        lse = lse.view(b, sq, hq).masked_fill(empty, float("-inf"))
+        return out.view(b, sq, hq, dv).masked_fill(empty[..., None], 0.0), lse
+    return None
+
+
+def _flash_varlen_run(qf, kf, vf, cu_q, cu_k, max_q, max_k, causal: bool = False):
+    """FlashAttention-2's varlen forward (``aten._flash_attention_forward``): ``(out [T_q, Hq,
+    Dv], lse [T_q, Hq])``, ``lse`` None when the build's layout is not ``[Hq, T_q]``."""
+    res = torch.ops.aten._flash_attention_forward.default(qf, kf, vf, cu_q, cu_k, max_q, max_k,
+                                                          0.0, causal, False)
+    lse = res[1]
+    return res[0], (lse.t() if tuple(lse.shape) == (qf.shape[1], qf.shape[0]) else None)
+
+
+def _cudnn_varlen_run(qf, kf, vf, cu_q, cu_k, max_q, max_k):
+    """cuDNN's ragged forward: ``(out [T_q, Hq, Dv], lse [T_q, Hq])``, ``lse`` None when its
+    layout is neither ``[T_q, Hq(, 1)]`` nor ``[Hq, T_q]``."""
+    res = torch.ops.aten._cudnn_attention_forward.default(qf, kf, vf, None, cu_q, cu_k, max_q,
+                                                          max_k, True, 0.0, False, False)
+    lse, tq, hq = res[1], qf.shape[0], qf.shape[1]
+    if tuple(lse.shape) in ((tq, hq), (tq, hq, 1)):
+        lse = lse.reshape(tq, hq)
+    elif tuple(lse.shape) == (hq, tq):
+        lse = lse.t()
+    else:
+        lse = None
+    return res[0], lse
+
+
+_VARLEN_RUN = {"flash-varlen": _flash_varlen_run, "cudnn-varlen": _cudnn_varlen_run}
+
+
 def _masked(q, k, v, causal: bool, key_padding_mask):
-    """One block with a key-padding mask: fp32 math on CPU; on CUDA the efficient kernel with the
-    mask as a −inf bias (the math path where it does not take the shape)."""
+    """One block with a key-padding mask: fp32 math on CPU; on CUDA non-causal, a
+    variable-length batch of each row's attended keys (``masked_varlen``); causal (a sort of the
+    keys would break their positions), or where that does not apply, the efficient kernel with
+    the mask as a −inf bias (the math path where it does not take the shape)."""
+    if q.is_cuda and not causal:
+        res = masked_varlen(q, k, v, key_padding_mask)
+        if res is not None:
+            return res
+    return _masked_bias(q, k, v, causal, key_padding_mask)
+
+
+def _masked_bias(q, k, v, causal: bool, key_padding_mask):
+    """``_masked`` through the efficient kernel with a −inf bias (CUDA), else fp32 math."""
     broken = ("efficient-masked", q.dtype, q.shape[3], v.shape[3], k.shape[1])
     if not q.is_cuda or q.shape[1] == 0 or k.shape[1] == 0 or broken in _BROKEN:
         return _math(q, k, v, causal, key_padding_mask)
