@@ -8,9 +8,9 @@ and not, it times (device µs, CUDA events around ``--reps`` calls, median of ``
   Ulysses' ``sdpa_attention`` without a mask: the baselines of the ratios;
 - masks (all True, 25 % and 50 % padding at the end, random holes): ``attention_with_lse``
   with ``key_padding_mask`` (``path=default``), Ulysses' ``sdpa_attention`` with it
-  (``ulysses``), and the candidates of the masked block: ``cudnn-varlen``, ``flash-varlen``
-  (``ring.attn.masked_varlen`` with that kernel), ``efficient-bias`` (the −inf bias path) and
-  ``cudnn-bias`` (cuDNN's SDPA with the mask as a broadcast −inf bias);
+  (``ulysses``), and the two routes of the masked block: ``flash-varlen``
+  (``ring.attn.masked_varlen``, non-causal) and ``bias`` (the mask as a broadcast −inf bias to
+  cuDNN's kernel, else the efficient one: ``ring.attn._masked_bias``, the causal route);
 - segments (``cu_seqlens``): one segment over the block and several (``attn_fn`` segments).
 
 ``ratio`` = µs ÷ the dense call of the same shape (goal ≤ 1.1); each record also has the max
@@ -85,24 +85,6 @@ def errors(res, ref) -> dict:
     return e
 
 
-def cudnn_bias(q, k, v, causal, mask):
-    """cuDNN's SDPA with the mask as a −inf bias broadcast over heads and queries (stride 0),
-    rows without a key cleared: a candidate for the masked block (causal too)."""
-    b, sq, hq, _ = q.shape
-    sk = k.shape[1]
-    qt = q.transpose(1, 2)
-    kt = ring_attn._expand_kv(k.transpose(1, 2), hq)
-    vt = ring_attn._expand_kv(v.transpose(1, 2), hq)
-    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
-        ~mask, float("-inf"))[:, None, None, :].expand(b, hq, sq, sk)
-    res = torch.ops.aten._scaled_dot_product_cudnn_attention.default(qt, kt, vt, bias, True, 0.0,
-                                                                     causal, False)
-    out, lse = res[0].transpose(1, 2), res[1].reshape(b, hq, -1)[..., :sq].transpose(1, 2)
-    has = mask.cumsum(1)[:, :sq] > 0 if causal else mask.any(1, keepdim=True).expand(-1, sq)
-    has = has[:, :, None]
-    return out.masked_fill(~has[..., None], 0.0), lse.masked_fill(~has, float("-inf"))
-
-
 def masks(b, s, device, g) -> dict:
     pos = torch.arange(s, device=device)
     return {"all True": torch.ones(b, s, dtype=torch.bool, device=device),
@@ -114,7 +96,7 @@ def masks(b, s, device, g) -> dict:
 def checks(device) -> dict:
     """Schemas, no host sync in the masked forward, and a CUDA graph of it = eager."""
     out = {"torch": torch.__version__, "cudnn": torch.backends.cudnn.version()}
-    for name in ("_flash_attention_forward", "_cudnn_attention_forward"):
+    for name in ("_flash_attention_forward",):
         op = getattr(torch.ops.aten, name, None)
         out[f"schema {name}"] = str(op.default._schema) if op is not None else None
     g = torch.Generator().manual_seed(5)
@@ -190,13 +172,11 @@ def run(device, s, iters, reps) -> list[dict]:
                         q, k, v, causal, key_padding_mask=m), ref, t_dense)  # noqa: B023
                     rec(name, "ulysses", lambda: sdpa_attention(
                         q, k, v, causal, key_padding_mask=m), ref, t_udense)  # noqa: B023
-                    cands = {"efficient-bias": lambda: ring_attn._masked_bias(
-                        q, k, v, causal, m),  # noqa: B023
-                        "cudnn-bias": lambda: cudnn_bias(q, k, v, causal, m)}  # noqa: B023
+                    cands = {"bias": lambda: ring_attn._masked_bias(
+                        q, k, v, causal, m)}  # noqa: B023
                     if not causal:
-                        for kind in ("flash-varlen", "cudnn-varlen"):
-                            cands[kind] = (lambda kd=kind: ring_attn.masked_varlen(
-                                q, k, v, m, kinds=(kd,)))  # noqa: B023
+                        cands["flash-varlen"] = lambda: ring_attn.masked_varlen(
+                            q, k, v, m)  # noqa: B023
                     for path, fn in cands.items():
                         try:
                             rec(name, path, fn, ref, t_dense)

@@ -326,18 +326,17 @@ def _emulated_varlen(qf, kf, vf, cu_q, cu_k, max_q, max_k):
 
 
 @pytest.mark.parametrize("hkv", [4, 2], ids=["MHA", "GQA"])
-def test_masked_varlen_packing_matches_fp64(hkv, seed, monkeypatch):
+def test_masked_varlen_packing_matches_fp64(hkv, seed):
     """The packing and the result of ``masked_varlen`` (the CUDA path of a masked block), its
     kernel emulated on CPU: against fp64 of the masked attention, B = 4 with an all-True row,
     a row with no attended key (0, LSE −inf), end padding and random holes, Sq ≠ Sk, GQA."""
     from attncomm.ring import attn as ring_attn
-    monkeypatch.setitem(ring_attn._VARLEN_RUN, "emulated", _emulated_varlen)
     g = gen(seed)
     b, sq, sk, hq, d = 4, 5, 11, 4, 8
     q = rand(g, (b, sq, hq, d), torch.bfloat16)
     k, v = (rand(g, (b, sk, hkv, d), torch.bfloat16) for _ in range(2))
     m = _masks(g, b, sk)
-    out, lse = ring_attn._masked_varlen(q, k, v, m, ("emulated",))
+    out, lse = ring_attn._masked_varlen(q, k, v, m, "emulated", _emulated_varlen)
     assert ring_attn.last_kernel() == "emulated"
     ref, ref_lse = ref_attention_lse(q, k, v, False, key_valid=m)
     where = f"seed {seed}, Hkv {hkv}, mask {m.int().tolist()}"

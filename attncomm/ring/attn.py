@@ -22,8 +22,9 @@ scale ``1/√D``. ``causal`` is only asked for square blocks (``Sq == Sk``): que
   (``masked_varlen``): each batch row's attended keys gathered to the front by a stable sort of
   the mask (``compact_keys``, no host sync), then FlashAttention-2's varlen kernel with the
   cumulative counts as the key boundaries (GQA in the kernel), so the masked keys cost nothing.
-  Causal with a mask: the efficient kernel with the mask as a −inf bias (sorting the keys would
-  lose the positions causality compares; in the ring only the diagonal step is causal).
+  Causal with a mask: cuDNN's kernel (else the efficient one) with the mask as a −inf bias
+  (sorting the keys would lose the positions causality compares; in the ring only the diagonal
+  step is causal).
 - CUDA with segments (packed sequences): FlashAttention-2's varlen kernel over the segments
   (``_varlen``); one segment over the whole block is the dense call.
 """
@@ -35,10 +36,10 @@ import math
 import torch
 
 __all__ = ["attention_with_lse", "reference_attention", "last_kernel", "KERNELS",
-           "masked_varlen", "compact_keys", "pack_masked", "MASK_KERNELS"]
+           "masked_varlen", "masked_attention", "compact_keys", "pack_masked"]
 
 #: Names ``last_kernel()`` reports.
-KERNELS = ("math", "flash", "efficient", "cudnn", "flash-varlen", "cudnn-varlen")
+KERNELS = ("math", "flash", "efficient", "cudnn", "flash-varlen")
 _FUSED_ORDER = ("flash", "efficient")
 _BROKEN: set = set()  # (kernel, dtype, D, Dv[, Sk]) whose ATen op raised here
 _LAST = ["math"]
@@ -116,18 +117,19 @@ def _fused_choice(qt, kt, vt, causal: bool) -> str:
     return names.get(code, "math")
 
 
-def _run_fused(kind: str, qt, kt, vt, causal: bool):
-    """``out [B, H, Sq, Dv]``, ``lse [B, H, Sq]`` fp32 from the ATen op of ``kind``."""
+def _run_fused(kind: str, qt, kt, vt, causal: bool, bias=None):
+    """``out [B, H, Sq, Dv]``, ``lse [B, H, Sq]`` fp32 from the ATen op of ``kind`` (``bias``:
+    an additive ``[B, H, Sq, Sk]`` score bias, for the efficient and cuDNN kernels)."""
     aten = torch.ops.aten
     sq = qt.shape[2]
     if kind == "flash":
         res = aten._scaled_dot_product_flash_attention.default(qt, kt, vt, 0.0, causal, False)
         return res[0], res[1]
     if kind == "efficient":
-        res = aten._scaled_dot_product_efficient_attention.default(qt, kt, vt, None, True, 0.0,
+        res = aten._scaled_dot_product_efficient_attention.default(qt, kt, vt, bias, True, 0.0,
                                                                    causal)
         return res[0], res[1][..., :sq]
-    res = aten._scaled_dot_product_cudnn_attention.default(qt, kt, vt, None, True, 0.0, causal,
+    res = aten._scaled_dot_product_cudnn_attention.default(qt, kt, vt, bias, True, 0.0, causal,
                                                            False)
     lse = res[1]
     return res[0], lse.reshape(lse.shape[0], lse.shape[1], -1)[..., :sq]
@@ -165,7 +167,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     if segments is not None:
         return _segments(q, k, v, key_padding_mask, segments)
     if key_padding_mask is not None:
-        return _masked(q, k, v, causal, key_padding_mask)
+        return masked_attention(q, k, v, causal, key_padding_mask)
     if not q.is_cuda or q.shape[1] == 0 or k.shape[1] == 0:
         return _math(q, k, v, causal)
     hq = q.shape[2]
@@ -337,49 +339,39 @@ def pack_masked(q, k, v, key_padding_mask):
     return q.reshape(b * sq, hq, d), kf, vf, cu_q, cu_k
 
 
-#: The kernels that run a masked block as a variable-length batch, in the order tried:
-#: ``"flash-varlen"`` (FlashAttention-2's ``aten._flash_attention_forward``) and
-#: ``"cudnn-varlen"`` (cuDNN's ragged ``aten._cudnn_attention_forward``, not tried unless
-#: listed here).
-MASK_KERNELS = ("flash-varlen",)
-
-
-def masked_varlen(q, k, v, key_padding_mask, kinds=None):
+def masked_varlen(q, k, v, key_padding_mask):
     """Non-causal attention of one block with a key-padding mask on CUDA, as a variable-length
     batch (``pack_masked``: each batch row's attended keys gathered to the front; GQA stays in
-    the kernel, no KV expansion): ``(out [B, Sq, Hq, Dv] in q's dtype, lse [B, Sq, Hq] fp32)``,
-    a batch row with no attended key 0 with LSE −inf. None where it does not apply (CPU,
-    fp32, ``D ≠ Dv``, D not a multiple of 8 or above 256, an empty block) or every kernel of
-    ``kinds`` (default ``MASK_KERNELS``) refused these tensors (``_attempt``)."""
+    the kernel, no KV expansion) through FlashAttention-2's varlen kernel: ``(out [B, Sq, Hq,
+    Dv] in q's dtype, lse [B, Sq, Hq] fp32)``, a batch row with no attended key 0 with LSE −inf.
+    None where it does not apply (CPU, fp32, ``D ≠ Dv``, D not a multiple of 8 or above 256, an
+    empty block) or the kernel refused these tensors (``_attempt``)."""
     if not q.is_cuda or not _varlen_fits(q, k, v):
         return None
-    return _masked_varlen(q, k, v, key_padding_mask, kinds or MASK_KERNELS)
+    return _masked_varlen(q, k, v, key_padding_mask, "flash-varlen", _flash_varlen_run)
 
 
-def _masked_varlen(q, k, v, key_padding_mask, kinds):
-    """``masked_varlen`` past its device and shape checks: the kernels of ``kinds``
-    (``_VARLEN_RUN``) on the packed batch, the first that takes it."""
-    b, sq, hq, d = q.shape
-    sk, dv = k.shape[1], v.shape[3]
-    kinds = [x for x in kinds if (x, q.dtype, d) not in _BROKEN]
-    if not kinds:
+def _masked_varlen(q, k, v, key_padding_mask, kind: str, run):
+    """``masked_varlen`` past its device and shape checks, through ``run(qf, kf, vf, cu_q, cu_k,
+    max_q, max_k) -> (out [T_q, Hq, Dv], lse [T_q, Hq] or None)``, the varlen kernel ``kind``."""
+    key = (kind, q.dtype, q.shape[3])
+    if key in _BROKEN:
         return None
+    b, sq, hq, _ = q.shape
+    sk, dv = k.shape[1], v.shape[3]
     qf, kf, vf, cu_q, cu_k = pack_masked(q, k, v, key_padding_mask)
-    for kind in kinds:
-        res = _attempt((kind, q.dtype, d), lambda: _VARLEN_RUN[kind](  # noqa: B023
-            qf, kf, vf, cu_q, cu_k, sq, sk))
-        if res is None:
-            continue
-        out, lse = res
-        if lse is None:  # a build whose LSE layout is not one this code reads
-            _BROKEN.add((kind, q.dtype, d))
-            continue
-        _LAST[0] = kind
-        # A batch row without a key is empty (the kernels leave +inf or NaN as its LSE).
-        empty = (cu_k[1:] == cu_k[:-1])[:, None, None]
-        lse = lse.view(b, sq, hq).masked_fill(empty, float("-inf"))
-        return out.view(b, sq, hq, dv).masked_fill(empty[..., None], 0.0), lse
-    return None
+    res = _attempt(key, lambda: run(qf, kf, vf, cu_q, cu_k, sq, sk))
+    if res is None:
+        return None
+    out, lse = res
+    if lse is None:  # a build whose LSE layout is not one this code reads
+        _BROKEN.add(key)
+        return None
+    _LAST[0] = kind
+    # A batch row without a key is empty (the kernel leaves +inf as its LSE).
+    empty = (cu_k[1:] == cu_k[:-1])[:, None, None]
+    lse = lse.view(b, sq, hq).masked_fill(empty, float("-inf"))
+    return out.view(b, sq, hq, dv).masked_fill(empty[..., None], 0.0), lse
 
 
 def _flash_varlen_run(qf, kf, vf, cu_q, cu_k, max_q, max_k, causal: bool = False):
@@ -391,29 +383,13 @@ def _flash_varlen_run(qf, kf, vf, cu_q, cu_k, max_q, max_k, causal: bool = False
     return res[0], (lse.t() if tuple(lse.shape) == (qf.shape[1], qf.shape[0]) else None)
 
 
-def _cudnn_varlen_run(qf, kf, vf, cu_q, cu_k, max_q, max_k):
-    """cuDNN's ragged forward: ``(out [T_q, Hq, Dv], lse [T_q, Hq])``, ``lse`` None when its
-    layout is neither ``[T_q, Hq(, 1)]`` nor ``[Hq, T_q]``."""
-    res = torch.ops.aten._cudnn_attention_forward.default(qf, kf, vf, None, cu_q, cu_k, max_q,
-                                                          max_k, True, 0.0, False, False)
-    lse, tq, hq = res[1], qf.shape[0], qf.shape[1]
-    if tuple(lse.shape) in ((tq, hq), (tq, hq, 1)):
-        lse = lse.reshape(tq, hq)
-    elif tuple(lse.shape) == (hq, tq):
-        lse = lse.t()
-    else:
-        lse = None
-    return res[0], lse
-
-
-_VARLEN_RUN = {"flash-varlen": _flash_varlen_run, "cudnn-varlen": _cudnn_varlen_run}
-
-
-def _masked(q, k, v, causal: bool, key_padding_mask):
-    """One block with a key-padding mask: fp32 math on CPU; on CUDA non-causal, a
-    variable-length batch of each row's attended keys (``masked_varlen``); causal (a sort of the
-    keys would break their positions), or where that does not apply, the efficient kernel with
-    the mask as a −inf bias (the math path where it does not take the shape)."""
+def masked_attention(q, k, v, causal: bool, key_padding_mask):
+    """One block with a key-padding mask (bool ``[B, Sk]``, True = attend): ``(out, lse)`` as
+    ``attention_with_lse``. fp32 math on CPU. On CUDA, non-causal: a variable-length batch of
+    each row's attended keys (``masked_varlen``); causal (a sort of the keys would lose the
+    positions causality compares), or where that does not apply: the mask as a −inf bias to
+    cuDNN's kernel, else the efficient one (``_masked_bias``). A row with no attended key is 0
+    with LSE −inf."""
     if q.is_cuda and not causal:
         res = masked_varlen(q, k, v, key_padding_mask)
         if res is not None:
@@ -422,9 +398,9 @@ def _masked(q, k, v, causal: bool, key_padding_mask):
 
 
 def _masked_bias(q, k, v, causal: bool, key_padding_mask):
-    """``_masked`` through the efficient kernel with a −inf bias (CUDA), else fp32 math."""
-    broken = ("efficient-masked", q.dtype, q.shape[3], v.shape[3], k.shape[1])
-    if not q.is_cuda or q.shape[1] == 0 or k.shape[1] == 0 or broken in _BROKEN:
+    """``masked_attention`` with the mask as a −inf bias broadcast over heads and queries
+    (stride 0): cuDNN's kernel, else the efficient one (CUDA), else fp32 math."""
+    if not q.is_cuda or q.shape[1] == 0 or k.shape[1] == 0:
         return _math(q, k, v, causal, key_padding_mask)
     hq, sq, sk = q.shape[2], q.shape[1], k.shape[1]
     qt = q.transpose(1, 2)
@@ -433,12 +409,16 @@ def _masked_bias(q, k, v, causal: bool, key_padding_mask):
     keep = key_padding_mask.bool()
     bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(
         ~keep, float("-inf"))[:, None, None, :].expand(q.shape[0], hq, sq, sk)
-    res = _attempt(broken, lambda: torch.ops.aten._scaled_dot_product_efficient_attention.default(
-        qt, kt, vt, bias, True, 0.0, causal))
-    if res is None:
+    shape = (q.dtype, q.shape[3], v.shape[3], sk)
+    for kind in ("cudnn", "efficient"):
+        res = _attempt((kind + "-masked", *shape), lambda: _run_fused(  # noqa: B023
+            kind, qt, kt, vt, causal, bias))
+        if res is not None:
+            break
+    else:
         return _math(q, k, v, causal, key_padding_mask)
-    _LAST[0] = "efficient"
-    out, lse = res[0].transpose(1, 2), res[1][..., :sq].transpose(1, 2)
+    _LAST[0] = kind
+    out, lse = res[0].transpose(1, 2), res[1].transpose(1, 2)
     # A row without a key is empty whatever the kernel wrote there.
     has = keep.cumsum(1)[:, :sq] > 0 if causal else keep.any(1, keepdim=True).expand(-1, sq)
     has = has[:, :, None]
