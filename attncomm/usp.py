@@ -32,7 +32,9 @@ SGLang diffusion composes Ulysses on contiguous ranks with ring on strided ranks
 """
 from __future__ import annotations
 
+import itertools
 import warnings
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -245,8 +247,15 @@ class USPAttention(torch.nn.Module):
     rank's keys (True = attend): gathered by the Ulysses exchange over the group's span, then
     passed around the ring with its K/V block. ``cu_seqlens``: int32 ``[N + 1]`` boundaries of
     packed sequences over the global order (the same on every rank; zigzag: every length
-    divisible by 2R), given to the ring (``ring_attention``'s rule; not under
-    torch.compile). A row with no key to attend is 0.
+    divisible by 2R), given to the ring (``ring_attention``'s rule). A row with no key to
+    attend is 0.
+
+    torch.compile: under ``torch.compile(fullgraph=True)`` the forward is one custom op
+    (``attncomm::usp_attention``) that runs this eager forward when the graph runs (checks,
+    exchanges, the ring; ``attn_fn`` uncompiled inside it). The mask and ``cu_seqlens`` are
+    tensors of the op, so one compiled graph serves every mask and every set of boundaries of
+    a shape; boundaries not seen before make their ring plan when the graph runs (read on the
+    host: pass a CPU tensor; inside CUDA graph capture the plan must exist, the warm-up rule).
 
     Attributes:
         topology_reason: why the Ulysses group is a poor one (it spans hosts), or None.
@@ -270,6 +279,8 @@ class USPAttention(torch.nn.Module):
         self.qk_norm = qk_norm
         self._closed = False
         self._cu = None  # the cu_seqlens of the forward in flight, for the ring
+        self._op_name = f"USPAttention#{next(_NAME_IDS)}"  # the compiled op finds it by this
+        _NAMES[self._op_name] = self
         error = layout_error(layout)
         try:
             self._ulysses = UlyssesAttention(self._ring_attend, ulysses_group, backend=backend,
@@ -346,13 +357,21 @@ class USPAttention(torch.nn.Module):
                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         if self._closed:
             raise RuntimeError("USPAttention: this object is closed (close() was called)")
+        if torch.compiler.is_compiling():
+            # One opaque op that runs this eager forward: the checks, the exchanges and the
+            # ring (its cu_seqlens read on the host) happen when the graph runs, not in it.
+            cos, sin = rope if rope is not None else (None, None)
+            return torch.ops.attncomm.usp_attention(
+                q, k, v, cos, sin, self._op_name, bool(causal),
+                None if seq_lens is None else [int(x) for x in seq_lens], key_padding_mask,
+                cu_seqlens)
+        return self._forward(q, k, v, seq_lens, causal, rope, key_padding_mask, cu_seqlens)
+
+    def _forward(self, q, k, v, seq_lens, causal, rope, key_padding_mask, cu_seqlens):
         budget = config.timeout_s(self.timeout_s)
         u = dist.get_world_size(self.ulysses_group)
         r, j = dist.get_world_size(self.ring_group), dist.get_rank(self.ring_group)
-        if cu_seqlens is not None and torch.compiler.is_compiling():
-            cu, error = None, "cu_seqlens is not supported under torch.compile"
-        else:
-            cu, error = read_cu(cu_seqlens)
+        cu, error = read_cu(cu_seqlens)
         try:
             if error is None:
                 error, seq, span = self._validate(q, k, v, seq_lens, rope, key_padding_mask, cu)
@@ -400,3 +419,32 @@ class USPAttention(torch.nn.Module):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# ------------------------------------------------------------------------------ torch.compile
+#: The live modules by the name their compiled op carries.
+_NAMES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_NAME_IDS = itertools.count()
+
+
+@torch.library.custom_op("attncomm::usp_attention", mutates_args=())
+def _usp_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cos: torch.Tensor | None, sin: torch.Tensor | None, module: str,
+                      causal: bool, seq_lens: list[int] | None,
+                      key_padding_mask: torch.Tensor | None = None,
+                      cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """The eager forward of the ``USPAttention`` named ``module``: the mask and the packed
+    sequences' boundaries are tensors of the op, so one compiled graph serves all of a shape
+    (new boundaries make their ring plan when the graph runs: outside CUDA graph capture, the
+    warm-up rule)."""
+    mod = _NAMES.get(module)
+    if mod is None:
+        raise RuntimeError(f"USPAttention {module!r} no longer exists (the compiled graph "
+                           f"outlived the module it was traced from)")
+    return mod._forward(q, k, v, None if seq_lens is None else tuple(seq_lens), causal,
+                        None if cos is None else (cos, sin), key_padding_mask, cu_seqlens)
+
+
+@_usp_attention_op.register_fake
+def _(q, k, v, cos, sin, module, causal, seq_lens, key_padding_mask=None, cu_seqlens=None):
+    return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))

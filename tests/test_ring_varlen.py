@@ -276,3 +276,82 @@ def test_one_segment_over_the_block_is_the_dense_call(causal, seed):
         one = attention_with_lse(q, k, v, False, segments=[Segment(0, 12, 0, 12, causal)], **kw)
         assert bits_equal(dense[0], one[0]) and bits_equal(dense[1], one[1]), \
             f"seed {seed}, causal={causal}, mask={bool(kw)}"
+
+
+# ------------------------------------------------------------------------------ masks as varlen
+def _masks(g, b, sk):
+    """Key-padding masks ``[b, sk]``: random holes, then row 0 all True, row 1 all False, row 2
+    padded at the end (as many rows of these as ``b`` has)."""
+    m = torch.rand(b, sk, generator=g) > 0.4
+    for i, row in enumerate((torch.ones(sk), torch.zeros(sk),
+                             torch.arange(sk) < sk // 3)[:b]):
+        m[i] = row.bool()
+    return m
+
+
+def test_compact_keys_puts_each_rows_attended_keys_first_in_order(seed):
+    """``compact_keys``: a permutation of the flattened keys; row b's attended keys, in their
+    own order, at ``[cu_k[b], cu_k[b+1])``; the masked keys after ``cu_k[B]``."""
+    from attncomm.ring.attn import compact_keys
+    g = gen(seed)
+    for b, sk in ((1, 1), (4, 9), (3, 16)):
+        m = _masks(g, b, sk)
+        order, cu = compact_keys(m)
+        where = f"seed {seed}, mask {m.int().tolist()}"
+        assert order.dtype == torch.int64 and cu.dtype == torch.int32, where
+        assert torch.equal(order.sort()[0], torch.arange(b * sk)), where
+        flat = torch.arange(b * sk).view(b, sk)
+        want = [0] + torch.cumsum(m.sum(1), 0).tolist()
+        assert cu.tolist() == want, where
+        for i in range(b):
+            assert torch.equal(order[want[i]:want[i + 1]], flat[i][m[i]]), f"{where}, row {i}"
+        assert bool((~m.view(-1)[order[want[-1]:]]).all()), where
+
+
+def _emulated_varlen(qf, kf, vf, cu_q, cu_k, max_q, max_k):
+    """The varlen kernels' contract on CPU (fp32 math per batch entry), with what they leave in
+    an entry without keys: a NaN output and LSE +inf (which ``masked_varlen`` must clear)."""
+    from attncomm.ring import reference_attention
+    out = torch.full((qf.shape[0], qf.shape[1], vf.shape[2]), float("nan"), dtype=qf.dtype)
+    lse = torch.full(qf.shape[:2], float("inf"))
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    assert max(y - x for x, y in zip(cq, cq[1:])) <= max_q
+    assert max(y - x for x, y in zip(ck, ck[1:])) <= max_k
+    for i in range(len(cq) - 1):
+        if ck[i + 1] > ck[i]:
+            o, l_ = reference_attention(qf[None, cq[i]:cq[i + 1]], kf[None, ck[i]:ck[i + 1]],
+                                        vf[None, ck[i]:ck[i + 1]], False)
+            out[cq[i]:cq[i + 1]], lse[cq[i]:cq[i + 1]] = o[0].to(qf.dtype), l_[0]
+    return out, lse
+
+
+@pytest.mark.parametrize("hkv", [4, 2], ids=["MHA", "GQA"])
+def test_masked_varlen_packing_matches_fp64(hkv, seed):
+    """The packing and the result of ``masked_varlen`` (the CUDA path of a masked block), its
+    kernel emulated on CPU: against fp64 of the masked attention, B = 4 with an all-True row,
+    a row with no attended key (0, LSE −inf), end padding and random holes, Sq ≠ Sk, GQA."""
+    from attncomm.ring import attn as ring_attn
+    g = gen(seed)
+    b, sq, sk, hq, d = 4, 5, 11, 4, 8
+    q = rand(g, (b, sq, hq, d), torch.bfloat16)
+    k, v = (rand(g, (b, sk, hkv, d), torch.bfloat16) for _ in range(2))
+    m = _masks(g, b, sk)
+    out, lse = ring_attn._masked_varlen(q, k, v, m, "emulated", _emulated_varlen)
+    assert ring_attn.last_kernel() == "emulated"
+    ref, ref_lse = ref_attention_lse(q, k, v, False, key_valid=m)
+    where = f"seed {seed}, Hkv {hkv}, mask {m.int().tolist()}"
+    assert out.shape == (b, sq, hq, d) and out.dtype == torch.bfloat16, where
+    assert bits_equal(out[1], torch.zeros_like(out[1])), f"{where}: row without keys not 0"
+    assert bool(torch.isneginf(lse[1]).all()), f"{where}: row without keys not LSE -inf"
+    live = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), live), where
+    assert max_err(out, ref) < 2e-2, f"{where}: out err {max_err(out, ref)}"
+    assert max_err(lse[live], ref_lse[live]) < 1e-5, f"{where}: lse err"
+
+
+def test_masked_varlen_is_cuda_only():
+    """On CPU the masked block keeps its fp32 math path (``masked_varlen`` declines), so a
+    mask of all True still gives the unmasked bits there."""
+    from attncomm.ring import attn as ring_attn
+    q, k, v = (torch.randn(1, 4, 2, 8, dtype=torch.bfloat16) for _ in range(3))
+    assert ring_attn.masked_varlen(q, k, v, torch.ones(1, 4, dtype=torch.bool)) is None

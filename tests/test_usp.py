@@ -287,6 +287,48 @@ def test_usp_mask_and_packed_match_fp64(pools, world, seed):
                                f"causal={causal} packed={packed}: err {err}"
 
 
+def _usp_compiled(rank, world, seed):
+    """USP under ``torch.compile(fullgraph=True)`` with a mask and packed sequences that change
+    between calls (the zigzag layout, rope): one graph for all of a shape, the eager bits."""
+    res = []
+    for u, r in _grids(world):
+        torch._dynamo.reset()
+        ug, rg = _grid(u, r)
+        g = gen(seed + u)
+        s_r, s = 8, 8 * world
+        q, k, v = (rand(g, (1, s_r, 2 * u, 8), torch.float32) for _ in range(3))
+        ang = torch.arange(s, dtype=torch.float32)[:, None] * torch.rand(1, 8, generator=g)
+        rope = (ang.cos(), ang.sin())
+        unit = 2 * r
+        cus = [torch.tensor([0, unit, s], dtype=torch.int32),
+               torch.tensor([0, s - unit, s], dtype=torch.int32)]
+        masks = [torch.rand(1, s_r, generator=g) > 0.3 for _ in cus]
+        mod = USPAttention(ulysses_group=ug, ring_group=rg, layout="zigzag",
+                           backend="all_to_all", pipeline_groups=0)
+
+        def fn(m, cu):
+            return mod(q, k, v, causal=True, rope=rope, key_padding_mask=m, cu_seqlens=cu)
+
+        want = [fn(m, cu) for m, cu in zip(masks, cus)]  # eager (the ring's plans made here)
+        graphs = [0]
+
+        def backend(gm, inputs):
+            graphs[0] += 1
+            return gm.forward
+
+        compiled = torch.compile(fn, fullgraph=True, backend=backend)
+        got = [compiled(m, cu) for m, cu in zip(masks, cus)]
+        res.append(((u, r), all(bits_equal(a, b) for a, b in zip(got, want)), graphs[0]))
+    return res
+
+
+def test_usp_compiles_with_mask_and_cu_seqlens(pools, seed):
+    for rank, res in enumerate(pools.run(2, _usp_compiled, seed)):
+        for grid, same, graphs in res:
+            assert same and graphs == 1, \
+                f"seed {seed}, rank {rank}, grid {grid}: eager bits {same}, graphs {graphs}"
+
+
 def _usp_masked_uneven(rank, world, seed):
     """Head counts U does not divide and uneven S_r inside a Ulysses group, with a mask and
     packed sequences, sequential and pipelined."""

@@ -18,6 +18,15 @@ scale ``1/√D``. ``causal`` is only asked for square blocks (``Sq == Sk``): que
   (measured: benchmarks/results/ring-one-gpu-*.md). A kernel that raises for a shape is not
   asked again for that (kernel, dtype, D, Dv) in this process; the next one in the order flash →
   efficient → math is used, and ``last_kernel()`` says which ran.
+- CUDA with a key-padding mask, non-causal: the block as a variable-length batch
+  (``masked_varlen``): each batch row's attended keys gathered to the front by a stable sort of
+  the mask (``compact_keys``, no host sync), then FlashAttention-2's varlen kernel with the
+  cumulative counts as the key boundaries (GQA in the kernel), so the masked keys cost nothing.
+  Causal with a mask: cuDNN's kernel (else the efficient one) with the mask as a −inf bias
+  (sorting the keys would lose the positions causality compares; in the ring only the diagonal
+  step is causal).
+- CUDA with segments (packed sequences): FlashAttention-2's varlen kernel over the segments
+  (``_varlen``); one segment over the whole block is the dense call.
 """
 from __future__ import annotations
 
@@ -26,7 +35,8 @@ import math
 
 import torch
 
-__all__ = ["attention_with_lse", "reference_attention", "last_kernel", "KERNELS"]
+__all__ = ["attention_with_lse", "reference_attention", "last_kernel", "KERNELS",
+           "masked_varlen", "masked_attention", "compact_keys", "pack_masked"]
 
 #: Names ``last_kernel()`` reports.
 KERNELS = ("math", "flash", "efficient", "cudnn", "flash-varlen")
@@ -107,18 +117,19 @@ def _fused_choice(qt, kt, vt, causal: bool) -> str:
     return names.get(code, "math")
 
 
-def _run_fused(kind: str, qt, kt, vt, causal: bool):
-    """``out [B, H, Sq, Dv]``, ``lse [B, H, Sq]`` fp32 from the ATen op of ``kind``."""
+def _run_fused(kind: str, qt, kt, vt, causal: bool, bias=None):
+    """``out [B, H, Sq, Dv]``, ``lse [B, H, Sq]`` fp32 from the ATen op of ``kind`` (``bias``:
+    an additive ``[B, H, Sq, Sk]`` score bias, for the efficient and cuDNN kernels)."""
     aten = torch.ops.aten
     sq = qt.shape[2]
     if kind == "flash":
         res = aten._scaled_dot_product_flash_attention.default(qt, kt, vt, 0.0, causal, False)
         return res[0], res[1]
     if kind == "efficient":
-        res = aten._scaled_dot_product_efficient_attention.default(qt, kt, vt, None, True, 0.0,
+        res = aten._scaled_dot_product_efficient_attention.default(qt, kt, vt, bias, True, 0.0,
                                                                    causal)
         return res[0], res[1][..., :sq]
-    res = aten._scaled_dot_product_cudnn_attention.default(qt, kt, vt, None, True, 0.0, causal,
+    res = aten._scaled_dot_product_cudnn_attention.default(qt, kt, vt, bias, True, 0.0, causal,
                                                            False)
     lse = res[1]
     return res[0], lse.reshape(lse.shape[0], lse.shape[1], -1)[..., :sq]
@@ -156,7 +167,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     if segments is not None:
         return _segments(q, k, v, key_padding_mask, segments)
     if key_padding_mask is not None:
-        return _masked(q, k, v, causal, key_padding_mask)
+        return masked_attention(q, k, v, causal, key_padding_mask)
     if not q.is_cuda or q.shape[1] == 0 or k.shape[1] == 0:
         return _math(q, k, v, causal)
     hq = q.shape[2]
@@ -261,6 +272,14 @@ def _varlen_plan(segments: tuple, b: int, sq: int, sk: int, device) -> _VarlenPl
     return _VarlenPlan(segments, b, sq, sk, device)
 
 
+def _varlen_fits(q, k, v) -> bool:
+    """Whether the variable-length kernels take the block: fp16/bf16, ``D = Dv`` a multiple of
+    8 up to 256, no empty side."""
+    d = q.shape[3]
+    return (q.dtype in (torch.float16, torch.bfloat16) and d == v.shape[3] and d % 8 == 0
+            and d <= 256 and q.shape[1] > 0 and k.shape[1] > 0)
+
+
 def _varlen(q, k, v, segments):
     """``_segments`` through ``aten._flash_attention_forward`` with cumulative sequence
     lengths (FlashAttention-2's varlen kernel: GQA in the kernel, no KV expansion), or None
@@ -268,22 +287,20 @@ def _varlen(q, k, v, segments):
     b, sq, hq, d = q.shape
     sk, dv = k.shape[1], v.shape[3]
     key = ("flash-varlen", q.dtype, d)
-    if q.dtype not in (torch.float16, torch.bfloat16) or d != dv or d % 8 or d > 256 \
-            or key in _BROKEN or sq == 0 or sk == 0:
+    if not _varlen_fits(q, k, v) or key in _BROKEN:
         return None
     plan = _varlen_plan(tuple(tuple(x) for x in segments), b, sq, sk, q.device)
     qf, kf, vf = (x.reshape(-1, x.shape[2], x.shape[3]) for x in (q, k, v))
     out = lse = None
     for flag, cu_q, cu_k, max_q, max_k, rows in plan.launches:
-        res = _attempt(key, lambda: torch.ops.aten._flash_attention_forward.default(  # noqa: B023
-            qf, kf, vf, cu_q, cu_k, max_q, max_k, 0.0, flag, False))
+        res = _attempt(key, lambda: _flash_varlen_run(qf, kf, vf, cu_q, cu_k, max_q,  # noqa: B023
+                                                      max_k, flag))  # noqa: B023
         if res is None:
             return None
-        o, l_ = res[0], res[1]
-        if l_.shape != (hq, b * sq):  # a build whose LSE layout differs: not this path
+        o, l_ = res
+        if l_ is None:  # a build whose LSE layout differs: not this path
             _BROKEN.add(key)
             return None
-        l_ = l_.t()
         out = o if out is None else torch.where(rows[:, None, None], o, out)
         lse = l_ if lse is None else torch.where(rows[:, None], l_, lse)
     _LAST[0] = "flash-varlen"
@@ -294,11 +311,96 @@ def _varlen(q, k, v, segments):
     return out.view(b, sq, hq, dv), lse.view(b, sq, hq)
 
 
-def _masked(q, k, v, causal: bool, key_padding_mask):
-    """One block with a key-padding mask: fp32 math on CPU; on CUDA the efficient kernel with the
-    mask as a −inf bias (the math path where it does not take the shape)."""
-    broken = ("efficient-masked", q.dtype, q.shape[3], v.shape[3], k.shape[1])
-    if not q.is_cuda or q.shape[1] == 0 or k.shape[1] == 0 or broken in _BROKEN:
+def compact_keys(key_padding_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A key-padding mask as the key order of a variable-length batch.
+
+    ``key_padding_mask``: bool ``[B, Sk]`` (True = attend), any device. Returns ``order``
+    ``[B·Sk]`` int64 and ``cu_k`` ``[B + 1]`` int32: gathering the flattened ``[B·Sk, ...]`` keys
+    by ``order`` puts batch row b's attended keys, in their own order, at rows
+    ``[cu_k[b], cu_k[b+1])`` (the masked keys follow, after ``cu_k[B]``). A stable sort of the
+    flattened ``~mask``: fixed shapes, no host sync (so a CUDA graph can record it). Non-causal
+    attention does not depend on the order of its keys, so the attention of row b over these
+    keys is its masked attention (up to rounding)."""
+    order = torch.sort((~key_padding_mask.bool()).reshape(-1).to(torch.uint8), stable=True)[1]
+    counts = key_padding_mask.sum(1, dtype=torch.int32)
+    return order, torch.nn.functional.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def pack_masked(q, k, v, key_padding_mask):
+    """``(qf [B·Sq, Hq, D], kf [B·Sk, Hkv, D], vf [B·Sk, Hkv, Dv], cu_q [B + 1], cu_k [B + 1])``:
+    a block with a key-padding mask as a variable-length batch (``compact_keys``): query row
+    ``b·Sq + i`` attends key rows ``[cu_k[b], cu_k[b+1])``; ``cu_q = b·Sq``. Any device."""
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    order, cu_k = compact_keys(key_padding_mask)
+    kf = k.reshape(b * sk, k.shape[2], d).index_select(0, order)
+    vf = v.reshape(b * sk, v.shape[2], v.shape[3]).index_select(0, order)
+    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
+    return q.reshape(b * sq, hq, d), kf, vf, cu_q, cu_k
+
+
+def masked_varlen(q, k, v, key_padding_mask):
+    """Non-causal attention of one block with a key-padding mask on CUDA, as a variable-length
+    batch (``pack_masked``: each batch row's attended keys gathered to the front; GQA stays in
+    the kernel, no KV expansion) through FlashAttention-2's varlen kernel: ``(out [B, Sq, Hq,
+    Dv] in q's dtype, lse [B, Sq, Hq] fp32)``, a batch row with no attended key 0 with LSE −inf.
+    None where it does not apply (CPU, fp32, ``D ≠ Dv``, D not a multiple of 8 or above 256, an
+    empty block) or the kernel refused these tensors (``_attempt``)."""
+    if not q.is_cuda or not _varlen_fits(q, k, v):
+        return None
+    return _masked_varlen(q, k, v, key_padding_mask, "flash-varlen", _flash_varlen_run)
+
+
+def _masked_varlen(q, k, v, key_padding_mask, kind: str, run):
+    """``masked_varlen`` past its device and shape checks, through ``run(qf, kf, vf, cu_q, cu_k,
+    max_q, max_k) -> (out [T_q, Hq, Dv], lse [T_q, Hq] or None)``, the varlen kernel ``kind``."""
+    key = (kind, q.dtype, q.shape[3])
+    if key in _BROKEN:
+        return None
+    b, sq, hq, _ = q.shape
+    sk, dv = k.shape[1], v.shape[3]
+    qf, kf, vf, cu_q, cu_k = pack_masked(q, k, v, key_padding_mask)
+    res = _attempt(key, lambda: run(qf, kf, vf, cu_q, cu_k, sq, sk))
+    if res is None:
+        return None
+    out, lse = res
+    if lse is None:  # a build whose LSE layout is not one this code reads
+        _BROKEN.add(key)
+        return None
+    _LAST[0] = kind
+    # A batch row without a key is empty (the kernel leaves +inf as its LSE).
+    empty = (cu_k[1:] == cu_k[:-1])[:, None, None]
+    lse = lse.view(b, sq, hq).masked_fill(empty, float("-inf"))
+    return out.view(b, sq, hq, dv).masked_fill(empty[..., None], 0.0), lse
+
+
+def _flash_varlen_run(qf, kf, vf, cu_q, cu_k, max_q, max_k, causal: bool = False):
+    """FlashAttention-2's varlen forward (``aten._flash_attention_forward``): ``(out [T_q, Hq,
+    Dv], lse [T_q, Hq])``, ``lse`` None when the build's layout is not ``[Hq, T_q]``."""
+    res = torch.ops.aten._flash_attention_forward.default(qf, kf, vf, cu_q, cu_k, max_q, max_k,
+                                                          0.0, causal, False)
+    lse = res[1]
+    return res[0], (lse.t() if tuple(lse.shape) == (qf.shape[1], qf.shape[0]) else None)
+
+
+def masked_attention(q, k, v, causal: bool, key_padding_mask):
+    """One block with a key-padding mask (bool ``[B, Sk]``, True = attend): ``(out, lse)`` as
+    ``attention_with_lse``. fp32 math on CPU. On CUDA, non-causal: a variable-length batch of
+    each row's attended keys (``masked_varlen``); causal (a sort of the keys would lose the
+    positions causality compares), or where that does not apply: the mask as a −inf bias to
+    cuDNN's kernel, else the efficient one (``_masked_bias``). A row with no attended key is 0
+    with LSE −inf."""
+    if q.is_cuda and not causal:
+        res = masked_varlen(q, k, v, key_padding_mask)
+        if res is not None:
+            return res
+    return _masked_bias(q, k, v, causal, key_padding_mask)
+
+
+def _masked_bias(q, k, v, causal: bool, key_padding_mask):
+    """``masked_attention`` with the mask as a −inf bias broadcast over heads and queries
+    (stride 0): cuDNN's kernel, else the efficient one (CUDA), else fp32 math."""
+    if not q.is_cuda or q.shape[1] == 0 or k.shape[1] == 0:
         return _math(q, k, v, causal, key_padding_mask)
     hq, sq, sk = q.shape[2], q.shape[1], k.shape[1]
     qt = q.transpose(1, 2)
@@ -307,12 +409,16 @@ def _masked(q, k, v, causal: bool, key_padding_mask):
     keep = key_padding_mask.bool()
     bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(
         ~keep, float("-inf"))[:, None, None, :].expand(q.shape[0], hq, sq, sk)
-    res = _attempt(broken, lambda: torch.ops.aten._scaled_dot_product_efficient_attention.default(
-        qt, kt, vt, bias, True, 0.0, causal))
-    if res is None:
+    shape = (q.dtype, q.shape[3], v.shape[3], sk)
+    for kind in ("cudnn", "efficient"):
+        res = _attempt((kind + "-masked", *shape), lambda: _run_fused(  # noqa: B023
+            kind, qt, kt, vt, causal, bias))
+        if res is not None:
+            break
+    else:
         return _math(q, k, v, causal, key_padding_mask)
-    _LAST[0] = "efficient"
-    out, lse = res[0].transpose(1, 2), res[1][..., :sq].transpose(1, 2)
+    _LAST[0] = kind
+    out, lse = res[0].transpose(1, 2), res[1].transpose(1, 2)
     # A row without a key is empty whatever the kernel wrote there.
     has = keep.cumsum(1)[:, :sq] > 0 if causal else keep.any(1, keepdim=True).expand(-1, sq)
     has = has[:, :, None]

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from .. import _agree, _dist, config
 from .._dist import group_key
 from ..collectives import gather_sequence
+from ..ring.attn import masked_attention
 from .._plans import warm_up_error
 from . import policy
 from . import fp8
@@ -68,11 +69,16 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _masked_sdpa(q, k, v, causal: bool, key_padding_mask: torch.Tensor) -> torch.Tensor:
-    """``sdpa_attention`` with a key-padding mask: SDPA with the mask broadcast over heads and
-    queries (one call per head on CPU, as the unmasked path), rows without a key set to 0."""
+    """``sdpa_attention`` with a key-padding mask. CUDA: the ring's ``masked_attention``
+    (non-causal: each batch row's attended keys gathered to the front, FlashAttention-2's
+    varlen kernel, GQA in the kernel; causal: the mask as a −inf bias to cuDNN's kernel). CPU:
+    SDPA with the mask broadcast over heads and queries, one call per head as the unmasked
+    path. Rows without a key are 0."""
     h, g = q.shape[2], k.shape[2]
     if h == 0:
         return q.new_empty(q.shape[0], q.shape[1], 0, v.shape[3])
+    if q.is_cuda:
+        return masked_attention(q, k, v, causal, key_padding_mask)[0].to(q.dtype)
     if g != h:
         k = k.repeat_interleave(h // g, dim=2)
         v = v.repeat_interleave(h // g, dim=2)

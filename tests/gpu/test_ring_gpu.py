@@ -163,3 +163,76 @@ def test_segments_with_gaps_and_flags_match_fp64(path, seed, monkeypatch):
     assert torch.equal(out.cpu()[~live].float(), torch.zeros_like(out.cpu()[~live].float())), where
     assert _excess(out, ref, v, dtype) <= 0, f"{where}: out err over the tolerance"
     assert max_err(lse.cpu()[live], ref_lse[live]) < 1e-3, f"{where}: lse err"
+
+
+def _key_masks(g, b, sk):
+    """``[b, sk]`` masks: row 0 all True, row 1 no key, row 2 padded at the end (a quarter),
+    the rest random holes."""
+    m = torch.rand(b, sk, generator=g) > 0.5
+    for i, row in enumerate((torch.ones(sk), torch.zeros(sk),
+                             torch.arange(sk) < sk * 3 // 4)[:b]):
+        m[i] = row.bool()
+    return m
+
+
+# (B, Sq, Sk, Hq, Hkv, D, dtype)
+_MASK_CASES = [
+    (4, 256, 256, 8, 8, 128, torch.bfloat16),
+    (4, 192, 320, 8, 2, 128, torch.bfloat16),   # GQA, Sq ≠ Sk
+    (3, 200, 200, 4, 1, 64, torch.float16),     # MQA, tiles not full
+]
+
+
+@pytest.mark.parametrize("case", _MASK_CASES, ids=lambda c: f"B{c[0]}-Hkv{c[4]}-D{c[5]}")
+def test_masked_varlen_matches_fp64(case, seed):
+    """A non-causal block with a key-padding mask as a variable-length batch (each row's
+    attended keys gathered to the front, FlashAttention-2's varlen kernel): against fp64 of the
+    masked attention, with an all-True row, a row with no key (0, LSE −inf), end padding and
+    random holes; through ``attention_with_lse`` where the block is square."""
+    _need_gpu()
+    b, sq, sk, hq, hkv, d, dtype = case
+    g = gen(seed)
+    q = rand(g, (b, sq, hq, d), dtype)
+    k, v = (rand(g, (b, sk, hkv, d), dtype) for _ in range(2))
+    m = _key_masks(g, b, sk)
+    if sq == sk:
+        out, lse = attention_with_lse(q.cuda(), k.cuda(), v.cuda(), False,
+                                      key_padding_mask=m.cuda())
+    else:
+        out, lse = ring_attn.masked_varlen(q.cuda(), k.cuda(), v.cuda(), m.cuda())
+    kind = "flash-varlen"
+    where = f"seed {seed}, {case}, kernel {ring_attn.last_kernel()}"
+    assert ring_attn.last_kernel() == kind, where
+    ref, ref_lse = ref_attention_lse(q, k, v, False, key_valid=m)
+    assert tuple(out.shape) == (b, sq, hq, d) and out.dtype == dtype, where
+    assert torch.equal(out[1].float().cpu(), torch.zeros(sq, hq, d)), f"{where}: empty row"
+    assert bool(torch.isneginf(lse[1]).all()), f"{where}: empty row's LSE"
+    live = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), live), where
+    assert _excess(out, ref, v, dtype) <= 0, f"{where}: out err over the tolerance"
+    assert max_err(lse.cpu()[live], ref_lse[live]) < 1e-3, f"{where}: lse err"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ulysses_masked_default_matches_fp64(causal, seed):
+    """Ulysses' default ``attn_fn`` with a key-padding mask on CUDA (non-causal: the
+    variable-length path; causal: cuDNN's kernel with a −inf bias) against fp64, GQA, B = 3 with an
+    all-True row and a row with no key (0); an all-True mask against the unmasked call."""
+    _need_gpu()
+    from attncomm.ulysses import sdpa_attention
+    g = gen(seed)
+    b, s, hq, hkv, d, dtype = 3, 256, 8, 2, 128, torch.bfloat16
+    q, k, v = (rand(g, (b, s, h, d), dtype) for h in (hq, hkv, hkv))
+    m = _key_masks(g, b, s)
+    out = sdpa_attention(q.cuda(), k.cuda(), v.cuda(), causal, key_padding_mask=m.cuda())
+    ref, _ = ref_attention_lse(q, k, v, causal, key_valid=m)
+    where = f"seed {seed}, causal={causal}"
+    assert out.dtype == dtype and tuple(out.shape) == (b, s, hq, d), where
+    assert torch.equal(out[1].float().cpu(), torch.zeros(s, hq, d)), f"{where}: empty row"
+    assert _excess(out, ref, v, dtype) <= 0, f"{where}: out err over the tolerance"
+    ones = torch.ones(b, s, dtype=torch.bool, device="cuda")
+    dense = sdpa_attention(q.cuda(), k.cuda(), v.cuda(), causal)
+    full = sdpa_attention(q.cuda(), k.cuda(), v.cuda(), causal, key_padding_mask=ones)
+    ref, _ = ref_attention_lse(q, k, v, causal)
+    assert _excess(full, ref, v, dtype) <= 0 and _excess(dense, ref, v, dtype) <= 0, \
+        f"{where}: all-True mask or dense over the tolerance"
