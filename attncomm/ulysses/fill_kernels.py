@@ -62,6 +62,7 @@ E_PART, E_HEAD, E_HEADS, E_BASE, E_PITCH, E_BPITCH, E_STRIDES = range(7)
 ENTRY = E_STRIDES + 4
 _c = sys.modules[__name__]  # constants read as attributes (see attncomm.symm_device)
 _F32_MAX = 3.4028234663852886e38    # the largest finite fp32
+_DV_MIN = 2.0 ** -80               # the least divisor _quotient takes (its docstring)
 
 
 @triton.jit
@@ -105,12 +106,54 @@ def _e4m3(g, finite, dv, HW_E4M3: tl.constexpr):
     # e4m3fn bytes of clamp(g / dv, -448, 448), round to nearest even, subnormals included
     # (module docstring); a non-finite g gives 0x7F. HW_E4M3: the hardware conversion (sm_89
     # and later), else the same rounding in integer arithmetic (older GPUs, the interpreter).
+    return _e4m3_of(tl.div_rn(g, dv), finite, HW_E4M3)
+
+
+@triton.jit
+def _e4m3_of(v, finite, HW_E4M3: tl.constexpr):
+    # e4m3fn bytes of clamp(v, -448, 448) for a quotient v; 0x7F where not finite
     if HW_E4M3:
-        r = tl.div_rn(g, dv).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        r = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
-        u = tl.div_rn(g, dv).to(tl.int32, bitcast=True)
+        u = v.to(tl.int32, bitcast=True)
         r = fp8_magnitude(tl.minimum(u & 0x7FFFFFFF, _e4.E4M3_MAX_BITS)) | ((u >> 24) & 0x80)
     return tl.where(finite, r, 0x7F).to(tl.uint8)
+
+
+@triton.jit
+def _quotient(g, y, ndv):
+    """``g / d`` as IEEE fp32 division rounds it (to nearest even), as far as its e4m3 byte
+    can tell, with no division: ``y = RN(1/d)`` and ``ndv = −d`` are the row's, computed once.
+
+    ``q0 = RN(g·y)``; ``r = RN(g − d·q0)`` (an FMA); ``q1 = RN(q0 + r·y)`` (an FMA); the
+    result is ``|q1|`` with ``g``'s sign. For finite ``g`` and ``2⁻⁸⁰ ≤ d ≤ 2¹²⁰``
+    (``_DV_MIN``; the caller divides with ``div_rn`` otherwise):
+
+    - ``|g/d| ≥ 2⁻¹¹``: ``q1 = RN(g/d)``. Powers of two in g and d change nothing (every
+      step stays normal; ``r`` is a multiple of 2⁻¹³⁸, so exact where it would be
+      subnormal), so take significands ``a, b ∈ [1, 2)``, ``x = a/b``, ``u`` its ulp, ``m``
+      the fp32 rounding boundary (midpoint) nearest x, ``t = x − m``. With
+      ``|y − 1/b| ≤ 2⁻²⁵`` and ``δ = b·y − 1``, the last FMA rounds
+      ``v = x − (q0 − x)·δ + ρ·y`` (ρ: r's own rounding, if any), and ``|t| ≥ 2⁻⁴⁸/b``
+      (``a − b·m`` is a non-zero multiple of 2⁻⁴⁸). If q0 is a grid point next to m (always
+      so when ``a ≥ b``), r is exact and ``|v − x| ≤ (u/2 + |t|)·b·2⁻²⁵ < |t|`` as ``b < 2``:
+      v rounds as x does. Else (``a < b``) q0 is 3u/2 from m, which needs
+      ``|t| ≥ u − a·2⁻²⁵``, and ``|v − x| < 3.5·2⁻⁴⁸``: v rounds as x does unless
+      ``a ≥ 2 − 3·2⁻²³ < b``, three pairs, checked one by one (tests/test_ulysses_fp8.py,
+      which also runs these steps on millions of pairs). This is Markstein's correction
+      (Markstein, IBM J. Res. Dev. 1990; Muller et al., Handbook of Floating-Point
+      Arithmetic, FMA-based division) with ``y = RN(1/d)``, whose q0 can be 1.5 ulp off,
+      past the theorem's one ulp: hence the argument above.
+    - ``|g/d| < 2⁻¹¹``: ``|q1| ≤ 2⁻¹⁰`` (errors of 2⁻²³ relative and 2⁻¹⁵⁰·y ≤ 2⁻⁷⁰), so
+      the byte is e4m3's zero with g's sign, as for ``RN(g/d)``; the sign is forced
+      because ``q0 + r·y`` turns −0 into +0.
+    """
+    q0 = g * y
+    r = tl.fma(q0, ndv, g)
+    q1 = tl.fma(r, y, q0)
+    bits = ((q1.to(tl.uint32, bitcast=True) & 0x7FFFFFFF)
+            | (g.to(tl.uint32, bitcast=True) & 0x80000000))
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -126,11 +169,21 @@ def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl
     amax = tl.maximum(tl.max(tl.where(ok1, tl.abs(g1), 0.0), axis=2),
                       tl.max(tl.where(ok2, tl.abs(g2), 0.0), axis=2))
     scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-    dv = tl.where(scale > 0, scale, 1.0)[:, :, None]
+    dv = tl.where(scale > 0, scale, 1.0)
     dst = out_ptr + rofs[:, :, None] + cols[None, None, :]
     mask = rmask[:, :, None] & (cols[None, None, :] >= 0)
-    tl.store(dst, _e4m3(g1, ok1, dv, HW_E4M3), mask=mask)
-    tl.store(dst + HALF, _e4m3(g2, ok2, dv, HW_E4M3), mask=mask)
+    # sm_89+: the quotients by the row's reciprocal and one correction (_quotient), unless a
+    # live row of the block has a divisor under _DV_MIN (an amax under 448·2⁻⁸⁰)
+    if HW_E4M3 and tl.min(tl.where(rmask, dv, 1.0)) >= _c._DV_MIN:
+        y = tl.div_rn(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, None]
+        ndv = -dv[:, :, None]  # 0 − dv: exact, dv > 0
+        b1 = _e4m3_of(_quotient(g1, y, ndv), ok1, HW_E4M3)
+        b2 = _e4m3_of(_quotient(g2, y, ndv), ok2, HW_E4M3)
+    else:
+        b1 = _e4m3(g1, ok1, dv[:, :, None], HW_E4M3)
+        b2 = _e4m3(g2, ok2, dv[:, :, None], HW_E4M3)
+    tl.store(dst, b1, mask=mask)
+    tl.store(dst + HALF, b2, mask=mask)
     # the scale in the reduced rows' layout: one store per row
     sp = (out_ptr + rofs + 2 * HALF).to(tl.pointer_type(tl.float32), bitcast=True)
     tl.store(sp, scale, mask=rmask)
