@@ -102,22 +102,17 @@ def _adjacent_sum(t, BLOCK_S: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr
 
 
 @triton.jit
-def _e4m3(g, finite, dv, HW_E4M3: tl.constexpr):
-    # e4m3fn bytes of clamp(g / dv, -448, 448), round to nearest even, subnormals included
-    # (module docstring); a non-finite g gives 0x7F. HW_E4M3: the hardware conversion (sm_89
-    # and later), else the same rounding in integer arithmetic (older GPUs, the interpreter).
-    return _e4m3_of(tl.div_rn(g, dv), finite, HW_E4M3)
-
-
-@triton.jit
-def _e4m3_of(v, finite, HW_E4M3: tl.constexpr):
-    # e4m3fn bytes of clamp(v, -448, 448) for a quotient v; 0x7F where not finite
+def _e4m3(v, HW_E4M3: tl.constexpr):
+    # e4m3fn bytes of clamp(v, -448, 448), round to nearest even, subnormals included (module
+    # docstring); 0x7F where v is not finite: a quotient is so exactly where its element is
+    # (|g / d| < 2^10 in a row). HW_E4M3: the hardware conversion (sm_89 and later), else the
+    # same rounding in integer arithmetic (older GPUs, the interpreter).
     if HW_E4M3:
         r = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
         u = v.to(tl.int32, bitcast=True)
         r = fp8_magnitude(tl.minimum(u & 0x7FFFFFFF, _e4.E4M3_MAX_BITS)) | ((u >> 24) & 0x80)
-    return tl.where(finite, r, 0x7F).to(tl.uint8)
+    return tl.where(tl.abs(v) <= _c._F32_MAX, r, 0x7F).to(tl.uint8)
 
 
 @triton.jit
@@ -173,15 +168,16 @@ def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl
     dst = out_ptr + rofs[:, :, None] + cols[None, None, :]
     mask = rmask[:, :, None] & (cols[None, None, :] >= 0)
     # sm_89+: the quotients by the row's reciprocal and one correction (_quotient), unless a
-    # live row of the block has a divisor under _DV_MIN (an amax under 448·2⁻⁸⁰)
+    # live row of the block has a divisor under _DV_MIN (an amax under 448·2⁻⁸⁰). A
+    # non-finite element gives a NaN quotient either way (inf·y, then inf − inf).
     if HW_E4M3 and tl.min(tl.where(rmask, dv, 1.0)) >= _c._DV_MIN:
         y = tl.div_rn(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, None]
         ndv = -dv[:, :, None]  # 0 − dv: exact, dv > 0
-        b1 = _e4m3_of(_quotient(g1, y, ndv), ok1, HW_E4M3)
-        b2 = _e4m3_of(_quotient(g2, y, ndv), ok2, HW_E4M3)
+        b1 = _e4m3(_quotient(g1, y, ndv), HW_E4M3)
+        b2 = _e4m3(_quotient(g2, y, ndv), HW_E4M3)
     else:
-        b1 = _e4m3(g1, ok1, dv[:, :, None], HW_E4M3)
-        b2 = _e4m3(g2, ok2, dv[:, :, None], HW_E4M3)
+        b1 = _e4m3(tl.div_rn(g1, dv[:, :, None]), HW_E4M3)
+        b2 = _e4m3(tl.div_rn(g2, dv[:, :, None]), HW_E4M3)
     tl.store(dst, b1, mask=mask)
     tl.store(dst + HALF, b2, mask=mask)
     # the scale in the reduced rows' layout: one store per row
@@ -191,13 +187,12 @@ def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl
 
 @triton.jit
 def e4m3_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, HW_E4M3: tl.constexpr = True):
-    """``out[i] = _e4m3(x[i], finite, 1)`` (fp32 → e4m3fn bytes): the epilogue's conversion
-    alone (either way, ``HW_E4M3``), for tests against torch's."""
+    """``out[i] = _e4m3(x[i])`` (fp32 → e4m3fn bytes, 0x7F for non-finite values): the
+    epilogue's conversion alone (either way, ``HW_E4M3``), for tests against torch's."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     x = tl.load(x_ptr + i, mask=m, other=0.0)
-    tl.store(out_ptr + i, _e4m3(x, tl.abs(x) <= _c._F32_MAX, tl.full((BLOCK,), 1.0, tl.float32),
-                                HW_E4M3), mask=m)
+    tl.store(out_ptr + i, _e4m3(x, HW_E4M3), mask=m)
 
 
 @triton.jit
