@@ -39,6 +39,13 @@ stored. ``tests/test_ulysses_fp8.py`` checks the argument on every fp32 bit patt
 against torch's conversion; the interpreter converts as the hardware does through
 ``tests/_interp_rounding.py``; a device run checks the hardware on all 2³² patterns
 (``scripts/floors_one_gpu.py``).
+
+There too, the quotients ``x / scale`` come from the row's reciprocal (one IEEE division per
+row) with one FMA correction (``_quotient``, whose docstring proves the bits equal to the
+division's wherever e4m3 can tell); a block holding a row with a scale under 2⁻⁸⁰ divides
+with ``div_rn`` instead. The interpreter rounds ``tl.fma`` once when
+``tests/_interp_rounding.py`` is imported; ``scripts/fp8_quotient_gpu.py`` checks the GPU's
+bytes over every (element, amax) pair of bf16 and fp16 rows.
 """
 from __future__ import annotations
 
@@ -121,24 +128,27 @@ def _quotient(g, y, ndv):
     can tell, with no division: ``y = RN(1/d)`` and ``ndv = −d`` are the row's, computed once.
 
     ``q0 = RN(g·y)``; ``r = RN(g − d·q0)`` (an FMA); ``q1 = RN(q0 + r·y)`` (an FMA); the
-    result is ``|q1|`` with ``g``'s sign. For finite ``g`` and ``2⁻⁸⁰ ≤ d ≤ 2¹²⁰``
-    (``_DV_MIN``; the caller divides with ``div_rn`` otherwise):
+    result is ``|q1|`` with ``g``'s sign. For finite ``g`` with ``|g/d| < 2¹⁰`` (an
+    element of a row whose amax is about ``448·d``) and ``2⁻⁸⁰ ≤ d ≤ 2¹²⁰`` (``_DV_MIN``;
+    the caller divides with ``div_rn`` otherwise); a non-finite g gives NaN:
 
     - ``|g/d| ≥ 2⁻¹¹``: ``q1 = RN(g/d)``. Powers of two in g and d change nothing (every
       step stays normal; ``r`` is a multiple of 2⁻¹³⁸, so exact where it would be
-      subnormal), so take significands ``a, b ∈ [1, 2)``, ``x = a/b``, ``u`` its ulp, ``m``
-      the fp32 rounding boundary (midpoint) nearest x, ``t = x − m``. With
-      ``|y − 1/b| ≤ 2⁻²⁵`` and ``δ = b·y − 1``, the last FMA rounds
-      ``v = x − (q0 − x)·δ + ρ·y`` (ρ: r's own rounding, if any), and ``|t| ≥ 2⁻⁴⁸/b``
-      (``a − b·m`` is a non-zero multiple of 2⁻⁴⁸). If q0 is a grid point next to m (always
-      so when ``a ≥ b``), r is exact and ``|v − x| ≤ (u/2 + |t|)·b·2⁻²⁵ < |t|`` as ``b < 2``:
-      v rounds as x does. Else (``a < b``) q0 is 3u/2 from m, which needs
-      ``|t| ≥ u − a·2⁻²⁵``, and ``|v − x| < 3.5·2⁻⁴⁸``: v rounds as x does unless
-      ``a ≥ 2 − 3·2⁻²³ < b``, three pairs, checked one by one (tests/test_ulysses_fp8.py,
-      which also runs these steps on millions of pairs). This is Markstein's correction
-      (Markstein, IBM J. Res. Dev. 1990; Muller et al., Handbook of Floating-Point
-      Arithmetic, FMA-based division) with ``y = RN(1/d)``, whose q0 can be 1.5 ulp off,
-      past the theorem's one ulp: hence the argument above.
+      subnormal), so take significands ``a, b ∈ [1, 2)``, ``x = a/b``, ``u`` its ulp (2⁻²³
+      if ``a ≥ b``, else 2⁻²⁴), ``m`` the fp32 rounding boundary (midpoint) nearest x,
+      ``t = x − m``. With ``|y − 1/b| ≤ 2⁻²⁵`` and ``δ = b·y − 1``, the last FMA rounds
+      ``v = x − (q0 − x)·δ + ρ·y`` (ρ: r's own rounding, if any), and ``|t| ≥ u·2⁻²⁴/b``
+      (``a − b·m`` is a non-zero multiple of ``u·2⁻²⁴``). If q0 is a grid point next to m
+      (so it is when ``a ≥ b``, but for q0 just under 1), r is exact and
+      ``|v − x| ≤ (u/2 + |t|)·b·2⁻²⁵ < |t|`` as ``b² < 4``: v rounds as x does. Else q0
+      is farther from m: either ``a < b`` and ``|t| ≥ u − a·2⁻²⁵`` while
+      ``|v − x| < 3.5·2⁻⁴⁸`` (``|q0 − x| < 1.5u``, ``|ρ| ≤ 2⁻⁴⁷``), or x lies next to 1/2
+      or 1 with ``|t| > u/4``, far above ``|v − x|``: v rounds as x does, except maybe for
+      ``a ≥ 2 − 3·2⁻²³ < b``, three pairs, checked one by one
+      (tests/test_ulysses_fp8_quotient.py, which also runs these steps on millions of
+      pairs). This is Markstein's correction (Markstein, IBM J. Res. Dev. 1990; Muller et
+      al., Handbook of Floating-Point Arithmetic, FMA-based division) with ``y = RN(1/d)``,
+      whose q0 can be 1.5 ulp off, past the theorem's one ulp: hence the argument above.
     - ``|g/d| < 2⁻¹¹``: ``|q1| ≤ 2⁻¹⁰`` (errors of 2⁻²³ relative and 2⁻¹⁵⁰·y ≤ 2⁻⁷⁰), so
       the byte is e4m3's zero with g's sign, as for ``RN(g/d)``; the sign is forced
       because ``q0 + r·y`` turns −0 into +0.
