@@ -42,10 +42,12 @@ against torch's conversion; the interpreter converts as the hardware does throug
 
 There too, the quotients ``x / scale`` come from the row's reciprocal (one IEEE division per
 row) with one FMA correction (``_quotient``, whose docstring proves the bits equal to the
-division's wherever e4m3 can tell); a block holding a row with a scale under 2⁻⁸⁰ divides
-with ``div_rn`` instead. The interpreter rounds ``tl.fma`` once when
-``tests/_interp_rounding.py`` is imported; ``scripts/fp8_quotient_gpu.py`` checks the GPU's
-bytes over every (element, amax) pair of bf16 and fp16 rows.
+division's wherever e4m3 can tell), and the row's amax from ``max.f32`` alone (it skips
+NaNs); a block holding a row with an infinity, only NaNs or a scale under 2⁻⁸⁰ takes the amax
+over the finite elements and divides with ``div_rn`` instead. The interpreter rounds
+``tl.fma`` once when ``tests/_interp_rounding.py`` is imported (its max propagates NaNs: such
+blocks take the second path there); ``scripts/fp8_quotient_gpu.py`` checks the GPU's bytes
+over every (element, amax) pair of bf16 and fp16 rows and fp32 rows with NaNs.
 """
 from __future__ import annotations
 
@@ -169,23 +171,32 @@ def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl
     its ``2·HALF`` bytes."""
     g1 = f1.to(DTYPE).to(tl.float32)  # the bits the unquantized fill stores
     g2 = f2.to(DTYPE).to(tl.float32)
-    ok1 = tl.abs(g1) <= _c._F32_MAX  # NaN compares false
-    ok2 = tl.abs(g2) <= _c._F32_MAX
-    amax = tl.maximum(tl.max(tl.where(ok1, tl.abs(g1), 0.0), axis=2),
-                      tl.max(tl.where(ok2, tl.abs(g2), 0.0), axis=2))
-    scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-    dv = tl.where(scale > 0, scale, 1.0)
     dst = out_ptr + rofs[:, :, None] + cols[None, None, :]
     mask = rmask[:, :, None] & (cols[None, None, :] >= 0)
-    # sm_89+: the quotients by the row's reciprocal and one correction (_quotient), unless a
-    # live row of the block has a divisor under _DV_MIN (an amax under 448·2⁻⁸⁰). A
-    # non-finite element gives a NaN quotient either way (inf·y, then inf − inf).
-    if HW_E4M3 and tl.min(tl.where(rmask, dv, 1.0)) >= _c._DV_MIN:
+    fast = False
+    if HW_E4M3:
+        # sm_89+: the amax by max.f32 alone, which skips NaNs (it returns the other operand),
+        # and the quotients by the row's reciprocal and one correction (_quotient), for a
+        # block whose live rows all have a finite amax (no ±inf, not all NaN) and a divisor
+        # ≥ _DV_MIN (an amax ≥ 448·2⁻⁸⁰); else the path below. A non-finite element gives a
+        # NaN quotient on both (inf·y, then inf − inf; inf / d).
+        amax = tl.maximum(tl.max(tl.abs(g1), axis=2), tl.max(tl.abs(g2), axis=2))
+        scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        dv = tl.where(scale > 0, scale, 1.0)
+        good = (amax <= _c._F32_MAX) & (dv >= _c._DV_MIN)
+        fast = tl.min(tl.where(rmask & ~good, 0, 1)) == 1
+    if fast:
         y = tl.div_rn(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, None]
         ndv = -dv[:, :, None]  # 0 − dv: exact, dv > 0
         b1 = _e4m3(_quotient(g1, y, ndv), HW_E4M3)
         b2 = _e4m3(_quotient(g2, y, ndv), HW_E4M3)
     else:
+        ok1 = tl.abs(g1) <= _c._F32_MAX  # NaN compares false
+        ok2 = tl.abs(g2) <= _c._F32_MAX
+        amax = tl.maximum(tl.max(tl.where(ok1, tl.abs(g1), 0.0), axis=2),
+                          tl.max(tl.where(ok2, tl.abs(g2), 0.0), axis=2))
+        scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        dv = tl.where(scale > 0, scale, 1.0)
         b1 = _e4m3(tl.div_rn(g1, dv[:, :, None]), HW_E4M3)
         b2 = _e4m3(tl.div_rn(g2, dv[:, :, None]), HW_E4M3)
     tl.store(dst, b1, mask=mask)
