@@ -13,6 +13,7 @@ Bits: each fill output against the tree's own torch path (``bitwise_equal``; the
 ``--ab``, against the other tree's (``scripts/ab_tree.py``).
 
     python scripts/floors_one_gpu.py [--seq 8192 32768] [--ring-seq 8192] [--json P] [--dump P]
+                                     [--shapes]
     python scripts/floors_one_gpu.py --ab REV|PATH [--rounds 2] [--out DIR]
 """
 from __future__ import annotations
@@ -53,17 +54,35 @@ def e4m3_all_patterns() -> dict:
     return {"key": "e4m3 all fp32 patterns", "mismatches": bad, "first": first}
 
 
-def fill_case(seq, norm, payload, bw, label, dump) -> dict:
+#: Launch shapes ``--shapes`` times besides the default (16, 2, 4), (rows, heads, warps) per
+#: program, for the fills that are not at their floor (FP8, and bf16 with norm + RoPE): 8 or
+#: 16 elements per thread (sm_90: 32–56 registers, against 76–80 at the default's 32), and
+#: the default's 32 over more, smaller programs.
+SHAPES = ((4, 2, 2), (8, 1, 2), (8, 1, 4), (8, 2, 2), (8, 2, 4), (16, 1, 4), (16, 2, 8),
+          (32, 2, 8))
+
+
+def fill_case(seq, norm, payload, bw, label, dump, shapes=()) -> list:
+    """The fill at the default launch shape, then at each of ``shapes``: records with the
+    time, the floor and whether the bytes equal the torch path's."""
     parts, cos, sin, _ = bench_fill._case(seq, 56, 128, 2, norm, "cuda", torch.bfloat16,
                                           seq + norm)
     run = bench_fill._Run(parts, cos, sin, payload, torch.device("cuda"), 5)
     key = f"fill seq={seq} norm={int(norm)} {'fp8' if payload else 'bf16'}"
+    floor = run.moved / bw * 1e6
     same = run._same()
     dump.add(key, run.out_k)
-    t = bench_fill.device_us(run.triton_call)
-    floor = run.moved / bw * 1e6
-    return dict(label=label, key=key, gpu_us=t, floor_us=floor, x_floor=t / floor,
-                bytes=run.moved, bitwise_equal=same)
+    recs = []
+    for shape in ((None,) + tuple(shapes)):
+        kw = {} if shape is None else dict(zip(("block_s", "heads_per_program", "num_warps"),
+                                               shape))
+        if shape is not None:
+            same = run._same(**kw)
+        t = bench_fill.device_us(lambda: run.triton_call(**kw))  # noqa: B023 - called at once
+        recs.append(dict(label=label, key=key if shape is None else f"{key} shape={shape}",
+                         gpu_us=t, floor_us=floor, x_floor=t / floor, bytes=run.moved,
+                         bitwise_equal=same))
+    return recs
 
 
 def merge_case(seq, bw, label, dump) -> dict:
@@ -107,6 +126,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--ring-seq", type=int, default=8192)
+    p.add_argument("--shapes", action="store_true",
+                   help="also time the fills at the launch shapes of SHAPES (bits checked)")
     _one_gpu.add_run_arguments(p, "write every output (digests) here")
     return p
 
@@ -153,8 +174,10 @@ def main(argv=None) -> int:
     for seq in a.seq:
         for norm in (True, False):
             for payload in (None, fp8.FP8_DTYPE):
-                recs.append(fill_case(seq, norm, payload, bw, a.label, dump))
-                print(json.dumps(recs[-1]), flush=True)
+                shapes = SHAPES if a.shapes and (norm or payload) else ()
+                for rec in fill_case(seq, norm, payload, bw, a.label, dump, shapes):
+                    recs.append(rec)
+                    print(json.dumps(rec), flush=True)
     recs.append(merge_case(a.ring_seq, bw, a.label, dump))
     print(json.dumps(recs[-1]), flush=True)
     dump.save(a.dump)

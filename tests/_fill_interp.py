@@ -132,6 +132,46 @@ def check_e4m3(seed: int) -> list:
     return msgs
 
 
+def check_quotient_rows(seed: int) -> list:
+    """fp32 rows whose elements divide by the row's scale near e4m3's and fp32's rounding
+    boundaries (targets of e4m3 values and midpoints times the divisor, a few ulps either side),
+    amaxes over the whole fp32 range with all-ones and power-of-two significands, zero and tiny
+    rows (blocks of 2 rows: a tiny row sends only its own block to ``div_rn``): the kernel's
+    epilogue as on sm_89+ (the FMAs rounded once, ``_interp_rounding``) against the torch
+    path."""
+    g = torch.Generator().manual_seed(seed)
+    s_r, h, d = 48, 2, 16
+    e = torch.randint(-70, 127, (s_r, h), generator=g).double()
+    m = 1 + torch.randint(0, 1 << 23, (s_r, h), generator=g).double() * 2.0 ** -23
+    m[::5] = 2 - 2.0 ** -23
+    m[1::5] = 1.0
+    amax = (m * torch.exp2(e)).float()
+    amax[3, 0], amax[7, 1], amax[8, 0] = 0.0, 2.0 ** -100, 3.4028234663852886e38
+    scale = amax / torch.tensor(448.0)
+    dv = torch.where(scale > 0, scale, 1.0).double()
+    grid = torch.arange(0, 0x7F, dtype=torch.uint8).view(FP8_DTYPE).double()
+    targets = torch.cat([grid, (grid[1:] + grid[:-1]) / 2])
+    t = targets[torch.randint(0, targets.numel(), (s_r, h, d), generator=g)]
+    x = (t * dv[:, :, None]).float()
+    x = (x.view(torch.int32) + torch.randint(-2, 3, x.shape, generator=g,
+                                             dtype=torch.int32)).view(torch.float32)
+    x = torch.minimum(x.abs(), amax[:, :, None]) * torch.where(
+        torch.rand(x.shape, generator=g) < 0.5, -1.0, 1.0)
+    x[:, :, 0] = amax
+    x[5, 1, 3], x[9, 0, 2] = -0.0, float("nan")
+    parts = [FillPart(x[None], ((0, 1), (1, 2)))]
+    want = fill_torch(parts, payload_dtype=FP8_DTYPE)
+    hw, fill_mod._hw_e4m3 = fill_mod._hw_e4m3, lambda device: True
+    try:
+        got = fill_triton(parts, out=_poisoned(want.numel(), want.dtype),
+                          payload_dtype=FP8_DTYPE, block_s=2, heads_per_program=1)
+    finally:
+        fill_mod._hw_e4m3 = hw
+    bad = (got != want).nonzero().flatten()
+    return [f"quotient rows: byte {i} {int(got[i]):#x} vs torch {int(want[i]):#x}"
+            for i in bad[:5].tolist()]
+
+
 def main_fp8(seed: int) -> int:
     """FP8 payload: every case whose head_dim is a multiple of 4, one and two head groups on
     the first, with special values in the rows; then the conversion alone."""
@@ -153,11 +193,12 @@ def main_fp8(seed: int) -> int:
     if bad:
         failed += 1
         print(f"FAIL seed {seed} fp8 case {cases[0]} with HW_E4M3: {bad}")
-    bad = check_e4m3(rng.randrange(1 << 30))
-    if bad:
-        failed += 1
-        print(f"FAIL seed {seed}: {bad}")
-    print(f"{len(cases) + 3 - failed} passed, {failed} failed")
+    for check in (check_e4m3, check_quotient_rows):
+        bad = check(rng.randrange(1 << 30))
+        if bad:
+            failed += 1
+            print(f"FAIL seed {seed}: {bad}")
+    print(f"{len(cases) + 4 - failed} passed, {failed} failed")
     return 1 if failed else 0
 
 

@@ -7,7 +7,9 @@ on the GPU would differ under ``TRITON_INTERPRET=1``. Here fp32 → bf16 rounds 
 (torch's conversion) and bf16 → fp32 is the exact widening (the 16 bits shifted up). fp32 → e4m3fn
 (``tl.float8e4nv``) converts as sm_89+'s ``cvt.rn.satfinite.e4m3x2.f32``: round to nearest even,
 subnormals included, finite values past ±448 saturated (the interpreter's own rounds ties up and
-does not saturate); NaN → 0x7F. Import this before launching kernels there.
+does not saturate); NaN → 0x7F. ``tl.fma`` on fp32 rounds once, as the GPU's ``fma.rn.f32``
+(the interpreter's multiplies, rounds, adds and rounds again). Import this before launching
+kernels there.
 """
 from __future__ import annotations
 
@@ -23,6 +25,26 @@ def e4m3_satfinite(x: np.ndarray) -> np.ndarray:
     q = t.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
     q = torch.where(t.isnan(), 0x7F, q)
     return q.numpy().astype(np.uint8).reshape(np.shape(x))
+
+
+def fma_f32(a, b, c) -> np.ndarray:
+    """``RN(a·b + c)`` in fp32, rounded once (the GPU's ``fma.rn.f32``), for fp32 arrays.
+
+    In fp64 the product is exact (48 bits) and TwoSum gives the sum's rounding error; moving an
+    inexact sum with an even last bit one step toward the error rounds it to odd, and a
+    round-to-odd result of ≥ 24 + 2 bits rounds to fp32 as the exact value would (Boldo and
+    Melquiond, "Emulation of FMA and correctly rounded sums: proved algorithms using rounding
+    to odd", IEEE Trans. Computers 2008). Subnormal and overflowing results included."""
+    a, b, c = (np.asarray(v, dtype=np.float32).astype(np.float64) for v in (a, b, c))
+    with np.errstate(all="ignore"):
+        p = a * b
+        s = p + c
+        bv = s - p
+        err = (p - (s - bv)) + (c - bv)
+        bits = s.view(np.int64)
+        odd = (err != 0) & ((bits & 1) == 0) & np.isfinite(s)
+        bits = np.where(odd, bits + np.where((err > 0) == (s > 0), 1, -1), bits)
+        return bits.view(np.float64).astype(np.float32)
 
 
 def _patch() -> None:
@@ -48,10 +70,17 @@ def _patch() -> None:
             return interpreter.TensorHandle(e4m3_satfinite(src.data), dst_type.scalar)
         return orig_fp(self, src, dst_type, rounding_mode)
 
+    def create_fma(self, x, y, z):
+        if z.dtype.scalar == tl.float32:
+            return interpreter.TensorHandle(fma_f32(x.data, y.data, z.data), tl.float32)
+        return orig_fma(self, x, y, z)
+
     orig_fp = builder.create_fp_to_fp
+    orig_fma = builder.create_fma
     cast_impl._attncomm_rtne = True
     builder.cast_impl = cast_impl
     builder.create_fp_to_fp = create_fp_to_fp
+    builder.create_fma = create_fma
     for name in ("create_fp_trunc",):
         setattr(builder, name, cast_impl)
 

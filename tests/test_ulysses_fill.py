@@ -87,13 +87,14 @@ def test_fill_kernel_fp8_under_interpreter(seed):
     """The FP8 payload: the kernel's epilogue (round to the dtype, row amax, scale, e4m3 bytes
     and the scale after them) bitwise equal to ``fill_torch`` with norm/no norm, RoPE/no RoPE,
     GQA ranges, odd row counts, regions in separate allocations and zero, NaN, ±inf, huge and
-    tiny rows; and the e4m3 conversion alone against torch's."""
+    tiny rows; the e4m3 conversion alone against torch's; fp32 rows at the quotients' rounding
+    boundaries through the sm_89+ epilogue (its FMAs rounded once, as the GPU's)."""
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
     proc = subprocess.run([sys.executable, os.path.join(HERE, "_fill_interp.py"), str(seed),
                            "fp8"], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"seed {seed}\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    assert " 0 failed" in proc.stdout and "10 passed" in proc.stdout, proc.stdout
+    assert " 0 failed" in proc.stdout and "11 passed" in proc.stdout, proc.stdout
 
 
 def test_fill_triton_fp8_reasons(monkeypatch):
@@ -130,10 +131,12 @@ def test_fill_kernel_ptx_has_no_fma():
 
 @pytest.mark.slow
 def test_fill_kernel_fp8_ptx():
-    """The FP8 variant compiles for sm_90 with the launch options: no FMA (the norm and RoPE
-    products round as torch's), IEEE division for the scale and the quotients, and the e4m3
-    bytes stored 4 at a time (the rows' 4-byte alignment is known to the compiler: without
-    it every byte is its own store) beside the scales' 32-bit words."""
+    """The FP8 variant compiles for sm_90 with the launch options: IEEE division for the
+    scale, the rows' reciprocals and the tiny rows' quotients; the other quotients by the
+    reciprocal with two FMAs each (``_quotient``) and no other FMA (the norm and RoPE products
+    round as torch's); the e4m3 bytes stored 4 at a time (the rows' 4-byte alignment is known
+    to the compiler: without it every byte is its own store) beside the scales' 32-bit
+    words."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.dirname(HERE)
@@ -141,7 +144,10 @@ def test_fill_kernel_fp8_ptx():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ptx = json.loads(proc.stdout)["fp8"]
-    assert not re.search(r"\bfma\.", ptx)
+    # each conversion takes two elements and is there twice (the FMA branch, the div_rn one)
+    cvts = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx))
+    assert cvts > 0 and len(re.findall(r"\bfma\.", ptx)) == 2 * cvts
+    assert len(re.findall(r"\bfma\.rn\.f32", ptx)) == 2 * cvts
     assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx
     assert re.search(r"st\.global(\.\w+)*\.b32", ptx), "no 32-bit store of the scales"
     assert not re.search(r"st\.global(\.\w+)*\.[bu]8", ptx), "byte stores: no alignment hint"

@@ -39,6 +39,15 @@ stored. ``tests/test_ulysses_fp8.py`` checks the argument on every fp32 bit patt
 against torch's conversion; the interpreter converts as the hardware does through
 ``tests/_interp_rounding.py``; a device run checks the hardware on all 2³² patterns
 (``scripts/floors_one_gpu.py``).
+
+There too, the quotients ``x / scale`` come from the row's reciprocal (one IEEE division per
+row) with one FMA correction (``_quotient``, whose docstring proves the bits equal to the
+division's wherever e4m3 can tell), and the row's amax from ``max.f32`` alone (it skips
+NaNs); a block holding a row with an infinity, only NaNs or a scale under 2⁻⁸⁰ takes the amax
+over the finite elements and divides with ``div_rn`` instead. The interpreter rounds
+``tl.fma`` once when ``tests/_interp_rounding.py`` is imported (its max propagates NaNs: such
+blocks take the second path there); ``scripts/fp8_quotient_gpu.py`` checks the GPU's bytes
+over every (element, amax) pair of bf16 and fp16 rows and fp32 rows with NaNs.
 """
 from __future__ import annotations
 
@@ -62,6 +71,7 @@ E_PART, E_HEAD, E_HEADS, E_BASE, E_PITCH, E_BPITCH, E_STRIDES = range(7)
 ENTRY = E_STRIDES + 4
 _c = sys.modules[__name__]  # constants read as attributes (see attncomm.symm_device)
 _F32_MAX = 3.4028234663852886e38    # the largest finite fp32
+_DV_MIN = 2.0 ** -80               # the least divisor _quotient takes (its docstring)
 
 
 @triton.jit
@@ -101,16 +111,56 @@ def _adjacent_sum(t, BLOCK_S: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr
 
 
 @triton.jit
-def _e4m3(g, finite, dv, HW_E4M3: tl.constexpr):
-    # e4m3fn bytes of clamp(g / dv, -448, 448), round to nearest even, subnormals included
-    # (module docstring); a non-finite g gives 0x7F. HW_E4M3: the hardware conversion (sm_89
-    # and later), else the same rounding in integer arithmetic (older GPUs, the interpreter).
+def _e4m3(v, HW_E4M3: tl.constexpr):
+    # e4m3fn bytes of clamp(v, -448, 448), round to nearest even, subnormals included (module
+    # docstring); 0x7F where v is not finite: a quotient is so exactly where its element is
+    # (|g / d| < 2^10 in a row). HW_E4M3: the hardware conversion (sm_89 and later), else the
+    # same rounding in integer arithmetic (older GPUs, the interpreter).
     if HW_E4M3:
-        r = tl.div_rn(g, dv).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        r = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
-        u = tl.div_rn(g, dv).to(tl.int32, bitcast=True)
+        u = v.to(tl.int32, bitcast=True)
         r = fp8_magnitude(tl.minimum(u & 0x7FFFFFFF, _e4.E4M3_MAX_BITS)) | ((u >> 24) & 0x80)
-    return tl.where(finite, r, 0x7F).to(tl.uint8)
+    return tl.where(tl.abs(v) <= _c._F32_MAX, r, 0x7F).to(tl.uint8)
+
+
+@triton.jit
+def _quotient(g, y, ndv):
+    """``g / d`` as IEEE fp32 division rounds it (to nearest even), as far as its e4m3 byte
+    can tell, with no division: ``y = RN(1/d)`` and ``ndv = −d`` are the row's, computed once.
+
+    ``q0 = RN(g·y)``; ``r = RN(g − d·q0)`` (an FMA); ``q1 = RN(q0 + r·y)`` (an FMA); the
+    result is ``|q1|`` with ``g``'s sign. For finite ``g`` with ``|g/d| < 2¹⁰`` (an
+    element of a row whose amax is about ``448·d``) and ``2⁻⁸⁰ ≤ d ≤ 2¹²⁰`` (``_DV_MIN``;
+    the caller divides with ``div_rn`` otherwise); a non-finite g gives NaN:
+
+    - ``|g/d| ≥ 2⁻¹¹``: ``q1 = RN(g/d)``. Powers of two in g and d change nothing (every
+      step stays normal; ``r`` is a multiple of 2⁻¹³⁸, so exact where it would be
+      subnormal), so take significands ``a, b ∈ [1, 2)``, ``x = a/b``, ``u`` its ulp (2⁻²³
+      if ``a ≥ b``, else 2⁻²⁴), ``m`` the fp32 rounding boundary (midpoint) nearest x,
+      ``t = x − m``. With ``|y − 1/b| ≤ 2⁻²⁵`` and ``δ = b·y − 1``, the last FMA rounds
+      ``v = x − (q0 − x)·δ + ρ·y`` (ρ: r's own rounding, if any), and ``|t| ≥ u·2⁻²⁴/b``
+      (``a − b·m`` is a non-zero multiple of ``u·2⁻²⁴``). If q0 is a grid point next to m
+      (so it is when ``a ≥ b``, but for q0 just under 1), r is exact and
+      ``|v − x| ≤ (u/2 + |t|)·b·2⁻²⁵ < |t|`` as ``b² < 4``: v rounds as x does. Else q0
+      is farther from m: either ``a < b`` and ``|t| ≥ u − a·2⁻²⁵`` while
+      ``|v − x| < 3.5·2⁻⁴⁸`` (``|q0 − x| < 1.5u``, ``|ρ| ≤ 2⁻⁴⁷``), or x lies next to 1/2
+      or 1 with ``|t| > u/4``, far above ``|v − x|``: v rounds as x does, except maybe for
+      ``a ≥ 2 − 3·2⁻²³ < b``, three pairs, checked one by one
+      (tests/test_ulysses_fp8_quotient.py, which also runs these steps on millions of
+      pairs). This is Markstein's correction (Markstein, IBM J. Res. Dev. 1990; Muller et
+      al., Handbook of Floating-Point Arithmetic, FMA-based division) with ``y = RN(1/d)``,
+      whose q0 can be 1.5 ulp off, past the theorem's one ulp: hence the argument above.
+    - ``|g/d| < 2⁻¹¹``: ``|q1| ≤ 2⁻¹⁰`` (errors of 2⁻²³ relative and 2⁻¹⁵⁰·y ≤ 2⁻⁷⁰), so
+      the byte is e4m3's zero with g's sign, as for ``RN(g/d)``; the sign is forced
+      because ``q0 + r·y`` turns −0 into +0.
+    """
+    q0 = g * y
+    r = tl.fma(q0, ndv, g)
+    q1 = tl.fma(r, y, q0)
+    bits = ((q1.to(tl.uint32, bitcast=True) & 0x7FFFFFFF)
+            | (g.to(tl.uint32, bitcast=True) & 0x80000000))
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -121,16 +171,36 @@ def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl
     its ``2·HALF`` bytes."""
     g1 = f1.to(DTYPE).to(tl.float32)  # the bits the unquantized fill stores
     g2 = f2.to(DTYPE).to(tl.float32)
-    ok1 = tl.abs(g1) <= _c._F32_MAX  # NaN compares false
-    ok2 = tl.abs(g2) <= _c._F32_MAX
-    amax = tl.maximum(tl.max(tl.where(ok1, tl.abs(g1), 0.0), axis=2),
-                      tl.max(tl.where(ok2, tl.abs(g2), 0.0), axis=2))
-    scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-    dv = tl.where(scale > 0, scale, 1.0)[:, :, None]
     dst = out_ptr + rofs[:, :, None] + cols[None, None, :]
     mask = rmask[:, :, None] & (cols[None, None, :] >= 0)
-    tl.store(dst, _e4m3(g1, ok1, dv, HW_E4M3), mask=mask)
-    tl.store(dst + HALF, _e4m3(g2, ok2, dv, HW_E4M3), mask=mask)
+    fast = False
+    if HW_E4M3:
+        # sm_89+: the amax by max.f32 alone, which skips NaNs (it returns the other operand),
+        # and the quotients by the row's reciprocal and one correction (_quotient), for a
+        # block whose live rows all have a finite amax (no ±inf, not all NaN) and a divisor
+        # ≥ _DV_MIN (an amax ≥ 448·2⁻⁸⁰); else the path below. A non-finite element gives a
+        # NaN quotient on both (inf·y, then inf − inf; inf / d).
+        amax = tl.maximum(tl.max(tl.abs(g1), axis=2), tl.max(tl.abs(g2), axis=2))
+        scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        dv = tl.where(scale > 0, scale, 1.0)
+        good = (amax <= _c._F32_MAX) & (dv >= _c._DV_MIN)
+        fast = tl.min(tl.where(rmask & ~good, 0, 1)) == 1
+    # Each branch stores its own bytes: a branch that yields the byte tensors miscompiles
+    # with Triton 3.6 on sm_90 (every eighth byte of the second half stored as 0).
+    if fast:
+        y = tl.div_rn(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, None]
+        ndv = -dv[:, :, None]  # 0 − dv: exact, dv > 0
+        tl.store(dst, _e4m3(_quotient(g1, y, ndv), HW_E4M3), mask=mask)
+        tl.store(dst + HALF, _e4m3(_quotient(g2, y, ndv), HW_E4M3), mask=mask)
+    else:
+        ok1 = tl.abs(g1) <= _c._F32_MAX  # NaN compares false
+        ok2 = tl.abs(g2) <= _c._F32_MAX
+        amax = tl.maximum(tl.max(tl.where(ok1, tl.abs(g1), 0.0), axis=2),
+                          tl.max(tl.where(ok2, tl.abs(g2), 0.0), axis=2))
+        scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        dv = tl.where(scale > 0, scale, 1.0)
+        tl.store(dst, _e4m3(tl.div_rn(g1, dv[:, :, None]), HW_E4M3), mask=mask)
+        tl.store(dst + HALF, _e4m3(tl.div_rn(g2, dv[:, :, None]), HW_E4M3), mask=mask)
     # the scale in the reduced rows' layout: one store per row
     sp = (out_ptr + rofs + 2 * HALF).to(tl.pointer_type(tl.float32), bitcast=True)
     tl.store(sp, scale, mask=rmask)
@@ -138,13 +208,12 @@ def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl
 
 @triton.jit
 def e4m3_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, HW_E4M3: tl.constexpr = True):
-    """``out[i] = _e4m3(x[i], finite, 1)`` (fp32 → e4m3fn bytes): the epilogue's conversion
-    alone (either way, ``HW_E4M3``), for tests against torch's."""
+    """``out[i] = _e4m3(x[i])`` (fp32 → e4m3fn bytes, 0x7F for non-finite values): the
+    epilogue's conversion alone (either way, ``HW_E4M3``), for tests against torch's."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     x = tl.load(x_ptr + i, mask=m, other=0.0)
-    tl.store(out_ptr + i, _e4m3(x, tl.abs(x) <= _c._F32_MAX, tl.full((BLOCK,), 1.0, tl.float32),
-                                HW_E4M3), mask=m)
+    tl.store(out_ptr + i, _e4m3(x, HW_E4M3), mask=m)
 
 
 @triton.jit
