@@ -9,8 +9,8 @@ It uses only names both trees export (``dcp.merge``, ``DcpMerger``, ``dcp.gather
 ``attncomm bench overhead`` can be measured against the current one. Two rows time the SDPA
 calls a W = 1 forward makes, on the views of its receive buffer that it passes ``attn_fn``
 (q, k, v of one buffer; four such calls of a quarter of the heads for 4 head groups): what the
-forward's own host work is measured above. Each row: synchronize,
-then time the call on the host (median over ``--repeats``); the unit is one ``torch.add`` of
+forward's own host work is measured above. Each row: synchronize, then time the call on the
+host (median over ``--repeats``); the unit is one ``torch.add`` of
 two small CUDA tensors timed the same way in the same process (``bench overhead``'s unit; it
 varies from one process to the next, so compare trees in µs as well as in units). Shapes are
 that table's. Writes one JSON line per run to ``--json`` (appended).
