@@ -67,19 +67,32 @@ class _Recorder:
 
 
 class _Handle:
-    """One recorded launch: the compiled kernel's launcher and its fixed arguments."""
+    """One recorded launch: the compiled kernel's launcher and its fixed arguments.
 
-    __slots__ = ("run", "function", "meta", "grid", "tail", "device")
+    CUDA tensors reach the launcher as their addresses: handed a tensor, Triton's launcher asks
+    the driver to check its address (``cuPointerGetAttribute``) on every launch, a driver call
+    per pointer argument; the recording launch through the JIT checked tensors of these kinds
+    already. Anything else (a CPU tensor passed by mistake) goes as it is, for the launcher to
+    refuse as it would through the JIT."""
+
+    __slots__ = ("run", "function", "meta", "grid", "tail", "device", "tensors")
 
     def __init__(self, compiled, grid, tail, device):
         self.run = compiled.run  # loads the binary on first access
         self.function, self.meta = compiled.function, compiled.packed_metadata
         self.grid, self.tail, self.device = (tuple(grid) + (1, 1))[:3], tail, device
+        # the fixed arguments that are CUDA tensors: their addresses are read per launch
+        self.tensors = tuple(i for i, a in enumerate(tail) if getattr(a, "is_cuda", False))
 
     def __call__(self, dynamic) -> None:
         stream = _current_stream(self.device)
-        self.run(*self.grid, stream, self.function, self.meta, None, None, None, *dynamic,
-                 *self.tail)
+        tail = self.tail
+        if self.tensors:
+            tail = list(tail)
+            for i in self.tensors:
+                tail[i] = tail[i].data_ptr()
+        self.run(*self.grid, stream, self.function, self.meta, None, None, None,
+                 *[t.data_ptr() if t.is_cuda else t for t in dynamic], *tail)
 
 
 def hooked() -> bool:

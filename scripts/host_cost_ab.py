@@ -6,8 +6,11 @@ at W=1; the figures are the host-cost table's W=1 rows (``attncomm bench overhea
 
 It uses only names both trees export (``dcp.merge``, ``DcpMerger``, ``dcp.gather_heads``,
 ``ulysses.seq_to_head``, ``UlyssesAttention``, ``sdpa_attention``), so an older tree without
-``attncomm bench overhead`` can be measured against the current one. Each row: synchronize,
-then time the call on the host (median over ``--repeats``); the unit is one ``torch.add`` of
+``attncomm bench overhead`` can be measured against the current one. Two rows time the SDPA
+calls a W = 1 forward makes, on the views of its receive buffer that it passes ``attn_fn``
+(q, k, v of one buffer; four such calls of a quarter of the heads for 4 head groups): what the
+forward's own host work is measured above. Each row: synchronize, then time the call on the
+host (median over ``--repeats``); the unit is one ``torch.add`` of
 two small CUDA tensors timed the same way in the same process (``bench overhead``'s unit; it
 varies from one process to the next, so compare trees in µs as well as in units). Shapes are
 that table's. Writes one JSON line per run to ``--json`` (appended).
@@ -68,6 +71,19 @@ def main() -> None:
         m = DcpMerger(max_tokens=T, num_heads=H, head_dim=D, dtype=bf, backend=backend)
         return lambda: m(out, lse)
 
+    def plan_views(heads: int, groups: int):
+        """``groups`` calls of ``sdpa_attention`` on q, k, v of ``heads // groups`` heads each,
+        views of one ``[S, B, 3 * heads // groups, D]`` buffer per call: the layout a W = 1
+        forward's receive buffer hands ``attn_fn`` (the bare cost of the module's SDPA calls)."""
+        h = heads // groups
+        s, b, d = x.shape[1], x.shape[0], x.shape[3]
+        bufs = [torch.randn((s, b, 3 * h, d), generator=g, device=dev).to(bf)
+                for _ in range(groups)]
+        views = [[buf.as_strided((b, s, h, d), (3 * h * d, b * 3 * h * d, d, 1),
+                                 buf.storage_offset() + i * h * d) for i in range(3)]
+                 for buf in bufs]
+        return lambda: [sdpa_attention(*qkv, False) for qkv in views]
+
     def ulysses(groups):
         mod = UlyssesAttention(sdpa_attention, pipeline_groups=groups)
         return lambda: mod(x, x, x)
@@ -82,6 +98,8 @@ def main() -> None:
         "dcp.gather_heads validate=False": lambda: gather_heads(q, validate=False),
         "ulysses.seq_to_head": lambda: seq_to_head(x),
         "sdpa_attention (bare)": lambda: sdpa_attention(x, x, x, False),
+        "sdpa_attention (plan views)": plan_views(x.shape[2], 1),
+        "sdpa_attention x4 (group views)": plan_views(x.shape[2], 4),
         "UlyssesAttention g0": ulysses(0),
         "UlyssesAttention g4": ulysses(4),
     }

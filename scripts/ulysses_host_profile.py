@@ -14,7 +14,7 @@ also records rank 0's steady calls with ``torch.profiler`` (host and CUDA activi
 stacks): a Chrome trace per call in ``DIR`` and a table of its operators by host time.
 
     python scripts/ulysses_host_profile.py [--device cpu|cuda] [--world-size 1]
-        [--shape 1 64 8 16] [--json PATH] [--markdown PATH] [--trace DIR]
+        [--shape 1 64 8 16] [--json PATH] [--markdown PATH] [--trace DIR] [--no-fill]
 """
 from __future__ import annotations
 
@@ -154,11 +154,17 @@ def _trace(name: str, fn, device, out_dir: str, calls: int = 3) -> None:
 
 
 def measure(rank: int, world: int, device_type: str, shape, calls: int, rounds: int,
-            jit_launch: bool = False, trace_dir: str | None = None) -> dict:
+            jit_launch: bool = False, trace_dir: str | None = None,
+            no_fill: bool = False) -> dict:
     """Every op's host µs per call, its share by phase, and the unit (one ``torch.add``).
     ``jit_launch``: launch the fill through Triton's JIT every time (where the checkout has the
-    cached launch)."""
+    cached launch). ``no_fill``: the fill does nothing (its results are then garbage): the
+    counts of a CPU call without the torch fill's slicing and copies, what a CUDA call makes
+    besides its one fill launch."""
     from attncomm import ulysses
+    if no_fill:
+        from attncomm.ulysses import fill
+        fill.FillPlan.__call__ = lambda self, xs, cos=None, sin=None, out=None: None
     if jit_launch:  # the knob of this tree (compiled_launch) or an older one's (fill)
         from attncomm import compiled_launch
         from attncomm.ulysses import fill
@@ -206,8 +212,10 @@ def measure(rank: int, world: int, device_type: str, shape, calls: int, rounds: 
             "dtype": str(dtype), "unit_host_us": unit, "ops": rec}
 
 
-def _run_rank(rank, world, device_type, shape, calls, rounds, jit_launch, trace_dir=None):
-    return measure(rank, world, device_type, shape, calls, rounds, jit_launch, trace_dir)
+def _run_rank(rank, world, device_type, shape, calls, rounds, jit_launch, trace_dir=None,
+              no_fill=False):
+    return measure(rank, world, device_type, shape, calls, rounds, jit_launch, trace_dir,
+                   no_fill)
 
 
 def markdown(res: dict, title: str) -> str:
@@ -242,6 +250,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--jit-launch", action="store_true",
                    help="launch the fill through Triton's JIT every time (no cached handle)")
+    p.add_argument("--no-fill", action="store_true",
+                   help="the fill does nothing (garbage results): counts without the CPU "
+                        "torch fill's ops, as a CUDA call's one fill launch leaves them")
     p.add_argument("--title", default="Ulysses host cost per call")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
@@ -252,7 +263,7 @@ def main(argv=None) -> int:
     from attncomm import launch
     res = launch(_run_rank, args.world_size, device=args.device,
                  args=(args.device, shape, args.calls, args.rounds, args.jit_launch,
-                       args.trace))[0]
+                       args.trace, args.no_fill))[0]
     md = markdown(res, args.title)
     print(md)
     if args.json:

@@ -84,7 +84,24 @@ def test_replays_through_the_compiled_kernel_with_the_calls_tensors():
     cache.launch("key", _wrapper(k, (a1, b1), slab), (a1, b1))
     assert len(k.jit_launches) == 1  # no second JIT launch
     (call,) = k.compiled.calls
-    assert call == (3, 1, 1, 1234, "function", "metadata", None, None, None, a1, b1, slab, 7, 16)
+    # CUDA tensors go as their addresses, anything else as it is
+    assert call == (3, 1, 1, 1234, "function", "metadata", None, None, None, 32, 48, slab, 7, 16)
+
+
+def test_replays_pass_cuda_tensors_as_addresses_and_others_as_they_are():
+    """The launcher gets the address of each CUDA tensor, the call's and the fixed ones (read
+    at each launch: a fixed tensor's storage may move); a tensor that is not on CUDA reaches
+    the launcher as the tensor, which Triton's launcher refuses."""
+    k = _Jit(["a", "b", "slab", "N", "BLOCK"])
+    cache = LaunchCache([k])
+    a0, b0, slab = _Tensor(0), _Tensor(16), _Tensor(64)
+    cache.launch("key", _wrapper(k, (a0, b0), slab), (a0, b0))
+    slab.ptr = 128
+    a1, cpu = _Tensor(32), _Tensor(48)
+    cpu.is_cuda = False
+    cache.launch("key", _wrapper(k, (a1, cpu), slab), (a1, cpu))
+    (call,) = k.compiled.calls
+    assert call[9:] == (32, cpu, 128, 7, 16)
 
 
 def test_a_new_key_goes_through_the_wrapper():

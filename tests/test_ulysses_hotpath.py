@@ -233,3 +233,43 @@ def _copies(rank, world, seed):
 def test_copies_of_a_used_module_plan_anew(pools, seed):
     for res in pools.run(2, _copies, seed):
         assert all(res.values()), f"seed {seed}: {res}"
+
+
+
+def _one_rank(rank, world, seed):
+    """W = 1 with one head group returns ``attn_fn``'s output itself (no output exchange) when
+    it is a contiguous ``[B, S, Hq, Dv]`` tensor of q's dtype, else a contiguous copy in q's
+    dtype; bitwise the pipelined forward's result, which goes through the exchange. ``attn_fn``
+    results: SDPA's (contiguous), a non-contiguous view, fp64 (rounded to fp32 as the
+    exchange's copy rounds it)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn((2, 5, 4, 8), generator=g), torch.randn((2, 5, 2, 8), generator=g)
+    v = torch.randn((2, 5, 2, 8), generator=g)
+    made = []
+
+    def plain(q, k, v, causal):
+        made.append(ulysses.sdpa_attention(q, k, v, causal).contiguous())
+        return made[-1]
+
+    def strided(q, k, v, causal):  # heads-major storage seen as [B, S, h, Dv]
+        made.append(plain(q, k, v, causal).transpose(1, 2).contiguous().transpose(1, 2))
+        return made[-1]
+
+    def wide(q, k, v, causal):
+        made.append(plain(q.double(), k.double(), v.double(), causal))
+        return made[-1]
+
+    res = {}
+    for name, fn in (("plain", plain), ("strided", strided), ("fp64", wide)):
+        got = UlyssesAttention(fn, pipeline_groups=0)(q, k, v, causal=True)
+        own = got.data_ptr() == made[-1].data_ptr()
+        want = UlyssesAttention(fn, pipeline_groups=2)(q, k, v, causal=True)
+        res[name] = (torch.equal(got, want), got.is_contiguous(), got.dtype == q.dtype,
+                     tuple(got.shape) == (2, 5, 4, 8), own == (name == "plain"))
+    return res
+
+
+def test_one_rank_returns_attention_output(pools, seed):
+    res = pools.run(1, _one_rank, seed)[0]
+    for name, checks in res.items():
+        assert all(checks), f"seed {seed}: {name} (equal, contiguous, dtype, shape, own): {checks}"

@@ -147,6 +147,9 @@ class ForwardPlan:
                                                       "UlyssesAttention", facts)
             self._note(dec, "joint", self.joint_transport)
         self.joint_shape = (b, self.s_j, hq, dv)
+        # one rank and one head group: head_to_seq moves nothing, so attention's output (when
+        # it is already a contiguous [B, S_r, Hq, Dv] tensor of q's dtype) is the result
+        self.alone = world == 1 and n_groups == 1 and not self.joint
 
     def _stores(self) -> list:
         """One allocation per dtype per forward for every input exchange's send buffer whose
@@ -219,7 +222,9 @@ class ForwardPlan:
         ``key_mask``: bool ``[B, rows]`` of the rows attention runs over, for ``attn_fn``. Group
         g+1's fill and exchange are enqueued before group g's attention; each group's output
         reaches the final tensor through the transport (a copy out of its staging or receive
-        buffer, docs/DESIGN.md). Pipelined and sequential runs give the same bits.
+        buffer, docs/DESIGN.md), except with one rank and one head group, where ``attn_fn``'s
+        output is the result when it is a contiguous tensor of the result's shape and dtype.
+        Pipelined and sequential runs give the same bits.
 
         Streams of a run with G = 2 head groups: ``fill``: norm + RoPE + pack of a group's
         send buffer; ``in``/``out``: its input and output exchanges, on the transport's copy
@@ -243,21 +248,29 @@ class ForwardPlan:
             rows = None
         qkv = (q, k, v)
         dev = q.device
-        out = torch.empty(self.out_shape, dtype=q.dtype, device=dev)
-        flat = out.view(-1)
+        out = flat = None
+        if not self.alone:
+            out = torch.empty(self.out_shape, dtype=q.dtype, device=dev)
+            flat = out.view(-1)
         stores = [torch.empty(n, dtype=dt, device=dev) for dt, n in self.stores]
         groups, n = self.groups, self.n_groups
         joint_parts = []
         pending = []
-        ex_in = self._start_in(groups[0], qkv, rows, stores, joint)
+        ex_in = self._start_in(groups[0], qkv, rows, stores, joint, dev)
         for g in range(n):
             # group g+1's fill and exchange first: the fill runs while group g's data is in
             # flight, its exchange under group g's attention
-            nxt = self._start_in(groups[g + 1], qkv, rows, stores, joint) if g + 1 < n else None
+            nxt = (self._start_in(groups[g + 1], qkv, rows, stores, joint, dev) if g + 1 < n
+                   else None)
             grp = groups[g]
             o = self._attend(grp, *self._arrived(grp, ex_in), key_mask)
             for ex, _ in ex_in:
                 ex.release()
+            if out is None:  # one rank, one head group: the output exchange is the identity
+                if o.dtype == q.dtype and o.shape == self.out_shape and o.is_contiguous():
+                    return o
+                out = torch.empty(self.out_shape, dtype=q.dtype, device=dev)
+                flat = out.view(-1)
             if self.joint:
                 o, oj = self._split(o)
                 joint_parts.append(oj)
@@ -293,7 +306,7 @@ class ForwardPlan:
         cs, sn = rows if rows is not None else (None, None)
         return (rms_norm_rope(q, qw, self.eps, cs, sn), rms_norm_rope(k, kw, self.eps, cs, sn))
 
-    def _start_in(self, grp: _Group, qkv, rows, stores, joint) -> list:
+    def _start_in(self, grp: _Group, qkv, rows, stores, joint, dev) -> list:
         """Start the input exchanges of one head group: ``[(exchange, landing buffer or
         None)]``. With a fill, the fill packs each exchange's send buffer (norm + RoPE on the
         way when fused, FP8 rows for that payload) and the transport sends it as it is;
@@ -301,7 +314,6 @@ class ForwardPlan:
         plain rows receives into its rows and the joint rows' heads are copied in."""
         exs = []
         cos, sin = rows if rows is not None else (None, None)
-        dev = qkv[0].device
         for e in grp.ins:
             t = e.transport
             xs = [qkv[i] for i in e.parts]
