@@ -128,8 +128,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
     call of the shape made."""
     rope = None if cos is None else (cos, sin)
     seq = None if seq_lens is None else tuple(seq_lens)
-    return lookup(module)._forward(q, k, v, seq, causal, rope,
-                                                     masks=(key_padding_mask, None))
+    return lookup(module)._forward(q, k, v, seq, causal, rope, masks=(key_padding_mask, None))
 
 
 @attention_op.register_fake
@@ -149,10 +148,9 @@ def attention_joint_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     or the back, and their masks: ``(out, joint_out)``."""
     rope = None if cos is None else (cos, sin)
     seq = None if seq_lens is None else tuple(seq_lens)
-    return lookup(module)._forward(q, k, v, seq, causal, rope,
-                                                     (q_j, k_j, v_j),
-                                                     "front" if front else "back",
-                                                     (key_padding_mask, joint_key_padding_mask))
+    return lookup(module)._forward(q, k, v, seq, causal, rope, (q_j, k_j, v_j),
+                                   "front" if front else "back",
+                                   (key_padding_mask, joint_key_padding_mask))
 
 
 @attention_joint_op.register_fake
