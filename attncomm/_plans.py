@@ -9,18 +9,23 @@ alike, when the LRU evicted (closed) it. ``attncomm.release(group)`` drops a gro
 
 What every exchange's first call of a signature shares lives here too: the warm-up error (a
 signature first seen where nothing may be decided) and the check of a caller-owned destination
-(``output=``) with its part of the plan key.
+(``output=``) with its part of the plan key; and how a compiled graph reaches what a custom op
+cannot take as an argument: an object by a registered name (``register`` / ``lookup``), the
+optional ``validate`` and ``timeout_s`` as numbers (``validate_code`` / ``timeout_code``).
 """
 from __future__ import annotations
 
 import collections
+import itertools
+import weakref
 from collections.abc import Callable
 
 import torch
 
 from ._dist import group_key, group_lru_get, on_release
 
-__all__ = ["CallPlans", "Cached", "warm_up_error", "dest_key", "dest_error"]
+__all__ = ["CallPlans", "Cached", "warm_up_error", "dest_key", "dest_error", "register",
+           "lookup", "validate_code", "validate_arg", "timeout_code", "timeout_arg"]
 
 
 class CallPlans:
@@ -129,3 +134,56 @@ def dest_error(t, shape, dtype, device, what: str = "output",
            if isinstance(t, torch.Tensor) else type(t).__name__)
     return (f"{what} must be a{' contiguous' if contiguous else ''} {list(shape)} {dtype} "
             f"tensor on {device}, got {got}")
+
+
+# ------------------------------------------------------------------------------ traced graphs
+# A ``torch.library`` custom op takes tensors, numbers and strings, never a Python object: a
+# compiled graph names a module or exchange object by a string given at construction and the
+# op's implementation looks it up. The table holds weak references: it keeps nothing alive.
+_OBJECTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_IDS = itertools.count()
+
+
+def register(obj) -> str:
+    """A new name for ``obj`` (``"<class name>#<n>"``), found by ``lookup`` while it lives."""
+    name = f"{type(obj).__name__}#{next(_IDS)}"
+    _OBJECTS[name] = obj
+    return name
+
+
+def lookup(name: str, missing_ok: bool = False):
+    """The object registered as ``name`` (``missing_ok``: None when there is none).
+
+    Raises:
+        RuntimeError: it no longer exists (a compiled graph outlived the object it was traced
+            from).
+    """
+    obj = _OBJECTS.get(name)
+    if obj is None and not missing_ok:
+        raise RuntimeError(f"{name} no longer exists (a compiled graph outlived the object it "
+                           f"was traced from)")
+    return obj
+
+
+_VALIDATE = {None: -1, False: 0, True: 1}
+_VALIDATE_BACK = {-1: None, 0: False, 1: True}
+
+
+def validate_code(validate: bool | None) -> int:
+    """``validate`` (None / False / True) as the int a custom op takes (-1 / 0 / 1)."""
+    return _VALIDATE[None if validate is None else bool(validate)]
+
+
+def validate_arg(code: int) -> bool | None:
+    """The inverse of ``validate_code``."""
+    return _VALIDATE_BACK[int(code)]
+
+
+def timeout_code(timeout_s: float | None) -> float:
+    """``timeout_s`` as the float a custom op takes (None → -1)."""
+    return -1.0 if timeout_s is None else float(timeout_s)
+
+
+def timeout_arg(code: float) -> float | None:
+    """The inverse of ``timeout_code``."""
+    return None if code < 0 else float(code)

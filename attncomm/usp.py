@@ -32,15 +32,14 @@ SGLang diffusion composes Ulysses on contiguous ranks with ring on strided ranks
 """
 from __future__ import annotations
 
-import itertools
 import warnings
-import weakref
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import _agree, _dist, collectives, config
+from ._plans import lookup, register
 from .capability import host_identity
 from .ring.api import LAYOUT_CODES, cu_signature, key_mask_error, local_error, read_cu, \
     ring_attention
@@ -279,8 +278,7 @@ class USPAttention(torch.nn.Module):
         self.qk_norm = qk_norm
         self._closed = False
         self._cu = None  # the cu_seqlens of the forward in flight, for the ring
-        self._op_name = f"USPAttention#{next(_NAME_IDS)}"  # the compiled op finds it by this
-        _NAMES[self._op_name] = self
+        self._op_name = register(self)  # the compiled op finds it by this
         error = layout_error(layout)
         try:
             self._ulysses = UlyssesAttention(self._ring_attend, ulysses_group, backend=backend,
@@ -422,11 +420,6 @@ class USPAttention(torch.nn.Module):
 
 
 # ------------------------------------------------------------------------------ torch.compile
-#: The live modules by the name their compiled op carries.
-_NAMES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_NAME_IDS = itertools.count()
-
-
 @torch.library.custom_op("attncomm::usp_attention", mutates_args=())
 def _usp_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cos: torch.Tensor | None, sin: torch.Tensor | None, module: str,
@@ -437,12 +430,9 @@ def _usp_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sequences' boundaries are tensors of the op, so one compiled graph serves all of a shape
     (new boundaries make their ring plan when the graph runs: outside CUDA graph capture, the
     warm-up rule)."""
-    mod = _NAMES.get(module)
-    if mod is None:
-        raise RuntimeError(f"USPAttention {module!r} no longer exists (the compiled graph "
-                           f"outlived the module it was traced from)")
-    return mod._forward(q, k, v, None if seq_lens is None else tuple(seq_lens), causal,
-                        None if cos is None else (cos, sin), key_padding_mask, cu_seqlens)
+    return lookup(module)._forward(q, k, v, None if seq_lens is None else tuple(seq_lens),
+                                   causal, None if cos is None else (cos, sin), key_padding_mask,
+                                   cu_seqlens)
 
 
 @_usp_attention_op.register_fake

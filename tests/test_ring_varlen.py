@@ -228,6 +228,59 @@ def test_user_attn_fn_gets_segments(pools):
     assert res[1] == [(((0, 4, 0, 4, True),), True), (((0, 4, 2, 4, False),), True)], res[1]
 
 
+# ------------------------------------------------------------------------------ torch.compile
+def _ring_compiled(rank, world, seed):
+    """``RingAttention`` and ``ring_attention`` under ``torch.compile(fullgraph=True)``, causal,
+    with a mask and packed sequences that change between calls: one graph per function for all
+    of a shape, the eager bits (out and LSE). The compiled calls come first, so boundaries no
+    eager call planned are planned when the graph runs."""
+    res = []
+    for layout in ("contiguous", "zigzag"):
+        torch._dynamo.reset()
+        g = gen(seed + len(layout))
+        s_r, unit = 8, 2 * world
+        s = s_r * world
+        q, k, v = (rand(g, (1, s_r, 2, 8), torch.float32) for _ in range(3))
+        cus = [torch.tensor([0, unit, s], dtype=torch.int32),
+               torch.tensor([0, s - unit, s], dtype=torch.int32)]
+        masks = [torch.rand(1, s_r, generator=g) > 0.3 for _ in cus]
+        mod = RingAttention(layout=layout)
+
+        def module_fn(m, cu):
+            return mod(q, k, v, causal=True, return_lse=True, key_padding_mask=m, cu_seqlens=cu)
+
+        def functional_fn(m, cu):
+            return ring_attention(q, k, v, causal=True, layout=layout, return_lse=True,
+                                  key_padding_mask=m, cu_seqlens=cu)
+
+        runs = {}
+        for name, fn in (("RingAttention", module_fn), ("ring_attention", functional_fn)):
+            graphs = [0]
+
+            def backend(gm, inputs):
+                graphs[0] += 1
+                return gm.forward
+
+            compiled = runs[name] = torch.compile(fn, fullgraph=True, backend=backend)
+            got = [compiled(m, cu) for m, cu in zip(masks, cus)]
+            want = [fn(m, cu) for m, cu in zip(masks, cus)]
+            same = all(bits_equal(a, b) for pair_got, pair_want in zip(got, want)
+                       for a, b in zip(pair_got, pair_want))
+            res.append((layout, name, same, graphs[0]))
+        mod.close()  # the compiled graph's op finds the module closed when it runs
+        closed = expect_value_error(lambda: runs["RingAttention"](masks[0], cus[0]))
+        res.append((layout, "closed module", "WRONG RuntimeError: RingAttention: this object "
+                    "is closed" in closed, 1))
+    return res
+
+
+def test_ring_compiles_with_mask_and_cu_seqlens(pools, seed):
+    for rank, res in enumerate(pools.run(2, _ring_compiled, seed)):
+        for layout, name, same, graphs in res:
+            assert same and graphs == 1, \
+                f"seed {seed}, rank {rank}, {name} {layout}: eager bits {same}, graphs {graphs}"
+
+
 # ------------------------------------------------------------------------------ bad inputs
 def _bad(rank, world):
     q = torch.randn(1, 4, 2, 8)

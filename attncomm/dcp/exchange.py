@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .. import _triton, capability, config, select
 from .._dist import Lifecycle, as_device, group_device, group_key, on_release, resolve_group
 from .._agree import agree, agreed_min
-from .._plans import Cached
+from .._plans import Cached, register
 from ..compiled_launch import LaunchCache
 from ..symm import SymmWorkspace, grid_bound
 from ..symm_regions import Slab
@@ -258,7 +258,7 @@ class PreallocatedExchange(Lifecycle):
         self.backend = self._impl.name
         self._accepted: set = set()
         #: The name a compiled graph's custom op finds this object by (``dcp.tracing``).
-        self.op_name = tracing.register(self)
+        self.op_name = register(self)
 
     def _kwargs(self) -> dict:
         return dict(max_tokens=self.max_tokens, num_heads=self.num_heads,

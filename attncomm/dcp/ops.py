@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from .._dist import group_from_name
-from . import tracing
+from .._plans import lookup, timeout_arg, validate_arg
 from .lse_merge.functional import require_warm as require_merge_warm
 from .lse_merge.functional import merge
 from .query_gather.functional import require_warm as require_gather_warm
@@ -41,13 +41,13 @@ def merge_op(out: torch.Tensor, lse: torch.Tensor, output: torch.Tensor,
     """``dcp.merge(out, lse, group, ..., return_lse=True, output=(output, output_lse))`` with
     the group by name (``timeout_s < 0``: None; ``validate`` -1/0/1: None/False/True)."""
     merge(out, lse, group_from_name(group_name), backend=backend, lse_base=lse_base,
-          return_lse=True, validate=tracing.validate_arg(validate),
-          timeout_s=tracing.timeout_arg(timeout_s), output=(output, output_lse))
+          return_lse=True, validate=validate_arg(validate),
+          timeout_s=timeout_arg(timeout_s), output=(output, output_lse))
 
 
 @merge_op.register_fake
 def _(out, lse, output, output_lse, group_name, backend, lse_base, timeout_s, validate):
-    require_merge_warm(group_name, out, backend, lse_base, tracing.timeout_arg(timeout_s))
+    require_merge_warm(group_name, out, backend, lse_base, timeout_arg(timeout_s))
 
 
 # ------------------------------------------------------------------------------ DcpMerger
@@ -56,7 +56,7 @@ def merger_op(out: torch.Tensor, lse: torch.Tensor, res: torch.Tensor, res_lse: 
               name: str) -> None:
     """The ``DcpMerger`` registered as ``name`` merges ``out``/``lse`` into ``res`` /
     ``res_lse`` (the LSE in the merger's base)."""
-    merger = tracing.lookup(name)
+    merger = lookup(name)
     merger._ensure_open()
     merger.accept(out, lse)
     merger.into(out, lse, res, res_lse)
@@ -64,7 +64,7 @@ def merger_op(out: torch.Tensor, lse: torch.Tensor, res: torch.Tensor, res_lse: 
 
 @merger_op.register_fake
 def _(out, lse, res, res_lse, name):
-    err = tracing.lookup(name).local_error(out, lse)
+    err = lookup(name).local_error(out, lse)
     if err:
         raise ValueError(f"DcpMerger: {err}")
     return None
@@ -78,13 +78,13 @@ def gather_heads_op(q: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor
     """``dcp.gather_heads(q, group, ..., rope=(cos, sin) or None, output=output)``."""
     gather_heads(q, group_from_name(group_name), backend=backend,
                  rope=None if cos is None else (cos, sin),
-                 validate=tracing.validate_arg(validate),
-                 timeout_s=tracing.timeout_arg(timeout_s), output=output)
+                 validate=validate_arg(validate),
+                 timeout_s=timeout_arg(timeout_s), output=output)
 
 
 @gather_heads_op.register_fake
 def _(q, cos, sin, output, group_name, backend, timeout_s, validate):
-    require_gather_warm(group_name, q, cos, backend, tracing.timeout_arg(timeout_s))
+    require_gather_warm(group_name, q, cos, backend, timeout_arg(timeout_s))
 
 
 # ------------------------------------------------------------------------------ DcpQueryGather
@@ -92,7 +92,7 @@ def _(q, cos, sin, output, group_name, backend, timeout_s, validate):
 def query_gather_op(q: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                     output: torch.Tensor, name: str) -> None:
     """The ``DcpQueryGather`` registered as ``name`` gathers ``q`` into ``output``."""
-    gatherer = tracing.lookup(name)
+    gatherer = lookup(name)
     gatherer._ensure_open()
     rope = None if cos is None else (cos, sin)
     gatherer.accept(q, rope)
@@ -101,7 +101,7 @@ def query_gather_op(q: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor
 
 @query_gather_op.register_fake
 def _(q, cos, sin, output, name):
-    err = tracing.lookup(name).local_error(q, None if cos is None else (cos, sin))
+    err = lookup(name).local_error(q, None if cos is None else (cos, sin))
     if err:
         raise ValueError(f"DcpQueryGather: {err}")
     return None

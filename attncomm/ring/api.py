@@ -16,6 +16,12 @@ Packed sequences (``cu_seqlens``) turn each step into the segments of ``ring_seg
 per-step list is a plan kept per (layout, causal, W, rank, S_r, boundaries), made on the first
 call with those boundaries (outside CUDA graph capture: the warm-up rule).
 
+Under ``torch.compile`` a call is one custom op, ``attncomm::ring_attention``, that runs the
+eager call when the graph runs (Dynamo cannot trace the ring's point-to-point transfers, and
+the boundaries are read on the host): the mask and ``cu_seqlens`` are tensors of the op, so one
+graph serves every mask and every set of boundaries of a shape. The group travels by name; a
+``RingAttention``'s ``attn_fn`` by the module's registered name (``_plans.register``).
+
 Schedule of one rank (W = 4; ``post(i)`` sends block i on and receives block i+1)::
 
     post(0) attend(0) merge(0) wait(0) | post(1) attend(1) merge(1) wait(1) | ... attend(3) merge(3)
@@ -28,8 +34,9 @@ import torch.distributed as dist
 import functools
 import zlib
 
-from .. import _agree, config
-from .._plans import warm_up_error
+from .. import _agree, _dist, config
+from .._plans import (lookup, register, timeout_arg, timeout_code, validate_arg, validate_code,
+                      warm_up_error)
 from ..errors import PeerTimeoutError
 from .attn import attention_with_lse
 from .comm import RingComm
@@ -263,6 +270,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
             host: a CPU tensor costs no sync, and only a CPU tensor may be passed under CUDA
             graph capture (its boundaries planned by an eager call first).
 
+    Under ``torch.compile(fullgraph=True)`` the call with the default ``attn_fn`` is the custom
+    op ``attncomm::ring_attention`` (the eager call, run when the graph runs: checks, transfers,
+    new boundaries' plans), the mask and ``cu_seqlens`` tensors of the op. A custom ``attn_fn``
+    cannot be an argument of an op: it is traced as Python, and Dynamo cannot trace the ring's
+    transfers at W ≥ 2 (``RingAttention(attn_fn)`` compiles as one op instead).
+
     Returns:
         ``[B, S_r, Hq, Dv]`` in q's dtype: this rank's rows of the attention over all ``W·S_r``
         positions (and ``[B, S_r, Hq]`` fp32 LSE, base e, with ``return_lse``). Accumulated in
@@ -276,6 +289,19 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
             on any of them (``S_r``, a mask given, the boundaries included).
         PeerTimeoutError: a ring neighbour did not answer within ``timeout_s`` (named).
     """
+    if attn_fn is None and torch.compiler.is_compiling():
+        out, lse = _traced(q, k, v, group, causal, layout, return_lse, "", validate, timeout_s,
+                           key_padding_mask, cu_seqlens)
+    else:
+        out, lse = _call(q, k, v, group, causal, layout, return_lse, attn_fn, validate,
+                         timeout_s, key_padding_mask, cu_seqlens)
+    return (out, lse) if return_lse else out
+
+
+def _call(q, k, v, group, causal, layout, return_lse, attn_fn, validate, timeout_s,
+          key_padding_mask, cu_seqlens):
+    """The eager call: the checks (across ranks on a new signature), then the ring: ``(out,
+    lse)`` whatever ``return_lse`` (it is part of the checked signature)."""
     budget = config.timeout_s(timeout_s)
     cu, error = read_cu(cu_seqlens)
     world = dist.get_world_size(group)
@@ -283,9 +309,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     sig = signature(q, k, v, layout, causal, return_lse, key_padding_mask, cu,
                     cu_seqlens is not None)
     _agree.validate_args(group, "ring_attention", sig, LABELS, error, budget, validate)
-    out, lse = _run(q, k, v, group, bool(causal), layout, attn_fn or attention_with_lse, budget,
-                    "ring_attention", key_padding_mask, cu)
-    return (out, lse) if return_lse else out
+    return _run(q, k, v, group, bool(causal), layout, attn_fn or attention_with_lse, budget,
+                "ring_attention", key_padding_mask, cu)
 
 
 class RingAttention(torch.nn.Module):
@@ -303,6 +328,13 @@ class RingAttention(torch.nn.Module):
     The construction is collective: every rank of ``group`` checks that all ranks chose the same
     layout (``ValueError`` on every rank otherwise). The object holds no buffers between calls;
     ``close()`` (or leaving a ``with`` block) ends its use.
+
+    torch.compile: under ``torch.compile(fullgraph=True)`` a forward is the custom op
+    ``attncomm::ring_attention``, which runs the eager call when the graph runs (checks, the
+    ring's transfers, ``attn_fn`` uncompiled); the mask and ``cu_seqlens`` are tensors of the op,
+    so one graph serves every mask and every set of boundaries of a shape (new boundaries plan
+    when the graph runs: read on the host, a CPU tensor; inside CUDA graph capture the plan must
+    exist, the warm-up error otherwise).
     """
 
     def __init__(self, attn_fn=None, group=None, *, layout: str = "contiguous",
@@ -311,6 +343,7 @@ class RingAttention(torch.nn.Module):
         self.attn_fn, self.group, self.layout = attn_fn, group, layout
         self.timeout_s, self.validate = timeout_s, validate
         self._closed = False
+        self._op_name = register(self)  # the compiled op finds attn_fn by this
         _agree.validate_args(group, "RingAttention", [LAYOUT_CODES.get(layout, 0)], ["layout"],
                             layout_error(layout), config.timeout_s(timeout_s),
                             config.validation_mode(validate) != "never")
@@ -319,12 +352,24 @@ class RingAttention(torch.nn.Module):
                 causal: bool = False, return_lse: bool = False,
                 key_padding_mask: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None):
-        if self._closed:
-            raise RuntimeError("RingAttention: this object is closed (close() was called)")
+        if torch.compiler.is_compiling():  # the op checks that the module is open, when it runs
+            out, lse = _traced(q, k, v, self.group, causal, self.layout, return_lse,
+                               self._op_name, self.validate, self.timeout_s, key_padding_mask,
+                               cu_seqlens)
+            return (out, lse) if return_lse else out
+        self._check_open()
         return ring_attention(q, k, v, self.group, causal=causal, layout=self.layout,
                               return_lse=return_lse, attn_fn=self.attn_fn,
                               validate=self.validate, timeout_s=self.timeout_s,
                               key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("RingAttention: this object is closed (close() was called)")
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._op_name = register(self)  # a copy is found by a name of its own
 
     def close(self) -> None:
         """End this object's use (it holds no peer memory; later calls raise)."""
@@ -335,3 +380,40 @@ class RingAttention(torch.nn.Module):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# ------------------------------------------------------------------------------ torch.compile
+def _traced(q, k, v, group, causal, layout, return_lse, owner, validate, timeout_s,
+            key_padding_mask, cu_seqlens):
+    """The traced call: one ``attncomm::ring_attention`` op, ``(out, lse)``."""
+    return torch.ops.attncomm.ring_attention(
+        q, k, v, _dist.group_name(group), bool(causal), layout, bool(return_lse), owner,
+        validate_code(validate), timeout_code(timeout_s), key_padding_mask, cu_seqlens)
+
+
+@torch.library.custom_op("attncomm::ring_attention", mutates_args=())
+def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
+                       causal: bool, layout: str, return_lse: bool, owner: str, validate: int,
+                       timeout_s: float, key_padding_mask: torch.Tensor | None = None,
+                       cu_seqlens: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager ``ring_attention`` over the group named ``group_name`` with ``attn_fn`` of the
+    ``RingAttention`` named ``owner`` (``""``: the default), ``validate`` and ``timeout_s`` as
+    ``_plans.validate_code`` / ``timeout_code``: ``(out, lse)`` (both always; the checked
+    signature holds ``return_lse``)."""
+    attn_fn = None
+    if owner:
+        mod = lookup(owner)
+        mod._check_open()
+        attn_fn = mod.attn_fn
+    return _call(q, k, v, _dist.group_from_name(group_name), causal, layout, return_lse,
+                 attn_fn, validate_arg(validate), timeout_arg(timeout_s), key_padding_mask,
+                 cu_seqlens)
+
+
+@_ring_attention_op.register_fake
+def _(q, k, v, group_name, causal, layout, return_lse, owner, validate, timeout_s,
+      key_padding_mask=None, cu_seqlens=None):
+    b, s_r, hq = q.shape[:3]
+    return (q.new_empty((b, s_r, hq, v.shape[3])),
+            q.new_empty((b, s_r, hq), dtype=torch.float32))

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from .. import _agree, _dist, config
 from .._dist import group_key
-from .._plans import CallPlans, dest_error, dest_key, warm_up_error
+from .._plans import (CallPlans, dest_error, dest_key, timeout_code, validate_code,
+                      warm_up_error)
 from . import fp8, policy
 from .fill import FillPart, FillPlan
 from .layout import ExchangePlan, head_offsets, head_split, head_to_seq_plan, seq_to_head_plan
@@ -387,17 +388,13 @@ def _traced_decision(op: str, group, shape: tuple, dtype, device_type: str, seq_
     return _dist.group_name(group), dist.get_rank(group), name
 
 
-_VALIDATE_CODES = {None: -1, False: 0, True: 1}
-
-
 def _traced(op, x, group, seq_lens, backend, validate, timeout_s, output, num_heads=None,
             payload_dtype=None):
     """The traced call: one custom op (``ulysses/ops.py``) with the decided transport."""
     name, rank, transport = _traced_decision(op, group, tuple(x.shape), x.dtype, x.device.type,
                                              seq_lens, backend, num_heads, payload_dtype)
     seq = None if seq_lens is None else [int(s) for s in seq_lens]
-    args = (name, rank, seq, transport, -1.0 if timeout_s is None else float(timeout_s),
-            _VALIDATE_CODES[validate])
+    args = (name, rank, seq, transport, timeout_code(timeout_s), validate_code(validate))
     if op == "head_to_seq":
         args = args + (-1 if num_heads is None else int(num_heads),)
     else:

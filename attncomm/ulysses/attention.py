@@ -12,7 +12,6 @@ the shape made.
 from __future__ import annotations
 
 import collections
-import itertools
 import weakref
 
 import torch
@@ -22,7 +21,7 @@ from .. import _agree, _dist, config
 from .._dist import group_key
 from ..collectives import gather_sequence
 from ..ring.attn import masked_attention
-from .._plans import warm_up_error
+from .._plans import lookup, register, warm_up_error
 from . import policy
 from . import fp8
 from .fill import rms_norm_rope
@@ -352,9 +351,7 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         if self._pg is _UNRESOLVED:  # a coordinator's device_group; the check once
             self.__dict__["_pg"] = _dist.resolve_group(self.group, "UlyssesAttention")
         if self._op_name is None:
-            name = f"UlyssesAttention#{next(_NAME_IDS)}"
-            self.__dict__["_op_name"] = name
-            _NAMES[name] = self
+            self.__dict__["_op_name"] = register(self)
         group = self._pg
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         timeout = config.timeout_s(self.timeout_s)
@@ -481,10 +478,8 @@ _PLAN_INPUTS = frozenset({"attn_fn", "group", "backend", "pipeline_groups", "qk_
 #: Forward shapes a module keeps plans for (least recently made dropped first).
 PLANS_PER_MODULE = 64
 #: Live modules, whose plans ``reset_transports`` / ``attncomm.release`` drop with the group's
-#: transports; and the names the custom op finds a module by (``module_by_name``).
+#: transports (the custom op finds a module by its ``_plans.register`` name).
 _LIVE: weakref.WeakSet = weakref.WeakSet()
-_NAMES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_NAME_IDS = itertools.count()
 
 
 @on_forget
@@ -515,22 +510,13 @@ def _traced_plan(name, closed, qd, kd, vd, seq_lens, causal, rope_shapes, jkey,
     tuples), never the module: torch 2.11's dynamo cannot pass a module to a constant function."""
     if closed:  # a closed module says so (its plans are gone), warmed up or not
         raise _dist.Lifecycle.closed_error("UlyssesAttention")
-    mod = _NAMES.get(name) if name is not None else None
+    mod = lookup(name, missing_ok=True) if name is not None else None
     key = None if mod is None else mod._plan_key(qd, kd, vd, seq_lens, causal, rope_shapes,
                                                  jkey, position, masks)
     if mod is None or key not in mod._plans:
         shapes = ", ".join(f"{n} {list(d[0])}" for n, d in zip("qkv", (qd, kd, vd)))
         raise warm_up_error("UlyssesAttention", f"the forward shape {shapes}, {qd[1]}")
     return name
-
-
-def module_by_name(name: str) -> UlyssesAttention:
-    """The module a traced ``attncomm::ulysses_attention`` call names."""
-    mod = _NAMES.get(name)
-    if mod is None:
-        raise RuntimeError(f"UlyssesAttention {name!r} no longer exists (the compiled graph "
-                           f"outlived the module it was traced from)")
-    return mod
 
 
 def _fn_name(fn) -> str:

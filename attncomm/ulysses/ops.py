@@ -23,18 +23,17 @@ import torch
 import torch.distributed as dist
 
 from .._dist import group_from_name
-from . import api, attention
+from .._plans import lookup, timeout_arg, validate_arg
+from . import api
 from .layout import head_split
 
 __all__ = ["seq_to_head_op", "seq_to_head_out_op", "head_to_seq_op", "head_to_seq_out_op",
            "attention_op", "attention_joint_op"]
 
-_VALIDATE = {-1: None, 0: False, 1: True}
-
 
 def _kw(seq_lens, backend, timeout_s, validate) -> dict:
     return dict(seq_lens=None if seq_lens is None else tuple(seq_lens), backend=backend,
-                timeout_s=None if timeout_s < 0 else timeout_s, validate=_VALIDATE[validate])
+                timeout_s=timeout_arg(timeout_s), validate=validate_arg(validate))
 
 
 def _payload(fp8: bool):
@@ -129,8 +128,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
     call of the shape made."""
     rope = None if cos is None else (cos, sin)
     seq = None if seq_lens is None else tuple(seq_lens)
-    return attention.module_by_name(module)._forward(q, k, v, seq, causal, rope,
-                                                     masks=(key_padding_mask, None))
+    return lookup(module)._forward(q, k, v, seq, causal, rope, masks=(key_padding_mask, None))
 
 
 @attention_op.register_fake
@@ -150,10 +148,9 @@ def attention_joint_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     or the back, and their masks: ``(out, joint_out)``."""
     rope = None if cos is None else (cos, sin)
     seq = None if seq_lens is None else tuple(seq_lens)
-    return attention.module_by_name(module)._forward(q, k, v, seq, causal, rope,
-                                                     (q_j, k_j, v_j),
-                                                     "front" if front else "back",
-                                                     (key_padding_mask, joint_key_padding_mask))
+    return lookup(module)._forward(q, k, v, seq, causal, rope, (q_j, k_j, v_j),
+                                   "front" if front else "back",
+                                   (key_padding_mask, joint_key_padding_mask))
 
 
 @attention_joint_op.register_fake

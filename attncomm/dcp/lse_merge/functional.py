@@ -23,7 +23,8 @@ import torch.distributed as dist
 from ... import config
 from ..._dist import device_error, group_from_name, group_name, resolve_group
 from ..._agree import DTYPE_CODES, validate_args
-from ..._plans import Cached, CallPlans, dest_error, dest_key, warm_up_error
+from ..._plans import (Cached, CallPlans, dest_error, dest_key, timeout_code, validate_code,
+                       warm_up_error)
 from ...errors import PeerTimeoutError
 from .. import tracing
 from ..exchange import ObjectCache
@@ -245,6 +246,6 @@ def _traced_merge(out, lse, group, backend, lse_base, return_lse, validate, time
     o = out.new_empty((T, H // W, D)) if o is None else o
     l = out.new_empty((T, H // W), dtype=torch.float32) if l is None else l
     torch.ops.attncomm.dcp_merge(out, lse, o, l, name, backend, lse_base,
-                                 tracing.timeout_code(timeout_s),
-                                 tracing.validate_code(validate))
+                                 timeout_code(timeout_s),
+                                 validate_code(validate))
     return (o, l) if return_lse else o

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from ... import config
 from ..._dist import device_error, group_from_name, group_name, resolve_group
 from ..._agree import DTYPE_CODES, validate_args
-from ..._plans import Cached, CallPlans, dest_error, dest_key, warm_up_error
+from ..._plans import (Cached, CallPlans, dest_error, dest_key, timeout_code, validate_code,
+                       warm_up_error)
 from .. import tracing
 from ..exchange import ObjectCache
 from .api import DcpQueryGather, gather_args_error, rope_key
@@ -199,6 +200,6 @@ def _traced_gather(q, group, backend, rope, validate, timeout_s, output):
     cos, sin = (None, None) if rope is None else rope
     out = q.new_empty((T, h * W, D)) if output is None else output
     torch.ops.attncomm.dcp_gather_heads(q, cos, sin, out, name, backend,
-                                        tracing.timeout_code(timeout_s),
-                                        tracing.validate_code(validate))
+                                        timeout_code(timeout_s),
+                                        validate_code(validate))
     return out
