@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import config
 from ._dist import group_key, group_lru_get, on_release
 
 __all__ = ["CallPlans", "Cached", "warm_up_error", "dest_key", "dest_error", "register",
@@ -180,8 +181,9 @@ def validate_arg(code: int) -> bool | None:
 
 
 def timeout_code(timeout_s: float | None) -> float:
-    """``timeout_s`` as the float a custom op takes (None → -1)."""
-    return -1.0 if timeout_s is None else float(timeout_s)
+    """``timeout_s`` as the float a custom op takes (None → -1). Raises ``ValueError`` for a
+    budget that is not > 0 (``config.timeout_s``), as the eager call does: -1 means None."""
+    return -1.0 if timeout_s is None else config.timeout_s(timeout_s)
 
 
 def timeout_arg(code: float) -> float | None:

@@ -437,4 +437,7 @@ def _usp_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @_usp_attention_op.register_fake
 def _(q, k, v, cos, sin, module, causal, seq_lens, key_padding_mask=None, cu_seqlens=None):
+    err = local_error(q, k, v, "contiguous")  # while tracing, as the eager call
+    if err:
+        raise ValueError(f"USPAttention: invalid arguments — {err}")
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))

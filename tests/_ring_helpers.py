@@ -13,6 +13,18 @@ __all__ = ["gen", "rand", "ref_attention_lse", "bits_equal", "max_err", "SPECIAL
 SPECIALS = (float("-inf"), float("inf"), float("nan"))
 
 
+def compile_counted(fn):
+    """``(torch.compile(fn, fullgraph=True), graphs)``: ``graphs[0]`` counts the graphs it
+    compiles (a backend that runs each graph as traced)."""
+    graphs = [0]
+
+    def backend(gm, inputs):
+        graphs[0] += 1
+        return gm.forward
+
+    return torch.compile(fn, fullgraph=True, backend=backend), graphs
+
+
 def gen(seed: int) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(seed)

@@ -10,8 +10,8 @@ import torch
 from attncomm.ring import RingAttention, positions, ring_attention, zigzag_shard, zigzag_unshard
 from attncomm.ring.layout import ring_segments
 
-from _ring_helpers import (assert_same_error_everywhere, bits_equal, expect_value_error, gen,
-                           max_err, rand, ref_attention_lse)
+from _ring_helpers import (assert_same_error_everywhere, bits_equal, compile_counted,
+                           expect_value_error, gen, max_err, rand, ref_attention_lse)
 
 
 def _lens_to_cu(lens):
@@ -255,13 +255,8 @@ def _ring_compiled(rank, world, seed):
 
         runs = {}
         for name, fn in (("RingAttention", module_fn), ("ring_attention", functional_fn)):
-            graphs = [0]
-
-            def backend(gm, inputs):
-                graphs[0] += 1
-                return gm.forward
-
-            compiled = runs[name] = torch.compile(fn, fullgraph=True, backend=backend)
+            compiled, graphs = compile_counted(fn)
+            runs[name] = compiled
             got = [compiled(m, cu) for m, cu in zip(masks, cus)]
             want = [fn(m, cu) for m, cu in zip(masks, cus)]
             same = all(bits_equal(a, b) for pair_got, pair_want in zip(got, want)

@@ -150,8 +150,14 @@ def test_millions_of_fp32_pairs(seed):
 
 def test_fma_emulation_rounds_once():
     """``fma_f32`` against exact rational arithmetic: products that need all 48 bits, sums at
-    fp32 ties and one unit in the 2⁻⁷⁰ place away from them, subnormal results."""
+    fp32 ties and one unit in the 2⁻⁷⁰ place away from them, subnormal results; and a sum that
+    rounding twice (to fp64, then to fp32) gets wrong."""
     from fractions import Fraction
+    # a·b + c = 1 + 2⁻²³ + 2⁻²⁴ − 2⁻⁷⁰: to fp64 it rounds up to the fp32 tie 1 + 2⁻²³ + 2⁻²⁴,
+    # which then rounds to even, 1 + 2⁻²²; rounded once it is 1 + 2⁻²³.
+    one = _interp_rounding.fma_f32(np.float32([2.0 ** -24 * (1 + 2.0 ** -23)]),
+                                   np.float32([1 - 2.0 ** -23]), np.float32([1 + 2.0 ** -23]))
+    assert float(np.float32(one[0])) == 1 + 2.0 ** -23, float(one[0])
     rng = np.random.default_rng(7)
     a = np.float32(1 + rng.integers(0, 1 << 23, 300) / 2 ** 23)
     b = np.float32(1 + rng.integers(0, 1 << 23, 300) / 2 ** 23)

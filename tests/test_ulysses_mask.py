@@ -10,8 +10,8 @@ import torch
 
 from attncomm.ulysses import UlyssesAttention
 
-from _ring_helpers import (assert_same_error_everywhere, bits_equal, expect_value_error, gen,
-                           max_err, rand, ref_attention_lse)
+from _ring_helpers import (assert_same_error_everywhere, bits_equal, compile_counted,
+                           expect_value_error, gen, max_err, rand, ref_attention_lse)
 
 
 def _shard(t, lens, rank):
@@ -123,13 +123,7 @@ def _compiled(rank, world, seed):
     res = []
     for fn in (dense, with_joint):
         want = [fn(m, jm) for m, jm in zip(masks, jmasks)]  # the eager warm-up
-        graphs = [0]
-
-        def backend(gm, inputs):
-            graphs[0] += 1
-            return gm.forward
-
-        compiled = torch.compile(fn, fullgraph=True, backend=backend)
+        compiled, graphs = compile_counted(fn)
         got = [compiled(m, jm) for m, jm in zip(masks, jmasks)]
         same = all(bits_equal(x, y) for a, b in zip(got, want)
                    for x, y in zip(_parts(a), _parts(b)))

@@ -257,7 +257,7 @@ class PreallocatedExchange(Lifecycle):
         self.fallback_reason: str | None = self.decision.fallback_reason
         self.backend = self._impl.name
         self._accepted: set = set()
-        #: The name a compiled graph's custom op finds this object by (``dcp.tracing``).
+        #: The name a compiled graph's custom op finds this object by (``_plans.register``).
         self.op_name = register(self)
 
     def _kwargs(self) -> dict:

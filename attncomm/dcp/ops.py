@@ -9,7 +9,7 @@ which chains them) call these ops instead of their eager bodies while torch.comp
   bit; every op writes caller- or graph-allocated destinations and returns nothing, which its
   mutation annotation says (``mutates_args``): the inputs are read only.
 - Groups travel by name (``_dist.group_name``), as torch's functional collectives pass them;
-  objects by the name they registered at construction (``dcp.tracing``).
+  objects by the name they registered at construction (``_plans.register``).
 - Decisions are never made in a trace: the functional ops need an eager call of the shape on
   the group first (checked while tracing: the warm-up error), the object ops the object, which
   decided at construction.

@@ -414,6 +414,9 @@ def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_
 @_ring_attention_op.register_fake
 def _(q, k, v, group_name, causal, layout, return_lse, owner, validate, timeout_s,
       key_padding_mask=None, cu_seqlens=None):
+    err = local_error(q, k, v, layout, key_padding_mask)  # while tracing, as the eager call
+    if err:
+        raise ValueError(f"ring_attention: invalid arguments — {err}")
     b, s_r, hq = q.shape[:3]
     return (q.new_empty((b, s_r, hq, v.shape[3])),
             q.new_empty((b, s_r, hq), dtype=torch.float32))

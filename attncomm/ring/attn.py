@@ -168,7 +168,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
         return _segments(q, k, v, key_padding_mask, segments)
     if key_padding_mask is not None:
         return masked_attention(q, k, v, causal, key_padding_mask)
-    if not q.is_cuda or q.shape[1] == 0 or k.shape[1] == 0:
+    if not q.is_cuda or q.shape[0] == 0 or q.shape[1] == 0 or k.shape[1] == 0:
         return _math(q, k, v, causal)
     hq = q.shape[2]
     qt = q.transpose(1, 2)
@@ -274,10 +274,11 @@ def _varlen_plan(segments: tuple, b: int, sq: int, sk: int, device) -> _VarlenPl
 
 def _varlen_fits(q, k, v) -> bool:
     """Whether the variable-length kernels take the block: fp16/bf16, ``D = Dv`` a multiple of
-    8 up to 256, no empty side."""
+    8 up to 256, nothing empty (a kernel that refuses an empty batch would be marked broken
+    for the process)."""
     d = q.shape[3]
     return (q.dtype in (torch.float16, torch.bfloat16) and d == v.shape[3] and d % 8 == 0
-            and d <= 256 and q.shape[1] > 0 and k.shape[1] > 0)
+            and d <= 256 and q.shape[0] > 0 and q.shape[1] > 0 and k.shape[1] > 0)
 
 
 def _varlen(q, k, v, segments):
@@ -400,7 +401,7 @@ def masked_attention(q, k, v, causal: bool, key_padding_mask):
 def _masked_bias(q, k, v, causal: bool, key_padding_mask):
     """``masked_attention`` with the mask as a −inf bias broadcast over heads and queries
     (stride 0): cuDNN's kernel, else the efficient one (CUDA), else fp32 math."""
-    if not q.is_cuda or q.shape[1] == 0 or k.shape[1] == 0:
+    if not q.is_cuda or q.shape[0] == 0 or q.shape[1] == 0 or k.shape[1] == 0:
         return _math(q, k, v, causal, key_padding_mask)
     hq, sq, sk = q.shape[2], q.shape[1], k.shape[1]
     qt = q.transpose(1, 2)

@@ -102,8 +102,8 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         attn_fn: ``attn_fn(q [B, S, h, D], k [B, S, g, D], v [B, S, g, Dv], causal) →
             [B, S, h, Dv]`` with ``h % g == 0`` and query head i using KV head ``i // (h/g)``
             (default: ``sdpa_attention``); its result is a tensor of its own, not memory it
-            reuses on the next call (with one rank and one head group it is the forward's
-            result, no copy made).
+            reuses on the next call (with one rank, one head group and no joint rows, a
+            contiguous result of q's dtype is the forward's result, no copy made).
         group: process group (None: default) or an engine's group coordinator (``device_group``
             + ``cpu_group``).
         backend: ``"all_to_all"``, ``"ce"`` or ``"auto"`` (env ``ATTNCOMM_ULYSSES_BACKEND``).

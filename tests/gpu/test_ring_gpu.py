@@ -180,6 +180,7 @@ _MASK_CASES = [
     (4, 256, 256, 8, 8, 128, torch.bfloat16),
     (4, 192, 320, 8, 2, 128, torch.bfloat16),   # GQA, Sq ≠ Sk
     (3, 200, 200, 4, 1, 64, torch.float16),     # MQA, tiles not full
+    (4, 1, 320, 8, 2, 128, torch.bfloat16),     # one query row (decode), GQA
 ]
 
 
