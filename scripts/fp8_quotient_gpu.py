@@ -1,7 +1,9 @@
 """The FP8 fill's epilogue on the GPU against the rule, bit for bit, over every (element, row amax)
 pair of bf16 and fp16 rows and about a billion fp32 pairs (random and at the rounding
-boundaries); and the compiled kernel's quotient instructions (``fill_kernels._quotient``: two
-``fma.rn.f32`` per element, next to the ``div_rn`` of the blocks with tiny rows).
+boundaries), through the plain fill's epilogue (``fill_kernels._quotient``) and the PTX one of
+the fills with norm or RoPE (``fill_kernels._ptx_bytes``); and the compiled kernels' quotient
+instructions (two ``fma.rn.f32`` per element, next to the ``div_rn`` of the blocks with tiny
+rows).
 
 Rows of D = 128 through ``FillPlan`` (plain pack, FP8 payload, the default launch shape): the
 first element of each row is ± its amax, the others the elements paired with it; the reference
@@ -186,17 +188,30 @@ def main(argv=None) -> int:
         return 2
     stride = 4096 if a.quick else 1
     recs = []
-    for fn in (lambda: every_16_bit_pair(torch.bfloat16, dev, stride),
-               lambda: every_16_bit_pair(torch.float16, dev, stride),
-               lambda: fp32_rows(dev, a.fp32_rows, a.seed, 1 << 20 if dev == "cuda" else 128)):
-        t0 = time.time()
-        rec = fn()
-        rec["seconds"] = round(time.time() - t0, 1)
-        recs.append(rec)
-        print(json.dumps(rec), flush=True)
+    epilogue = fill_mod._fp8_epilogue
+    # the plain fill's epilogue, then (GPU) the PTX one that fills with norm or RoPE use,
+    # rounding to the parts' dtype in PTX (an identity on these rows, but its instructions)
+    for ptx in (False, True) if dev == "cuda" else (False,):
+        if ptx:
+            fill_mod._fp8_epilogue = lambda device, rounds: dict(
+                epilogue(device, True), EXACT=False)
+        try:
+            for fn in (lambda: every_16_bit_pair(torch.bfloat16, dev, stride),
+                       lambda: every_16_bit_pair(torch.float16, dev, stride),
+                       lambda: fp32_rows(dev, a.fp32_rows, a.seed,
+                                         1 << 20 if dev == "cuda" else 128)):
+                t0 = time.time()
+                rec = fn()
+                rec["seconds"] = round(time.time() - t0, 1)
+                rec["epilogue"] = "ptx" if ptx else "plain"
+                recs.append(rec)
+                print(json.dumps(rec), flush=True)
+        finally:
+            fill_mod._fp8_epilogue = epilogue
     if dev == "cuda":
+        n = len(recs)
         recs += compiled_quotients()
-        for r in recs[3:]:
+        for r in recs[n:]:
             print(json.dumps(r), flush=True)
     meta = {"gpu": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu (interpreter)",
             "torch": torch.__version__, "triton": __import__("triton").__version__}

@@ -133,7 +133,7 @@ def test_fill_kernel_ptx_has_no_fma():
 def test_fill_kernel_fp8_ptx():
     """The FP8 variant compiles for sm_90 with the launch options: IEEE division for the
     scale, the rows' reciprocals and the tiny rows' quotients; the other quotients by the
-    reciprocal with two FMAs each (``_quotient``) and no other FMA (the norm and RoPE products
+    reciprocal with two FMAs each (``_ptx_bytes``) and no other FMA (the norm and RoPE products
     round as torch's); the e4m3 bytes stored 4 at a time (the rows' 4-byte alignment is known
     to the compiler: without it every byte is its own store) beside the scales' 32-bit
     words."""
@@ -144,7 +144,7 @@ def test_fill_kernel_fp8_ptx():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ptx = json.loads(proc.stdout)["fp8"]
-    # each conversion takes two elements and is there twice (the FMA branch, the div_rn one)
+    # each conversion takes two elements and is there twice (the PTX branch, the div_rn one)
     cvts = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx))
     assert cvts > 0 and len(re.findall(r"\bfma\.", ptx)) == 2 * cvts
     assert len(re.findall(r"\bfma\.rn\.f32", ptx)) == 2 * cvts

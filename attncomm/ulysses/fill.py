@@ -260,6 +260,19 @@ def _hw_e4m3(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def _fp8_epilogue(device: torch.device, rounds: bool) -> dict:
+    """The FP8 epilogue's constexprs for a fill on ``device`` whose rows are normed or rotated
+    (``rounds``: they must be rounded to the parts' dtype before quantizing): ``HW_E4M3``
+    (``_hw_e4m3``); ``EXACT``, the rows hold the parts' values as loaded; ``PTX``, the common
+    case (every row of a block finite, no tiny scale) runs as PTX (``fill_kernels._ptx_bytes``,
+    which rounds to bf16 next to the quotients): on a GPU (the interpreter runs no PTX), for a
+    fill that rounds. The plain FP8 fill keeps the Triton ops: with PTX it issued 21 % fewer
+    instructions but ran 4 % slower on an H200, while the fill with norm and RoPE ran 10 %
+    faster (benchmarks/results/fill-ptx-ab-2026-12-03-nvidia-h200.md)."""
+    hw = _hw_e4m3(device)
+    return dict(HW_E4M3=hw, EXACT=not rounds, PTX=rounds and hw and device.type == "cuda")
+
+
 #: Launch options of the fill kernel: FMA contraction off (torch rounds ``a * b`` and ``+ c``
 #: separately); read by tests/_fill_ptx.py, which checks the PTX.
 LAUNCH_OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
@@ -395,7 +408,10 @@ class _LaunchLayout:
                            HALF=half, LEVELS=half.bit_length() - 1, BLOCK_S=self.block_s,
                            HB=self.hb, ANY_NORM=any(p.weight is not None for p in parts),
                            ANY_ROPE=rope and any(p.rope for p in parts), ROPE_BCAST=ROPE_BCAST,
-                           FP8=self.fp8, HW_E4M3=self.fp8 and _hw_e4m3(x0.device))
+                           FP8=self.fp8)
+        if self.fp8:
+            self.consts.update(_fp8_epilogue(
+                x0.device, self.consts["ANY_NORM"] or self.consts["ANY_ROPE"]))
         self._descs: dict = {}
         #: the compiled kernel per specialization, replayed (``_launch``)
         self.launches = LaunchCache((_fk.fill_kernel,))

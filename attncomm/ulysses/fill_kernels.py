@@ -48,6 +48,13 @@ over the finite elements and divides with ``div_rn`` instead. The interpreter ro
 ``tl.fma`` once when ``tests/_interp_rounding.py`` is imported (its max propagates NaNs: such
 blocks take the second path there); ``scripts/fp8_quotient_gpu.py`` checks the GPU's bytes
 over every (element, amax) pair of bf16 and fp16 rows and fp32 rows with NaNs.
+
+A fill with QK-norm or RoPE (its rows rounded to the parts' dtype before they are quantized) on
+a GPU runs that common case as PTX (``PTX``, ``_ptx_bytes``): the same quotients, the rounding
+to bf16 beside them (its amax is the rounded amax of the unrounded rows: rounding is monotone
+and odd), and the bytes' signs and NaNs fixed with one ``lop3`` per four bytes instead of a
+compare and a select per byte. The interpreter runs no PTX; ``scripts/fp8_quotient_gpu.py``
+also checks this path, which the host picks (``fill._fp8_epilogue``).
 """
 from __future__ import annotations
 
@@ -163,44 +170,141 @@ def _quotient(g, y, ndv):
     return bits.to(tl.float32, bitcast=True)
 
 
+#: ``_quotient`` and the e4m3 conversion of four elements in PTX (``_ptx_bytes``): operands
+#: $1-$4 the elements, $5-$8 ``−y``, $9-$12 ``d``; $0 their four bytes, element i in byte i.
+#: ``q = RN(g·(−y))`` is ``−q0``; ``r = fma(q, d, g)`` is ``_quotient``'s r; ``fma(r, −y, q)``
+#: is ``−q1`` (RN is odd: ``RN(−x) = −RN(x)``), and it keeps the sign of a zero that ``q1``
+#: loses (``g = −0``: ``q = +0``, ``r = +0``, ``−q1 = −0 + +0 = +0``, the byte 0x00 flipped to
+#: 0x80). The bytes of ``−q1`` (satfinite: never 0x7F/0xFF from a finite value) get their sign
+#: bits flipped (e4m3 of ``−v`` is that of ``v`` with the sign flipped) except where a byte is
+#: NaN (its low 7 bits 0x7F): those become the rule's 0x7F. One ``lop3`` does both:
+#: ``(w ^ 0x80808080) & ~(t & 0x80808080)`` with ``t = (w & 0x7F7F7F7F) + 0x01010101``, whose
+#: bit 7 of a byte is set exactly where that byte's low 7 bits are all ones (LUT 0x52).
+_PTX_QUOTIENT = """{
+.reg .b32 q<4>, r<4>, w, t;
+.reg .b16 h<2>;
+mul.rn.f32 q0, %s, $5;
+mul.rn.f32 q1, %s, $6;
+mul.rn.f32 q2, %s, $7;
+mul.rn.f32 q3, %s, $8;
+fma.rn.f32 r0, q0, $9, %s;
+fma.rn.f32 r1, q1, $10, %s;
+fma.rn.f32 r2, q2, $11, %s;
+fma.rn.f32 r3, q3, $12, %s;
+fma.rn.f32 q0, r0, $5, q0;
+fma.rn.f32 q1, r1, $6, q1;
+fma.rn.f32 q2, r2, $7, q2;
+fma.rn.f32 q3, r3, $8, q3;
+cvt.rn.satfinite.e4m3x2.f32 h0, q1, q0;
+cvt.rn.satfinite.e4m3x2.f32 h1, q3, q2;
+mov.b32 w, {h0, h1};
+and.b32 t, w, 0x7F7F7F7F;
+add.u32 t, t, 0x01010101;
+lop3.b32 $0, w, t, 0x80808080, 0x52;
+}"""
+#: The elements as given ($1-$4 used as they are).
+_PTX_PLAIN = tl.constexpr(_PTX_QUOTIENT % (("$1", "$2", "$3", "$4") * 2))
+#: The elements rounded to bf16 first (``cvt.rn.bf16x2.f32``: the bits of ``.to(bfloat16)``),
+#: widened back by placing the 16 bits high in a 32-bit word.
+_PTX_BF16 = tl.constexpr(_PTX_QUOTIENT.replace(
+    ".reg .b16 h<2>;",
+    ".reg .b16 h<2>;\n.reg .b32 g<4>, p<2>;\n"
+    "cvt.rn.bf16x2.f32 p0, $2, $1;\ncvt.rn.bf16x2.f32 p1, $4, $3;\n"
+    "shl.b32 g0, p0, 16;\nand.b32 g1, p0, 0xFFFF0000;\n"
+    "shl.b32 g2, p1, 16;\nand.b32 g3, p1, 0xFFFF0000;") % (("g0", "g1", "g2", "g3") * 2))
+_PTX_OPERANDS = tl.constexpr("=r," + ",".join(["r"] * 12))
+
+
+@triton.jit
+def _ptx_bytes(f, ny, dv, ROUND_BF16: tl.constexpr):
+    """e4m3 bytes of ``f / d`` as ``_e4m3(_quotient(f, y, −d))`` gives them, in PTX (sm_89+):
+    ``ny = −y`` and ``dv = d`` broadcast over ``f``'s rows; ``ROUND_BF16``: ``f`` is rounded to
+    bf16 first. For finite ``f`` or NaN (0x7F), under ``_quotient``'s conditions."""
+    if ROUND_BF16:
+        r = tl.inline_asm_elementwise(_PTX_BF16, _PTX_OPERANDS, [f, ny, dv], dtype=tl.uint8,
+                                      is_pure=True, pack=4)
+    else:
+        r = tl.inline_asm_elementwise(_PTX_PLAIN, _PTX_OPERANDS, [f, ny, dv], dtype=tl.uint8,
+                                      is_pure=True, pack=4)
+    return r
+
+
+@triton.jit
+def _divided_bytes(dst, f1, f2, mask, DTYPE: tl.constexpr, HALF: tl.constexpr,
+                   HW_E4M3: tl.constexpr):
+    """The rule step by step (any row): the elements rounded to ``DTYPE`` (the bits the
+    unquantized fill stores), the amax over the finite ones, IEEE divisions; stores the bytes
+    at ``dst`` and returns the rows' scales."""
+    g1 = f1.to(DTYPE).to(tl.float32)
+    g2 = f2.to(DTYPE).to(tl.float32)
+    ok1 = tl.abs(g1) <= _c._F32_MAX  # NaN compares false
+    ok2 = tl.abs(g2) <= _c._F32_MAX
+    amax = tl.maximum(tl.max(tl.where(ok1, tl.abs(g1), 0.0), axis=2),
+                      tl.max(tl.where(ok2, tl.abs(g2), 0.0), axis=2))
+    scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    dv = tl.where(scale > 0, scale, 1.0)
+    tl.store(dst, _e4m3(tl.div_rn(g1, dv[:, :, None]), HW_E4M3), mask=mask)
+    tl.store(dst + HALF, _e4m3(tl.div_rn(g2, dv[:, :, None]), HW_E4M3), mask=mask)
+    return scale
+
+
 @triton.jit
 def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl.constexpr,
-               HW_E4M3: tl.constexpr):
+               HW_E4M3: tl.constexpr, PTX: tl.constexpr = False, EXACT: tl.constexpr = False):
     """The FP8 epilogue: rows ``[BLOCK_S, HB, D]`` (two fp32 halves) → e4m3 bytes at byte
     offsets ``rofs [BLOCK_S, HB]`` (``rmask``: the live rows) and each row's fp32 scale after
-    its ``2·HALF`` bytes."""
-    g1 = f1.to(DTYPE).to(tl.float32)  # the bits the unquantized fill stores
-    g2 = f2.to(DTYPE).to(tl.float32)
+    its ``2·HALF`` bytes. ``EXACT``: the halves already hold values of ``DTYPE`` (rounding them
+    to it changes nothing); ``PTX``: the sm_89+ path's quotients and bytes come from
+    ``_ptx_bytes`` (a GPU: the interpreter runs no PTX)."""
     dst = out_ptr + rofs[:, :, None] + cols[None, None, :]
     mask = rmask[:, :, None] & (cols[None, None, :] >= 0)
     fast = False
-    if HW_E4M3:
-        # sm_89+: the amax by max.f32 alone, which skips NaNs (it returns the other operand),
-        # and the quotients by the row's reciprocal and one correction (_quotient), for a
-        # block whose live rows all have a finite amax (no ±inf, not all NaN) and a divisor
-        # ≥ _DV_MIN (an amax ≥ 448·2⁻⁸⁰); else the path below. A non-finite element gives a
-        # NaN quotient on both (inf·y, then inf − inf; inf / d).
-        amax = tl.maximum(tl.max(tl.abs(g1), axis=2), tl.max(tl.abs(g2), axis=2))
+    if PTX:  # (HW_E4M3 holds)
+        # The amax of the rounded elements is the rounded amax of the elements (rounding to
+        # DTYPE is monotone and odd; a value that rounds to inf still makes the amax inf), so
+        # the elements are rounded once, in _ptx_bytes, next to their quotients.
+        m = tl.maximum(tl.max(tl.abs(f1), axis=2), tl.max(tl.abs(f2), axis=2))
+        amax = m if EXACT else m.to(DTYPE).to(tl.float32)
         scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
         dv = tl.where(scale > 0, scale, 1.0)
         good = (amax <= _c._F32_MAX) & (dv >= _c._DV_MIN)
         fast = tl.min(tl.where(rmask & ~good, 0, 1)) == 1
-    # Each branch stores its own bytes: a branch that yields the byte tensors miscompiles
-    # with Triton 3.6 on sm_90 (every eighth byte of the second half stored as 0).
-    if fast:
-        y = tl.div_rn(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, None]
-        ndv = -dv[:, :, None]  # 0 − dv: exact, dv > 0
-        tl.store(dst, _e4m3(_quotient(g1, y, ndv), HW_E4M3), mask=mask)
-        tl.store(dst + HALF, _e4m3(_quotient(g2, y, ndv), HW_E4M3), mask=mask)
+        if fast:
+            ny = -tl.div_rn(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, None]
+            rb: tl.constexpr = (not EXACT) and DTYPE == tl.bfloat16
+            if rb or EXACT or DTYPE == tl.float32:
+                h1 = f1
+                h2 = f2
+            else:
+                h1 = f1.to(DTYPE).to(tl.float32)
+                h2 = f2.to(DTYPE).to(tl.float32)
+            tl.store(dst, _ptx_bytes(h1, ny, dv[:, :, None], rb), mask=mask)
+            tl.store(dst + HALF, _ptx_bytes(h2, ny, dv[:, :, None], rb), mask=mask)
+        else:
+            scale = _divided_bytes(dst, f1, f2, mask, DTYPE, HALF, HW_E4M3)
     else:
-        ok1 = tl.abs(g1) <= _c._F32_MAX  # NaN compares false
-        ok2 = tl.abs(g2) <= _c._F32_MAX
-        amax = tl.maximum(tl.max(tl.where(ok1, tl.abs(g1), 0.0), axis=2),
-                          tl.max(tl.where(ok2, tl.abs(g2), 0.0), axis=2))
-        scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-        dv = tl.where(scale > 0, scale, 1.0)
-        tl.store(dst, _e4m3(tl.div_rn(g1, dv[:, :, None]), HW_E4M3), mask=mask)
-        tl.store(dst + HALF, _e4m3(tl.div_rn(g2, dv[:, :, None]), HW_E4M3), mask=mask)
+        g1 = f1.to(DTYPE).to(tl.float32)  # the bits the unquantized fill stores
+        g2 = f2.to(DTYPE).to(tl.float32)
+        if HW_E4M3:
+            # sm_89+: the amax by max.f32 alone, which skips NaNs (it returns the other
+            # operand), and the quotients by the row's reciprocal and one correction
+            # (_quotient), for a block whose live rows all have a finite amax (no ±inf, not
+            # all NaN) and a divisor ≥ _DV_MIN (an amax ≥ 448·2⁻⁸⁰); else the path below. A
+            # non-finite element gives a NaN quotient on both (inf·y, then inf − inf; inf / d).
+            amax = tl.maximum(tl.max(tl.abs(g1), axis=2), tl.max(tl.abs(g2), axis=2))
+            scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+            dv = tl.where(scale > 0, scale, 1.0)
+            good = (amax <= _c._F32_MAX) & (dv >= _c._DV_MIN)
+            fast = tl.min(tl.where(rmask & ~good, 0, 1)) == 1
+        # Each branch stores its own bytes: a branch that yields the byte tensors miscompiles
+        # with Triton 3.6 on sm_90 (every eighth byte of the second half stored as 0).
+        if fast:
+            y = tl.div_rn(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, None]
+            ndv = -dv[:, :, None]  # 0 − dv: exact, dv > 0
+            tl.store(dst, _e4m3(_quotient(g1, y, ndv), HW_E4M3), mask=mask)
+            tl.store(dst + HALF, _e4m3(_quotient(g2, y, ndv), HW_E4M3), mask=mask)
+        else:
+            scale = _divided_bytes(dst, f1, f2, mask, DTYPE, HALF, HW_E4M3)
     # the scale in the reduced rows' layout: one store per row
     sp = (out_ptr + rofs + 2 * HALF).to(tl.pointer_type(tl.float32), bitcast=True)
     tl.store(sp, scale, mask=rmask)
@@ -221,7 +325,8 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
                 HALF: tl.constexpr, LEVELS: tl.constexpr, BLOCK_S: tl.constexpr,
                 HB: tl.constexpr, ANY_NORM: tl.constexpr, ANY_ROPE: tl.constexpr,
                 ALIGNED: tl.constexpr, ROPE_BCAST: tl.constexpr, SPEC: tl.constexpr,
-                FP8: tl.constexpr = False, HW_E4M3: tl.constexpr = False):
+                FP8: tl.constexpr = False, HW_E4M3: tl.constexpr = False,
+                PTX: tl.constexpr = False, EXACT: tl.constexpr = False):
     pid_s = tl.program_id(0)
     ent = desc + _c.HEADER + tl.program_id(1) * _c.ENTRY
     b = tl.program_id(2).to(tl.int64)
@@ -313,7 +418,8 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
     if FP8:
         rofs = base + b * bpitch + rows[:, None] * pitch + hh[None, :] * (2 * HALF + 4)
         rmask = (rows[:, None] < S) & (hh[None, :] < nh)
-        _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, x0.dtype.element_ty, HALF, HW_E4M3)
+        _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, x0.dtype.element_ty, HALF, HW_E4M3, PTX,
+                   EXACT)
     else:
         dst = (out_ptr + base + b * bpitch + rows[:, None, None] * pitch
                + hh[None, :, None] * (2 * HALF) + cols[None, None, :])
