@@ -171,3 +171,27 @@ def test_descriptor_derived_on_the_device_equals_the_uploaded_one():
     assert torch.equal(a.table, torch.tensor(a.words))  # the source is left as it was
     with pytest.raises(ValueError, match="inside CUDA graph capture"):
         fill_mod.derived_table(list(b.words) + [0], dev)
+
+
+def test_an_eager_call_never_takes_a_descriptor_derived_in_capture(monkeypatch):
+    """A descriptor derived inside CUDA graph capture holds its words only once the graph
+    replays; an eager call of that layout (before any replay) gets an uploaded one, a capture
+    the derived one, and a later derivation never copies from a derived table."""
+    from attncomm.ulysses import fill as fill_mod
+    parts = [FillPart(torch.randn(2, 7, 5, 64), ((0, 3), (3, 5)))]
+    lay = fill_mod._LaunchLayout(parts, 1e-6, False)
+    strides, rope = (parts[0].x.stride(),) * 3, (0, 0, 0, 0)
+    warm = lay.desc((0, 4096), strides, rope)
+    monkeypatch.setattr(fill_mod, "_capturing", lambda device: True)
+    captured = lay.desc((8192, 12288), strides, rope)
+    assert captured.source is warm.table
+    again = lay.desc((16384, 20480), strides, rope)  # derived from an uploaded one only
+    assert again.source is warm.table
+    monkeypatch.setattr(fill_mod, "_capturing", lambda device: False)
+    eager = lay.desc((8192, 12288), strides, rope)
+    assert eager.source is None and eager.words == captured.words
+    assert eager.table.data_ptr() != captured.table.data_ptr()
+    assert torch.equal(eager.table, torch.tensor(eager.words))
+    assert lay.desc((8192, 12288), strides, rope) is eager
+    monkeypatch.setattr(fill_mod, "_capturing", lambda device: True)
+    assert lay.desc((8192, 12288), strides, rope) is captured

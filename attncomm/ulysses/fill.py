@@ -316,7 +316,7 @@ def _descriptor(device, ranges, htot, starts, batch, row, hb, s_r, eps, flags, s
     for each. Cached per layout."""
     key = (device, ranges, htot, starts, batch, row, hb, s_r, eps, flags, strides, rope_strides)
     desc = _TABLES.get(key)
-    if desc is not None:
+    if desc is not None and (desc.source is None or _capturing(device)):
         _TABLES.move_to_end(key)
         return desc
     ents, cols = [], [0] * len(htot)
@@ -348,9 +348,14 @@ def _device_table(words: list, device) -> tuple[torch.Tensor, torch.Tensor | Non
     None), or inside CUDA graph capture (where no host-to-device copy can run) derived from a
     cached table of the same length, its source (``derived_table``)."""
     device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if _capturing(device):
         return derived_table(words, device)
     return torch.tensor(words, dtype=torch.int64).to(device), None
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether work on ``device``'s current stream is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def derived_table(words, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,7 +369,8 @@ def derived_table(words, device) -> tuple[torch.Tensor, torch.Tensor]:
     Raises ValueError when no such descriptor is cached (warm the shape up eagerly)."""
     device = torch.device(device)
     for d in reversed(list(_TABLES.values())):
-        if d.table.device == device and len(d.words) == len(words):
+        # an uploaded one: a derived table holds its words only once its graph has replayed
+        if d.source is None and d.table.device == device and len(d.words) == len(words):
             table = d.table.clone()
             for i, (old, new) in enumerate(zip(d.words, words)):
                 if old != new:
@@ -421,6 +427,11 @@ class _LaunchLayout:
         transport hands out a few buffers in turn, a caller passes a few layouts)."""
         key = (starts, strides, rope_strides)
         desc = self._descs.get(key)
+        if desc is not None and desc.source is not None and not _capturing(self.device):
+            # derived inside capture: its words are written when the graph replays, so an
+            # eager call takes an uploaded descriptor (the derived one stays, for the graph)
+            key = (*key, "eager")
+            desc = self._descs.get(key)
         if desc is None:
             desc = _descriptor(self.device, self.ranges, self.htot, starts, self.b, self.row,
                                self.hb, self.s_r, self.eps, self.flags, strides, rope_strides)
