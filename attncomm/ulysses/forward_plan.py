@@ -62,6 +62,9 @@ class _In:
     wire: tuple | None  # the FP8 receive buffer's shape (S, B, htot, D + 4), or None
     # (storage index, its slice or None for the whole storage) of its send buffer
     store: tuple | None = None
+    # the transport moves nothing (``Transport.keeps_send_buffer``, no landing copy): the
+    # filled storage is the received buffer, no exchange started
+    direct: bool = False
 
 
 @dataclasses.dataclass
@@ -168,6 +171,8 @@ class ForwardPlan:
         for i, found in enumerate(users.values()):
             for e, sl in found:
                 e.store = (i, sl if len(found) > 1 else None)
+                e.direct = ((e.land is None or e.wire is not None)
+                            and e.transport.keeps_send_buffer(e.plan))
         return list(sizes.items())
 
     def _note(self, decision, side: str, t: Transport) -> None:
@@ -264,8 +269,9 @@ class ForwardPlan:
                    else None)
             grp = groups[g]
             o = self._attend(grp, *self._arrived(grp, ex_in), key_mask)
-            for ex, _ in ex_in:
-                ex.release()
+            for ex, _, _ in ex_in:
+                if ex is not None:
+                    ex.release()
             if out is None:  # one rank, one head group: the output exchange is the identity
                 if o.dtype == q.dtype and o.shape == self.out_shape and o.is_contiguous():
                     return o
@@ -307,11 +313,13 @@ class ForwardPlan:
         return (rms_norm_rope(q, qw, self.eps, cs, sn), rms_norm_rope(k, kw, self.eps, cs, sn))
 
     def _start_in(self, grp: _Group, qkv, rows, stores, joint, dev) -> list:
-        """Start the input exchanges of one head group: ``[(exchange, landing buffer or
-        None)]``. With a fill, the fill packs each exchange's send buffer (norm + RoPE on the
-        way when fused, FP8 rows for that payload) and the transport sends it as it is;
-        otherwise the transport packs from q, k, v. With a landing buffer, the exchange of
-        plain rows receives into its rows and the joint rows' heads are copied in."""
+        """Start the input exchanges of one head group: ``[(exchange, landing buffer or None,
+        received buffer)]``. With a fill, the fill packs each exchange's send buffer (norm +
+        RoPE on the way when fused, FP8 rows for that payload) and the transport sends it as
+        it is; otherwise the transport packs from q, k, v. With a landing buffer, the exchange
+        of plain rows receives into its rows and the joint rows' heads are copied in. An
+        exchange that moves nothing (``_In.direct``) is not started: its exchange is None and
+        the filled storage its received buffer."""
         exs = []
         cos, sin = rows if rows is not None else (None, None)
         for e in grp.ins:
@@ -327,14 +335,18 @@ class ForwardPlan:
                 if e.store is not None:
                     i, part = e.store
                     mem = stores[i] if part is None else stores[i][part]
-                send = t.send_buffer(e.plan, e.dtype, dev, mem)
-                e.fill(xs, cos, sin, send.flat if send.flat is not None else send.regions)
-                ex = t.start(e.plan, (), e.dtype, dev, into, send=send)
+                if e.direct:
+                    e.fill(xs, cos, sin, mem)
+                    ex, got = None, mem
+                else:
+                    send = t.send_buffer(e.plan, e.dtype, dev, mem)
+                    e.fill(xs, cos, sin, send.flat if send.flat is not None else send.regions)
+                    ex, got = t.start(e.plan, (), e.dtype, dev, into, send=send), None
             else:
-                ex = t.start(e.plan, xs, e.dtype, dev, into)
+                ex, got = t.start(e.plan, xs, e.dtype, dev, into), None
             if joint is not None and self.s_j:
                 self._put_joint(e, land, joint)
-            exs.append((ex, land))
+            exs.append((ex, land, got))
         return exs
 
     def _seq_rows(self, land):
@@ -354,8 +366,9 @@ class ForwardPlan:
         """Wait for a group's input exchanges: ``[q, k, v]`` views ``[B, rows, h, D]`` of the
         receive buffers (or landing buffers; FP8 rows dequantized into theirs first)."""
         views = [None, None, None]
-        for e, (ex, land) in zip(grp.ins, flights):
-            buf = ex.wait()
+        for e, (ex, land, buf) in zip(grp.ins, flights):
+            if ex is not None:
+                buf = ex.wait()
             if e.wire is not None:
                 _fp8.dequantize_packed(buf.view(e.wire), e.src_dtype, out=self._seq_rows(land))
             if land is not None:

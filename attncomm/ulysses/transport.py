@@ -174,6 +174,13 @@ class Transport(ABC):
         several exchanges to fill can take one allocation for all of them."""
         return sum(plan.numel[self.rank])
 
+    def keeps_send_buffer(self, plan: ExchangePlan) -> bool:
+        """Whether ``start(plan, (), ..., send=buf)`` without ``out`` moves nothing and its
+        ``wait()`` returns ``buf.flat``, the ``storage`` the send buffer was given (a group of
+        one with a tiled plan): a producer that filled that storage may read it as the
+        received buffer and skip ``send_buffer``, ``start`` and ``wait``. Default: False."""
+        return False
+
     def send_buffer(self, plan: ExchangePlan, dtype: torch.dtype, device: torch.device,
                     storage: torch.Tensor | None = None) -> SendBuffer:
         """Where a producer writes this rank's outgoing data for the next ``start(plan, ...,
