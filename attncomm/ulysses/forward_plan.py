@@ -55,7 +55,10 @@ class _In:
     src_dtype: torch.dtype      # the parts' dtype (what attention reads)
     transport: Transport
     parts: tuple        # indices into (q, k, v)
-    views: tuple        # per part: (size, stride, offset) of its view of the receive buffer
+    # (size, stride) of the parts' view ``[B, rows, htot, D]`` of the receive buffer, and
+    # each part's heads in it (side by side in part order; None for one part)
+    view: tuple
+    splits: list | None
     fill: FillPlan | None
     heads: tuple        # per part: this rank's heads (lo, hi) of it
     land: tuple | None  # (rows, B, htot, D) of the landing buffer, or None (no joint, no FP8)
@@ -207,15 +210,12 @@ class ForwardPlan:
                          for i, r in items]
                 fill = FillPlan(parts, eps, self.fuse and rope, fill_impl,
                                 payload_dtype=self.payload_dtype if fp8 else None)
-            htot = sum(r[rank][1] - r[rank][0] for _, r in items)
-            views, col = [], 0
-            for _, r in items:
-                n = r[rank][1] - r[rank][0]
-                views.append(((b, self.rows, n, dd), (htot * dd, b * htot * dd, dd, 1),
-                              col * dd))
-                col += n
+            splits = [r[rank][1] - r[rank][0] for _, r in items]
+            htot = sum(splits)
+            view = ((b, self.rows, htot, dd), (htot * dd, b * htot * dd, dd, 1))
             land = (self.rows, b, htot, dd) if self.joint or fp8 else None
-            out.append(_In(plan, wire, dtype, t, tuple(i for i, _ in items), tuple(views), fill,
+            out.append(_In(plan, wire, dtype, t, tuple(i for i, _ in items), view,
+                           splits if len(splits) > 1 else None, fill,
                            tuple(r[rank] for _, r in items), land,
                            (self.s_total, b, htot, _fp8.row_bytes(dd)) if fp8 else None))
         return out
@@ -246,7 +246,7 @@ class ForwardPlan:
         Group 1's fill and input exchange run while group 0's input is in flight and under its
         attention. Sequential (G = 1) is ``fill0 | attn0 | -> out``, nothing to overlap.
         At most two output exchanges are in flight (the ``ce`` staging has two slots)."""
-        rows = self._rows(rope)
+        rows = None if rope is None else self._rows(rope)
         if not self.fuse:  # norm/rope as their own pass over the local shard
             q, k = self._norm_rope(q, k, rows)
             q, k, v = dense(q), dense(k), dense(v)
@@ -295,9 +295,7 @@ class ForwardPlan:
     def _rows(self, rope):
         """cos/sin rows of this rank's positions: views made on every call. A plan keeps no
         reference to a caller's tensor past the call (inductor's CUDA graphs refuse a graph
-        whose inputs, copied into their pool, stay alive after it)."""
-        if rope is None:
-            return None
+        whose inputs, copied into their pool, stay alive after it). ``rope``: ``(cos, sin)``."""
         cos, sin = rope
         lo, hi = self.off, self.off + self.s_r
         if lo == 0 and hi == cos.shape[0] == sin.shape[0]:
@@ -373,9 +371,13 @@ class ForwardPlan:
                 _fp8.dequantize_packed(buf.view(e.wire), e.src_dtype, out=self._seq_rows(land))
             if land is not None:
                 buf = land
-            base = buf.storage_offset()
-            for i, (size, stride, off) in zip(e.parts, e.views):
-                views[i] = buf.as_strided(size, stride, base + off)
+            size, stride = e.view
+            buf = buf.as_strided(size, stride, buf.storage_offset())
+            if e.splits is None:
+                views[e.parts[0]] = buf
+            else:  # one call for the parts' views (cheaper on the host than one each)
+                for i, x in zip(e.parts, buf.split_with_sizes(e.splits, 2)):
+                    views[i] = x
         return views
 
     def _attend(self, grp: _Group, qg, kg, vg, key_mask=None):

@@ -89,6 +89,8 @@ class SendBuffer:
 def dense(x: torch.Tensor) -> torch.Tensor:
     """``x [B, S, H, D]`` with its last two dims dense (a copy only when they are not): what a
     transport or a fill reads rows of ``heads × D`` from."""
+    if x.is_contiguous():  # the common case, one check
+        return x
     if x.dim() == 4 and x.stride(3) == 1 and (x.shape[2] <= 1 or x.stride(2) == x.shape[3]):
         return x
     return x.contiguous()
