@@ -417,7 +417,8 @@ class _LaunchLayout:
         return desc
 
 
-def _launch(lay: _LaunchLayout, xs: list, base: torch.Tensor, starts: tuple, cos, sin) -> None:
+def _launch(lay: _LaunchLayout, xs: Sequence, base: torch.Tensor, starts: tuple, cos,
+            sin) -> None:
     """One launch of the fill kernel for ``lay`` with sources ``xs`` (``[B, S_r, H, D]``, any
     strides), destination ``base`` (regions at ``starts`` elements from it): through Triton's
     JIT the first time a specialization is seen, then through the compiled kernel it returned
@@ -430,8 +431,7 @@ def _launch(lay: _LaunchLayout, xs: list, base: torch.Tensor, starts: tuple, cos
     entry."""
     if lay.s_r == 0 or lay.b == 0:
         return
-    xs = xs + [xs[0]] * lay.pad
-    x0, x1, x2 = xs
+    x0, x1, x2 = xs if not lay.pad else (*xs, *[xs[0]] * lay.pad)
     c, s = (cos, sin) if lay.rope else (x0, x0)
     w0, w1, w2 = lay.ws
     # the arguments that change (all but the descriptor) as the launcher takes them; None for
@@ -580,11 +580,11 @@ class FillPlan:
                         _regions(out, self.starts, self.htot, *self.dims), self.fp8)
             return
         if isinstance(out, torch.Tensor) and not lay.fp8:
-            _launch(lay, list(xs), out, self.flat_starts, cos, sin)
+            _launch(lay, xs, out, self.flat_starts, cos, sin)
             return
         regions = None if isinstance(out, torch.Tensor) else out
         base, starts = _base_pointer(out, regions, self.starts, lay.fp8)
-        _launch(lay, list(xs), base, tuple(starts), cos, sin)
+        _launch(lay, xs, base, tuple(starts), cos, sin)
 
 
 def fill(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | None = None,
