@@ -9,7 +9,7 @@ the same answer every time. ``LaunchCache`` lets the wrapper (``launch_merge``,
 kernel and the arguments the wrapper passed, and launches later calls with the same key through
 the compiled kernel's launcher, with the call's tensors in place of the recorded ones: the same
 kernel, the same bits, the JIT's per-launch work left out (the Ulysses fill launches this way
-too).
+too, through ``replay`` with the addresses it read for its own per-call key).
 
 The caller's key must fix everything the wrapper derives from the call besides the changing
 tensors' addresses (the token count) and what Triton specializes those tensors on (each one's
@@ -84,15 +84,17 @@ class _Handle:
         # the fixed arguments that are CUDA tensors: their addresses are read per launch
         self.tensors = tuple(i for i, a in enumerate(tail) if getattr(a, "is_cuda", False))
 
-    def __call__(self, dynamic) -> None:
+    def __call__(self, values) -> None:
+        """Launch with ``values``: the changing arguments as the launcher takes them (a CUDA
+        tensor's address, anything else as it is)."""
         stream = _current_stream(self.device)
         tail = self.tail
         if self.tensors:
             tail = list(tail)
             for i in self.tensors:
                 tail[i] = tail[i].data_ptr()
-        self.run(*self.grid, stream, self.function, self.meta, None, None, None,
-                 *[t.data_ptr() if t.is_cuda else t for t in dynamic], *tail)
+        self.run(*self.grid, stream, self.function, self.meta, None, None, None, *values,
+                 *tail)
 
 
 def hooked() -> bool:
@@ -115,7 +117,7 @@ def _current_stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 
-def _no_launch(dynamic) -> None:
+def _no_launch(values) -> None:
     return None
 
 
@@ -136,7 +138,7 @@ class LaunchCache:
         of the kernel's leading parameters) in place of the recorded ones."""
         handle = self._handles.get(key)
         if handle is not None and REPLAY and not hooked():
-            handle(dynamic)
+            handle([t.data_ptr() if t.is_cuda else t for t in dynamic])
             return
         if key in self._handles or not REPLAY or not dynamic[0].is_cuda or not self.kernels:
             wrapper()
@@ -169,6 +171,18 @@ class LaunchCache:
             return _Handle(compiled, grid, tuple(tail), dynamic[0].device.index)
         except Exception:  # noqa: BLE001 - a Triton without these attributes: the JIT path
             return None
+
+    def replay(self, key, addresses: Sequence[int]) -> bool:
+        """Launch through the recorded handle of ``key`` with ``addresses`` (the call's
+        changing tensors, all on CUDA, as their ``data_ptr()``, in ``launch``'s ``dynamic``
+        order): True when it launched; False when ``launch`` must (``key`` not recorded or not
+        replayable, replay off, a launch hook installed). For a caller that reads the
+        addresses anyway (for its own key) and so passes them instead of the tensors."""
+        handle = self._handles.get(key)
+        if handle is None or not REPLAY or hooked():
+            return False
+        handle(addresses)
+        return True
 
     def replayable(self, key) -> bool:
         """Whether calls with ``key`` go through a recorded handle (for tests and benches)."""

@@ -134,8 +134,23 @@ def _var(name: str) -> Var:
 def raw(name: str) -> str:
     """The text of variable ``name`` as set, stripped ("" when unset). ``KeyError`` for a name
     that is not in the table."""
-    _var(name)
-    return os.environ.get(name, "").strip()
+    if name not in VARS:
+        _var(name)
+    env = os.environ
+    data = getattr(env, "_data", None)
+    if data is None:  # os.environ replaced by another mapping: its own lookup
+        return env.get(name, "").strip()
+    # os.environ's own storage, by the key it encodes (what ``os.environ.get`` reads, without
+    # the KeyError it raises and catches for an unset name: calls read these per call)
+    key = _ENV_KEYS.get(name)
+    if key is None:
+        key = _ENV_KEYS[name] = env.encodekey(name)
+    value = data.get(key)
+    return "" if value is None else env.decodevalue(value).strip()
+
+
+#: name → its key in ``os.environ``'s storage (``encodekey``)
+_ENV_KEYS: dict = {}
 
 
 def get(name: str):

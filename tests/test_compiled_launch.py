@@ -172,3 +172,25 @@ def test_hooked_reads_triton_hook_chains():
         finally:
             chain.calls.pop()
     assert not compiled_launch.hooked()
+
+
+def test_replay_launches_a_recorded_key_with_the_given_addresses(monkeypatch):
+    """``replay(key, addresses)`` launches a recorded key's compiled kernel with the addresses
+    as they are; it declines (False, nothing launched) for a key not recorded, with replay
+    off, or with a launch hook installed, and a recorded empty call launches nothing."""
+    k = _Jit(["a", "b", "slab", "N", "BLOCK"])
+    cache = LaunchCache([k])
+    a0, b0 = _Tensor(0), _Tensor(16)
+    assert not cache.replay("key", (0, 16))
+    cache.launch("key", _wrapper(k, (a0, b0), None), (a0, b0))
+    assert cache.replay("key", (96, 112))
+    assert k.compiled.calls == [(3, 1, 1, 1234, "function", "metadata", None, None, None,
+                                 96, 112, None, 7, 16)]
+    monkeypatch.setattr(compiled_launch, "REPLAY", False)
+    assert not cache.replay("key", (96, 112))
+    monkeypatch.setattr(compiled_launch, "REPLAY", True)
+    monkeypatch.setattr(compiled_launch, "hooked", lambda: True)
+    assert not cache.replay("key", (96, 112))
+    monkeypatch.setattr(compiled_launch, "hooked", lambda: False)
+    cache.launch("empty", lambda: None, (a0,))
+    assert cache.replay("empty", (0,)) and len(k.compiled.calls) == 1

@@ -151,6 +151,27 @@ def test_unknown_names_are_refused():
         config.raw("ATTNCOMM_NOPE")
 
 
+def test_raw_reads_the_environment_as_it_is_now(monkeypatch):
+    """``raw`` reads ``os.environ``'s storage directly: each change made through
+    ``os.environ`` (set, changed, deleted, a non-ASCII value) shows at the next read, as does
+    an ``os.environ`` replaced by a plain mapping."""
+    import os
+    from unittest import mock
+    name = "ATTNCOMM_COMBINE_IMPL"
+    monkeypatch.delenv(name, raising=False)
+    assert config.raw(name) == ""
+    for text, want in ((" torch ", "torch"), ("triton", "triton"), ("é\t", "é"), ("", "")):
+        monkeypatch.setenv(name, text)
+        assert config.raw(name) == want == os.environ[name].strip()
+    monkeypatch.delenv(name)
+    assert config.raw(name) == ""
+    with mock.patch.dict(os.environ, {name: "auto"}):
+        assert config.raw(name) == "auto"
+    assert config.raw(name) == ""
+    monkeypatch.setattr(os, "environ", {name: " torch"})
+    assert config.raw(name) == "torch"
+
+
 def test_overrides_lists_set_variables(monkeypatch):
     for name in config.VARS:
         monkeypatch.delenv(name, raising=False)

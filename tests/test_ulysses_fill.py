@@ -195,3 +195,83 @@ def test_an_eager_call_never_takes_a_descriptor_derived_in_capture(monkeypatch):
     assert lay.desc((8192, 12288), strides, rope) is eager
     monkeypatch.setattr(fill_mod, "_capturing", lambda device: True)
     assert lay.desc((8192, 12288), strides, rope) is captured
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: what a fill launch reads of a CUDA call (addresses,
+    strides, dtypes), without a GPU."""
+
+    is_cuda = True
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+class _Launches:
+    """The layout's ``LaunchCache`` stand-in: records each launch (its key and its tensors'
+    addresses) without running it, and replays the keys it recorded."""
+
+    def __init__(self):
+        self.launched, self.replayed = [], []
+
+    def launch(self, key, wrapper, dynamic):
+        self.launched.append((key, [t.data_ptr() for t in dynamic]))
+
+    def replay(self, key, addresses):
+        if key not in [k for k, _ in self.launched]:
+            return False
+        self.replayed.append((key, list(addresses)))
+        return True
+
+
+def test_fill_launch_replays_by_strides_dtypes_and_alignment(monkeypatch, seed):
+    """A CUDA call of a ``FillPlan`` is replayed with its own addresses (in the kernel's
+    argument order, the descriptor's table among them) under the key its first launch
+    recorded; another alignment, other strides or another dtype launch anew; a tensor off
+    CUDA never replays."""
+    from attncomm.ulysses import fill as fill_mod
+    if fill_mod._fk is None:
+        pytest.skip(fill_mod._triton.REASON)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(seed)
+    bf = torch.bfloat16
+
+    def on(t):
+        return t.as_subclass(_OnCuda)
+
+    def qkv(layout="dense", dtype=bf):
+        if layout == "transposed":
+            return [on(torch.randn((1, h, 4, 8), generator=g).to(dtype).transpose(1, 2))
+                    for h in (2, 1, 1)]
+        return [on(torch.randn((1, 4, h, 8), generator=g).to(dtype)) for h in (2, 1, 1)]
+
+    wq, wk = on(torch.randn(8, generator=g)), on(torch.randn(8, generator=g))
+    ranges = (((0, 2),), ((0, 1),), ((0, 1),))
+    xs = qkv()
+    plan = fill_mod.FillPlan([fill_mod.FillPart(x, r, w, i < 2) for i, (x, r, w) in
+                              enumerate(zip(xs, ranges, (wq, wk, None)))], 1e-6, True, "triton")
+    rec = plan.layout.launches = _Launches()
+    n = send_layout(1, 4, 8, ranges)[1][-1]
+
+    def call(xs, out=None, rope=None):
+        cos, sin = rope or (on(torch.randn((4, 8), generator=g)),
+                            on(torch.randn((4, 8), generator=g)))
+        out = on(torch.empty(n, dtype=bf)) if out is None else out
+        plan(xs, cos, sin, out)
+        return [t.data_ptr() for t in (*xs, out)], [cos.data_ptr(), sin.data_ptr()]
+
+    call(xs)
+    assert (len(rec.launched), len(rec.replayed)) == (1, 0), f"seed {seed}"
+    key, first = rec.launched[0]
+    for _ in range(2):  # new tensors of the same layout: replayed with their addresses
+        own, rope = call(qkv())
+        assert rec.replayed[-1] == (key, own + [first[4], wq.data_ptr(), wk.data_ptr(),
+                                                wq.data_ptr()] + rope), f"seed {seed}"
+    assert (len(rec.launched), len(rec.replayed)) == (1, 2), f"seed {seed}"
+    wide = on(torch.empty(n + 1, dtype=bf))
+    for args in ((qkv(), on(wide[1:])), (qkv("transposed"),), (qkv(dtype=torch.float16),)):
+        call(*args)  # misaligned destination, other strides, another dtype: a new launch
+        assert len(rec.launched) == 2 and rec.launched[-1][0] != key, f"seed {seed}"
+        assert len(rec.replayed) == 2, f"seed {seed}"
+        rec.launched.pop()
+    plain = [x.as_subclass(torch.Tensor) for x in qkv()]
+    for _ in range(2):  # off CUDA: through the launch cache every time
+        call(plain)
+    assert [k for k, _ in rec.launched[1:]] == [key, key] and len(rec.replayed) == 2, \
+        f"seed {seed}"

@@ -273,3 +273,56 @@ def test_one_rank_returns_attention_output(pools, seed):
     res = pools.run(1, _one_rank, seed)[0]
     for name, checks in res.items():
         assert all(checks), f"seed {seed}: {name} (equal, contiguous, dtype, shape, own): {checks}"
+
+
+def _direct(rank, world, seed):
+    """One rank: the fused fill's storage is the received buffer (the transport's
+    ``keeps_send_buffer``), so no send buffer is taken and no input exchange started, unless a
+    landing buffer takes the rows (joint rows of the parts' dtype). Per case: (send buffers
+    taken with it, without it, the outputs bitwise equal)."""
+    from attncomm.ulysses.all_to_all import AllToAllTransport
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn((1, 6, h, 8), generator=g) for h in (4, 2, 2))
+    norm = (torch.randn(8, generator=g), torch.randn(8, generator=g), 1e-6)
+    rope = (torch.randn((6, 8), generator=g), torch.randn((6, 8), generator=g))
+    joint = tuple(torch.randn((1, 3, h, 8), generator=g) for h in (4, 2, 2))
+    fp8 = torch.float8_e4m3fn
+    cases = {"plain": ({}, {}), "norm rope g2": (dict(qk_norm=norm, pipeline_groups=2),
+                                                 dict(rope=rope)),
+             "fp8": (dict(payload_dtype=fp8), {}), "joint": ({}, dict(joint=joint)),
+             "joint fp8 g2": (dict(payload_dtype=fp8, pipeline_groups=2), dict(joint=joint))}
+    taken = []
+    real_buffer, real_keeps = AllToAllTransport.send_buffer, AllToAllTransport.keeps_send_buffer
+
+    def send_buffer(self, *a, **kw):
+        taken.append(1)
+        return real_buffer(self, *a, **kw)
+
+    res = {}
+    AllToAllTransport.send_buffer = send_buffer
+    try:
+        for name, (ctor, call) in cases.items():
+            outs, counts = [], []
+            for keeps in (real_keeps, lambda self, plan: False):
+                AllToAllTransport.keeps_send_buffer = keeps
+                mod = UlyssesAttention(**{"pipeline_groups": 0, **ctor})
+                mod(q, k, v, **call)  # plan made
+                taken.clear()
+                got = mod(q, k, v, **call)
+                outs.append(got if isinstance(got, tuple) else (got,))
+                counts.append(len(taken))
+            same = all(torch.equal(a, b) for a, b in zip(*outs))
+            res[name] = (counts[0], counts[1], same)
+    finally:
+        AllToAllTransport.send_buffer, AllToAllTransport.keeps_send_buffer = (real_buffer,
+                                                                              real_keeps)
+    return res
+
+
+def test_one_rank_fills_the_received_buffer(pools, seed):
+    res = pools.run(1, _direct, seed)[0]
+    for name, (direct, started, same) in res.items():
+        want = 0 if name != "joint" else started
+        assert direct == want and started > 0 and same, \
+            f"seed {seed}: {name}: send buffers {direct} (want {want}), {started} without; " \
+            f"equal {same}"

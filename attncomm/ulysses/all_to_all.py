@@ -108,6 +108,10 @@ class AllToAllTransport(Transport):
                 raise
         return _A2AExchange(self, work, plan, recv, out, dtype, device)
 
+    def keeps_send_buffer(self, plan: ExchangePlan) -> bool:
+        # ``_local``: a tiled plan's send buffer is its final buffer, returned as it is
+        return self.world_size == 1 and plan.tiled
+
     def _local(self, plan, parts, dtype, device, out, send) -> Exchange:
         """A group of one: nothing to exchange. The caller's send buffer (fresh) is the final
         buffer of a tiled plan; otherwise each piece is copied to its final place once."""

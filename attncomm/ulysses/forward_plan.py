@@ -55,13 +55,19 @@ class _In:
     src_dtype: torch.dtype      # the parts' dtype (what attention reads)
     transport: Transport
     parts: tuple        # indices into (q, k, v)
-    views: tuple        # per part: (size, stride, offset) of its view of the receive buffer
+    # (size, stride) of the parts' view ``[B, rows, htot, D]`` of the receive buffer, and
+    # each part's heads in it (side by side in part order; None for one part)
+    view: tuple
+    splits: list | None
     fill: FillPlan | None
     heads: tuple        # per part: this rank's heads (lo, hi) of it
     land: tuple | None  # (rows, B, htot, D) of the landing buffer, or None (no joint, no FP8)
     wire: tuple | None  # the FP8 receive buffer's shape (S, B, htot, D + 4), or None
     # (storage index, its slice or None for the whole storage) of its send buffer
     store: tuple | None = None
+    # the transport moves nothing (``Transport.keeps_send_buffer``, no landing copy): the
+    # filled storage is the received buffer, no exchange started
+    direct: bool = False
 
 
 @dataclasses.dataclass
@@ -168,6 +174,8 @@ class ForwardPlan:
         for i, found in enumerate(users.values()):
             for e, sl in found:
                 e.store = (i, sl if len(found) > 1 else None)
+                e.direct = ((e.land is None or e.wire is not None)
+                            and e.transport.keeps_send_buffer(e.plan))
         return list(sizes.items())
 
     def _note(self, decision, side: str, t: Transport) -> None:
@@ -202,15 +210,12 @@ class ForwardPlan:
                          for i, r in items]
                 fill = FillPlan(parts, eps, self.fuse and rope, fill_impl,
                                 payload_dtype=self.payload_dtype if fp8 else None)
-            htot = sum(r[rank][1] - r[rank][0] for _, r in items)
-            views, col = [], 0
-            for _, r in items:
-                n = r[rank][1] - r[rank][0]
-                views.append(((b, self.rows, n, dd), (htot * dd, b * htot * dd, dd, 1),
-                              col * dd))
-                col += n
+            splits = [r[rank][1] - r[rank][0] for _, r in items]
+            htot = sum(splits)
+            view = ((b, self.rows, htot, dd), (htot * dd, b * htot * dd, dd, 1))
             land = (self.rows, b, htot, dd) if self.joint or fp8 else None
-            out.append(_In(plan, wire, dtype, t, tuple(i for i, _ in items), tuple(views), fill,
+            out.append(_In(plan, wire, dtype, t, tuple(i for i, _ in items), view,
+                           splits if len(splits) > 1 else None, fill,
                            tuple(r[rank] for _, r in items), land,
                            (self.s_total, b, htot, _fp8.row_bytes(dd)) if fp8 else None))
         return out
@@ -241,7 +246,7 @@ class ForwardPlan:
         Group 1's fill and input exchange run while group 0's input is in flight and under its
         attention. Sequential (G = 1) is ``fill0 | attn0 | -> out``, nothing to overlap.
         At most two output exchanges are in flight (the ``ce`` staging has two slots)."""
-        rows = self._rows(rope)
+        rows = None if rope is None else self._rows(rope)
         if not self.fuse:  # norm/rope as their own pass over the local shard
             q, k = self._norm_rope(q, k, rows)
             q, k, v = dense(q), dense(k), dense(v)
@@ -264,8 +269,9 @@ class ForwardPlan:
                    else None)
             grp = groups[g]
             o = self._attend(grp, *self._arrived(grp, ex_in), key_mask)
-            for ex, _ in ex_in:
-                ex.release()
+            for ex, _, _ in ex_in:
+                if ex is not None:
+                    ex.release()
             if out is None:  # one rank, one head group: the output exchange is the identity
                 if o.dtype == q.dtype and o.shape == self.out_shape and o.is_contiguous():
                     return o
@@ -289,9 +295,7 @@ class ForwardPlan:
     def _rows(self, rope):
         """cos/sin rows of this rank's positions: views made on every call. A plan keeps no
         reference to a caller's tensor past the call (inductor's CUDA graphs refuse a graph
-        whose inputs, copied into their pool, stay alive after it)."""
-        if rope is None:
-            return None
+        whose inputs, copied into their pool, stay alive after it). ``rope``: ``(cos, sin)``."""
         cos, sin = rope
         lo, hi = self.off, self.off + self.s_r
         if lo == 0 and hi == cos.shape[0] == sin.shape[0]:
@@ -307,11 +311,13 @@ class ForwardPlan:
         return (rms_norm_rope(q, qw, self.eps, cs, sn), rms_norm_rope(k, kw, self.eps, cs, sn))
 
     def _start_in(self, grp: _Group, qkv, rows, stores, joint, dev) -> list:
-        """Start the input exchanges of one head group: ``[(exchange, landing buffer or
-        None)]``. With a fill, the fill packs each exchange's send buffer (norm + RoPE on the
-        way when fused, FP8 rows for that payload) and the transport sends it as it is;
-        otherwise the transport packs from q, k, v. With a landing buffer, the exchange of
-        plain rows receives into its rows and the joint rows' heads are copied in."""
+        """Start the input exchanges of one head group: ``[(exchange, landing buffer or None,
+        received buffer)]``. With a fill, the fill packs each exchange's send buffer (norm +
+        RoPE on the way when fused, FP8 rows for that payload) and the transport sends it as
+        it is; otherwise the transport packs from q, k, v. With a landing buffer, the exchange
+        of plain rows receives into its rows and the joint rows' heads are copied in. An
+        exchange that moves nothing (``_In.direct``) is not started: its exchange is None and
+        the filled storage its received buffer."""
         exs = []
         cos, sin = rows if rows is not None else (None, None)
         for e in grp.ins:
@@ -327,14 +333,18 @@ class ForwardPlan:
                 if e.store is not None:
                     i, part = e.store
                     mem = stores[i] if part is None else stores[i][part]
-                send = t.send_buffer(e.plan, e.dtype, dev, mem)
-                e.fill(xs, cos, sin, send.flat if send.flat is not None else send.regions)
-                ex = t.start(e.plan, (), e.dtype, dev, into, send=send)
+                if e.direct:
+                    e.fill(xs, cos, sin, mem)
+                    ex, got = None, mem
+                else:
+                    send = t.send_buffer(e.plan, e.dtype, dev, mem)
+                    e.fill(xs, cos, sin, send.flat if send.flat is not None else send.regions)
+                    ex, got = t.start(e.plan, (), e.dtype, dev, into, send=send), None
             else:
-                ex = t.start(e.plan, xs, e.dtype, dev, into)
+                ex, got = t.start(e.plan, xs, e.dtype, dev, into), None
             if joint is not None and self.s_j:
                 self._put_joint(e, land, joint)
-            exs.append((ex, land))
+            exs.append((ex, land, got))
         return exs
 
     def _seq_rows(self, land):
@@ -354,15 +364,20 @@ class ForwardPlan:
         """Wait for a group's input exchanges: ``[q, k, v]`` views ``[B, rows, h, D]`` of the
         receive buffers (or landing buffers; FP8 rows dequantized into theirs first)."""
         views = [None, None, None]
-        for e, (ex, land) in zip(grp.ins, flights):
-            buf = ex.wait()
+        for e, (ex, land, buf) in zip(grp.ins, flights):
+            if ex is not None:
+                buf = ex.wait()
             if e.wire is not None:
                 _fp8.dequantize_packed(buf.view(e.wire), e.src_dtype, out=self._seq_rows(land))
             if land is not None:
                 buf = land
-            base = buf.storage_offset()
-            for i, (size, stride, off) in zip(e.parts, e.views):
-                views[i] = buf.as_strided(size, stride, base + off)
+            size, stride = e.view
+            buf = buf.as_strided(size, stride, buf.storage_offset())
+            if e.splits is None:
+                views[e.parts[0]] = buf
+            else:  # one call for the parts' views (cheaper on the host than one each)
+                for i, x in zip(e.parts, buf.split_with_sizes(e.splits, 2)):
+                    views[i] = x
         return views
 
     def _attend(self, grp: _Group, qg, kg, vg, key_mask=None):

@@ -89,6 +89,8 @@ class SendBuffer:
 def dense(x: torch.Tensor) -> torch.Tensor:
     """``x [B, S, H, D]`` with its last two dims dense (a copy only when they are not): what a
     transport or a fill reads rows of ``heads × D`` from."""
+    if x.is_contiguous():  # the common case, one check
+        return x
     if x.dim() == 4 and x.stride(3) == 1 and (x.shape[2] <= 1 or x.stride(2) == x.shape[3]):
         return x
     return x.contiguous()
@@ -173,6 +175,13 @@ class Transport(ABC):
         ``plan`` (0: this transport stages elsewhere and ignores ``storage``). A caller with
         several exchanges to fill can take one allocation for all of them."""
         return sum(plan.numel[self.rank])
+
+    def keeps_send_buffer(self, plan: ExchangePlan) -> bool:
+        """Whether ``start(plan, (), ..., send=buf)`` without ``out`` moves nothing and its
+        ``wait()`` returns ``buf.flat``, the ``storage`` the send buffer was given (a group of
+        one with a tiled plan): a producer that filled that storage may read it as the
+        received buffer and skip ``send_buffer``, ``start`` and ``wait``. Default: False."""
+        return False
 
     def send_buffer(self, plan: ExchangePlan, dtype: torch.dtype, device: torch.device,
                     storage: torch.Tensor | None = None) -> SendBuffer:
