@@ -4,7 +4,7 @@ are ``attncomm.ulysses.fill``'s.
 One program per (block of ``BLOCK_S`` rows, entry, batch): an entry is a run of up to ``HB``
 consecutive heads of one part bound for one destination region. The kernel takes the parts'
 pointers, the weights', cos/sin, the send buffer's, the descriptor and its constexprs. The
-descriptor (int64, built once per layout by ``fill._descriptor``, cached on the device)::
+descriptor (int64, built once per layout by ``fill_descriptor.descriptor``, cached on the device)::
 
     [H_S]                 S_r, the shard's rows
     [H_EPS]               the RMSNorm epsilon's fp32 bits
