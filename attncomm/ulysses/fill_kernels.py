@@ -220,13 +220,8 @@ def _ptx_bytes(f, ny, dv, ROUND_BF16: tl.constexpr):
     """e4m3 bytes of ``f / d`` as ``_e4m3(_quotient(f, y, −d))`` gives them, in PTX (sm_89+):
     ``ny = −y`` and ``dv = d`` broadcast over ``f``'s rows; ``ROUND_BF16``: ``f`` is rounded to
     bf16 first. For finite ``f`` or NaN (0x7F), under ``_quotient``'s conditions."""
-    if ROUND_BF16:
-        r = tl.inline_asm_elementwise(_PTX_BF16, _PTX_OPERANDS, [f, ny, dv], dtype=tl.uint8,
-                                      is_pure=True, pack=4)
-    else:
-        r = tl.inline_asm_elementwise(_PTX_PLAIN, _PTX_OPERANDS, [f, ny, dv], dtype=tl.uint8,
-                                      is_pure=True, pack=4)
-    return r
+    return tl.inline_asm_elementwise(_PTX_BF16 if ROUND_BF16 else _PTX_PLAIN, _PTX_OPERANDS,
+                                     [f, ny, dv], dtype=tl.uint8, is_pure=True, pack=4)
 
 
 @triton.jit
