@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["LaunchCache", "alignment_key", "hooked", "REPLAY"]
+__all__ = ["LaunchCache", "alignment_key", "hooked", "capturing", "REPLAY"]
 
 _MAX_KEYS = 1024
 #: Replay recorded launches (False: every launch through the wrapper and Triton's JIT, for an
@@ -95,6 +95,13 @@ class _Handle:
                 tail[i] = tail[i].data_ptr()
         self.run(*self.grid, stream, self.function, self.meta, None, None, None, *values,
                  *tail)
+
+
+def capturing(x) -> bool:
+    """Whether ``x`` (a tensor or a device) is on CUDA and the current stream is capturing a
+    CUDA graph (a launch then is recorded, not run: no host-to-device copy may go with it)."""
+    cuda = x.is_cuda if isinstance(x, torch.Tensor) else torch.device(x).type == "cuda"
+    return cuda and torch.cuda.is_current_stream_capturing()
 
 
 def hooked() -> bool:

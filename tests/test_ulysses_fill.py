@@ -155,14 +155,15 @@ def test_fill_kernel_fp8_ptx():
 
 def test_descriptor_derived_on_the_device_equals_the_uploaded_one():
     """Inside CUDA graph capture a new region layout's descriptor is derived from a cached one
-    (``fill.derived_table``: no host-to-device copy): the same words as the one uploaded."""
-    from attncomm.ulysses import fill as fill_mod
+    (``fill_descriptor.derived_table``: no host-to-device copy): the same words as the one
+    uploaded."""
+    from attncomm.ulysses import fill_descriptor as fill_mod
     dev = torch.device("cpu")
     common = dict(ranges=(((0, 3), (3, 5)), ((0, 1), (1, 2))), htot=(4, 3), batch=2, row=64,
                   hb=2, s_r=7, eps=1e-6, flags=1, strides=((896, 320, 64, 1),) * 2,
                   rope_strides=(0, 0, 0, 0))
-    a = fill_mod._descriptor(dev, starts=(0, 4096), **common)
-    b = fill_mod._descriptor(dev, starts=(8192, 12288 + 64), **common)
+    a = fill_mod.descriptor(dev, starts=(0, 4096), **common)
+    b = fill_mod.descriptor(dev, starts=(8192, 12288 + 64), **common)
     assert a.words != b.words
     fill_mod._TABLES.pop(next(k for k, v in fill_mod._TABLES.items() if v is b))
     derived, source = fill_mod.derived_table(b.words, dev)  # from a: the latest of that length
@@ -178,22 +179,23 @@ def test_an_eager_call_never_takes_a_descriptor_derived_in_capture(monkeypatch):
     replays; an eager call of that layout (before any replay) gets an uploaded one, a capture
     the derived one, and a later derivation never copies from a derived table."""
     from attncomm.ulysses import fill as fill_mod
+    from attncomm.ulysses import fill_descriptor
     parts = [FillPart(torch.randn(2, 7, 5, 64), ((0, 3), (3, 5)))]
     lay = fill_mod._LaunchLayout(parts, 1e-6, False)
     strides, rope = (parts[0].x.stride(),) * 3, (0, 0, 0, 0)
     warm = lay.desc((0, 4096), strides, rope)
-    monkeypatch.setattr(fill_mod, "_capturing", lambda device: True)
+    monkeypatch.setattr(fill_descriptor, "capturing", lambda device: True)
     captured = lay.desc((8192, 12288), strides, rope)
     assert captured.source is warm.table
     again = lay.desc((16384, 20480), strides, rope)  # derived from an uploaded one only
     assert again.source is warm.table
-    monkeypatch.setattr(fill_mod, "_capturing", lambda device: False)
+    monkeypatch.setattr(fill_descriptor, "capturing", lambda device: False)
     eager = lay.desc((8192, 12288), strides, rope)
     assert eager.source is None and eager.words == captured.words
     assert eager.table.data_ptr() != captured.table.data_ptr()
     assert torch.equal(eager.table, torch.tensor(eager.words))
     assert lay.desc((8192, 12288), strides, rope) is eager
-    monkeypatch.setattr(fill_mod, "_capturing", lambda device: True)
+    monkeypatch.setattr(fill_descriptor, "capturing", lambda device: True)
     assert lay.desc((8192, 12288), strides, rope) is captured
 class _OnCuda(torch.Tensor):
     """A CPU tensor that says it is on CUDA: what a fill launch reads of a CUDA call (addresses,

@@ -43,19 +43,17 @@ norm weights, descriptors), called with the tensors; on CUDA its launches go thr
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import os
-import struct
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
 from .. import _triton
 from ..compiled_launch import LaunchCache, alignment_key
 from . import fp8 as _fp8
+from .fill_descriptor import Desc, descriptor, usable
 
 if _triton.REASON is None:
     from . import fill_kernels as _fk
@@ -266,9 +264,8 @@ def _fp8_epilogue(device: torch.device, rounds: bool) -> dict:
     (``_hw_e4m3``); ``EXACT``, the rows hold the parts' values as loaded; ``PTX``, the common
     case (every row of a block finite, no tiny scale) runs as PTX (``fill_kernels._ptx_bytes``,
     which rounds to bf16 next to the quotients): on a GPU (the interpreter runs no PTX), for a
-    fill that rounds. The plain FP8 fill keeps the Triton ops: with PTX it issued 21 % fewer
-    instructions but ran 4 % slower on an H200, while the fill with norm and RoPE ran 10 %
-    faster (benchmarks/results/fill-ptx-ab-2026-12-03-nvidia-h200.md)."""
+    fill that rounds. The plain FP8 fill keeps the Triton ops, which ran faster there on an
+    H200 (benchmarks/results/fill-ptx-ab-2026-12-03-nvidia-h200.md)."""
     hw = _hw_e4m3(device)
     return dict(HW_E4M3=hw, EXACT=not rounds, PTX=rounds and hw and device.type == "cuda")
 
@@ -283,103 +280,6 @@ HEADS_PER_PROGRAM = 2
 #: rows they multiply) rather than loaded once as ``[rows, D]`` and broadcast in registers
 #: (a layout conversion through shared memory): see benchmarks/results/ulysses-fill-*.md.
 ROPE_BCAST = True
-
-#: ``layout key → _Desc`` (the kernel's int64 descriptor on the device), built once per layout,
-#: so a steady-state fill uploads nothing (no host↔device copy in a forward).
-_TABLES: collections.OrderedDict = collections.OrderedDict()
-
-
-class _Desc(NamedTuple):
-    table: torch.Tensor   # the descriptor (fill_kernels' module docstring)
-    entries: int          # programs along the grid's second axis
-    aligned: bool         # every base and pitch a multiple of 16 elements
-    spec: int             # the kernel's SPEC
-    words: tuple          # the same words on the host (``derived_table`` reads them)
-    # a captured derived table's source, which every replay copies: kept while this one is
-    source: torch.Tensor | None = None
-
-
-def _spec_code(stride: int) -> int:
-    """What the launcher finds for an integer argument: 1 (it is 1), 2 (a multiple of 16), 0."""
-    return 1 if stride == 1 else 2 if stride % 16 == 0 else 0
-
-
-def _descriptor(device, ranges, htot, starts, batch, row, hb, s_r, eps, flags, strides,
-                rope_strides) -> _Desc:
-    """The fill kernel's descriptor (``fill_kernels``): a header (``s_r``, ``eps``'s fp32 bits,
-    ``flags``, cos/sin ``rope_strides``), then one entry per (part, destination, run of up to
-    ``hb`` consecutive heads of the part that the destination takes): ``part, first head,
-    heads, base element, row pitch, batch pitch`` (``starts[p]``: region p's first element
-    from the kernel's base pointer; ``row`` elements per (token, head): ``D``, or ``D + 4``
-    bytes for the FP8 payload) and the part's ``strides`` (batch, row, head, element). A
-    KV head that several destinations take (GQA) is in one entry per destination: read once
-    for each. Cached per layout."""
-    key = (device, ranges, htot, starts, batch, row, hb, s_r, eps, flags, strides, rope_strides)
-    desc = _TABLES.get(key)
-    if desc is not None and (desc.source is None or _capturing(device)):
-        _TABLES.move_to_end(key)
-        return desc
-    ents, cols = [], [0] * len(htot)
-    for i, rng in enumerate(ranges):
-        for p, (lo, hi) in enumerate(rng):
-            for h in range(lo, hi, hb):
-                ents.append((i, h, min(hb, hi - h), starts[p] + (cols[p] + h - lo) * row,
-                             batch * htot[p] * row, htot[p] * row, *strides[i]))
-            cols[p] += max(0, hi - lo)
-    head = [0] * _fk.HEADER
-    head[_fk.H_S], head[_fk.H_FLAGS] = s_r, flags
-    head[_fk.H_EPS] = struct.unpack("<i", struct.pack("<f", eps))[0]
-    head[_fk.H_COS_S:_fk.H_SIN_D + 1] = rope_strides
-    # one code per stride position, shared by the parts (where they differ: nothing known)
-    codes = [c.pop() if len(c := {_spec_code(st[k]) for st in strides}) == 1 else 0
-             for k in range(4)] + [_spec_code(v) for v in rope_strides]
-    words = head + [v for e in ents for v in e]
-    table, source = _device_table(words, device)
-    desc = _Desc(table, len(ents), all(v % 16 == 0 for e in ents for v in e[3:6]),
-                 sum(c << (2 * k) for k, c in enumerate(codes)), tuple(words), source)
-    _TABLES[key] = desc
-    while len(_TABLES) > 256:
-        _TABLES.popitem(last=False)
-    return desc
-
-
-def _device_table(words: list, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(table, source)``: ``words`` as an int64 tensor on ``device``, uploaded (source
-    None), or inside CUDA graph capture (where no host-to-device copy can run) derived from a
-    cached table of the same length, its source (``derived_table``)."""
-    device = torch.device(device)
-    if _capturing(device):
-        return derived_table(words, device)
-    return torch.tensor(words, dtype=torch.int64).to(device), None
-
-
-def _capturing(device: torch.device) -> bool:
-    """Whether work on ``device``'s current stream is being captured into a CUDA graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def derived_table(words, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(table, source)``: a descriptor holding ``words``, made on the device from the most
-    recent cached descriptor of the same length (the same layout at other region starts: a
-    transport hands out its send buffers by parity, and the capture after one eager call
-    takes the other): a copy of ``source`` with each word that differs set by a fill of a
-    constant, so it needs no host-to-device copy and can be captured. The graph repeats the
-    copy and the fills on every replay, so the caller keeps ``source`` as long as ``table``.
-
-    Raises ValueError when no such descriptor is cached (warm the shape up eagerly)."""
-    device = torch.device(device)
-    for d in reversed(list(_TABLES.values())):
-        # an uploaded one: a derived table holds its words only once its graph has replayed
-        if d.source is None and d.table.device == device and len(d.words) == len(words):
-            table = d.table.clone()
-            for i, (old, new) in enumerate(zip(d.words, words)):
-                if old != new:
-                    table[i].fill_(new)
-            return table, d.table
-    raise ValueError("ulysses fill: a new layout first seen inside CUDA graph capture, where "
-                     "its descriptor cannot be uploaded: run this call shape eagerly before "
-                     "capturing")
-
 
 def default_block_s(head_dim: int) -> int:
     """Rows per program: about 2048 elements per head and program."""
@@ -425,18 +325,18 @@ class _LaunchLayout:
         #: for nothing to launch, the descriptor, kept with its table's source): ``_launch``
         self.replays: dict = {}
 
-    def desc(self, starts: tuple, strides: tuple, rope_strides: tuple) -> _Desc:
+    def desc(self, starts: tuple, strides: tuple, rope_strides: tuple) -> Desc:
         """The descriptor for regions at ``starts`` and these strides (kept per layout: a
         transport hands out a few buffers in turn, a caller passes a few layouts)."""
         key = (starts, strides, rope_strides)
         desc = self._descs.get(key)
-        if desc is not None and desc.source is not None and not _capturing(self.device):
-            # derived inside capture: its words are written when the graph replays, so an
-            # eager call takes an uploaded descriptor (the derived one stays, for the graph)
+        if desc is not None and not usable(desc, self.device):
+            # derived inside capture, and this call is eager: an uploaded descriptor of its
+            # own (the derived one stays, for the graph)
             key = (*key, "eager")
             desc = self._descs.get(key)
         if desc is None:
-            desc = _descriptor(self.device, self.ranges, self.htot, starts, self.b, self.row,
+            desc = descriptor(self.device, self.ranges, self.htot, starts, self.b, self.row,
                                self.hb, self.s_r, self.eps, self.flags, strides, rope_strides)
             if len(self._descs) > 16:
                 self._descs.clear()

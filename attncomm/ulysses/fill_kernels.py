@@ -4,7 +4,7 @@ are ``attncomm.ulysses.fill``'s.
 One program per (block of ``BLOCK_S`` rows, entry, batch): an entry is a run of up to ``HB``
 consecutive heads of one part bound for one destination region. The kernel takes the parts'
 pointers, the weights', cos/sin, the send buffer's, the descriptor and its constexprs. The
-descriptor (int64, built once per layout by ``fill._descriptor``, cached on the device)::
+descriptor (int64, built once per layout by ``fill_descriptor.descriptor``, cached on the device)::
 
     [H_S]                 S_r, the shard's rows
     [H_EPS]               the RMSNorm epsilon's fp32 bits
@@ -220,13 +220,8 @@ def _ptx_bytes(f, ny, dv, ROUND_BF16: tl.constexpr):
     """e4m3 bytes of ``f / d`` as ``_e4m3(_quotient(f, y, −d))`` gives them, in PTX (sm_89+):
     ``ny = −y`` and ``dv = d`` broadcast over ``f``'s rows; ``ROUND_BF16``: ``f`` is rounded to
     bf16 first. For finite ``f`` or NaN (0x7F), under ``_quotient``'s conditions."""
-    if ROUND_BF16:
-        r = tl.inline_asm_elementwise(_PTX_BF16, _PTX_OPERANDS, [f, ny, dv], dtype=tl.uint8,
-                                      is_pure=True, pack=4)
-    else:
-        r = tl.inline_asm_elementwise(_PTX_PLAIN, _PTX_OPERANDS, [f, ny, dv], dtype=tl.uint8,
-                                      is_pure=True, pack=4)
-    return r
+    return tl.inline_asm_elementwise(_PTX_BF16 if ROUND_BF16 else _PTX_PLAIN, _PTX_OPERANDS,
+                                     [f, ny, dv], dtype=tl.uint8, is_pure=True, pack=4)
 
 
 @triton.jit

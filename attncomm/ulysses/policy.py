@@ -19,6 +19,7 @@ import torch.distributed as dist
 from .. import _dist, capability, config
 from ..select import AUTO_CE_MIN_BYTES, Decision, TransportFacts, decide_transport
 from .._dist import group_key
+from ..compiled_launch import capturing
 from . import ce
 from .all_to_all import AllToAllTransport
 from .ce import CopyEngineTransport
@@ -46,11 +47,6 @@ def on_forget(fn):
     """Register ``fn(key)``: drop plans made for the group with ``group_key`` ``key``."""
     _FORGET.append(fn)
     return fn
-
-
-def capturing(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a CUDA tensor and the current stream is capturing a CUDA graph."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def ce_reason(group, device: torch.device) -> str | None:
