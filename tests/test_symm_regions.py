@@ -99,7 +99,8 @@ def test_descriptor_refuses_misaligned_peers():
 
 def test_fill_descriptor_matches_the_send_layout():
     from attncomm.ulysses import fill_kernels as fk
-    from attncomm.ulysses.fill import _descriptor, send_layout
+    from attncomm.ulysses.fill import send_layout
+    from attncomm.ulysses.fill_descriptor import descriptor as _descriptor
     b, s_r, d = 2, 5, 8
     ranges = (((0, 3), (3, 4)), ((0, 1), (0, 1)))  # q: 3 + 1 heads, k: head 0 for both ranks
     htot, starts = send_layout(b, s_r, d, ranges)
