@@ -315,6 +315,8 @@ class _LaunchLayout:
                            HB=self.hb, ANY_NORM=any(p.weight is not None for p in parts),
                            ANY_ROPE=rope and any(p.rope for p in parts), ROPE_BCAST=ROPE_BCAST,
                            FP8=self.fp8)
+        if self.consts["ANY_NORM"] or self.consts["ANY_ROPE"]:
+            self.consts["maxnreg"] = 64
         if self.fp8:
             self.consts.update(_fp8_epilogue(
                 x0.device, self.consts["ANY_NORM"] or self.consts["ANY_ROPE"]))
