@@ -1,17 +1,18 @@
-"""Timers for GPU work: eager (CUDA events) and inside a CUDA graph.
+"""Timers: GPU work eager (CUDA events) and inside a CUDA graph; host µs of calls, interleaved.
 
 The library itself times with them (``DcpMerger(backend="auto")`` measures its candidates); the
-benchmarks reach them through ``attncomm.bench.common``.
+benchmarks reach them through ``attncomm.bench.common``. This module imports nothing of attncomm,
+so a script can load it by path and time an older tree's calls with it.
 """
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["time_eager", "time_graph"]
+__all__ = ["time_eager", "time_graph", "time_host", "paired"]
 
 
 def time_eager(fn: Callable[[], object], *, warmup: int = 10, iters: int = 100,
@@ -89,3 +90,47 @@ def time_graph(fn: Callable[[], object], *, per_graph: int = 10, warmup: int = 1
         gaps = [e.elapsed_time(s) * 1e3 for (_, e), (s, _) in zip(events, events[1:])]
         stats["gpu_idle_us"] = statistics.median(gaps) / per_graph
     return [s.elapsed_time(e) * 1e3 / per_graph for s, e in events]
+
+
+def time_host(fns: Sequence[Callable[[], object]], *, rounds: int = 10, calls: int = 20,
+              warmup: int = 10, before: Callable[[], None] | None = None
+              ) -> list[list[list[float]]]:
+    """Host µs of single calls of each of ``fns``, interleaved: ``times[i][r]`` holds the
+    ``calls`` times of ``fns[i]`` in round ``r``.
+
+    Each round times every function in turn (the order rotated by one per round), each call
+    preceded by ``before()`` (e.g. a synchronize, so the call starts on an idle device) and
+    timed alone with ``time.perf_counter_ns``. A machine whose speed drifts (a shared host,
+    clocks) drifts within a round by far less than over a whole block of one function's calls,
+    so figures compared round by round (``paired``) cancel most of it. ``warmup`` untimed calls
+    of each function come first. ``ValueError`` if ``rounds`` or ``calls`` is below 1."""
+    if rounds < 1 or calls < 1:
+        raise ValueError(f"time_host: rounds and calls must be ≥ 1, got {rounds}, {calls}")
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    n = len(fns)
+    times: list[list[list[float]]] = [[[] for _ in range(rounds)] for _ in fns]
+    for r in range(rounds):
+        for k in range(n):
+            i = (k + r) % n
+            fn, out = fns[i], times[i][r]
+            for _ in range(calls):
+                if before is not None:
+                    before()
+                t0 = time.perf_counter_ns()
+                fn()
+                out.append((time.perf_counter_ns() - t0) / 1e3)
+    return times
+
+
+def paired(call: Sequence[float], unit: Sequence[float],
+           baseline: Sequence[float] | None = None) -> float:
+    """The median over rounds of ``(call[r] − baseline[r]) / unit[r]`` (no baseline: of
+    ``call[r] / unit[r]``): a host cost in units, each round against the unit and baseline
+    timed beside it (per-round figures, e.g. medians of ``time_host``'s rounds)."""
+    base = baseline if baseline is not None else [0.0] * len(call)
+    if not len(call) == len(unit) == len(base):
+        raise ValueError(f"paired: rounds differ: call {len(call)}, unit {len(unit)}, "
+                         f"baseline {len(base)}")
+    return statistics.median((c - b) / u for c, b, u in zip(call, base, unit))

@@ -6,47 +6,48 @@ at W=1; the figures are the host-cost table's W=1 rows (``attncomm bench overhea
 
 It uses only names both trees export (``dcp.merge``, ``DcpMerger``, ``dcp.gather_heads``,
 ``ulysses.seq_to_head``, ``UlyssesAttention``, ``sdpa_attention``), so an older tree without
-``attncomm bench overhead`` can be measured against the current one. Two rows time the SDPA
-calls a W = 1 forward makes, on the views of its receive buffer that it passes ``attn_fn``
+``attncomm bench overhead`` can be measured against the current one; the timer is this script's
+tree's ``attncomm/_timing.py``, loaded by path, so both trees are timed alike. Two rows time the
+SDPA calls a W = 1 forward makes, on the views of its receive buffer that it passes ``attn_fn``
 (q, k, v of one buffer; four such calls of a quarter of the heads for 4 head groups): what the
-forward's own host work is measured above. Each row: synchronize, then time the call on the
-host (median over ``--repeats``); the unit is one ``torch.add`` of
-two small CUDA tensors timed the same way in the same process (``bench overhead``'s unit; it
-varies from one process to the next, so compare trees in µs as well as in units). Shapes are
-that table's. Writes one JSON line per run to ``--json`` (appended).
+forward's own host work is measured above. Every row is timed interleaved with the others in
+``--rounds`` rounds (``_timing.time_host``: synchronize, then one call timed on the host); the
+unit is one ``torch.add`` of two small CUDA tensors (``bench overhead``'s unit). ``units`` is
+the median over rounds of each round's median ÷ that round's unit, ``units_above`` the median
+over rounds of (call − the SDPA it wraps) ÷ unit (``_timing.paired``): a drift of the machine's
+speed during the run falls on both sides. ``host_us`` is the median of the round medians (the
+unit varies from one process to the next, so compare trees in units). Shapes are that table's.
+Writes one JSON line per run to ``--json`` (appended).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 
+_spec = importlib.util.spec_from_file_location(
+    "host_cost_ab_timing", os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "attncomm", "_timing.py"))
+timing = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(timing)
 
-def host_us(fn, repeats: int, warmup: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+#: Attention rows and the SDPA rows they are measured above.
+ABOVE = {"UlyssesAttention g0": ("sdpa_attention (bare)", "sdpa_attention (plan views)"),
+         "UlyssesAttention g4": ("sdpa_attention (bare)", "sdpa_attention x4 (group views)")}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--label", required=True, help="the tree's name in the output (before/after)")
-    p.add_argument("--repeats", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=300, help="timed calls per row")
+    p.add_argument("--rounds", type=int, default=30, help="rounds the calls are spread over")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -103,19 +104,28 @@ def main() -> None:
         "UlyssesAttention g0": ulysses(0),
         "UlyssesAttention g4": ulysses(4),
     }
-    res = {}
+    res, ok = {}, {}
     for name, fn in rows.items():
         try:
-            res[name] = round(host_us(fn, args.repeats), 2)
+            fn()
+            ok[name] = fn
         except Exception as e:  # a row the tree cannot run is named, the others still run
             res[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
-    unit = res["torch.add (unit)"]
-    if not isinstance(unit, float):
-        raise SystemExit(f"the unit row failed: {unit}")
+    if "torch.add (unit)" not in ok:
+        raise SystemExit(f"the unit row failed: {res['torch.add (unit)']}")
+    times = timing.time_host(list(ok.values()), rounds=args.rounds,
+                             calls=-(-args.repeats // args.rounds), before=torch.cuda.synchronize)
+    torch.cuda.synchronize()
+    med = {name: [statistics.median(t) for t in per_round] for name, per_round in zip(ok, times)}
+    unit = med["torch.add (unit)"]
+    res.update({name: round(statistics.median(m), 2) for name, m in med.items()})
+    above = {f"{row} above {base}": round(timing.paired(med[row], unit, med[base]), 2)
+             for row, bases in ABOVE.items() for base in bases if row in med and base in med}
     line = {"label": args.label, "tree": os.path.dirname(attncomm.__file__),
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
-            "repeats": args.repeats, "host_us": res,
-            "units": {k: round(v / unit, 2) for k, v in res.items() if isinstance(v, float)}}
+            "repeats": args.repeats, "rounds": args.rounds, "host_us": res,
+            "units": {k: round(timing.paired(m, unit), 2) for k, m in med.items()},
+            "units_above": above}
     print(json.dumps(line, indent=1))
     if args.json:
         with open(args.json, "a") as f:

@@ -2,14 +2,18 @@
 ``torch.add`` of the same run.
 
 Each row times one eager call started on an idle device: synchronize, then the call on the host
-(``host_us``, median over ``--repeats``); in other repeats, CUDA events around the call give its
-span on the GPU (``gpu_us``, which includes the GPU's wait for the host when the host is the
-slower side). ``unit_host_us`` is one ``torch.add`` of two small tensors on the same device,
-timed the same way in the same run (machines differ by 2× from one start to the next, so the
-targets are in these units). The attention rows also time the bare ``attn_fn`` call on the
-whole problem (``baseline_host_us``): their target is on the difference; a call timed below
-its baseline is a failed measurement (no figure, with the reason), never a cost below zero.
-The targets are GPU figures: rows timed with ``--device cpu`` get no ``met``.
+(``host_us``); in other repeats, CUDA events around the call give its span on the GPU
+(``gpu_us``, which includes the GPU's wait for the host when the host is the slower side).
+``unit_host_us`` is one ``torch.add`` of two small tensors on the same device (machines differ
+by 2× from one start to the next, so the targets are in these units). The attention rows also
+time the bare ``attn_fn`` call on the whole problem (``baseline_host_us``): their target is on
+the difference. The unit, the call and its baseline are timed interleaved in ``--rounds``
+rounds (``attncomm._timing.time_host``); the figure in units is the median over rounds of each
+round's (call − baseline) ÷ unit (``_timing.paired``), so a drift of the machine's speed
+during the run falls on both sides. The µs columns are medians over rounds of each round's
+median. An attention call timed below its baseline is a failed measurement (no figure, with
+the reason), never a cost below zero. The targets are GPU figures: rows timed with
+``--device cpu`` get no ``met``.
 
 Rows (``--small`` shrinks them, the default on CPU): ``dcp.merge`` (T=8,
 64 heads × 512, bf16, defaults), ``DcpMerger.symm_a2a`` (the object, eager), ``dcp.gather_heads``
@@ -37,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .._dist import cpu_group
+from .._timing import paired, time_host
 from ..dcp import DcpAttention, DcpMerger, DcpQueryGather, gather_heads, merge
 from ..dcp.lse_merge import functional as merge_fn
 from ..dcp.query_gather import functional as gather_fn
@@ -199,11 +204,13 @@ def _name(dtype) -> str:
 
 # ------------------------------------------------------------------------------ timing
 class _Timer:
-    """Host µs of a call started on an idle device, and its span on the GPU (CUDA events)."""
+    """Host µs of calls started on an idle device, interleaved in rounds, and a call's span on
+    the GPU (CUDA events)."""
 
-    def __init__(self, device: torch.device, repeats: int, warmup: int, group):
+    def __init__(self, device: torch.device, repeats: int, warmup: int, group, rounds: int):
         self.cuda = device.type == "cuda"
         self.repeats, self.warmup, self.group = repeats, warmup, group
+        self.rounds = min(rounds, repeats)
         self.many = dist.get_world_size() > 1
 
     def _idle(self) -> None:
@@ -212,17 +219,14 @@ class _Timer:
         if self.many:  # ranks start each call together (the exchange waits for the slowest)
             dist.barrier(group=self.group)
 
-    def host(self, fn: Callable) -> float:
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        for _ in range(self.repeats):
-            self._idle()
-            t0 = time.perf_counter_ns()
-            fn()
-            times.append((time.perf_counter_ns() - t0) / 1e3)
+    def host(self, fns: list[Callable]) -> list[list[float]]:
+        """Per function, its median host µs in each round (across ranks, the slowest rank's
+        time of each call): ``repeats`` calls of each, ``rounds`` rounds."""
+        times = time_host(fns, rounds=self.rounds, calls=-(-self.repeats // self.rounds),
+                          warmup=self.warmup, before=self._idle)
         self._idle()
-        return statistics.median(max_over_ranks(times, self.group) if self.many else times)
+        return [[statistics.median(max_over_ranks(t, self.group) if self.many else t)
+                 for t in per_round] for per_round in times]
 
     def gpu(self, fn: Callable) -> float | None:
         if not self.cuda:
@@ -263,9 +267,12 @@ def run_rank(rank: int, world_size: int, cfg: dict) -> dict:
         else torch.device("cpu")
     gen = torch.Generator(device=device).manual_seed(31 + rank)
     s = _shapes(cfg["small"])
-    timer = _Timer(device, cfg["repeats"], cfg["warmup"], cpu_group())
+    timer = _Timer(device, cfg["repeats"], cfg["warmup"], cpu_group(), cfg["rounds"])
     a, b = torch.randn(4, device=device), torch.randn(4, device=device)
-    unit = timer.host(lambda: torch.add(a, b))
+
+    def add():
+        return torch.add(a, b)
+    unit = statistics.median(timer.host([add])[0])
     builders = {**_dcp_rows(s, device, gen, world_size), **_ulysses_rows(s, device, gen),
                 **_dp_rows(s, device, gen, world_size)}
     records, profiles = {}, {}
@@ -286,10 +293,14 @@ def run_rank(rank: int, world_size: int, cfg: dict) -> dict:
         t_row = time.monotonic()
         try:
             fn, baseline, rec["shape"], rec["note"] = builders[op]()
-            rec["host_us"] = timer.host(fn)
-            rec["gpu_us"] = timer.gpu(fn)
+            rounds = timer.host([add, fn] + ([baseline] if baseline is not None else []))
+            rec["unit_rounds"], rec["host_rounds"] = rounds[0], rounds[1]
+            rec["unit_host_us"] = statistics.median(rounds[0])
+            rec["host_us"] = statistics.median(rounds[1])
             if baseline is not None:
-                rec["baseline_host_us"] = timer.host(baseline)
+                rec["baseline_rounds"] = rounds[2]
+                rec["baseline_host_us"] = statistics.median(rounds[2])
+            rec["gpu_us"] = timer.gpu(fn)
             if cfg["profile"]:
                 profiles[op] = _profile(fn, cfg["repeats"], cfg["profile"])
         except Exception as exc:  # noqa: BLE001 - a failed row keeps its error, the rest run
@@ -320,13 +331,15 @@ def _units(r: dict) -> tuple[float | None, str | None]:
     base = r.get("baseline_host_us") if r["op"] in _ATTENTION else None
     if r["op"] in _ATTENTION and base is None:
         return None, "no baseline: the bare attn_fn was not timed"
-    extra = host - (base or 0.0)
+    # Records from run_rank carry each round's medians; a record with only the medians is
+    # one round.
+    extra = paired(r.get("host_rounds") or [host], r.get("unit_rounds") or [unit],
+                   (r.get("baseline_rounds") or [base]) if base is not None else None)
     if extra < 0:
-        # The call and its baseline are timed apart; a baseline above the call is noise
-        # larger than the figure, not a cost below zero.
+        # A baseline above the call is noise larger than the figure, not a cost below zero.
         return None, (f"failed measurement: the call ({host:.1f} µs) timed below its "
-                      f"separately timed baseline ({base:.1f} µs)")
-    return extra / unit, None
+                      f"baseline ({base:.1f} µs) in most rounds")
+    return extra, None
 
 
 def with_units(records: list[dict]) -> list[dict]:
@@ -386,7 +399,10 @@ def add_arguments(p) -> None:
                         f"{' '.join(EXTRA_OPS)})")
     p.add_argument("--extra", action="store_true", help="add the rows of the other DCP/DP "
                                                         "calls and the CUDA graph probes")
-    p.add_argument("--repeats", type=int, default=200, help="timed calls per row (median)")
+    p.add_argument("--repeats", type=int, default=200, help="timed calls per row")
+    p.add_argument("--rounds", type=int, default=10,
+                   help="rounds the repeats are spread over, the unit, the call and its "
+                        "baseline interleaved (default 10; the figure is the median over rounds)")
     p.add_argument("--warmup", type=int, default=20, help="untimed calls first")
     p.add_argument("--small", action="store_true",
                    help="tiny shapes (the default with --device cpu)")
@@ -408,15 +424,16 @@ def _config(args) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("bench overhead --device cuda: no CUDA device here (use --device cpu "
                          "for host µs on gloo ranks)")
-    if args.world_size < 1 or args.repeats < 1 or args.warmup < 0:
-        raise ValueError(f"--world-size and --repeats must be ≥ 1, --warmup ≥ 0; got "
-                         f"{args.world_size}, {args.repeats}, {args.warmup}")
+    if args.world_size < 1 or args.repeats < 1 or args.rounds < 1 or args.warmup < 0:
+        raise ValueError(f"--world-size, --repeats and --rounds must be ≥ 1, --warmup ≥ 0; "
+                         f"got {args.world_size}, {args.repeats}, {args.rounds}, {args.warmup}")
     ops = list(args.ops or (OPS + (EXTRA_OPS if args.extra else ())))
     unknown = [o for o in ops if o not in OPS + EXTRA_OPS]
     if unknown:
         raise ValueError(f"--ops: unknown rows {unknown}; known: {list(OPS + EXTRA_OPS)}")
     small = args.small or (args.device == "cpu" and not args.full_shapes)
-    return dict(device=args.device, ops=ops, repeats=args.repeats, warmup=args.warmup,
+    return dict(device=args.device, ops=ops, repeats=args.repeats, rounds=args.rounds,
+                warmup=args.warmup,
                 small=small, profile=args.profile, rev_label=args.rev_label,
                 time_budget=args.time_budget)
 
@@ -440,13 +457,16 @@ def main(args) -> int:
                       + (f"; {GPU_TARGETS}" if cfg["device"] == "cpu" else ""))
     print(f"({time.monotonic() - t0:.1f} s)")
     m = meta(cfg["device"], args.world_size, unit_host_us=res["unit_host_us"],
-             repeats=cfg["repeats"], warmup=cfg["warmup"], small=cfg["small"],
+             repeats=cfg["repeats"], rounds=cfg["rounds"], warmup=cfg["warmup"],
+             small=cfg["small"],
              rev_label=cfg["rev_label"])
     page = (f"# Host cost per eager call — {m['date']}, {m.get('machine') or m['host']}"
             + (f" [{cfg['rev_label']}]" if cfg["rev_label"] else "") + "\n\n"
             f"W={args.world_size}, {cfg['device']} ({m.get('gpu') or 'no GPU'}); torch "
-            f"{m['torch']}, Triton {m['triton']}. Medians of {cfg['repeats']} calls, each on an "
-            f"idle device; unit = one torch.add = {res['unit_host_us']:.2f} µs."
+            f"{m['torch']}, Triton {m['triton']}. {cfg['repeats']} calls per row, each on an "
+            f"idle device, in {cfg['rounds']} rounds with the unit and the baseline "
+            f"interleaved; units: the median over rounds of each round's figure; unit = one "
+            f"torch.add = {res['unit_host_us']:.2f} µs."
             + (f" The {GPU_TARGETS}." if cfg["device"] == "cpu" else "") + "\n\n"
             + markdown_table(records))
     emit(args, Report(meta=m, records=rows, markdown=page))
