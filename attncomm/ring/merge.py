@@ -64,8 +64,8 @@ def merge_block_triton(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tens
         out = out.contiguous()
     block_d = min(128, 1 << (max(dv, 16) - 1).bit_length())
     block_s = max(1, 2048 // block_d)
-    grid = (-(-s // block_s), h, b)
-    args = (acc, acc_lse, out, lse, s, acc.stride(0), acc.stride(1), acc.stride(2),
+    grid = (-(-s // block_s) * h, b)
+    args = (acc, acc_lse, out, lse, s, h, acc.stride(0), acc.stride(1), acc.stride(2),
             acc_lse.stride(0), acc_lse.stride(1), acc_lse.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1), lse.stride(2))

@@ -13,19 +13,23 @@ __all__ = ["merge_step_kernel"]
 
 
 @triton.jit
-def merge_step_kernel(acc_ptr, acc_lse_ptr, o_ptr, lse_ptr, S,
+def merge_step_kernel(acc_ptr, acc_lse_ptr, o_ptr, lse_ptr, S, H,
                        sa_b, sa_s, sa_h, sla_b, sla_s, sla_h,
                        so_b, so_s, so_h, sl_b, sl_s, sl_h,
                        DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     # One program: BLOCK_S consecutive tokens of one (batch, head), every column (in BLOCK_D
     # chunks, so the program that reads a row's LSE is the only one that rewrites it). The
-    # grid carries (token block, head, batch): no per-row integer division, and with DV a
-    # compile-time constant the column mask folds away, so the row loads vectorise.
-    s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    # grid is (token block × head, batch), the head fastest: programs that run at the same
+    # time cover whole token rows of the state and the block (H·Dv contiguous elements), not
+    # one head's rows H·Dv apart (measured: benchmarks/results/ring-merge-grid-*.md). One
+    # integer division per program, none per row; with DV a compile-time constant the column
+    # mask folds away, so the row loads vectorise.
+    pid = tl.program_id(0)
+    s = (pid // H) * BLOCK_S + tl.arange(0, BLOCK_S)
     smask = s < S
     s = s.to(tl.int64)  # offsets in int64: a state may exceed 2³¹ elements
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
+    h = (pid % H).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
     la_off = b * sla_b + h * sla_h + s * sla_s
     l0 = live_lse(tl.load(acc_lse_ptr + la_off, mask=smask, other=float("-inf")))
     l1 = live_lse(tl.load(lse_ptr + b * sl_b + h * sl_h + s * sl_s, mask=smask,
