@@ -1,12 +1,14 @@
 """The ring merge step's kernel in variants, timed in one process on one GPU, for a choice
-between kernel versions: GPU µs of each (20 launches back to back between CUDA events, median
-of 15), against one device-to-device copy of half the bytes each way timed in the same round,
-and whether its output (state and LSE, after one merge of the same inputs) is bitwise equal to
-the first variant's. The variants: the block loads masked by the weights (v0, the library's
-kernel before 2026-12-03) or issued before the weights are known (``hoist``), and the grid with
-the token block fastest (v0) or the head fastest (``hfast``), at several rows per program and
-warps. Inputs: ``[1, SEQ, 24, 128]`` fp32 state with every 7th token empty, a bf16 block with
-an SDPA-layout LSE, every 5th token NaN (empty).
+between kernel versions: GPU µs of each (``bench.ulysses_fill.device_us``: 20 launches back to
+back between CUDA events, median of 15 windows), against one device-to-device copy of half the
+bytes each way timed in the same round, and whether its output (state and LSE, after one merge
+of the same inputs) is bitwise equal to the first variant's. The variants: the block loads
+masked by the weights (v0, the library's kernel before 2026-12-03) or issued before the weights
+are known (``hoist``), and the grid with the token block fastest (v0) or the head fastest
+(``hfast``, what the library runs now, flattened), at several rows per program and warps. The
+kernel restates the library's math on purpose: it is the old version and its variants. Inputs:
+``[1, SEQ, 24, 128]`` fp32 state with every 7th token empty, a bf16 block with an SDPA-layout
+LSE, every 5th token NaN (empty).
 
     SEQ=8192 TREE=<repo root> python3 scripts/ring_merge_variants.py
 """
@@ -23,6 +25,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.environ.get("TREE", os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
+from attncomm.bench.ulysses_fill import device_us  # noqa: E402
 from attncomm.dcp.lse_merge.combine_kernels import live_lse  # noqa: E402
 
 
@@ -82,24 +85,6 @@ def run(acc, acc_lse, out, lse, bs, warps, hoist, hfast):
                HFAST=hfast, num_warps=warps)
 
 
-def gpu_us(fn, iters=15, per=20):
-    """Median over ``iters`` of the GPU µs per launch of ``per`` launches back to back (enqueued
-    ahead of the GPU, so the events time the GPU, not the host)."""
-    for _ in range(5):
-        fn()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        for _ in range(per):
-            fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / per)
-    return statistics.median(ts)
-
-
 #: (name, rows per program, warps, loads before the weights, head-fastest grid)
 VARIANTS = [("v0", 16, 4, False, False), ("hoist", 16, 4, True, False),
             ("hfast", 16, 4, False, True), ("hoist+hfast", 16, 4, True, True),
@@ -121,7 +106,7 @@ def main() -> None:
     dst = torch.empty_like(src)
     ref, res = None, []
     for rnd in range(3):
-        copy = gpu_us(lambda: dst.copy_(src))
+        copy = device_us(lambda: dst.copy_(src), 20, 15)
         for name, bs, w, ho, hf in VARIANTS:
             a, la = acc0.clone(), lsea0.clone()
             run(a, la, out, lse, bs, w, ho, hf)
@@ -129,7 +114,7 @@ def main() -> None:
                 ref = (a.clone(), la.clone())
             same = (torch.equal(a.view(torch.int32), ref[0].view(torch.int32))
                     and torch.equal(la.view(torch.int32), ref[1].view(torch.int32)))
-            t = gpu_us(lambda: run(a, la, out, lse, bs, w, ho, hf))  # noqa: B023
+            t = device_us(lambda: run(a, la, out, lse, bs, w, ho, hf), 20, 15)  # noqa: B023
             r = dict(round=rnd, variant=name, gpu_us=round(t, 2), floor_us=round(copy, 2),
                      x_floor=round(t / copy, 4), bitwise_equal_v0=same)
             res.append(r)
