@@ -92,20 +92,23 @@ def time_graph(fn: Callable[[], object], *, per_graph: int = 10, warmup: int = 1
     return [s.elapsed_time(e) * 1e3 / per_graph for s, e in events]
 
 
-def time_host(fns: Sequence[Callable[[], object]], *, rounds: int = 10, calls: int = 20,
+def time_host(fns: Sequence[Callable[[], object]], *, repeats: int = 200, rounds: int = 10,
               warmup: int = 10, before: Callable[[], None] | None = None
               ) -> list[list[list[float]]]:
-    """Host µs of single calls of each of ``fns``, interleaved: ``times[i][r]`` holds the
-    ``calls`` times of ``fns[i]`` in round ``r``.
+    """Host µs of single calls of each of ``fns``, interleaved: ``times[i][r]`` holds the times
+    of ``fns[i]`` in round ``r``, ``ceil(repeats / rounds)`` calls each, in ``min(rounds,
+    repeats)`` rounds.
 
     Each round times every function in turn (the order rotated by one per round), each call
     preceded by ``before()`` (e.g. a synchronize, so the call starts on an idle device) and
     timed alone with ``time.perf_counter_ns``. A machine whose speed drifts (a shared host,
     clocks) drifts within a round by far less than over a whole block of one function's calls,
     so figures compared round by round (``paired``) cancel most of it. ``warmup`` untimed calls
-    of each function come first. ``ValueError`` if ``rounds`` or ``calls`` is below 1."""
-    if rounds < 1 or calls < 1:
-        raise ValueError(f"time_host: rounds and calls must be ≥ 1, got {rounds}, {calls}")
+    of each function come first. ``ValueError`` if ``repeats`` or ``rounds`` is below 1."""
+    if repeats < 1 or rounds < 1:
+        raise ValueError(f"time_host: repeats and rounds must be ≥ 1, got {repeats}, {rounds}")
+    rounds = min(rounds, repeats)
+    calls = -(-repeats // rounds)
     for fn in fns:
         for _ in range(warmup):
             fn()

@@ -113,8 +113,8 @@ def main() -> None:
             res[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
     if "torch.add (unit)" not in ok:
         raise SystemExit(f"the unit row failed: {res['torch.add (unit)']}")
-    times = timing.time_host(list(ok.values()), rounds=args.rounds,
-                             calls=-(-args.repeats // args.rounds), before=torch.cuda.synchronize)
+    times = timing.time_host(list(ok.values()), repeats=args.repeats, rounds=args.rounds,
+                             before=torch.cuda.synchronize)
     torch.cuda.synchronize()
     med = {name: [statistics.median(t) for t in per_round] for name, per_round in zip(ok, times)}
     unit = med["torch.add (unit)"]

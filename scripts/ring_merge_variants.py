@@ -3,10 +3,10 @@ between kernel versions: GPU µs of each (``bench.ulysses_fill.device_us``: 20 l
 back between CUDA events, median of 15 windows), against one device-to-device copy of half the
 bytes each way timed in the same round, and whether its output (state and LSE, after one merge
 of the same inputs) is bitwise equal to the first variant's. The variants: the block loads
-masked by the weights (v0, the library's kernel before 2026-12-03) or issued before the weights
-are known (``hoist``), and the grid with the token block fastest (v0) or the head fastest
-(``hfast``, what the library runs now, flattened), at several rows per program and warps. The
-kernel restates the library's math on purpose: it is the old version and its variants. Inputs:
+masked by the weights (v0) or issued before the weights are known (``hoist``), and a 3-D grid
+with the token block fastest (v0) or the head fastest (``hfast``; the library runs that order
+on a flattened grid), at several rows per program and warps. The kernel restates the
+library's math on purpose, to hold its versions side by side. Inputs:
 ``[1, SEQ, 24, 128]`` fp32 state with every 7th token empty, a bf16 block with an SDPA-layout
 LSE, every 5th token NaN (empty).
 

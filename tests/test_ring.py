@@ -114,21 +114,24 @@ def test_merge_block_matches_fp64_with_special_values(seed):
         assert max_err(acc_lse[~empty], ref_lse[~empty]) < 1e-5, what
 
 
-def test_merge_block_triton_equals_torch_path(seed):
+# (b, s, h, dv): heads of 20 columns in 32-wide chunks; and 37 tokens of 128 columns, three
+# token blocks of 16 rows per head, so the grid's (token block, head) split is exercised.
+@pytest.mark.parametrize("shape", [(2, 5, 3, 20), (1, 37, 3, 128)])
+def test_merge_block_triton_equals_torch_path(seed, shape):
     pytest.importorskip("triton")
     import os
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton kernel runs on CPU only under TRITON_INTERPRET=1")
-    blocks = _blocks(seed)
-    a, al = _merge_all(blocks, merge_block_torch)
-    t, tl_ = _merge_all(blocks, merge_block_triton)
+    what = f"seed {seed} shape {shape}"
+    blocks = _blocks(seed, *shape)
+    a, al = _merge_all(blocks, merge_block_torch, *shape)
+    t, tl_ = _merge_all(blocks, merge_block_triton, *shape)
     empty = torch.isneginf(al)
-    assert torch.equal(torch.isneginf(tl_), empty), f"seed {seed}"
-    assert torch.equal(t[empty], torch.zeros_like(t[empty])), f"seed {seed}"
+    assert torch.equal(torch.isneginf(tl_), empty), what
+    assert torch.equal(t[empty], torch.zeros_like(t[empty])), what
     # the same fp32 operations; exp/log may differ by an ulp between numpy and torch
-    assert max_err(t[~empty], a[~empty]) < 1e-6 * (1 + a[~empty].abs().max().item()), \
-        f"seed {seed}"
-    assert max_err(tl_[~empty], al[~empty]) < 1e-5, f"seed {seed}"
+    assert max_err(t[~empty], a[~empty]) < 1e-6 * (1 + a[~empty].abs().max().item()), what
+    assert max_err(tl_[~empty], al[~empty]) < 1e-5, what
 
 
 # ------------------------------------------------------------------------------ attn_fn

@@ -197,6 +197,8 @@ def test_an_eager_call_never_takes_a_descriptor_derived_in_capture(monkeypatch):
     assert lay.desc((8192, 12288), strides, rope) is eager
     monkeypatch.setattr(fill_descriptor, "capturing", lambda device: True)
     assert lay.desc((8192, 12288), strides, rope) is captured
+
+
 class _OnCuda(torch.Tensor):
     """A CPU tensor that says it is on CUDA: what a fill launch reads of a CUDA call (addresses,
     strides, dtypes), without a GPU."""

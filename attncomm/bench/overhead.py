@@ -212,7 +212,7 @@ class _Timer:
     def __init__(self, device: torch.device, repeats: int, warmup: int, group, rounds: int):
         self.cuda = device.type == "cuda"
         self.repeats, self.warmup, self.group = repeats, warmup, group
-        self.rounds = min(rounds, repeats)
+        self.rounds = rounds
         self.many = dist.get_world_size() > 1
 
     def _idle(self) -> None:
@@ -224,8 +224,8 @@ class _Timer:
     def host(self, fns: list[Callable]) -> list[list[float]]:
         """Per function, its median host µs in each round (across ranks, the slowest rank's
         time of each call): ``repeats`` calls of each, ``rounds`` rounds."""
-        times = time_host(fns, rounds=self.rounds, calls=-(-self.repeats // self.rounds),
-                          warmup=self.warmup, before=self._idle)
+        times = time_host(fns, repeats=self.repeats, rounds=self.rounds, warmup=self.warmup,
+                          before=self._idle)
         self._idle()
         return [[statistics.median(max_over_ranks(t, self.group) if self.many else t)
                  for t in per_round] for per_round in times]
@@ -313,8 +313,11 @@ def run_rank(rank: int, world_size: int, cfg: dict) -> dict:
                 except Exception:  # noqa: BLE001, S110 - the next row reports its own error
                     pass
         rec["seconds"] = round(time.monotonic() - t_row, 2)
-    return {"records": [records[op] for op in cfg["ops"]], "unit_host_us": unit,
-            "profiles": profiles}
+    # The run's unit: the median of the rows' own (each row is against the torch.add of its
+    # rounds), or the one timed first when no row ran.
+    units = [r["unit_host_us"] for r in records.values() if r.get("unit_rounds")]
+    return {"records": [records[op] for op in cfg["ops"]],
+            "unit_host_us": statistics.median(units) if units else unit, "profiles": profiles}
 
 
 # ------------------------------------------------------------------------------ reporting
@@ -333,23 +336,28 @@ def _units(r: dict) -> tuple[float | None, str | None]:
     base = r.get("baseline_host_us") if r["op"] in _ATTENTION else None
     if r["op"] in _ATTENTION and base is None:
         return None, "no baseline: the bare attn_fn was not timed"
-    # Records from run_rank carry each round's medians; a record with only the medians is
-    # one round.
-    extra = paired(r.get("host_rounds") or [host], r.get("unit_rounds") or [unit],
-                   (r.get("baseline_rounds") or [base]) if base is not None else None)
+    # Records from run_rank carry each round's medians (all three lists, or the two without a
+    # baseline); a record without them is one round of its medians.
+    rounds = r.get("host_rounds") is not None
+    extra = paired(r["host_rounds"] if rounds else [host],
+                   r["unit_rounds"] if rounds else [unit],
+                   None if base is None else r["baseline_rounds"] if rounds else [base])
     if extra < 0:
         # A baseline above the call is noise larger than the figure, not a cost below zero.
-        return None, (f"failed measurement: the call ({host:.1f} µs) timed below its "
-                      f"baseline ({base:.1f} µs) in most rounds")
+        n = len(r["host_rounds"]) if rounds else 1
+        return None, ("failed measurement: the call timed below its baseline"
+                      + (f" in most of {n} rounds" if n > 1 else "")
+                      + f" (medians {host:.1f} and {base:.1f} µs)")
     return extra, None
 
 
 def with_units(records: list[dict]) -> list[dict]:
-    """Each record with ``units`` (host µs ÷ the unit; for the attention rows, the host µs
-    above the baseline ÷ the unit), its ``target_units``, whether it is ``met``, and ``why``.
+    """Each record with ``units`` (the median over rounds of host µs ÷ the unit timed in the
+    same round; for the attention rows, of the host µs above the baseline ÷ the unit), its
+    ``target_units``, whether it is ``met``, and ``why``.
 
     ``units`` is None when there is no figure: the row failed or was not run, or the
-    measurement failed (an attention row whose call timed below its separately timed baseline:
+    measurement failed (an attention row whose call timed below its baseline in most rounds:
     never a negative figure). ``met`` is None when there is no figure or no target, and on rows
     timed on CPU (``device`` "cpu"): the targets are GPU figures. ``why`` says why ``units`` or
     ``met`` is None (None when both are set)."""
@@ -454,7 +462,8 @@ def main(args) -> int:
     print_table(rows, ["op", "host_us", "units", "target_units", "met", "gpu_us",
                        "baseline_host_us", "why", "error"],
                 title=f"host µs per eager call, W={args.world_size}, {cfg['device']}; unit = "
-                      f"one torch.add = {res['unit_host_us']:.2f} µs"
+                      f"one torch.add timed in each row's rounds (median "
+                      f"{res['unit_host_us']:.2f} µs)"
                       + (f" [{cfg['rev_label']}]" if cfg["rev_label"] else "")
                       + (f"; {GPU_TARGETS}" if cfg["device"] == "cpu" else ""))
     print(f"({time.monotonic() - t0:.1f} s)")
@@ -468,7 +477,8 @@ def main(args) -> int:
             f"{m['torch']}, Triton {m['triton']}. {cfg['repeats']} calls per row, each on an "
             f"idle device, in {cfg['rounds']} rounds with the unit and the baseline "
             f"interleaved; units: the median over rounds of each round's figure; unit = one "
-            f"torch.add = {res['unit_host_us']:.2f} µs."
+            f"torch.add of the row's rounds (median over the rows {res['unit_host_us']:.2f} "
+            f"µs)."
             + (f" The {GPU_TARGETS}." if cfg["device"] == "cpu" else "") + "\n\n"
             + markdown_table(records))
     emit(args, Report(meta=m, records=rows, markdown=page))

@@ -11,12 +11,11 @@ one call started on an idle GPU (``host_us``).
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
-from .._timing import time_eager
+from .._timing import time_eager, time_host
 from ..ring import attn as ring_attn
 from ..ring.merge import merge_block, new_state
 
@@ -26,15 +25,10 @@ __all__ = ["kernel_records", "host_us", "device_us"]
 def host_us(fn, device: torch.device, iters: int = 20) -> float:
     """Median host µs of one ``fn()`` call started on an idle device (synchronised before each
     call; the call's enqueueing only)."""
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    times = time_host([fn], repeats=iters, rounds=1, warmup=0, before=sync)[0][0]
+    if sync is not None:
+        sync()
     return float(statistics.median(times))
 
 

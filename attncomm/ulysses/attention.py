@@ -302,7 +302,7 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
         """The eager forward: the plan of this shape (made on its first forward), run."""
         if self._closed:
             self._ensure_open()
-        given = _NO_MASKS if masks[0] is None and masks[1] is None else _mask_keys(masks)
+        given = _mask_keys(masks)
         try:
             key = self._plan_key((q.shape, q.dtype, q.device), (k.shape, k.dtype, k.device),
                                  (v.shape, v.dtype, v.device), seq_lens, causal,

@@ -316,11 +316,16 @@ class _LaunchLayout:
                            ANY_ROPE=rope and any(p.rope for p in parts), ROPE_BCAST=ROPE_BCAST,
                            FP8=self.fp8)
         if ((self.consts["ANY_NORM"] or self.consts["ANY_ROPE"])
-                and block_s is None and heads_per_program is None and num_warps is None):
+                and (self.block_s, self.hb, self.consts["num_warps"])
+                == (default_block_s(d), HEADS_PER_PROGRAM, LAUNCH_OPTIONS["num_warps"])
+                and x0.device.type == "cuda"
+                and torch.cuda.get_device_capability(x0.device) == (9, 0)):
             # At the default launch shape the norm/RoPE fills need 76 (bf16 payload) and 86
             # (FP8) registers per thread on sm_90, which leaves room for 24 and 20 warps per
-            # SM; 64 is the least with no spill, and leaves room for 32. Other shapes keep
-            # what the compiler picks: a cap there may spill.
+            # SM; 64 is the least with no spill, and leaves room for 32 (measured on an H200:
+            # benchmarks/results/fill-regs64-ab-2026-12-03-nvidia-h200.md). Other shapes, and
+            # other GPUs, where it is not measured, keep what the compiler picks: a cap there
+            # may spill.
             self.consts["maxnreg"] = 64
         if self.fp8:
             self.consts.update(_fp8_epilogue(
@@ -402,7 +407,9 @@ def _launch(lay: _LaunchLayout, xs: Sequence, base: torch.Tensor, starts: tuple,
         key = (desc.spec, desc.entries, aligned, alignment_key(args), x0.dtype, x1.dtype,
                x2.dtype, base.dtype, c.dtype, s.dtype)
         lay.launches.launch(key, launch, args)
-    if fast is not None and desc.source is None:  # a derived descriptor: _LaunchLayout.desc
+    # Not for a descriptor derived inside capture (its table is written only when the graph
+    # replays; _LaunchLayout.desc): an eager call must not take it.
+    if fast is not None and desc.source is None:
         if len(lay.replays) >= 64:
             lay.replays.clear()
         lay.replays[fast] = (key, desc)
