@@ -315,8 +315,8 @@ class _LaunchLayout:
                            HB=self.hb, ANY_NORM=any(p.weight is not None for p in parts),
                            ANY_ROPE=rope and any(p.rope for p in parts), ROPE_BCAST=ROPE_BCAST,
                            FP8=self.fp8)
-        if ((self.consts["ANY_NORM"] or self.consts["ANY_ROPE"])
-                and (self.block_s, self.hb, self.consts["num_warps"])
+        normed = self.consts["ANY_NORM"] or self.consts["ANY_ROPE"]
+        if (normed and (self.block_s, self.hb, self.consts["num_warps"])
                 == (default_block_s(d), HEADS_PER_PROGRAM, LAUNCH_OPTIONS["num_warps"])
                 and x0.device.type == "cuda"
                 and torch.cuda.get_device_capability(x0.device) == (9, 0)):
@@ -328,8 +328,7 @@ class _LaunchLayout:
             # may spill.
             self.consts["maxnreg"] = 64
         if self.fp8:
-            self.consts.update(_fp8_epilogue(
-                x0.device, self.consts["ANY_NORM"] or self.consts["ANY_ROPE"]))
+            self.consts.update(_fp8_epilogue(x0.device, normed))
         self._descs: dict = {}
         #: the compiled kernel per specialization, replayed (``_launch``)
         self.launches = LaunchCache((_fk.fill_kernel,))
