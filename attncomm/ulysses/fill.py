@@ -392,11 +392,12 @@ def _launch(lay: _LaunchLayout, xs: Sequence, base: torch.Tensor, starts: tuple,
     key = None
     if desc.entries:
         args = (x0, x1, x2, base, desc.table, w0, w1, w2, c, s)
-        grid = (triton_cdiv(lay.s_r, lay.block_s), desc.entries, lay.b)
+        grid = (triton_cdiv(lay.s_r, lay.block_s) * desc.entries, lay.b)
         aligned = desc.aligned and base.data_ptr() % 16 == 0
 
         def launch() -> None:
-            _fk.fill_kernel[grid](*args, ALIGNED=aligned, SPEC=desc.spec, **lay.consts)
+            _fk.fill_kernel[grid](*args, ALIGNED=aligned, SPEC=desc.spec, ENTRIES=desc.entries,
+                                  **lay.consts)
 
         # What Triton specializes the changing arguments on (each pointer's dtype and 16-byte
         # alignment), the descriptor's specialization and the grid (the rest is fixed per

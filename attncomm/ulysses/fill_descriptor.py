@@ -31,7 +31,7 @@ class Desc(NamedTuple):
     """One descriptor on the device, with what the launch reads of it."""
 
     table: torch.Tensor   # the descriptor (fill_kernels' module docstring)
-    entries: int          # programs along the grid's second axis
+    entries: int          # entries, the kernel's ENTRIES (programs per row block)
     aligned: bool         # every base and pitch a multiple of 16 elements
     spec: int             # the kernel's SPEC
     words: tuple          # the same words on the host (``derived_table`` reads them)

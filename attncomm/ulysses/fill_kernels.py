@@ -1,7 +1,8 @@
 """The Ulysses fill kernel (Triton); the host side, the torch reference and the rules it follows
 are ``attncomm.ulysses.fill``'s.
 
-One program per (block of ``BLOCK_S`` rows, entry, batch): an entry is a run of up to ``HB``
+One program per (block of ``BLOCK_S`` rows, entry, batch), on a grid of
+``(row blocks · ENTRIES, batch)`` with the entry fastest: an entry is a run of up to ``HB``
 consecutive heads of one part bound for one destination region. The kernel takes the parts'
 pointers, the weights', cos/sin, the send buffer's, the descriptor and its constexprs. The
 descriptor (int64, built once per layout by ``fill_descriptor.descriptor``, cached on the device)::
@@ -320,11 +321,15 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
                 HALF: tl.constexpr, LEVELS: tl.constexpr, BLOCK_S: tl.constexpr,
                 HB: tl.constexpr, ANY_NORM: tl.constexpr, ANY_ROPE: tl.constexpr,
                 ALIGNED: tl.constexpr, ROPE_BCAST: tl.constexpr, SPEC: tl.constexpr,
-                FP8: tl.constexpr = False, HW_E4M3: tl.constexpr = False,
+                ENTRIES: tl.constexpr, FP8: tl.constexpr = False, HW_E4M3: tl.constexpr = False,
                 PTX: tl.constexpr = False, EXACT: tl.constexpr = False):
-    pid_s = tl.program_id(0)
-    ent = desc + _c.HEADER + tl.program_id(1) * _c.ENTRY
-    b = tl.program_id(2).to(tl.int64)
+    # Entries run fastest along the grid: the programs in flight together cover every head of
+    # the same rows, whose bytes are contiguous in the sources and the regions, rather than
+    # one head's rows a row pitch apart.
+    pid = tl.program_id(0)
+    pid_s = pid // ENTRIES
+    ent = desc + _c.HEADER + (pid % ENTRIES) * _c.ENTRY
+    b = tl.program_id(1).to(tl.int64)
     S = tl.load(desc + _c.H_S)
     flags = tl.load(desc + _c.H_FLAGS)
     part = tl.load(ent + _c.E_PART)
