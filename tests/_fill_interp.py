@@ -30,6 +30,7 @@ CASES = [
     (5, 12, 3, 8, 1, 7, torch.bfloat16, True, True, "sliced"),
     (2, 3, 3, 2, 1, 0, torch.bfloat16, True, True, "dense"),          # empty shard
     (3, 8, 2, 8, 1, 9, torch.float32, True, True, "dense"),           # fp32 norm + RoPE
+    (2, 4, 4, 16, 1, 64, torch.bfloat16, True, True, "dense"),       # full blocks: no masks
 ]
 
 

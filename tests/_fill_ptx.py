@@ -26,7 +26,7 @@ def ptx(opts: dict, fp8: bool = False) -> str:
     k = fill_kernel
     names = k.arg_names
     consts = dict(HALF=64, LEVELS=6, BLOCK_S=16, HB=4, ANY_NORM=True, ANY_ROPE=True,
-                  ALIGNED=not fp8, ROPE_BCAST=True, SPEC=_SPEC, ENTRIES=84, FP8=fp8,
+                  ALIGNED=not fp8, ROPE_BCAST=True, SPEC=_SPEC, ENTRIES=84, FULL=False, FP8=fp8,
                   HW_E4M3=fp8, PTX=fp8, EXACT=False)  # what the host picks on sm_90 (norm, RoPE)
     ptrs = dict(_PTRS, out_ptr="*u8") if fp8 else _PTRS
     types = {n: "constexpr" if n in consts else ptrs[n] for n in names}

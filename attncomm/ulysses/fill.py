@@ -281,6 +281,9 @@ HEADS_PER_PROGRAM = 2
 #: (a layout conversion through shared memory): see benchmarks/results/ulysses-fill-*.md.
 ROPE_BCAST = True
 
+_MAXNREG = {False: 64, True: 72}
+
+
 def default_block_s(head_dim: int) -> int:
     """Rows per program: about 2048 elements per head and program."""
     return max(1, min(64, 2048 // head_dim))
@@ -316,6 +319,7 @@ class _LaunchLayout:
                            ANY_ROPE=rope and any(p.rope for p in parts), ROPE_BCAST=ROPE_BCAST,
                            FP8=self.fp8)
         normed = self.consts["ANY_NORM"] or self.consts["ANY_ROPE"]
+        self.capped = False
         if (normed and (self.block_s, self.hb, self.consts["num_warps"])
                 == (default_block_s(d), HEADS_PER_PROGRAM, LAUNCH_OPTIONS["num_warps"])
                 and x0.device.type == "cuda"
@@ -326,7 +330,7 @@ class _LaunchLayout:
             # benchmarks/results/fill-regs64-ab-2026-12-03-nvidia-h200.md). Other shapes, and
             # other GPUs, where it is not measured, keep what the compiler picks: a cap there
             # may spill.
-            self.consts["maxnreg"] = 64
+            self.capped = True
         if self.fp8:
             self.consts.update(_fp8_epilogue(x0.device, normed))
         self._descs: dict = {}
@@ -394,17 +398,20 @@ def _launch(lay: _LaunchLayout, xs: Sequence, base: torch.Tensor, starts: tuple,
         args = (x0, x1, x2, base, desc.table, w0, w1, w2, c, s)
         grid = (triton_cdiv(lay.s_r, lay.block_s) * desc.entries, lay.b)
         aligned = desc.aligned and base.data_ptr() % 16 == 0
+        full = desc.full and lay.s_r % lay.block_s == 0
+
+        cap = {"maxnreg": _MAXNREG[full]} if lay.capped else {}
 
         def launch() -> None:
             _fk.fill_kernel[grid](*args, ALIGNED=aligned, SPEC=desc.spec, ENTRIES=desc.entries,
-                                  **lay.consts)
+                                  FULL=full, **lay.consts, **cap)
 
         # What Triton specializes the changing arguments on (each pointer's dtype and 16-byte
         # alignment), the descriptor's specialization and the grid (the rest is fixed per
         # layout). The sources' and destination's dtypes belong to the layout, but a caller
         # can hand over others: in the key, they get a kernel of their own instead of one
         # compiled for the first.
-        key = (desc.spec, desc.entries, aligned, alignment_key(args), x0.dtype, x1.dtype,
+        key = (desc.spec, desc.entries, aligned, full, alignment_key(args), x0.dtype, x1.dtype,
                x2.dtype, base.dtype, c.dtype, s.dtype)
         lay.launches.launch(key, launch, args)
     # Not for a descriptor derived inside capture (its table is written only when the graph

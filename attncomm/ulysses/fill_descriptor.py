@@ -35,6 +35,7 @@ class Desc(NamedTuple):
     aligned: bool         # every base and pitch a multiple of 16 elements
     spec: int             # the kernel's SPEC
     words: tuple          # the same words on the host (``derived_table`` reads them)
+    full: bool            # every entry has ``hb`` heads
     # a captured derived table's source, which every replay copies: kept while this one is
     source: torch.Tensor | None = None
 
@@ -76,7 +77,8 @@ def descriptor(device, ranges, htot, starts, batch, row, hb, s_r, eps, flags, st
     words = head + [v for e in ents for v in e]
     table, source = device_table(words, device)
     desc = Desc(table, len(ents), all(v % 16 == 0 for e in ents for v in e[3:6]),
-                 sum(c << (2 * k) for k, c in enumerate(codes)), tuple(words), source)
+                 sum(c << (2 * k) for k, c in enumerate(codes)), tuple(words),
+                 all(e[2] == hb for e in ents), source)
     _TABLES[key] = desc
     while len(_TABLES) > 256:
         _TABLES.popitem(last=False)

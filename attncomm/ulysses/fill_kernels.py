@@ -253,7 +253,12 @@ def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl
     to it changes nothing); ``PTX``: the sm_89+ path's quotients and bytes come from
     ``_ptx_bytes`` (a GPU: the interpreter runs no PTX)."""
     dst = out_ptr + rofs[:, :, None] + cols[None, None, :]
-    mask = rmask[:, :, None] & (cols[None, None, :] >= 0)
+    if rmask is None:  # every row live
+        mask = None
+        live = tl.full(rofs.shape, 1, tl.int1)
+    else:
+        mask = rmask[:, :, None] & (cols[None, None, :] >= 0)
+        live = rmask
     fast = False
     if PTX:  # (HW_E4M3 holds)
         # The amax of the rounded elements is the rounded amax of the elements (rounding to
@@ -264,7 +269,7 @@ def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl
         scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
         dv = tl.where(scale > 0, scale, 1.0)
         good = (amax <= _c._F32_MAX) & (dv >= _c._DV_MIN)
-        fast = tl.min(tl.where(rmask & ~good, 0, 1)) == 1
+        fast = tl.min(tl.where(live & ~good, 0, 1)) == 1
         if fast:
             ny = -tl.div_rn(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, None]
             rb: tl.constexpr = (not EXACT) and DTYPE == tl.bfloat16
@@ -291,7 +296,7 @@ def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl
             scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
             dv = tl.where(scale > 0, scale, 1.0)
             good = (amax <= _c._F32_MAX) & (dv >= _c._DV_MIN)
-            fast = tl.min(tl.where(rmask & ~good, 0, 1)) == 1
+            fast = tl.min(tl.where(live & ~good, 0, 1)) == 1
         # Each branch stores its own bytes: a branch that yields the byte tensors miscompiles
         # with Triton 3.6 on sm_90 (every eighth byte of the second half stored as 0).
         if fast:
@@ -321,7 +326,8 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
                 HALF: tl.constexpr, LEVELS: tl.constexpr, BLOCK_S: tl.constexpr,
                 HB: tl.constexpr, ANY_NORM: tl.constexpr, ANY_ROPE: tl.constexpr,
                 ALIGNED: tl.constexpr, ROPE_BCAST: tl.constexpr, SPEC: tl.constexpr,
-                ENTRIES: tl.constexpr, FP8: tl.constexpr = False, HW_E4M3: tl.constexpr = False,
+                ENTRIES: tl.constexpr, FULL: tl.constexpr = False, FP8: tl.constexpr = False,
+                HW_E4M3: tl.constexpr = False,
                 PTX: tl.constexpr = False, EXACT: tl.constexpr = False):
     # Entries run fastest along the grid: the programs in flight together cover every head of
     # the same rows, whose bytes are contiguous in the sources and the regions, rather than
@@ -362,7 +368,13 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
     rows = (pid_s * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
     hh = tl.arange(0, HB)
     cols = tl.arange(0, HALF)
-    mask = (rows[:, None, None] < S) & (hh[None, :, None] < nh)
+    # FULL (the host checked: S_r a multiple of BLOCK_S, every entry HB heads): no program
+    # has a row or head to skip, so nothing is masked (a masked load zeroes its registers
+    # first, an instruction per load that the unmasked one does without).
+    if FULL:
+        mask = None
+    else:
+        mask = (rows[:, None, None] < S) & (hh[None, :, None] < nh)
     if part == 0:
         f1, f2 = _halves(x0, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF)
     elif part == 1:
@@ -392,7 +404,10 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
     if ANY_ROPE:  # cos/sin of the block's rows: loaded once for the program's HB heads
         if (flags >> (2 * part + 1)) & 1:
             if ROPE_BCAST:  # pointers broadcast over the heads: f1's layout, no shuffle
-                rmask = (rows[:, None, None] < S) & (hh[None, :, None] >= 0)
+                if FULL:
+                    rmask = None
+                else:
+                    rmask = (rows[:, None, None] < S) & (hh[None, :, None] >= 0)
                 cr = (cos_ptr + rows[:, None, None] * scs + hh[None, :, None] * 0
                       + cols[None, None, :] * scd)
                 sr = (sin_ptr + rows[:, None, None] * sss + hh[None, :, None] * 0
@@ -402,7 +417,10 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
                 s1 = tl.load(sr, mask=rmask).to(tl.float32)
                 s2 = tl.load(sr + HALF * ssd, mask=rmask).to(tl.float32)
             else:
-                rmask = rows[:, None] < S
+                if FULL:
+                    rmask = None
+                else:
+                    rmask = rows[:, None] < S
                 cr = cos_ptr + rows[:, None] * scs + cols[None, :] * scd
                 sr = sin_ptr + rows[:, None] * sss + cols[None, :] * ssd
                 c1 = tl.load(cr, mask=rmask).to(tl.float32)[:, None, :]
@@ -417,7 +435,10 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
             f2 = g2
     if FP8:
         rofs = base + b * bpitch + rows[:, None] * pitch + hh[None, :] * (2 * HALF + 4)
-        rmask = (rows[:, None] < S) & (hh[None, :] < nh)
+        if FULL:
+            rmask = None
+        else:
+            rmask = (rows[:, None] < S) & (hh[None, :] < nh)
         _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, x0.dtype.element_ty, HALF, HW_E4M3, PTX,
                    EXACT)
     else:
