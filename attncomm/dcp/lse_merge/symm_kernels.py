@@ -191,19 +191,28 @@ def _peer_rows(x_ptr, lse_ptr, b, q, n_rows, H, HS, N, BR: tl.constexpr, BN: tl.
 
 
 @triton.jit
-def _store_rows(vals, lv, slab_o, slab_l, off_o, off_w, slot, b, n_rows, D, o_cell,
-                l_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
-                BD: tl.constexpr):
-    # ... stored into cell (slot, RANK) of peer q's slab (off_o, off_w: q's offsets in
-    # payload elements and 4-byte words).
+def _store_rows(vals, lv, reg_o, reg_l, slot, b, n_rows, D, o_cell, l_cell,
+                RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+                tag=None):
+    # ... stored into cell (slot, RANK) of one peer's regions: reg_o and reg_l already point at
+    # that peer's (the payload and the LSE words of its slab, or its LL regions), cells of
+    # o_cell and l_cell elements, rows of D; with a tag (the LL protocol), each word as
+    # (epoch << 32) | word.
     rows = b * BR + tl.arange(0, BR)
     rmask = rows < n_rows
     d = tl.arange(0, BD)
     cell = slot * W + RANK
-    po = slab_o + off_o + cell * o_cell
-    tl.store(po + rows[:, None] * D + d[None, :], vals, mask=rmask[:, None] & (d < D)[None, :])
-    pl = slab_l + off_w + cell * l_cell
-    tl.store(pl + rows, lv, mask=rmask)
+    tl.store(reg_o + cell * o_cell + rows[:, None] * D + d[None, :], _tagged(vals, tag),
+             mask=rmask[:, None] & (d < D)[None, :])
+    tl.store(reg_l + cell * l_cell + rows, _tagged(lv, tag), mask=rmask)
+
+
+@triton.jit
+def _tagged(v, tag):
+    if tag is None:
+        return v
+    else:
+        return ll_word(tag, v)
 
 
 @triton.jit
@@ -215,9 +224,9 @@ def _send_block(out_ptr, lse_ptr, slab_o, slab_l, desc, slot, b, n_rows, H, HS, 
     for q in tl.static_range(W):
         if q != RANK and q != SKIP:
             vals, lv = _peer_rows(out_ptr, lse_ptr, b, q, n_rows, H, HS, D, BR, BD, None)
-            _store_rows(vals, lv, slab_o, slab_l, peer_delta(desc, q, 0, W),
-                        peer_delta(desc, q, 1, W), slot, b, n_rows, D, o_cell, l_cell, RANK, W,
-                        BR, BD)
+            _store_rows(vals, lv, slab_o + peer_delta(desc, q, 0, W),
+                        slab_l + peer_delta(desc, q, 1, W), slot, b, n_rows, D, o_cell, l_cell,
+                        RANK, W, BR, BD)
 
 
 @triton.jit
@@ -316,7 +325,7 @@ def merge_flag_kernel(out_ptr, lse_ptr, res_ptr, res_lse_ptr, slab, desc, state_
         if pid >= first:  # its own deadline: a slow partner is no peer's timeout
             _wait_go(go + pid - first, e, deadline, desc)
     if Q0 != RANK:
-        _store_rows(vals, lv, slab_o, slab_l, off_o0, off_w0, slot, pid, n_rows, D, o_cell,
+        _store_rows(vals, lv, slab_o + off_o0, slab_l + off_w0, slot, pid, n_rows, D, o_cell,
                     l_cell, RANK, W, BR, BD)
     _send_block(out_ptr, lse_ptr, slab_o, slab_l, desc, slot, pid, n_rows, H, HS, D, o_cell,
                 l_cell, RANK, W, BR, BD, Q0)
@@ -371,22 +380,6 @@ def _ll_ready(y, yl, e):
 
 
 @triton.jit
-def _ll_store(x, xl, tag, slab_llo, slab_lll, dq, slot, b, n_rows, DW, llo_cell,
-              lll_cell, RANK: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
-              BW: tl.constexpr):
-    # ... stored as (epoch << 32) | word into cell (slot, RANK) of the LL regions of the peer
-    # dq (8-byte words) away.
-    rows = b * BR + tl.arange(0, BR)
-    rmask = rows < n_rows
-    c = tl.arange(0, BW)
-    cell = slot * W + RANK
-    tl.store(slab_llo + dq + cell * llo_cell + rows[:, None] * DW + c[None, :],
-             ll_word(tag, x), mask=rmask[:, None] & (c < DW)[None, :])
-    tl.store(slab_lll + dq + cell * lll_cell + rows, ll_word(tag, xl),
-             mask=rmask)
-
-
-@triton.jit
 def _ll_send(x0, xl0, dq0, out_w, lse_w, tag, slab_llo, slab_lll, desc, slot, pid, grid_size,
              n_rows, n_blocks, H, HS, DW, llo_cell, lll_cell, RANK: tl.constexpr,
              W: tl.constexpr, BR: tl.constexpr, BW: tl.constexpr):
@@ -394,20 +387,22 @@ def _ll_send(x0, xl0, dq0, out_w, lse_w, tag, slab_llo, slab_lll, desc, slot, pi
     # the words and that peer's offset loaded ahead (x0, xl0, dq0), then the others.
     Q0: tl.constexpr = (RANK + 1) % W
     if Q0 != RANK:
-        _ll_store(x0, xl0, tag, slab_llo, slab_lll, dq0, slot, pid, n_rows, DW, llo_cell,
-                  lll_cell, RANK, W, BR, BW)
+        _store_rows(x0, xl0, slab_llo + dq0, slab_lll + dq0, slot, pid, n_rows, DW, llo_cell,
+                    lll_cell, RANK, W, BR, BW, tag)
     for q in tl.static_range(W):
         if q != RANK and q != Q0:
             x, xl = _peer_rows(out_w, lse_w, pid, q, n_rows, H, HS, DW, BR, BW, 0)
-            _ll_store(x, xl, tag, slab_llo, slab_lll, peer_delta(desc, q, 2, W), slot, pid,
-                      n_rows, DW, llo_cell, lll_cell, RANK, W, BR, BW)
+            dq = peer_delta(desc, q, 2, W)
+            _store_rows(x, xl, slab_llo + dq, slab_lll + dq, slot, pid, n_rows, DW, llo_cell,
+                        lll_cell, RANK, W, BR, BW, tag)
     b = pid + grid_size
     while b < n_blocks:
         for q in tl.static_range(W):
             if q != RANK:
                 x, xl = _peer_rows(out_w, lse_w, b, q, n_rows, H, HS, DW, BR, BW, 0)
-                _ll_store(x, xl, tag, slab_llo, slab_lll, peer_delta(desc, q, 2, W), slot, b,
-                          n_rows, DW, llo_cell, lll_cell, RANK, W, BR, BW)
+                dqb = peer_delta(desc, q, 2, W)
+                _store_rows(x, xl, slab_llo + dqb, slab_lll + dqb, slot, b, n_rows, DW,
+                            llo_cell, lll_cell, RANK, W, BR, BW, tag)
         b += grid_size
 
 
