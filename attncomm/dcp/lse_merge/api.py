@@ -56,6 +56,8 @@ def shard_kv_interleaved(seq_len: int, world_size: int, rank: int) -> torch.Tens
 def lse_to_e(lse: torch.Tensor, lse_base: str) -> torch.Tensor:
     """``lse`` as contiguous fp32 in base e (``lse`` itself when it already is; else a new
     tensor: the input is never modified)."""
+    if lse_base == "e" and lse.dtype == torch.float32 and lse.is_contiguous():
+        return lse  # the common case, with no aten call
     lse = lse.float()
     if lse_base == "2":
         lse = lse * LN2
