@@ -238,8 +238,9 @@ class SymmA2ABackend(SymmBackend, DcpBackend):
 
     def __call__(self, out: torch.Tensor, lse: torch.Tensor, res: torch.Tensor | None = None,
                  res_lse: torch.Tensor | None = None):
-        """``out [T, H, D]`` (``dtype``, contiguous, CUDA), ``lse [T, H]`` fp32 base e →
-        (``[T, H/W, D]``, ``[T, H/W]`` fp32): ``res`` / ``res_lse`` when given (the kernel
+        """``out [T, H, D]`` (``dtype``, contiguous, CUDA), ``lse [T, H]`` fp32 base e,
+        contiguous (``DcpBackend``'s contract: the caller converts, this call does not check)
+        → (``[T, H/W, D]``, ``[T, H/W]`` fp32): ``res`` / ``res_lse`` when given (the kernel
         stores there), else views of internal buffers, valid until the next call.
 
         Raises ``PeerTimeoutError`` when an earlier call's wait timed out (the workspace is
@@ -248,11 +249,9 @@ class SymmA2ABackend(SymmBackend, DcpBackend):
         T = out.shape[0]
         if T > self.max_tokens:
             raise ValueError(f"symm_a2a: T={T} exceeds max_tokens={self.max_tokens}")
-        if lse.dtype != torch.float32 or not lse.is_contiguous():
-            lse = lse.float().contiguous()
         o = self.res if res is None else res
         l = self.res_lse if res_lse is None else res_lse
-        dyn = (out.contiguous(), lse, o, l)
+        dyn = (out, lse, o, l)
         # The first call of a token count and alignment launches through ``launch_merge`` and
         # Triton's JIT; later ones through the kernel it compiled (``compiled_launch``).
         self._launches.launch(
