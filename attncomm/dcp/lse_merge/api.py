@@ -161,9 +161,10 @@ class DcpMerger(PreallocatedExchange):
     ``merger(out [T, H, D], lse [T, H], return_lse=False)`` → ``[T, H/W, D]`` (+ ``[T, H/W]`` fp32
     LSE). Per-call checks are local only (no collective; once per signature of shapes, dtypes
     and devices), so calls can be captured. Outputs of a backend with ``returns_views`` alias
-    internal buffers until the next call. Under ``torch.compile`` a call is the custom op
-    ``attncomm::dcp_merger`` (``dcp/ops.py``), which finds this merger by ``op_name`` and
-    returns new tensors of the graph.
+    internal buffers until the next call (the same view objects on every call of a token
+    count: change their values, never their shape or strides in place). Under
+    ``torch.compile`` a call is the custom op ``attncomm::dcp_merger`` (``dcp/ops.py``), which
+    finds this merger by ``op_name`` and returns new tensors of the graph.
 
     Attributes:
         backend: the backend used for ``max_tokens``; ``backend_for(T)`` for a token count.

@@ -182,7 +182,7 @@ class SymmA2ABackend(SymmBackend, DcpBackend):
             means on where supported).
 
     Returns views of internal buffers (``[T, H/W, D]`` in ``dtype``, ``[T, H/W]`` fp32), valid
-    until the next call.
+    until the next call; the same view objects on every call of a token count.
 
     Constraints: CUDA tensors, every rank on one host with P2P between every pair of GPUs, torch
     SymmetricMemory (CUDA backend), Triton. Two mergers whose calls run concurrently on
@@ -213,6 +213,9 @@ class SymmA2ABackend(SymmBackend, DcpBackend):
                        self.config.programs_per_sm, self.config.max_programs)
         self.res = torch.empty((max_tokens, self.hs, head_dim), dtype=dtype, device=device)
         self.res_lse = torch.empty((max_tokens, self.hs), dtype=torch.float32, device=device)
+        #: token count → the views of ``res`` / ``res_lse`` a call returns (made once: a slice
+        #: is an aten call)
+        self._views: dict = {}
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -241,7 +244,9 @@ class SymmA2ABackend(SymmBackend, DcpBackend):
         """``out [T, H, D]`` (``dtype``, contiguous, CUDA), ``lse [T, H]`` fp32 base e,
         contiguous (``DcpBackend``'s contract: the caller converts, this call does not check)
         → (``[T, H/W, D]``, ``[T, H/W]`` fp32): ``res`` / ``res_lse`` when given (the kernel
-        stores there), else views of internal buffers, valid until the next call.
+        stores there), else views of internal buffers, valid until the next call (the same
+        view objects on every call of a token count: change their values, never their shape
+        or strides in place).
 
         Raises ``PeerTimeoutError`` when an earlier call's wait timed out (the workspace is
         unusable from then on: its ranks' epochs no longer agree)."""
@@ -249,8 +254,14 @@ class SymmA2ABackend(SymmBackend, DcpBackend):
         T = out.shape[0]
         if T > self.max_tokens:
             raise ValueError(f"symm_a2a: T={T} exceeds max_tokens={self.max_tokens}")
-        o = self.res if res is None else res
-        l = self.res_lse if res_lse is None else res_lse
+        if res is None or res_lse is None:
+            views = self._views.get(T)
+            if views is None:
+                views = self._views[T] = (self.res[:T], self.res_lse[:T])
+            o = views[0] if res is None else res
+            l = views[1] if res_lse is None else res_lse
+        else:
+            o, l = res, res_lse
         dyn = (out, lse, o, l)
         # The first call of a token count and alignment launches through ``launch_merge`` and
         # Triton's JIT; later ones through the kernel it compiled (``compiled_launch``).
@@ -260,4 +271,4 @@ class SymmA2ABackend(SymmBackend, DcpBackend):
                                  world_size=self.world_size, num_heads=self.num_heads,
                                  layout=self.layout, n_programs_max=self.n_programs_max,
                                  pdl=self.pdl, config=self.config), dyn)
-        return (o[:T] if res is None else o), (l[:T] if res_lse is None else l)
+        return o, l
