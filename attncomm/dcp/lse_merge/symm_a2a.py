@@ -14,7 +14,7 @@ import torch
 
 from ... import _triton
 from ... import config as env
-from ...compiled_launch import alignment_key
+from ...compiled_launch import aligned
 from ...symm import ll_rows_for, num_warps, plan_blocks, use_ll
 from ...symm_regions import Slab
 from ..exchange import SymmBackend
@@ -262,11 +262,18 @@ class SymmA2ABackend(SymmBackend, DcpBackend):
             l = views[1] if res_lse is None else res_lse
         else:
             o, l = res, res_lse
-        dyn = (out, lse, o, l)
         # The first call of a token count and alignment launches through ``launch_merge`` and
-        # Triton's JIT; later ones through the kernel it compiled (``compiled_launch``).
+        # Triton's JIT; later ones through the kernel it compiled (``compiled_launch``), with
+        # the addresses read once for the key and the launch; replayed only when every one is
+        # a CUDA address (the kernel takes it as it is).
+        ptrs = (out.data_ptr(), lse.data_ptr(), o.data_ptr(), l.data_ptr())
+        key = (T, *aligned(ptrs))
+        if out.is_cuda and lse.is_cuda and o.is_cuda and l.is_cuda \
+                and self._launches.replay(key, ptrs):
+            return o, l
+        dyn = (out, lse, o, l)
         self._launches.launch(
-            (T, *alignment_key(dyn)),
+            key,
             lambda: launch_merge(*dyn, slab=self.slab, rank=self.rank,
                                  world_size=self.world_size, num_heads=self.num_heads,
                                  layout=self.layout, n_programs_max=self.n_programs_max,
