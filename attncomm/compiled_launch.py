@@ -8,8 +8,9 @@ the same answer every time. ``LaunchCache`` lets the wrapper (``launch_merge``,
 ``launch_gather``) launch the first time a key is seen, through the JIT, records the compiled
 kernel and the arguments the wrapper passed, and launches later calls with the same key through
 the compiled kernel's launcher, with the call's tensors in place of the recorded ones: the same
-kernel, the same bits, the JIT's per-launch work left out (the Ulysses fill launches this way
-too, through ``replay`` with the addresses it read for its own per-call key).
+kernel, the same bits, the JIT's per-launch work left out (the Ulysses fill and the DCP merge
+launch this way too, through ``replay`` with the addresses they read for their own per-call
+key).
 
 The caller's key must fix everything the wrapper derives from the call besides the changing
 tensors' addresses (the token count) and what Triton specializes those tensors on (each one's
@@ -26,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["LaunchCache", "alignment_key", "hooked", "capturing", "REPLAY"]
+__all__ = ["LaunchCache", "alignment_key", "aligned", "hooked", "capturing", "REPLAY"]
 
 _MAX_KEYS = 1024
 #: Replay recorded launches (False: every launch through the wrapper and Triton's JIT, for an
@@ -36,7 +37,12 @@ REPLAY = True
 
 def alignment_key(tensors: Sequence[torch.Tensor]) -> tuple:
     """Whether each tensor's address is 16-byte aligned (what Triton specializes pointers on)."""
-    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
+    return aligned([t.data_ptr() for t in tensors])
+
+
+def aligned(addresses: Sequence[int]) -> tuple:
+    """``alignment_key`` of addresses already read (for ``LaunchCache.replay``'s callers)."""
+    return tuple([p % 16 == 0 for p in addresses])
 
 
 class _Recorder:

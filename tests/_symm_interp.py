@@ -272,14 +272,20 @@ def run_backend_w1() -> None:
                                config=CONFIG)
         epoch0 = int(b.ws.state[0])
         assert epoch0 >= 1, "warm-up ran no merge"
-        for T in (1, 4, 6):
+        views = {}
+        for T in (1, 4, 6, 4, 1):  # a token count again: its views, holding the new result
             out = torch.randn(T, 3, 16).to(torch.bfloat16)
             lse = torch.randn(T, 3)
             got, got_lse = b(out, lse)
             ref, ref_lse = combine_torch(out[None], lse[None], torch.bfloat16)
             assert torch.equal(got.float(), ref.float()), "W=1 merge is not the identity"
             assert torch.allclose(got_lse, ref_lse)
-        assert int(b.ws.state[0]) == epoch0 + 3
+            assert got.data_ptr() == b.res.data_ptr() and got_lse.data_ptr() == \
+                b.res_lse.data_ptr(), "the result is not a view of the internal buffers"
+            first = views.setdefault(T, (got, got_lse))
+            assert first[0] is got and first[1] is got_lse, \
+                f"T={T}: a new view object on a later call"
+        assert int(b.ws.state[0]) == epoch0 + 5
         from attncomm import PeerTimeoutError
         b.ws.errors[0] = 1  # as a kernel's timed-out wait for peer 0 leaves it
         try:

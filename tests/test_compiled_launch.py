@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from attncomm import compiled_launch
-from attncomm.compiled_launch import LaunchCache, alignment_key
+from attncomm.compiled_launch import LaunchCache, aligned, alignment_key
 
 
 class _Device:
@@ -156,6 +156,7 @@ def test_defaults_fill_parameters_the_wrapper_left_out():
 
 def test_alignment_key():
     assert alignment_key([_Tensor(0), _Tensor(8), _Tensor(32)]) == (True, False, True)
+    assert aligned((0, 8, 32, 48, 4)) == (True, False, True, True, False)
 
 
 def test_hooked_reads_triton_hook_chains():

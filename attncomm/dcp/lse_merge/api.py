@@ -56,6 +56,8 @@ def shard_kv_interleaved(seq_len: int, world_size: int, rank: int) -> torch.Tens
 def lse_to_e(lse: torch.Tensor, lse_base: str) -> torch.Tensor:
     """``lse`` as contiguous fp32 in base e (``lse`` itself when it already is; else a new
     tensor: the input is never modified)."""
+    if lse_base == "e" and lse.dtype == torch.float32 and lse.is_contiguous():
+        return lse  # the common case, with no aten call
     lse = lse.float()
     if lse_base == "2":
         lse = lse * LN2
@@ -159,9 +161,10 @@ class DcpMerger(PreallocatedExchange):
     ``merger(out [T, H, D], lse [T, H], return_lse=False)`` → ``[T, H/W, D]`` (+ ``[T, H/W]`` fp32
     LSE). Per-call checks are local only (no collective; once per signature of shapes, dtypes
     and devices), so calls can be captured. Outputs of a backend with ``returns_views`` alias
-    internal buffers until the next call. Under ``torch.compile`` a call is the custom op
-    ``attncomm::dcp_merger`` (``dcp/ops.py``), which finds this merger by ``op_name`` and
-    returns new tensors of the graph.
+    internal buffers until the next call (the same view objects on every call of a token
+    count: change their values, never their shape or strides in place). Under
+    ``torch.compile`` a call is the custom op ``attncomm::dcp_merger`` (``dcp/ops.py``), which
+    finds this merger by ``op_name`` and returns new tensors of the graph.
 
     Attributes:
         backend: the backend used for ``max_tokens``; ``backend_for(T)`` for a token count.
