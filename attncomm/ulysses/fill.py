@@ -51,7 +51,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import _triton
-from ..compiled_launch import LaunchCache, alignment_key
+from ..compiled_launch import LaunchCache, aligned, alignment_key
 from . import fp8 as _fp8
 from .fill_descriptor import Desc, descriptor, usable
 
@@ -383,7 +383,7 @@ def _launch(lay: _LaunchLayout, xs: Sequence, base: torch.Tensor, starts: tuple,
     fast = None if None in ptrs else (
         starts, x0.stride(), x1.stride(), x2.stride(),
         (c.stride(), s.stride()) if lay.rope else None, x0.dtype, x1.dtype, x2.dtype,
-        base.dtype, c.dtype, s.dtype, tuple([p % 16 == 0 for p in ptrs]))
+        base.dtype, c.dtype, s.dtype, aligned(ptrs))
     if fast is not None:
         got = lay.replays.get(fast)
         if got is not None:
@@ -397,13 +397,12 @@ def _launch(lay: _LaunchLayout, xs: Sequence, base: torch.Tensor, starts: tuple,
     if desc.entries:
         args = (x0, x1, x2, base, desc.table, w0, w1, w2, c, s)
         grid = (triton_cdiv(lay.s_r, lay.block_s) * desc.entries, lay.b)
-        aligned = desc.aligned and base.data_ptr() % 16 == 0
+        rows16 = desc.aligned and base.data_ptr() % 16 == 0  # every base and pitch
         full = desc.full and lay.s_r % lay.block_s == 0
-
         cap = {"maxnreg": _MAXNREG[full]} if lay.capped else {}
 
         def launch() -> None:
-            _fk.fill_kernel[grid](*args, ALIGNED=aligned, SPEC=desc.spec, ENTRIES=desc.entries,
+            _fk.fill_kernel[grid](*args, ALIGNED=rows16, SPEC=desc.spec, ENTRIES=desc.entries,
                                   FULL=full, **lay.consts, **cap)
 
         # What Triton specializes the changing arguments on (each pointer's dtype and 16-byte
@@ -411,7 +410,7 @@ def _launch(lay: _LaunchLayout, xs: Sequence, base: torch.Tensor, starts: tuple,
         # layout). The sources' and destination's dtypes belong to the layout, but a caller
         # can hand over others: in the key, they get a kernel of their own instead of one
         # compiled for the first.
-        key = (desc.spec, desc.entries, aligned, full, alignment_key(args), x0.dtype, x1.dtype,
+        key = (desc.spec, desc.entries, rows16, full, alignment_key(args), x0.dtype, x1.dtype,
                x2.dtype, base.dtype, c.dtype, s.dtype)
         lay.launches.launch(key, launch, args)
     # Not for a descriptor derived inside capture (its table is written only when the graph
