@@ -281,6 +281,11 @@ HEADS_PER_PROGRAM = 2
 #: (a layout conversion through shared memory): see benchmarks/results/ulysses-fill-*.md.
 ROPE_BCAST = True
 
+#: The register cap of a capped launch (``_LaunchLayout.capped``) by whether its blocks are
+#: full (the kernel's ``FULL``, no masks): the least with no spill on sm_90 at the default
+#: launch shape. Unmasked, the loads issue earlier and hold more registers: 64 spills there
+#: (40-48 bytes) and runs the bf16 norm fill 34 % slower than 72
+#: (benchmarks/results/fill-grid-full-ab-2026-12-03-nvidia-h200.md).
 _MAXNREG = {False: 64, True: 72}
 
 
@@ -324,12 +329,13 @@ class _LaunchLayout:
                 == (default_block_s(d), HEADS_PER_PROGRAM, LAUNCH_OPTIONS["num_warps"])
                 and x0.device.type == "cuda"
                 and torch.cuda.get_device_capability(x0.device) == (9, 0)):
-            # At the default launch shape the norm/RoPE fills need 76 (bf16 payload) and 86
-            # (FP8) registers per thread on sm_90, which leaves room for 24 and 20 warps per
-            # SM; 64 is the least with no spill, and leaves room for 32 (measured on an H200:
-            # benchmarks/results/fill-regs64-ab-2026-12-03-nvidia-h200.md). Other shapes, and
-            # other GPUs, where it is not measured, keep what the compiler picks: a cap there
-            # may spill.
+            # At the default launch shape the masked norm/RoPE fills need 76 (bf16 payload)
+            # and 86 (FP8) registers per thread on sm_90, which leaves room for 24 and 20
+            # warps per SM; 64 is the least with no spill, and leaves room for 32 (measured on
+            # an H200: benchmarks/results/fill-regs64-ab-2026-12-03-nvidia-h200.md); the
+            # unmasked ones need 89 and 72, capped at 72 (_MAXNREG). Other shapes, and other
+            # GPUs, where it is not measured, keep what the compiler picks: a cap there may
+            # spill.
             self.capped = True
         if self.fp8:
             self.consts.update(_fp8_epilogue(x0.device, normed))
