@@ -282,10 +282,10 @@ HEADS_PER_PROGRAM = 2
 ROPE_BCAST = True
 
 #: The register cap of a capped launch (``_LaunchLayout.capped``) by whether its blocks are
-#: full (the kernel's ``FULL``, no masks): the least with no spill on sm_90 at the default
-#: launch shape. Unmasked, the loads issue earlier and hold more registers: 64 spills there
-#: (40-48 bytes) and runs the bf16 norm fill 34 % slower than 72
-#: (benchmarks/results/fill-grid-full-ab-2026-12-03-nvidia-h200.md).
+#: full (the kernel's ``FULL``, no masks). Unmasked, the loads issue earlier and hold more
+#: registers: 64 spills 40-48 bytes there and runs the bf16 norm fill 34 % slower than 72, the
+#: least with no spill (benchmarks/results/fill-grid-full-ab-2026-12-03-nvidia-h200.md and
+#: fill-grid-full-regs-2026-12-03-sm90.md).
 _MAXNREG = {False: 64, True: 72}
 
 
@@ -329,13 +329,13 @@ class _LaunchLayout:
                 == (default_block_s(d), HEADS_PER_PROGRAM, LAUNCH_OPTIONS["num_warps"])
                 and x0.device.type == "cuda"
                 and torch.cuda.get_device_capability(x0.device) == (9, 0)):
-            # At the default launch shape the masked norm/RoPE fills need 76 (bf16 payload)
-            # and 86 (FP8) registers per thread on sm_90, which leaves room for 24 and 20
-            # warps per SM; 64 is the least with no spill, and leaves room for 32 (measured on
-            # an H200: benchmarks/results/fill-regs64-ab-2026-12-03-nvidia-h200.md); the
-            # unmasked ones need 89 and 72, capped at 72 (_MAXNREG). Other shapes, and other
-            # GPUs, where it is not measured, keep what the compiler picks: a cap there may
-            # spill.
+            # At the default launch shape the compiler gives the masked norm/RoPE fills 76
+            # (bf16 payload) and 72 (FP8) registers per thread on sm_90; a 64 cap leaves room
+            # for 32 warps per SM and spills 8 bytes. On an H200 it made them 4-9 % faster
+            # (benchmarks/results/fill-regs64-ab-2026-12-03-nvidia-h200.md, measured with the
+            # grid's row blocks fastest, where it spilled nothing). The unmasked ones
+            # get 89 and 72, capped at 72 (_MAXNREG). Other shapes, and other GPUs, where it
+            # is not measured, keep what the compiler picks: a cap there may spill more.
             self.capped = True
         if self.fp8:
             self.consts.update(_fp8_epilogue(x0.device, normed))

@@ -162,7 +162,8 @@ class DcpMerger(PreallocatedExchange):
     LSE). Per-call checks are local only (no collective; once per signature of shapes, dtypes
     and devices), so calls can be captured. Outputs of a backend with ``returns_views`` alias
     internal buffers until the next call (the same view objects on every call of a token
-    count: change their values, never their shape or strides in place). Under
+    count: change their values, never their shape or strides in place, and copy them before an
+    in-place op that autograd records). Under
     ``torch.compile`` a call is the custom op ``attncomm::dcp_merger`` (``dcp/ops.py``), which
     finds this merger by ``op_name`` and returns new tensors of the graph.
 
