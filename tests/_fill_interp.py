@@ -30,8 +30,26 @@ CASES = [
     (5, 12, 3, 8, 1, 7, torch.bfloat16, True, True, "sliced"),
     (2, 3, 3, 2, 1, 0, torch.bfloat16, True, True, "dense"),          # empty shard
     (3, 8, 2, 8, 1, 9, torch.float32, True, True, "dense"),           # fp32 norm + RoPE
-    (2, 4, 4, 16, 1, 64, torch.bfloat16, True, True, "dense"),       # full blocks: no masks
 ]
+#: Every block full with one head group (64 rows, the default block for D=16; 2 heads of each
+#: part per destination): the unmasked kernel (``FULL``). With two groups, entries of 1 head.
+FULL_CASE = (2, 4, 4, 16, 2, 64, torch.bfloat16, True, True, "sliced")
+CASES.append(FULL_CASE)
+
+
+class _FullSpy:
+    """Stands in for ``fill_kernel`` and records each launch's ``FULL``."""
+
+    def __init__(self, kernel):
+        self.kernel, self.full = kernel, []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.full.append(kwargs["FULL"])
+            return launch(*args, **kwargs)
+        return run
 
 
 def _make(g, shape, dtype, layout):
@@ -74,6 +92,19 @@ def _poison(g, xs):
 
 def run_case(seed, w, hq, hkv, d, b, s_r, dtype, norm, rope, layout, groups, weights="mixed",
              payload=None):
+    spy = fill_kernels.fill_kernel = _FullSpy(fill_kernels.fill_kernel)
+    try:
+        bad = _run_case(seed, w, hq, hkv, d, b, s_r, dtype, norm, rope, layout, groups, weights,
+                        payload)
+    finally:
+        fill_kernels.fill_kernel = spy.kernel
+    want = (w, hq, hkv, d, b, s_r, dtype, norm, rope, layout) == FULL_CASE and groups == 1
+    if s_r and spy.full != [want] * len(spy.full):
+        bad.append(f"FULL {spy.full}, want {want}")
+    return bad
+
+
+def _run_case(seed, w, hq, hkv, d, b, s_r, dtype, norm, rope, layout, groups, weights, payload):
     g = torch.Generator()
     g.manual_seed(seed)
     q, k, v = (_make(g, (b, s_r, h, d), dtype, layout) for h in (hq, hkv, hkv))

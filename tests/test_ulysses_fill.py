@@ -125,8 +125,9 @@ def test_fill_kernel_ptx_has_no_fma():
     assert proc.returncode == 0, proc.stderr[-3000:]
     ptx = json.loads(proc.stdout)
     assert re.search(r"\bfma\.", ptx["fused"]), "the check cannot fail: FMA never appears"
-    assert not re.search(r"\bfma\.", ptx["launched"])
-    assert "sqrt.rn.f32" in ptx["launched"] and "div.rn.f32" in ptx["launched"]
+    for name in ("launched", "launched_full"):  # masked, and on full blocks (unmasked)
+        assert not re.search(r"\bfma\.", ptx[name]), name
+        assert "sqrt.rn.f32" in ptx[name] and "div.rn.f32" in ptx[name], name
 
 
 @pytest.mark.slow
@@ -143,14 +144,14 @@ def test_fill_kernel_fp8_ptx():
     proc = subprocess.run([sys.executable, os.path.join(HERE, "_fill_ptx.py"), "fp8"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ptx = json.loads(proc.stdout)["fp8"]
-    # each conversion takes two elements and is there twice (the PTX branch, the div_rn one)
-    cvts = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx))
-    assert cvts > 0 and len(re.findall(r"\bfma\.", ptx)) == 2 * cvts
-    assert len(re.findall(r"\bfma\.rn\.f32", ptx)) == 2 * cvts
-    assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx
-    assert re.search(r"st\.global(\.\w+)*\.b32", ptx), "no 32-bit store of the scales"
-    assert not re.search(r"st\.global(\.\w+)*\.[bu]8", ptx), "byte stores: no alignment hint"
+    for name, ptx in json.loads(proc.stdout).items():  # masked, and on full blocks
+        # each conversion takes two elements and is there twice (the PTX branch, the div_rn one)
+        cvts = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx))
+        assert cvts > 0 and len(re.findall(r"\bfma\.", ptx)) == 2 * cvts, name
+        assert len(re.findall(r"\bfma\.rn\.f32", ptx)) == 2 * cvts, name
+        assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx, name
+        assert re.search(r"st\.global(\.\w+)*\.b32", ptx), f"{name}: no 32-bit store of the scales"
+        assert not re.search(r"st\.global(\.\w+)*\.[bu]8", ptx), f"{name}: byte stores"
 
 
 def test_descriptor_derived_on_the_device_equals_the_uploaded_one():
