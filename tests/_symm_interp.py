@@ -286,6 +286,21 @@ def run_backend_w1() -> None:
             assert first[0] is got and first[1] is got_lse, \
                 f"T={T}: a new view object on a later call"
         assert int(b.ws.state[0]) == epoch0 + 5
+        # The backend takes contiguous inputs and a contiguous fp32 base-e LSE as they are
+        # (DcpBackend's contract); the merger converts what a caller hands it: a strided out,
+        # a strided bf16 base-2 LSE.
+        from attncomm.dcp import DcpMerger
+        from attncomm.dcp.lse_merge.api import LN2
+        m = DcpMerger(max_tokens=6, num_heads=3, head_dim=16, dtype=torch.bfloat16,
+                      backend="reference", lse_base="2")
+        m._impl = b
+        out = torch.randn(3, 5, 16).to(torch.bfloat16).transpose(0, 1)
+        lse2 = torch.randn(3, 5).to(torch.bfloat16).t()
+        got, got_lse = m(out, lse2, return_lse=True)
+        ref, ref_lse = combine_torch(out[None].contiguous(), (lse2.float() * LN2)[None],
+                                     torch.bfloat16)
+        assert torch.equal(got.float(), ref.float()), "strided out through the merger"
+        assert torch.allclose(got_lse, ref_lse / LN2), "base-2 LSE through the merger"
         from attncomm import PeerTimeoutError
         b.ws.errors[0] = 1  # as a kernel's timed-out wait for peer 0 leaves it
         try:
