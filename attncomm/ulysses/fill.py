@@ -403,7 +403,8 @@ def _launch(lay: _LaunchLayout, xs: Sequence, base: torch.Tensor, starts: tuple,
     if desc.entries:
         args = (x0, x1, x2, base, desc.table, w0, w1, w2, c, s)
         grid = (triton_cdiv(lay.s_r, lay.block_s) * desc.entries, lay.b)
-        rows16 = desc.aligned and base.data_ptr() % 16 == 0  # every base and pitch
+        # every region base and pitch, and the buffer itself, 16-element aligned
+        rows16 = desc.aligned and base.data_ptr() % 16 == 0
         full = desc.full and lay.s_r % lay.block_s == 0
         cap = {"maxnreg": _MAXNREG[full]} if lay.capped else {}
 

@@ -248,10 +248,10 @@ def _divided_bytes(dst, f1, f2, mask, DTYPE: tl.constexpr, HALF: tl.constexpr,
 def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl.constexpr,
                HW_E4M3: tl.constexpr, PTX: tl.constexpr = False, EXACT: tl.constexpr = False):
     """The FP8 epilogue: rows ``[BLOCK_S, HB, D]`` (two fp32 halves) → e4m3 bytes at byte
-    offsets ``rofs [BLOCK_S, HB]`` (``rmask``: the live rows) and each row's fp32 scale after
-    its ``2·HALF`` bytes. ``EXACT``: the halves already hold values of ``DTYPE`` (rounding them
-    to it changes nothing); ``PTX``: the sm_89+ path's quotients and bytes come from
-    ``_ptx_bytes`` (a GPU: the interpreter runs no PTX)."""
+    offsets ``rofs [BLOCK_S, HB]`` (``rmask``: the live rows, None when all are) and each
+    row's fp32 scale after its ``2·HALF`` bytes. ``EXACT``: the halves already hold values of
+    ``DTYPE`` (rounding them to it changes nothing); ``PTX``: the sm_89+ path's quotients and
+    bytes come from ``_ptx_bytes`` (a GPU: the interpreter runs no PTX)."""
     dst = out_ptr + rofs[:, :, None] + cols[None, None, :]
     if rmask is None:  # every row live
         mask = None
