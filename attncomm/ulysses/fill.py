@@ -417,7 +417,7 @@ def _launch(lay: _LaunchLayout, xs: Sequence, base: torch.Tensor, starts: tuple,
         # layout). The sources' and destination's dtypes belong to the layout, but a caller
         # can hand over others: in the key, they get a kernel of their own instead of one
         # compiled for the first.
-        key = (desc.spec, desc.entries, rows16, full, alignment_key(args), x0.dtype, x1.dtype,
+        key = (desc.spec, desc.entries, rows16, alignment_key(args), x0.dtype, x1.dtype,
                x2.dtype, base.dtype, c.dtype, s.dtype)
         lay.launches.launch(key, launch, args)
     # Not for a descriptor derived inside capture (its table is written only when the graph

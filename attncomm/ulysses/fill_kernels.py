@@ -369,12 +369,9 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
     hh = tl.arange(0, HB)
     cols = tl.arange(0, HALF)
     # FULL (the host checked: S_r a multiple of BLOCK_S, every entry HB heads): no program
-    # has a row or head to skip, so nothing is masked (a masked load zeroes its registers
-    # first, an instruction per load that the unmasked one does without).
-    if FULL:
-        mask = None
-    else:
-        mask = (rows[:, None, None] < S) & (hh[None, :, None] < nh)
+    # has a row or head to skip, so nothing is masked here or below (a masked load zeroes its
+    # registers first, an instruction per load that the unmasked one does without).
+    mask = None if FULL else (rows[:, None, None] < S) & (hh[None, :, None] < nh)
     if part == 0:
         f1, f2 = _halves(x0, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF)
     elif part == 1:
@@ -404,10 +401,7 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
     if ANY_ROPE:  # cos/sin of the block's rows: loaded once for the program's HB heads
         if (flags >> (2 * part + 1)) & 1:
             if ROPE_BCAST:  # pointers broadcast over the heads: f1's layout, no shuffle
-                if FULL:
-                    rmask = None
-                else:
-                    rmask = (rows[:, None, None] < S) & (hh[None, :, None] >= 0)
+                rmask = None if FULL else (rows[:, None, None] < S) & (hh[None, :, None] >= 0)
                 cr = (cos_ptr + rows[:, None, None] * scs + hh[None, :, None] * 0
                       + cols[None, None, :] * scd)
                 sr = (sin_ptr + rows[:, None, None] * sss + hh[None, :, None] * 0
@@ -417,10 +411,7 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
                 s1 = tl.load(sr, mask=rmask).to(tl.float32)
                 s2 = tl.load(sr + HALF * ssd, mask=rmask).to(tl.float32)
             else:
-                if FULL:
-                    rmask = None
-                else:
-                    rmask = rows[:, None] < S
+                rmask = None if FULL else rows[:, None] < S
                 cr = cos_ptr + rows[:, None] * scs + cols[None, :] * scd
                 sr = sin_ptr + rows[:, None] * sss + cols[None, :] * ssd
                 c1 = tl.load(cr, mask=rmask).to(tl.float32)[:, None, :]
@@ -435,10 +426,7 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
             f2 = g2
     if FP8:
         rofs = base + b * bpitch + rows[:, None] * pitch + hh[None, :] * (2 * HALF + 4)
-        if FULL:
-            rmask = None
-        else:
-            rmask = (rows[:, None] < S) & (hh[None, :] < nh)
+        rmask = None if FULL else (rows[:, None] < S) & (hh[None, :] < nh)
         _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, x0.dtype.element_ty, HALF, HW_E4M3, PTX,
                    EXACT)
     else:
