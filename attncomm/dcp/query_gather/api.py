@@ -238,9 +238,16 @@ class DcpQueryGather(PreallocatedExchange):
 
     @staticmethod
     def _rope_f32(rope):
+        # ``(cos, sin)`` as the backends take them: fp32, contiguous. The caller's own tensors
+        # when they already are, tested on their attributes (``to`` and ``contiguous`` would
+        # return them too, through four calls into torch); else new tensors.
         if rope is None:
             return None, None
-        return (rope[0].to(torch.float32).contiguous(), rope[1].to(torch.float32).contiguous())
+        cos, sin = rope
+        if cos.dtype == torch.float32 and sin.dtype == torch.float32 and cos.is_contiguous() \
+                and sin.is_contiguous():
+            return cos, sin
+        return cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
 
     def _empty(self, q):
         return torch.empty((0, self.num_heads, self.head_dim), dtype=self.out_dtype,
