@@ -112,7 +112,9 @@ class DcpQueryGather(PreallocatedExchange):
         timeout_s: wait budget (None → ``ATTNCOMM_TIMEOUT_S``).
 
     ``gather(q [T, H/W, D], rope=None)`` → ``[T, H, D]`` in ``out_dtype``, a view of a
-    persistent buffer; ``rope=(cos, sin)`` each ``[T, rope_dim]`` is required iff ``rope_dim >
+    persistent buffer (with ``symm`` the same view object on every call of a token count: change
+    its values, never its shape or strides in place, and copy it before an in-place op that
+    autograd records); ``rope=(cos, sin)`` each ``[T, rope_dim]`` is required iff ``rope_dim >
     0``. Per-call checks are local (no collective; once per signature), so calls can be
     captured. Under ``torch.compile`` a call is the custom op ``attncomm::dcp_query_gather``
     (``dcp/ops.py``): a new tensor of the graph, copied from the buffer.

@@ -102,8 +102,9 @@ class SymmGatherBackend(SymmBackend, QueryGatherBackend):
     next call or at ``check()``.
 
     Returns a view of ``OUT[:T]`` (``[T, H, D]``), valid until this rank's next call is
-    enqueued. Constraints: CUDA, every rank on one host with P2P between every pair, torch
-    SymmetricMemory, Triton; issue the calls of one group on one stream.
+    enqueued; the same view object on every call of a token count. Constraints: CUDA, every
+    rank on one host with P2P between every pair, torch SymmetricMemory, Triton; issue the calls
+    of one group on one stream.
     """
 
     name = "symm"
@@ -123,6 +124,9 @@ class SymmGatherBackend(SymmBackend, QueryGatherBackend):
         self.out = self.ws.slab[:self.layout.region_bytes()["out"]].view(self.out_dtype)[
             :self.max_tokens * self.num_heads * self.head_dim].view(
             self.max_tokens, self.num_heads, self.head_dim)
+        #: token count → the view of ``out`` a call returns or copies from (made once: a slice
+        #: is an aten call)
+        self._views: dict = {}
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -159,4 +163,7 @@ class SymmGatherBackend(SymmBackend, QueryGatherBackend):
                                   ordered=self.ordered, q_scale=scale), dyn)
         if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.ws.check()
-        return self.out[:T] if into is None else into.copy_(self.out[:T])
+        view = self._views.get(T)
+        if view is None:
+            view = self._views[T] = self.out[:T]
+        return view if into is None else into.copy_(view)
