@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ... import _triton
-from ...compiled_launch import alignment_key
+from ...compiled_launch import aligned
 from ...symm import ll_rows_for, num_warps, plan_blocks, use_ll
 from ...symm_regions import Slab
 from ..exchange import SymmBackend
@@ -153,14 +153,23 @@ class SymmGatherBackend(SymmBackend, QueryGatherBackend):
         scale = self.q_scale if self.fp8 else None
         # The tensors ``launch_gather`` passes first (q stands in for what is not read); the
         # first call of a token count and alignment launches through it and Triton's JIT,
-        # later ones through the kernel it compiled (``compiled_launch``).
-        dyn = (q, q if cos is None else cos, q if sin is None else sin,
-               q if scale is None else scale)
-        self._launches.launch(
-            (T, *alignment_key(dyn)),
-            lambda: launch_gather(q, cos, sin, slab=self.slab, rank=self.rank,
-                                  layout=self.layout, n_programs_max=self.n_programs_max,
-                                  ordered=self.ordered, q_scale=scale), dyn)
+        # later ones through the kernel it compiled (``compiled_launch``), with the addresses
+        # read once for the key and the launch; replayed only when every one is a CUDA address
+        # (the kernel takes it as it is).
+        c = q if cos is None else cos
+        s = q if sin is None else sin
+        k = q if scale is None else scale
+        p = q.data_ptr()
+        ptrs = (p, p if cos is None else c.data_ptr(), p if sin is None else s.data_ptr(),
+                p if scale is None else k.data_ptr())
+        key = (T, *aligned(ptrs))
+        if not (q.is_cuda and c.is_cuda and s.is_cuda and k.is_cuda
+                and self._launches.replay(key, ptrs)):
+            self._launches.launch(
+                key,
+                lambda: launch_gather(q, cos, sin, slab=self.slab, rank=self.rank,
+                                      layout=self.layout, n_programs_max=self.n_programs_max,
+                                      ordered=self.ordered, q_scale=scale), (q, c, s, k))
         if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.ws.check()
         view = self._views.get(T)
