@@ -259,12 +259,14 @@ def run_backend_w1() -> None:
         assert torch.equal(_bits(got), _bits(rotate_tail(q[0], c16.float(), s16.float()))), \
             "bf16 cos/sin: not the bits of their fp32 values"
         assert int(ws.state[0]) == epoch0 + 7
-        ws.errors[0] = 1
-        try:
-            g.check()
-            raise AssertionError("no PeerTimeoutError")
-        except PeerTimeoutError as exc:
-            assert exc.peer_ranks == [0], exc
+        ws.errors[0] = 1  # as a kernel's timed-out wait for peer 0 leaves it
+        for what, call in (("the next call", lambda: g(q[0], rope=(cos, sin))),
+                           ("check()", g.check)):
+            try:
+                call()
+                raise AssertionError(f"{what}: no PeerTimeoutError")
+            except PeerTimeoutError as exc:
+                assert exc.peer_ranks == [0], (what, exc)
         scale = torch.rand(3, generator=gen) / 50 + 0.01
         g8 = DcpQueryGather(max_tokens=5, num_heads=3, head_dim=16, dtype=torch.bfloat16,
                             backend="symm", rope_dim=4, out_dtype=torch.float8_e4m3fn,

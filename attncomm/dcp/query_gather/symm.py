@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ... import _triton
-from ...compiled_launch import aligned
+from ...compiled_launch import aligned, capturing
 from ...symm import ll_rows_for, num_warps, plan_blocks, use_ll
 from ...symm_regions import Slab
 from ..exchange import SymmBackend
@@ -170,7 +170,10 @@ class SymmGatherBackend(SymmBackend, QueryGatherBackend):
                 lambda: launch_gather(q, cos, sin, slab=self.slab, rank=self.rank,
                                       layout=self.layout, n_programs_max=self.n_programs_max,
                                       ordered=self.ordered, q_scale=scale), (q, c, s, k))
-        if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # A wait of an earlier call that timed out raises here, after this call's launch,
+        # unless the stream is capturing (then at the next eager call or ``check()``); whether
+        # it captures is asked only when there is something to raise.
+        if self.ws.failures.failed() and not capturing(q):
             self.ws.check()
         view = self._views.get(T)
         if view is None:
