@@ -258,7 +258,16 @@ def run_backend_w1() -> None:
         got = g(q[0], rope=(c16, s16))
         assert torch.equal(_bits(got), _bits(rotate_tail(q[0], c16.float(), s16.float()))), \
             "bf16 cos/sin: not the bits of their fp32 values"
-        assert int(ws.state[0]) == epoch0 + 7
+        # into a new tensor (dcp.gather_heads' path): a clone of OUT, kept by the next call
+        firsts = []
+        for T in (3, 3):
+            q, (cos, sin) = _make(gen, 1, T, 3, 16, 4, torch.bfloat16)
+            got = g.into(q[0], (cos, sin))
+            assert got.is_contiguous() and got.data_ptr() != g._impl.out.data_ptr()
+            firsts.append((got, _bits(rotate_tail(q[0], cos, sin)).clone()))
+        for got, want in firsts:
+            assert torch.equal(_bits(got), want), "into a new tensor: not the call's bits"
+        assert int(ws.state[0]) == epoch0 + 9
         ws.errors[0] = 1  # as a kernel's timed-out wait for peer 0 leaves it
         for what, call in (("the next call", lambda: g(q[0], rope=(cos, sin))),
                            ("check()", g.check)):

@@ -230,12 +230,14 @@ class DcpQueryGather(PreallocatedExchange):
             key = None
         self._accept(key, q, rope)
 
-    def into(self, q: torch.Tensor, rope, dest: torch.Tensor) -> torch.Tensor:
-        """Gather into ``dest``, a caller-owned contiguous ``[T, H, D]`` tensor of ``out_dtype``
-        (the call's arguments already ``accept``-ed); returns it. Bit for bit the view a call
-        returns."""
+    def into(self, q: torch.Tensor, rope, dest: torch.Tensor | None = None) -> torch.Tensor:
+        """Gather into ``dest``, a caller-owned contiguous ``[T, H, D]`` tensor of ``out_dtype``,
+        or (None) into a new one (the call's arguments already ``accept``-ed); returns it. Bit
+        for bit the view a call returns."""
         if q.shape[0] == 0:
-            return dest
+            return self._empty(q) if dest is None else dest
+        if dest is None:
+            return self._impl.into_new(q.contiguous(), *self._rope_f32(rope))
         return self._impl(q.contiguous(), *self._rope_f32(rope), into=dest)
 
     @staticmethod

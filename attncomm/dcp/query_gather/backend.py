@@ -59,3 +59,12 @@ class QueryGatherBackend(ExchangeBackend):
     def __call__(self, q: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                  into: torch.Tensor | None = None) -> torch.Tensor:
         ...
+
+    def into_new(self, q: torch.Tensor, cos: torch.Tensor | None,
+                 sin: torch.Tensor | None) -> torch.Tensor:
+        """The call's result in a new contiguous ``[T, H, D]`` tensor of ``out_dtype`` (the
+        arguments as ``__call__``'s): here the call into a new tensor. A backend whose call into
+        a tensor copies its own buffer there gives a copy of that buffer (one allocation and
+        copy, without the separate call to allocate)."""
+        return self(q, cos, sin, into=torch.empty((q.shape[0], self.num_heads, self.head_dim),
+                                                  dtype=self.out_dtype, device=self.device))

@@ -179,3 +179,7 @@ class SymmGatherBackend(SymmBackend, QueryGatherBackend):
         if view is None:
             view = self._views[T] = self.out[:T]
         return view if into is None else into.copy_(view)
+
+    def into_new(self, q, cos, sin):
+        """``QueryGatherBackend.into_new``: a clone of the call's view of ``OUT``."""
+        return self(q, cos, sin).clone()
