@@ -150,6 +150,11 @@ class PeerErrors:
                                     f"timeout" + self._budget() + "; the peer did not signal")
         return self.broken is not None
 
+    def failed(self) -> bool:
+        """Whether ``check()`` would raise now: the broken state or a set word (reads the
+        words; no CUDA call, no change of state)."""
+        return self.broken is not None or self._view.tobytes() != self._zero
+
     def check(self) -> None:
         """Raise ``PeerTimeoutError`` if a wait timed out, now or before (reads the words; no
         CUDA call)."""

@@ -236,18 +236,46 @@ def run_backend_w1() -> None:
         epoch0 = int(ws.state[0])
         assert epoch0 >= 2, "warm-up ran fewer than one gather per kernel variant"
         gen = torch.Generator().manual_seed(1)
-        for T in (1, 4, 5, 0):
+        views = {}
+        for T in (1, 4, 5, 4, 1, 0):  # a token count again: its view, holding the new result
             q, (cos, sin) = _make(gen, 1, T, 3, 16, 4, torch.bfloat16)
             got = g(q[0], rope=(cos, sin))
             assert got.shape == (T, 3, 16)
             assert torch.equal(_bits(got), _bits(rotate_tail(q[0], cos, sin))), T
-        assert int(ws.state[0]) == epoch0 + 3
-        ws.errors[0] = 1
-        try:
-            g.check()
-            raise AssertionError("no PeerTimeoutError")
-        except PeerTimeoutError as exc:
-            assert exc.peer_ranks == [0], exc
+            if T:
+                assert got.data_ptr() == g._impl.out.data_ptr(), "not a view of OUT"
+                assert views.setdefault(T, got) is got, f"T={T}: a new view on a later call"
+        assert int(ws.state[0]) == epoch0 + 5
+        # a strided q and strided or bf16 cos/sin: converted by the facade, the same bits
+        q, (cos, sin) = _make(gen, 1, 4, 3, 16, 4, torch.bfloat16)
+        want = _bits(rotate_tail(q[0], cos, sin)).clone()
+        wide = torch.stack((cos, sin), -1).reshape(4, 8)  # cos, sin interleaved: stride 2
+        q_t = q[0].transpose(0, 1).contiguous().transpose(0, 1)
+        assert not (q_t.is_contiguous() or wide[:, 0::2].is_contiguous())
+        got = g(q_t, rope=(wide[:, 0::2], wide[:, 1::2]))
+        assert torch.equal(_bits(got), want), "strided inputs: not the contiguous call's bits"
+        c16, s16 = cos.bfloat16(), sin.bfloat16()
+        got = g(q[0], rope=(c16, s16))
+        assert torch.equal(_bits(got), _bits(rotate_tail(q[0], c16.float(), s16.float()))), \
+            "bf16 cos/sin: not the bits of their fp32 values"
+        # into a new tensor (dcp.gather_heads' path): a clone of OUT, kept by the next call
+        firsts = []
+        for T in (3, 3):
+            q, (cos, sin) = _make(gen, 1, T, 3, 16, 4, torch.bfloat16)
+            got = g.into(q[0], (cos, sin))
+            assert got.is_contiguous() and got.data_ptr() != g._impl.out.data_ptr()
+            firsts.append((got, _bits(rotate_tail(q[0], cos, sin)).clone()))
+        for got, want in firsts:
+            assert torch.equal(_bits(got), want), "into a new tensor: not the call's bits"
+        assert int(ws.state[0]) == epoch0 + 9
+        ws.errors[0] = 1  # as a kernel's timed-out wait for peer 0 leaves it
+        for what, call in (("the next call", lambda: g(q[0], rope=(cos, sin))),
+                           ("check()", g.check)):
+            try:
+                call()
+                raise AssertionError(f"{what}: no PeerTimeoutError")
+            except PeerTimeoutError as exc:
+                assert exc.peer_ranks == [0], (what, exc)
         scale = torch.rand(3, generator=gen) / 50 + 0.01
         g8 = DcpQueryGather(max_tokens=5, num_heads=3, head_dim=16, dtype=torch.bfloat16,
                             backend="symm", rope_dim=4, out_dtype=torch.float8_e4m3fn,

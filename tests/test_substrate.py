@@ -37,9 +37,10 @@ def test_error_words_raise_naming_the_peer_and_stay_broken():
     e = _errors()
     e.check()
     e.ensure_usable()
-    assert e.peers() == [] and not e.poll()
+    assert e.peers() == [] and not e.poll() and not e.failed()
     e.words[3] = 1  # as a kernel's timed-out wait for rank 3 leaves it
     e.ensure_usable()  # does not read the words
+    assert e.failed() and e.broken is None  # reads them, changes nothing
     for _ in range(3):  # broken for good, the same error every time
         with pytest.raises(PeerTimeoutError) as info:
             e.check()
@@ -47,6 +48,7 @@ def test_error_words_raise_naming_the_peer_and_stay_broken():
         assert "rank 3" in str(info.value) and "2 s" in str(info.value)
         assert "unusable" in str(info.value)
     e.words.zero_()  # clearing the word does not make it usable again
+    assert e.failed()
     with pytest.raises(PeerTimeoutError):
         e.ensure_usable()
     e2 = _errors()

@@ -126,12 +126,15 @@ def _compiled_launches(rank, world):
                 bad.append(("merge", T, i))
             q = torch.randn(T, 8, 192, generator=gen, device=dev).to(bf)
             ang = torch.rand(T, 64, generator=gen, device=dev) * 6
-            got = g(q, rope=(ang.cos(), ang.sin()))
-            if not torch.equal(got, rotate_tail(q, ang.cos(), ang.sin())):
+            cos, sin = ang.cos(), ang.sin()
+            got = g(q, rope=(cos, sin))
+            if not torch.equal(got, rotate_tail(q, cos, sin)):
                 bad.append(("gather", T, i))
         key = (T, *alignment_key((out, lse, m._impl.res, m._impl.res_lse)))
         if not m._impl._launches.replayable(key):
             bad.append(("merge not replayed", T))
+        if not g._impl._launches.replayable((T, *alignment_key((q, cos, sin, q)))):
+            bad.append(("gather not replayed", T))
     torch.cuda.synchronize()
     m.check()
     g.check()

@@ -112,7 +112,9 @@ class DcpQueryGather(PreallocatedExchange):
         timeout_s: wait budget (None → ``ATTNCOMM_TIMEOUT_S``).
 
     ``gather(q [T, H/W, D], rope=None)`` → ``[T, H, D]`` in ``out_dtype``, a view of a
-    persistent buffer; ``rope=(cos, sin)`` each ``[T, rope_dim]`` is required iff ``rope_dim >
+    persistent buffer (with ``symm`` the same view object on every call of a token count: change
+    its values, never its shape or strides in place, and copy it before an in-place op that
+    autograd records); ``rope=(cos, sin)`` each ``[T, rope_dim]`` is required iff ``rope_dim >
     0``. Per-call checks are local (no collective; once per signature), so calls can be
     captured. Under ``torch.compile`` a call is the custom op ``attncomm::dcp_query_gather``
     (``dcp/ops.py``): a new tensor of the graph, copied from the buffer.
@@ -228,19 +230,28 @@ class DcpQueryGather(PreallocatedExchange):
             key = None
         self._accept(key, q, rope)
 
-    def into(self, q: torch.Tensor, rope, dest: torch.Tensor) -> torch.Tensor:
-        """Gather into ``dest``, a caller-owned contiguous ``[T, H, D]`` tensor of ``out_dtype``
-        (the call's arguments already ``accept``-ed); returns it. Bit for bit the view a call
-        returns."""
+    def into(self, q: torch.Tensor, rope, dest: torch.Tensor | None = None) -> torch.Tensor:
+        """Gather into ``dest``, a caller-owned contiguous ``[T, H, D]`` tensor of ``out_dtype``,
+        or (None) into a new one (the call's arguments already ``accept``-ed); returns it. Bit
+        for bit the view a call returns."""
         if q.shape[0] == 0:
-            return dest
+            return self._empty(q) if dest is None else dest
+        if dest is None:
+            return self._impl.into_new(q.contiguous(), *self._rope_f32(rope))
         return self._impl(q.contiguous(), *self._rope_f32(rope), into=dest)
 
     @staticmethod
     def _rope_f32(rope):
+        # ``(cos, sin)`` as the backends take them: fp32, contiguous. The caller's own tensors
+        # when they already are, tested on their attributes (``to`` and ``contiguous`` would
+        # return them too, through four calls into torch); else new tensors.
         if rope is None:
             return None, None
-        return (rope[0].to(torch.float32).contiguous(), rope[1].to(torch.float32).contiguous())
+        cos, sin = rope
+        if cos.dtype == torch.float32 and sin.dtype == torch.float32 and cos.is_contiguous() \
+                and sin.is_contiguous():
+            return cos, sin
+        return cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
 
     def _empty(self, q):
         return torch.empty((0, self.num_heads, self.head_dim), dtype=self.out_dtype,

@@ -59,3 +59,12 @@ class QueryGatherBackend(ExchangeBackend):
     def __call__(self, q: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                  into: torch.Tensor | None = None) -> torch.Tensor:
         ...
+
+    def into_new(self, q: torch.Tensor, cos: torch.Tensor | None,
+                 sin: torch.Tensor | None) -> torch.Tensor:
+        """The call's result in a new contiguous ``[T, H, D]`` tensor of ``out_dtype`` (the
+        arguments as ``__call__``'s). By default the call into a new empty tensor; a backend
+        whose call copies out of its own buffer anyway returns a clone of that buffer instead
+        (the same allocation, copy and bits, in one call into torch)."""
+        return self(q, cos, sin, into=torch.empty((q.shape[0], self.num_heads, self.head_dim),
+                                                  dtype=self.out_dtype, device=self.device))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ... import _triton
-from ...compiled_launch import alignment_key
+from ...compiled_launch import aligned, capturing
 from ...symm import ll_rows_for, num_warps, plan_blocks, use_ll
 from ...symm_regions import Slab
 from ..exchange import SymmBackend
@@ -102,8 +102,9 @@ class SymmGatherBackend(SymmBackend, QueryGatherBackend):
     next call or at ``check()``.
 
     Returns a view of ``OUT[:T]`` (``[T, H, D]``), valid until this rank's next call is
-    enqueued. Constraints: CUDA, every rank on one host with P2P between every pair, torch
-    SymmetricMemory, Triton; issue the calls of one group on one stream.
+    enqueued; the same view object on every call of a token count. Constraints: CUDA, every
+    rank on one host with P2P between every pair, torch SymmetricMemory, Triton; issue the calls
+    of one group on one stream.
     """
 
     name = "symm"
@@ -123,6 +124,9 @@ class SymmGatherBackend(SymmBackend, QueryGatherBackend):
         self.out = self.ws.slab[:self.layout.region_bytes()["out"]].view(self.out_dtype)[
             :self.max_tokens * self.num_heads * self.head_dim].view(
             self.max_tokens, self.num_heads, self.head_dim)
+        #: token count → the view of ``out`` a call returns or copies from (made once: a slice
+        #: is an aten call)
+        self._views: dict = {}
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -149,14 +153,33 @@ class SymmGatherBackend(SymmBackend, QueryGatherBackend):
         scale = self.q_scale if self.fp8 else None
         # The tensors ``launch_gather`` passes first (q stands in for what is not read); the
         # first call of a token count and alignment launches through it and Triton's JIT,
-        # later ones through the kernel it compiled (``compiled_launch``).
-        dyn = (q, q if cos is None else cos, q if sin is None else sin,
-               q if scale is None else scale)
-        self._launches.launch(
-            (T, *alignment_key(dyn)),
-            lambda: launch_gather(q, cos, sin, slab=self.slab, rank=self.rank,
-                                  layout=self.layout, n_programs_max=self.n_programs_max,
-                                  ordered=self.ordered, q_scale=scale), dyn)
-        if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # later ones through the kernel it compiled (``compiled_launch``), with the addresses
+        # read once for the key and the launch; replayed only when every one is a CUDA address
+        # (the kernel takes it as it is).
+        c = q if cos is None else cos
+        s = q if sin is None else sin
+        k = q if scale is None else scale
+        p = q.data_ptr()
+        ptrs = (p, p if cos is None else c.data_ptr(), p if sin is None else s.data_ptr(),
+                p if scale is None else k.data_ptr())
+        key = (T, *aligned(ptrs))
+        if not (q.is_cuda and c.is_cuda and s.is_cuda and k.is_cuda
+                and self._launches.replay(key, ptrs)):
+            self._launches.launch(
+                key,
+                lambda: launch_gather(q, cos, sin, slab=self.slab, rank=self.rank,
+                                      layout=self.layout, n_programs_max=self.n_programs_max,
+                                      ordered=self.ordered, q_scale=scale), (q, c, s, k))
+        # A wait of an earlier call that timed out raises here, after this call's launch,
+        # unless the stream is capturing (then at the next eager call or ``check()``); whether
+        # it captures is asked only when there is something to raise.
+        if self.ws.failures.failed() and not capturing(q):
             self.ws.check()
-        return self.out[:T] if into is None else into.copy_(self.out[:T])
+        view = self._views.get(T)
+        if view is None:
+            view = self._views[T] = self.out[:T]
+        return view if into is None else into.copy_(view)
+
+    def into_new(self, q, cos, sin):
+        """``QueryGatherBackend.into_new``: a clone of the call's view of ``OUT``."""
+        return self(q, cos, sin).clone()
