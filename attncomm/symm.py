@@ -144,7 +144,7 @@ class PeerErrors:
 
     def poll(self) -> bool:
         """Turn set error words into the broken state (no raise). True once broken."""
-        if self.broken is None and self._view.tobytes() != self._zero:
+        if self.broken is None and self.failed():  # a set word
             peers = self.peers()
             self.mark_broken(peers, f"rank {self.rank} waited for {ranks_text(peers)} past the "
                                     f"timeout" + self._budget() + "; the peer did not signal")

@@ -267,7 +267,15 @@ def run_backend_w1() -> None:
             firsts.append((got, _bits(rotate_tail(q[0], cos, sin)).clone()))
         for got, want in firsts:
             assert torch.equal(_bits(got), want), "into a new tensor: not the call's bits"
-        assert int(ws.state[0]) == epoch0 + 9
+        # into a caller's tensor, contiguous (the backend's copy) or not (a copy of the view)
+        q, (cos, sin) = _make(gen, 1, 3, 3, 16, 4, torch.bfloat16)
+        want = _bits(rotate_tail(q[0], cos, sin)).clone()
+        for dest in (torch.full((3, 3, 16), 7.0, dtype=torch.bfloat16),
+                     torch.full((16, 3, 3), 7.0, dtype=torch.bfloat16).permute(2, 1, 0)):
+            assert g.into(q[0], (cos, sin), dest) is dest
+            assert torch.equal(_bits(dest), want), \
+                f"into a caller's tensor (contiguous: {dest.is_contiguous()}): not the bits"
+        assert int(ws.state[0]) == epoch0 + 11
         ws.errors[0] = 1  # as a kernel's timed-out wait for peer 0 leaves it
         for what, call in (("the next call", lambda: g(q[0], rope=(cos, sin))),
                            ("check()", g.check)):
@@ -287,6 +295,10 @@ def run_backend_w1() -> None:
             want = _rotated(q, (cos, sin), True, scale)[0]
             assert got.dtype == torch.float8_e4m3fn and got.shape == (T, 3, 16)
             assert torch.equal(_bits(got), _bits(want)), f"FP8 backend T={T}"
+            new = g8.into(q[0], (cos, sin))  # a clone of the FP8 view: the same bits, its own
+            assert new.dtype == torch.float8_e4m3fn and new.shape == (T, 3, 16) \
+                and new.is_contiguous() and (T == 0 or new.data_ptr() != g8._impl.out.data_ptr())
+            assert torch.equal(_bits(new), _bits(want)), f"FP8 into a new tensor, T={T}"
         q, (cos, sin) = _make(gen, 1, 2, 3, 16, 4, torch.bfloat16)
         try:
             g(q[0], rope=(cos, sin))

@@ -231,14 +231,19 @@ class DcpQueryGather(PreallocatedExchange):
         self._accept(key, q, rope)
 
     def into(self, q: torch.Tensor, rope, dest: torch.Tensor | None = None) -> torch.Tensor:
-        """Gather into ``dest``, a caller-owned contiguous ``[T, H, D]`` tensor of ``out_dtype``,
-        or (None) into a new one (the call's arguments already ``accept``-ed); returns it. Bit
-        for bit the view a call returns."""
+        """Gather into ``dest``, a caller-owned ``[T, H, D]`` tensor of ``out_dtype`` on the
+        device (contiguous: the backend writes it; any other layout: the call's view is copied
+        into it), or (None) into a new contiguous one; the call's arguments already
+        ``accept``-ed, ``dest`` checked by the caller. Returns it. Bit for bit the view a call
+        returns."""
         if q.shape[0] == 0:
             return self._empty(q) if dest is None else dest
+        cos, sin = self._rope_f32(rope)
         if dest is None:
-            return self._impl.into_new(q.contiguous(), *self._rope_f32(rope))
-        return self._impl(q.contiguous(), *self._rope_f32(rope), into=dest)
+            return self._impl.into_new(q.contiguous(), cos, sin)
+        if dest.is_contiguous():
+            return self._impl(q.contiguous(), cos, sin, into=dest)
+        return dest.copy_(self._impl(q.contiguous(), cos, sin))
 
     @staticmethod
     def _rope_f32(rope):

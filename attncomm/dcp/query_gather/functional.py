@@ -4,11 +4,12 @@ As ``dcp.merge`` (``lse_merge/functional.py``): the first call with a new signat
 resolves the group, checks the arguments locally and across ranks, finds or builds the
 preallocated ``DcpQueryGather`` of its token bucket and keeps a plan under a key of the call's
 arguments; a later call with the same key only runs the plan (the exchange's own collectives,
-nothing else). The result goes into the caller's contiguous ``output=`` or a new tensor, with
-one copy at most out of an internal buffer (``symm``'s kernel stores into its own buffer: a new
-result is a clone of it, a given ``output=`` a copy). Under ``torch.compile`` the call is one
-custom op (``attncomm::dcp_gather_heads``) that runs this eager code, with the gatherer an
-eager call built before tracing.
+nothing else). The result goes into the caller's ``output=`` or a new tensor, with one copy at
+most out of an internal buffer (``symm``'s kernel stores into its own buffer: a new result is a
+clone of it, a given ``output=`` a copy; a non-contiguous ``output=`` of either backend gets a
+copy of the call's view, no temporary). Under ``torch.compile`` the call is one custom op
+(``attncomm::dcp_gather_heads``) that runs this eager code, with the gatherer an eager call
+built before tracing.
 """
 from __future__ import annotations
 
@@ -100,12 +101,7 @@ class _GatherCall:
         if self.shape[0] == 0:
             return output if output is not None else torch.empty(
                 self.shape, dtype=self.dtype, device=self.device)
-        gatherer = self.gatherer.get()
-        if output is None:
-            return gatherer.into(q, rope)  # a new tensor, as the backend makes it best
-        if output.is_contiguous():
-            return gatherer.into(q, rope, output)
-        return output.copy_(gatherer.into(q, rope))
+        return self.gatherer.get().into(q, rope, output)
 
 def _new_plan(q, group, backend, rope, validate, timeout_s, output, key):
     """The first call of a signature: checks (local, ``output`` included, then across ranks
