@@ -12,7 +12,7 @@ and ``UlyssesAttention`` sequential with and without that kernel first. Prints p
 
 Results: benchmarks/results/ulysses-idle-host-*.md. One GPU, W = 1::
 
-    python3 scripts/ulysses_idle_host.py   # writes $OUT/idle3.json (or ./idle3.json)
+    python3 scripts/ulysses_idle_host.py   # writes $OUT/ulysses_idle_host.json (or ./…)
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.getcwd())
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's attncomm, from any directory
 from attncomm import launch, ulysses  # noqa: E402
 from attncomm._timing import time_host  # noqa: E402
 
@@ -83,5 +84,5 @@ def _report(r: dict) -> None:
 if __name__ == "__main__":
     res = launch(body, 1, device="cuda")[0]
     _report(res)
-    with open(os.path.join(os.environ.get("OUT", "."), "idle3.json"), "w") as f:
+    with open(os.path.join(os.environ.get("OUT", "."), "ulysses_idle_host.json"), "w") as f:
         json.dump(res, f, indent=1)
