@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -142,7 +143,7 @@ def report(out: str) -> None:
             if "floor_us" in r:
                 rows.setdefault(r["key"], {}).setdefault(label, []).append(r)
     print(f"\n{'key':>30} {'base µs':>9} {'×floor':>7} {'this µs':>9} {'×floor':>7}")
-    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    med = statistics.median  # as ab_tree's summary (of two rounds: their mean)
     for k, by in rows.items():
         cells = []
         for label in ("base", "this"):
