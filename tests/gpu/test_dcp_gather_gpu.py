@@ -123,6 +123,44 @@ def test_symm_without_rope_fp32_shapes(cuda_pools):
     cuda_pools.run(W, _replays, 9, 6, 40, 0, 30, timeout_s=120)
 
 
+def _functional_outputs(rank, world_size, T, seed):
+    """``dcp.gather_heads`` with ``symm`` against ``all_gather``, bit for bit, compared after
+    the next call (which must not touch them): into a new tensor (a clone of the call's view), a
+    contiguous ``output=`` and a permuted one (copied from the view), with and without RoPE.
+    Returns the names of the cases that differ."""
+    from attncomm import dcp
+    d = dev()
+    H, D, R = 16, 192, 64
+    gen = torch.Generator(device=d).manual_seed(seed + rank)
+    bad = []
+    for step in range(2):
+        q = (torch.randn((T, H // world_size, D), generator=gen, device=d) * 2).bfloat16()
+        ang = torch.rand((T, R), generator=gen, device=d) * 6
+        for rope in (None, (ang.cos(), ang.sin())):
+            tag = f"step {step} rope {rope is not None}"
+            want = dcp.gather_heads(q, rope=rope, backend="all_gather")
+            new = dcp.gather_heads(q, rope=rope, backend="symm")
+            flat = torch.full((T, H, D), 7.0, device=d, dtype=torch.bfloat16)
+            perm = torch.full((H, T, D), 7.0, device=d, dtype=torch.bfloat16).transpose(0, 1)
+            got_flat = dcp.gather_heads(q, rope=rope, backend="symm", output=flat)
+            got_perm = dcp.gather_heads(q, rope=rope, backend="symm", output=perm)
+            dcp.gather_heads(-q, rope=rope, backend="symm")  # compared after the next call
+            torch.cuda.synchronize()
+            for name, got in (("new", new), ("output", got_flat), ("permuted output", got_perm)):
+                if not torch.equal(_bits(got), _bits(want)):
+                    bad.append(f"{tag}: {name}")
+            if got_flat is not flat or got_perm is not perm:
+                bad.append(f"{tag}: output= not returned")
+    return bad
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_functional_symm_outputs_match_all_gather(cuda_pools, T):
+    seed = 1234
+    bad = cuda_pools.run(W, _functional_outputs, T, seed, timeout_s=180)
+    assert bad == [[], []], f"seed {seed}, T={T}: cases that differ from all_gather: {bad}"
+
+
 def _slow_reader(rank, world_size, T, n):
     """Rank 1 reads each result only after a long GPU sleep, rank 0 at once and then gathers
     again: without the READY handshake rank 0's next gather would overwrite what rank 1 has
