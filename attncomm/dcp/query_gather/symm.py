@@ -159,9 +159,7 @@ class SymmGatherBackend(SymmBackend, QueryGatherBackend):
         c = q if cos is None else cos
         s = q if sin is None else sin
         k = q if scale is None else scale
-        p = q.data_ptr()
-        ptrs = (p, p if cos is None else c.data_ptr(), p if sin is None else s.data_ptr(),
-                p if scale is None else k.data_ptr())
+        ptrs = (q.data_ptr(), c.data_ptr(), s.data_ptr(), k.data_ptr())
         key = (T, *aligned(ptrs))
         if not (q.is_cuda and c.is_cuda and s.is_cuda and k.is_cuda
                 and self._launches.replay(key, ptrs)):
