@@ -44,11 +44,12 @@ against torch's conversion; the interpreter converts as the hardware does throug
 There too, the quotients ``x / scale`` come from the row's reciprocal (one IEEE division per
 row) with one FMA correction (``_quotient``, whose docstring proves the bits equal to the
 division's wherever e4m3 can tell), and the row's amax from ``max.f32`` alone (it skips
-NaNs); a block holding a row with an infinity, only NaNs or a scale under 2⁻⁸⁰ takes the amax
-over the finite elements and divides with ``div_rn`` instead. The interpreter rounds
-``tl.fma`` once when ``tests/_interp_rounding.py`` is imported (its max propagates NaNs: such
-blocks take the second path there); ``scripts/fp8_quotient_gpu.py`` checks the GPU's bytes
-over every (element, amax) pair of bf16 and fp16 rows and fp32 rows with NaNs.
+NaNs); a block holding a row with an infinity, only NaNs or a nonzero amax under 448·2⁻⁸⁰
+(``_fast_block``) takes the amax over the finite elements and divides with ``div_rn``
+instead. The interpreter rounds ``tl.fma`` once when ``tests/_interp_rounding.py`` is
+imported (its max propagates NaNs: such blocks take the second path there);
+``scripts/fp8_quotient_gpu.py`` checks the GPU's bytes over every (element, amax) pair of bf16
+and fp16 rows and fp32 rows with NaNs.
 
 A fill with QK-norm or RoPE (its rows rounded to the parts' dtype before they are quantized) on
 a GPU runs that common case as PTX (``PTX``, ``_ptx_bytes``): the same quotients, the rounding
@@ -80,6 +81,7 @@ ENTRY = E_STRIDES + 4
 _c = sys.modules[__name__]  # constants read as attributes (see attncomm.symm_device)
 _F32_MAX = 3.4028234663852886e38    # the largest finite fp32
 _DV_MIN = 2.0 ** -80               # the least divisor _quotient takes (its docstring)
+_AMAX_MIN = 448.0 * _DV_MIN        # the least nonzero amax _fast_block lets through
 
 
 @triton.jit
@@ -226,6 +228,17 @@ def _ptx_bytes(f, ny, dv, ROUND_BF16: tl.constexpr):
 
 
 @triton.jit
+def _fast_block(amax, live):
+    """Whether every live row of the program (``live``, ``amax``: ``[BLOCK_S, HB]``) may take
+    the fast path: a finite amax that is 0 (its divisor is 1) or at least ``_AMAX_MIN`` (its
+    scale ``RN(amax / 448)`` then at least ``RN(2⁻⁸⁰) = _DV_MIN``: rounding is monotone).
+    Tested on the amax alone, with no division (a row with ``0 < amax < _AMAX_MIN``, whose
+    divisor may still be ≥ ``_DV_MIN``, takes the general path, which gives the same bytes)."""
+    good = (amax <= _c._F32_MAX) & ((amax >= _c._AMAX_MIN) | (amax == 0))
+    return tl.min(tl.where(live & ~good, 0, 1)) == 1
+
+
+@triton.jit
 def _divided_bytes(dst, f1, f2, mask, DTYPE: tl.constexpr, HALF: tl.constexpr,
                    HW_E4M3: tl.constexpr):
     """The rule step by step (any row): the elements rounded to ``DTYPE`` (the bits the
@@ -235,8 +248,8 @@ def _divided_bytes(dst, f1, f2, mask, DTYPE: tl.constexpr, HALF: tl.constexpr,
     g2 = f2.to(DTYPE).to(tl.float32)
     ok1 = tl.abs(g1) <= _c._F32_MAX  # NaN compares false
     ok2 = tl.abs(g2) <= _c._F32_MAX
-    amax = tl.maximum(tl.max(tl.where(ok1, tl.abs(g1), 0.0), axis=2),
-                      tl.max(tl.where(ok2, tl.abs(g2), 0.0), axis=2))
+    amax = tl.max(tl.maximum(tl.where(ok1, tl.abs(g1), 0.0), tl.where(ok2, tl.abs(g2), 0.0)),
+                  axis=2)
     scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
     dv = tl.where(scale > 0, scale, 1.0)
     tl.store(dst, _e4m3(tl.div_rn(g1, dv[:, :, None]), HW_E4M3), mask=mask)
@@ -264,12 +277,13 @@ def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl
         # The amax of the rounded elements is the rounded amax of the elements (rounding to
         # DTYPE is monotone and odd; a value that rounds to inf still makes the amax inf), so
         # the elements are rounded once, in _ptx_bytes, next to their quotients.
-        m = tl.maximum(tl.max(tl.abs(f1), axis=2), tl.max(tl.abs(f2), axis=2))
+        # The halves' maxima elementwise, then one reduction per row (max is exact: any order
+        # gives the same bits).
+        m = tl.max(tl.maximum(tl.abs(f1), tl.abs(f2)), axis=2)
         amax = m if EXACT else m.to(DTYPE).to(tl.float32)
         scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
         dv = tl.where(scale > 0, scale, 1.0)
-        good = (amax <= _c._F32_MAX) & (dv >= _c._DV_MIN)
-        fast = tl.min(tl.where(live & ~good, 0, 1)) == 1
+        fast = _fast_block(amax, live)
         if fast:
             ny = -tl.div_rn(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, None]
             rb: tl.constexpr = (not EXACT) and DTYPE == tl.bfloat16
@@ -290,13 +304,12 @@ def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl
             # sm_89+: the amax by max.f32 alone, which skips NaNs (it returns the other
             # operand), and the quotients by the row's reciprocal and one correction
             # (_quotient), for a block whose live rows all have a finite amax (no ±inf, not
-            # all NaN) and a divisor ≥ _DV_MIN (an amax ≥ 448·2⁻⁸⁰); else the path below. A
+            # all NaN), 0 or ≥ 448·2⁻⁸⁰ (_fast_block); else the path below. A
             # non-finite element gives a NaN quotient on both (inf·y, then inf − inf; inf / d).
-            amax = tl.maximum(tl.max(tl.abs(g1), axis=2), tl.max(tl.abs(g2), axis=2))
+            amax = tl.max(tl.maximum(tl.abs(g1), tl.abs(g2)), axis=2)
             scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
             dv = tl.where(scale > 0, scale, 1.0)
-            good = (amax <= _c._F32_MAX) & (dv >= _c._DV_MIN)
-            fast = tl.min(tl.where(live & ~good, 0, 1)) == 1
+            fast = _fast_block(amax, live)
         # Each branch stores its own bytes: a branch that yields the byte tensors miscompiles
         # with Triton 3.6 on sm_90 (every eighth byte of the second half stored as 0).
         if fast:
