@@ -225,6 +225,42 @@ def test_gqa_8q_2kv(pools, world, seed):
     assert max(errs) < 2e-5, f"seed {seed}: {errs}"
 
 
+def _one_rank_case(rank, world, seed):
+    # W = 1: a forward whose pack would only copy hands attn_fn the caller's tensors (its
+    # head slices with head groups); norm/RoPE inside the fill or an FP8 payload still pack
+    g = _gen(seed)
+    q, k, v = (_rand(g, (2, 7, h, 8)) for h in (6, 2, 2))
+    seen = []
+
+    def attn(q_, k_, v_, causal):
+        seen.append(tuple(t.data_ptr() for t in (q_, k_, v_)))
+        return ulysses.sdpa_attention(q_, k_, v_, causal)
+
+    ref = _ref_attention(q.double(), k.double(), v.double(), True)
+    outs, ptrs = [], []
+    for kw in (dict(pipeline_groups=0), dict(pipeline_groups=2),
+               dict(pipeline_groups=0, payload_dtype=torch.float8_e4m3fn)):
+        seen.clear()
+        outs.append(UlyssesAttention(attn, **kw)(q, k, v, causal=True))
+        ptrs.append(list(seen))
+    own = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    esz = q.element_size()
+    halves = [(q.data_ptr(), k.data_ptr(), v.data_ptr()),  # heads [0, 3) and [3, 6) of q
+              (q.data_ptr() + 3 * 8 * esz, k.data_ptr() + 8 * esz, v.data_ptr() + 8 * esz)]
+    return ((outs[0].double() - ref).abs().max().item(), torch.equal(outs[0], outs[1]),
+            ptrs[0] == [own], ptrs[1] == halves, all(p[0] != own[0] for p in ptrs[2]),
+            (outs[2].double() - ref).abs().max().item())
+
+
+def test_one_rank_attends_on_the_parts(pools, seed):
+    err, pipe_eq, direct, sliced, fp8_packed, fp8_err = pools.run(1, _one_rank_case, seed)[0]
+    assert err < 2e-5, f"seed {seed}: err {err}"
+    assert pipe_eq, f"seed {seed}: pipelined ≠ sequential"
+    assert direct, f"seed {seed}: attn_fn did not get q, k, v themselves"
+    assert sliced, f"seed {seed}: head groups did not get head slices of q, k, v"
+    assert fp8_packed and fp8_err < 0.2, f"seed {seed}: FP8 payload at W=1: err {fp8_err}"
+
+
 def _norm_rope_case(rank, world, seed):
     lens = _seq_lens(world, "uneven", seed)
     lens[0] += 2
@@ -250,7 +286,7 @@ def _norm_rope_case(rank, world, seed):
     return err, torch.equal(outs[0], outs[1]), torch.equal(outs[0], outs[2])
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_qk_norm_rope_fused_equals_unfused(pools, world, seed):
     for err, fused_eq, pipe_eq in pools.run(world, _norm_rope_case, seed):
         assert err < 5e-5, f"seed {seed}: err {err}"

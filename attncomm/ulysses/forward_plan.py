@@ -17,6 +17,10 @@ group g's wait and attention, so the fill runs while group g's data is in flight
 exchange under group g's attention; nothing here waits for the GPU on the host (no event
 polling, ``.item()`` or synchronize), so the host can run ahead of the GPU.
 
+One rank. With W = 1 an exchange moves nothing, so a pack that would only copy (no QK-norm or
+RoPE inside the fill, no FP8 payload, no joint rows) is skipped: ``attn_fn`` reads q, k, v
+themselves (its head group's slices of them), as it reads the parts' rows after an exchange.
+
 Landing buffer. With joint rows (``S_j`` replicated rows, e.g. a DiT's text tokens) or the FP8
 payload, an input exchange's rows land in a buffer of the parts' dtype, ``[S_j + S, B, htot,
 D]`` (``[S, B, htot, D]`` without joint rows), that attention reads: the exchanged rows at
@@ -68,6 +72,9 @@ class _In:
     # the transport moves nothing (``Transport.keeps_send_buffer``, no landing copy): the
     # filled storage is the received buffer, no exchange started
     direct: bool = False
+    # one rank, and the pack would only copy (no norm or RoPE inside it, no FP8 payload, no
+    # joint rows): attention reads the parts' own tensors, this group's heads of them
+    local: bool = False
 
 
 @dataclasses.dataclass
@@ -77,6 +84,11 @@ class _Group:
     out_transport: Transport
     heads: int          # this rank's query heads in the group
     idx: torch.Tensor | None   # KV head per query head when the grouping is not uniform
+
+
+def _heads(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Heads ``[lo, hi)`` of ``x [B, S, H, D]``: ``x`` itself when they are all of them."""
+    return x if lo == 0 and hi == x.shape[2] else x[:, :, lo:hi]
 
 
 class ForwardPlan:
@@ -116,6 +128,9 @@ class ForwardPlan:
         self.seq = tuple(seq)
         self.s_j, self.front = joint if joint is not None else (0, True)
         self.joint = joint is not None
+        # nothing to pack with one rank when the pack only copies (``_In.local``)
+        self.copy_only = (world == 1 and not self.joint
+                          and not (self.fuse and (self.qk_norm is not None or rope)))
         self.rows = self.s_j + self.s_total  # the rows attention runs over
         self.off, self.s_r = head_offsets(seq)[rank], seq[rank]
         self.out_shape = (b, seq[rank], hq, dv)
@@ -143,6 +158,7 @@ class ForwardPlan:
                 idx = torch.tensor([h // m - kv_lo for h in range(q_lo, q_hi)], device=q.device)
             self.groups.append(_Group(ins, out_plan, t, q_hi - q_lo, idx))
         self.in_exchanges = len(self.groups[0].ins)
+        self.all_local = all(e.local for grp in self.groups for e in grp.ins)
         self.stores = self._stores()
         self.h_r = head_split(hq, world)[rank]
         self.joint_plan = self.joint_transport = None
@@ -204,8 +220,9 @@ class ForwardPlan:
             t, dec = get_transport(group, facts.requested, device, timeout, plan, wire,
                                    "UlyssesAttention", facts)
             self._note(dec, "in", t)
+            local = self.copy_only and not fp8
             fill = None
-            if self.fuse or fp8:
+            if (self.fuse or fp8) and not local:
                 parts = [FillPart(qkv[i], r, weights[i], self.fuse and rope and i < 2)
                          for i, r in items]
                 fill = FillPlan(parts, eps, self.fuse and rope, fill_impl,
@@ -217,7 +234,8 @@ class ForwardPlan:
             out.append(_In(plan, wire, dtype, t, tuple(i for i, _ in items), view,
                            splits if len(splits) > 1 else None, fill,
                            tuple(r[rank] for _, r in items), land,
-                           (self.s_total, b, htot, _fp8.row_bytes(dd)) if fp8 else None))
+                           (self.s_total, b, htot, _fp8.row_bytes(dd)) if fp8 else None,
+                           local=local))
         return out
 
     # ------------------------------------------------------------------------------ run
@@ -249,7 +267,8 @@ class ForwardPlan:
         rows = None if rope is None else self._rows(rope)
         if not self.fuse:  # norm/rope as their own pass over the local shard
             q, k = self._norm_rope(q, k, rows)
-            q, k, v = dense(q), dense(k), dense(v)
+            if not self.all_local:  # what the transports pack from
+                q, k, v = dense(q), dense(k), dense(v)
             rows = None
         qkv = (q, k, v)
         dev = q.device
@@ -321,6 +340,10 @@ class ForwardPlan:
         exs = []
         cos, sin = rows if rows is not None else (None, None)
         for e in grp.ins:
+            if e.local:
+                exs.append((None, None, [_heads(qkv[i], lo, hi)
+                                         for i, (lo, hi) in zip(e.parts, e.heads)]))
+                continue
             t = e.transport
             xs = [qkv[i] for i in e.parts]
             land = into = None
@@ -365,6 +388,10 @@ class ForwardPlan:
         receive buffers (or landing buffers; FP8 rows dequantized into theirs first)."""
         views = [None, None, None]
         for e, (ex, land, buf) in zip(grp.ins, flights):
+            if e.local:  # the parts' own heads (``_start_in``)
+                for i, x in zip(e.parts, buf):
+                    views[i] = x
+                continue
             if ex is not None:
                 buf = ex.wait()
             if e.wire is not None:
