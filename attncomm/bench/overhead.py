@@ -21,9 +21,12 @@ Rows (``--small`` shrinks them, the default on CPU): ``dcp.merge`` (T=8,
 ``UlyssesAttention.sequential`` / ``.pipelined_g4`` (q = k = v of that shape) and
 ``UlyssesAttention.graph`` (a replay of a ``torch.cuda.CUDAGraph`` of its forward, captured
 after an eager warm-up, timed as the replay's own host µs, with no baseline: a replay does none
-of ``attn_fn``'s host work; a capture that fails leaves its error in the row's note). ``--extra``
-adds rows for the other DCP/DP calls and two probes of a CUDA graph per token bucket for the
-merge (the replay alone, and with the two input copies an eager caller's fresh tensors need).
+of ``attn_fn``'s host work; a capture that fails leaves its error in the row's note). At W = 1
+those forwards have nothing to pack (no norm or RoPE): ``attn_fn`` reads q, k, v themselves.
+``--extra`` adds ``UlyssesAttention.sequential[qk_norm+rope]`` (QK-norm and RoPE, so the fill
+runs: the host work of a forward that packs, above the same bare SDPA), rows for the other
+DCP/DP calls and two probes of a CUDA graph per token bucket for the merge (the replay alone,
+and with the two input copies an eager caller's fresh tensors need).
 Each row is built and timed in its own ``try``: a failure is the row's ``error``, the others
 still run. ``--profile N`` prints the N costliest functions (cProfile, by own time) of each
 row's steady-state calls: where the host time goes, on CPU (gloo) or CUDA, W=1 or more.
@@ -58,7 +61,8 @@ __all__ = ["OPS", "EXTRA_OPS", "TARGETS", "GPU_TARGETS", "add_arguments", "main"
 OPS = ("dcp.merge", "DcpMerger.symm_a2a", "dcp.gather_heads", "ulysses.seq_to_head",
        "UlyssesAttention.sequential", "UlyssesAttention.pipelined_g4", "UlyssesAttention.graph")
 #: Further rows of ``--extra``.
-EXTRA_OPS = ("dcp.merge[output]", "DcpMerger.auto", "DcpQueryGather", "DcpAttention",
+EXTRA_OPS = ("UlyssesAttention.sequential[qk_norm+rope]", "dcp.merge[output]",
+             "DcpMerger.auto", "DcpQueryGather", "DcpAttention",
              "dp_gather", "dp_reduce_scatter", "DcpMerger.symm_a2a[graph replay]",
              "DcpMerger.symm_a2a[2 copies + graph replay]")
 #: Targets in units of one torch.add, above the baseline
@@ -68,7 +72,8 @@ TARGETS = {"dcp.merge": 3, "DcpMerger.symm_a2a": 2, "dcp.gather_heads": 2.5,
            "UlyssesAttention.pipelined_g4": 15, "UlyssesAttention.graph": 1}
 #: Rows whose figure is above their baseline, the bare ``attn_fn`` (the eager forwards; a graph
 #: replay does none of attn_fn's host work, so its row is the replay's own host µs).
-_ATTENTION = ("UlyssesAttention.sequential", "UlyssesAttention.pipelined_g4", "DcpAttention")
+_ATTENTION = ("UlyssesAttention.sequential", "UlyssesAttention.sequential[qk_norm+rope]",
+              "UlyssesAttention.pipelined_g4", "DcpAttention")
 _GRAPH_ROWS = ("UlyssesAttention.graph", "DcpMerger.symm_a2a[graph replay]",
                "DcpMerger.symm_a2a[2 copies + graph replay]")
 _CUDA_ONLY = _GRAPH_ROWS + ("DcpMerger.symm_a2a",)
@@ -164,6 +169,15 @@ def _ulysses_rows(s, device, gen):
         a = UlyssesAttention(pipeline_groups=groups)
         return (lambda: a(x, x, x)), bare, shape, f"pipeline_groups={groups}"
 
+    def normed():
+        d = s["UD"]
+        w = torch.randn((d,), generator=gen, device=device)
+        ang = torch.randn((s["S"], d), generator=gen, device=device)
+        rope = (ang.cos(), ang.sin())
+        a = UlyssesAttention(pipeline_groups=0, qk_norm=(w, w, 1e-6))
+        return (lambda: a(x, x, x, rope=rope)), bare, shape, \
+            "pipeline_groups=0, QK-norm + RoPE in the fill (a W = 1 forward packs only then)"
+
     def graph():
         a = UlyssesAttention(pipeline_groups=0)
         side = torch.cuda.Stream()
@@ -181,6 +195,7 @@ def _ulysses_rows(s, device, gen):
     return {
         "ulysses.seq_to_head": lambda: ((lambda: seq_to_head(x)), None, shape, "defaults"),
         "UlyssesAttention.sequential": lambda: attention(0),
+        "UlyssesAttention.sequential[qk_norm+rope]": normed,
         "UlyssesAttention.pipelined_g4": lambda: attention(4),
         "UlyssesAttention.graph": graph,
     }
