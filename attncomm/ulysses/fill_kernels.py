@@ -400,7 +400,9 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
                 wp = w2
             t = (_adjacent_sum(f1 * f1, BLOCK_S, HB, HALF, LEVELS)
                  + _adjacent_sum(f2 * f2, BLOCK_S, HB, HALF, LEVELS))
-            ms = tl.div_rn(t, tl.full((BLOCK_S, HB), 2 * HALF, tl.float32))
+            # t / D as the reference divides, by its exact reciprocal: D is a power of two,
+            # so the product is the same real number, rounded once (no division's checks)
+            ms = t * (1.0 / (2 * HALF))
             inv = tl.div_rn(tl.full((BLOCK_S, HB), 1.0, tl.float32), tl.sqrt_rn(ms + eps))
             if ROPE_BCAST:  # as cos/sin below: loaded in the rows' layout
                 wo = rows[:, None, None] * 0 + hh[None, :, None] * 0 + cols[None, None, :]
