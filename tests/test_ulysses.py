@@ -27,8 +27,9 @@ def _rand(g, shape, dtype=torch.float32):
     return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
 
 
-def _ref_attention(q, k, v, causal):
-    """fp64 attention over ``[B, S, H, D]``; query head h uses KV head ``h // (Hq / Hkv)``."""
+def _ref_attention(q, k, v, causal, key_mask=None):
+    """fp64 attention over ``[B, S, H, D]``; query head h uses KV head ``h // (Hq / Hkv)``;
+    ``key_mask`` bool ``[B, S]`` (True = attend; every row must keep a key)."""
     m = q.shape[2] // k.shape[2]
     k = k.repeat_interleave(m, dim=2)
     v = v.repeat_interleave(m, dim=2)
@@ -36,6 +37,8 @@ def _ref_attention(q, k, v, causal):
     if causal:
         n = q.shape[1]
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    if key_mask is not None:
+        s = s.masked_fill(~key_mask[:, None, None, :], float("-inf"))
     return torch.einsum("bhst,bthd->bshd", torch.softmax(s, dim=-1), v)
 
 
@@ -259,6 +262,49 @@ def test_one_rank_attends_on_the_parts(pools, seed):
     assert direct, f"seed {seed}: attn_fn did not get q, k, v themselves"
     assert sliced, f"seed {seed}: head groups did not get head slices of q, k, v"
     assert fp8_packed and fp8_err < 0.2, f"seed {seed}: FP8 payload at W=1: err {fp8_err}"
+
+
+def _one_rank_strided_case(rank, world, seed):
+    # W = 1, nothing packed: q, k, v with a strided D reach attn_fn as rows of heads × D, so a
+    # masked forward (SDPA on the views as given) has the bits of their contiguous copies,
+    # with the norm + RoPE unfused (its own pass) or fused (packed), and without them
+    g = _gen(seed)
+    b, s, d, eps = 2, 7, 8, 1e-6
+    q, k, v = (_rand(g, (b, s, d, h)).transpose(2, 3) for h in (4, 2, 2))
+    dense = [t.contiguous() for t in (q, k, v)]
+    mask = torch.rand((b, s), generator=g) > 0.4
+    mask[:, 0] = True  # causal rows all keep key 0
+    w = _rand(g, (d,))
+    ang = _rand(g, (s, d))
+    rope = (ang.cos(), ang.sin())
+    strides = []
+
+    def attn(q_, k_, v_, causal, **kw):
+        strides.extend(t.stride(3) for t in (q_, k_, v_))
+        return ulysses.sdpa_attention(q_, k_, v_, causal, **kw)
+
+    def run(xs, **kw):
+        rot = dict(rope=rope) if "qk_norm" in kw else {}
+        return UlyssesAttention(attn, pipeline_groups=0, **kw)(*xs, causal=True,
+                                                                key_padding_mask=mask, **rot)
+
+    norm = dict(qk_norm=(w, w, eps))
+    normed = [run(xs, fuse_qk_norm_rope=f, **norm) for xs, f in
+              (((q, k, v), False), (dense, False), ((q, k, v), True))]
+    plain = [run(xs) for xs in ((q, k, v), dense)]
+    ref = _ref_attention(*(t.double() for t in (q, k, v)), True, mask)
+    return ((plain[0].double() - ref).abs().max().item(), torch.equal(plain[0], plain[1]),
+            torch.equal(normed[0], normed[1]), torch.equal(normed[0], normed[2]),
+            sorted(set(strides)))
+
+
+def test_one_rank_strided_head_dim_keeps_the_bits(pools, seed):
+    err, plain_eq, unfused_eq, fused_eq, strides = pools.run(1, _one_rank_strided_case, seed)[0]
+    assert err < 2e-5, f"seed {seed}: err {err}"
+    assert strides == [1], f"seed {seed}: attn_fn got D strides {strides}"
+    assert plain_eq, f"seed {seed}: strided q, k, v ≠ their contiguous copies (no norm)"
+    assert unfused_eq, f"seed {seed}: strided q, k, v ≠ their contiguous copies (unfused norm)"
+    assert fused_eq, f"seed {seed}: fused ≠ unfused with strided q, k, v"
 
 
 def _norm_rope_case(rank, world, seed):

@@ -19,7 +19,9 @@ polling, ``.item()`` or synchronize), so the host can run ahead of the GPU.
 
 One rank. With W = 1 an exchange moves nothing, so a pack that would only copy (no QK-norm or
 RoPE inside the fill, no FP8 payload, no joint rows) is skipped: ``attn_fn`` reads q, k, v
-themselves (its head group's slices of them), as it reads the parts' rows after an exchange.
+themselves (its head group's slices of them), as it reads the parts' rows after an exchange;
+one whose last two dims are not dense (``transport.dense``, e.g. a strided D) is copied first,
+so ``attn_fn`` sees rows of heads × D as a receive buffer's views give them.
 
 Landing buffer. With joint rows (``S_j`` replicated rows, e.g. a DiT's text tokens) or the FP8
 payload, an input exchange's rows land in a buffer of the parts' dtype, ``[S_j + S, B, htot,
@@ -267,9 +269,12 @@ class ForwardPlan:
         rows = None if rope is None else self._rows(rope)
         if not self.fuse:  # norm/rope as their own pass over the local shard
             q, k = self._norm_rope(q, k, rows)
-            if not self.all_local:  # what the transports pack from
-                q, k, v = dense(q), dense(k), dense(v)
             rows = None
+        if not self.fuse or self.all_local:
+            # what the transports pack from, or, with nothing packed, what attn_fn reads: rows
+            # of heads × D as in a receive buffer (SDPA's kernel and bits can change with a
+            # strided D; fused and unfused runs must give the same bits)
+            q, k, v = dense(q), dense(k), dense(v)
         qkv = (q, k, v)
         dev = q.device
         out = flat = None
@@ -336,7 +341,8 @@ class ForwardPlan:
         it is; otherwise the transport packs from q, k, v. With a landing buffer, the exchange
         of plain rows receives into its rows and the joint rows' heads are copied in. An
         exchange that moves nothing (``_In.direct``) is not started: its exchange is None and
-        the filled storage its received buffer."""
+        the filled storage its received buffer. One with nothing to pack (``_In.local``) gives
+        ``(None, None, its parts' head slices of q, k, v)``."""
         exs = []
         cos, sin = rows if rows is not None else (None, None)
         for e in grp.ins:

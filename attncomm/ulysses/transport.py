@@ -88,7 +88,8 @@ class SendBuffer:
 
 def dense(x: torch.Tensor) -> torch.Tensor:
     """``x [B, S, H, D]`` with its last two dims dense (a copy only when they are not): what a
-    transport or a fill reads rows of ``heads × D`` from."""
+    transport or a fill reads rows of ``heads × D`` from, and what ``attn_fn`` reads at W = 1
+    when nothing is packed (``forward_plan``, "One rank")."""
     if x.is_contiguous():  # the common case, one check
         return x
     if x.dim() == 4 and x.stride(3) == 1 and (x.shape[2] <= 1 or x.stride(2) == x.shape[3]):
