@@ -8,9 +8,12 @@ It uses only names both trees export (``dcp.merge``, ``DcpMerger``, ``dcp.gather
 ``ulysses.seq_to_head``, ``UlyssesAttention``, ``sdpa_attention``), so an older tree without
 ``attncomm bench overhead`` can be measured against the current one; the timer is this script's
 tree's ``attncomm/_timing.py``, loaded by path, so both trees are timed alike. Two rows time the
-SDPA calls a W = 1 forward makes, on the views of its receive buffer that it passes ``attn_fn``
-(q, k, v of one buffer; four such calls of a quarter of the heads for 4 head groups): what the
-forward's own host work is measured above. Every row is timed interleaved with the others in
+SDPA calls a W = 1 forward that packs makes, on the views of its receive buffer that it passes
+``attn_fn`` (q, k, v of one buffer; four such calls of a quarter of the heads for 4 head
+groups): what the forward's own host work is measured above. A tree whose W = 1 forward packs
+nothing without a norm or RoPE (``ulysses/forward_plan.py``, "One rank") hands ``attn_fn`` x
+itself (its head slices with 4 groups) instead, so against such a tree compare ``units``, not
+``units_above``. Every row is timed interleaved with the others in
 ``--rounds`` rounds (``_timing.time_host``: synchronize, then one call timed on the host); the
 unit is one ``torch.add`` of two small CUDA tensors (``bench overhead``'s unit). ``units`` is
 the median over rounds of each round's median ÷ that round's unit, ``units_above`` the median
@@ -75,7 +78,7 @@ def main() -> None:
     def plan_views(heads: int, groups: int):
         """``groups`` calls of ``sdpa_attention`` on q, k, v of ``heads // groups`` heads each,
         views of one ``[S, B, 3 * heads // groups, D]`` buffer per call: the layout a W = 1
-        forward's receive buffer hands ``attn_fn`` (the bare cost of the module's SDPA calls)."""
+        forward that packs hands ``attn_fn`` (the bare cost of that module's SDPA calls)."""
         h = heads // groups
         s, b, d = x.shape[1], x.shape[0], x.shape[3]
         bufs = [torch.randn((s, b, 3 * h, d), generator=g, device=dev).to(bf)

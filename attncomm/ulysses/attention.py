@@ -103,7 +103,10 @@ class UlyssesAttention(_dist.Lifecycle, torch.nn.Module):
             [B, S, h, Dv]`` with ``h % g == 0`` and query head i using KV head ``i // (h/g)``
             (default: ``sdpa_attention``); its result is a tensor of its own, not memory it
             reuses on the next call (with one rank, one head group and no joint rows, a
-            contiguous result of q's dtype is the forward's result, no copy made).
+            contiguous result of q's dtype is the forward's result, no copy made). It must not
+            write into q, k, v nor return them: with one rank and nothing to pack (no joint
+            rows, FP8 payload, or norm/RoPE in the fill) they are the caller's tensors (or
+            views of them).
         group: process group (None: default) or an engine's group coordinator (``device_group``
             + ``cpu_group``).
         backend: ``"all_to_all"``, ``"ce"`` or ``"auto"`` (env ``ATTNCOMM_ULYSSES_BACKEND``).
