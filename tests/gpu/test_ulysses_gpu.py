@@ -2,8 +2,8 @@
 processes sharing one GPU): ce vs all_to_all bitwise (W = 2, 3, 4: uneven heads, a rank with
 no head), slot alternation, cache eviction, the warm-up error during capture and graph replays
 of the functional exchanges and of UlyssesAttention (both capture modes; all_to_all is staged
-through the host on a shared GPU and refuses a capture), the flag-kernel path, and the timeout
-of one peer among W."""
+through the host on a shared GPU and refuses a capture), the flag-kernel path, the timeout
+of one peer among W, and a one-rank forward that packs nothing against one that packs."""
 from __future__ import annotations
 
 import time
@@ -269,3 +269,47 @@ def test_ce_timeout_raises(mode, world):
         kind, peers, elapsed, again = r
         assert kind == "timeout" and peers == [world - 1] and again == [world - 1], res
         assert 2.5 < elapsed < 15, res
+
+
+def _one_rank(rank, world, seed):
+    """W = 1, bf16: a forward that packs nothing (attn_fn reads q, k, v) against one that packs
+    (empty joint rows), against 2 head groups, and fused against unfused norm + RoPE, for
+    contiguous q, k, v, views of a fused qkv tensor and a strided D, with and without a key
+    mask: the names of the pairs whose bits differ."""
+    from attncomm.ulysses import UlyssesAttention
+    d_ = dev()
+    b, s, h, d = 2, 256, 8, 128
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(shape, generator=g).to(torch.bfloat16).to(d_)
+
+    layouts = {"contiguous": tuple(r(b, s, h, d) for _ in range(3)),
+               "fused qkv": r(b, s, 3 * h, d).split(h, dim=2),
+               "strided D": tuple(r(b, s, d, h).transpose(2, 3) for _ in range(3))}
+    w = torch.randn(d, generator=g).to(d_)
+    ang = torch.randn(s, d, generator=g).to(d_)
+    rope, norm = (ang.cos(), ang.sin()), (w, w, 1e-6)
+    mask = (torch.rand(b, s, generator=g) > 0.2).to(d_)
+    empty = tuple(r(b, 0, h, d) for _ in range(3))  # joint rows of length 0: a packing forward
+    bad = []
+    for name, (q, k, v) in layouts.items():
+        for m in (None, mask):
+            kw = {} if m is None else {"key_padding_mask": m}
+            local = UlyssesAttention(pipeline_groups=0)(q, k, v, **kw)
+            pairs = {
+                "packed": UlyssesAttention(pipeline_groups=0)(q, k, v, joint=empty, **kw)[0],
+                "2 groups": UlyssesAttention(pipeline_groups=2)(q, k, v, **kw)}
+            fused = UlyssesAttention(qk_norm=norm, pipeline_groups=0)(q, k, v, rope=rope, **kw)
+            unfused = UlyssesAttention(qk_norm=norm, fuse_qk_norm_rope=False,
+                                       pipeline_groups=0)(q, k, v, rope=rope, **kw)
+            bad += [(name, m is not None, what) for what, other in pairs.items()
+                    if not torch.equal(local, other)]
+            if not torch.equal(fused, unfused):
+                bad.append((name, m is not None, "fused vs unfused"))
+    return bad
+
+
+def test_one_rank_without_pack_keeps_the_bits(cuda_pools, seed):
+    bad = cuda_pools.run(1, _one_rank, seed, timeout_s=240)[0]
+    assert not bad, f"seed {seed}: bits differ for {bad}"
