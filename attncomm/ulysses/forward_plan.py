@@ -130,9 +130,6 @@ class ForwardPlan:
         self.seq = tuple(seq)
         self.s_j, self.front = joint if joint is not None else (0, True)
         self.joint = joint is not None
-        # nothing to pack with one rank when the pack only copies (``_In.local``)
-        self.copy_only = (world == 1 and not self.joint
-                          and not (self.fuse and (self.qk_norm is not None or rope)))
         self.rows = self.s_j + self.s_total  # the rows attention runs over
         self.off, self.s_r = head_offsets(seq)[rank], seq[rank]
         self.out_shape = (b, seq[rank], hq, dv)
@@ -206,6 +203,9 @@ class ForwardPlan:
         head_dim agree (else one per (dtype, D)), each with its prepared fill (the fused fill,
         or the FP8 payload's, which also packs the unfused path's normed rows)."""
         group, facts, timeout, b, seq, rank, device = ctx
+        # nothing to pack with one rank when the pack only copies (``_In.local``)
+        copy_only = (len(seq) == 1 and not self.joint
+                     and not (self.fuse and (self.qk_norm is not None or rope)))
         keyed: dict = {}
         for i, (t, r) in enumerate(zip(qkv, ranges)):
             keyed.setdefault((t.dtype, t.shape[3]), []).append((i, r))
@@ -222,7 +222,7 @@ class ForwardPlan:
             t, dec = get_transport(group, facts.requested, device, timeout, plan, wire,
                                    "UlyssesAttention", facts)
             self._note(dec, "in", t)
-            local = self.copy_only and not fp8
+            local = copy_only and not fp8
             fill = None
             if (self.fuse or fp8) and not local:
                 parts = [FillPart(qkv[i], r, weights[i], self.fuse and rope and i < 2)

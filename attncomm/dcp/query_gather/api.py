@@ -238,12 +238,12 @@ class DcpQueryGather(PreallocatedExchange):
         returns."""
         if q.shape[0] == 0:
             return self._empty(q) if dest is None else dest
-        cos, sin = self._rope_f32(rope)
+        q, (cos, sin) = q.contiguous(), self._rope_f32(rope)
         if dest is None:
-            return self._impl.into_new(q.contiguous(), cos, sin)
+            return self._impl.into_new(q, cos, sin)
         if dest.is_contiguous():
-            return self._impl(q.contiguous(), cos, sin, into=dest)
-        return dest.copy_(self._impl(q.contiguous(), cos, sin))
+            return self._impl(q, cos, sin, into=dest)
+        return dest.copy_(self._impl(q, cos, sin))
 
     @staticmethod
     def _rope_f32(rope):
