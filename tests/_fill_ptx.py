@@ -1,9 +1,11 @@
 """Print, as JSON ``{"fused": ptx, "launched": ptx, "launched_full": ptx}``, the sm_90 PTX of the
 Ulysses fill kernel (bf16, norm + RoPE, D=128, the default 16 rows × 2 heads per program) with
 FMA contraction on, and with the options the fill's launcher launches it with, masked and on
-full blocks (``FULL``); with argument ``fp8``, ``{"fp8": ptx, "fp8_full": ptx}`` of the FP8
-payload variant (uint8 output, bases not 16-aligned: rows of D + 4 bytes) with the launch
-options. Needs no GPU, but a process without TRITON_INTERPRET (tests/test_ulysses_fill.py)."""
+full blocks (``FULL``), and on full blocks with the norm's tree by warp shuffles (``SHFL_NORM``:
+``"launched_shuffle"``); with argument ``fp8``, ``{"fp8": ptx, "fp8_full": ptx,
+"fp8_shuffle": ptx}`` of the FP8 payload variant (uint8 output, bases not 16-aligned: rows of
+D + 4 bytes) with the launch options. Needs no GPU, but a process without TRITON_INTERPRET
+(tests/test_ulysses_fill.py)."""
 from __future__ import annotations
 
 import json
@@ -23,14 +25,14 @@ _PTRS = {"x0": "*bf16", "x1": "*bf16", "x2": "*bf16", "out_ptr": "*bf16", "desc"
 _SPEC = sum(c << (2 * k) for k, c in enumerate([2, 2, 2, 1, 2, 1, 2, 1]))
 
 
-def ptx(opts: dict, fp8: bool = False, full: bool = False) -> str:
+def ptx(opts: dict, fp8: bool = False, full: bool = False, shuffle: bool = False) -> str:
     k = fill_kernel
     names = k.arg_names
     # 56 heads in runs of 2 for 2 destinations, 3 parts: 84 entries; the FP8 flags are what
     # the host picks on sm_90 with norm and RoPE
     consts = dict(HALF=64, LEVELS=6, BLOCK_S=16, HB=2, ANY_NORM=True, ANY_ROPE=True,
                   ALIGNED=not fp8, ROPE_BCAST=True, SPEC=_SPEC, ENTRIES=84, FULL=full, FP8=fp8,
-                  HW_E4M3=fp8, PTX=fp8, EXACT=False)
+                  HW_E4M3=fp8, PTX=fp8, EXACT=False, SHFL_NORM=shuffle)
     ptrs = dict(_PTRS, out_ptr="*u8") if fp8 else _PTRS
     types = {n: "constexpr" if n in consts else ptrs[n] for n in names}
     src = ASTSource(fn=k, signature=types,
@@ -42,8 +44,11 @@ def ptx(opts: dict, fp8: bool = False, full: bool = False) -> str:
 if __name__ == "__main__":
     if sys.argv[1:] == ["fp8"]:
         print(json.dumps({"fp8": ptx(LAUNCH_OPTIONS, fp8=True),
-                          "fp8_full": ptx(LAUNCH_OPTIONS, fp8=True, full=True)}))
+                          "fp8_full": ptx(LAUNCH_OPTIONS, fp8=True, full=True),
+                          "fp8_shuffle": ptx(LAUNCH_OPTIONS, fp8=True, full=True,
+                                             shuffle=True)}))
     else:
         print(json.dumps({"fused": ptx(dict(LAUNCH_OPTIONS, enable_fp_fusion=True)),
                           "launched": ptx(LAUNCH_OPTIONS),
-                          "launched_full": ptx(LAUNCH_OPTIONS, full=True)}))
+                          "launched_full": ptx(LAUNCH_OPTIONS, full=True),
+                          "launched_shuffle": ptx(LAUNCH_OPTIONS, full=True, shuffle=True)}))

@@ -128,6 +128,11 @@ def test_fill_kernel_ptx_has_no_fma():
     for name in ("launched", "launched_full"):  # masked, and on full blocks (unmasked)
         assert not re.search(r"\bfma\.", ptx[name]), name
         assert "sqrt.rn.f32" in ptx[name] and "div.rn.f32" in ptx[name], name
+    # the norm's tree by warp shuffles: its sum rounded by add.rn, IEEE sqrt and reciprocal
+    shuffled = ptx["launched_shuffle"]
+    assert not re.search(r"\bfma\.", shuffled)
+    assert "sqrt.rn.f32" in shuffled and "rcp.rn.f32" in shuffled
+    assert "shfl.sync.bfly.b32" in shuffled and "shfl.sync.bfly.b32" not in ptx["launched_full"]
 
 
 @pytest.mark.slow

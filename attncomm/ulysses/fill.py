@@ -339,6 +339,12 @@ class _LaunchLayout:
             self.capped = True
         if self.fp8:
             self.consts.update(_fp8_epilogue(x0.device, normed))
+        #: the kernel's ``SHFL_NORM`` is possible (the norm's tree by warp shuffles, in PTX
+        #: written for one register layout): a norm, D = 128, the default launch shape, a GPU;
+        #: ``_launch`` adds what the layout also needs of the tensors
+        self.shfl_norm = (self.consts["ANY_NORM"] and x0.device.type == "cuda" and d == 128
+                          and (self.block_s, self.hb, self.consts["num_warps"])
+                          == (default_block_s(d), HEADS_PER_PROGRAM, LAUNCH_OPTIONS["num_warps"]))
         self._descs: dict = {}
         #: the compiled kernel per specialization, replayed (``_launch``)
         self.launches = LaunchCache((_fk.fill_kernel,))
@@ -407,10 +413,15 @@ def _launch(lay: _LaunchLayout, xs: Sequence, base: torch.Tensor, starts: tuple,
         rows16 = desc.aligned and base.data_ptr() % 16 == 0
         full = desc.full and lay.s_r % lay.block_s == 0
         cap = {"maxnreg": _MAXNREG[full]} if lay.capped else {}
+        # the loads give each thread 8 consecutive elements of a half-row: 16-bit parts,
+        # 16-byte aligned, element stride 1 and the other strides multiples of 16 elements
+        shfl_norm = (lay.shfl_norm and desc.spec & 0xFF == _ROWS_SPEC
+                     and all(x.dtype in _HALF_DTYPES and x.data_ptr() % 16 == 0
+                             for x in (x0, x1, x2)))
 
         def launch() -> None:
             _fk.fill_kernel[grid](*args, ALIGNED=rows16, SPEC=desc.spec, ENTRIES=desc.entries,
-                                  FULL=full, **lay.consts, **cap)
+                                  FULL=full, SHFL_NORM=shfl_norm, **lay.consts, **cap)
 
         # What Triton specializes the changing arguments on (each pointer's dtype and 16-byte
         # alignment), the descriptor's specialization and the grid (the rest is fixed per
@@ -426,6 +437,12 @@ def _launch(lay: _LaunchLayout, xs: Sequence, base: torch.Tensor, starts: tuple,
         if len(lay.replays) >= 64:
             lay.replays.clear()
         lay.replays[fast] = (key, desc)
+
+
+#: ``SPEC``'s low byte for parts whose batch, row and head strides are multiples of 16 and
+#: whose element stride is 1
+_ROWS_SPEC = 2 | 2 << 2 | 2 << 4 | 1 << 6
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _base_pointer(out, regions, starts, fp8: bool):

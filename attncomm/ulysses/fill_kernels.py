@@ -57,9 +57,18 @@ to bf16 beside them (its amax is the rounded amax of the unrounded rows: roundin
 and odd), and the bytes' signs and NaNs fixed with one ``lop3`` per four bytes instead of a
 compare and a select per byte. The interpreter runs no PTX; ``scripts/fp8_quotient_gpu.py``
 also checks this path, which the host picks (``fill._fp8_epilogue``).
+
+``SHFL_NORM`` (the host's choice, ``fill._launch``): the norm's sum of squares, square root and
+reciprocal in PTX (``_ptx_norm_inv``), the tree's cross-lane levels as warp shuffles rather
+than the layout conversions through shared memory that Triton makes of ``_adjacent_sum``'s
+reshapes. The same tree and roundings, so the same bits; the PTX is written for the register
+layout of D = 128 rows of contiguous, 16-byte aligned 16-bit parts at the default launch shape
+(a thread holds 8 consecutive elements, a half-row's 8 threads are consecutive lanes), and the
+GPU tests hold it to the torch path bit for bit there.
 """
 from __future__ import annotations
 
+import struct
 import sys
 
 import triton
@@ -227,6 +236,52 @@ def _ptx_bytes(f, ny, dv, ROUND_BF16: tl.constexpr):
                                      [f, ny, dv], dtype=tl.uint8, is_pure=True, pack=4)
 
 
+def _norm_ptx(half: int, per_thread: int = 8) -> str:
+    """PTX of ``_ptx_norm_inv`` for rows of ``2·half`` elements held ``per_thread`` consecutive
+    elements to a thread, the ``half // per_thread`` threads of a half-row in consecutive lanes
+    (lane bit ``j`` is bit ``j`` of the chunk's index): operands ``$P..$2P−1`` a thread's
+    chunk of the first half, ``$2P..$3P−1`` the same chunk of the second, ``$3P`` the epsilon
+    (``$3P+1..$4P−1`` its copies; P = per_thread); outputs ``$0..$P−1`` the row's
+    ``1 / sqrt(mean(x²) + eps)``, the same word in each. Every step rounds once as its
+    Triton counterpart does (``mul``/``add.rn``, ``sqrt.rn``, and ``rcp.rn``: IEEE ``1 / x``,
+    ``div_rn``'s bits); a sum's two lanes add the same pair (IEEE addition commutes)."""
+    p = per_thread
+    lines = ["{", f".reg .f32 a<{p}>, b<{p}>, s;"]
+    for r, first in (("a", p), ("b", 2 * p)):
+        lines += [f"mul.rn.f32 {r}{i}, ${first + i}, ${first + i};" for i in range(p)]
+        step = 1
+        while step < p:  # the thread's elements: adjacent pairs, then pairs of pairs
+            lines += [f"add.rn.f32 {r}{i}, {r}{i}, {r}{i + step};" for i in range(0, p, 2 * step)]
+            step *= 2
+        lane = 1
+        while lane < half // p:  # then its lanes': lane j with j ^ 1, then j ^ 2, ...
+            lines += [f"shfl.sync.bfly.b32 s, {r}0, {lane}, 0x1f, 0xffffffff;",
+                      f"add.rn.f32 {r}0, {r}0, s;"]
+            lane *= 2
+    inv_d = struct.unpack("<I", struct.pack("<f", 1.0 / (2 * half)))[0]
+    lines += ["add.rn.f32 a0, a0, b0;", f"mul.rn.f32 a0, a0, 0f{inv_d:08X};",
+              f"add.rn.f32 a0, a0, ${3 * p};", "sqrt.rn.f32 a0, a0;", "rcp.rn.f32 a0, a0;"]
+    lines += [f"mov.b32 ${i}, a0;" for i in range(p)] + ["}"]
+    return "\n".join(lines)
+
+
+_PTX_NORM_64 = tl.constexpr(_norm_ptx(64))
+_PTX_NORM_OPERANDS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 24))
+
+
+@triton.jit
+def _ptx_norm_inv(f1, f2, eps):
+    """The norm's ``1 / sqrt_rn(t / D + eps)`` with ``t`` the adjacent-pair tree of the row's
+    squares (``_adjacent_sum``'s order, bit for bit), in every element of ``f1``'s shape,
+    through warp shuffles instead of Triton's layout conversions. Only for the layout a
+    contiguous, 16-byte aligned 16-bit load of ``[16, 2, 64]`` rows gets with 4 warps on sm_90
+    (8 elements a thread, a half-row's 8 threads in consecutive lanes): the host's
+    ``SHFL_NORM``."""
+    return tl.inline_asm_elementwise(_PTX_NORM_64, _PTX_NORM_OPERANDS,
+                                     [f1, f2, tl.broadcast_to(eps, f1.shape)],
+                                     dtype=tl.float32, is_pure=True, pack=8)
+
+
 @triton.jit
 def _fast_block(amax, live):
     """Whether every live row of the program (``live``, ``amax``: ``[BLOCK_S, HB]``) may take
@@ -341,7 +396,8 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
                 ALIGNED: tl.constexpr, ROPE_BCAST: tl.constexpr, SPEC: tl.constexpr,
                 ENTRIES: tl.constexpr, FULL: tl.constexpr = False, FP8: tl.constexpr = False,
                 HW_E4M3: tl.constexpr = False,
-                PTX: tl.constexpr = False, EXACT: tl.constexpr = False):
+                PTX: tl.constexpr = False, EXACT: tl.constexpr = False,
+                SHFL_NORM: tl.constexpr = False):
     # Entries run fastest along the grid: the programs in flight together cover every head of
     # the same rows, whose bytes are contiguous in the sources and the regions, rather than
     # one head's rows a row pitch apart.
@@ -398,12 +454,17 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
                 wp = w1
             elif part == 2:
                 wp = w2
-            t = (_adjacent_sum(f1 * f1, BLOCK_S, HB, HALF, LEVELS)
-                 + _adjacent_sum(f2 * f2, BLOCK_S, HB, HALF, LEVELS))
-            # t / D as the reference divides, by its exact reciprocal: D is a power of two,
-            # so the product is the same real number, rounded once (no division's checks)
-            ms = t * (1.0 / (2 * HALF))
-            inv = tl.div_rn(tl.full((BLOCK_S, HB), 1.0, tl.float32), tl.sqrt_rn(ms + eps))
+            if SHFL_NORM:
+                inv = _ptx_norm_inv(f1, f2, eps)
+            else:
+                t = (_adjacent_sum(f1 * f1, BLOCK_S, HB, HALF, LEVELS)
+                     + _adjacent_sum(f2 * f2, BLOCK_S, HB, HALF, LEVELS))
+                # t / D as the reference divides, by its exact reciprocal: D is a power of
+                # two, so the product is the same real number, rounded once (no division's
+                # checks)
+                ms = t * (1.0 / (2 * HALF))
+                inv = tl.div_rn(tl.full((BLOCK_S, HB), 1.0, tl.float32),
+                                tl.sqrt_rn(ms + eps))[:, :, None]
             if ROPE_BCAST:  # as cos/sin below: loaded in the rows' layout
                 wo = rows[:, None, None] * 0 + hh[None, :, None] * 0 + cols[None, None, :]
                 wa = tl.load(wp + wo).to(tl.float32)
@@ -411,8 +472,8 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
             else:
                 wa = tl.load(wp + cols).to(tl.float32)[None, None, :]
                 wb = tl.load(wp + HALF + cols).to(tl.float32)[None, None, :]
-            f1 = f1 * inv[:, :, None] * wa
-            f2 = f2 * inv[:, :, None] * wb
+            f1 = f1 * inv * wa
+            f2 = f2 * inv * wb
     if ANY_ROPE:  # cos/sin of the block's rows: loaded once for the program's HB heads
         if (flags >> (2 * part + 1)) & 1:
             if ROPE_BCAST:  # pointers broadcast over the heads: f1's layout, no shuffle

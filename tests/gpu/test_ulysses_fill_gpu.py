@@ -144,6 +144,39 @@ def test_fill_kernel_fp8_bitwise_on_cuda(case, seed):
             assert torch.equal(want, got), f"seed {seed} groups {groups} rope {rope}"
 
 
+def _compiled_fills() -> dict:
+    from attncomm.ulysses import fill_kernels
+    return {id(ck): ck.asm.get("ptx", "") for _, entry in
+            fill_kernels.fill_kernel.device_caches.items() for ck in entry[0].values()}
+
+
+@pytest.mark.parametrize("payload", [None, torch.float8_e4m3fn])
+def test_fill_norm_tree_by_shuffles_on_cuda(payload, seed):
+    """D = 128 rows of contiguous, 16-byte aligned bf16 parts take the norm's tree by warp
+    shuffles (``SHFL_NORM``: the compiled kernel's PTX has ``_ptx_norm_inv``'s ``rcp.rn``) and
+    give the torch path's bits, with a bf16 and an FP8 payload; the same parts with a strided
+    head dim take Triton's tree, with the same bits. 10 heads for 2 ranks: a kernel
+    specialization no other test compiles, so the check sees this test's own."""
+    _need_gpu()
+    g = torch.Generator().manual_seed(seed)
+    s_r, d, h = 300, 128, 10
+    cos, sin = (torch.randn((s_r, d), generator=g).cuda() for _ in "cs")
+    qw, kw = (torch.randn(d, generator=g).cuda() for _ in "qk")
+    for layout, shuffled in (("dense", True), ("sliced", False)):
+        q, k, v = (_make(g, (1, s_r, h, d), torch.bfloat16, layout) for _ in "qkv")
+        q[0, 7] *= 2.0 ** -30  # rows whose sum of squares is tiny next to eps
+        k[0, 9, 3] = 0.0
+        ranges = ((0, 5), (5, 10))
+        parts = [FillPart(q, ranges, qw, True), FillPart(k, ranges, kw, True),
+                 FillPart(v, ranges)]
+        before = _compiled_fills()
+        want = fill_torch(parts, 1e-6, cos, sin, payload_dtype=payload)
+        got = fill_triton(parts, 1e-6, cos, sin, payload_dtype=payload)
+        assert torch.equal(want, got), f"seed {seed} {layout} {payload}"
+        new = [ptx for key, ptx in _compiled_fills().items() if key not in before]
+        assert new and all(("rcp.rn.f32" in ptx) == shuffled for ptx in new), (layout, payload)
+
+
 def _layer_inputs(seed, s, hq, hkv, d=128):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn((1, s, h, d), generator=g).to(torch.bfloat16).cuda()
