@@ -4,11 +4,15 @@ FMA contraction on, and with the options the fill's launcher launches it with, m
 full blocks (``FULL``), and on full blocks with the norm's tree by warp shuffles (``SHFL_NORM``:
 ``"launched_shuffle"``); with argument ``fp8``, ``{"fp8": ptx, "fp8_full": ptx,
 "fp8_shuffle": ptx}`` of the FP8 payload variant (uint8 output, bases not 16-aligned: rows of
-D + 4 bytes) with the launch options. Needs no GPU, but a process without TRITON_INTERPRET
+D + 4 bytes) with the launch options; with argument ``layouts``, ``{name: [sizePerThread,
+threadsPerWarp, order]}``: the register layout of ``_ptx_norm_inv``'s operands in the compiled
+kernel (TTGIR) with ``SHFL_NORM`` for the cases the host takes it in (``LAYOUT_CASES``), and
+for fp32 parts, which it does not. Needs no GPU, but a process without TRITON_INTERPRET
 (tests/test_ulysses_fill.py)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import triton
@@ -23,22 +27,54 @@ _PTRS = {"x0": "*bf16", "x1": "*bf16", "x2": "*bf16", "out_ptr": "*bf16", "desc"
 #: Strides as for contiguous q/k/v and cos/sin (fill_kernels' SPEC): batch, row and head
 #: strides multiples of 16, unit element strides.
 _SPEC = sum(c << (2 * k) for k, c in enumerate([2, 2, 2, 1, 2, 1, 2, 1]))
+#: name → (arch, fp8, full, parts' dtype, only the parts' pointers 16-byte aligned)
+LAYOUT_CASES = {
+    "sm90 bf16": (90, False, False, "bf16", False),
+    "sm90 bf16 full": (90, False, True, "bf16", False),
+    "sm90 fp16 full": (90, False, True, "fp16", False),
+    "sm90 bf16 full, the rest unaligned": (90, False, True, "bf16", True),
+    "sm90 fp8": (90, True, False, "bf16", False),
+    "sm90 fp8 full": (90, True, True, "bf16", False),
+    "sm80 bf16 full": (80, False, True, "bf16", False),
+    "sm100 bf16 full": (100, False, True, "bf16", False),
+    "sm100 fp8 full": (100, True, True, "bf16", False),
+}
 
 
-def ptx(opts: dict, fp8: bool = False, full: bool = False, shuffle: bool = False) -> str:
+def compiled(opts: dict, fp8: bool = False, full: bool = False, shuffle: bool = False,
+             dtype: str = "bf16", arch: int = 90, parts_aligned_only: bool = False):
     k = fill_kernel
     names = k.arg_names
     # 56 heads in runs of 2 for 2 destinations, 3 parts: 84 entries; the FP8 flags are what
     # the host picks on sm_90 with norm and RoPE
     consts = dict(HALF=64, LEVELS=6, BLOCK_S=16, HB=2, ANY_NORM=True, ANY_ROPE=True,
-                  ALIGNED=not fp8, ROPE_BCAST=True, SPEC=_SPEC, ENTRIES=84, FULL=full, FP8=fp8,
-                  HW_E4M3=fp8, PTX=fp8, EXACT=False, SHFL_NORM=shuffle)
-    ptrs = dict(_PTRS, out_ptr="*u8") if fp8 else _PTRS
+                  ALIGNED=not fp8 and not parts_aligned_only, ROPE_BCAST=True, SPEC=_SPEC,
+                  ENTRIES=84, FULL=full, FP8=fp8, HW_E4M3=fp8, PTX=fp8, EXACT=False,
+                  SHFL_NORM=shuffle)
+    ptrs = dict(_PTRS, x0=f"*{dtype}", x1=f"*{dtype}", x2=f"*{dtype}",
+                out_ptr="*u8" if fp8 else f"*{dtype}")
+    aligned = ("x0", "x1", "x2") if parts_aligned_only else tuple(_PTRS)
     types = {n: "constexpr" if n in consts else ptrs[n] for n in names}
     src = ASTSource(fn=k, signature=types,
                     constexprs={(names.index(a),): v for a, v in consts.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in _PTRS})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+
+
+def ptx(opts: dict, fp8: bool = False, full: bool = False, shuffle: bool = False) -> str:
+    return compiled(opts, fp8, full, shuffle).asm["ptx"]
+
+
+def norm_layout(ttgir: str) -> list:
+    """``[sizePerThread, threadsPerWarp, order]`` of the layout of the inline asm whose PTX
+    has the shuffles (``_ptx_norm_inv``'s), from the TTGIR."""
+    aliases = dict(re.findall(r"^(#\w+) = #ttg\.blocked<(.*)>$", ttgir, re.M))
+    (enc,) = {m.group(1) for m in re.finditer(
+        r'tt\.elementwise_inline_asm "[^"]*shfl\.sync\.bfly[^"]*".*-> tensor<[^,>]+, (#\w+)>',
+        ttgir)}
+    fields = dict(re.findall(r"(\w+) = \[([\d, ]*)\]", aliases[enc]))
+    return [[int(v) for v in fields[f].split(",")]
+            for f in ("sizePerThread", "threadsPerWarp", "order")]
 
 
 if __name__ == "__main__":
@@ -47,6 +83,12 @@ if __name__ == "__main__":
                           "fp8_full": ptx(LAUNCH_OPTIONS, fp8=True, full=True),
                           "fp8_shuffle": ptx(LAUNCH_OPTIONS, fp8=True, full=True,
                                              shuffle=True)}))
+    elif sys.argv[1:] == ["layouts"]:
+        cases = dict(LAYOUT_CASES, **{"sm90 fp32 full": (90, False, True, "fp32", False)})
+        print(json.dumps({
+            name: norm_layout(compiled(LAUNCH_OPTIONS, fp8, full, True, dtype, arch,
+                                       only).asm["ttgir"])
+            for name, (arch, fp8, full, dtype, only) in cases.items()}))
     else:
         print(json.dumps({"fused": ptx(dict(LAUNCH_OPTIONS, enable_fp_fusion=True)),
                           "launched": ptx(LAUNCH_OPTIONS),

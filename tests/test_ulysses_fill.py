@@ -136,6 +136,31 @@ def test_fill_kernel_ptx_has_no_fma():
 
 
 @pytest.mark.slow
+def test_fill_norm_shuffle_layout():
+    """``_ptx_norm_inv``'s PTX holds for one register layout: 8 consecutive elements of a
+    half-row in a thread's first 8 registers, the half-row's 8 threads in lanes whose bits 0-2
+    are the chunk's index (``sizePerThread[2] = threadsPerWarp[2] = 8``, dim 2 first in
+    ``order``). The compiled kernel has it in every case the host takes ``SHFL_NORM`` (masked
+    and full blocks, bf16, fp16, the FP8 payload, the other pointers unaligned, sm_80 to
+    sm_100), and not with fp32 parts (4 elements a thread), which the host excludes: the
+    check can fail."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.dirname(HERE)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_fill_ptx.py"), "layouts"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    layouts = json.loads(proc.stdout)
+
+    def fits(layout):
+        size, threads, order = layout
+        return size[2] == 8 and threads[2] == 8 and order[0] == 2
+
+    for name, layout in layouts.items():
+        assert fits(layout) == (name != "sm90 fp32 full"), (name, layout)
+
+
+@pytest.mark.slow
 def test_fill_kernel_fp8_ptx():
     """The FP8 variant compiles for sm_90 with the launch options: IEEE division for the
     scale, the rows' reciprocals and the tiny rows' quotients; the other quotients by the
@@ -149,7 +174,7 @@ def test_fill_kernel_fp8_ptx():
     proc = subprocess.run([sys.executable, os.path.join(HERE, "_fill_ptx.py"), "fp8"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name, ptx in json.loads(proc.stdout).items():  # masked, and on full blocks
+    for name, ptx in json.loads(proc.stdout).items():  # masked, full, full with SHFL_NORM
         # each conversion takes two elements and is there twice (the PTX branch, the div_rn one)
         cvts = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx))
         assert cvts > 0 and len(re.findall(r"\bfma\.", ptx)) == 2 * cvts, name

@@ -324,10 +324,10 @@ class _LaunchLayout:
                            ANY_ROPE=rope and any(p.rope for p in parts), ROPE_BCAST=ROPE_BCAST,
                            FP8=self.fp8)
         normed = self.consts["ANY_NORM"] or self.consts["ANY_ROPE"]
+        default_shape = ((self.block_s, self.hb, self.consts["num_warps"])
+                         == (default_block_s(d), HEADS_PER_PROGRAM, LAUNCH_OPTIONS["num_warps"]))
         self.capped = False
-        if (normed and (self.block_s, self.hb, self.consts["num_warps"])
-                == (default_block_s(d), HEADS_PER_PROGRAM, LAUNCH_OPTIONS["num_warps"])
-                and x0.device.type == "cuda"
+        if (normed and default_shape and x0.device.type == "cuda"
                 and torch.cuda.get_device_capability(x0.device) == (9, 0)):
             # At the default launch shape the compiler gives the masked norm/RoPE fills 76
             # (bf16 payload) and 72 (FP8) registers per thread on sm_90; a 64 cap leaves room
@@ -340,11 +340,11 @@ class _LaunchLayout:
         if self.fp8:
             self.consts.update(_fp8_epilogue(x0.device, normed))
         #: the kernel's ``SHFL_NORM`` is possible (the norm's tree by warp shuffles, in PTX
-        #: written for one register layout): a norm, D = 128, the default launch shape, a GPU;
-        #: ``_launch`` adds what the layout also needs of the tensors
+        #: written for one register layout): a norm, D = 128, the default launch shape, a GPU
+        #: (the layout is the same from sm_80 to sm_120: tests/test_ulysses_fill.py); ``_launch``
+        #: adds what the layout also needs of the tensors
         self.shfl_norm = (self.consts["ANY_NORM"] and x0.device.type == "cuda" and d == 128
-                          and (self.block_s, self.hb, self.consts["num_warps"])
-                          == (default_block_s(d), HEADS_PER_PROGRAM, LAUNCH_OPTIONS["num_warps"]))
+                          and default_shape)
         self._descs: dict = {}
         #: the compiled kernel per specialization, replayed (``_launch``)
         self.launches = LaunchCache((_fk.fill_kernel,))

@@ -63,8 +63,9 @@ reciprocal in PTX (``_ptx_norm_inv``), the tree's cross-lane levels as warp shuf
 than the layout conversions through shared memory that Triton makes of ``_adjacent_sum``'s
 reshapes. The same tree and roundings, so the same bits; the PTX is written for the register
 layout of D = 128 rows of contiguous, 16-byte aligned 16-bit parts at the default launch shape
-(a thread holds 8 consecutive elements, a half-row's 8 threads are consecutive lanes), and the
-GPU tests hold it to the torch path bit for bit there.
+(a thread holds 8 consecutive elements, a half-row's 8 threads are consecutive lanes):
+tests/test_ulysses_fill.py checks that layout in the compiled kernel (sm_80 to sm_100), and the
+GPU tests hold the bits to the torch path's there.
 """
 from __future__ import annotations
 
@@ -273,10 +274,13 @@ _PTX_NORM_OPERANDS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 24))
 def _ptx_norm_inv(f1, f2, eps):
     """The norm's ``1 / sqrt_rn(t / D + eps)`` with ``t`` the adjacent-pair tree of the row's
     squares (``_adjacent_sum``'s order, bit for bit), in every element of ``f1``'s shape,
-    through warp shuffles instead of Triton's layout conversions. Only for the layout a
-    contiguous, 16-byte aligned 16-bit load of ``[16, 2, 64]`` rows gets with 4 warps on sm_90
-    (8 elements a thread, a half-row's 8 threads in consecutive lanes): the host's
-    ``SHFL_NORM``."""
+    through warp shuffles instead of Triton's layout conversions. Only for the layout Triton
+    gives the kernel's ``[16, 2, 64]`` rows with 4 warps when the parts are contiguous, 16-byte
+    aligned and 16-bit (8 elements a thread, a half-row's 8 threads in consecutive lanes; the
+    same from sm_80 to sm_120): the host's ``SHFL_NORM``, whose layout
+    tests/test_ulysses_fill.py checks in the compiled kernel. Every lane must run it (its
+    shuffles' mask is the full warp): the branches around it are the same for a whole
+    program."""
     return tl.inline_asm_elementwise(_PTX_NORM_64, _PTX_NORM_OPERANDS,
                                      [f1, f2, tl.broadcast_to(eps, f1.shape)],
                                      dtype=tl.float32, is_pure=True, pack=8)
