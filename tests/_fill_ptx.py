@@ -4,7 +4,9 @@ FMA contraction on, and with the options the fill's launcher launches it with, m
 full blocks (``FULL``), and on full blocks with the norm's tree by warp shuffles (``SHFL_NORM``:
 ``"launched_shuffle"``); with argument ``fp8``, ``{"fp8": ptx, "fp8_full": ptx,
 "fp8_shuffle": ptx}`` of the FP8 payload variant (uint8 output, bases not 16-aligned: rows of
-D + 4 bytes) with the launch options; with argument ``layouts``, ``{name: [sizePerThread,
+D + 4 bytes) with the launch options; with argument ``sm80``, ``{"plain": ptx, "norm": ptx}``
+of the FP8 variant compiled for sm_80 (no e4m3 conversion instruction: ``HW_E4M3`` off);
+with argument ``layouts``, ``{name: [sizePerThread,
 threadsPerWarp, order]}``: the register layout of ``_ptx_norm_inv``'s operands in the compiled
 kernel (TTGIR) with ``SHFL_NORM`` for the cases the host takes it in (``LAYOUT_CASES``), and
 for fp32 parts, which it does not. Needs no GPU, but a process without TRITON_INTERPRET
@@ -42,15 +44,17 @@ LAYOUT_CASES = {
 
 
 def compiled(opts: dict, fp8: bool = False, full: bool = False, shuffle: bool = False,
-             dtype: str = "bf16", arch: int = 90, parts_aligned_only: bool = False):
+             dtype: str = "bf16", arch: int = 90, parts_aligned_only: bool = False,
+             hw_e4m3: bool = True, norm: bool = True):
     k = fill_kernel
     names = k.arg_names
     # 56 heads in runs of 2 for 2 destinations, 3 parts: 84 entries; the FP8 flags are what
     # the host picks on sm_90 with norm and RoPE
-    consts = dict(HALF=64, LEVELS=6, BLOCK_S=16, HB=2, ANY_NORM=True, ANY_ROPE=True,
+    hw = fp8 and hw_e4m3
+    consts = dict(HALF=64, LEVELS=6, BLOCK_S=16, HB=2, ANY_NORM=norm, ANY_ROPE=norm,
                   ALIGNED=not fp8 and not parts_aligned_only, ROPE_BCAST=True, SPEC=_SPEC,
-                  ENTRIES=84, FULL=full, FP8=fp8, HW_E4M3=fp8, PTX=fp8, EXACT=False,
-                  SHFL_NORM=shuffle)
+                  ENTRIES=84, FULL=full, FP8=fp8, HW_E4M3=hw, PTX=hw and norm,
+                  EXACT=not norm, SHFL_NORM=shuffle)
     ptrs = dict(_PTRS, x0=f"*{dtype}", x1=f"*{dtype}", x2=f"*{dtype}",
                 out_ptr="*u8" if fp8 else f"*{dtype}")
     aligned = ("x0", "x1", "x2") if parts_aligned_only else tuple(_PTRS)
@@ -83,6 +87,14 @@ if __name__ == "__main__":
                           "fp8_full": ptx(LAUNCH_OPTIONS, fp8=True, full=True),
                           "fp8_shuffle": ptx(LAUNCH_OPTIONS, fp8=True, full=True,
                                              shuffle=True)}))
+    elif sys.argv[1:] == ["sm80"]:
+        # the FP8 fills where the GPU has no e4m3 conversion (HW_E4M3 off), plain and normed
+        out = {}
+        for norm in (False, True):
+            k = compiled(LAUNCH_OPTIONS, fp8=True, full=True, arch=80, hw_e4m3=False,
+                         norm=norm)
+            out["norm" if norm else "plain"] = k.asm["ptx"]
+        print(json.dumps(out))
     elif sys.argv[1:] == ["layouts"]:
         cases = dict(LAYOUT_CASES, **{"sm90 fp32 full": (90, False, True, "fp32", False)})
         print(json.dumps({

@@ -136,6 +136,22 @@ def test_fill_kernel_ptx_has_no_fma():
 
 
 @pytest.mark.slow
+def test_fill_kernel_fp8_compiles_without_hw_e4m3():
+    """On a GPU with no e4m3 conversion instruction (sm_80: ``HW_E4M3`` off) the FP8 fill,
+    plain and with norm + RoPE, compiles to the rule's IEEE divisions and integer rounding:
+    no ``cvt`` to e4m3, no quotient FMAs."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.dirname(HERE)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_fill_ptx.py"), "sm80"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, ptx in json.loads(proc.stdout).items():
+        assert "div.rn.f32" in ptx, name
+        assert not re.search(r"cvt\.rn\.satfinite\.e4m3x2|\bfma\.", ptx), name
+
+
+@pytest.mark.slow
 def test_fill_norm_shuffle_layout():
     """``_ptx_norm_inv``'s PTX holds for one register layout: 8 consecutive elements of a
     half-row in a thread's first 8 registers, the half-row's 8 threads in lanes whose bits 0-2

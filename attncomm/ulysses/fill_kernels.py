@@ -237,16 +237,16 @@ def _ptx_bytes(f, ny, dv, ROUND_BF16: tl.constexpr):
                                      [f, ny, dv], dtype=tl.uint8, is_pure=True, pack=4)
 
 
-def _norm_ptx(half: int, per_thread: int = 8) -> str:
-    """PTX of ``_ptx_norm_inv`` for rows of ``2·half`` elements held ``per_thread`` consecutive
-    elements to a thread, the ``half // per_thread`` threads of a half-row in consecutive lanes
-    (lane bit ``j`` is bit ``j`` of the chunk's index): operands ``$P..$2P−1`` a thread's
-    chunk of the first half, ``$2P..$3P−1`` the same chunk of the second, ``$3P`` the epsilon
-    (``$3P+1..$4P−1`` its copies; P = per_thread); outputs ``$0..$P−1`` the row's
-    ``1 / sqrt(mean(x²) + eps)``, the same word in each. Every step rounds once as its
-    Triton counterpart does (``mul``/``add.rn``, ``sqrt.rn``, and ``rcp.rn``: IEEE ``1 / x``,
-    ``div_rn``'s bits); a sum's two lanes add the same pair (IEEE addition commutes)."""
-    p = per_thread
+def _norm_ptx(half: int) -> str:
+    """PTX of ``_ptx_norm_inv`` for rows of ``2·half`` elements held 8 consecutive elements to
+    a thread, the ``half // 8`` threads of a half-row in consecutive lanes (lane bit ``j`` is
+    bit ``j`` of the chunk's index): operands ``$8..$15`` a thread's chunk of the first half,
+    ``$16..$23`` the same chunk of the second, ``$24`` the epsilon (``$25..$31`` its copies);
+    outputs ``$0..$7`` the row's ``1 / sqrt(mean(x²) + eps)``, the same word in each. Every
+    step rounds once as its Triton counterpart does (``mul``/``add.rn``, ``sqrt.rn``, and
+    ``rcp.rn``: IEEE ``1 / x``, ``div_rn``'s bits); a sum's two lanes add the same pair (IEEE
+    addition commutes)."""
+    p = _NORM_PACK
     lines = ["{", f".reg .f32 a<{p}>, b<{p}>, s;"]
     for r, first in (("a", p), ("b", 2 * p)):
         lines += [f"mul.rn.f32 {r}{i}, ${first + i}, ${first + i};" for i in range(p)]
@@ -266,8 +266,10 @@ def _norm_ptx(half: int, per_thread: int = 8) -> str:
     return "\n".join(lines)
 
 
+#: Elements of a half-row a thread holds in ``SHFL_NORM``'s layout: ``_ptx_norm_inv``'s pack.
+_NORM_PACK = 8
 _PTX_NORM_64 = tl.constexpr(_norm_ptx(64))
-_PTX_NORM_OPERANDS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 24))
+_PTX_NORM_OPERANDS = tl.constexpr(",".join(["=r"] * _NORM_PACK + ["r"] * 3 * _NORM_PACK))
 
 
 @triton.jit
@@ -283,7 +285,7 @@ def _ptx_norm_inv(f1, f2, eps):
     program."""
     return tl.inline_asm_elementwise(_PTX_NORM_64, _PTX_NORM_OPERANDS,
                                      [f1, f2, tl.broadcast_to(eps, f1.shape)],
-                                     dtype=tl.float32, is_pure=True, pack=8)
+                                     dtype=tl.float32, is_pure=True, pack=_c._NORM_PACK)
 
 
 @triton.jit
@@ -331,7 +333,6 @@ def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl
     else:
         mask = rmask[:, :, None] & (cols[None, None, :] >= 0)
         live = rmask
-    fast = False
     if PTX:  # (HW_E4M3 holds)
         # The amax of the rounded elements is the rounded amax of the elements (rounding to
         # DTYPE is monotone and odd; a value that rounds to inf still makes the amax inf), so
@@ -342,8 +343,7 @@ def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl
         amax = m if EXACT else m.to(DTYPE).to(tl.float32)
         scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
         dv = tl.where(scale > 0, scale, 1.0)
-        fast = _fast_block(amax, live)
-        if fast:
+        if _fast_block(amax, live):
             ny = -tl.div_rn(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, None]
             rb: tl.constexpr = (not EXACT) and DTYPE == tl.bfloat16
             if rb or EXACT or DTYPE == tl.float32:
@@ -368,14 +368,16 @@ def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl
             amax = tl.max(tl.maximum(tl.abs(g1), tl.abs(g2)), axis=2)
             scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
             dv = tl.where(scale > 0, scale, 1.0)
-            fast = _fast_block(amax, live)
-        # Each branch stores its own bytes: a branch that yields the byte tensors miscompiles
-        # with Triton 3.6 on sm_90 (every eighth byte of the second half stored as 0).
-        if fast:
-            y = tl.div_rn(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, None]
-            ndv = -dv[:, :, None]  # 0 − dv: exact, dv > 0
-            tl.store(dst, _e4m3(_quotient(g1, y, ndv), HW_E4M3), mask=mask)
-            tl.store(dst + HALF, _e4m3(_quotient(g2, y, ndv), HW_E4M3), mask=mask)
+            # Each branch stores its own bytes: a branch that yields the byte tensors
+            # miscompiles with Triton 3.6 on sm_90 (every eighth byte of the second half
+            # stored as 0).
+            if _fast_block(amax, live):
+                y = tl.div_rn(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, None]
+                ndv = -dv[:, :, None]  # 0 − dv: exact, dv > 0
+                tl.store(dst, _e4m3(_quotient(g1, y, ndv), HW_E4M3), mask=mask)
+                tl.store(dst + HALF, _e4m3(_quotient(g2, y, ndv), HW_E4M3), mask=mask)
+            else:
+                scale = _divided_bytes(dst, f1, f2, mask, DTYPE, HALF, HW_E4M3)
         else:
             scale = _divided_bytes(dst, f1, f2, mask, DTYPE, HALF, HW_E4M3)
     # the scale in the reduced rows' layout: one store per row

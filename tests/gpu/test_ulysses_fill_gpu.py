@@ -151,30 +151,50 @@ def _compiled_fills() -> dict:
 
 
 @pytest.mark.parametrize("payload", [None, torch.float8_e4m3fn])
-def test_fill_norm_tree_by_shuffles_on_cuda(payload, seed):
+def test_fill_norm_tree_by_shuffles_on_cuda(payload, seed, monkeypatch):
     """D = 128 rows of contiguous, 16-byte aligned bf16 parts take the norm's tree by warp
-    shuffles (``SHFL_NORM``: the compiled kernel's PTX has ``_ptx_norm_inv``'s ``rcp.rn``) and
-    give the torch path's bits, with a bf16 and an FP8 payload; the same parts with a strided
-    head dim take Triton's tree, with the same bits. 10 heads for 2 ranks: a kernel
-    specialization no other test compiles, so the check sees this test's own."""
+    shuffles (``SHFL_NORM``: the compiled kernel's PTX has ``_ptx_norm_inv``'s ``rcp.rn``),
+    on full blocks (304 rows, runs of 2 heads) and masked ones (300 rows, 5 heads a region),
+    with eps 1e-6 and 0: its bits (bf16 as int16: NaNs and signed zeros too) equal Triton's
+    tree's (the same launch with the shuffles forced off) and the torch path's, with rows
+    holding a NaN, an infinity, only zeros, and values whose squares are subnormal. The same
+    parts with a strided head dim take Triton's tree. Head counts no other test compiles,
+    so the check of the PTX sees this test's own kernels."""
     _need_gpu()
+    from attncomm.ulysses import fill as fill_mod
     g = torch.Generator().manual_seed(seed)
-    s_r, d, h = 300, 128, 10
-    cos, sin = (torch.randn((s_r, d), generator=g).cuda() for _ in "cs")
+    d = 128
     qw, kw = (torch.randn(d, generator=g).cuda() for _ in "qk")
-    for layout, shuffled in (("dense", True), ("sliced", False)):
+    as_int = (lambda t: t.view(torch.int16)) if payload is None else (lambda t: t)
+    for layout, s_r, h, shuffled in (("dense", 304, 8, True), ("dense", 300, 10, True),
+                                     ("sliced", 300, 10, False)):
+        cos, sin = (torch.randn((s_r, d), generator=g).cuda() for _ in "cs")
         q, k, v = (_make(g, (1, s_r, h, d), torch.bfloat16, layout) for _ in "qkv")
-        q[0, 7] *= 2.0 ** -30  # rows whose sum of squares is tiny next to eps
-        k[0, 9, 3] = 0.0
-        ranges = ((0, 5), (5, 10))
+        for x in (q, k):
+            x[0, 3, 0, 5] = float("nan")
+            x[0, 4, 1, 7] = float("inf")
+            x[0, 5, 0] = 0.0
+            x[0, 6, 1] *= 2.0 ** -70  # squares below fp32's normal range
+        ranges = ((0, h // 2), (h // 2, h))
         parts = [FillPart(q, ranges, qw, True), FillPart(k, ranges, kw, True),
                  FillPart(v, ranges)]
-        before = _compiled_fills()
-        want = fill_torch(parts, 1e-6, cos, sin, payload_dtype=payload)
-        got = fill_triton(parts, 1e-6, cos, sin, payload_dtype=payload)
-        assert torch.equal(want, got), f"seed {seed} {layout} {payload}"
-        new = [ptx for key, ptx in _compiled_fills().items() if key not in before]
-        assert new and all(("rcp.rn.f32" in ptx) == shuffled for ptx in new), (layout, payload)
+        for eps in (1e-6, 0.0):
+            case = f"seed {seed}: {layout}, {s_r} rows, eps {eps}, payload {payload}"
+            before = _compiled_fills()
+            got = fill_triton(parts, eps, cos, sin, payload_dtype=payload)
+            new = [ptx for key, ptx in _compiled_fills().items() if key not in before]
+            if eps:  # the first launch of these shapes (eps is data: no new kernel after)
+                assert new and all(("rcp.rn.f32" in ptx) == shuffled for ptx in new), case
+            with monkeypatch.context() as m:
+                m.setattr(fill_mod, "_ROWS_SPEC", -1)  # Triton's tree
+                tree = fill_triton(parts, eps, cos, sin, payload_dtype=payload)
+            assert torch.equal(as_int(got), as_int(tree)), case
+            want = fill_torch(parts, eps, cos, sin, payload_dtype=payload)
+            if payload is None:  # NaN where the torch path has one (its payload bits differ)
+                nan = want.isnan()
+                assert torch.equal(nan, got.isnan()), case
+                want, got = want.masked_fill(nan, 0.0), got.masked_fill(nan, 0.0)
+            assert torch.equal(as_int(want), as_int(got)), case
 
 
 def _layer_inputs(seed, s, hq, hkv, d=128):
