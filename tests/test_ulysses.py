@@ -264,6 +264,56 @@ def test_one_rank_attends_on_the_parts(pools, seed):
     assert fp8_packed and fp8_err < 0.2, f"seed {seed}: FP8 payload at W=1: err {fp8_err}"
 
 
+def _one_rank_groups_case(rank, world, seed):
+    # W = 1, nothing packed, G head groups: every part split once and the outputs concatenated
+    # once when the groups' heads of each part follow one another (_run_local), the general
+    # loop otherwise (GQA groups sharing a KV head); both give the sequential forward's bits
+    from attncomm.ulysses import forward_plan
+    g = _gen(seed)
+    calls, local, wide = [], [], [False]
+    run_local = forward_plan.ForwardPlan._run_local
+
+    def counted(self, *a, **kw):
+        local.append(len(self.groups))
+        return run_local(self, *a, **kw)
+
+    def attn(q_, k_, v_, causal, **kw):
+        calls.append(q_.shape[2])
+        o = ulysses.sdpa_attention(q_, k_, v_, causal, **kw)
+        return o.double() if wide[0] else o  # an output of another dtype than q's
+
+    forward_plan.ForwardPlan._run_local = counted
+    res = []
+    try:
+        for hq, hkv, groups, out64, masked in ((4, 4, 4, False, False), (6, 2, 2, False, True),
+                                                (6, 2, 3, False, False), (3, 3, 5, False, True),
+                                                (4, 2, 2, True, False)):
+            wide[0] = out64
+            q, k, v = (_rand(g, (2, 7, h, 8)) for h in (hq, hkv, hkv))
+            mask = torch.rand((2, 7), generator=g) > 0.3 if masked else None
+            mask = None if mask is None else mask.index_fill(1, torch.tensor([0]), True)
+            kw = {} if mask is None else dict(key_padding_mask=mask)
+            seq = UlyssesAttention(attn, pipeline_groups=0)(q, k, v, causal=True, **kw)
+            calls.clear()
+            local.clear()
+            got = UlyssesAttention(attn, pipeline_groups=groups)(q, k, v, causal=True, **kw)
+            res.append((hq, hkv, groups, torch.equal(seq, got), got.dtype == q.dtype,
+                        sorted(calls), list(local)))
+    finally:
+        forward_plan.ForwardPlan._run_local = run_local
+    return res
+
+
+def test_one_rank_head_groups_split_once(pools, seed):
+    res = pools.run(1, _one_rank_groups_case, seed)[0]
+    for hq, hkv, groups, equal, dtype_ok, calls, local in res:
+        case = f"seed {seed}: Hq {hq}, Hkv {hkv}, {groups} groups"
+        assert equal and dtype_ok, case
+        assert sum(calls) == hq and len(calls) == min(groups, hq), f"{case}: {calls}"
+        # GQA with 3 groups over 6 query heads shares KV head 0 between groups 0 and 1
+        assert local == ([] if (hq, groups) == (6, 3) else [groups]), f"{case}: {local}"
+
+
 def _one_rank_strided_case(rank, world, seed):
     # W = 1, nothing packed: q, k, v with a strided D reach attn_fn as rows of heads × D, so a
     # masked forward (SDPA on the views as given) has the bits of their contiguous copies,

@@ -21,7 +21,11 @@ One rank. With W = 1 an exchange moves nothing, so a pack that would only copy (
 RoPE inside the fill, no FP8 payload, no joint rows) is skipped: ``attn_fn`` reads q, k, v
 themselves (its head group's slices of them), as it reads the parts' rows after an exchange;
 one whose last two dims are not dense (``transport.dense``, e.g. a strided D) is copied first,
-so ``attn_fn`` sees rows of heads × D as a receive buffer's views give them.
+so ``attn_fn`` sees rows of heads × D as a receive buffer's views give them. With head groups
+there is then nothing to overlap: each part is split once into the groups' heads and the
+groups' outputs are concatenated once (``_run_local``), instead of one output exchange (a copy)
+per group, when each part's groups take its heads in order (not for GQA groups sharing a KV
+head, which take the general loop).
 
 Landing buffer. With joint rows (``S_j`` replicated rows, e.g. a DiT's text tokens) or the FP8
 payload, an input exchange's rows land in a buffer of the parts' dtype, ``[S_j + S, B, htot,
@@ -158,6 +162,10 @@ class ForwardPlan:
             self.groups.append(_Group(ins, out_plan, t, q_hi - q_lo, idx))
         self.in_exchanges = len(self.groups[0].ins)
         self.all_local = all(e.local for grp in self.groups for e in grp.ins)
+        # one rank, nothing packed, head groups whose heads of each part follow one another:
+        # each part split once, the groups' outputs concatenated once (``_run_local``)
+        self.local_splits = (self._local_splits((hq, hkv, hkv)) if self.all_local and n_groups > 1
+                             else None)
         self.stores = self._stores()
         self.h_r = head_split(hq, world)[rank]
         self.joint_plan = self.joint_transport = None
@@ -171,6 +179,26 @@ class ForwardPlan:
         # one rank and one head group: head_to_seq moves nothing, so attention's output (when
         # it is already a contiguous [B, S_r, Hq, Dv] tensor of q's dtype) is the result
         self.alone = world == 1 and n_groups == 1 and not self.joint
+
+    def _local_splits(self, heads: tuple) -> list | None:
+        """Per part of q, k, v (``heads``: how many each has): its heads' sizes in group
+        order, when the groups' heads of every part follow one another from the first head to
+        the last (so ``split_with_sizes`` gives each group's slice, an empty group an empty
+        one, and the outputs' concatenation is the result); else None (GQA groups that share
+        a KV head)."""
+        ranges: list = [[], [], []]
+        for grp in self.groups:
+            for e in grp.ins:
+                for i, r in zip(e.parts, e.heads):
+                    ranges[i].append(r)
+        sizes = []
+        for rs, h in zip(ranges, heads):
+            live = [(lo, hi) for lo, hi in rs if hi > lo]
+            ends = [0] + [hi for _, hi in live]
+            if len(rs) != len(self.groups) or [lo for lo, _ in live] + [h] != ends:
+                return None
+            sizes.append([hi - lo for lo, hi in rs])
+        return sizes
 
     def _stores(self) -> list:
         """One allocation per dtype per forward for every input exchange's send buffer whose
@@ -247,8 +275,9 @@ class ForwardPlan:
         ``key_mask``: bool ``[B, rows]`` of the rows attention runs over, for ``attn_fn``. Group
         g+1's fill and exchange are enqueued before group g's attention; each group's output
         reaches the final tensor through the transport (a copy out of its staging or receive
-        buffer, docs/DESIGN.md), except with one rank and one head group, where ``attn_fn``'s
-        output is the result when it is a contiguous tensor of the result's shape and dtype.
+        buffer, docs/DESIGN.md), except with one rank: with one head group ``attn_fn``'s
+        output is the result when it is a contiguous tensor of the result's shape and dtype,
+        and with several and nothing packed the outputs are concatenated (``_run_local``).
         Pipelined and sequential runs give the same bits.
 
         Streams of a run with G = 2 head groups: ``fill``: norm + RoPE + pack of a group's
@@ -276,6 +305,8 @@ class ForwardPlan:
             # strided D; fused and unfused runs must give the same bits)
             q, k, v = dense(q), dense(k), dense(v)
         qkv = (q, k, v)
+        if self.local_splits is not None:
+            return self._run_local(qkv, key_mask)
         dev = q.device
         out = flat = None
         if not self.alone:
@@ -315,6 +346,19 @@ class ForwardPlan:
             ex.wait()
             ex.release()
         return out if joint_out is None else (out, joint_out)
+
+    def _run_local(self, qkv, key_mask):
+        """``run`` with one rank, nothing packed and G head groups (``local_splits``): there is
+        no exchange to overlap, so each part is split once into the groups' heads, ``attn_fn``
+        runs on each group in turn and their outputs are concatenated once: the same
+        ``attn_fn`` calls, and copies of their outputs, as the general path's."""
+        slices = [x.split_with_sizes(n, 2) for x, n in zip(qkv, self.local_splits)]
+        outs = [self._attend(grp, *(sl[g] for sl in slices), key_mask)
+                for g, grp in enumerate(self.groups)]
+        dtype = qkv[0].dtype
+        if all(o.dtype == dtype for o in outs):
+            return torch.cat(outs, 2)
+        return torch.cat([o.to(dtype) for o in outs], 2)
 
     def _rows(self, rope):
         """cos/sin rows of this rank's positions: views made on every call. A plan keeps no
