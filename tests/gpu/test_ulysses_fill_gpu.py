@@ -144,10 +144,11 @@ def test_fill_kernel_fp8_bitwise_on_cuda(case, seed):
             assert torch.equal(want, got), f"seed {seed} groups {groups} rope {rope}"
 
 
-def _compiled_fills() -> dict:
+def _compiled_fills() -> list:
+    """The PTX of every fill kernel compiled in this process (Triton's in-memory cache)."""
     from attncomm.ulysses import fill_kernels
-    return {id(ck): ck.asm.get("ptx", "") for _, entry in
-            fill_kernels.fill_kernel.device_caches.items() for ck in entry[0].values()}
+    return [ck.asm.get("ptx", "") for _, entry in fill_kernels.fill_kernel.device_caches.items()
+            for ck in entry[0].values()]
 
 
 @pytest.mark.parametrize("payload", [None, torch.float8_e4m3fn])
@@ -158,10 +159,11 @@ def test_fill_norm_tree_by_shuffles_on_cuda(payload, seed, monkeypatch):
     with eps 1e-6 and 0: its bits (bf16 as int16: NaNs and signed zeros too) equal Triton's
     tree's (the same launch with the shuffles forced off) and the torch path's, with rows
     holding a NaN, an infinity, only zeros, and values whose squares are subnormal. The same
-    parts with a strided head dim take Triton's tree. Head counts no other test compiles,
-    so the check of the PTX sees this test's own kernels."""
+    parts with a strided head dim take Triton's tree. Triton's in-memory kernel cache is
+    emptied before each launch checked, so its one kernel is that launch's."""
     _need_gpu()
     from attncomm.ulysses import fill as fill_mod
+    from attncomm.ulysses import fill_kernels
     g = torch.Generator().manual_seed(seed)
     d = 128
     qw, kw = (torch.randn(d, generator=g).cuda() for _ in "qk")
@@ -180,11 +182,10 @@ def test_fill_norm_tree_by_shuffles_on_cuda(payload, seed, monkeypatch):
                  FillPart(v, ranges)]
         for eps in (1e-6, 0.0):
             case = f"seed {seed}: {layout}, {s_r} rows, eps {eps}, payload {payload}"
-            before = _compiled_fills()
+            fill_kernels.fill_kernel.device_caches.clear()  # then only this launch's kernel
             got = fill_triton(parts, eps, cos, sin, payload_dtype=payload)
-            new = [ptx for key, ptx in _compiled_fills().items() if key not in before]
-            if eps:  # the first launch of these shapes (eps is data: no new kernel after)
-                assert new and all(("rcp.rn.f32" in ptx) == shuffled for ptx in new), case
+            ptxs = _compiled_fills()
+            assert len(ptxs) == 1 and ("rcp.rn.f32" in ptxs[0]) == shuffled, case
             with monkeypatch.context() as m:
                 m.setattr(fill_mod, "_ROWS_SPEC", -1)  # Triton's tree
                 tree = fill_triton(parts, eps, cos, sin, payload_dtype=payload)
