@@ -114,16 +114,22 @@ def test_fill_triton_fp8_reasons(monkeypatch):
         fill(parts, impl="triton", payload_dtype=torch.float8_e4m3fn)
 
 
-def test_fill_kernel_ptx_has_no_fma():
-    """With FMA contraction on, ``x * c + r * s`` would round once where torch rounds twice;
-    the launcher turns it off. Compiled for sm_90 by Triton's own ptxas (no GPU needed)."""
+def _fill_ptx(*args: str) -> dict:
+    """``tests/_fill_ptx.py ARGS``'s JSON: the kernel compiled for sm_90 (or as ``ARGS`` say)
+    by Triton's own ptxas, in a process without ``TRITON_INTERPRET`` (no GPU needed)."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.dirname(HERE)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "_fill_ptx.py")], env=env,
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_fill_ptx.py"), *args], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ptx = json.loads(proc.stdout)
+    return json.loads(proc.stdout)
+
+
+def test_fill_kernel_ptx_has_no_fma():
+    """With FMA contraction on, ``x * c + r * s`` would round once where torch rounds twice;
+    the launcher turns it off. Compiled for sm_90 by Triton's own ptxas (no GPU needed)."""
+    ptx = _fill_ptx()
     assert re.search(r"\bfma\.", ptx["fused"]), "the check cannot fail: FMA never appears"
     for name in ("launched", "launched_full"):  # masked, and on full blocks (unmasked)
         assert not re.search(r"\bfma\.", ptx[name]), name
@@ -140,13 +146,7 @@ def test_fill_kernel_fp8_compiles_without_hw_e4m3():
     """On a GPU with no e4m3 conversion instruction (sm_80: ``HW_E4M3`` off) the FP8 fill,
     plain and with norm + RoPE, compiles to the rule's IEEE divisions and integer rounding:
     no ``cvt`` to e4m3, no quotient FMAs."""
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.dirname(HERE)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "_fill_ptx.py"), "sm80"], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for name, ptx in json.loads(proc.stdout).items():
+    for name, ptx in _fill_ptx("sm80").items():
         assert "div.rn.f32" in ptx, name
         assert not re.search(r"cvt\.rn\.satfinite\.e4m3x2|\bfma\.", ptx), name
 
@@ -160,13 +160,7 @@ def test_fill_norm_shuffle_layout():
     and full blocks, bf16, fp16, the FP8 payload, the other pointers unaligned, sm_80 to
     sm_100), and not with fp32 parts (4 elements a thread), which the host excludes: the
     check can fail."""
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.dirname(HERE)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "_fill_ptx.py"), "layouts"],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    layouts = json.loads(proc.stdout)
+    layouts = _fill_ptx("layouts")
 
     def fits(layout):
         size, threads, order = layout
@@ -184,13 +178,7 @@ def test_fill_kernel_fp8_ptx():
     round as torch's); the e4m3 bytes stored 4 at a time (the rows' 4-byte alignment is known
     to the compiler: without it every byte is its own store) beside the scales' 32-bit
     words."""
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.dirname(HERE)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "_fill_ptx.py"), "fp8"], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for name, ptx in json.loads(proc.stdout).items():  # masked, full, full with SHFL_NORM
+    for name, ptx in _fill_ptx("fp8").items():  # masked, full, full with SHFL_NORM
         # each conversion takes two elements and is there twice (the PTX branch, the div_rn one)
         cvts = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx))
         assert cvts > 0 and len(re.findall(r"\bfma\.", ptx)) == 2 * cvts, name
