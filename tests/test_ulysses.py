@@ -285,18 +285,27 @@ def _one_rank_groups_case(rank, world, seed):
     forward_plan.ForwardPlan._run_local = counted
     res = []
     try:
-        for hq, hkv, groups, out64, masked in ((4, 4, 4, False, False), (6, 2, 2, False, True),
-                                                (6, 2, 3, False, False), (3, 3, 5, False, True),
-                                                (4, 2, 2, True, False)):
+        # dv != 8: v travels in its own input exchange (two per group); normed: the norm as
+        # its own pass before attn_fn reads the normed q, k
+        for hq, hkv, groups, out64, masked, dv, normed in (
+                (4, 4, 4, False, False, 8, False), (6, 2, 2, False, True, 8, False),
+                (6, 2, 3, False, False, 8, False), (3, 3, 5, False, True, 8, False),
+                (4, 2, 2, True, False, 8, False), (6, 3, 3, False, True, 4, False),
+                (4, 2, 2, False, False, 8, True)):
             wide[0] = out64
-            q, k, v = (_rand(g, (2, 7, h, 8)) for h in (hq, hkv, hkv))
+            q, k = (_rand(g, (2, 7, h, 8)) for h in (hq, hkv))
+            v = _rand(g, (2, 7, hkv, dv))
+            norm = (_rand(g, (8,)), _rand(g, (8,)), 1e-6) if normed else None
             mask = torch.rand((2, 7), generator=g) > 0.3 if masked else None
             mask = None if mask is None else mask.index_fill(1, torch.tensor([0]), True)
             kw = {} if mask is None else dict(key_padding_mask=mask)
-            seq = UlyssesAttention(attn, pipeline_groups=0)(q, k, v, causal=True, **kw)
+            mods = [UlyssesAttention(attn, pipeline_groups=n, qk_norm=norm,
+                                     fuse_qk_norm_rope=not normed) for n in (0, groups)]
+            seq = mods[0](q, k, v, causal=True, **kw)
             calls.clear()
             local.clear()
-            got = UlyssesAttention(attn, pipeline_groups=groups)(q, k, v, causal=True, **kw)
+            got = mods[1](q, k, v, causal=True, **kw)
+            assert mods[1].last_in_exchanges == (2 if dv != 8 else 1)
             res.append((hq, hkv, groups, torch.equal(seq, got), got.dtype == q.dtype,
                         sorted(calls), list(local)))
     finally:
@@ -311,7 +320,7 @@ def test_one_rank_head_groups_split_once(pools, seed):
         assert equal and dtype_ok, case
         assert sum(calls) == hq and len(calls) == min(groups, hq), f"{case}: {calls}"
         # GQA with 3 groups over 6 query heads shares KV head 0 between groups 0 and 1
-        assert local == ([] if (hq, groups) == (6, 3) else [groups]), f"{case}: {local}"
+        assert local == ([] if (hq, hkv, groups) == (6, 2, 3) else [groups]), f"{case}: {local}"
 
 
 def _one_rank_strided_case(rank, world, seed):

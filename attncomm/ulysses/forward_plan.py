@@ -162,8 +162,6 @@ class ForwardPlan:
             self.groups.append(_Group(ins, out_plan, t, q_hi - q_lo, idx))
         self.in_exchanges = len(self.groups[0].ins)
         self.all_local = all(e.local for grp in self.groups for e in grp.ins)
-        # one rank, nothing packed, head groups whose heads of each part follow one another:
-        # each part split once, the groups' outputs concatenated once (``_run_local``)
         self.local_splits = (self._local_splits((hq, hkv, hkv)) if self.all_local and n_groups > 1
                              else None)
         self.stores = self._stores()
@@ -276,8 +274,9 @@ class ForwardPlan:
         g+1's fill and exchange are enqueued before group g's attention; each group's output
         reaches the final tensor through the transport (a copy out of its staging or receive
         buffer, docs/DESIGN.md), except with one rank: with one head group ``attn_fn``'s
-        output is the result when it is a contiguous tensor of the result's shape and dtype,
-        and with several and nothing packed the outputs are concatenated (``_run_local``).
+        output is the result when it is a contiguous tensor of the result's shape and dtype;
+        with several, nothing packed and no KV head shared by two groups, the outputs are
+        concatenated (``_run_local``).
         Pipelined and sequential runs give the same bits.
 
         Streams of a run with G = 2 head groups: ``fill``: norm + RoPE + pack of a group's
@@ -355,10 +354,7 @@ class ForwardPlan:
         slices = [x.split_with_sizes(n, 2) for x, n in zip(qkv, self.local_splits)]
         outs = [self._attend(grp, *(sl[g] for sl in slices), key_mask)
                 for g, grp in enumerate(self.groups)]
-        dtype = qkv[0].dtype
-        if all(o.dtype == dtype for o in outs):
-            return torch.cat(outs, 2)
-        return torch.cat([o.to(dtype) for o in outs], 2)
+        return torch.cat([o.to(qkv[0].dtype) for o in outs], 2)  # o.to: o itself at q's dtype
 
     def _rows(self, rope):
         """cos/sin rows of this rank's positions: views made on every call. A plan keeps no
