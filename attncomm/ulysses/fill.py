@@ -341,7 +341,7 @@ class _LaunchLayout:
             self.consts.update(_fp8_epilogue(x0.device, normed))
         #: the kernel's ``SHFL_NORM`` is possible (the norm's tree by warp shuffles, in PTX
         #: written for one register layout): a norm, D = 128, the default launch shape, a GPU
-        #: (the layout is the same from sm_80 to sm_120: tests/test_ulysses_fill.py); ``_launch``
+        #: (tests/test_ulysses_fill.py finds the layout on sm_80, sm_90 and sm_100); ``_launch``
         #: adds what the layout also needs of the tensors
         self.shfl_norm = (self.consts["ANY_NORM"] and x0.device.type == "cuda" and d == 128
                           and default_shape)

@@ -278,9 +278,9 @@ def _ptx_norm_inv(f1, f2, eps):
     squares (``_adjacent_sum``'s order, bit for bit), in every element of ``f1``'s shape,
     through warp shuffles instead of Triton's layout conversions. Only for the layout Triton
     gives the kernel's ``[16, 2, 64]`` rows with 4 warps when the parts are contiguous, 16-byte
-    aligned and 16-bit (8 elements a thread, a half-row's 8 threads in consecutive lanes; the
-    same from sm_80 to sm_120): the host's ``SHFL_NORM``, whose layout
-    tests/test_ulysses_fill.py checks in the compiled kernel. Every lane must run it (its
+    aligned and 16-bit (8 elements a thread, a half-row's 8 threads in consecutive lanes):
+    the host's ``SHFL_NORM``, whose layout tests/test_ulysses_fill.py checks in the kernel
+    compiled for sm_80, sm_90 and sm_100. Every lane must run it (its
     shuffles' mask is the full warp): the branches around it are the same for a whole
     program."""
     return tl.inline_asm_elementwise(_PTX_NORM_64, _PTX_NORM_OPERANDS,
