@@ -53,7 +53,7 @@ import torch
 from .. import _triton
 from ..compiled_launch import LaunchCache, aligned, alignment_key
 from . import fp8 as _fp8
-from .fill_descriptor import Desc, descriptor, usable
+from .fill_descriptor import Desc, descriptor, spec_code, usable
 
 if _triton.REASON is None:
     from . import fill_kernels as _fk
@@ -416,8 +416,8 @@ def _launch(lay: _LaunchLayout, xs: Sequence, base: torch.Tensor, starts: tuple,
         # the loads give each thread 8 consecutive elements of a half-row: 16-bit parts,
         # 16-byte aligned, element stride 1 and the other strides multiples of 16 elements
         shfl_norm = (lay.shfl_norm and desc.spec & 0xFF == _ROWS_SPEC
-                     and all(x.dtype in _HALF_DTYPES and x.data_ptr() % 16 == 0
-                             for x in (x0, x1, x2)))
+                     and all(x.dtype in _HALF_DTYPES for x in (x0, x1, x2))
+                     and all(alignment_key((x0, x1, x2))))
 
         def launch() -> None:
             _fk.fill_kernel[grid](*args, ALIGNED=rows16, SPEC=desc.spec, ENTRIES=desc.entries,
@@ -441,7 +441,7 @@ def _launch(lay: _LaunchLayout, xs: Sequence, base: torch.Tensor, starts: tuple,
 
 #: ``SPEC``'s low byte for parts whose batch, row and head strides are multiples of 16 and
 #: whose element stride is 1
-_ROWS_SPEC = 2 | 2 << 2 | 2 << 4 | 1 << 6
+_ROWS_SPEC = sum(spec_code(st) << (2 * k) for k, st in enumerate((16, 16, 16, 1)))
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
