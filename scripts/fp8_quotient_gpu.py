@@ -2,8 +2,8 @@
 pair of bf16 and fp16 rows and about a billion fp32 pairs (random and at the rounding
 boundaries), through the plain fill's epilogue (``fill_kernels._quotient``) and the PTX one of
 the fills with norm or RoPE (``fill_kernels._ptx_bytes``); and the compiled kernels' quotient
-instructions (two ``fma.rn.f32`` per element, next to the ``div_rn`` of the blocks with tiny
-rows).
+instructions (two ``fma.rn.f32`` per element, or one with the split reciprocal of 16-bit rows,
+next to the ``div_rn`` of the blocks with tiny rows).
 
 Rows of D = 128 through ``FillPlan`` (plain pack, FP8 payload, the default launch shape): the
 first element of each row is ± its amax, the others the elements paired with it; the reference
@@ -145,7 +145,8 @@ def fp32_rows(dev, n_rows: int, seed: int, chunk: int = 1 << 20) -> dict:
 def compiled_quotients() -> list:
     """Per compiled FP8 fill kernel: its registers, spills and the instructions of the
     quotient (``fma.rn.f32`` against the e4m3 conversions: two per element in the FMA
-    branch, none in the ``div_rn`` one)."""
+    branch, none in the ``div_rn`` one; with the split reciprocal of 16-bit rows,
+    ``_ptx_split_bytes``, one per element and one per ``rcp.rm.f32`` of a row's ``y_hi``)."""
     out = []
     for _, entry in fill_kernels.fill_kernel.device_caches.items():
         for ck in entry[0].values():
@@ -158,12 +159,14 @@ def compiled_quotients() -> list:
                        other_fma=len(re.findall(r"\bfma\.", ptx))
                        - len(re.findall(r"\bfma\.rn\.f32", ptx)),
                        cvt=len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)),
-                       div_rn=len(re.findall(r"div\.rn\.f32", ptx)))
+                       div_rn=len(re.findall(r"div\.rn\.f32", ptx)),
+                       rcp_rm=len(re.findall(r"rcp\.rm\.f32", ptx)))
             try:
                 rec["sass_ffma"] = len(re.findall(r"\bFFMA\b", ck.asm["sass"]))
             except Exception as e:  # noqa: BLE001 - no disassembler: the PTX counts stand
                 rec["sass"] = repr(e)[:200]
-            rec["ok"] = rec["fma"] == 2 * rec["cvt"] and rec["other_fma"] == 0
+            quotients = (rec["cvt"] + rec["rcp_rm"]) if rec["rcp_rm"] else 2 * rec["cvt"]
+            rec["ok"] = rec["fma"] == quotients and rec["other_fma"] == 0
             out.append(rec)
     return out
 

@@ -54,7 +54,7 @@ def compiled(opts: dict, fp8: bool = False, full: bool = False, shuffle: bool = 
     consts = dict(HALF=64, LEVELS=6, BLOCK_S=16, HB=2, ANY_NORM=norm, ANY_ROPE=norm,
                   ALIGNED=not fp8 and not parts_aligned_only, ROPE_BCAST=True, SPEC=_SPEC,
                   ENTRIES=84, FULL=full, FP8=fp8, HW_E4M3=hw, PTX=hw and norm,
-                  EXACT=not norm, SHFL_NORM=shuffle)
+                  EXACT=not norm, SHFL_NORM=shuffle, PTX_WIDEN=norm)
     ptrs = dict(_PTRS, x0=f"*{dtype}", x1=f"*{dtype}", x2=f"*{dtype}",
                 out_ptr="*u8" if fp8 else f"*{dtype}")
     aligned = ("x0", "x1", "x2") if parts_aligned_only else tuple(_PTRS)

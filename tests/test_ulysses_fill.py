@@ -173,16 +173,18 @@ def test_fill_norm_shuffle_layout():
 @pytest.mark.slow
 def test_fill_kernel_fp8_ptx():
     """The FP8 variant compiles for sm_90 with the launch options: IEEE division for the
-    scale, the rows' reciprocals and the tiny rows' quotients; the other quotients by the
-    reciprocal with two FMAs each (``_ptx_bytes``) and no other FMA (the norm and RoPE products
-    round as torch's); the e4m3 bytes stored 4 at a time (the rows' 4-byte alignment is known
-    to the compiler: without it every byte is its own store) beside the scales' 32-bit
-    words."""
+    scale and the tiny rows' quotients; the other quotients of these bf16 rows by the split
+    reciprocal (``_ptx_split_bytes``: one FMA each, and one per row's ``y_lo`` beside its
+    ``rcp.rm``) and no other FMA (the norm and RoPE products round as torch's); the e4m3 bytes
+    stored 4 at a time (the rows' 4-byte alignment is known to the compiler: without it every
+    byte is its own store) beside the scales' 32-bit words."""
     for name, ptx in _fill_ptx("fp8").items():  # masked, full, full with SHFL_NORM
         # each conversion takes two elements and is there twice (the PTX branch, the div_rn one)
         cvts = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx))
-        assert cvts > 0 and len(re.findall(r"\bfma\.", ptx)) == 2 * cvts, name
-        assert len(re.findall(r"\bfma\.rn\.f32", ptx)) == 2 * cvts, name
+        rcps = len(re.findall(r"rcp\.rm\.f32", ptx))
+        assert cvts > 0 and rcps > 0, name
+        assert len(re.findall(r"\bfma\.", ptx)) == cvts + rcps, name
+        assert len(re.findall(r"\bfma\.rn\.f32", ptx)) == cvts + rcps, name
         assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx, name
         assert re.search(r"st\.global(\.\w+)*\.b32", ptx), f"{name}: no 32-bit store of the scales"
         assert not re.search(r"st\.global(\.\w+)*\.[bu]8", ptx), f"{name}: byte stores"

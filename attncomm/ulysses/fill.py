@@ -339,6 +339,10 @@ class _LaunchLayout:
             self.capped = True
         if self.fp8:
             self.consts.update(_fp8_epilogue(x0.device, normed))
+        # bf16 rows widened by one instruction per element on a GPU where they are normed or
+        # rotated (a plain fill keeps Triton's widening, which the compiler folds away with
+        # the narrowing of its store)
+        self.consts["PTX_WIDEN"] = normed and x0.device.type == "cuda"
         #: the kernel's ``SHFL_NORM`` is possible (the norm's tree by warp shuffles, in PTX
         #: written for one register layout): a norm, D = 128, the default launch shape, a GPU
         #: (tests/test_ulysses_fill.py finds the layout on sm_80, sm_90 and sm_100); ``_launch``

@@ -52,11 +52,17 @@ imported (its max propagates NaNs: such blocks take the second path there);
 and fp16 rows and fp32 rows with NaNs.
 
 A fill with QK-norm or RoPE (its rows rounded to the parts' dtype before they are quantized) on
-a GPU runs that common case as PTX (``PTX``, ``_ptx_bytes``): the same quotients, the rounding
-to bf16 beside them (its amax is the rounded amax of the unrounded rows: rounding is monotone
-and odd), and the bytes' signs and NaNs fixed with one ``lop3`` per four bytes instead of a
-compare and a select per byte. The interpreter runs no PTX; ``scripts/fp8_quotient_gpu.py``
-also checks this path, which the host picks (``fill._fp8_epilogue``).
+a GPU runs that common case as PTX (``PTX``): the rounding to bf16 beside the quotients (its
+amax is the rounded amax of the unrounded rows: rounding is monotone and odd), and the bytes'
+NaNs (and signs) fixed with one ``lop3`` per four bytes instead of a compare and a select per
+byte. The quotients of 16-bit rows come from the row's reciprocal split in two fp32 terms, one
+product and one FMA per element (``_ptx_split_bytes``: the division's e4m3 bytes, which a CPU
+test enumerates over every pair of bf16 and fp16 significands), those of fp32 rows from
+``_quotient``'s steps (``_ptx_bytes``). The interpreter runs no PTX;
+``scripts/fp8_quotient_gpu.py`` also checks this path on every 16-bit (element, amax) pair,
+which the host picks (``fill._fp8_epilogue``). ``PTX_WIDEN`` (the host's, on a GPU, for fills
+that norm or rotate): bf16 rows widened to fp32 by one instruction per element
+(``_PTX_WIDEN``).
 
 ``SHFL_NORM`` (the host's choice, ``fill._launch``): the norm's sum of squares, square root and
 reciprocal in PTX (``_ptx_norm_inv``), the tree's cross-lane levels as warp shuffles rather
@@ -92,6 +98,7 @@ _c = sys.modules[__name__]  # constants read as attributes (see attncomm.symm_de
 _F32_MAX = 3.4028234663852886e38    # the largest finite fp32
 _DV_MIN = 2.0 ** -80               # the least divisor _quotient takes (its docstring)
 _AMAX_MIN = 448.0 * _DV_MIN        # the least nonzero amax _fast_block lets through
+_AMAX_MAX_SPLIT = 2.0 ** 64         # the largest amax _ptx_split_bytes takes (its docstring)
 
 
 @triton.jit
@@ -107,14 +114,30 @@ def _stride(ptr, CODE: tl.constexpr):
         return v
 
 
+#: bf16 → fp32, two elements of one 32-bit register: the low one shifted up, the high one
+#: masked (the bits of ``.to(tl.float32)``, for which ptxas emits three or more per register).
+_PTX_WIDEN = tl.constexpr("shl.b32 $0, $2, 16;\nand.b32 $1, $2, 0xFFFF0000;")
+
+
 @triton.jit
-def _halves(x, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF: tl.constexpr):
+def _widen(v, PTX_WIDEN: tl.constexpr):
+    """``v.to(tl.float32)``; bf16 ``v`` with ``PTX_WIDEN`` (a GPU): by ``_PTX_WIDEN``."""
+    if PTX_WIDEN and v.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise(_PTX_WIDEN, "=r,=r,r", [v], dtype=tl.float32,
+                                         is_pure=True, pack=2)
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
+def _halves(x, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF: tl.constexpr,
+            PTX_WIDEN: tl.constexpr):
     """Rows ``[BLOCK_S, HB, D]`` of heads ``h0 + hh`` as two fp32 halves (one load site per
     part)."""
     src = (x + b * sb + rows[:, None, None] * ss + (h0 + hh)[None, :, None] * sh
            + cols[None, None, :] * sd)
-    f1 = tl.load(src, mask=mask).to(tl.float32)
-    f2 = tl.load(src + HALF * sd, mask=mask).to(tl.float32)
+    f1 = _widen(tl.load(src, mask=mask), PTX_WIDEN)
+    f2 = _widen(tl.load(src + HALF * sd, mask=mask), PTX_WIDEN)
     return f1, f2
 
 
@@ -227,6 +250,41 @@ _PTX_BF16 = tl.constexpr(_PTX_QUOTIENT.replace(
     "shl.b32 g2, p1, 16;\nand.b32 g3, p1, 0xFFFF0000;") % (("g0", "g1", "g2", "g3") * 2))
 _PTX_OPERANDS = tl.constexpr("=r," + ",".join(["r"] * 12))
 
+#: The e4m3 conversion of four quotients of 16-bit elements by the split reciprocal
+#: (``_ptx_split_bytes``): operands $1-$4 the elements, $5-$8 ``y_hi``, $9-$12 ``y_lo``; $0
+#: their four bytes, element i in byte i. ``q = RN(g·y_hi + RN(g·y_lo))`` (a product, an FMA).
+#: ``y_lo ≥ 0``, so ``RN(g·y_lo)`` has g's sign and q keeps the sign of a zero g. A NaN byte
+#: (low 7 bits 0x7F, from a NaN g: satfinite never gives it from a finite value) becomes the
+#: rule's 0x7F, other bytes stay: ``w & ~(t & 0x80808080)`` with
+#: ``t = (w & 0x7F7F7F7F) + 0x01010101`` (LUT 0x70; see ``_PTX_QUOTIENT``).
+_PTX_SPLIT = """{
+.reg .b32 m<4>, q<4>, w, t;
+.reg .b16 h<2>;
+mul.rn.f32 m0, %s, $9;
+mul.rn.f32 m1, %s, $10;
+mul.rn.f32 m2, %s, $11;
+mul.rn.f32 m3, %s, $12;
+fma.rn.f32 q0, %s, $5, m0;
+fma.rn.f32 q1, %s, $6, m1;
+fma.rn.f32 q2, %s, $7, m2;
+fma.rn.f32 q3, %s, $8, m3;
+cvt.rn.satfinite.e4m3x2.f32 h0, q1, q0;
+cvt.rn.satfinite.e4m3x2.f32 h1, q3, q2;
+mov.b32 w, {h0, h1};
+and.b32 t, w, 0x7F7F7F7F;
+add.u32 t, t, 0x01010101;
+lop3.b32 $0, w, t, 0x80808080, 0x70;
+}"""
+#: fp16 elements (given as their fp32 values).
+_PTX_SPLIT_PLAIN = tl.constexpr(_PTX_SPLIT % (("$1", "$2", "$3", "$4") * 2))
+#: fp32 elements rounded to bf16 first, as ``_PTX_BF16``.
+_PTX_SPLIT_BF16 = tl.constexpr(_PTX_SPLIT.replace(
+    ".reg .b16 h<2>;",
+    ".reg .b16 h<2>;\n.reg .b32 g<4>, p<2>;\n"
+    "cvt.rn.bf16x2.f32 p0, $2, $1;\ncvt.rn.bf16x2.f32 p1, $4, $3;\n"
+    "shl.b32 g0, p0, 16;\nand.b32 g1, p0, 0xFFFF0000;\n"
+    "shl.b32 g2, p1, 16;\nand.b32 g3, p1, 0xFFFF0000;") % (("g0", "g1", "g2", "g3") * 2))
+
 
 @triton.jit
 def _ptx_bytes(f, ny, dv, ROUND_BF16: tl.constexpr):
@@ -235,6 +293,36 @@ def _ptx_bytes(f, ny, dv, ROUND_BF16: tl.constexpr):
     bf16 first. For finite ``f`` or NaN (0x7F), under ``_quotient``'s conditions."""
     return tl.inline_asm_elementwise(_PTX_BF16 if ROUND_BF16 else _PTX_PLAIN, _PTX_OPERANDS,
                                      [f, ny, dv], dtype=tl.uint8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _split_reciprocal(dv):
+    """``y_hi = RD(1/d)`` (``rcp.rm``: IEEE, rounded toward −∞) and
+    ``y_lo = RN((1 − d·y_hi)·y_hi)`` of divisors ``d`` (``dv``), for ``_ptx_split_bytes`` (a
+    GPU: PTX): ``1 − d·y_hi`` is exact in fp32 (an FMA; y_hi is within an ulp of
+    1/d) and ≥ 0 (y_hi rounds down), so ``y_hi + y_lo`` is 1/d to about 2⁻⁴⁷ relative and
+    ``y_lo ≥ 0``. Normal for ``2⁻⁸⁰ ≤ d < 2⁵⁶`` (``_fast_block``'s SPLIT bounds)."""
+    yh = tl.inline_asm_elementwise("rcp.rm.f32 $0, $1;", "=r,r", [dv], dtype=tl.float32,
+                                   is_pure=True, pack=1)
+    yl = tl.fma(-dv, yh, 1.0) * yh
+    return yh, yl
+
+
+@triton.jit
+def _ptx_split_bytes(f, yh, yl, ROUND_BF16: tl.constexpr):
+    """e4m3 bytes of ``f / d`` for rows of 16-bit values (bf16: ``f`` rounded to it first,
+    ``ROUND_BF16``; fp16: ``f`` holds fp16 values) as the rule's IEEE division gives them, in
+    PTX (sm_89+): ``q = RN(g·y_hi + RN(g·y_lo))`` with ``_split_reciprocal``'s ``yh``, ``yl``
+    broadcast over ``f``'s rows, one product and one FMA per element where ``_quotient`` takes
+    three. Not the division's fp32 bits, but its e4m3 bytes: y_hi + y_lo is 1/d within about
+    2⁻⁴⁷ relative, and the bytes are the same on every pair of 16-bit element and amax
+    significands at every exponent offset down past e4m3's zero, which
+    tests/test_ulysses_fp8_quotient.py enumerates (and scripts/fp8_quotient_gpu.py on the GPU).
+    Every step is normal there for ``448·2⁻⁸⁰ ≤ amax ≤ 2⁶⁴`` (``_fast_block(SPLIT)``), so a
+    power of two on a row changes no byte. For finite ``f`` or NaN (0x7F)."""
+    return tl.inline_asm_elementwise(_PTX_SPLIT_BF16 if ROUND_BF16 else _PTX_SPLIT_PLAIN,
+                                     _PTX_OPERANDS, [f, yh, yl], dtype=tl.uint8, is_pure=True,
+                                     pack=4)
 
 
 def _norm_ptx(half: int) -> str:
@@ -289,13 +377,15 @@ def _ptx_norm_inv(f1, f2, eps):
 
 
 @triton.jit
-def _fast_block(amax, live):
+def _fast_block(amax, live, SPLIT: tl.constexpr = False):
     """Whether every live row of the program (``live``, ``amax``: ``[BLOCK_S, HB]``) may take
     the fast path: a finite amax that is 0 (its divisor is 1) or at least ``_AMAX_MIN`` (its
-    scale ``RN(amax / 448)`` then at least ``RN(2⁻⁸⁰) = _DV_MIN``: rounding is monotone).
-    Tested on the amax alone, with no division (a row with ``0 < amax < _AMAX_MIN``, whose
-    divisor may still be ≥ ``_DV_MIN``, takes the general path, which gives the same bytes)."""
-    good = (amax <= _c._F32_MAX) & ((amax >= _c._AMAX_MIN) | (amax == 0))
+    scale ``RN(amax / 448)`` then at least ``RN(2⁻⁸⁰) = _DV_MIN``: rounding is monotone);
+    ``SPLIT`` (``_ptx_split_bytes``): also at most ``_AMAX_MAX_SPLIT``. Tested on the amax
+    alone, with no division (a row with ``0 < amax < _AMAX_MIN``, whose divisor may still be
+    ≥ ``_DV_MIN``, takes the general path, which gives the same bytes)."""
+    top: tl.constexpr = _c._AMAX_MAX_SPLIT if SPLIT else _c._F32_MAX
+    good = (amax <= top) & ((amax >= _c._AMAX_MIN) | (amax == 0))
     return tl.min(tl.where(live & ~good, 0, 1)) == 1
 
 
@@ -343,8 +433,8 @@ def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl
         amax = m if EXACT else m.to(DTYPE).to(tl.float32)
         scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
         dv = tl.where(scale > 0, scale, 1.0)
-        if _fast_block(amax, live):
-            ny = -tl.div_rn(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, None]
+        split: tl.constexpr = DTYPE != tl.float32  # 16-bit values: _ptx_split_bytes
+        if _fast_block(amax, live, split):
             rb: tl.constexpr = (not EXACT) and DTYPE == tl.bfloat16
             if rb or EXACT or DTYPE == tl.float32:
                 h1 = f1
@@ -352,8 +442,16 @@ def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl
             else:
                 h1 = f1.to(DTYPE).to(tl.float32)
                 h2 = f2.to(DTYPE).to(tl.float32)
-            tl.store(dst, _ptx_bytes(h1, ny, dv[:, :, None], rb), mask=mask)
-            tl.store(dst + HALF, _ptx_bytes(h2, ny, dv[:, :, None], rb), mask=mask)
+            if split:
+                yh, yl = _split_reciprocal(dv)
+                tl.store(dst, _ptx_split_bytes(h1, yh[:, :, None], yl[:, :, None], rb),
+                         mask=mask)
+                tl.store(dst + HALF, _ptx_split_bytes(h2, yh[:, :, None], yl[:, :, None], rb),
+                         mask=mask)
+            else:
+                ny = -tl.div_rn(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, None]
+                tl.store(dst, _ptx_bytes(h1, ny, dv[:, :, None], rb), mask=mask)
+                tl.store(dst + HALF, _ptx_bytes(h2, ny, dv[:, :, None], rb), mask=mask)
         else:
             scale = _divided_bytes(dst, f1, f2, mask, DTYPE, HALF, HW_E4M3)
     else:
@@ -403,7 +501,7 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
                 ENTRIES: tl.constexpr, FULL: tl.constexpr = False, FP8: tl.constexpr = False,
                 HW_E4M3: tl.constexpr = False,
                 PTX: tl.constexpr = False, EXACT: tl.constexpr = False,
-                SHFL_NORM: tl.constexpr = False):
+                SHFL_NORM: tl.constexpr = False, PTX_WIDEN: tl.constexpr = False):
     # Entries run fastest along the grid: the programs in flight together cover every head of
     # the same rows, whose bytes are contiguous in the sources and the regions, rather than
     # one head's rows a row pitch apart.
@@ -448,11 +546,14 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
     # registers first, an instruction per load that the unmasked one does without).
     mask = None if FULL else (rows[:, None, None] < S) & (hh[None, :, None] < nh)
     if part == 0:
-        f1, f2 = _halves(x0, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF)
+        f1, f2 = _halves(x0, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF,
+                        PTX_WIDEN)
     elif part == 1:
-        f1, f2 = _halves(x1, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF)
+        f1, f2 = _halves(x1, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF,
+                        PTX_WIDEN)
     else:
-        f1, f2 = _halves(x2, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF)
+        f1, f2 = _halves(x2, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF,
+                        PTX_WIDEN)
     if ANY_NORM:  # rms_norm_rope's order: the adjacent-pair tree, sqrt, reciprocal
         if (flags >> (2 * part)) & 1:
             wp = w0
