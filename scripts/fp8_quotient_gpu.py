@@ -1,7 +1,8 @@
 """The FP8 fill's epilogue on the GPU against the rule, bit for bit, over every (element, row amax)
 pair of bf16 and fp16 rows and about a billion fp32 pairs (random and at the rounding
 boundaries), through the plain fill's epilogue (``fill_kernels._quotient``) and the PTX one of
-the fills with norm or RoPE (``fill_kernels._ptx_bytes``); and the compiled kernels' quotient
+the fills with norm or RoPE (``fill_kernels._ptx_split_bytes`` for 16-bit rows,
+``_ptx_bytes`` for fp32 ones); and the compiled kernels' quotient
 instructions (two ``fma.rn.f32`` per element, or one with the split reciprocal of 16-bit rows,
 next to the ``div_rn`` of the blocks with tiny rows).
 
@@ -165,8 +166,14 @@ def compiled_quotients() -> list:
                 rec["sass_ffma"] = len(re.findall(r"\bFFMA\b", ck.asm["sass"]))
             except Exception as e:  # noqa: BLE001 - no disassembler: the PTX counts stand
                 rec["sass"] = repr(e)[:200]
-            quotients = (rec["cvt"] + rec["rcp_rm"]) if rec["rcp_rm"] else 2 * rec["cvt"]
-            rec["ok"] = rec["fma"] == quotients and rec["other_fma"] == 0
+            # the PTX epilogue (its lop3 mask) on 16-bit parts must take the split reciprocal;
+            # fp32 parts and the plain epilogue the two-FMA quotient
+            rec["parts"] = getattr(getattr(ck, "src", None), "signature", {}).get("x0")
+            split = "0x80808080" in ptx and rec["parts"] in ("*bf16", "*fp16")
+            rec["split"] = split
+            quotients = rec["cvt"] + rec["rcp_rm"] if split else 2 * rec["cvt"]
+            rec["ok"] = (rec["fma"] == quotients and rec["other_fma"] == 0
+                         and (rec["rcp_rm"] > 0) == split)
             out.append(rec)
     return out
 

@@ -128,12 +128,16 @@ def _fill_ptx(*args: str) -> dict:
 
 def test_fill_kernel_ptx_has_no_fma():
     """With FMA contraction on, ``x * c + r * s`` would round once where torch rounds twice;
-    the launcher turns it off. Compiled for sm_90 by Triton's own ptxas (no GPU needed)."""
+    the launcher turns it off. Compiled for sm_90 by Triton's own ptxas (no GPU needed), with
+    ``PTX_WIDEN`` as the host sets it for a fill with norm and RoPE on a GPU."""
     ptx = _fill_ptx()
     assert re.search(r"\bfma\.", ptx["fused"]), "the check cannot fail: FMA never appears"
     for name in ("launched", "launched_full"):  # masked, and on full blocks (unmasked)
         assert not re.search(r"\bfma\.", ptx[name]), name
         assert "sqrt.rn.f32" in ptx[name] and "div.rn.f32" in ptx[name], name
+        # the bf16 rows widened by _PTX_WIDEN (shl, and), not by cvt.f32.bf16
+        assert re.search(r"and\.b32\s+%r\d+, %r\d+, 0xFFFF0000;", ptx[name]), name
+        assert "cvt.f32.bf16" not in ptx[name], name
     # the norm's tree by warp shuffles: its sum rounded by add.rn, IEEE sqrt and reciprocal
     shuffled = ptx["launched_shuffle"]
     assert not re.search(r"\bfma\.", shuffled)

@@ -96,16 +96,15 @@ def _split_bytes(g: np.ndarray, d: np.ndarray) -> np.ndarray:
     return out
 
 
-def _split_check(a: np.ndarray, amax: np.ndarray, what: str) -> int:
+def _split_check(a: np.ndarray, amax: np.ndarray, what: str) -> None:
     """``_split_bytes`` against the rule for elements ``a`` of rows with amax ``amax`` (fp32
-    arrays, ``|a| ≤ amax``), both signs; returns the pairs checked."""
+    arrays, ``|a| ≤ amax``), both signs."""
     d = (amax / np.float32(FP8_MAX)).astype(np.float32)
     for sign in (1, -1):
         g = (sign * a).astype(np.float32)
         want = _rule_bytes(torch.from_numpy(g), torch.from_numpy(d))
         bad = (_split_bytes(g, d) != want).nonzero().flatten()
         assert bad.numel() == 0, (what, [(float(g[i]), float(amax[i])) for i in bad[:5].tolist()])
-    return 2 * a.size
 
 
 @pytest.mark.slow
@@ -114,29 +113,31 @@ def test_split_reciprocal_every_16_bit_pair(dtype, bits):
     """``_ptx_split_bytes`` (the PTX epilogue's quotients of 16-bit rows): every element
     significand against every amax significand, at every exponent offset from ``g = amax``
     down to quotients under e4m3's zero (2⁻¹¹), both signs, zeros, NaN, and at the ends of
-    the amax range ``_fast_block(SPLIT)`` lets through. Its steps stay normal over that range,
-    so a power of two on a row changes no byte: this is every pair such rows can meet. Only
-    the bytes are promised (not the fp32 quotient): here they are the rule's, with no
-    exception."""
+    the amax range ``_fast_block(SPLIT)`` lets through. There d, y_hi and y_lo are normal, and
+    so are the products wherever the byte can be non-zero, so a power of two on a row changes
+    no byte: this is every pair such rows can meet. Only the bytes are promised (not the fp32
+    quotient): here they are the rule's, with no exception."""
     sig = _significands(bits).numpy()
     a, amax = np.repeat(sig, sig.size), np.tile(sig, sig.size)
-    n = 0
     for k in range(24):                       # g = a·2⁻ᵏ ≤ amax: |g/d| from 448 to < 2⁻¹¹
         g = a * 2.0 ** -k
         keep = g <= amax
-        n += _split_check(g[keep].astype(np.float32), amax[keep].astype(np.float32),
-                          f"{dtype} 2^-{k}")
-    assert n >= 2 * 23 * (1 << (2 * bits))  # both signs, 23 offsets below the amax
-    # the ends of the range (every pair at 2⁻¹ and 2⁻⁹ below the amax), zeros and NaN
+        _split_check(g[keep].astype(np.float32), amax[keep].astype(np.float32),
+                     f"{dtype} 2^-{k}")
+    # the ends of the range, from its least amax (448·2⁻⁸⁰) to its largest (2⁶⁴) (every pair
+    # at 2⁻¹ and 2⁻⁹ below the amax), zeros, NaN and subnormal elements
     lo, hi = fill_kernels._AMAX_MIN, fill_kernels._AMAX_MAX_SPLIT
-    for e in (np.ceil(np.log2(lo)), -40.0, 40.0, np.log2(hi) - 1):
-        s = np.float32(2.0 ** e)
-        for k in (1, 9):
-            _split_check((a * 2.0 ** -k * s).astype(np.float32), (amax * s).astype(np.float32),
-                         f"{dtype} amax 2^{e:g}, 2^-{k}")
     special = np.float32([0.0, np.nan, 2.0 ** -133, 2.0 ** -149])
-    for e in (np.ceil(np.log2(lo)), 0.0, np.log2(hi) - 1):
-        m = np.float32(sig * 2.0 ** e)
+    for e in (np.floor(np.log2(lo)), np.ceil(np.log2(lo)), -40.0, 40.0, np.log2(hi) - 1,
+              np.log2(hi)):
+        top = amax * 2.0 ** e
+        keep = (top >= lo) & (top <= hi)
+        assert keep.any(), e
+        for k in (1, 9):
+            _split_check((a[keep] * 2.0 ** (e - k)).astype(np.float32),
+                         top[keep].astype(np.float32), f"{dtype} amax 2^{e:g}, 2^-{k}")
+        m = sig * 2.0 ** e
+        m = np.float32(m[(m >= lo) & (m <= hi)])
         _split_check(np.repeat(special, m.size), np.tile(m, special.size), f"specials 2^{e:g}")
 
 

@@ -262,10 +262,11 @@ def _fp8_epilogue(device: torch.device, rounds: bool) -> dict:
     """The FP8 epilogue's constexprs for a fill on ``device`` whose rows are normed or rotated
     (``rounds``: they must be rounded to the parts' dtype before quantizing): ``HW_E4M3``
     (``_hw_e4m3``); ``EXACT``, the rows hold the parts' values as loaded; ``PTX``, the common
-    case (every row of a block finite, no tiny scale) runs as PTX (``fill_kernels._ptx_bytes``,
-    which rounds to bf16 next to the quotients): on a GPU (the interpreter runs no PTX), for a
-    fill that rounds. The plain FP8 fill keeps the Triton ops, which ran faster there on an
-    H200 (benchmarks/results/fill-ptx-ab-2026-12-03-nvidia-h200.md)."""
+    case (every row of a block finite, no tiny scale) runs as PTX, rounding to bf16 next to the
+    quotients (``fill_kernels._ptx_split_bytes`` for 16-bit parts, ``_ptx_bytes`` for fp32):
+    on a GPU (the interpreter runs no PTX), for a fill that rounds. The plain FP8 fill keeps the
+    Triton ops, which ran faster there on an H200
+    (benchmarks/results/fill-ptx-ab-2026-12-03-nvidia-h200.md)."""
     hw = _hw_e4m3(device)
     return dict(HW_E4M3=hw, EXACT=not rounds, PTX=rounds and hw and device.type == "cuda")
 

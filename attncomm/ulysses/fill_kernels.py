@@ -300,8 +300,9 @@ def _split_reciprocal(dv):
     """``y_hi = RD(1/d)`` (``rcp.rm``: IEEE, rounded toward −∞) and
     ``y_lo = RN((1 − d·y_hi)·y_hi)`` of divisors ``d`` (``dv``), for ``_ptx_split_bytes`` (a
     GPU: PTX): ``1 − d·y_hi`` is exact in fp32 (an FMA; y_hi is within an ulp of
-    1/d) and ≥ 0 (y_hi rounds down), so ``y_hi + y_lo`` is 1/d to about 2⁻⁴⁷ relative and
-    ``y_lo ≥ 0``. Normal for ``2⁻⁸⁰ ≤ d < 2⁵⁶`` (``_fast_block``'s SPLIT bounds)."""
+    1/d) and ≥ 0 (y_hi rounds down), so ``y_hi + y_lo`` is 1/d within 2⁻⁴⁵ relative and
+    ``y_lo ≥ 0``. Both normal (y_lo, or zero) for ``2⁻⁸⁰ ≤ d < 2⁵⁶``: ``1 − d·y_hi`` is a
+    multiple of 2⁻⁴⁸ (``_fast_block``'s SPLIT bounds)."""
     yh = tl.inline_asm_elementwise("rcp.rm.f32 $0, $1;", "=r,r", [dv], dtype=tl.float32,
                                    is_pure=True, pack=1)
     yl = tl.fma(-dv, yh, 1.0) * yh
@@ -315,11 +316,13 @@ def _ptx_split_bytes(f, yh, yl, ROUND_BF16: tl.constexpr):
     PTX (sm_89+): ``q = RN(g·y_hi + RN(g·y_lo))`` with ``_split_reciprocal``'s ``yh``, ``yl``
     broadcast over ``f``'s rows, one product and one FMA per element where ``_quotient`` takes
     three. Not the division's fp32 bits, but its e4m3 bytes: y_hi + y_lo is 1/d within about
-    2⁻⁴⁷ relative, and the bytes are the same on every pair of 16-bit element and amax
+    2⁻⁴⁵ relative, and the bytes are the same on every pair of 16-bit element and amax
     significands at every exponent offset down past e4m3's zero, which
     tests/test_ulysses_fp8_quotient.py enumerates (and scripts/fp8_quotient_gpu.py on the GPU).
-    Every step is normal there for ``448·2⁻⁸⁰ ≤ amax ≤ 2⁶⁴`` (``_fast_block(SPLIT)``), so a
-    power of two on a row changes no byte. For finite ``f`` or NaN (0x7F)."""
+    For ``448·2⁻⁸⁰ ≤ amax ≤ 2⁶⁴`` (``_fast_block(SPLIT)``) d, y_hi and y_lo are normal (y_lo
+    or zero), and so are the products wherever the byte can be non-zero (|g/d| ≥ 2⁻¹¹;
+    below, a subnormal or zero step still gives e4m3's zero with g's sign), so a power of two
+    on a row changes no byte. For finite ``f`` or NaN (0x7F)."""
     return tl.inline_asm_elementwise(_PTX_SPLIT_BF16 if ROUND_BF16 else _PTX_SPLIT_PLAIN,
                                      _PTX_OPERANDS, [f, yh, yl], dtype=tl.uint8, is_pure=True,
                                      pack=4)
@@ -415,7 +418,8 @@ def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl
     offsets ``rofs [BLOCK_S, HB]`` (``rmask``: the live rows, None when all are) and each
     row's fp32 scale after its ``2·HALF`` bytes. ``EXACT``: the halves already hold values of
     ``DTYPE`` (rounding them to it changes nothing); ``PTX``: the sm_89+ path's quotients and
-    bytes come from ``_ptx_bytes`` (a GPU: the interpreter runs no PTX)."""
+    bytes come from ``_ptx_split_bytes`` (16-bit ``DTYPE``) or ``_ptx_bytes`` (fp32) (a GPU:
+    the interpreter runs no PTX)."""
     dst = out_ptr + rofs[:, :, None] + cols[None, None, :]
     if rmask is None:  # every row live
         mask = None
@@ -426,7 +430,7 @@ def _store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl
     if PTX:  # (HW_E4M3 holds)
         # The amax of the rounded elements is the rounded amax of the elements (rounding to
         # DTYPE is monotone and odd; a value that rounds to inf still makes the amax inf), so
-        # the elements are rounded once, in _ptx_bytes, next to their quotients.
+        # the elements are rounded once, in the PTX, next to their quotients.
         # The halves' maxima elementwise, then one reduction per row (max is exact: any order
         # gives the same bits).
         m = tl.max(tl.maximum(tl.abs(f1), tl.abs(f2)), axis=2)
