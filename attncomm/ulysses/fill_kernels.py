@@ -206,8 +206,37 @@ def _quotient(g, y, ndv):
     return bits.to(tl.float32, bitcast=True)
 
 
-#: ``_quotient`` and the e4m3 conversion of four elements in PTX (``_ptx_bytes``): operands
-#: $1-$4 the elements, $5-$8 ``−y``, $9-$12 ``d``; $0 their four bytes, element i in byte i.
+#: Four fp32 elements $1-$4 rounded to bf16 (``cvt.rn.bf16x2.f32``: the bits of
+#: ``.to(bfloat16)``) and widened back, the 16 bits placed high in a 32-bit word: g0-g3.
+_BF16_ROUNDING = (".reg .b32 g<4>, p<2>;", "cvt.rn.bf16x2.f32 p0, $2, $1;",
+                  "cvt.rn.bf16x2.f32 p1, $4, $3;", "shl.b32 g0, p0, 16;",
+                  "and.b32 g1, p0, 0xFFFF0000;", "shl.b32 g2, p1, 16;",
+                  "and.b32 g3, p1, 0xFFFF0000;")
+
+
+def _bytes_ptx(steps: tuple, regs: str, lut: int, round_bf16: bool) -> str:
+    """PTX of four elements' e4m3 bytes ($0, element i in byte i; an asm of
+    ``_PTX_OPERANDS``): the elements $1-$4 (rounded to bf16 first with ``round_bf16``), then
+    ``steps``, each a line for every element i (``{i}``; ``{g}`` the element, ``{a}`` and
+    ``{b}`` its operands $5+i and $9+i; registers ``regs`` besides q0-q3), which leave the
+    quotients in q0-q3; then the saturating conversion, and one ``lop3`` with truth table
+    ``lut`` over the bytes, ``t = (bytes & 0x7F7F7F7F) + 0x01010101`` (bit 7 of a byte set
+    exactly where its low 7 bits are all ones: a NaN) and 0x80808080."""
+    g = ("g0", "g1", "g2", "g3") if round_bf16 else ("$1", "$2", "$3", "$4")
+    lines = ["{", f".reg .b32 q<4>, {regs}, w, t;", ".reg .b16 h<2>;",
+             *(_BF16_ROUNDING if round_bf16 else ())]
+    lines += [step.format(i=i, g=g[i], a=f"${5 + i}", b=f"${9 + i}")
+              for step in steps for i in range(4)]
+    lines += ["cvt.rn.satfinite.e4m3x2.f32 h0, q1, q0;",
+              "cvt.rn.satfinite.e4m3x2.f32 h1, q3, q2;", "mov.b32 w, {h0, h1};",
+              "and.b32 t, w, 0x7F7F7F7F;", "add.u32 t, t, 0x01010101;",
+              f"lop3.b32 $0, w, t, 0x80808080, {lut:#04x};", "}"]
+    return "\n".join(lines)
+
+
+#: ``_quotient``'s steps per element ``{g}`` in negated form, for the e4m3 conversion of four
+#: elements in PTX (``_ptx_bytes``, ``_bytes_ptx``): operands $1-$4 the elements, $5-$8 ``−y``,
+#: $9-$12 ``d``; $0 their four bytes, element i in byte i.
 #: ``q = RN(g·(−y))`` is ``−q0``; ``r = fma(q, d, g)`` is ``_quotient``'s r; ``fma(r, −y, q)``
 #: is ``−q1`` (RN is odd: ``RN(−x) = −RN(x)``), and it keeps the sign of a zero that ``q1``
 #: loses (``g = −0``: ``q = +0``, ``r = +0``, ``−q1 = −0 + +0 = +0``, the byte 0x00 flipped to
@@ -216,74 +245,27 @@ def _quotient(g, y, ndv):
 #: NaN (its low 7 bits 0x7F): those become the rule's 0x7F. One ``lop3`` does both:
 #: ``(w ^ 0x80808080) & ~(t & 0x80808080)`` with ``t = (w & 0x7F7F7F7F) + 0x01010101``, whose
 #: bit 7 of a byte is set exactly where that byte's low 7 bits are all ones (LUT 0x52).
-_PTX_QUOTIENT = """{
-.reg .b32 q<4>, r<4>, w, t;
-.reg .b16 h<2>;
-mul.rn.f32 q0, %s, $5;
-mul.rn.f32 q1, %s, $6;
-mul.rn.f32 q2, %s, $7;
-mul.rn.f32 q3, %s, $8;
-fma.rn.f32 r0, q0, $9, %s;
-fma.rn.f32 r1, q1, $10, %s;
-fma.rn.f32 r2, q2, $11, %s;
-fma.rn.f32 r3, q3, $12, %s;
-fma.rn.f32 q0, r0, $5, q0;
-fma.rn.f32 q1, r1, $6, q1;
-fma.rn.f32 q2, r2, $7, q2;
-fma.rn.f32 q3, r3, $8, q3;
-cvt.rn.satfinite.e4m3x2.f32 h0, q1, q0;
-cvt.rn.satfinite.e4m3x2.f32 h1, q3, q2;
-mov.b32 w, {h0, h1};
-and.b32 t, w, 0x7F7F7F7F;
-add.u32 t, t, 0x01010101;
-lop3.b32 $0, w, t, 0x80808080, 0x52;
-}"""
+_MARKSTEIN = ("mul.rn.f32 q{i}, {g}, {a};", "fma.rn.f32 r{i}, q{i}, {b}, {g};",
+              "fma.rn.f32 q{i}, r{i}, {a}, q{i};")
 #: The elements as given ($1-$4 used as they are).
-_PTX_PLAIN = tl.constexpr(_PTX_QUOTIENT % (("$1", "$2", "$3", "$4") * 2))
-#: The elements rounded to bf16 first (``cvt.rn.bf16x2.f32``: the bits of ``.to(bfloat16)``),
-#: widened back by placing the 16 bits high in a 32-bit word.
-_PTX_BF16 = tl.constexpr(_PTX_QUOTIENT.replace(
-    ".reg .b16 h<2>;",
-    ".reg .b16 h<2>;\n.reg .b32 g<4>, p<2>;\n"
-    "cvt.rn.bf16x2.f32 p0, $2, $1;\ncvt.rn.bf16x2.f32 p1, $4, $3;\n"
-    "shl.b32 g0, p0, 16;\nand.b32 g1, p0, 0xFFFF0000;\n"
-    "shl.b32 g2, p1, 16;\nand.b32 g3, p1, 0xFFFF0000;") % (("g0", "g1", "g2", "g3") * 2))
+_PTX_PLAIN = tl.constexpr(_bytes_ptx(_MARKSTEIN, "r<4>", 0x52, round_bf16=False))
+#: The elements rounded to bf16 first (``_BF16_ROUNDING``).
+_PTX_BF16 = tl.constexpr(_bytes_ptx(_MARKSTEIN, "r<4>", 0x52, round_bf16=True))
 _PTX_OPERANDS = tl.constexpr("=r," + ",".join(["r"] * 12))
 
-#: The e4m3 conversion of four quotients of 16-bit elements by the split reciprocal
-#: (``_ptx_split_bytes``): operands $1-$4 the elements, $5-$8 ``y_hi``, $9-$12 ``y_lo``; $0
-#: their four bytes, element i in byte i. ``q = RN(g·y_hi + RN(g·y_lo))`` (a product, an FMA).
+#: The steps of the e4m3 conversion of four quotients of 16-bit elements by the split
+#: reciprocal (``_ptx_split_bytes``, ``_bytes_ptx``): operands $1-$4 the elements, $5-$8
+#: ``y_hi``, $9-$12 ``y_lo``; $0 their four bytes, element i in byte i.
+#: ``q = RN(g·y_hi + RN(g·y_lo))`` (a product, an FMA).
 #: ``y_lo ≥ 0``, so ``RN(g·y_lo)`` has g's sign and q keeps the sign of a zero g. A NaN byte
 #: (low 7 bits 0x7F, from a NaN g: satfinite never gives it from a finite value) becomes the
 #: rule's 0x7F, other bytes stay: ``w & ~(t & 0x80808080)`` with
-#: ``t = (w & 0x7F7F7F7F) + 0x01010101`` (LUT 0x70; see ``_PTX_QUOTIENT``).
-_PTX_SPLIT = """{
-.reg .b32 m<4>, q<4>, w, t;
-.reg .b16 h<2>;
-mul.rn.f32 m0, %s, $9;
-mul.rn.f32 m1, %s, $10;
-mul.rn.f32 m2, %s, $11;
-mul.rn.f32 m3, %s, $12;
-fma.rn.f32 q0, %s, $5, m0;
-fma.rn.f32 q1, %s, $6, m1;
-fma.rn.f32 q2, %s, $7, m2;
-fma.rn.f32 q3, %s, $8, m3;
-cvt.rn.satfinite.e4m3x2.f32 h0, q1, q0;
-cvt.rn.satfinite.e4m3x2.f32 h1, q3, q2;
-mov.b32 w, {h0, h1};
-and.b32 t, w, 0x7F7F7F7F;
-add.u32 t, t, 0x01010101;
-lop3.b32 $0, w, t, 0x80808080, 0x70;
-}"""
+#: ``t = (w & 0x7F7F7F7F) + 0x01010101`` (LUT 0x70; see ``_MARKSTEIN``).
+_SPLIT = ("mul.rn.f32 m{i}, {g}, {b};", "fma.rn.f32 q{i}, {g}, {a}, m{i};")
 #: fp16 elements (given as their fp32 values).
-_PTX_SPLIT_PLAIN = tl.constexpr(_PTX_SPLIT % (("$1", "$2", "$3", "$4") * 2))
-#: fp32 elements rounded to bf16 first, as ``_PTX_BF16``.
-_PTX_SPLIT_BF16 = tl.constexpr(_PTX_SPLIT.replace(
-    ".reg .b16 h<2>;",
-    ".reg .b16 h<2>;\n.reg .b32 g<4>, p<2>;\n"
-    "cvt.rn.bf16x2.f32 p0, $2, $1;\ncvt.rn.bf16x2.f32 p1, $4, $3;\n"
-    "shl.b32 g0, p0, 16;\nand.b32 g1, p0, 0xFFFF0000;\n"
-    "shl.b32 g2, p1, 16;\nand.b32 g3, p1, 0xFFFF0000;") % (("g0", "g1", "g2", "g3") * 2))
+_PTX_SPLIT_PLAIN = tl.constexpr(_bytes_ptx(_SPLIT, "m<4>", 0x70, round_bf16=False))
+#: fp32 elements rounded to bf16 first (``_BF16_ROUNDING``).
+_PTX_SPLIT_BF16 = tl.constexpr(_bytes_ptx(_SPLIT, "m<4>", 0x70, round_bf16=True))
 
 
 @triton.jit
