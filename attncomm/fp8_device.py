@@ -2,7 +2,7 @@
 FP8 and must give the same bits on any GPU and under the interpreter: the DCP query gather's
 symm kernels (``dcp/query_gather/symm_kernels.py``) and the Ulysses fill's FP8 epilogue where
 the hardware has no e4m3 conversion (before sm_89) and under the interpreter
-(``ulysses/fill_kernels.py``, which uses the hardware's on sm_89 and later: the same rounding).
+(``ulysses/fill_epilogue.py``, which uses the hardware's on sm_89 and later: the same rounding).
 Each caller keeps its own rule for what lies outside e4m3's range (saturate or NaN byte); the
 rounding of what lies inside is this one.
 

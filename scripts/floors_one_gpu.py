@@ -2,7 +2,7 @@
 run: the Ulysses fill (bf16 and FP8 payload, with and without QK-norm + RoPE, q, k, v
 ``[1, S/2, 56, 128]`` bf16, the default launch shape), the ring's merge step (``[1, S, 24, 128]``
 bf16 block and SDPA-layout LSE into the fp32 state) and, on the first run, the FP8 conversion of
-the fill's epilogue (``fill_kernels.e4m3_kernel``) on every fp32 bit pattern against the rule
+the fill's epilogue (``fill_epilogue.e4m3_kernel``) on every fp32 bit pattern against the rule
 (``clamp(−448, 448).to(float8_e4m3fn)``, 0x7F for non-finite inputs).
 
 Floors: bytes read + written ÷ the device-to-device copy bandwidth. Fill: q, k, v read, the
@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from attncomm.bench import ring_kernels  # noqa: E402
 from attncomm.bench import ulysses_fill as bench_fill  # noqa: E402
 from attncomm.ring import merge as ring_merge  # noqa: E402
-from attncomm.ulysses import fp8, fill_kernels  # noqa: E402
+from attncomm.ulysses import fill_epilogue, fp8  # noqa: E402
 
 
 def e4m3_all_patterns() -> dict:
@@ -44,7 +44,7 @@ def e4m3_all_patterns() -> dict:
         bits = torch.arange(lo, lo + chunk, dtype=torch.int64, device="cuda")
         x = bits.to(torch.int32).view(torch.float32)  # two's-complement wrap: every pattern
         got = torch.empty(chunk, dtype=torch.uint8, device="cuda")
-        fill_kernels.e4m3_kernel[(chunk // 1024,)](x, got, chunk, BLOCK=1024)
+        fill_epilogue.e4m3_kernel[(chunk // 1024,)](x, got, chunk, BLOCK=1024)
         want = x.clamp(-448.0, 448.0).to(fp8.FP8_DTYPE).view(torch.uint8)
         want = torch.where(torch.isfinite(x), want, 0x7F)
         diff = (got != want).nonzero().flatten()

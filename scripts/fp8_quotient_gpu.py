@@ -1,7 +1,7 @@
 """The FP8 fill's epilogue on the GPU against the rule, bit for bit, over every (element, row amax)
 pair of bf16 and fp16 rows and about a billion fp32 pairs (random and at the rounding
-boundaries), through the plain fill's epilogue (``fill_kernels._quotient``) and the PTX one of
-the fills with norm or RoPE (``fill_kernels._ptx_split_bytes`` for 16-bit rows,
+boundaries), through the plain fill's epilogue (``fill_epilogue._quotient``) and the PTX one of
+the fills with norm or RoPE (``fill_epilogue._ptx_split_bytes`` for 16-bit rows,
 ``_ptx_bytes`` for fp32 ones); and the compiled kernels' quotient
 instructions (two ``fma.rn.f32`` per element, or one with the split reciprocal of 16-bit rows,
 next to the ``div_rn`` of the blocks with tiny rows).

@@ -15,7 +15,7 @@ import triton
 import _interp_rounding  # noqa: F401  (fp32 → bf16 rounds to nearest even, as on the GPU)
 from attncomm.ulysses.fill import fill_triton
 from attncomm.ulysses import fill as fill_mod
-from attncomm.ulysses import fill_kernels
+from attncomm.ulysses import fill_epilogue, fill_kernels
 from attncomm.ulysses.fill import FillPart, fill_torch, send_layout
 from attncomm.ulysses.fp8 import FP8_DTYPE, row_bytes
 from attncomm.ulysses.layout import group_head_ranges, kv_head_range
@@ -156,7 +156,7 @@ def check_e4m3(seed: int) -> list:
     msgs = []
     for hw in (False, True):  # integer rounding; the hardware's conversion (as patched here)
         out = torch.empty(x.numel(), dtype=torch.uint8)
-        fill_kernels.e4m3_kernel[(triton.cdiv(x.numel(), 256),)](x, out, x.numel(), BLOCK=256,
+        fill_epilogue.e4m3_kernel[(triton.cdiv(x.numel(), 256),)](x, out, x.numel(), BLOCK=256,
                                                                   HW_E4M3=hw)
         bad = (out != want).nonzero().flatten()
         msgs += [f"e4m3 (HW_E4M3={hw}) of {x[i].item()!r}: {int(out[i]):#x} vs torch "

@@ -1,4 +1,4 @@
-"""The FP8 fill's quotients without a division (``fill_kernels._quotient``, sm_89+): its steps
+"""The FP8 fill's quotients without a division (``fill_epilogue._quotient``, sm_89+): its steps
 emulated in fp32 with a once-rounded FMA (``_interp_rounding.fma_f32``) against torch's IEEE
 division, on every significand pair of bf16 and fp16 rows, the pairs the argument leaves to be
 checked, and millions of fp32 pairs (random, near e4m3 and fp32 rounding boundaries, all-ones
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import _interp_rounding
-from attncomm.ulysses import fill_kernels
+from attncomm.ulysses import fill_epilogue
 from attncomm.ulysses.fp8 import FP8_DTYPE, FP8_MAX
 
 F32 = torch.float32
@@ -34,7 +34,7 @@ def _kernel_quotient(g: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     r = _interp_rounding.fma_f32(q0.numpy(), (-d).numpy(), g.numpy())
     q1 = torch.from_numpy(_interp_rounding.fma_f32(r, y.numpy(), q0.numpy()))
     q = torch.where(torch.signbit(g), -q1.abs(), q1.abs())
-    return torch.where(d >= fill_kernels._DV_MIN, q, g / d)
+    return torch.where(d >= fill_epilogue._DV_MIN, q, g / d)
 
 
 def _check(g: torch.Tensor, d: torch.Tensor, what: str) -> None:
@@ -80,7 +80,7 @@ def test_every_16_bit_significand_pair(dtype, bits):
 
 
 def _split_bytes(g: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """``fill_kernels._ptx_split_bytes``' bytes, step by step in fp32 (FMAs rounded once), for
+    """``fill_epilogue._ptx_split_bytes``' bytes, step by step in fp32 (FMAs rounded once), for
     elements ``g`` of rows with divisor ``d``: ``y_hi = RD(1/d)`` (the RN reciprocal, one step
     down where it exceeds 1/d: ``1 − d·y < 0``), ``y_lo = RN((1 − d·y_hi)·y_hi)``,
     ``q = RN(g·y_hi + RN(g·y_lo))``, then ``cvt.rn.satfinite`` (the rule's clamp and rounding)
@@ -126,7 +126,7 @@ def test_split_reciprocal_every_16_bit_pair(dtype, bits):
                      f"{dtype} 2^-{k}")
     # the ends of the range, from its least amax (448·2⁻⁸⁰) to its largest (2⁶⁴) (every pair
     # at 2⁻¹ and 2⁻⁹ below the amax), zeros, NaN and subnormal elements
-    lo, hi = fill_kernels._AMAX_MIN, fill_kernels._AMAX_MAX_SPLIT
+    lo, hi = fill_epilogue._AMAX_MIN, fill_epilogue._AMAX_MAX_SPLIT
     special = np.float32([0.0, np.nan, 2.0 ** -133, 2.0 ** -149])
     for e in (np.floor(np.log2(lo)), np.ceil(np.log2(lo)), -40.0, 40.0, np.log2(hi) - 1,
               np.log2(hi)):

@@ -254,7 +254,7 @@ def triton_fill_reason(parts: Sequence[FillPart], device: torch.device,
 def _hw_e4m3(device: torch.device) -> bool:
     """Whether the fill kernel's FP8 epilogue converts with the hardware's e4m3 instruction
     (CUDA compute capability 8.9 and later); elsewhere it rounds in integer arithmetic, with
-    the same bits (``fill_kernels`` says why)."""
+    the same bits (``fill_epilogue`` says why)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
@@ -263,7 +263,7 @@ def _fp8_epilogue(device: torch.device, rounds: bool) -> dict:
     (``rounds``: they must be rounded to the parts' dtype before quantizing): ``HW_E4M3``
     (``_hw_e4m3``); ``EXACT``, the rows hold the parts' values as loaded; ``PTX``, the common
     case (every row of a block finite, no tiny scale) runs as PTX, rounding to bf16 next to the
-    quotients (``fill_kernels._ptx_split_bytes`` for 16-bit parts, ``_ptx_bytes`` for fp32):
+    quotients (``fill_epilogue._ptx_split_bytes`` for 16-bit parts, ``_ptx_bytes`` for fp32):
     on a GPU (the interpreter runs no PTX), for a fill that rounds. The plain FP8 fill keeps the
     Triton ops, which ran faster there on an H200
     (benchmarks/results/fill-ptx-ab-2026-12-03-nvidia-h200.md)."""
