@@ -159,3 +159,31 @@ def test_paired_units_cancel_a_drift_that_unpaired_medians_do_not():
     assert overhead.with_units([row])[0]["units"] == 2.0
     with pytest.raises(ValueError, match="rounds differ: call 5, unit 4"):
         _timing.paired(call, unit[:4])
+
+
+def test_grouped_row_splits_its_cost_at_the_groups_bare_calls():
+    # Per round: one bare call 40 µs, the four groups' bare calls 100 µs, the forward 130 µs,
+    # the unit 10 µs (the machine slows in round 3: every time doubles there).
+    speed = [1.0, 1.0, 2.0]
+    unit = [10.0 * f for f in speed]
+    base, calls, host = ([x * f for f in speed] for x in (40.0, 100.0, 130.0))
+    row = _row("UlyssesAttention.pipelined_g4", 130.0, baseline=40.0, host_rounds=host,
+               unit_rounds=unit, baseline_rounds=base)
+    plain = overhead.with_units([row])[0]
+    assert plain["units"] == 9.0 and plain["group_calls_units"] is None
+    assert plain["units_above_group_calls"] is None
+    got = overhead.with_units([dict(row, group_calls_rounds=calls,
+                                    group_calls_host_us=100.0)])[0]
+    assert (got["units"], got["group_calls_units"], got["units_above_group_calls"]) == \
+        (9.0, 6.0, 3.0)
+    table = overhead.markdown_table([dict(row, group_calls_rounds=calls)])
+    assert "the groups' bare attn_fn calls: 6.00 units above the one call; the forward " \
+        "above them: 3.00" in table
+
+
+def test_grouped_row_times_the_groups_bare_calls_on_cpu():
+    cfg = dict(device="cpu", ops=["UlyssesAttention.pipelined_g4"], repeats=2, rounds=2,
+               warmup=1, small=True, profile=0, rev_label=None, time_budget=600)
+    (rec,) = overhead.run_ranks(overhead.run_rank, 1, "cpu", (cfg,))[0]["records"]
+    assert rec["error"] is None and len(rec["group_calls_rounds"]) == 2, rec
+    assert rec["group_calls_host_us"] > 0

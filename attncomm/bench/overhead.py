@@ -7,13 +7,15 @@ Each row times one eager call started on an idle device: synchronize, then the c
 ``unit_host_us`` is one ``torch.add`` of two small tensors on the same device (machines differ
 by 2× from one start to the next, so the targets are in these units). The attention rows also
 time the bare ``attn_fn`` call on the whole problem (``baseline_host_us``): their target is on
-the difference. The unit, the call and its baseline are timed interleaved in ``--rounds``
-rounds (``attncomm._timing.time_host``); the figure in units is the median over rounds of each
-round's (call − baseline) ÷ unit (``_timing.paired``), so a drift of the machine's speed
-during the run falls on both sides. The µs columns are medians over rounds of each round's
-median. An attention call timed below its baseline is a failed measurement (no figure, with
-the reason), never a cost below zero. The targets are GPU figures: rows timed with
-``--device cpu`` get no ``met``.
+the difference; a grouped forward also times the bare ``attn_fn`` once per group on that
+group's heads (its ``group_calls_*`` fields: what the groups' own calls cost, beside the
+forward's cost above them). The unit, the call and its baselines are timed interleaved in
+``--rounds`` rounds (``attncomm._timing.time_host``); the figure in units is the median over
+rounds of each round's (call − baseline) ÷ unit (``_timing.paired``), so a drift of the
+machine's speed during the run falls on both sides. The µs columns are medians over rounds
+of each round's median. An attention call timed below its baseline is a failed measurement
+(no figure, with the reason), never a cost below zero. The targets are GPU figures: rows timed
+with ``--device cpu`` get no ``met``.
 
 Rows (``--small`` shrinks them, the default on CPU): ``dcp.merge`` (T=8,
 64 heads × 512, bf16, defaults), ``DcpMerger.symm_a2a`` (the object, eager), ``dcp.gather_heads``
@@ -167,7 +169,16 @@ def _ulysses_rows(s, device, gen):
 
     def attention(groups):
         a = UlyssesAttention(pipeline_groups=groups)
-        return (lambda: a(x, x, x)), bare, shape, f"pipeline_groups={groups}"
+        if groups < 2:
+            return (lambda: a(x, x, x)), bare, shape, f"pipeline_groups={groups}"
+        # the same attn_fn once per group, on that group's heads (views made up front): what
+        # the groups' calls cost alone, beside the forward's cost above them
+        heads = [h.size(2) for h in full.tensor_split(groups, 2)]
+        slices = full.split_with_sizes(heads, 2)
+
+        def per_group():
+            return [sdpa_attention(h, h, h, False) for h in slices]
+        return ((lambda: a(x, x, x)), bare, shape, f"pipeline_groups={groups}", per_group)
 
     def normed():
         d = s["UD"]
@@ -309,14 +320,18 @@ def run_rank(rank: int, world_size: int, cfg: dict) -> dict:
             continue
         t_row = time.monotonic()
         try:
-            fn, baseline, rec["shape"], rec["note"] = builders[op]()
-            rounds = timer.host([add, fn] + ([baseline] if baseline is not None else []))
+            fn, baseline, rec["shape"], rec["note"], *per_group = builders[op]()
+            rounds = timer.host([add, fn] + ([baseline] if baseline is not None else [])
+                                + per_group)
             rec["unit_rounds"], rec["host_rounds"] = rounds[0], rounds[1]
             rec["unit_host_us"] = statistics.median(rounds[0])
             rec["host_us"] = statistics.median(rounds[1])
             if baseline is not None:
                 rec["baseline_rounds"] = rounds[2]
                 rec["baseline_host_us"] = statistics.median(rounds[2])
+            if per_group:
+                rec["group_calls_rounds"] = rounds[3]
+                rec["group_calls_host_us"] = statistics.median(rounds[3])
             rec["gpu_us"] = timer.gpu(fn)
             if cfg["profile"]:
                 profiles[op] = _profile(fn, cfg["repeats"], cfg["profile"])
@@ -366,6 +381,17 @@ def _units(r: dict) -> tuple[float | None, str | None]:
     return extra, None
 
 
+def _group_units(r: dict) -> tuple[float | None, float | None]:
+    """A grouped forward's row (``group_calls_rounds``: the bare ``attn_fn`` once per group
+    on its heads, timed in the same rounds): the groups' calls above the one bare call, and
+    the forward above the groups' calls, in units; (None, None) for other rows."""
+    calls = r.get("group_calls_rounds")
+    if calls is None or r.get("host_rounds") is None or r.get("baseline_rounds") is None:
+        return None, None
+    return (paired(calls, r["unit_rounds"], r["baseline_rounds"]),
+            paired(r["host_rounds"], r["unit_rounds"], calls))
+
+
 def with_units(records: list[dict]) -> list[dict]:
     """Each record with ``units`` (the median over rounds of host µs ÷ the unit timed in the
     same round; for the attention rows, of the host µs above the baseline ÷ the unit), its
@@ -375,7 +401,9 @@ def with_units(records: list[dict]) -> list[dict]:
     measurement failed (an attention row whose call timed below its baseline in most rounds:
     never a negative figure). ``met`` is None when there is no figure or no target, and on rows
     timed on CPU (``device`` "cpu"): the targets are GPU figures. ``why`` says why ``units`` or
-    ``met`` is None (None when both are set)."""
+    ``met`` is None (None when both are set). A grouped forward's row also gets
+    ``group_calls_units`` (its groups' bare ``attn_fn`` calls above the one bare call) and
+    ``units_above_group_calls`` (the forward above those calls), None elsewhere."""
     out = []
     for r in records:
         r = dict(r)
@@ -390,6 +418,7 @@ def with_units(records: list[dict]) -> list[dict]:
                 met = units <= r["target_units"]
         r["met"] = met
         r["why"] = why
+        r["group_calls_units"], r["units_above_group_calls"] = _group_units(r)
         out.append(r)
     return out
 
@@ -402,7 +431,11 @@ def markdown_table(records: list[dict]) -> str:
     def f(v, spec=".1f"):
         return "-" if v is None else format(v, spec)
     for r in with_units(records):
-        note = r["error"] or "; ".join(dict.fromkeys(x for x in (r["note"], r["why"]) if x))
+        grouped = None if r["group_calls_units"] is None else (
+            f"the groups' bare attn_fn calls: {r['group_calls_units']:.2f} units above the one "
+            f"call; the forward above them: {r['units_above_group_calls']:.2f}")
+        note = r["error"] or "; ".join(dict.fromkeys(
+            x for x in (r["note"], grouped, r["why"]) if x))
         target = "-" if r["target_units"] is None else (
             f"≤ {r['target_units']:g}" + ("" if r["met"] is None else
                                           (" ✓" if r["met"] else " ✗")))
@@ -475,7 +508,8 @@ def main(args) -> int:
         print(f"===== host profile of {op} ({cfg['repeats']} calls, cProfile, own time)\n{text}")
     rows = with_units(records)
     print_table(rows, ["op", "host_us", "units", "target_units", "met", "gpu_us",
-                       "baseline_host_us", "why", "error"],
+                       "baseline_host_us", "group_calls_units", "units_above_group_calls",
+                       "why", "error"],
                 title=f"host µs per eager call, W={args.world_size}, {cfg['device']}; unit = "
                       f"one torch.add timed in each row's rounds (median "
                       f"{res['unit_host_us']:.2f} µs)"

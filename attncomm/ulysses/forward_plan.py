@@ -354,7 +354,8 @@ class ForwardPlan:
         slices = [x.split_with_sizes(n, 2) for x, n in zip(qkv, self.local_splits)]
         outs = [self._attend(grp, *(sl[g] for sl in slices), key_mask)
                 for g, grp in enumerate(self.groups)]
-        return torch.cat([o.to(qkv[0].dtype) for o in outs], 2)  # o.to: o itself at q's dtype
+        dt = qkv[0].dtype
+        return torch.cat([o if o.dtype == dt else o.to(dt) for o in outs], 2)
 
     def _rows(self, rope):
         """cos/sin rows of this rank's positions: views made on every call. A plan keeps no
