@@ -187,3 +187,13 @@ def test_grouped_row_times_the_groups_bare_calls_on_cpu():
     (rec,) = overhead.run_ranks(overhead.run_rank, 1, "cpu", (cfg,))[0]["records"]
     assert rec["error"] is None and len(rec["group_calls_rounds"]) == 2, rec
     assert rec["group_calls_host_us"] > 0
+
+
+def test_grouped_figures_below_zero_are_failed_measurements():
+    # The groups' calls timed below the one bare call: no figure for them, never a negative one.
+    row = _row("UlyssesAttention.pipelined_g4", 130.0, baseline=40.0, host_rounds=[130.0],
+               unit_rounds=[10.0], baseline_rounds=[40.0], group_calls_rounds=[30.0])
+    got = overhead.with_units([row])[0]
+    assert got["group_calls_units"] is None and got["units_above_group_calls"] == 10.0
+    assert "the groups' bare attn_fn calls: - units above the one call; the forward above " \
+        "them: 10.00" in overhead.markdown_table([row])

@@ -8,11 +8,11 @@ Each row times one eager call started on an idle device: synchronize, then the c
 by 2× from one start to the next, so the targets are in these units). The attention rows also
 time the bare ``attn_fn`` call on the whole problem (``baseline_host_us``): their target is on
 the difference; a grouped forward also times the bare ``attn_fn`` once per group on that
-group's heads (its ``group_calls_*`` fields: what the groups' own calls cost, beside the
-forward's cost above them). The unit, the call and its baselines are timed interleaved in
-``--rounds`` rounds (``attncomm._timing.time_host``); the figure in units is the median over
-rounds of each round's (call − baseline) ÷ unit (``_timing.paired``), so a drift of the
-machine's speed during the run falls on both sides. The µs columns are medians over rounds
+group's share of the rank's heads (its ``group_calls_*`` fields: what the groups' own calls
+cost, beside the forward's cost above them). The unit, the call and its baselines are timed
+interleaved in ``--rounds`` rounds (``attncomm._timing.time_host``); the figure in units is the
+median over rounds of each round's (call − baseline) ÷ unit (``_timing.paired``), so a drift
+of the machine's speed during the run falls on both sides. The µs columns are medians over rounds
 of each round's median. An attention call timed below its baseline is a failed measurement
 (no figure, with the reason), never a cost below zero. The targets are GPU figures: rows timed
 with ``--device cpu`` get no ``met``.
@@ -171,10 +171,11 @@ def _ulysses_rows(s, device, gen):
         a = UlyssesAttention(pipeline_groups=groups)
         if groups < 2:
             return (lambda: a(x, x, x)), bare, shape, f"pipeline_groups={groups}"
-        # the same attn_fn once per group, on that group's heads (views made up front): what
-        # the groups' calls cost alone, beside the forward's cost above them
-        heads = [h.size(2) for h in full.tensor_split(groups, 2)]
-        slices = full.split_with_sizes(heads, 2)
+        # the same attn_fn once per group on that group's share of this rank's H / W heads
+        # (views made up front): what the groups' calls cost alone, beside the forward's cost
+        # above them
+        mine = full.narrow(2, 0, max(1, s["UH"] // W))
+        slices = [h for h in mine.tensor_split(groups, 2) if h.size(2)]  # empty: no call
 
         def per_group():
             return [sdpa_attention(h, h, h, False) for h in slices]
@@ -388,8 +389,10 @@ def _group_units(r: dict) -> tuple[float | None, float | None]:
     calls = r.get("group_calls_rounds")
     if calls is None or r.get("host_rounds") is None or r.get("baseline_rounds") is None:
         return None, None
-    return (paired(calls, r["unit_rounds"], r["baseline_rounds"]),
-            paired(r["host_rounds"], r["unit_rounds"], calls))
+    # a figure below zero is a failed measurement (noise larger than the figure), never a cost
+    below = [paired(calls, r["unit_rounds"], r["baseline_rounds"]),
+             paired(r["host_rounds"], r["unit_rounds"], calls)]
+    return tuple(None if u < 0 else u for u in below)
 
 
 def with_units(records: list[dict]) -> list[dict]:
@@ -403,7 +406,8 @@ def with_units(records: list[dict]) -> list[dict]:
     timed on CPU (``device`` "cpu"): the targets are GPU figures. ``why`` says why ``units`` or
     ``met`` is None (None when both are set). A grouped forward's row also gets
     ``group_calls_units`` (its groups' bare ``attn_fn`` calls above the one bare call) and
-    ``units_above_group_calls`` (the forward above those calls), None elsewhere."""
+    ``units_above_group_calls`` (the forward above those calls), each None below zero (a failed
+    measurement) and on other rows."""
     out = []
     for r in records:
         r = dict(r)
@@ -431,9 +435,9 @@ def markdown_table(records: list[dict]) -> str:
     def f(v, spec=".1f"):
         return "-" if v is None else format(v, spec)
     for r in with_units(records):
-        grouped = None if r["group_calls_units"] is None else (
-            f"the groups' bare attn_fn calls: {r['group_calls_units']:.2f} units above the one "
-            f"call; the forward above them: {r['units_above_group_calls']:.2f}")
+        grouped = None if r.get("group_calls_rounds") is None else (
+            f"the groups' bare attn_fn calls: {f(r['group_calls_units'], '.2f')} units above "
+            f"the one call; the forward above them: {f(r['units_above_group_calls'], '.2f')}")
         note = r["error"] or "; ".join(dict.fromkeys(
             x for x in (r["note"], grouped, r["why"]) if x))
         target = "-" if r["target_units"] is None else (
