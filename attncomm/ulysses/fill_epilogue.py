@@ -229,6 +229,14 @@ def _fast_block(amax, live, SPLIT: tl.constexpr = False):
 
 
 @triton.jit
+def _row_scale(amax):
+    """The rows' scales ``amax / 448`` (IEEE division, the rule's) and their divisors: the
+    scale, or 1 for a row whose amax is 0."""
+    scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    return scale, tl.where(scale > 0, scale, 1.0)
+
+
+@triton.jit
 def _divided_bytes(dst, f1, f2, mask, DTYPE: tl.constexpr, HALF: tl.constexpr,
                    HW_E4M3: tl.constexpr):
     """The rule step by step (any row): the elements rounded to ``DTYPE`` (the bits the
@@ -240,8 +248,7 @@ def _divided_bytes(dst, f1, f2, mask, DTYPE: tl.constexpr, HALF: tl.constexpr,
     ok2 = tl.abs(g2) <= _c._F32_MAX
     amax = tl.max(tl.maximum(tl.where(ok1, tl.abs(g1), 0.0), tl.where(ok2, tl.abs(g2), 0.0)),
                   axis=2)
-    scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-    dv = tl.where(scale > 0, scale, 1.0)
+    scale, dv = _row_scale(amax)
     tl.store(dst, _e4m3(tl.div_rn(g1, dv[:, :, None]), HW_E4M3), mask=mask)
     tl.store(dst + HALF, _e4m3(tl.div_rn(g2, dv[:, :, None]), HW_E4M3), mask=mask)
     return scale
@@ -271,8 +278,7 @@ def store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl.
         # gives the same bits).
         m = tl.max(tl.maximum(tl.abs(f1), tl.abs(f2)), axis=2)
         amax = m if EXACT else m.to(DTYPE).to(tl.float32)
-        scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-        dv = tl.where(scale > 0, scale, 1.0)
+        scale, dv = _row_scale(amax)
         split: tl.constexpr = DTYPE != tl.float32  # 16-bit values: _ptx_split_bytes
         if _fast_block(amax, live, split):
             rb: tl.constexpr = (not EXACT) and DTYPE == tl.bfloat16
@@ -304,8 +310,7 @@ def store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl.
             # all NaN), 0 or ≥ 448·2⁻⁸⁰ (_fast_block); else the path below. A
             # non-finite element gives a NaN quotient on both (inf·y, then inf − inf; inf / d).
             amax = tl.max(tl.maximum(tl.abs(g1), tl.abs(g2)), axis=2)
-            scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-            dv = tl.where(scale > 0, scale, 1.0)
+            scale, dv = _row_scale(amax)
             # Each branch stores its own bytes: a branch that yields the byte tensors
             # miscompiles with Triton 3.6 on sm_90 (every eighth byte of the second half
             # stored as 0).
