@@ -204,6 +204,35 @@ def check_quotient_rows(seed: int) -> list:
             for i in bad[:5].tolist()]
 
 
+def check_nan_beside_amax(seed: int) -> list:
+    """fp32 and bf16 rows whose amax element sits at the same place in its half as a NaN in the
+    other half (the epilogue takes the row's amax over the halves' element-wise maxima, whose
+    ``max.f32`` returns the amax there): the epilogue as on sm_89+ against the torch path."""
+    g = torch.Generator().manual_seed(seed)
+    s_r, h, d = 8, 2, 16
+    x = torch.randn((1, s_r, h, d), generator=g)
+    j = torch.randint(0, d // 2, (s_r, h), generator=g)
+    for r in range(s_r):
+        for k in range(h):
+            first = (r + k) % 2 == 0  # the amax in the first half or in the second
+            x[0, r, k, j[r, k] + (0 if first else d // 2)] = -8.0 if r % 3 else 8.0
+            x[0, r, k, j[r, k] + (d // 2 if first else 0)] = float("nan")
+    msgs = []
+    hw, fill_mod._hw_e4m3 = fill_mod._hw_e4m3, lambda device: True
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            parts = [FillPart(x.to(dtype), ((0, 1), (1, 2)))]
+            want = fill_torch(parts, payload_dtype=FP8_DTYPE)
+            got = fill_triton(parts, out=_poisoned(want.numel(), want.dtype),
+                              payload_dtype=FP8_DTYPE, block_s=2, heads_per_program=1)
+            bad = (got != want).nonzero().flatten()
+            msgs += [f"NaN beside the amax, {dtype}: byte {i} {int(got[i]):#x} vs torch "
+                     f"{int(want[i]):#x}" for i in bad[:5].tolist()]
+    finally:
+        fill_mod._hw_e4m3 = hw
+    return msgs
+
+
 def main_fp8(seed: int) -> int:
     """FP8 payload: every case whose head_dim is a multiple of 4, one and two head groups on
     the first, with special values in the rows; then the conversion alone."""
@@ -225,12 +254,13 @@ def main_fp8(seed: int) -> int:
     if bad:
         failed += 1
         print(f"FAIL seed {seed} fp8 case {cases[0]} with HW_E4M3: {bad}")
-    for check in (check_e4m3, check_quotient_rows):
+    checks = (check_e4m3, check_quotient_rows, check_nan_beside_amax)
+    for check in checks:
         bad = check(rng.randrange(1 << 30))
         if bad:
             failed += 1
             print(f"FAIL seed {seed}: {bad}")
-    print(f"{len(cases) + 4 - failed} passed, {failed} failed")
+    print(f"{len(cases) + 2 + len(checks) - failed} passed, {failed} failed")
     return 1 if failed else 0
 
 

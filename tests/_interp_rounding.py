@@ -8,8 +8,12 @@ on the GPU would differ under ``TRITON_INTERPRET=1``. Here fp32 → bf16 rounds 
 (``tl.float8e4nv``) converts as sm_89+'s ``cvt.rn.satfinite.e4m3x2.f32``: round to nearest even,
 subnormals included, finite values past ±448 saturated (the interpreter's own rounds ties up and
 does not saturate); NaN → 0x7F. ``tl.fma`` on fp32 rounds once, as the GPU's ``fma.rn.f32``
-(the interpreter's multiplies, rounds, adds and rounds again). Import this before launching
-kernels there.
+(the interpreter's multiplies, rounds, adds and rounds again). ``tl.maximum`` and
+``tl.minimum`` (``propagate_nan`` NONE: LLVM's ``maxnum``/``minnum``, the GPU's
+``max.f32``/``min.f32``) return the other operand where one is NaN, as IEEE 754-2008's
+maxNum does (the interpreter's propagate the NaN, while its ``tl.max`` reduction skips NaNs:
+``tl.max(tl.maximum(a, b))`` there loses an ``a`` paired with a NaN ``b``). Import this before
+launching kernels there.
 """
 from __future__ import annotations
 
@@ -75,12 +79,20 @@ def _patch() -> None:
             return interpreter.TensorHandle(fma_f32(x.data, y.data, z.data), tl.float32)
         return orig_fma(self, x, y, z)
 
+    def create_maxnumf(self, lhs, rhs):
+        return self.binary_op(lhs, rhs, np.fmax)
+
+    def create_minnumf(self, lhs, rhs):
+        return self.binary_op(lhs, rhs, np.fmin)
+
     orig_fp = builder.create_fp_to_fp
     orig_fma = builder.create_fma
     cast_impl._attncomm_rtne = True
     builder.cast_impl = cast_impl
     builder.create_fp_to_fp = create_fp_to_fp
     builder.create_fma = create_fma
+    builder.create_maxnumf = create_maxnumf
+    builder.create_minnumf = create_minnumf
     for name in ("create_fp_trunc",):
         setattr(builder, name, cast_impl)
 

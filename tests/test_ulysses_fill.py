@@ -88,13 +88,14 @@ def test_fill_kernel_fp8_under_interpreter(seed):
     and the scale after them) bitwise equal to ``fill_torch`` with norm/no norm, RoPE/no RoPE,
     GQA ranges, odd row counts, regions in separate allocations and zero, NaN, ±inf, huge and
     tiny rows; the e4m3 conversion alone against torch's; fp32 rows at the quotients' rounding
-    boundaries through the sm_89+ epilogue (its FMAs rounded once, as the GPU's)."""
+    boundaries, and fp32 and bf16 rows with a NaN beside their amax, through the sm_89+
+    epilogue (its FMAs rounded once and its maxima skipping NaNs, as the GPU's)."""
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
     proc = subprocess.run([sys.executable, os.path.join(HERE, "_fill_interp.py"), str(seed),
                            "fp8"], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"seed {seed}\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    assert " 0 failed" in proc.stdout and "12 passed" in proc.stdout, proc.stdout
+    assert " 0 failed" in proc.stdout and "13 passed" in proc.stdout, proc.stdout
 
 
 def test_fill_triton_fp8_reasons(monkeypatch):

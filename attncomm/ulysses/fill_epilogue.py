@@ -23,8 +23,8 @@ row) with one FMA correction (``_quotient``, whose docstring proves the bits equ
 division's wherever e4m3 can tell), and the row's amax from ``max.f32`` alone (it skips
 NaNs); a block holding a row with an infinity, only NaNs or a nonzero amax under 448·2⁻⁸⁰
 (``_fast_block``) takes the amax over the finite elements and divides with ``div_rn``
-instead. The interpreter rounds ``tl.fma`` once when ``tests/_interp_rounding.py`` is
-imported (its max propagates NaNs: such blocks take the second path there);
+instead. The interpreter rounds ``tl.fma`` once, and its ``tl.maximum`` skips NaNs as
+``max.f32`` does, when ``tests/_interp_rounding.py`` is imported;
 ``scripts/fp8_quotient_gpu.py`` checks the GPU's bytes over every (element, amax) pair of bf16
 and fp16 rows and fp32 rows with NaNs.
 
