@@ -6,6 +6,7 @@ payload cases instead (special values in the rows, and the e4m3 conversion alone
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 
@@ -191,17 +192,7 @@ def check_quotient_rows(seed: int) -> list:
         torch.rand(x.shape, generator=g) < 0.5, -1.0, 1.0)
     x[:, :, 0] = amax
     x[5, 1, 3], x[9, 0, 2] = -0.0, float("nan")
-    parts = [FillPart(x[None], ((0, 1), (1, 2)))]
-    want = fill_torch(parts, payload_dtype=FP8_DTYPE)
-    hw, fill_mod._hw_e4m3 = fill_mod._hw_e4m3, lambda device: True
-    try:
-        got = fill_triton(parts, out=_poisoned(want.numel(), want.dtype),
-                          payload_dtype=FP8_DTYPE, block_s=2, heads_per_program=1)
-    finally:
-        fill_mod._hw_e4m3 = hw
-    bad = (got != want).nonzero().flatten()
-    return [f"quotient rows: byte {i} {int(got[i]):#x} vs torch {int(want[i]):#x}"
-            for i in bad[:5].tolist()]
+    return _sm89_bytes(x[None], "quotient rows")
 
 
 def check_nan_beside_amax(seed: int) -> list:
@@ -217,20 +208,33 @@ def check_nan_beside_amax(seed: int) -> list:
             first = (r + k) % 2 == 0  # the amax in the first half or in the second
             x[0, r, k, j[r, k] + (0 if first else d // 2)] = -8.0 if r % 3 else 8.0
             x[0, r, k, j[r, k] + (d // 2 if first else 0)] = float("nan")
-    msgs = []
+    return [m for dtype in (torch.float32, torch.bfloat16)
+            for m in _sm89_bytes(x.to(dtype), f"NaN beside the amax, {dtype}")]
+
+
+@contextlib.contextmanager
+def _sm89():
+    """The fill's epilogue as on sm_89+ (the host told the GPU converts to e4m3 itself; the
+    conversion is ``_interp_rounding``'s stand-in)."""
     hw, fill_mod._hw_e4m3 = fill_mod._hw_e4m3, lambda device: True
     try:
-        for dtype in (torch.float32, torch.bfloat16):
-            parts = [FillPart(x.to(dtype), ((0, 1), (1, 2)))]
-            want = fill_torch(parts, payload_dtype=FP8_DTYPE)
-            got = fill_triton(parts, out=_poisoned(want.numel(), want.dtype),
-                              payload_dtype=FP8_DTYPE, block_s=2, heads_per_program=1)
-            bad = (got != want).nonzero().flatten()
-            msgs += [f"NaN beside the amax, {dtype}: byte {i} {int(got[i]):#x} vs torch "
-                     f"{int(want[i]):#x}" for i in bad[:5].tolist()]
+        yield
     finally:
         fill_mod._hw_e4m3 = hw
-    return msgs
+
+
+def _sm89_bytes(x, what: str) -> list:
+    """The FP8 fill of ``x [1, S_r, 2, D]`` (one head per destination, blocks of 2 rows and 1
+    head) through the sm_89+ epilogue against the torch path: a line per differing byte (5 at
+    most)."""
+    parts = [FillPart(x, ((0, 1), (1, 2)))]
+    want = fill_torch(parts, payload_dtype=FP8_DTYPE)
+    with _sm89():
+        got = fill_triton(parts, out=_poisoned(want.numel(), want.dtype),
+                          payload_dtype=FP8_DTYPE, block_s=2, heads_per_program=1)
+    bad = (got != want).nonzero().flatten()
+    return [f"{what}: byte {i} {int(got[i]):#x} vs torch {int(want[i]):#x}"
+            for i in bad[:5].tolist()]
 
 
 def main_fp8(seed: int) -> int:
@@ -246,11 +250,8 @@ def main_fp8(seed: int) -> int:
                 failed += 1
                 print(f"FAIL seed {seed} fp8 case {case} groups {groups}: {bad}")
     # the epilogue as on sm_89+ (the conversion patched to the hardware's): the first case
-    hw, fill_mod._hw_e4m3 = fill_mod._hw_e4m3, lambda device: True
-    try:
+    with _sm89():
         bad = run_case(rng.randrange(1 << 30), *cases[0], 1, payload=FP8_DTYPE)
-    finally:
-        fill_mod._hw_e4m3 = hw
     if bad:
         failed += 1
         print(f"FAIL seed {seed} fp8 case {cases[0]} with HW_E4M3: {bad}")
