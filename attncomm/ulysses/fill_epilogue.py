@@ -228,6 +228,46 @@ def _fast_block(amax, live, SPLIT: tl.constexpr = False):
     return tl.min(tl.where(live & ~good, 0, 1)) == 1
 
 
+def _word_store(pack: int, masked: bool) -> tuple:
+    """PTX and operand constraints of an asm (``tl.inline_asm_elementwise``, ``pack`` elements
+    of 32 bits together) that stores a 32-bit word: $1 the word (``pack`` 4: four bytes), $2
+    its byte address ($3 to $(1 + pack): the other elements', unused), with ``masked`` only
+    where $(2 + pack) is nonzero; $0 is the word (unused)."""
+    st = "st.global.b32 [$2], $1;"
+    if masked:
+        st = f"{{\n.reg .pred live;\nsetp.ne.b32 live, ${2 + pack}, 0;\n@live {st}"
+    ptx = f"{st}\nmov.b32 $0, $1;" + ("\n}" if masked else "")
+    return ptx, "=r,r," + ",".join(["l"] * pack + (["r"] * pack if masked else []))
+
+
+_PTX_STORE4, _PTX_STORE4_OPS = (tl.constexpr(v) for v in _word_store(4, False))
+_PTX_STORE4_MASKED, _PTX_STORE4_MASKED_OPS = (tl.constexpr(v) for v in _word_store(4, True))
+_PTX_STORE1, _PTX_STORE1_OPS = (tl.constexpr(v) for v in _word_store(1, False))
+_PTX_STORE1_MASKED, _PTX_STORE1_MASKED_OPS = (tl.constexpr(v) for v in _word_store(1, True))
+
+
+@triton.jit
+def _store_bytes(dst, v, mask, REG_STORE: tl.constexpr):
+    """``tl.store(dst, v, mask)`` of uint8 rows ``[BLOCK_S, HB, HALF]``; ``REG_STORE`` (a GPU,
+    and a register layout that gives each thread runs of 4 consecutive bytes of a row, such as
+    the one ``fill_kernels._ptx_norm_inv`` is written for) from the registers that hold the
+    bytes, a 32-bit store per 4 (``_word_store``: rows of ``D + 4`` bytes start on 4-byte
+    boundaries). Triton stores those words too, but converts the rows to its store layout
+    first (through shared memory, with a barrier); in a loop over row blocks it keeps the
+    computation in both layouts (twice the registers)."""
+    if REG_STORE:
+        ptr = dst.to(tl.int64, bitcast=True)
+        if mask is None:
+            tl.inline_asm_elementwise(_PTX_STORE4, _PTX_STORE4_OPS, [v, ptr], dtype=tl.uint8,
+                                      is_pure=False, pack=4)
+        else:
+            tl.inline_asm_elementwise(_PTX_STORE4_MASKED, _PTX_STORE4_MASKED_OPS,
+                                      [v, ptr, mask.to(tl.int32)], dtype=tl.uint8,
+                                      is_pure=False, pack=4)
+    else:
+        tl.store(dst, v, mask=mask)
+
+
 @triton.jit
 def _row_scale(amax):
     """The rows' scales ``amax / 448`` (IEEE division, the rule's) and their divisors: the
@@ -238,7 +278,7 @@ def _row_scale(amax):
 
 @triton.jit
 def _divided_bytes(dst, f1, f2, mask, DTYPE: tl.constexpr, HALF: tl.constexpr,
-                   HW_E4M3: tl.constexpr):
+                   HW_E4M3: tl.constexpr, REG_STORE: tl.constexpr = False):
     """The rule step by step (any row): the elements rounded to ``DTYPE`` (the bits the
     unquantized fill stores), the amax over the finite ones, IEEE divisions; stores the bytes
     at ``dst`` and returns the rows' scales."""
@@ -249,20 +289,22 @@ def _divided_bytes(dst, f1, f2, mask, DTYPE: tl.constexpr, HALF: tl.constexpr,
     amax = tl.max(tl.maximum(tl.where(ok1, tl.abs(g1), 0.0), tl.where(ok2, tl.abs(g2), 0.0)),
                   axis=2)
     scale, dv = _row_scale(amax)
-    tl.store(dst, _e4m3(tl.div_rn(g1, dv[:, :, None]), HW_E4M3), mask=mask)
-    tl.store(dst + HALF, _e4m3(tl.div_rn(g2, dv[:, :, None]), HW_E4M3), mask=mask)
+    _store_bytes(dst, _e4m3(tl.div_rn(g1, dv[:, :, None]), HW_E4M3), mask, REG_STORE)
+    _store_bytes(dst + HALF, _e4m3(tl.div_rn(g2, dv[:, :, None]), HW_E4M3), mask, REG_STORE)
     return scale
 
 
 @triton.jit
 def store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl.constexpr,
-               HW_E4M3: tl.constexpr, PTX: tl.constexpr = False, EXACT: tl.constexpr = False):
+               HW_E4M3: tl.constexpr, PTX: tl.constexpr = False, EXACT: tl.constexpr = False,
+               REG_STORE: tl.constexpr = False):
     """The FP8 epilogue: rows ``[BLOCK_S, HB, D]`` (two fp32 halves) → e4m3 bytes at byte
     offsets ``rofs [BLOCK_S, HB]`` (``rmask``: the live rows, None when all are) and each
     row's fp32 scale after its ``2·HALF`` bytes. ``EXACT``: the halves already hold values of
     ``DTYPE`` (rounding them to it changes nothing); ``PTX``: the sm_89+ path's quotients and
     bytes come from ``_ptx_split_bytes`` (16-bit ``DTYPE``) or ``_ptx_bytes`` (fp32) (a GPU:
-    the interpreter runs no PTX)."""
+    the interpreter runs no PTX); ``REG_STORE`` (with ``PTX``): the bytes and scales stored
+    from the registers that hold them (``_store_bytes``)."""
     dst = out_ptr + rofs[:, :, None] + cols[None, None, :]
     if rmask is None:  # every row live
         mask = None
@@ -290,16 +332,18 @@ def store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl.
                 h2 = f2.to(DTYPE).to(tl.float32)
             if split:
                 yh, yl = _split_reciprocal(dv)
-                tl.store(dst, _ptx_split_bytes(h1, yh[:, :, None], yl[:, :, None], rb),
-                         mask=mask)
-                tl.store(dst + HALF, _ptx_split_bytes(h2, yh[:, :, None], yl[:, :, None], rb),
-                         mask=mask)
+                _store_bytes(dst, _ptx_split_bytes(h1, yh[:, :, None], yl[:, :, None], rb),
+                             mask, REG_STORE)
+                _store_bytes(dst + HALF,
+                             _ptx_split_bytes(h2, yh[:, :, None], yl[:, :, None], rb), mask,
+                             REG_STORE)
             else:
                 ny = -tl.div_rn(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, None]
-                tl.store(dst, _ptx_bytes(h1, ny, dv[:, :, None], rb), mask=mask)
-                tl.store(dst + HALF, _ptx_bytes(h2, ny, dv[:, :, None], rb), mask=mask)
+                _store_bytes(dst, _ptx_bytes(h1, ny, dv[:, :, None], rb), mask, REG_STORE)
+                _store_bytes(dst + HALF, _ptx_bytes(h2, ny, dv[:, :, None], rb), mask,
+                             REG_STORE)
         else:
-            scale = _divided_bytes(dst, f1, f2, mask, DTYPE, HALF, HW_E4M3)
+            scale = _divided_bytes(dst, f1, f2, mask, DTYPE, HALF, HW_E4M3, REG_STORE)
     else:
         g1 = f1.to(DTYPE).to(tl.float32)  # the bits the unquantized fill stores
         g2 = f2.to(DTYPE).to(tl.float32)
@@ -323,9 +367,20 @@ def store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl.
                 scale = _divided_bytes(dst, f1, f2, mask, DTYPE, HALF, HW_E4M3)
         else:
             scale = _divided_bytes(dst, f1, f2, mask, DTYPE, HALF, HW_E4M3)
-    # the scale in the reduced rows' layout: one store per row
     sp = (out_ptr + rofs + 2 * HALF).to(tl.pointer_type(tl.float32), bitcast=True)
-    tl.store(sp, scale, mask=rmask)
+    if REG_STORE:
+        # from the registers that hold it (_store_bytes' reason): every lane that holds a
+        # row's scale stores it, the same word to the same address
+        spi = sp.to(tl.int64, bitcast=True)
+        if rmask is None:
+            tl.inline_asm_elementwise(_PTX_STORE1, _PTX_STORE1_OPS, [scale, spi],
+                                      dtype=tl.float32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(_PTX_STORE1_MASKED, _PTX_STORE1_MASKED_OPS,
+                                      [scale, spi, rmask.to(tl.int32)], dtype=tl.float32,
+                                      is_pure=False, pack=1)
+    else:  # in the reduced rows' layout: one store per row
+        tl.store(sp, scale, mask=rmask)
 
 
 @triton.jit
