@@ -253,8 +253,7 @@ def _store_bytes(dst, v, mask, REG_STORE: tl.constexpr):
     the one ``fill_kernels._ptx_norm_inv`` is written for) from the registers that hold the
     bytes, a 32-bit store per 4 (``_word_store``: rows of ``D + 4`` bytes start on 4-byte
     boundaries). Triton stores those words too, but converts the rows to its store layout
-    first (through shared memory, with a barrier); in a loop over row blocks it keeps the
-    computation in both layouts (twice the registers)."""
+    first (through shared memory, with a barrier)."""
     if REG_STORE:
         ptr = dst.to(tl.int64, bitcast=True)
         if mask is None:
