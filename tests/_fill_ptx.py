@@ -74,13 +74,14 @@ def ptx(opts: dict, fp8: bool = False, full: bool = False, shuffle: bool = False
 
 
 #: What marks an inline asm in the TTGIR (``norm_layout``): the norm's (``_ptx_norm_inv``)
-#: and the FP8 bytes' register stores (``fill_epilogue._store_bytes``).
+#: and the FP8 bytes' register stores (``fill_epilogue._store_words``).
 ASM = {"norm": r"shfl\.sync\.bfly", "store": r"st\.global\.b32 \[\$2\]"}
 
 
 def norm_layout(ttgir: str, asm: str = "norm") -> list:
-    """``[sizePerThread, threadsPerWarp, order]`` of the layout of the inline asms that
-    ``ASM[asm]`` marks (all of them in one layout), from the TTGIR."""
+    """``[sizePerThread, threadsPerWarp, order]`` of the blocked layout of the inline asms that
+    ``ASM[asm]`` marks (all of them in one layout), from the TTGIR; asms in a slice layout
+    (the per-row scales' stores) are not matched."""
     aliases = dict(re.findall(r"^(#\w+) = #ttg\.blocked<(.*)>$", ttgir, re.M))
     (enc,) = {m.group(1) for m in re.finditer(
         r'tt\.elementwise_inline_asm "[^"]*' + ASM[asm]

@@ -15,6 +15,8 @@ from attncomm.ulysses.fill import (FillPart, FillPlan, fill_torch, rms_norm_rope
                                    triton_fill_reason)
 from attncomm.ulysses.fill import fill
 
+from _ptx_patterns import REG_STORE, REG_STORE_MASKED
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -170,7 +172,7 @@ def test_fill_norm_shuffle_layout():
     ``order``). The compiled kernel has it in every case the host takes ``SHFL_NORM`` (masked
     and full blocks, bf16, fp16, the FP8 payload, the other pointers unaligned, sm_80 to
     sm_100), and not with fp32 parts (4 elements a thread), which the host excludes: the
-    check can fail. The FP8 bytes' register stores (``fill_epilogue._store_bytes``: 32-bit
+    check can fail. The FP8 bytes' register stores (``fill_epilogue._store_words``: 32-bit
     words of 4 consecutive bytes of a row) are in that layout too."""
     layouts = _fill_ptx("layouts")
 
@@ -180,11 +182,6 @@ def test_fill_norm_shuffle_layout():
 
     for name, layout in layouts.items():
         assert fits(layout) == (name != "sm90 fp32 full"), (name, layout)
-
-
-#: The FP8 bytes' register stores in PTX (``fill_epilogue._store_bytes``' asm, its operands
-#: substituted; Triton's own stores read ``st.global.b32 [ %rd1 + 0 ], { %r1 }``).
-REG_STORE = re.compile(r"st\.global\.b32 \[%rd\d+\], %r\d+;")
 
 
 @pytest.mark.slow
@@ -206,7 +203,12 @@ def test_fill_kernel_fp8_ptx():
         assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx, name
         assert re.search(r"st\.global(\.\w+)*\.b32", ptx), f"{name}: no 32-bit store of the scales"
         assert not re.search(r"st\.global(\.\w+)*\.[bu]8", ptx), f"{name}: byte stores"
-        assert bool(REG_STORE.search(ptx)) == ("shuffle" in name), name
+        # with SHFL_NORM: the bytes of 2 heads × 2 halves in 2 words a thread, on the fast and
+        # the general path, and the 2 heads' scales, each predicated on its row when masked
+        stores = len(REG_STORE.findall(ptx))
+        assert stores == (18 if "shuffle" in name else 0), (name, stores)
+        masked = len(REG_STORE_MASKED.findall(ptx))
+        assert masked == (18 if name == "fp8_shuffle_masked" else 0), (name, masked)
 
 
 def test_descriptor_derived_on_the_device_equals_the_uploaded_one():

@@ -425,7 +425,7 @@ def _launch(lay: _LaunchLayout, xs: Sequence, base: torch.Tensor, starts: tuple,
                      and all(alignment_key((x0, x1, x2))))
         # in that layout a thread holds runs of 4 consecutive FP8 bytes of a row, stored as
         # 32-bit words from its registers rather than converted to Triton's store layout
-        # through shared memory first (fill_epilogue._store_bytes)
+        # through shared memory first (fill_epilogue._store_words)
         reg_store = shfl_norm and lay.consts.get("PTX", False)
 
         def launch() -> None:
@@ -597,6 +597,7 @@ def fill(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | None =
 def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | None = None,
                 sin: torch.Tensor | None = None, out=None, *,
                 payload_dtype: torch.dtype | None = None, **launch):
-    """``fill(..., impl="triton")``: the kernel at any launch shape (``block_s``,
-    ``heads_per_program``, ``num_warps``); CUDA or ``TRITON_INTERPRET=1``."""
+    """``fill(..., impl="triton")``: the kernel at a launch shape of powers of two
+    (``block_s``, ``heads_per_program``, ``num_warps``; None: the default); CUDA or
+    ``TRITON_INTERPRET=1``."""
     return fill(parts, eps, cos, sin, out, "triton", payload_dtype=payload_dtype, **launch)

@@ -34,7 +34,7 @@ layout of D = 128 rows of contiguous, 16-byte aligned 16-bit parts at the defaul
 tests/test_ulysses_fill.py checks that layout in the compiled kernel (sm_80 to sm_100), and the
 GPU tests hold the bits to the torch path's there. ``REG_STORE`` (the host's, with ``SHFL_NORM``
 and the FP8 epilogue's PTX): the FP8 bytes and scales stored from the registers that hold them
-(``fill_epilogue._store_bytes``), a 32-bit store per 4 bytes of a thread's run, with no
+(``fill_epilogue._store_words``), a 32-bit store per 4 bytes of a thread's run, with no
 conversion to Triton's store layout.
 """
 from __future__ import annotations
