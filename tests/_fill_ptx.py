@@ -3,13 +3,15 @@ Ulysses fill kernel (bf16, norm + RoPE, D=128, the default 16 rows × 2 heads pe
 FMA contraction on, and with the options the fill's launcher launches it with, masked and on
 full blocks (``FULL``), and on full blocks with the norm's tree by warp shuffles (``SHFL_NORM``:
 ``"launched_shuffle"``); with argument ``fp8``, ``{"fp8": ptx, "fp8_full": ptx,
-"fp8_shuffle": ptx}`` of the FP8 payload variant (uint8 output, bases not 16-aligned: rows of
-D + 4 bytes) with the launch options; with argument ``sm80``, ``{"plain": ptx, "norm": ptx}``
-of the FP8 variant compiled for sm_80 (no e4m3 conversion instruction: ``HW_E4M3`` off);
+"fp8_shuffle": ptx, "fp8_shuffle_masked": ptx}`` of the FP8 payload variant (uint8 output,
+bases not 16-aligned: rows of D + 4 bytes) with the launch options, the last two with
+``SHFL_NORM`` and so, as the host launches them, the bytes stored from their registers
+(``REG_STORE``); with argument ``sm80``, ``{"plain": ptx, "norm": ptx}`` of the FP8 variant compiled for sm_80 (no e4m3 conversion instruction: ``HW_E4M3`` off);
 with argument ``layouts``, ``{name: [sizePerThread,
 threadsPerWarp, order]}``: the register layout of ``_ptx_norm_inv``'s operands in the compiled
 kernel (TTGIR) with ``SHFL_NORM`` for the cases the host takes it in (``LAYOUT_CASES``), and
-for fp32 parts, which it does not. Needs no GPU, but a process without TRITON_INTERPRET
+for fp32 parts, which it does not; for the FP8 cases also that of the bytes' register stores
+(``"<case> store"``). Needs no GPU, but a process without TRITON_INTERPRET
 (tests/test_ulysses_fill.py)."""
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ def compiled(opts: dict, fp8: bool = False, full: bool = False, shuffle: bool = 
     consts = dict(HALF=64, LEVELS=6, BLOCK_S=16, HB=2, ANY_NORM=norm, ANY_ROPE=norm,
                   ALIGNED=not fp8 and not parts_aligned_only, ROPE_BCAST=True, SPEC=_SPEC,
                   ENTRIES=84, FULL=full, FP8=fp8, HW_E4M3=hw, PTX=hw and norm,
-                  EXACT=not norm, SHFL_NORM=shuffle, PTX_WIDEN=norm)
+                  EXACT=not norm, SHFL_NORM=shuffle, PTX_WIDEN=norm,
+                  REG_STORE=shuffle and hw and norm)  # the host's rule (fill._launch)
     ptrs = dict(_PTRS, x0=f"*{dtype}", x1=f"*{dtype}", x2=f"*{dtype}",
                 out_ptr="*u8" if fp8 else f"*{dtype}")
     aligned = ("x0", "x1", "x2") if parts_aligned_only else tuple(_PTRS)
@@ -69,13 +72,19 @@ def ptx(opts: dict, fp8: bool = False, full: bool = False, shuffle: bool = False
     return compiled(opts, fp8, full, shuffle).asm["ptx"]
 
 
-def norm_layout(ttgir: str) -> list:
-    """``[sizePerThread, threadsPerWarp, order]`` of the layout of the inline asm whose PTX
-    has the shuffles (``_ptx_norm_inv``'s), from the TTGIR."""
+#: What marks an inline asm in the TTGIR (``norm_layout``): the norm's (``_ptx_norm_inv``)
+#: and the FP8 bytes' register stores (``fill_epilogue._store_words``).
+ASM = {"norm": r"shfl\.sync\.bfly", "store": r"st\.global\.b32 \[\$2\]"}
+
+
+def norm_layout(ttgir: str, asm: str = "norm") -> list:
+    """``[sizePerThread, threadsPerWarp, order]`` of the blocked layout of the inline asms that
+    ``ASM[asm]`` marks (all of them in one layout), from the TTGIR; asms in a slice layout
+    (the per-row scales' stores) are not matched."""
     aliases = dict(re.findall(r"^(#\w+) = #ttg\.blocked<(.*)>$", ttgir, re.M))
     (enc,) = {m.group(1) for m in re.finditer(
-        r'tt\.elementwise_inline_asm "[^"]*shfl\.sync\.bfly[^"]*".*-> tensor<[^,>]+, (#\w+)>',
-        ttgir)}
+        r'tt\.elementwise_inline_asm "[^"]*' + ASM[asm]
+        + r'[^"]*".*-> tensor<[^,>]+, (#\w+)>', ttgir)}
     fields = dict(re.findall(r"(\w+) = \[([\d, ]*)\]", aliases[enc]))
     return [[int(v) for v in fields[f].split(",")]
             for f in ("sizePerThread", "threadsPerWarp", "order")]
@@ -86,7 +95,8 @@ if __name__ == "__main__":
         print(json.dumps({"fp8": ptx(LAUNCH_OPTIONS, fp8=True),
                           "fp8_full": ptx(LAUNCH_OPTIONS, fp8=True, full=True),
                           "fp8_shuffle": ptx(LAUNCH_OPTIONS, fp8=True, full=True,
-                                             shuffle=True)}))
+                                             shuffle=True),
+                          "fp8_shuffle_masked": ptx(LAUNCH_OPTIONS, fp8=True, shuffle=True)}))
     elif sys.argv[1:] == ["sm80"]:
         # the FP8 fills where the GPU has no e4m3 conversion (HW_E4M3 off), plain and normed
         out = {}
@@ -97,10 +107,13 @@ if __name__ == "__main__":
         print(json.dumps(out))
     elif sys.argv[1:] == ["layouts"]:
         cases = dict(LAYOUT_CASES, **{"sm90 fp32 full": (90, False, True, "fp32", False)})
-        print(json.dumps({
-            name: norm_layout(compiled(LAUNCH_OPTIONS, fp8, full, True, dtype, arch,
-                                       only).asm["ttgir"])
-            for name, (arch, fp8, full, dtype, only) in cases.items()}))
+        out = {}
+        for name, (arch, fp8, full, dtype, only) in cases.items():
+            ttgir = compiled(LAUNCH_OPTIONS, fp8, full, True, dtype, arch, only).asm["ttgir"]
+            out[name] = norm_layout(ttgir)
+            if fp8:
+                out[f"{name} store"] = norm_layout(ttgir, "store")
+        print(json.dumps(out))
     else:
         print(json.dumps({"fused": ptx(dict(LAUNCH_OPTIONS, enable_fp_fusion=True)),
                           "launched": ptx(LAUNCH_OPTIONS),

@@ -146,6 +146,29 @@ def test_bench_fill_records_cpu_smoke():
     assert "triton" in extra["skipped"] and extra["copy_bandwidth_gbps"] > 0
 
 
+def test_bench_fill_writes_json_and_markdown(tmp_path, monkeypatch):
+    """``bench ulysses --fill --json P --markdown Q`` writes both (the records, and a table row
+    per record with its floor ratio), as every other mode does. The kernel rows need a GPU, so
+    the CPU's torch rows stand in for the run's records."""
+    from attncomm.bench import ulysses_fill
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--fill", "--fill-seq", "16", "--fill-heads", "4", "--iters", "2",
+                         "--json", str(tmp_path / "f.json"), "--markdown",
+                         str(tmp_path / "f.md")])
+    opts = dict(bench._defaults(args), device="cuda")
+    monkeypatch.setattr(bench, "fill_records", lambda seqs, heads, d, world, iters:
+                        ulysses_fill.fill_records(seqs, heads, 16, world, iters, device="cpu"))
+    assert bench._fill_main(args, opts) == 0
+    records = json.loads((tmp_path / "f.json").read_text())["records"]
+    md = (tmp_path / "f.md").read_text()
+    assert len(records) == 4 and md.startswith("# Ulysses fill")
+    for r in records:
+        row = f"| {r['impl']} | 16 | {r['qk_norm']} |"
+        assert md.count(row) == 1, (row, md)
+    assert md.count("| – |") == 4  # no kernel row: no bit comparison to report
+
+
 @pytest.mark.slow
 def test_bench_dit_model_cpu(pools, tmp_path):
     """--dit-model on 2 CPU ranks (a tiny Flux): attncomm's sharded forward equals the one

@@ -11,9 +11,11 @@ import sys
 import pytest
 import torch
 
-from attncomm.ulysses.fill import (FillPart, fill_torch, rms_norm_rope, send_layout,
+from attncomm.ulysses.fill import (FillPart, FillPlan, fill_torch, rms_norm_rope, send_layout,
                                    triton_fill_reason)
 from attncomm.ulysses.fill import fill
+
+from _ptx_patterns import REG_STORE, REG_STORE_MASKED
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -68,6 +70,12 @@ def test_fill_rejects_bad_parts():
         fill_torch([FillPart(x, ((0, 2),))], out=torch.empty(5))
     with pytest.raises(ValueError, match="impl must be"):
         fill([FillPart(x, ((0, 2),))], impl="cuda")
+    for bad in (dict(block_s=3), dict(num_warps=6), dict(heads_per_program=0),
+                dict(block_s=True), dict(num_warps=4.0)):
+        (name, value), = bad.items()
+        with pytest.raises(ValueError, match=f"{name} must be None or a power of two.*{value!r}"):
+            FillPlan([FillPart(x, ((0, 2),))], impl="torch", **bad)
+    FillPlan([FillPart(x, ((0, 2),))], impl="torch", block_s=1, heads_per_program=8, num_warps=2)
 
 
 @pytest.mark.slow
@@ -164,7 +172,8 @@ def test_fill_norm_shuffle_layout():
     ``order``). The compiled kernel has it in every case the host takes ``SHFL_NORM`` (masked
     and full blocks, bf16, fp16, the FP8 payload, the other pointers unaligned, sm_80 to
     sm_100), and not with fp32 parts (4 elements a thread), which the host excludes: the
-    check can fail."""
+    check can fail. The FP8 bytes' register stores (``fill_epilogue._store_words``: 32-bit
+    words of 4 consecutive bytes of a row) are in that layout too."""
     layouts = _fill_ptx("layouts")
 
     def fits(layout):
@@ -182,8 +191,9 @@ def test_fill_kernel_fp8_ptx():
     reciprocal (``_ptx_split_bytes``: one FMA each, and one per row's ``y_lo`` beside its
     ``rcp.rm``) and no other FMA (the norm and RoPE products round as torch's); the e4m3 bytes
     stored 4 at a time (the rows' 4-byte alignment is known to the compiler: without it every
-    byte is its own store) beside the scales' 32-bit words."""
-    for name, ptx in _fill_ptx("fp8").items():  # masked, full, full with SHFL_NORM
+    byte is its own store) beside the scales' 32-bit words; with ``SHFL_NORM``, masked and
+    full, from the registers that hold them (``REG_STORE``), as the host launches it."""
+    for name, ptx in _fill_ptx("fp8").items():  # masked, full; with SHFL_NORM full, masked
         # each conversion takes two elements and is there twice (the PTX branch, the div_rn one)
         cvts = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx))
         rcps = len(re.findall(r"rcp\.rm\.f32", ptx))
@@ -193,6 +203,12 @@ def test_fill_kernel_fp8_ptx():
         assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx, name
         assert re.search(r"st\.global(\.\w+)*\.b32", ptx), f"{name}: no 32-bit store of the scales"
         assert not re.search(r"st\.global(\.\w+)*\.[bu]8", ptx), f"{name}: byte stores"
+        # with SHFL_NORM: the bytes of 2 heads × 2 halves in 2 words a thread, on the fast and
+        # the general path, and the 2 heads' scales, each predicated on its row when masked
+        stores = len(REG_STORE.findall(ptx))
+        assert stores == (18 if "shuffle" in name else 0), (name, stores)
+        masked = len(REG_STORE_MASKED.findall(ptx))
+        assert masked == (18 if name == "fp8_shuffle_masked" else 0), (name, masked)
 
 
 def test_descriptor_derived_on_the_device_equals_the_uploaded_one():

@@ -44,7 +44,7 @@ from .ulysses_fill import fill_records
 from .ulysses_layer import markdown_rows
 from ..ulysses.layout import head_offsets, head_split, head_to_seq_plan, seq_to_head_plan
 
-__all__ = ["add_arguments", "main", "run_rank", "report", "markdown_report"]
+__all__ = ["add_arguments", "main", "run_rank", "report", "markdown_report", "fill_markdown"]
 
 MiB = 1 << 20
 _VARIANTS = ("attention_only", "sequential_all_to_all", "sequential_ce", "pipelined_auto",
@@ -340,9 +340,22 @@ def _fill_main(args, opts) -> int:
     common.print_table(records, ["impl", "seq", "qk_norm", "time_us", "floor_us", "vs_floor"],
                        title=f"Ulysses fill, one rank's shard at W={args.world_size}")
     meta = common.meta("cuda", 1, bench="ulysses-fill", dtype="bf16", **extra)
-    if args.json:
-        common.write_json(args.json, meta, records)
+    emit(args, Report(meta=meta, records=records, markdown=fill_markdown(meta, records)))
     return 0 if all(r.get("bitwise_equal", True) for r in records) else 1
+
+
+def fill_markdown(meta: dict, records: list[dict]) -> str:
+    """``--fill``'s Markdown page: the run's facts and one row per (impl, S, qk_norm) with the
+    GPU time, the floor (bytes moved ÷ the copy bandwidth of the same run), the ratio and
+    whether the kernel's output equals the torch path's bit for bit."""
+    lines = [f"# Ulysses fill — {meta.get('date')}, {meta.get('gpu')}", "",
+             f"{meta.get('fill_geometry')}. torch {meta.get('torch')}, Triton "
+             f"{meta.get('triton')}; copy bandwidth {meta.get('copy_bandwidth_gbps', 0):.0f} "
+             "GB/s. Time: the GPU's per call, back to back.", ""]
+    header = ["impl", "S", "qk_norm", "µs", "floor µs", "÷ floor", "bitwise equal"]
+    rows = [[r["impl"], r["seq"], str(r["qk_norm"]), r["time_us"], r["floor_us"], r["vs_floor"],
+             str(r["bitwise_equal"]) if "bitwise_equal" in r else "–"] for r in records]
+    return "\n".join(lines + common.markdown_lines(header, rows)) + "\n"
 
 
 def main(args) -> int:

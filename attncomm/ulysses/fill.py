@@ -423,10 +423,15 @@ def _launch(lay: _LaunchLayout, xs: Sequence, base: torch.Tensor, starts: tuple,
         shfl_norm = (lay.shfl_norm and desc.spec & 0xFF == _ROWS_SPEC
                      and all(x.dtype in _HALF_DTYPES for x in (x0, x1, x2))
                      and all(alignment_key((x0, x1, x2))))
+        # in that layout a thread holds runs of 4 consecutive FP8 bytes of a row, stored as
+        # 32-bit words from its registers rather than converted to Triton's store layout
+        # through shared memory first (fill_epilogue._store_words)
+        reg_store = shfl_norm and lay.consts.get("PTX", False)
 
         def launch() -> None:
             _fk.fill_kernel[grid](*args, ALIGNED=rows16, SPEC=desc.spec, ENTRIES=desc.entries,
-                                  FULL=full, SHFL_NORM=shfl_norm, **lay.consts, **cap)
+                                  FULL=full, SHFL_NORM=shfl_norm, REG_STORE=reg_store,
+                                  **lay.consts, **cap)
 
         # What Triton specializes the changing arguments on (each pointer's dtype and 16-byte
         # alignment), the descriptor's specialization and the grid (the rest is fixed per
@@ -495,6 +500,15 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def _check_launch(**shape) -> None:
+    """``ValueError`` naming a launch-shape argument that is neither None nor a power of two
+    (an int ≥ 1)."""
+    for name, v in shape.items():
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1
+                              or v & (v - 1)):
+            raise ValueError(f"fill: {name} must be None or a power of two, got {v!r}")
+
+
 class FillPlan:
     """The fill prepared once for one layout, for a caller that fills many times (a forward
     per layer and step): the checks, the implementation choice, the norm weights and the
@@ -519,9 +533,10 @@ class FillPlan:
     buffer (``send_layout``'s size, the parts' dtype or uint8) or one flat tensor per
     destination region (descriptors are kept per region address, so pass stable buffers).
 
-    Raises ``ValueError`` at construction for parts that disagree on B, S_r, D or dtype, an
-    unknown ``impl``, ``impl="triton"`` where the kernel cannot run, more than 3 parts for the
-    kernel; at a call, for a wrong ``out`` (FP8: regions not on 4-byte boundaries).
+    Raises ``ValueError`` at construction for parts that disagree on B, S_r, D or dtype, a
+    launch shape that is not a power of two, an unknown ``impl``, ``impl="triton"`` where the
+    kernel cannot run, more than 3 parts for the kernel; at a call, for a wrong ``out`` (FP8:
+    regions not on 4-byte boundaries).
     """
 
     def __init__(self, parts: Sequence[FillPart], eps: float = 0.0, rope: bool = False,
@@ -530,6 +545,7 @@ class FillPlan:
                  num_warps: int | None = None):
         if impl not in ("auto", "triton", "torch"):
             raise ValueError(f"fill: impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+        _check_launch(block_s=block_s, heads_per_program=heads_per_program, num_warps=num_warps)
         dims, self.htot, starts, _, self.fp8 = _validate_parts(parts, None, payload_dtype)
         self.dims = dims
         self.wire = _fp8.WIRE_DTYPE if self.fp8 else parts[0].x.dtype
@@ -581,6 +597,7 @@ def fill(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | None =
 def fill_triton(parts: Sequence[FillPart], eps: float = 0.0, cos: torch.Tensor | None = None,
                 sin: torch.Tensor | None = None, out=None, *,
                 payload_dtype: torch.dtype | None = None, **launch):
-    """``fill(..., impl="triton")``: the kernel at any launch shape (``block_s``,
-    ``heads_per_program``, ``num_warps``); CUDA or ``TRITON_INTERPRET=1``."""
+    """``fill(..., impl="triton")``: the kernel at a launch shape of powers of two
+    (``block_s``, ``heads_per_program``, ``num_warps``; None: the default); CUDA or
+    ``TRITON_INTERPRET=1``."""
     return fill(parts, eps, cos, sin, out, "triton", payload_dtype=payload_dtype, **launch)

@@ -2,7 +2,8 @@
 and inline PTX: ``attncomm.ulysses.fp8``'s rule on the rows a program already holds.
 ``store_fp8`` rounds them to the parts' dtype (the bits the bf16 path stores), takes each row's
 amax over its finite values, the scale ``amax / 448`` (IEEE division), and stores the e4m3 bytes
-(``_e4m3``) and the scale as an fp32 word after them (one store per row, not one per element).
+(``_e4m3``) and the scale as an fp32 word after them (a store per row, or per lane that holds
+the row's scale when the bytes are stored from registers; not one per element).
 
 On sm_89 and later (``HW_E4M3``, chosen by the host) the e4m3 bytes come from the hardware
 conversion (``cvt.rn.satfinite.e4m3x2.f32``, what Triton emits for a cast to ``tl.float8e4nv``),
@@ -228,6 +229,50 @@ def _fast_block(amax, live, SPLIT: tl.constexpr = False):
     return tl.min(tl.where(live & ~good, 0, 1)) == 1
 
 
+def _word_store(pack: int, masked: bool) -> tuple:
+    """PTX and operand constraints of an asm (``tl.inline_asm_elementwise``, ``pack`` elements
+    of 32 bits together) that stores a 32-bit word: $1 the word (``pack`` 4: four bytes), $2
+    its byte address ($3 to $(1 + pack): the other elements', unused), with ``masked`` only
+    where $(2 + pack) is nonzero; $0 is the word (unused)."""
+    st = "st.global.b32 [$2], $1;"
+    if masked:
+        st = f"{{\n.reg .pred live;\nsetp.ne.b32 live, ${2 + pack}, 0;\n@live {st}"
+    ptx = f"{st}\nmov.b32 $0, $1;" + ("\n}" if masked else "")
+    return ptx, "=r,r," + ",".join(["l"] * pack + (["r"] * pack if masked else []))
+
+
+_PTX_STORE4, _PTX_STORE4_OPS = (tl.constexpr(v) for v in _word_store(4, False))
+_PTX_STORE4_MASKED, _PTX_STORE4_MASKED_OPS = (tl.constexpr(v) for v in _word_store(4, True))
+_PTX_STORE1, _PTX_STORE1_OPS = (tl.constexpr(v) for v in _word_store(1, False))
+_PTX_STORE1_MASKED, _PTX_STORE1_MASKED_OPS = (tl.constexpr(v) for v in _word_store(1, True))
+
+
+@triton.jit
+def _store_words(dst, v, mask, REG_STORE: tl.constexpr, PACK: tl.constexpr = 4):
+    """``tl.store(dst, v, mask)``; with ``REG_STORE`` (a GPU) from the registers that hold
+    ``v``, one 32-bit store per ``PACK`` elements (``_word_store``): uint8 rows with ``PACK`` 4,
+    where each thread holds runs of 4 consecutive bytes of a row starting on a 4-byte boundary
+    (the register layout ``fill_kernels._ptx_norm_inv`` is written for; rows of ``D + 4``
+    bytes start on 4-byte boundaries), or 32-bit values with ``PACK`` 1. ``mask`` must be the
+    same for the ``PACK`` elements of a word (a row's mask: the first element's decides).
+    Triton stores the same words, but converts ``v`` to its store layout first (through
+    shared memory, with a barrier)."""
+    if REG_STORE:
+        ptr = dst.to(tl.int64, bitcast=True)
+        if mask is None:
+            tl.inline_asm_elementwise(_PTX_STORE4 if PACK == 4 else _PTX_STORE1,
+                                      _PTX_STORE4_OPS if PACK == 4 else _PTX_STORE1_OPS,
+                                      [v, ptr], dtype=v.dtype, is_pure=False, pack=PACK)
+        else:
+            tl.inline_asm_elementwise(_PTX_STORE4_MASKED if PACK == 4 else _PTX_STORE1_MASKED,
+                                      _PTX_STORE4_MASKED_OPS if PACK == 4
+                                      else _PTX_STORE1_MASKED_OPS,
+                                      [v, ptr, mask.to(tl.int32)], dtype=v.dtype,
+                                      is_pure=False, pack=PACK)
+    else:
+        tl.store(dst, v, mask=mask)
+
+
 @triton.jit
 def _row_scale(amax):
     """The rows' scales ``amax / 448`` (IEEE division, the rule's) and their divisors: the
@@ -238,7 +283,7 @@ def _row_scale(amax):
 
 @triton.jit
 def _divided_bytes(dst, f1, f2, mask, DTYPE: tl.constexpr, HALF: tl.constexpr,
-                   HW_E4M3: tl.constexpr):
+                   HW_E4M3: tl.constexpr, REG_STORE: tl.constexpr = False):
     """The rule step by step (any row): the elements rounded to ``DTYPE`` (the bits the
     unquantized fill stores), the amax over the finite ones, IEEE divisions; stores the bytes
     at ``dst`` and returns the rows' scales."""
@@ -249,20 +294,22 @@ def _divided_bytes(dst, f1, f2, mask, DTYPE: tl.constexpr, HALF: tl.constexpr,
     amax = tl.max(tl.maximum(tl.where(ok1, tl.abs(g1), 0.0), tl.where(ok2, tl.abs(g2), 0.0)),
                   axis=2)
     scale, dv = _row_scale(amax)
-    tl.store(dst, _e4m3(tl.div_rn(g1, dv[:, :, None]), HW_E4M3), mask=mask)
-    tl.store(dst + HALF, _e4m3(tl.div_rn(g2, dv[:, :, None]), HW_E4M3), mask=mask)
+    _store_words(dst, _e4m3(tl.div_rn(g1, dv[:, :, None]), HW_E4M3), mask, REG_STORE)
+    _store_words(dst + HALF, _e4m3(tl.div_rn(g2, dv[:, :, None]), HW_E4M3), mask, REG_STORE)
     return scale
 
 
 @triton.jit
 def store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl.constexpr,
-               HW_E4M3: tl.constexpr, PTX: tl.constexpr = False, EXACT: tl.constexpr = False):
+               HW_E4M3: tl.constexpr, PTX: tl.constexpr = False, EXACT: tl.constexpr = False,
+               REG_STORE: tl.constexpr = False):
     """The FP8 epilogue: rows ``[BLOCK_S, HB, D]`` (two fp32 halves) → e4m3 bytes at byte
     offsets ``rofs [BLOCK_S, HB]`` (``rmask``: the live rows, None when all are) and each
     row's fp32 scale after its ``2·HALF`` bytes. ``EXACT``: the halves already hold values of
     ``DTYPE`` (rounding them to it changes nothing); ``PTX``: the sm_89+ path's quotients and
     bytes come from ``_ptx_split_bytes`` (16-bit ``DTYPE``) or ``_ptx_bytes`` (fp32) (a GPU:
-    the interpreter runs no PTX)."""
+    the interpreter runs no PTX); ``REG_STORE`` (with ``PTX``): the bytes and scales stored
+    from the registers that hold them (``_store_words``)."""
     dst = out_ptr + rofs[:, :, None] + cols[None, None, :]
     if rmask is None:  # every row live
         mask = None
@@ -290,16 +337,18 @@ def store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl.
                 h2 = f2.to(DTYPE).to(tl.float32)
             if split:
                 yh, yl = _split_reciprocal(dv)
-                tl.store(dst, _ptx_split_bytes(h1, yh[:, :, None], yl[:, :, None], rb),
-                         mask=mask)
-                tl.store(dst + HALF, _ptx_split_bytes(h2, yh[:, :, None], yl[:, :, None], rb),
-                         mask=mask)
+                _store_words(dst, _ptx_split_bytes(h1, yh[:, :, None], yl[:, :, None], rb),
+                             mask, REG_STORE)
+                _store_words(dst + HALF,
+                             _ptx_split_bytes(h2, yh[:, :, None], yl[:, :, None], rb), mask,
+                             REG_STORE)
             else:
                 ny = -tl.div_rn(tl.full(dv.shape, 1.0, tl.float32), dv)[:, :, None]
-                tl.store(dst, _ptx_bytes(h1, ny, dv[:, :, None], rb), mask=mask)
-                tl.store(dst + HALF, _ptx_bytes(h2, ny, dv[:, :, None], rb), mask=mask)
+                _store_words(dst, _ptx_bytes(h1, ny, dv[:, :, None], rb), mask, REG_STORE)
+                _store_words(dst + HALF, _ptx_bytes(h2, ny, dv[:, :, None], rb), mask,
+                             REG_STORE)
         else:
-            scale = _divided_bytes(dst, f1, f2, mask, DTYPE, HALF, HW_E4M3)
+            scale = _divided_bytes(dst, f1, f2, mask, DTYPE, HALF, HW_E4M3, REG_STORE)
     else:
         g1 = f1.to(DTYPE).to(tl.float32)  # the bits the unquantized fill stores
         g2 = f2.to(DTYPE).to(tl.float32)
@@ -323,9 +372,10 @@ def store_fp8(out_ptr, rofs, cols, f1, f2, rmask, DTYPE: tl.constexpr, HALF: tl.
                 scale = _divided_bytes(dst, f1, f2, mask, DTYPE, HALF, HW_E4M3)
         else:
             scale = _divided_bytes(dst, f1, f2, mask, DTYPE, HALF, HW_E4M3)
-    # the scale in the reduced rows' layout: one store per row
     sp = (out_ptr + rofs + 2 * HALF).to(tl.pointer_type(tl.float32), bitcast=True)
-    tl.store(sp, scale, mask=rmask)
+    # every lane that holds a row's scale stores it with REG_STORE (the same word to the same
+    # address); Triton's store keeps the reduced rows' layout: one store per row
+    _store_words(sp, scale, rmask, REG_STORE, 1)
 
 
 @triton.jit

@@ -32,7 +32,10 @@ reshapes. The same tree and roundings, so the same bits; the PTX is written for 
 layout of D = 128 rows of contiguous, 16-byte aligned 16-bit parts at the default launch shape
 (a thread holds 8 consecutive elements, a half-row's 8 threads are consecutive lanes):
 tests/test_ulysses_fill.py checks that layout in the compiled kernel (sm_80 to sm_100), and the
-GPU tests hold the bits to the torch path's there.
+GPU tests hold the bits to the torch path's there. ``REG_STORE`` (the host's, with ``SHFL_NORM``
+and the FP8 epilogue's PTX): the FP8 bytes and scales stored from the registers that hold them
+(``fill_epilogue._store_words``), a 32-bit store per 4 bytes of a thread's run, with no
+conversion to Triton's store layout.
 """
 from __future__ import annotations
 
@@ -168,7 +171,8 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
                 ENTRIES: tl.constexpr, FULL: tl.constexpr = False, FP8: tl.constexpr = False,
                 HW_E4M3: tl.constexpr = False,
                 PTX: tl.constexpr = False, EXACT: tl.constexpr = False,
-                SHFL_NORM: tl.constexpr = False, PTX_WIDEN: tl.constexpr = False):
+                SHFL_NORM: tl.constexpr = False, PTX_WIDEN: tl.constexpr = False,
+                REG_STORE: tl.constexpr = False):
     # Entries run fastest along the grid: the programs in flight together cover every head of
     # the same rows, whose bytes are contiguous in the sources and the regions, rather than
     # one head's rows a row pitch apart.
@@ -278,7 +282,7 @@ def fill_kernel(x0, x1, x2, out_ptr, desc, w0, w1, w2, cos_ptr, sin_ptr,
         rofs = base + b * bpitch + rows[:, None] * pitch + hh[None, :] * (2 * HALF + 4)
         rmask = None if FULL else (rows[:, None] < S) & (hh[None, :] < nh)
         store_fp8(out_ptr, rofs, cols, f1, f2, rmask, x0.dtype.element_ty, HALF, HW_E4M3, PTX,
-                  EXACT)
+                  EXACT, REG_STORE)
     else:
         dst = (out_ptr + base + b * bpitch + rows[:, None, None] * pitch
                + hh[None, :, None] * (2 * HALF) + cols[None, None, :])

@@ -15,6 +15,8 @@ from attncomm.ulysses.fill import FillPart, fill_torch, rms_norm_rope, send_layo
 from attncomm.ulysses.fill import fill_triton
 from attncomm.ulysses.layout import group_head_ranges, kv_head_range
 
+from _ptx_patterns import REG_STORE
+
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -159,8 +161,10 @@ def test_fill_norm_tree_by_shuffles_on_cuda(payload, seed, monkeypatch):
     with eps 1e-6 and 0: its bits (bf16 as int16: NaNs and signed zeros too) equal Triton's
     tree's (the same launch with the shuffles forced off) and the torch path's, with rows
     holding a NaN, an infinity, only zeros, and values whose squares are subnormal. The same
-    parts with a strided head dim take Triton's tree. Triton's in-memory kernel cache is
-    emptied before each launch checked, so its one kernel is that launch's."""
+    parts with a strided head dim take Triton's tree. The FP8 payload is stored from the
+    registers with the shuffles (``REG_STORE``: ``_store_words``' asm in the PTX) and by
+    Triton's stores without them. Outputs are poisoned first. Triton's in-memory kernel cache
+    is emptied before each launch checked, so its one kernel is that launch's."""
     _need_gpu()
     from attncomm.ulysses import fill as fill_mod
     from attncomm.ulysses import fill_kernels
@@ -182,15 +186,25 @@ def test_fill_norm_tree_by_shuffles_on_cuda(payload, seed, monkeypatch):
                  FillPart(v, ranges)]
         for eps in (1e-6, 0.0):
             case = f"seed {seed}: {layout}, {s_r} rows, eps {eps}, payload {payload}"
+            want = fill_torch(parts, eps, cos, sin, payload_dtype=payload)
+            n = want.numel()
+            poison = float("nan") if payload is None else 0xA5
+            # poisoned guard elements after the buffer: a store past its end shows there
+            buf = torch.full((n + 4096,), poison, dtype=want.dtype, device=want.device)
             fill_kernels.fill_kernel.device_caches.clear()  # then only this launch's kernel
-            got = fill_triton(parts, eps, cos, sin, payload_dtype=payload)
+            got = fill_triton(parts, eps, cos, sin, out=buf[:n].view(want.shape),
+                              payload_dtype=payload)
+            guard = buf[n:]
+            assert bool((guard.isnan() if payload is None else guard == poison).all()), case
             ptxs = _compiled_fills()
             assert len(ptxs) == 1 and ("rcp.rn.f32" in ptxs[0]) == shuffled, case
+            reg_store = bool(REG_STORE.search(ptxs[0]))
+            assert reg_store == (shuffled and payload is not None), case
             with monkeypatch.context() as m:
                 m.setattr(fill_mod, "_ROWS_SPEC", -1)  # Triton's tree
-                tree = fill_triton(parts, eps, cos, sin, payload_dtype=payload)
+                tree = fill_triton(parts, eps, cos, sin, out=torch.full_like(want, poison),
+                                   payload_dtype=payload)
             assert torch.equal(as_int(got), as_int(tree)), case
-            want = fill_torch(parts, eps, cos, sin, payload_dtype=payload)
             if payload is None:  # NaN where the torch path has one (its payload bits differ)
                 nan = want.isnan()
                 assert torch.equal(nan, got.isnan()), case
