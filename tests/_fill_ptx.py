@@ -2,17 +2,20 @@
 Ulysses fill kernel (bf16, norm + RoPE, D=128, the default 16 rows × 2 heads per program) with
 FMA contraction on, and with the options the fill's launcher launches it with, masked and on
 full blocks (``FULL``), and on full blocks with the norm's tree by warp shuffles (``SHFL_NORM``:
-``"launched_shuffle"``); with argument ``fp8``, ``{"fp8": ptx, "fp8_full": ptx,
-"fp8_shuffle": ptx, "fp8_shuffle_masked": ptx}`` of the FP8 payload variant (uint8 output,
-bases not 16-aligned: rows of D + 4 bytes) with the launch options, the last two with
-``SHFL_NORM`` and so, as the host launches them, the bytes stored from their registers
-(``REG_STORE``); with argument ``sm80``, ``{"plain": ptx, "norm": ptx}`` of the FP8 variant compiled for sm_80 (no e4m3 conversion instruction: ``HW_E4M3`` off);
-with argument ``layouts``, ``{name: [sizePerThread,
-threadsPerWarp, order]}``: the register layout of ``_ptx_norm_inv``'s operands in the compiled
-kernel (TTGIR) with ``SHFL_NORM`` for the cases the host takes it in (``LAYOUT_CASES``), and
-for fp32 parts, which it does not; for the FP8 cases also that of the bytes' register stores
-(``"<case> store"``). Needs no GPU, but a process without TRITON_INTERPRET
-(tests/test_ulysses_fill.py)."""
+``"launched_shuffle"``).
+
+- Argument ``fp8``: ``{"fp8": ptx, "fp8_full": ptx, "fp8_shuffle": ptx,
+  "fp8_shuffle_masked": ptx}`` of the FP8 payload variant (uint8 output, bases not 16-aligned:
+  rows of D + 4 bytes) with the launch options; the last two with ``SHFL_NORM`` and so, as the
+  host launches them, the bytes stored from their registers (``REG_STORE``).
+- Argument ``sm80``: ``{"plain": ptx, "norm": ptx}`` of the FP8 variant compiled for sm_80 (no
+  e4m3 conversion instruction: ``HW_E4M3`` off).
+- Argument ``layouts``: ``{name: [sizePerThread, threadsPerWarp, order]}``, the register layout
+  of ``_ptx_norm_inv``'s operands in the compiled kernel (TTGIR) with ``SHFL_NORM`` for the
+  cases the host takes it in (``LAYOUT_CASES``) and for fp32 parts, which it does not; for the
+  FP8 cases also that of the bytes' register stores (``"<case> store"``).
+
+Needs no GPU, but a process without TRITON_INTERPRET (tests/test_ulysses_fill.py)."""
 from __future__ import annotations
 
 import json
