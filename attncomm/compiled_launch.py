@@ -27,12 +27,22 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["LaunchCache", "alignment_key", "aligned", "hooked", "capturing", "REPLAY"]
+__all__ = ["LaunchCache", "alignment_key", "aligned", "hooked", "capturing", "REPLAY",
+           "check_block"]
 
 _MAX_KEYS = 1024
 #: Replay recorded launches (False: every launch through the wrapper and Triton's JIT, for an
 #: A/B of the host cost or the bits).
 REPLAY = True
+
+
+def check_block(owner: str, name: str, value) -> None:
+    """``ValueError`` (``"<owner>: <name> must be None or a power of two ≥ 1"``) unless a
+    kernel's launch-shape argument ``value`` is None (its default) or a power of two (an int,
+    not a bool): Triton's block sizes and warp counts are powers of two."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 1 or value & (value - 1)):
+        raise ValueError(f"{owner}: {name} must be None or a power of two ≥ 1, got {value!r}")
 
 
 def alignment_key(tensors: Sequence[torch.Tensor]) -> tuple:

@@ -103,7 +103,7 @@ def _halves(x, b, h0, rows, hh, cols, sb, ss, sh, sd, mask, HALF: tl.constexpr,
 @triton.jit
 def _adjacent_sum(t, BLOCK_S: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr,
                   LEVELS: tl.constexpr):
-    """``_tree_sum``'s order over the last dim (adjacent pairs, recursively) →
+    """``fill_reference._tree_sum``'s order over the last dim (adjacent pairs, recursively) →
     ``[BLOCK_S, HB]``; the first levels are register-local (a thread holds adjacent
     elements)."""
     for j in tl.static_range(LEVELS):

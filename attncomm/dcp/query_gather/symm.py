@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ... import _triton
-from ...compiled_launch import aligned, capturing
+from ...compiled_launch import aligned, capturing, check_block
 from ...symm import ll_rows_for, num_warps, plan_blocks, use_ll
 from ...symm_regions import Slab
 from ..exchange import SymmBackend
@@ -61,10 +61,7 @@ def launch_gather(q, cos, sin, *, slab: GatherSlab, rank: int, layout: GatherLay
     ``[H]`` fp32 scales for FP8 output (the layout's itemsize is 1), else None;
     ``column_block_override``: the flag kernel's column block (a power of two), for tests and
     tuning runs only (None: ``column_block``)."""
-    c = column_block_override
-    if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1 or c & (c - 1)):
-        raise ValueError(f"launch_gather: column_block_override must be a power of two ≥ 1, "
-                         f"got {c!r}")
+    check_block("launch_gather", "column_block_override", column_block_override)
     T, hs, D = q.shape
     n_rows = T * hs
     br, _, grid = plan_blocks(n_rows, n_programs_max)
